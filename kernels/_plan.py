@@ -1,0 +1,103 @@
+"""Launch planning for the row-wise kernels: pure Python, no torch, no cutlass.
+
+A row of N elements is split over ``threads_per_row`` threads of one CTA and,
+for the largest rows, over ``cluster_n`` CTAs of a thread-block cluster
+(Hopper distributed shared memory carries the partial reductions). Each thread
+keeps its share of the row in registers, loaded with 128-bit vector accesses.
+
+Strategy by N (16-bit dtypes; 32-bit ones use the same element budget):
+
+=================  ===============  ===========  =========
+N                  threads / row    CTA threads  cluster
+=================  ===============  ===========  =========
+<= 64·vec          8 / 16 (sub-warp, several rows per warp)
+<= 3072            32 (one warp)    128          1
+<= 6144            64               128          1
+<= 8192            128              128          1
+<= 16384           256 (one block)  256          1
+> 16384            256              256          2 .. 16 (DSMEM reduction)
+=================  ===============  ===========  =========
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+N_MIN = 256
+N_MAX = 262144
+WIDTHS = {"float32": 32, "float16": 16, "bfloat16": 16}
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    n: int                 # row length (static)
+    vec: int               # elements per vector access (<= 128 bits of the widest dtype)
+    threads_per_row: int   # threads of one CTA sharing a row
+    num_threads: int       # threads per CTA
+    cluster_n: int         # CTAs sharing a row (1 = no cluster)
+    nvec: int              # vector accesses per thread per row
+
+    @property
+    def rows_per_cta(self) -> int:
+        return self.num_threads // self.threads_per_row
+
+    @property
+    def warps_per_row(self) -> int:
+        return max(self.threads_per_row // 32, 1)
+
+    @property
+    def tile_n(self) -> int:
+        """Columns covered by one CTA."""
+        return self.vec * self.threads_per_row * self.nvec
+
+    @property
+    def elems_per_thread(self) -> int:
+        return self.vec * self.nvec
+
+    @property
+    def even(self) -> bool:
+        """True when the CTA tiles cover the row exactly (no column predicate)."""
+        return self.tile_n * self.cluster_n == self.n
+
+
+def _pow2_ceil(x: int) -> int:
+    return 1 << max(0, (x - 1).bit_length())
+
+
+def plan_rows(n: int, width: int, *, budget: int = 64, max_cluster: int = 16) -> RowPlan:
+    """Pick the launch shape for rows of ``n`` elements of ``width`` bits (the widest
+    dtype read or written). ``budget`` caps the row elements one thread keeps in
+    registers (fp32 after conversion), so a kernel holding two rows (backward)
+    passes a smaller budget."""
+    if not (N_MIN <= n <= N_MAX):
+        raise ValueError(f"n={n} out of range [{N_MIN}, {N_MAX}]")
+    vec = math.gcd(n, 128 // width)
+    nvecs = -(-n // vec)  # vector accesses in the whole row
+    # Smallest power-of-two thread count that keeps a thread's share <= budget,
+    # at least a quarter warp, at most 256 threads per CTA.
+    tpr = 8
+    while tpr < 256 and -(-nvecs // tpr) * vec > budget:
+        tpr *= 2
+    # Prefer whole warps once the row has enough vectors: fewer idle lanes in shuffles.
+    if nvecs >= 32 * 4 and tpr < 32:
+        tpr = 32
+    cluster_n = 1
+    if tpr == 256:
+        while cluster_n < max_cluster and -(-nvecs // (256 * cluster_n)) * vec > budget:
+            cluster_n *= 2
+    num_threads = 256 if tpr >= 256 else 128
+    nvec = -(-nvecs // (tpr * cluster_n))
+    # Never let a CTA of the cluster own an empty tile.
+    while cluster_n > 1 and (cluster_n - 1) * tpr * nvec * vec >= n:
+        cluster_n //= 2
+        nvec = -(-nvecs // (tpr * cluster_n))
+    return RowPlan(n=n, vec=vec, threads_per_row=tpr, num_threads=num_threads,
+                   cluster_n=cluster_n, nvec=nvec)
+
+
+def check_n(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"n must be an int, got {type(n).__name__}")
+    if not (N_MIN <= n <= N_MAX):
+        raise ValueError(f"n (row length) = {n} is out of range [{N_MIN}, {N_MAX}]")
+    return n

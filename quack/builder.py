@@ -1,0 +1,77 @@
+"""Compile one kernel configuration and publish it to the store.
+
+Runs in a compile worker (or, for unshippable compile functions, in the
+caller). The published .o is the only result that matters; the returned
+metadata is a convenience."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+import traceback
+
+from quack import loader
+from quack.errors import CompileError
+from quack.registry import KernelSpec
+from quack.store import DiskStore, Entry, EntryRef
+
+
+def entry_ref(spec: KernelSpec, params: dict, arch: str) -> EntryRef:
+    return EntryRef(spec.name, spec.key(params, arch), arch, spec.source_fingerprint())
+
+
+def pin_arch(arch: str) -> None:
+    """Point CuTe DSL at ``arch`` for the next compile. Before cutlass is imported
+    the environment does it; after, the DSL reads its envar object, so set that
+    (the env var alone is read once, at import)."""
+    os.environ["CUTE_DSL_ARCH"] = arch
+    os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")  # no second, hidden cache
+    if "cutlass.cutlass_dsl" in sys.modules:
+        from cutlass.cutlass_dsl import CuTeDSL
+
+        CuTeDSL._get_dsl().envar.arch = arch
+
+
+def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
+    """Compile and export to ``out_path``; returns compile seconds. Raises CompileError."""
+    pin_arch(arch)
+    t0 = time.perf_counter()
+    try:
+        compiled = spec.fn(**params)
+        if not hasattr(compiled, "export_to_c"):
+            raise TypeError(f"compile function {spec.module}.{spec.qualname} returned "
+                            f"{type(compiled).__name__}, not a cute.compile(...) result")
+        compiled.export_to_c(object_file_path=str(out_path), function_name=loader.FUNCTION_NAME)
+    except Exception as e:
+        detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        raise CompileError(spec.name, spec.plain(params), arch, detail) from None
+    return time.perf_counter() - t0
+
+
+def build(spec: KernelSpec, params: dict, arch: str, store: DiskStore, *, force: bool = False,
+          lock_timeout: float | None = None) -> tuple[Entry, bool]:
+    """Make sure the entry exists; returns (entry, compiled_here). Check, lock, check again:
+    a key another process is compiling is awaited on its lock, not compiled twice."""
+    ref = entry_ref(spec, params, arch)
+    if not force:
+        e = store.lookup(ref)
+        if e is not None:
+            return e, False
+    with store.lock(ref, timeout=lock_timeout):
+        if not force:
+            e = store.lookup(ref)
+            if e is not None:
+                return e, False
+        tmp = store.tmp_obj(ref)
+        try:
+            seconds = compile_to(spec, params, arch, tmp)
+            meta = {"params": spec.plain(params), "compile_s": round(seconds, 4),
+                    "host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}
+            entry = store.publish(ref, tmp, meta)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+        so = loader.link_entry(store, entry)
+        entry.so_path = so
+        return entry, True

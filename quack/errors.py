@@ -1,0 +1,113 @@
+"""Exceptions of quack. All carry fields and pickle cleanly: they cross the
+boundary between compile workers and the caller."""
+from __future__ import annotations
+
+
+class QuackError(Exception):
+    """Base of quack's ordinary errors."""
+
+    def __reduce__(self):
+        # Exceptions with keyword-only fields don't survive pickle's default
+        # (args-only) reduction; rebuild from __dict__ so a worker's error
+        # arrives in the caller intact.
+        return (_rebuild, (type(self), self.args, self.__dict__))
+
+
+def _rebuild(cls, args, state):
+    obj = cls.__new__(cls)
+    Exception.__init__(obj, *args)
+    obj.__dict__.update(state)
+    return obj
+
+
+class SettingsError(QuackError, ValueError):
+    """A setting in quack.toml or the environment is malformed or unknown."""
+
+    def __init__(self, message: str, *, source: str = "", key: str = ""):
+        super().__init__(message)
+        self.source = source
+        self.key = key
+
+
+class ParamError(QuackError, ValueError):
+    """A kernel parameter is unknown, missing, of the wrong type or out of range."""
+
+    def __init__(self, message: str, *, kernel: str = "", param: str = ""):
+        super().__init__(message)
+        self.kernel = kernel
+        self.param = param
+
+
+class UnknownKernel(QuackError, KeyError):
+    """No kernel is registered under this name."""
+
+    def __init__(self, name: str, known: tuple[str, ...] = ()):
+        super().__init__(name)
+        self.name = name
+        self.known = tuple(known)
+
+    def __str__(self) -> str:
+        known = ", ".join(self.known) or "(none)"
+        return f"unknown kernel {self.name!r}; registered kernels: {known}"
+
+
+class KernelNotPrebuilt(QuackError, LookupError):
+    """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
+
+    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str):
+        self.kernel = kernel
+        self.params = dict(params)
+        self.arch = arch
+        self.key = key
+        self.cache_dir = cache_dir
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        from quack.manifest_line import manifest_line
+
+        line = manifest_line(self.kernel, self.params, self.arch)
+        return (
+            f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
+            f"(key {self.key[:16]}, cache {self.cache_dir}).\n"
+            f"Add this to a manifest:\n{line}\n"
+            f"and run: quack build --arch {self.arch} MANIFEST  "
+            f"(or unset QUACK_MODE=prebuilt to compile on demand)"
+        )
+
+
+class CompileError(QuackError, RuntimeError):
+    """A kernel failed to compile; carries the compiler's traceback text."""
+
+    def __init__(self, kernel: str, params: dict, arch: str, detail: str, log_path: str = ""):
+        self.kernel = kernel
+        self.params = dict(params)
+        self.arch = arch
+        self.detail = detail
+        self.log_path = log_path
+        super().__init__(
+            f"compiling {kernel} {self.params} for {arch} failed:\n{detail}"
+            + (f"\n(full log: {log_path})" if log_path else "")
+        )
+
+
+class CacheError(QuackError, OSError):
+    """The cache directory is unusable (unsafe permissions, symlink, not writable)."""
+
+    def __init__(self, message: str, *, path: str = ""):
+        super().__init__(message)
+        self.path = path
+
+
+class CompilePending(BaseException):
+    """Control flow, not an error: the kernel is compiling in the background.
+
+    Derived from BaseException on purpose, so test code's ``except Exception``
+    cannot swallow it; the pytest plugin catches it and defers the test."""
+
+    def __init__(self, kernel: str, key: str):
+        super().__init__(kernel, key)
+        self.kernel = kernel
+        self.key = key
+
+    def __str__(self) -> str:
+        return f"kernel {self.kernel} (key {self.key[:16]}) is still compiling"

@@ -1,0 +1,237 @@
+"""``@jit_cache``: memory -> disk -> compile worker, for tensor-free compile functions."""
+from __future__ import annotations
+
+import atexit
+import functools
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+from quack import _generation, journal, loader, pool as _pool, registry, settings as _settings
+from quack.errors import CacheError, CompileError, CompilePending, KernelNotPrebuilt
+from quack.params import Param
+from quack.store import CacheWarning, DiskStore, LockTimeout
+
+_ALL: list["JitKernel"] = []
+
+
+class Loaded:
+    """One loaded kernel in this process, with its usage counters."""
+
+    __slots__ = ("fn", "module", "key", "params", "arch", "hits", "misses", "compiles",
+                 "load_s", "compile_s", "how")
+
+    def __init__(self, fn, module, key, params, arch, how):
+        self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
+        self.hits = self.misses = self.compiles = 0
+        self.load_s = self.compile_s = 0.0
+
+
+class JitKernel:
+    """The decorated compile function. Calling it returns the kernel's callable."""
+
+    def __init__(self, spec: registry.KernelSpec):
+        self.spec = spec
+        self.raw = spec.fn
+        self._memo: dict = {}
+        self._by_key: dict[str, Loaded] = {}
+        self._gen = _generation.value
+        self._lock = threading.RLock()
+        self._warned_local = False
+        functools.update_wrapper(self, spec.fn)
+        _ALL.append(self)
+
+    # The hot path: one dict lookup on the call's arguments.
+    def __call__(self, *args, **kwargs):
+        try:
+            # Types are part of the memo key: True == 1 and 4096 == 4096.0 hash alike,
+            # and must not share an entry (nor skip the slow path's validation).
+            hit = self._memo[(args, tuple(map(type, args)), tuple(kwargs.items()),
+                              tuple(map(type, kwargs.values())))] if self._gen == _generation.value else None
+        except (KeyError, TypeError):
+            hit = None
+        if hit is not None:
+            hit.hits += 1
+            return hit.fn
+        return self._slow(args, kwargs)
+
+    def key(self, *args, arch: str | None = None, **kwargs) -> str:
+        params = self.spec.bind(args, kwargs)
+        return self.spec.key(params, arch or _settings.get().arch)
+
+    def _slow(self, args, kwargs):
+        with self._lock:
+            if self._gen != _generation.value:
+                self._memo.clear()
+                self._by_key.clear()
+                self._gen = _generation.value
+            s = _settings.get()
+            params = self.spec.bind(args, kwargs)
+            key = self.spec.key(params, s.arch)
+            loaded = self._by_key.get(key)
+            if loaded is None:
+                loaded = self._resolve(params, key, s)
+                self._by_key[key] = loaded
+            else:
+                loaded.hits += 1
+            try:
+                self._memo[(args, tuple(map(type, args)), tuple(kwargs.items()),
+                            tuple(map(type, kwargs.values())))] = loaded
+            except TypeError:
+                pass  # unhashable argument spelling: still correct, just the slow path
+            return loaded.fn
+
+    def _resolve(self, params: dict, key: str, s) -> Loaded:
+        from quack import builder
+
+        arch = s.arch
+        if not s.cache_enabled:
+            return self._compile_in_process(params, key, arch)
+        store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
+        ref = builder.entry_ref(self.spec, params, arch)
+        try:
+            entry = store.lookup(ref)
+        except (CacheError, OSError) as e:
+            warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); compiling {self.spec.name} "
+                          f"in this process without storing it", CacheWarning, stacklevel=4)
+            return self._compile_in_process(params, key, arch)
+        if entry is not None:
+            return self._load(store, entry, params, key, arch, miss=False)
+        if s.mode == "prebuilt":
+            raise KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
+        t0 = time.perf_counter()
+        if not self.spec.shippable:
+            if not self._warned_local:
+                warnings.warn(f"quack: kernel {self.spec.name} is defined in {self.spec.module} "
+                              f"({self.spec.qualname}) and can't be sent to a compile worker; "
+                              f"compiling it in this process", CacheWarning, stacklevel=4)
+                self._warned_local = True
+            try:
+                entry, _ = builder.build(self.spec, params, arch, store)
+            except (OSError, LockTimeout) as e:
+                warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({e}); "
+                              f"running it uncached", CacheWarning, stacklevel=4)
+                return self._compile_in_process(params, key, arch)
+        else:
+            entry = self._compile_in_worker(store, ref, params, key, arch)
+            if entry is None:
+                return self._compile_in_process(params, key, arch)
+        loaded = self._load(store, entry, params, key, arch, miss=True)
+        loaded.compiles = 1
+        loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
+        return loaded
+
+    def _compile_in_worker(self, store, ref, params, key, arch):
+        pool = _pool.active_pool()
+        if pool is not None:
+            st = pool.state(key)
+            if st == _pool.FAILED:
+                err = pool.error(key)
+                pool.forget(key)  # reported once; a later call may retry
+                raise err if isinstance(err, CompileError) else CompileError(
+                    self.spec.name, self.spec.plain(params), arch, str(err))
+            if st != _pool.DONE:
+                if st == _pool.PENDING and pool.pending_for(key) > _settings.get().compile_timeout:
+                    warnings.warn(f"quack: compile of {self.spec.name} key {key[:16]} pending for over "
+                                  f"{_settings.get().compile_timeout:.0f} s (wedged worker?); "
+                                  f"compiling it in this process", CacheWarning, stacklevel=5)
+                    return None
+                pool.submit(self.spec, params, arch, key)
+                raise CompilePending(self.spec.name, key)
+        else:
+            pool = _pool.default_pool()
+            pool.submit(self.spec, params, arch, key)
+            try:
+                pool.wait(key, timeout=_settings.get().compile_timeout)
+            except CompileError:
+                pool.forget(key)
+                raise
+            except TimeoutError:
+                warnings.warn(f"quack: compile of {self.spec.name} key {key[:16]} timed out in the "
+                              f"worker; compiling it in this process", CacheWarning, stacklevel=5)
+                pool.forget(key)
+                return None
+            except RuntimeError as e:  # dead worker
+                pool.forget(key)
+                raise CompileError(self.spec.name, self.spec.plain(params), arch, str(e)) from None
+        entry = store.lookup(ref)
+        if entry is None:
+            warnings.warn(f"quack: worker reported {self.spec.name} key {key[:16]} done but the cache "
+                          f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
+        return entry
+
+    def _load(self, store, entry, params, key, arch, *, miss: bool) -> Loaded:
+        t0 = time.perf_counter()
+        fn, module, how = loader.load_entry(store, entry)
+        store.touch(entry)
+        loaded = Loaded(fn, module, key, params, arch, how)
+        loaded.load_s = time.perf_counter() - t0
+        if miss:
+            loaded.misses = 1
+        else:
+            loaded.hits = 1
+        return loaded
+
+    def _compile_in_process(self, params, key, arch) -> Loaded:
+        """No usable cache: compile here and keep the JIT function in memory."""
+        from quack import builder
+
+        builder.pin_arch(arch)
+        t0 = time.perf_counter()
+        try:
+            fn = self.spec.fn(**params)
+        except Exception as e:
+            import traceback
+
+            raise CompileError(self.spec.name, self.spec.plain(params), arch,
+                               "".join(traceback.format_exception(type(e), e, e.__traceback__))) from None
+        loaded = Loaded(fn, None, key, params, arch, "jit")
+        loaded.misses = loaded.compiles = 1
+        loaded.compile_s = time.perf_counter() - t0
+        return loaded
+
+    def usage(self) -> list[dict]:
+        out = []
+        for ld in list(self._by_key.values()):
+            out.append({"kernel": self.spec.name, "key": ld.key, "arch": ld.arch,
+                        "params": self.spec.plain(ld.params), "hits": ld.hits, "misses": ld.misses,
+                        "compiles": ld.compiles, "load_s": round(ld.load_s, 6),
+                        "compile_s": round(ld.compile_s, 4), "how": ld.how})
+        return out
+
+
+def jit_cache(name: str, params: dict[str, Param], *, version: int = 0,
+              reference: str | None = None) -> Callable[[Callable], JitKernel]:
+    """Register a tensor-free compile function as kernel ``name`` and cache it."""
+
+    def deco(fn: Callable) -> JitKernel:
+        return JitKernel(registry.register(name, fn, params, version=version, reference=reference))
+
+    return deco
+
+
+def cache_stats() -> dict[str, Any]:
+    """This process's counters, summed over kernels."""
+    tot = {"hits": 0, "misses": 0, "compiles": 0, "load_s": 0.0, "compile_s": 0.0}
+    for k in _ALL:
+        for u in k.usage():
+            for f in tot:
+                tot[f] += u[f]
+    return tot
+
+
+@atexit.register
+def _write_journal() -> None:
+    try:
+        s = _settings.get()
+    except Exception:  # noqa: BLE001
+        return
+    t = journal.now()
+    records = []
+    for k in _ALL:
+        for u in k.usage():
+            u["t"] = t
+            records.append(u)
+    if records and s.cache_enabled:
+        journal.append(s.cache_dir, records)

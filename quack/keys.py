@@ -1,0 +1,137 @@
+"""Cache keys, toolchain stamps and per-kernel source fingerprints.
+
+A key is SHA-256 over a canonical JSON text (sorted keys, no whitespace,
+ASCII only) of (kernel name, tagged parameters, arch, kernel version): the
+same in every process and Python version, unlike pickle or hash()."""
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import importlib.metadata as md
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+KEY_FORMAT = 1
+_SAFE = re.compile(r"[^A-Za-z0-9._+-]")
+
+
+def canonical_json(obj) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def key_material(kernel: str, encoded_params: dict, arch: str, version: int = 0) -> str:
+    return canonical_json({"f": KEY_FORMAT, "kernel": kernel, "params": encoded_params,
+                           "arch": arch, "version": version})
+
+
+def make_key(kernel: str, encoded_params: dict, arch: str, version: int = 0) -> str:
+    return hashlib.sha256(key_material(kernel, encoded_params, arch, version).encode()).hexdigest()
+
+
+def _dist_version(name: str) -> str | None:
+    try:
+        return md.version(name)
+    except md.PackageNotFoundError:
+        return None
+
+
+@functools.lru_cache(maxsize=None)
+def toolchain() -> dict:
+    """What changes every binary: Python, cutlass-dsl (and its CUDA flavour of
+    libraries: cu12 and cu13 builds give different .o files), tvm-ffi."""
+    flavour = "none"
+    for f in ("cu13", "cu12"):
+        if _dist_version(f"nvidia-cutlass-dsl-libs-{f}"):
+            flavour = f
+            break
+    return {
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        "cutlass_dsl": _dist_version("nvidia-cutlass-dsl") or "none",
+        "libs": flavour,
+        "tvm_ffi": _dist_version("apache-tvm-ffi") or "none",
+    }
+
+
+def toolchain_stamp(arch: str) -> str:
+    """Readable directory name, e.g. ``py3.11-cutlass4.8.1-cu12-tvmffi0.1.15-sm_90a``."""
+    t = toolchain()
+    raw = f"py{t['python']}-cutlass{t['cutlass_dsl']}-{t['libs']}-tvmffi{t['tvm_ffi']}-{arch}"
+    return _SAFE.sub("_", raw)
+
+
+# --- source fingerprints -------------------------------------------------------
+
+def _module_file(name: str) -> Path | None:
+    mod = sys.modules.get(name)
+    f = getattr(mod, "__file__", None) if mod is not None else None
+    if f is None:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            return None
+        f = spec.origin if spec is not None else None
+    if not f or not f.endswith(".py"):
+        return None
+    return Path(f)
+
+
+def _imported_names(path: Path, modname: str, is_pkg: bool) -> set[str]:
+    """Module names imported anywhere in the file (function-local imports too,
+    since kernels import their helpers lazily)."""
+    tree = ast.parse(path.read_bytes(), filename=str(path))
+    pkg = modname if is_pkg else modname.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                if node.level > 1:
+                    base = base[: len(base) - node.level + 1]
+                prefix = ".".join(base)
+                mod = f"{prefix}.{node.module}" if node.module else prefix
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
+
+
+def source_files(module: str) -> dict[str, Path]:
+    """The kernel's module plus the modules of its own top-level package that it
+    imports, transitively: editing softmax.py leaves rmsnorm's set alone."""
+    top = module.split(".")[0]
+    seen: dict[str, Path] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        path = _module_file(name)
+        if path is None:
+            continue
+        seen[name] = path
+        for dep in _imported_names(path, name, path.name == "__init__.py"):
+            if dep.split(".")[0] == top and dep not in seen and _module_file(dep) is not None:
+                todo.append(dep)
+    return seen
+
+
+@functools.lru_cache(maxsize=None)
+def source_fingerprint(module: str) -> str:
+    """SHA-256 (first 16 hex digits) over the names and bytes of source_files(module)."""
+    h = hashlib.sha256()
+    for name, path in sorted(source_files(module).items()):
+        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def safe_component(text: str) -> str:
+    """A path component made only of [A-Za-z0-9._+-], never '.' or '..'."""
+    s = _SAFE.sub("_", text)[:100]
+    return s if s.strip(".") else "_"

@@ -1,0 +1,127 @@
+"""Load a cached kernel into this process without the CuTe DSL compiler.
+
+The .o is linked once into a shared object (gcc, ~20 ms; normally done by
+the builder) against cutlass-dsl's runtime, and loaded with
+``tvm_ffi.load_module``: ~0.1 ms, and cutlass's compiler is never imported.
+The .so has no rpath (the cache stays relocatable): the runtime libraries are
+preloaded RTLD_GLOBAL and resolve its DT_NEEDED entries by soname. Without a
+C compiler, ``cute.runtime.load_module`` on the .o is the fallback."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import importlib.util
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from quack import fsutil
+
+FUNCTION_NAME = "func"
+
+
+class LinkError(Exception):
+    def __init__(self, message: str, obj: str = ""):
+        super().__init__(message)
+        self.obj = obj
+
+
+@functools.lru_cache(maxsize=None)
+def runtime_libdirs() -> tuple[str, str] | None:
+    """(cutlass runtime lib dir, tvm_ffi lib dir), found without importing either."""
+    spec = importlib.util.find_spec("nvidia_cutlass_dsl")
+    tspec = importlib.util.find_spec("tvm_ffi")
+    if spec is None or tspec is None or not spec.submodule_search_locations:
+        return None
+    from quack.keys import toolchain
+
+    flavour = toolchain()["libs"]
+    cdir = None
+    for base in spec.submodule_search_locations:
+        for cand in (Path(base) / flavour / "lib", *sorted(Path(base).glob("cu*/lib"))):
+            if (cand / "libcute_dsl_runtime.so").is_file():
+                cdir = cand
+                break
+        if cdir:
+            break
+    tdir = Path(tspec.origin).parent / "lib"
+    if cdir is None or not (tdir / "libtvm_ffi.so").is_file():
+        return None
+    return str(cdir), str(tdir)
+
+
+def can_link() -> bool:
+    return runtime_libdirs() is not None and shutil.which(os.environ.get("CC", "gcc")) is not None
+
+
+def link(obj: Path, out: Path) -> None:
+    """Link ``obj`` into the shared object ``out`` (no rpath)."""
+    dirs = runtime_libdirs()
+    cc = shutil.which(os.environ.get("CC", "gcc"))
+    if dirs is None or cc is None:
+        raise LinkError("no C compiler or cutlass-dsl runtime libraries found", str(obj))
+    cdir, tdir = dirs
+    cmd = [cc, "-shared", "-o", str(out), str(obj), f"-L{cdir}", "-lcute_dsl_runtime",
+           f"-L{tdir}", "-ltvm_ffi", os.path.join(cdir, "libcuda_dialect_runtime_static.a")]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise LinkError(f"linking {obj} failed: {r.stderr.strip()[-2000:]}", str(obj))
+
+
+def link_entry(store, entry) -> Path | None:
+    """Give a verified entry its .so (temp + rename, sidecar last). None if we can't link."""
+    if not can_link():
+        return None
+    tmp = fsutil.tmp_beside(store.paths(entry.ref)["so"])
+    try:
+        link(entry.obj_path, tmp)
+        return store.write_so(entry, tmp)
+    except (LinkError, OSError):
+        return None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+_runtime_ready = False
+
+
+def _prepare_runtime() -> None:
+    global _runtime_ready
+    if _runtime_ready:
+        return
+    dirs = runtime_libdirs()
+    if dirs is not None:
+        ctypes.CDLL(os.path.join(dirs[0], "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+    _runtime_ready = True
+
+
+def load_so(so: Path):
+    """Load a linked kernel; returns (callable, module) — keep the module alive."""
+    _prepare_runtime()
+    import tvm_ffi
+
+    mod = tvm_ffi.load_module(str(so))
+    return mod[FUNCTION_NAME], mod
+
+
+def load_object(obj: Path):
+    """Fallback: load the .o through CuTe DSL's runtime (imports cutlass; ~250 ms first)."""
+    import cutlass.cute as cute
+
+    mod = cute.runtime.load_module(str(obj), enable_tvm_ffi=True)
+    return mod[FUNCTION_NAME], mod
+
+
+def load_entry(store, entry):
+    """(callable, module, how) for a verified entry: .so if possible, else link it, else .o."""
+    so = entry.so_path or link_entry(store, entry)
+    if so is not None:
+        try:
+            fn, mod = load_so(so)
+            return fn, mod, "so"
+        except Exception:  # noqa: BLE001 - a bad derived .so falls back to the verified .o
+            pass
+    fn, mod = load_object(entry.obj_path)
+    return fn, mod, "o"

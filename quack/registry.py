@@ -1,0 +1,129 @@
+"""The kernel registry: name -> KernelSpec (compile function + typed params)."""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import re
+from typing import Any, Callable
+
+from quack import keys
+from quack.errors import ParamError, UnknownKernel
+from quack.params import Param, plain
+
+NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_REGISTRY: dict[str, "KernelSpec"] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    name: str
+    fn: Callable
+    params: dict[str, Param]
+    defaults: dict[str, Any]
+    module: str
+    qualname: str
+    version: int = 0
+    reference: str | None = None  # "module:function" for `quack verify --run`
+
+    def bind(self, args: tuple = (), kwargs: dict | None = None) -> dict[str, Any]:
+        """Check and canonicalize a call's or a manifest's parameters, defaults applied,
+        in declaration order. Raises ParamError naming the kernel and parameter."""
+        kwargs = dict(kwargs or {})
+        names = list(self.params)
+        if len(args) > len(names):
+            raise ParamError(f"{self.name}: takes {len(names)} parameters ({', '.join(names)}), "
+                             f"got {len(args)} positional", kernel=self.name)
+        for n, a in zip(names, args):
+            if n in kwargs:
+                raise ParamError(f"{self.name}: parameter {n!r} given twice", kernel=self.name, param=n)
+            kwargs[n] = a
+        unknown = [k for k in kwargs if k not in self.params]
+        if unknown:
+            raise ParamError(f"{self.name}: unknown parameter {unknown[0]!r}; parameters are "
+                             + ", ".join(names), kernel=self.name, param=str(unknown[0]))
+        out = {}
+        for n, p in self.params.items():
+            if n in kwargs:
+                v = kwargs[n]
+            elif n in self.defaults:
+                v = self.defaults[n]
+            else:
+                raise ParamError(f"{self.name}: missing parameter {n!r} ({p.describe()})",
+                                 kernel=self.name, param=n)
+            try:
+                out[n] = p.check(n, v)
+            except ParamError as e:
+                raise ParamError(f"{self.name}: {e}", kernel=self.name, param=n) from None
+        return out
+
+    def encode(self, params: dict[str, Any]) -> dict:
+        return {n: self.params[n].encode(v) for n, v in params.items()}
+
+    def key(self, params: dict[str, Any], arch: str) -> str:
+        return keys.make_key(self.name, self.encode(params), arch, self.version)
+
+    def plain(self, params: dict[str, Any]) -> dict[str, Any]:
+        return {n: plain(v) for n, v in params.items()}
+
+    @property
+    def shippable(self) -> bool:
+        """Can a worker process import this compile function by name?"""
+        return self.module != "__main__" and "<locals>" not in self.qualname
+
+    def source_fingerprint(self) -> str:
+        if self.module == "__main__":
+            return "main"
+        return keys.source_fingerprint(self.module)
+
+
+def register(name: str, fn: Callable, params: dict[str, Param], *, version: int = 0,
+             reference: str | None = None) -> KernelSpec:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
+    for pn, p in params.items():
+        if not isinstance(p, Param):
+            raise TypeError(f"kernel {name}: parameter {pn!r} must be a quack.params.Param, got {p!r}")
+    sig = inspect.signature(fn)
+    sig_names = [n for n, prm in sig.parameters.items()
+                 if prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY)]
+    if sorted(sig_names) != sorted(params):
+        raise TypeError(f"kernel {name}: compile function parameters {sig_names} "
+                        f"don't match declared params {list(params)}")
+    defaults = {n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty}
+    spec = KernelSpec(name, fn, dict(params), defaults, fn.__module__, fn.__qualname__, version, reference)
+    old = _REGISTRY.get(name)
+    if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):
+        raise ValueError(f"kernel name {name!r} already registered by {old.module}.{old.qualname}")
+    _REGISTRY[name] = spec
+    return spec
+
+
+def get(name: str) -> KernelSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownKernel(name, tuple(sorted(_REGISTRY))) from None
+
+
+def all_specs() -> dict[str, KernelSpec]:
+    return dict(_REGISTRY)
+
+
+def load_packages(packages) -> None:
+    """Import every module of the kernel packages so their kernels register.
+    Cheap: kernel modules import cutlass and torch only inside functions."""
+    import pkgutil
+
+    for pkg in packages:
+        mod = importlib.import_module(pkg)
+        for info in pkgutil.iter_modules(getattr(mod, "__path__", []), prefix=pkg + "."):
+            if not info.name.rsplit(".", 1)[-1].startswith("_"):
+                importlib.import_module(info.name)
+
+
+def import_spec(module: str, name: str) -> KernelSpec:
+    """In a worker: import the kernel's module, then look the kernel up."""
+    if name not in _REGISTRY:
+        importlib.import_module(module)
+    return get(name)

@@ -1,0 +1,37 @@
+"""A tiny real CuTe DSL kernel for the cache's own tests: y = x * scale (+ 1 if bias)."""
+from quack import jit_cache
+from quack.params import Bool, Dtype, Int
+
+COMPILES = []
+
+
+@jit_cache("toy_scale", params={"dtype": Dtype(), "block": Int(min=32, max=1024), "bias": Bool()})
+def toy_scale(dtype: str, block: int = 128, bias: bool = False):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dt = {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype]
+
+    @cute.kernel
+    def k(gx: cute.Tensor, gy: cute.Tensor, scale: cutlass.Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * block + tidx
+        if i < cute.size(gx, mode=[0]):
+            v = gx[i].to(cutlass.Float32) * scale
+            if cutlass.const_expr(bias):
+                v = v + cutlass.Float32(1.0)
+            gy[i] = v.to(gy.element_type)
+
+    @cute.jit
+    def launch(x: cute.Tensor, y: cute.Tensor, scale: cutlass.Float32, stream):
+        n = cute.size(x, mode=[0])
+        k(x, y, scale).launch(grid=((n + block - 1) // block, 1, 1), block=(block, 1, 1), stream=stream)
+
+    n = cute.sym_int()
+    x = make_fake_tensor(dt, (n,), stride=(1,))
+    y = make_fake_tensor(dt, (n,), stride=(1,))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    COMPILES.append((dtype, block, bias))
+    return cute.compile(launch, x, y, cutlass.Float32(1.0), stream, options="--enable-tvm-ffi")
