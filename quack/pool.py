@@ -123,7 +123,11 @@ class CompilePool:
             st = self._state.get(key, NEW)
             if st in (PENDING, DONE):
                 return st
-            s = self.settings
+            # Current settings, not the pool's creation-time ones: a test or the CLI
+            # may point the cache elsewhere after the pool started.
+            from quack import settings as _settings
+
+            s = _settings.get()
             args = (spec.module, spec.name, spec.plain(params), arch, str(s.cache_dir), s.fsync,
                     s.lock_timeout, force)
             with masked_main():
