@@ -124,6 +124,8 @@ class JitKernel:
 
     def _compile_in_worker(self, store, ref, params, key, arch):
         pool = _pool.active_pool()
+        if pool is not None and pool.state(key) == _pool.DONE and store.lookup(ref) is None:
+            pool.forget(key)  # done earlier, but the entry is gone (cleaned, corrupt): again
         if pool is not None:
             st = pool.state(key)
             if st == _pool.FAILED:
@@ -141,6 +143,8 @@ class JitKernel:
                 raise CompilePending(self.spec.name, key)
         else:
             pool = _pool.default_pool()
+            if pool.state(key) == _pool.DONE:
+                pool.forget(key)  # we only get here on a miss: the earlier entry is gone
             pool.submit(self.spec, params, arch, key)
             try:
                 pool.wait(key, timeout=_settings.get().compile_timeout)

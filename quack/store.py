@@ -179,11 +179,12 @@ class DiskStore:
     def quarantine(self, ref: EntryRef, reason: str) -> Path:
         qdir = fsutil.ensure_dir(self.root / "quarantine", self.root)
         tag = f"{keys.safe_component(ref.stamp)}-{keys.safe_component(ref.key)}-{int(time.time() * 1000)}"
+        stem = keys.safe_component(ref.key)
         for name, path in self.paths(ref).items():
             if name == "lock":
                 continue
             try:
-                os.replace(path, qdir / f"{tag}.{name}")
+                os.replace(path, qdir / f"{tag}{path.name[len(stem):]}")
             except FileNotFoundError:
                 pass
             except OSError:

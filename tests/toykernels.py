@@ -35,3 +35,11 @@ def toy_scale(dtype: str, block: int = 128, bias: bool = False):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     COMPILES.append((dtype, block, bias))
     return cute.compile(launch, x, y, cutlass.Float32(1.0), stream, options="--enable-tvm-ffi")
+
+
+@jit_cache("toy_fail", params={"boom": Bool()})
+def toy_fail(boom: bool = True):
+    """Raises inside the compile function: the caller must see this text."""
+    if boom:
+        raise ValueError("toy_fail: boom requested")
+    return toy_scale.raw("float32", 32, False)

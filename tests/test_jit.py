@@ -1,0 +1,136 @@
+"""@jit_cache end to end with real CuTe DSL compiles for sm_90a on the CPU."""
+import json
+import os
+import pickle
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+import toykernels
+from quack import jit_cache, settings
+from quack.errors import CompileError, KernelNotPrebuilt
+from quack.params import Int
+from quack.store import CacheWarning
+
+from conftest import use_settings
+
+
+def entry_files(cache_dir, kernel="toy_scale"):
+    return sorted(p.name.split(".", 1)[1] for p in cache_dir.rglob("*") if p.is_file()
+                  and p.parent.parent.name == kernel)
+
+
+def test_miss_compiles_in_worker_then_hits(quack_settings, cache_dir):
+    n0 = len(toykernels.COMPILES)
+    fn = toykernels.toy_scale("bfloat16", 128, False)
+    assert callable(fn)
+    assert len(toykernels.COMPILES) == n0, "the caller must never compile in-process"
+    assert entry_files(cache_dir) == ["json", "lock", "o", "so", "so.json"]
+    assert toykernels.toy_scale(dtype="bfloat16", block=128, bias=False) is fn
+    (u,) = [u for u in toykernels.toy_scale.usage() if u["params"]["dtype"] == "bfloat16"]
+    assert (u["misses"], u["compiles"], u["hits"], u["how"]) == (1, 1, 1, "so")
+    meta = json.loads(next(cache_dir.rglob("*.json")).read_text())
+    assert meta["kernel"] == "toy_scale" and meta["arch"] == "sm_90a"
+    assert meta["params"] == {"dtype": "bfloat16", "block": 128, "bias": False}
+    assert meta["compile_s"] > 0 and meta["size"] > 1000 and len(meta["sha256"]) == 64
+
+
+_FRESH = """
+import sys, json, time
+t = time.perf_counter()
+import toykernels
+fn = toykernels.toy_scale("float16", 64, True)
+dt = time.perf_counter() - t
+u = toykernels.toy_scale.usage()[0]
+print(json.dumps({"compiles": len(toykernels.COMPILES), "usage": u,
+                  "cute_imported": "cutlass.cute" in sys.modules, "fn": type(fn).__name__}))
+"""
+
+
+def test_fresh_process_loads_without_compiling(quack_settings, cache_dir):
+    toykernels.toy_scale("float16", 64, True)  # fills the cache through a worker
+    env = dict(os.environ, QUACK_CACHE_DIR=str(cache_dir), QUACK_ARCH="sm_90a", QUACK_MODE="prebuilt")
+    r = subprocess.run([sys.executable, "-c", _FRESH], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["compiles"] == 0 and out["usage"]["hits"] == 1 and out["usage"]["misses"] == 0
+    assert out["usage"]["how"] == "so"
+    assert out["cute_imported"] is False, "loading a prebuilt kernel must not import the compiler"
+    assert out["fn"] == "Function"
+
+
+def test_prebuilt_mode_miss_is_a_clear_error(quack_settings):
+    use_settings(mode="prebuilt")
+    n0 = len(toykernels.COMPILES)
+    with pytest.raises(KernelNotPrebuilt) as e:
+        toykernels.toy_scale("float32", 256, True)
+    msg = str(e.value)
+    assert "toy_scale" in msg and "'block': 256" in msg and "sm_90a" in msg
+    assert 'name = "toy_scale"' in msg and "quack build --arch sm_90a" in msg
+    assert len(toykernels.COMPILES) == n0
+    e2 = pickle.loads(pickle.dumps(e.value))
+    assert str(e2) == msg and e2.params == {"dtype": "float32", "block": 256, "bias": True}
+
+
+def test_corrupt_entry_is_quarantined_and_rebuilt(quack_settings, cache_dir):
+    toykernels.toy_scale("float32", 32, False)
+    (obj,) = [p for p in cache_dir.rglob("*.o") if p.parent.parent.name == "toy_scale"]
+    data = bytearray(obj.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, flipped byte
+    obj.write_bytes(bytes(data))
+    use_settings()  # a new generation: drop this process's in-memory table
+    with pytest.warns(CacheWarning, match=r"toy_scale key [0-9a-f]{16} was corrupt \(object file checksum"):
+        fn = toykernels.toy_scale("float32", 32, False)
+    assert callable(fn)
+    q = list((cache_dir / "quarantine").iterdir())
+    assert any(p.name.endswith(".reason") for p in q) and any(p.name.endswith(".o") for p in q)
+    (u,) = [u for u in toykernels.toy_scale.usage() if u["params"]["dtype"] == "float32"]
+    assert u["compiles"] == 1
+    use_settings()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        toykernels.toy_scale("float32", 32, False)  # now a clean hit
+    (u,) = [u for u in toykernels.toy_scale.usage() if u["params"]["dtype"] == "float32"]
+    assert (u["hits"], u["compiles"]) == (1, 0)
+
+
+def test_worker_compile_error_reaches_caller(quack_settings):
+    with pytest.raises(CompileError) as e:
+        toykernels.toy_fail(True)
+    assert "toy_fail: boom requested" in str(e.value)
+    assert "Traceback" in e.value.detail and "toykernels.py" in e.value.detail
+    assert e.value.kernel == "toy_fail" and e.value.params == {"boom": True}
+    assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
+
+
+def test_unshippable_compile_function_compiles_here_with_one_warning(quack_settings):
+    @jit_cache("test_local_kernel", params={"block": Int(min=32, max=1024)})
+    def local(block: int):
+        return toykernels.toy_scale.raw("float32", block, True)
+
+    with pytest.warns(CacheWarning, match="can't be sent to a compile worker"):
+        assert callable(local(64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert callable(local(96))  # one warning per kernel, not per call
+
+
+def test_cache_disabled_compiles_in_process(quack_settings, cache_dir):
+    use_settings(cache_enabled=False)
+    n0 = len(toykernels.COMPILES)
+    fn = toykernels.toy_scale("float32", 512, False)
+    assert callable(fn) and len(toykernels.COMPILES) == n0 + 1
+    assert not cache_dir.exists() or not list(cache_dir.rglob("*.o"))
+
+
+def test_journal_records_usage(cache_dir):
+    code = ("import toykernels; toykernels.toy_scale('bfloat16', 128, False); "
+            "toykernels.toy_scale('bfloat16', 128, False)")
+    env = dict(os.environ, QUACK_CACHE_DIR=str(cache_dir), QUACK_ARCH="sm_90a")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300, capture_output=True)
+    lines = [json.loads(x) for x in (cache_dir / "journal.jsonl").read_text().splitlines()]
+    (rec,) = lines
+    assert rec["kernel"] == "toy_scale" and rec["misses"] == 1 and rec["hits"] == 1 and rec["compiles"] == 1
+    assert rec["params"] == {"dtype": "bfloat16", "block": 128, "bias": False}

@@ -1,0 +1,84 @@
+"""Settings precedence (CLI > env > quack.toml > default) and clear errors."""
+from pathlib import Path
+
+import pytest
+
+from quack import settings
+from quack.errors import SettingsError
+
+
+def write(tmp_path, text):
+    (tmp_path / "quack.toml").write_text(text)
+    return tmp_path
+
+
+def test_defaults(tmp_path):
+    s = settings.resolve(env={"HOME": str(tmp_path)}, cwd=tmp_path)
+    assert s.mode == "jit" and s.cache_enabled and s.arch == "sm_90a"
+    assert s.config_file is None
+
+
+def test_xdg_default_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert settings.default_cache_dir() == tmp_path / "xdg" / "quack"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert settings.default_cache_dir() == tmp_path / ".cache" / "quack"
+
+
+def test_precedence(tmp_path):
+    write(tmp_path, '[cache]\ndir = "from_toml"\n[runtime]\nmode = "prebuilt"\narch = "sm_80"\n')
+    sub = tmp_path / "a" / "b"
+    sub.mkdir(parents=True)
+    s = settings.resolve(env={}, cwd=sub)  # found by walking up
+    assert s.cache_dir == tmp_path / "from_toml"  # relative to the quack.toml
+    assert (s.mode, s.arch) == ("prebuilt", "sm_80")
+    s = settings.resolve(env={"QUACK_MODE": "jit", "QUACK_CACHE_DIR": "/x/env", "CUTE_DSL_ARCH": "sm_100a"},
+                         cwd=sub)
+    assert (s.mode, s.cache_dir, s.arch) == ("jit", Path("/x/env"), "sm_100a")
+    assert s.sources["mode"] == "QUACK_MODE"
+    s = settings.resolve({"mode": "prebuilt", "cache_dir": "/x/cli"}, env={"QUACK_MODE": "jit"}, cwd=sub)
+    assert (s.mode, s.cache_dir) == ("prebuilt", Path("/x/cli"))
+
+
+def test_quack_arch_beats_cute_dsl_arch(tmp_path):
+    s = settings.resolve(env={"QUACK_ARCH": "sm_80", "CUTE_DSL_ARCH": "sm_100a"}, cwd=tmp_path)
+    assert s.arch == "sm_80"
+
+
+@pytest.mark.parametrize("text,match", [
+    ("[runtime]\nmode = 'fast'\n", r"runtime.mode = 'fast' is invalid"),
+    ("[runtime]\nbogus = 1\n", r"unknown key runtime.bogus; allowed in \[runtime\]"),
+    ("[nope]\nx = 1\n", r"unknown section \[nope\]"),
+    ("[cache]\nenabled = 'yes'\n", r"cache.enabled"),
+    ("[runtime]\narch = 'sm_9000'\n", r"runtime.arch"),
+    ("[build]\njobs = -1\n", r"build.jobs"),
+    ("[build]\nmanifests = 'one.toml'\n", r"list of strings"),
+    ("[runtime\nmode='jit'\n", r"TOML syntax error"),
+])
+def test_bad_config_names_file_and_key(tmp_path, text, match):
+    write(tmp_path, text)
+    with pytest.raises(SettingsError, match=match) as e:
+        settings.resolve(env={}, cwd=tmp_path)
+    assert str(tmp_path / "quack.toml") in str(e.value)
+
+
+def test_binary_garbage_config(tmp_path):
+    (tmp_path / "quack.toml").write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(SettingsError, match="not UTF-8"):
+        settings.resolve(env={}, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("var,value", [("QUACK_MODE", "sometimes"), ("QUACK_CACHE_ENABLED", "maybe"),
+                                       ("QUACK_COMPILE_JOBS", "-2"), ("QUACK_ARCH", "gpu")])
+def test_bad_env_names_variable(tmp_path, var, value):
+    with pytest.raises(SettingsError, match=var):
+        settings.resolve(env={var: value}, cwd=tmp_path)
+
+
+def test_settings_error_pickles():
+    import pickle
+
+    e = SettingsError("boom", source="f", key="k")
+    e2 = pickle.loads(pickle.dumps(e))
+    assert (str(e2), e2.source, e2.key) == ("boom", "f", "k")
