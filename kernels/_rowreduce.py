@@ -9,7 +9,6 @@ The building blocks:
   distributed shared memory across the CTAs of a cluster (st.async with an
   mbarrier transaction count), every thread of the row gets the result.
 """
-from __future__ import annotations
 
 import operator
 
@@ -111,6 +110,7 @@ def row_allreduce(
     cluster_n: cutlass.Constexpr[int],
     buf: cute.Tensor,       # smem (rows_per_cta, warps_per_row * cluster_n) fp32, one per stage
     mbar: cute.Pointer,     # smem mbarrier of this stage (cluster only), or None
+    phase=0,
 ):
     """All-reduce ``val`` over the threads (and CTAs) sharing a row."""
     op = _op(kind)
@@ -140,7 +140,7 @@ def row_allreduce(
             if lane < cluster_n:
                 slot = buf.iterator + cute.crd2idx((row, rank * warps_per_row + col), buf.layout)
                 store_remote_f32(val, slot, mbar, lane)
-            cute.arch.mbarrier_wait(mbar, phase=0)
+            cute.arch.mbarrier_wait(mbar, phase=phase)
             total = const_expr(warps_per_row * cluster_n)
             v = init
             for i in cutlass.range_constexpr((total + 31) // 32):
@@ -177,6 +177,7 @@ class Reducer:
         if p.cluster_n > 1:
             self.mbar = smem.allocate_array(Int64, num_elems=self.stages)
 
+    @cute.jit
     def init_cluster(self, tidx):
         """Initialize the mbarriers and signal the cluster; pair with ``wait_cluster``
         before the first reduction (overlap the row loads in between)."""
@@ -190,11 +191,19 @@ class Reducer:
         if const_expr(self.plan.cluster_n > 1):
             cute.arch.cluster_wait()
 
-    def reduce(self, val, kind: str, stage: int):
-        p = self.plan
-        buf = self.buf[None, None, stage] if const_expr(self.needed) else None
-        mbar = (self.mbar + stage) if const_expr(p.cluster_n > 1) else None
-        return row_allreduce(Float32(val), kind, p.threads_per_row, p.cluster_n, buf, mbar)
+    def reduce(self, val, kind: str, stage, phase=0):
+        """All-reduce over the row. ``stage`` picks the buffer (and mbarrier); a
+        loop reusing stages alternates two of them and passes the mbarrier
+        ``phase`` (flips each time the stage is reused)."""
+        return reduce_stage(val, kind, self.plan, self.buf, self.mbar, stage, phase)
+
+
+def reduce_stage(val, kind: str, plan: RowPlan, buf, mbar, stage, phase=0):
+    """``Reducer.reduce`` as a free function, for dynamic loops (which cannot carry
+    Python objects): pass ``red.buf`` and ``red.mbar`` taken before the loop."""
+    b = buf[None, None, stage] if const_expr(buf is not None) else None
+    mb = (mbar + stage) if const_expr(mbar is not None) else None
+    return row_allreduce(Float32(val), kind, plan.threads_per_row, plan.cluster_n, b, mb, phase)
 
 
 class RowTiles:
@@ -221,15 +230,61 @@ class RowTiles:
         full = broadcast_rows(mV, self.plan.rows_per_cta)
         return self.thr.partition_S(cute.local_tile(full, tiler(self.plan), (0, self.coord[1])))
 
-    def load(self, gT: cute.Tensor, fill=0.0):
-        """Load a fragment into registers (fp32 TensorSSA); out-of-row columns get ``fill``."""
+    @cute.jit
+    def load(self, gT: cute.Tensor, fill: cutlass.Constexpr = 0.0):
+        """Load a fragment into registers; columns past N and rows past M read as ``fill``."""
         r = cute.make_rmem_tensor_like(gT)
         if const_expr(not self.plan.even):
             r.fill(fill)
+        if self.row < self.m:
+            cute.copy(self.tiled_copy, gT, r, pred=self.pred)
+        else:
+            r.fill(fill)
+        return r
+
+    @cute.jit
+    def load_bcast(self, gT: cute.Tensor):
+        """Load a (N,)-broadcast fragment (no row predicate)."""
+        r = cute.make_rmem_tensor_like(gT)
+        if const_expr(not self.plan.even):
+            r.fill(0.0)
         cute.copy(self.tiled_copy, gT, r, pred=self.pred)
         return r
 
+    @cute.jit
     def store(self, val_ssa, gT: cute.Tensor):
         r = cute.make_rmem_tensor_like(gT)
         r.store(val_ssa.to(gT.element_type))
-        cute.copy(self.tiled_copy, r, gT, pred=self.pred)
+        if self.row < self.m:
+            cute.copy(self.tiled_copy, r, gT, pred=self.pred)
+
+    @cute.jit
+    def read_row_scalar(self, mV: cute.Tensor):
+        """mV[row] as fp32 (0 for rows past M)."""
+        v = Float32(0.0)
+        if self.row < self.m:
+            v = Float32(mV[self.row])
+        return v
+
+    @cute.jit
+    def write_row_scalar(self, mV: cute.Tensor, val):
+        """mV[row] = val, once per row (first thread of the row, CTA rank 0 of a cluster)."""
+        if self.row < self.m:
+            tidx, _, _ = cute.arch.thread_idx()
+            if tidx % self.plan.threads_per_row == 0:
+                if const_expr(self.plan.cluster_n > 1):
+                    if self.coord[1] == 0:
+                        mV[self.row] = val.to(mV.element_type)
+                else:
+                    mV[self.row] = val.to(mV.element_type)
+
+    @cute.jit
+    def store_fp32_rows(self, frag: cute.Tensor, mOut: cute.Tensor):
+        """Scalar stores of an fp32 fragment into (rows, N) fp32 ``mOut`` at this
+        thread's coordinates (used once per CTA, for partial sums)."""
+        if self.row < self.m:
+            for k in cutlass.range_constexpr(cute.size(frag, mode=[2])):
+                col0 = self.tXcX[(0, 0), 0, k][1]
+                if col0 < self.plan.n:
+                    for v in cutlass.range_constexpr(self.plan.vec):
+                        mOut[self.row, col0 + v] = frag[(v, 0), 0, k]

@@ -1,0 +1,316 @@
+"""RMSNorm forward and backward in CuTe DSL.
+
+forward:  h = x (+ residual);  rstd = 1 / sqrt(mean(h^2) + eps);  y = h * rstd (* w) (+ b)
+backward: dx = rstd * (dy*w - h * mean(dy*w*h) * rstd^2);  dw = sum_rows(dy * h * rstd)
+
+Top level imports only quack: torch and cutlass are imported inside functions.
+"""
+
+from quack import jit_cache
+from quack.params import Bool, Dtype, Int
+
+from kernels._plan import N_MAX, N_MIN
+
+
+# --------------------------------------------------------------------------- forward
+
+@jit_cache(
+    "rmsnorm_fwd",
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
+            "has_bias": Bool(), "has_residual": Bool()},
+    reference="kernels.rmsnorm:_verify_rmsnorm_fwd",
+)
+def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = False,
+                        has_residual: bool = False):
+    """Compile RMSNorm forward for rows of ``n`` elements of ``dtype`` (any batch size).
+    Runtime signature: fn(x, w|None, b|None, residual|None, y, residual_out|None, rstd, eps)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+
+    from kernels import _rowreduce as rr
+    from kernels._plan import plan_rows
+
+    dt = rr.cutlass_dtype(dtype)
+    plan = plan_rows(n, dt.width, budget=64)
+
+    @cute.kernel
+    def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
+               eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
+        m = cute.size(mX, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=1)
+        red.allocate(smem)
+        red.init_cluster(tidx)
+
+        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        rX = t.load(t.part(mX))
+        if const_expr(mR is not None):
+            rR = t.load(t.part(mR))
+        if const_expr(mW is not None):
+            rW = t.load_bcast(t.part_bcast(mW))
+        if const_expr(mB is not None):
+            rB = t.load_bcast(t.part_bcast(mB))
+        h = rX.load().to(Float32)
+        if const_expr(mR is not None):
+            h = h + rR.load().to(Float32)
+            t.store(h, t.part(mRo))
+        red.wait_cluster()
+        ss = red.reduce((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                        "sum", 0)
+        rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
+        y = h * rstd
+        if const_expr(mW is not None):
+            y = y * rW.load().to(Float32)
+        if const_expr(mB is not None):
+            y = y + rB.load().to(Float32)
+        t.store(y, t.part(mY))
+        t.write_row_scalar(mRstd, rstd)
+
+    @cute.jit
+    def launch(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
+               eps: Float32, stream):
+        m = cute.size(mX, mode=[0])
+        kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(**rr.launch_kwargs(plan, m, stream))
+
+    x, m = rr.fake_rows(dt, n, plan.vec)
+    y, _ = rr.fake_rows(dt, n, plan.vec, m)
+    w = rr.fake_vec(dt, n) if has_weight else None
+    b = rr.fake_vec(dt, n) if has_bias else None
+    r = rr.fake_rows(dt, n, plan.vec, m)[0] if has_residual else None
+    ro = rr.fake_rows(dt, n, plan.vec, m)[0] if has_residual else None
+    rstd = rr.fake_vec(Float32, m, align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch, x, w, b, r, y, ro, rstd, Float32(1e-6), stream,
+                        options="--enable-tvm-ffi")
+
+
+# --------------------------------------------------------------------------- backward
+
+@jit_cache(
+    "rmsnorm_bwd",
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool()},
+    reference="kernels.rmsnorm:_verify_rmsnorm_bwd",
+)
+def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True):
+    """Compile RMSNorm backward. Runtime signature:
+    fn(x, w|None, dy, rstd, dx, dw_partial|None) where dw_partial is (num_ctas, n) fp32
+    (one partial sum per CTA, summed by the caller)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, const_expr
+
+    from kernels import _rowreduce as rr
+    from kernels._plan import plan_rows
+
+    dt = rr.cutlass_dtype(dtype)
+    plan = plan_rows(n, dt.width, budget=32)
+
+    @cute.kernel
+    def kernel(mX: cute.Tensor, mW, mdY: cute.Tensor, mRstd: cute.Tensor, mdX: cute.Tensor,
+               mdW, rows_per_block: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
+        m = cute.size(mX, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=2)
+        red.allocate(smem)
+        red.init_cluster(tidx)
+        t0 = rr.RowTiles(plan, dt, m, tidx, 0, cluster_y)
+        if const_expr(mW is not None):
+            w = t0.load_bcast(t0.part_bcast(mW)).load().to(Float32)
+        # Persistent over row tiles: tile = bidx, bidx + grid, ...; dw partial sums stay
+        # in registers, one partial row per (CTA, row slot), summed by the caller.
+        dw_acc = cute.make_rmem_tensor_like(t0.part(mdX), Float32)
+        dw_acc.fill(0.0)
+        red.wait_cluster()
+        rbuf, rmbar = red.buf, red.mbar
+        num_tiles = cute.ceil_div(m, plan.rows_per_cta)
+        grid_m = cute.arch.grid_dim()[0]
+        for tile in cutlass.range(bidx, num_tiles, grid_m, unroll=1):
+            it = (tile - bidx) // grid_m
+            t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
+            x = t.load(t.part(mX)).load().to(Float32)
+            dy = t.load(t.part(mdY)).load().to(Float32)
+            rstd = t.read_row_scalar(mRstd)
+            xhat = x * rstd
+            g = dy
+            if const_expr(mW is not None):
+                g = dy * w
+            dot = rr.reduce_stage(
+                (g * xhat).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                "sum", plan, rbuf, rmbar, it % 2, (it // 2) % 2)
+            dx = (g - xhat * (dot * (1.0 / plan.n))) * rstd
+            t.store(dx, t.part(mdX))
+            if const_expr(mdW is not None):
+                dw_acc.store(dw_acc.load() + dy * xhat)
+        if const_expr(mdW is not None):
+            tp = rr.RowTiles(plan, dt, cute.size(mdW, mode=[0]), tidx, bidx, cluster_y)
+            tp.store_fp32_rows(dw_acc, mdW)
+
+    @cute.jit
+    def launch(mX: cute.Tensor, mW, mdY: cute.Tensor, mRstd: cute.Tensor, mdX: cute.Tensor,
+               mdW, num_blocks: Int32, stream):
+        kernel(mX, mW, mdY, mRstd, mdX, mdW, num_blocks).launch(
+            grid=[num_blocks, plan.cluster_n, 1],
+            block=[plan.num_threads, 1, 1],
+            cluster=[1, plan.cluster_n, 1] if plan.cluster_n > 1 else None,
+            stream=stream,
+        )
+
+    x, m = rr.fake_rows(dt, n, plan.vec)
+    dy, _ = rr.fake_rows(dt, n, plan.vec, m)
+    dx, _ = rr.fake_rows(dt, n, plan.vec, m)
+    w = rr.fake_vec(dt, n) if has_weight else None
+    rstd = rr.fake_vec(Float32, m, align=4)
+    dw = rr.fake_rows(Float32, n, plan.vec)[0] if has_weight else None
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch, x, w, dy, rstd, dx, dw, Int32(1), stream,
+                        options="--enable-tvm-ffi")
+
+
+# --------------------------------------------------------------------------- torch-facing
+
+def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
+    """RMSNorm over the last dim. Returns ``(y, rstd, residual_out)``: y like x,
+    rstd float32 of shape x.shape[:-1], residual_out = x + residual (None without residual)."""
+    from kernels import _torch as kt
+    import torch
+
+    x2 = kt.rows(x, "x")
+    m, n = x2.shape
+    dt = kt.dtype_name(x2, "x")
+    w = kt.vector(weight, "weight", n, x)
+    b = kt.vector(bias, "bias", n, x)
+    r2 = kt.like_rows(residual, "residual", x) if residual is not None else None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    y = torch.empty_like(x2)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    ro = torch.empty_like(x2) if r2 is not None else None
+    if m > 0:
+        fn = compile_rmsnorm_fwd(dt, n, w is not None, b is not None, r2 is not None)
+        fn(x2, w, b, r2, y, ro, rstd, float(eps))
+    shape = x.shape
+    return (y.view(shape), rstd.view(shape[:-1]), ro.view(shape) if ro is not None else None)
+
+
+def _bwd_grid(m: int, plan, device) -> int:
+    """CTAs (per cluster rank) of the persistent backward: enough to fill the GPU."""
+    from kernels import _torch as kt
+
+    tiles = -(-m // plan.rows_per_cta)
+    ctas_per_sm = 2 if plan.num_threads <= 128 else 1
+    return max(1, min(tiles, kt.sm_count(device) * ctas_per_sm // plan.cluster_n))
+
+
+def rmsnorm_bwd(x, weight, dy, rstd):
+    """Gradients of y = RMSNorm(x) * weight. ``x`` is the normalized input (x + residual
+    when a residual was added), rstd from the forward. Returns ``(dx, dweight)``
+    (dweight None when weight is None)."""
+    from kernels import _torch as kt
+    from kernels._plan import plan_rows
+    import torch
+
+    x2 = kt.rows(x, "x")
+    m, n = x2.shape
+    dt = kt.dtype_name(x2, "x")
+    dy2 = kt.like_rows(dy, "dy", x)
+    w = kt.vector(weight, "weight", n, x)
+    rs = kt.per_row(rstd, "rstd", m, x)
+    dx = torch.empty_like(x2)
+    if m == 0:
+        dw = torch.zeros_like(weight) if weight is not None else None
+        return dx.view(x.shape), dw
+    plan = plan_rows(n, 32 if dt == "float32" else 16, budget=32)
+    grid = _bwd_grid(m, plan, x.device)
+    dw_part = (torch.empty(grid * plan.rows_per_cta, n, dtype=torch.float32, device=x.device)
+               if w is not None else None)
+    fn = compile_rmsnorm_bwd(dt, n, w is not None)
+    fn(x2, w, dy2, rs, dx, dw_part, grid)
+    dw = dw_part.sum(0).to(weight.dtype) if w is not None else None
+    return dx.view(x.shape), dw
+
+
+def _rmsnorm_autograd():
+    import torch
+
+    class RMSNormFunction(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, residual, eps):
+            y, rstd, ro = rmsnorm_fwd(x, weight, bias, residual, eps)
+            h = ro if ro is not None else x
+            ctx.save_for_backward(h, weight, rstd)
+            ctx.has_bias = bias is not None
+            ctx.has_residual = residual is not None
+            if ro is not None:
+                return y, ro
+            return y
+
+        @staticmethod
+        def backward(ctx, dy, *rest):
+            h, weight, rstd = ctx.saved_tensors
+            dh, dw = rmsnorm_bwd(h, weight, dy.contiguous(), rstd)
+            if ctx.has_residual and rest and rest[0] is not None:
+                dh = dh + rest[0]
+            db = dy.reshape(-1, dy.shape[-1]).float().sum(0).to(dy.dtype) if ctx.has_bias else None
+            return dh, dw, db, (dh if ctx.has_residual else None), None
+
+    return RMSNormFunction
+
+
+_FN = {}
+
+
+def rmsnorm(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
+    """Differentiable RMSNorm (``torch.autograd.Function``). Returns y, or
+    ``(y, x + residual)`` when a residual is given."""
+    if "rms" not in _FN:
+        _FN["rms"] = _rmsnorm_autograd()
+    return _FN["rms"].apply(x, weight, bias, residual, eps)
+
+
+# --------------------------------------------------------------------------- verify
+
+def _verify_rmsnorm_fwd(params: dict, device) -> None:
+    import torch
+
+    dt = getattr(torch, params["dtype"])
+    n = params["n"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(37, n, generator=g).to(device=device, dtype=dt)
+    w = torch.randn(n, generator=g).to(device=device, dtype=dt) if params.get("has_weight", True) else None
+    b = torch.randn(n, generator=g).to(device=device, dtype=dt) if params.get("has_bias") else None
+    r = torch.randn(37, n, generator=g).to(device=device, dtype=dt) if params.get("has_residual") else None
+    y, rstd, ro = rmsnorm_fwd(x, w, b, r, 1e-6)
+    h = x.float() + (r.float() if r is not None else 0)
+    ref_rstd = torch.rsqrt(h.pow(2).mean(-1) + 1e-6)
+    ref = h * ref_rstd[:, None] * (w.float() if w is not None else 1) + (b.float() if b is not None else 0)
+    tol = 1e-4 if dt == torch.float32 else (2e-2 if dt == torch.bfloat16 else 5e-3)
+    torch.testing.assert_close(rstd, ref_rstd, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y.float(), ref, atol=tol * 4, rtol=tol)
+
+
+def _verify_rmsnorm_bwd(params: dict, device) -> None:
+    import torch
+
+    dt = getattr(torch, params["dtype"])
+    n = params["n"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(37, n, generator=g).to(device=device, dtype=dt)
+    dy = torch.randn(37, n, generator=g).to(device=device, dtype=dt)
+    w = torch.randn(n, generator=g).to(device=device, dtype=dt) if params.get("has_weight", True) else None
+    xr = x.float().requires_grad_()
+    wr = w.float().requires_grad_() if w is not None else None
+    rstd = torch.rsqrt(xr.detach().pow(2).mean(-1) + 1e-6)
+    yr = xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6) * (wr if wr is not None else 1)
+    yr.backward(dy.float())
+    dx, dw = rmsnorm_bwd(x, w, dy, rstd)
+    tol = 1e-3 if dt == torch.float32 else 3e-2
+    torch.testing.assert_close(dx.float(), xr.grad, atol=tol, rtol=tol)
+    if w is not None:
+        torch.testing.assert_close(dw.float(), wr.grad, atol=tol * 10, rtol=tol)
