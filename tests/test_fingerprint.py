@@ -1,0 +1,74 @@
+"""Per-kernel source fingerprints: an edit invalidates only what depends on it."""
+import importlib
+import sys
+import textwrap
+
+import pytest
+
+from quack import keys
+
+
+@pytest.fixture
+def pkg(tmp_path, monkeypatch):
+    root = tmp_path / "src"
+    p = root / "fpkern"
+    p.mkdir(parents=True)
+    (p / "__init__.py").write_text("")
+    (p / "_common.py").write_text("X = 1\n")
+    (p / "_other.py").write_text("Y = 1\n")
+    (p / "softmax.py").write_text(textwrap.dedent("""
+        def compile_softmax():
+            from fpkern import _common   # lazy import, as kernels do
+            return _common.X
+    """))
+    (p / "rmsnorm.py").write_text(textwrap.dedent("""
+        from . import _other
+        def compile_rmsnorm():
+            return _other.Y
+    """))
+    monkeypatch.syspath_prepend(str(root))
+    yield p
+    for m in [m for m in sys.modules if m.startswith("fpkern")]:
+        del sys.modules[m]
+    importlib.invalidate_caches()
+
+
+def fps():
+    keys.source_fingerprint.cache_clear()
+    return keys.source_fingerprint("fpkern.softmax"), keys.source_fingerprint("fpkern.rmsnorm")
+
+
+def test_files_followed_transitively_and_lazily(pkg):
+    assert sorted(keys.source_files("fpkern.softmax")) == ["fpkern", "fpkern._common", "fpkern.softmax"]
+    assert sorted(keys.source_files("fpkern.rmsnorm")) == ["fpkern", "fpkern._other", "fpkern.rmsnorm"]
+
+
+def test_editing_one_kernel_leaves_the_other(pkg):
+    soft, rms = fps()
+    (pkg / "softmax.py").write_text((pkg / "softmax.py").read_text() + "\n# tuned\n")
+    soft2, rms2 = fps()
+    assert soft2 != soft and rms2 == rms
+
+
+def test_editing_a_shared_helper_invalidates_its_users_only(pkg):
+    soft, rms = fps()
+    (pkg / "_common.py").write_text("X = 2\n")
+    soft2, rms2 = fps()
+    assert soft2 != soft and rms2 == rms
+    (pkg / "_other.py").write_text("Y = 3\n")
+    soft3, rms3 = fps()
+    assert soft3 == soft2 and rms3 != rms2
+
+
+def test_toolchain_stamp_names_versions():
+    t = keys.toolchain()
+    stamp = keys.toolchain_stamp("sm_90a")
+    assert stamp.startswith(f"py{t['python']}-cutlass{t['cutlass_dsl']}-{t['libs']}-")
+    assert stamp.endswith("-sm_90a") and "/" not in stamp
+
+
+def test_toolchain_change_moves_every_entry(monkeypatch):
+    before = keys.toolchain_stamp("sm_90a")
+    monkeypatch.setattr(keys, "toolchain", lambda: {"python": "3.11", "cutlass_dsl": "4.9.0",
+                                                    "libs": "cu12", "tvm_ffi": "0.1.15"})
+    assert keys.toolchain_stamp("sm_90a") != before
