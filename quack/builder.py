@@ -12,9 +12,9 @@ import time
 import traceback
 
 from quack import loader
-from quack.errors import CompileError
+from quack.errors import CacheError, CompileError
 from quack.registry import KernelSpec
-from quack.store import DiskStore, Entry, EntryRef
+from quack.store import DiskStore, Entry, EntryRef, write_error
 
 
 def entry_ref(spec: KernelSpec, params: dict, arch: str) -> EntryRef:
@@ -34,7 +34,9 @@ def pin_arch(arch: str) -> None:
 
 
 def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
-    """Compile and export to ``out_path``; returns compile seconds. Raises CompileError."""
+    """Compile and export to ``out_path``; returns compile seconds. Raises CompileError
+    for the compile, and the OSError itself when writing the export fails (disk full,
+    read-only): that is the cache's problem, not the kernel's."""
     pin_arch(arch)
     t0 = time.perf_counter()
     try:
@@ -42,7 +44,13 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
         if not hasattr(compiled, "export_to_c"):
             raise TypeError(f"compile function {spec.module}.{spec.qualname} returned "
                             f"{type(compiled).__name__}, not a cute.compile(...) result")
+    except Exception as e:
+        detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        raise CompileError(spec.name, spec.plain(params), arch, detail) from None
+    try:
         compiled.export_to_c(object_file_path=str(out_path), function_name=loader.FUNCTION_NAME)
+    except OSError:
+        raise
     except Exception as e:
         detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         raise CompileError(spec.name, spec.plain(params), arch, detail) from None
@@ -52,7 +60,11 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
 def build(spec: KernelSpec, params: dict, arch: str, store: DiskStore, *, force: bool = False,
           lock_timeout: float | None = None) -> tuple[Entry, bool]:
     """Make sure the entry exists; returns (entry, compiled_here). Check, lock, check again:
-    a key another process is compiling is awaited on its lock, not compiled twice."""
+    a key another process is compiling is awaited on its lock, not compiled twice.
+
+    Raises CompileError (the kernel), LockTimeout (another holder past the time-out:
+    the caller falls back to an unpublished in-process compile; the holder publishes),
+    CacheWriteError (disk full / read-only: names the cache; nothing partial left)."""
     ref = entry_ref(spec, params, arch)
     if not force:
         e = store.lookup(ref)
@@ -65,13 +77,20 @@ def build(spec: KernelSpec, params: dict, arch: str, store: DiskStore, *, force:
                 return e, False
         tmp = store.tmp_obj(ref)
         try:
-            seconds = compile_to(spec, params, arch, tmp)
+            try:
+                seconds = compile_to(spec, params, arch, tmp)
+            except OSError as e:
+                if isinstance(e, CacheError):
+                    raise
+                raise write_error(e, store.root, f"writing {spec.name} key {ref.key[:16]}") from None
             meta = {"params": spec.plain(params), "compile_s": round(seconds, 4),
                     "host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}
             entry = store.publish(ref, tmp, meta)
         finally:
-            if tmp.exists():
-                tmp.unlink()
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
         so = loader.link_entry(store, entry)
         entry.so_path = so
         return entry, True

@@ -46,12 +46,56 @@ def check_root(root: Path) -> None:
                              path=str(root))
 
 
+def under_root(path: Path, root: Path) -> Path:
+    """``path`` if it lies strictly inside ``root`` (lexically: no '..', no NUL);
+    else CacheError. Every path the store builds goes through this."""
+    sp, sr = os.fspath(path), os.fspath(root)
+    if "\0" in sp:
+        raise CacheError(f"refusing a cache path with a NUL byte: {sp!r}", path=sr)
+    try:
+        rel = Path(sp).relative_to(sr)
+    except ValueError:
+        rel = None
+    if rel is None or not rel.parts or ".." in rel.parts:
+        raise CacheError(f"refusing a path outside the cache directory {sr}: {sp!r}", path=sr)
+    return path
+
+
+def check_tree(path: Path, root: Path) -> bool:
+    """lstat every component from ``root`` down to ``path`` (a directory):
+    True if all exist as real directories, False if one is missing; CacheError
+    if one is a symlink or not a directory (someone planted it: refuse)."""
+    parts = () if path == root else Path(under_root(path, root)).relative_to(root).parts
+    cur = root
+    for i, part in enumerate((None, *parts)):
+        if part is not None:
+            cur = cur / part
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            return False
+        if stat.S_ISLNK(st.st_mode):
+            raise CacheError(f"{cur} in the cache is a symbolic link; quack refuses to follow it. "
+                             f"Remove it (rm {cur}) or run quack cache clean.", path=str(cur))
+        if not stat.S_ISDIR(st.st_mode):
+            raise CacheError(f"{cur} in the cache is not a directory; refusing to use it. "
+                             f"Remove it (rm {cur}) or run quack cache clean.", path=str(cur))
+    return True
+
+
 def ensure_dir(path: Path, root: Path) -> Path:
     """Create ``path`` (under ``root``) with mode 0700, refusing symlinked components."""
-    rel = path.relative_to(root)
+    rel = Path(path).relative_to(root) if path != root else Path()
+    if path != root:
+        under_root(path, root)
     cur = root
-    if not root.exists():
+    if not os.path.lexists(root):
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.lstat(root)
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise CacheError(f"cache directory {root} is a symbolic link or not a directory; "
+                         f"quack refuses to follow it. Point QUACK_CACHE_DIR at a real directory you own.",
+                         path=str(root))
     for part in rel.parts:
         cur = cur / part
         try:
@@ -84,11 +128,49 @@ def read_nofollow(path: Path) -> bytes:
 
 
 def tmp_beside(target: Path) -> Path:
+    """A fresh temp name beside ``target``: ``<name>.tmp-<pid>-<rand>`` (the pid lets a
+    sweep tell a live writer's file from a dead one's)."""
     return target.with_name(f"{target.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
 
 
+def reserve_tmp(target: Path) -> Path:
+    """Create (O_EXCL, no-follow, 0600) and return an empty temp file beside ``target``,
+    so a tool that later opens it by name (cutlass's export) writes our own regular
+    file, never something planted there."""
+    for _ in range(16):
+        tmp = tmp_beside(target)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                         | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise OSError(errno.EEXIST, "could not reserve a temp file", str(target))
+
+
+def tmp_owner_pid(name: str) -> int | None:
+    """The writer pid encoded in a temp file's name, or None if it isn't one of ours."""
+    _, mark, rest = name.rpartition(TMP_MARK)
+    if not mark:
+        return None
+    pid, _, rand = rest.partition("-")
+    return int(pid) if pid.isdigit() and rand else None
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, (os.O_RDONLY | (os.O_DIRECTORY if directory else 0)))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if directory else 0)
+                 | getattr(os, "O_CLOEXEC", 0))
     try:
         os.fsync(fd)
     finally:
@@ -122,13 +204,17 @@ def write_atomic(target: Path, data: bytes, *, fsync: bool = True) -> None:
 
 
 def publish_file(tmp: Path, target: Path, *, fsync: bool = True) -> None:
-    """Move an already-written temp file into place atomically."""
-    st = os.lstat(tmp)
-    if not stat.S_ISREG(st.st_mode):
-        raise OSError(errno.EINVAL, "temp file is not a regular file", str(tmp))
-    if fsync:
-        fsync_path(tmp)
-    os.chmod(tmp, 0o600)
+    """Move an already-written temp file into place atomically (fsync it first)."""
+    fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise OSError(errno.EINVAL, "temp file is not a private regular file", str(tmp))
+        if fsync:
+            os.fsync(fd)
+        os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
     os.replace(tmp, target)
     if fsync:
         fsync_path(target.parent, directory=True)

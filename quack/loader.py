@@ -69,19 +69,46 @@ def link(obj: Path, out: Path) -> None:
         raise LinkError(f"linking {obj} failed: {r.stderr.strip()[-2000:]}", str(obj))
 
 
+_private_dir: str | None = None
+
+
+def _private_so_dir() -> Path:
+    """A private (0700) temp directory for .so files of a cache we can't write."""
+    global _private_dir
+    if _private_dir is None or not os.path.isdir(_private_dir):
+        import atexit
+        import tempfile
+
+        _private_dir = tempfile.mkdtemp(prefix="quack-so-")
+        atexit.register(shutil.rmtree, _private_dir, True)
+    return Path(_private_dir)
+
+
 def link_entry(store, entry) -> Path | None:
-    """Give a verified entry its .so (temp + rename, sidecar last). None if we can't link."""
+    """Give a verified entry its .so (temp + rename, sidecar last). None if we can't link.
+    A read-only cache gets the .so in a private temp directory instead (not shared)."""
     if not can_link():
         return None
-    tmp = fsutil.tmp_beside(store.paths(entry.ref)["so"])
+    writable = getattr(store, "writable", lambda: True)()
+    try:
+        if writable:
+            tmp = fsutil.reserve_tmp(store.paths(entry.ref)["so"])
+        else:
+            tmp = fsutil.reserve_tmp(_private_so_dir() / f"{entry.ref.key}.so")
+    except OSError:
+        return None
     try:
         link(entry.obj_path, tmp)
-        return store.write_so(entry, tmp)
+        if writable:
+            return store.write_so(entry, tmp)
+        private = tmp.with_name(f"{entry.ref.key}.so")
+        os.replace(tmp, private)
+        return private
     except (LinkError, OSError):
         return None
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 _runtime_ready = False

@@ -10,9 +10,12 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import os
+import re
+import stat
 import time
 import warnings
 from contextlib import contextmanager
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from quack import fsutil, keys
+from quack.errors import CacheError, ParamError
 
 LAYOUT = "v1"
 META_FORMAT = 1
@@ -30,12 +34,65 @@ class CacheWarning(UserWarning):
 
 
 class LockTimeout(Exception):
-    """Another process held the key's lock past the time-out."""
+    """Another process held the key's lock past the time-out. Callers fall back:
+    the runtime compiles in-process without publishing (the holder publishes)."""
 
     def __init__(self, path: str, timeout: float):
         super().__init__(f"lock {path} still held after {timeout:.0f} s")
         self.path = path
         self.timeout = timeout
+
+    def __reduce__(self):  # crosses from compile workers to the caller
+        return (LockTimeout, (self.path, self.timeout))
+
+
+class CacheWriteError(CacheError):
+    """Writing to the cache failed (disk full, read-only, permission): nothing was
+    published and the temp files are gone. ``reason`` is a short label."""
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "", code: int = 0):
+        super().__init__(message, path=path)
+        self.reason = reason
+        self.code = code
+
+
+_WRITE_REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
+                  errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+                  errno.EPERM: "operation not permitted"}
+
+
+def write_error(e: OSError, root: Path, what: str) -> CacheWriteError:
+    """A clear error for a failed cache write, naming the cache directory."""
+    if isinstance(e, CacheWriteError):
+        return e
+    code = getattr(e, "errno", None) or 0
+    reason = _WRITE_REASONS.get(code) or (e.strerror or str(e))
+    hint = {errno.ENOSPC: "free some space (quack cache clean --max-size ...) and build again",
+            errno.EDQUOT: "free some space (quack cache clean --max-size ...) and build again",
+            errno.EROFS: "point QUACK_CACHE_DIR at a writable directory",
+            errno.EACCES: "point QUACK_CACHE_DIR at a directory you can write",
+            errno.EPERM: "point QUACK_CACHE_DIR at a directory you can write"}.get(code, "")
+    msg = (f"cannot write to the quack cache {root}: {reason} while {what}"
+           f" ({getattr(e, 'filename', None) or root}); nothing was published"
+           + (f"; {hint}" if hint else ""))
+    return CacheWriteError(msg, path=str(root), reason=reason, code=code)
+
+
+# What may appear in a path component. Names come from the registry (same rule),
+# keys are SHA-256 hex, fingerprints 16 hex (or "main"), archs sm_NN[N][a|f].
+_KERNEL_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+_KEY_RE = re.compile(r"^[0-9a-f]{64}$")
+_SRCFP_RE = re.compile(r"^(?:[0-9a-f]{16}|main)$")
+_ARCH_RE = re.compile(r"^sm_[0-9]{2,3}[af]?$")
+
+
+def _check_field(what: str, value, rx: re.Pattern, form: str) -> None:
+    if not isinstance(value, str) or not rx.match(value) or "\n" in value:
+        shown = repr(value)
+        shown = shown if len(shown) <= 80 else shown[:77] + "..."
+        raise ParamError(f"refusing {what} {shown} for a cache path: expected {form}",
+                         kernel=value if what == "kernel name" and isinstance(value, str) else "",
+                         param=what)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +103,15 @@ class EntryRef:
     key: str
     arch: str
     srcfp: str
+
+    def __post_init__(self):
+        # Every component of an entry's path comes from here: refuse anything that
+        # could leave the cache root ('../', '/', NUL, overlong, non-text) up front.
+        _check_field("kernel name", self.kernel, _KERNEL_RE, "a registered name matching "
+                     + _KERNEL_RE.pattern)
+        _check_field("key", self.key, _KEY_RE, "64 lowercase hex digits (SHA-256)")
+        _check_field("arch", self.arch, _ARCH_RE, "a CUDA arch like sm_90a")
+        _check_field("source fingerprint", self.srcfp, _SRCFP_RE, "16 lowercase hex digits")
 
     @property
     def stamp(self) -> str:
@@ -77,15 +143,19 @@ class Store(Protocol):
 
 class DiskStore:
     def __init__(self, root: Path, *, fsync: bool = True, lock_timeout: float = 600.0):
-        self.root = Path(root)
+        root = Path(os.path.abspath(os.fspath(root)))
+        if "\0" in os.fspath(root):
+            raise CacheError(f"cache directory {os.fspath(root)!r} contains a NUL byte", path="")
+        self.root = root
         self.fsync = fsync
         self.lock_timeout = lock_timeout
         self._checked = False
 
     # -- paths -----------------------------------------------------------------
     def entry_dir(self, ref: EntryRef) -> Path:
-        return (self.root / LAYOUT / keys.safe_component(ref.stamp) / keys.safe_component(ref.kernel)
-                / keys.safe_component(ref.srcfp))
+        d = (self.root / LAYOUT / keys.safe_component(ref.stamp) / keys.safe_component(ref.kernel)
+             / keys.safe_component(ref.srcfp))
+        return fsutil.under_root(d, self.root)
 
     def paths(self, ref: EntryRef) -> dict[str, Path]:
         d = self.entry_dir(ref)
@@ -100,12 +170,35 @@ class DiskStore:
 
     def _ensure(self, ref: EntryRef) -> Path:
         self.check_root()
-        return fsutil.ensure_dir(self.entry_dir(ref), self.root)
+        try:
+            return fsutil.ensure_dir(self.entry_dir(ref), self.root)
+        except CacheError:
+            raise
+        except OSError as e:
+            raise write_error(e, self.root, f"creating {self.entry_dir(ref)}") from None
+
+    def writable(self) -> bool:
+        """Can this process create entries here? (False on a read-only mount, a
+        directory without write permission, or a root that can't be created.)"""
+        try:
+            self.check_root()
+        except OSError:
+            return False
+        p = self.root
+        while not os.path.lexists(p):
+            if p.parent == p:
+                return False
+            p = p.parent
+        return os.access(p, os.W_OK) and not _read_only_fs(p)
 
     # -- reading ---------------------------------------------------------------
     def lookup(self, ref: EntryRef) -> Entry | None:
         self.check_root()
         p = self.paths(ref)
+        # No symlinked or planted component between the root and the entry (raises
+        # CacheError); a missing directory is a plain miss.
+        if not fsutil.check_tree(p["obj"].parent, self.root):
+            return None
         try:
             meta_bytes = fsutil.read_nofollow(p["meta"])
         except FileNotFoundError:
@@ -171,9 +264,12 @@ class DiskStore:
         return p["so"]
 
     def _bad(self, ref: EntryRef, reason: str) -> None:
-        where = self.quarantine(ref, reason)
+        try:
+            where = f"moved to {self.quarantine(ref, reason)}"
+        except OSError as e:  # read-only cache: can't move it, but never load it either
+            where = f"could not be moved aside ({e})"
         warnings.warn(f"quack: cache entry {ref.kernel} key {ref.key[:16]} was corrupt ({reason}); "
-                      f"moved to {where} and it will be recompiled", CacheWarning, stacklevel=3)
+                      f"{where} and it will be recompiled", CacheWarning, stacklevel=3)
         return None
 
     def quarantine(self, ref: EntryRef, reason: str) -> Path:
@@ -202,19 +298,36 @@ class DiskStore:
 
         self._ensure(ref)
         t = self.lock_timeout if timeout is None else timeout
-        lk = filelock.FileLock(str(self.paths(ref)["lock"]), timeout=t, mode=0o600)
+        path = self.paths(ref)["lock"]
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise CacheError(f"lock file {path} is a symbolic link or not a regular file; quack refuses "
+                             f"to follow it. Remove it (rm {path}).", path=str(path))
+        lk = filelock.FileLock(str(path), timeout=t, mode=0o600)
         try:
             lk.acquire()
         except filelock.Timeout:
-            raise LockTimeout(str(self.paths(ref)["lock"]), t) from None
+            raise LockTimeout(str(path), t) from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CacheError(f"lock file {path} is a symbolic link; quack refuses to follow it. "
+                                 f"Remove it (rm {path}).", path=str(path)) from None
+            raise write_error(e, self.root, f"creating the lock {path}") from None
         try:
             yield
         finally:
             lk.release()
 
     def tmp_obj(self, ref: EntryRef) -> Path:
+        """A fresh, already-created (O_EXCL, no-follow) temp file for the .o."""
         self._ensure(ref)
-        return fsutil.tmp_beside(self.paths(ref)["obj"])
+        try:
+            return fsutil.reserve_tmp(self.paths(ref)["obj"])
+        except OSError as e:
+            raise write_error(e, self.root, f"creating a temp file in {self.entry_dir(ref)}") from None
 
     def publish(self, ref: EntryRef, tmp_obj: Path, meta: dict) -> Entry:
         """Move a finished temp .o into place, metadata last. Caller holds the lock."""
@@ -231,14 +344,26 @@ class DiskStore:
                     os.unlink(p[old])
                 except FileNotFoundError:
                     pass
+            # Durability order: temp written + fsynced, renamed, directory fsynced;
+            # then the metadata the same way. A crash anywhere leaves either the old
+            # state, or a .o without metadata (a miss; swept as debris).
             fsutil.publish_file(tmp_obj, p["obj"], fsync=self.fsync)
             fsutil.write_atomic(p["meta"], json.dumps(meta, sort_keys=True, indent=1).encode(),
                                 fsync=self.fsync)
-        except BaseException:
+        except BaseException as e:
             try:
                 os.unlink(tmp_obj)
             except FileNotFoundError:
                 pass
+            if isinstance(e, OSError) and not isinstance(e, CacheError):
+                # The .o may be in place without metadata: take it back out so nothing
+                # partial is left (a .o without metadata is only a miss, but tidy).
+                if not os.path.lexists(p["meta"]):
+                    try:
+                        os.unlink(p["obj"])
+                    except OSError:
+                        pass
+                raise write_error(e, self.root, f"publishing {ref.kernel} key {ref.key[:16]}") from None
             raise
         return Entry(ref, meta, p["obj"], None)
 
@@ -250,9 +375,95 @@ class DiskStore:
         fsutil.write_atomic(p["so_meta"], json.dumps(side).encode(), fsync=False)
         return p["so"]
 
+    def sweep_debris(self, *, min_age: float = 3600.0, dry_run: bool = False) -> list[Path]:
+        """Remove what interrupted writers left: temp files whose writer is dead (or
+        older than ``min_age`` s) and ``.o`` files without metadata (checked under
+        the key's lock, taken without waiting). Never removes lock files, never
+        follows a symlink. Returns the removed (or, dry run, removable) paths."""
+        base = self.root / LAYOUT
+        removed: list[Path] = []
+        if not fsutil.check_tree(self.root, self.root) or not os.path.lexists(base):
+            return removed
+        fsutil.check_tree(base, self.root)
+        now = time.time()
+        for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+            d = Path(dirpath)
+            for name in filenames:
+                path = d / name
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISLNK(st.st_mode):
+                    continue  # never ours; `quack verify` reports it, we never follow it
+                pid = fsutil.tmp_owner_pid(name)
+                if pid is not None:
+                    stale = now - st.st_mtime > min_age or not fsutil.pid_alive(pid)
+                    if stale:
+                        removed.append(path)
+                        if not dry_run:
+                            _unlink_quiet(path)
+                elif name.endswith(".o") and not os.path.lexists(d / (name[:-2] + ".json")):
+                    if self._remove_orphan(d, name[:-2], dry_run):
+                        removed.append(path)
+        return removed
+
+    def _remove_orphan(self, d: Path, stem: str, dry_run: bool) -> bool:
+        """A .o without metadata: interrupted publish. Remove it (and a derived .so)
+        only if no one holds the key's lock (a publish may be between its renames)."""
+        import filelock
+
+        lock = d / f"{stem}.lock"
+        try:
+            st = os.lstat(lock)
+            if not stat.S_ISREG(st.st_mode):
+                return False
+        except FileNotFoundError:
+            pass
+        lk = filelock.FileLock(str(lock), timeout=0, mode=0o600)
+        try:
+            lk.acquire()
+        except (filelock.Timeout, OSError):
+            return False
+        try:
+            if os.path.lexists(d / f"{stem}.json"):
+                return False
+            if not dry_run:
+                for suffix in (".o", ".so.json", ".so"):
+                    _unlink_quiet(d / f"{stem}{suffix}")
+            return True
+        finally:
+            lk.release()
+
     def touch(self, entry: Entry) -> None:
         """Record use (LRU for ``quack cache clean --max-size``): the metadata's mtime."""
         try:
             os.utime(self.paths(entry.ref)["meta"], follow_symlinks=False)
         except OSError:
             pass  # read-only cache: use still works, LRU order just ages
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+_warned_once: set = set()
+
+
+def warn_once(tag: str, message: str, stacklevel: int = 3) -> bool:
+    """Issue ``message`` as a CacheWarning once per process per ``tag``."""
+    if tag in _warned_once:
+        return False
+    _warned_once.add(tag)
+    warnings.warn(message, CacheWarning, stacklevel=stacklevel)
+    return True
