@@ -123,47 +123,56 @@ class JitKernel:
         return loaded
 
     def _compile_in_worker(self, store, ref, params, key, arch):
+        """A miss, compiled by the pool. Inside a pool_scope: submit and raise
+        CompilePending. Outside: submit to the default pool and wait. Either way a
+        failed key is raised once as CompileError (the worker's traceback text) and
+        then forgotten, so a later call compiles it again; a key past its time-out
+        (wedged worker, or a lock held elsewhere that never publishes) returns None:
+        the caller compiles in this process."""
+        s = _settings.get()
         pool = _pool.active_pool()
-        if pool is not None and pool.state(key) == _pool.DONE and store.lookup(ref) is None:
-            pool.forget(key)  # done earlier, but the entry is gone (cleaned, corrupt): again
-        if pool is not None:
-            st = pool.state(key)
-            if st == _pool.FAILED:
-                err = pool.error(key)
-                pool.forget(key)  # reported once; a later call may retry
-                raise err if isinstance(err, CompileError) else CompileError(
-                    self.spec.name, self.spec.plain(params), arch, str(err))
-            if st != _pool.DONE:
-                if st == _pool.PENDING and pool.pending_for(key) > _settings.get().compile_timeout:
-                    warnings.warn(f"quack: compile of {self.spec.name} key {key[:16]} pending for over "
-                                  f"{_settings.get().compile_timeout:.0f} s (wedged worker?); "
-                                  f"compiling it in this process", CacheWarning, stacklevel=5)
-                    return None
-                pool.submit(self.spec, params, arch, key)
-                raise CompilePending(self.spec.name, key)
-        else:
+        scoped = pool is not None
+        if pool is None:
             pool = _pool.default_pool()
-            if pool.state(key) == _pool.DONE:
-                pool.forget(key)  # we only get here on a miss: the earlier entry is gone
-            pool.submit(self.spec, params, arch, key)
-            try:
-                pool.wait(key, timeout=_settings.get().compile_timeout)
-            except CompileError:
-                pool.forget(key)
-                raise
-            except TimeoutError:
-                warnings.warn(f"quack: compile of {self.spec.name} key {key[:16]} timed out in the "
-                              f"worker; compiling it in this process", CacheWarning, stacklevel=5)
-                pool.forget(key)
-                return None
-            except RuntimeError as e:  # dead worker
-                pool.forget(key)
-                raise CompileError(self.spec.name, self.spec.plain(params), arch, str(e)) from None
-        entry = store.lookup(ref)
-        if entry is None:
-            warnings.warn(f"quack: worker reported {self.spec.name} key {key[:16]} done but the cache "
-                          f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
-        return entry
+        root = s.cache_dir
+        for _ in range(3):
+            st, err = pool.poll(key, root)
+            if st == _pool.NEW:
+                st = pool.submit(self.spec, params, arch, key, settings=s)
+            if st == _pool.PENDING:
+                if scoped:
+                    exc = CompilePending(self.spec.name, key)
+                    exc.root = root
+                    exc.pool = pool
+                    raise exc
+                st, err = pool.wait(key, root=root)
+            if st == _pool.FAILED:
+                pool.forget(key, root)  # reported once; a later call may retry
+                if isinstance(err, _pool.CompileTimeout):
+                    warnings.warn(f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this "
+                                  f"process", CacheWarning, stacklevel=5)
+                    return None
+                if isinstance(err, (CacheError, LockTimeout)):
+                    return self._store_failed(err, key)  # the cache (full, read-only), not the kernel
+                if isinstance(err, CompileError):
+                    raise err
+                raise CompileError(self.spec.name, self.spec.plain(params), arch, str(err))
+            if st == _pool.DONE:
+                entry = store.lookup(ref)
+                if entry is not None:
+                    return entry
+                # Done, yet no valid entry (cleaned, or quarantined as corrupt): build again.
+                pool.forget(key, root)
+                if pool.state(key, root) != _pool.NEW:
+                    break
+        warnings.warn(f"quack: the pool reported {self.spec.name} key {key[:16]} done but the cache "
+                      f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
+        return None
+
+    def _store_failed(self, err, key):
+        warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
+                      f"compiling it in this process, uncached", CacheWarning, stacklevel=6)
+        return None
 
     def _load(self, store, entry, params, key, arch, *, miss: bool) -> Loaded:
         t0 = time.perf_counter()

@@ -3,31 +3,76 @@ warm forkserver; the published .o is the only result channel.
 
 Per-key state: new -> pending -> done | failed. ``pool_scope()`` makes
 ``@jit_cache`` raise CompilePending on a miss instead of waiting (the pytest
-plugin and autotuning use it); ``suppress_pool()`` turns that off in a block."""
+plugin and autotuning use it); ``suppress_pool()`` turns that off in a block.
+
+Design (why not ProcessPoolExecutor): the pool runs its own workers, one
+task at a time each, from a dispatcher thread. It therefore knows which key
+each worker holds, so
+
+* a worker that dies (killed, segfault, OOM killer) fails *its* key only, with
+  the signal in the message, and is replaced; the other keys carry on;
+* a compile running past its time-out (a wedged worker) is killed, its key
+  failed with :class:`CompileTimeout` (``@jit_cache`` then compiles in-process),
+  and the slot is freed;
+* ``submit`` never blocks: workers are started by the dispatcher thread, so the
+  forkserver's preload (cutlass import + a warm-up compile, seconds) is never
+  paid on the caller's thread;
+* shutdown kills workers and returns at once: nothing waits for idle (or busy)
+  workers at interpreter exit.
+
+A key whose per-key lock another process holds (another xdist worker, a
+``quack build``) is not submitted: it is awaited ("external" pending) until its
+.o appears, the lock is released without one (then it is new again), or the
+time-out passes.
+
+States are per (cache root, key): a pool used under several Settings (tests
+that install their own cache directory) never confuses their entries."""
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import multiprocessing as mp
 import os
+import signal
 import sys
 import threading
 import time
+import traceback
 import types
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+from multiprocessing import connection as mpc
 from pathlib import Path
 
-from quack.errors import CompileError
+from quack.errors import CacheError, CompileError
+from quack.store import LockTimeout
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
+EXTERNAL_POLL_S = 0.1
 
 
-def _worker_init() -> None:
-    # Workers never touch a GPU: compiles are cross-compiles for a pinned arch.
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+class CompileTimeout(TimeoutError):
+    """A compile (or another process's lock on its key) ran past compile_timeout."""
+
+    def __init__(self, kernel: str, key: str, seconds: float, external: bool = False):
+        who = "another process holding its lock" if external else "its compile worker"
+        super().__init__(f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s "
+                         f"({who}; wedged?)")
+        self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
 
 
+def _worker_died_error(task: "_Task", exitcode) -> CompileError:
+    if exitcode is not None and exitcode < 0:
+        try:
+            how = f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            how = f"killed by signal {-exitcode}"
+    else:
+        how = f"exited with status {exitcode}"
+    return CompileError(task.kernel, task.params, task.arch,
+                        f"compile worker pid {task.pid} {how} while compiling key {task.key[:16]} "
+                        f"(crash, out of memory, or killed); the pool replaced it")
+
+
+# -- worker side ---------------------------------------------------------------------------
 def _noop() -> int:
     return os.getpid()
 
@@ -48,10 +93,43 @@ def worker_build(module: str, kernel: str, params: dict, arch: str, root: str, f
             "wall_s": time.perf_counter() - t0, "obj": str(entry.obj_path)}
 
 
+def _worker_main(conn) -> None:
+    """A compile worker: GPU-blind, one task at a time from ``conn`` until EOF."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # The parent's SIGINT (Ctrl-C in the terminal) reaches the whole process group;
+    # the parent decides what happens to compiles, not the keyboard.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        fn, args = msg
+        try:
+            result = ("ok", fn(*args))
+        except CompileError as e:
+            result = ("err", e)
+        except (CacheError, LockTimeout) as e:  # the cache's problem: the caller runs uncached
+            result = ("err", e)
+        except BaseException as e:  # noqa: BLE001 - everything goes back as text
+            detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            kernel, params, arch = (args[1], args[2], args[3]) if len(args) >= 4 else ("?", {}, "?")
+            result = ("err", CompileError(kernel, params, arch, detail))
+        try:
+            conn.send(result)
+        except Exception:  # noqa: BLE001 - unpicklable result: send text instead
+            conn.send(("err", CompileError("?", {}, "?", repr(result[1])[:4000])))
+
+
+# -- spawning without re-running the user's script ---------------------------------------
 @contextlib.contextmanager
 def masked_main():
     """Hide __main__ while workers start: a forkserver child would otherwise
-    re-import the user's script (and run it, if it has no main guard)."""
+    re-import the user's script (and run it, if it has no main guard).
+    (The pool's own spawns use a thread-local filter instead; this is for
+    callers that start processes themselves.)"""
     saved = sys.modules.get("__main__")
     sys.modules["__main__"] = types.ModuleType("__main__")
     try:
@@ -59,6 +137,31 @@ def masked_main():
     finally:
         if saved is not None:
             sys.modules["__main__"] = saved
+
+
+_tls = threading.local()
+_MAIN_KEYS = ("init_main_from_path", "init_main_from_name", "main_path")
+
+
+def _install_prep_filter() -> None:
+    """Drop __main__ from multiprocessing's preparation data for processes the
+    pool starts (only on the pool's own thread: thread-safe, unlike swapping
+    sys.modules['__main__'] under a running test)."""
+    from multiprocessing import spawn
+
+    orig = spawn.get_preparation_data
+    if getattr(orig, "_quack_filter", False):
+        return
+
+    def get_preparation_data(name):
+        d = orig(name)
+        if getattr(_tls, "neutral", False):
+            for k in _MAIN_KEYS:
+                d.pop(k, None)
+        return d
+
+    get_preparation_data._quack_filter = True
+    spawn.get_preparation_data = get_preparation_data
 
 
 _forkserver_configured = False
@@ -73,42 +176,132 @@ def _context(start_method: str):
     return ctx
 
 
-class CompilePool:
-    """A pool of compile workers with per-key state. Thread-safe."""
+# -- the pool --------------------------------------------------------------------------------
+class _Task:
+    __slots__ = ("ident", "key", "root", "kernel", "params", "arch", "args", "timeout", "submitted",
+                 "started", "pid", "external_lock", "obj_meta")
 
-    def __init__(self, jobs: int | None = None, *, settings=None, start_method: str = "forkserver"):
+    def __init__(self, ident, key, root, kernel, params, arch, args, timeout):
+        self.ident, self.key, self.root = ident, key, root
+        self.kernel, self.params, self.arch, self.args, self.timeout = kernel, params, arch, args, timeout
+        self.submitted = time.monotonic()
+        self.started = None
+        self.pid = None
+        self.external_lock = None  # lock path, for a key another process is compiling
+        self.obj_meta = None       # its metadata path (written last by a publish)
+
+
+class _Worker:
+    __slots__ = ("proc", "conn", "task")
+
+    def __init__(self, proc, conn):
+        self.proc, self.conn, self.task = proc, conn, None
+
+
+def lock_held(path) -> bool:
+    """Does some process hold this flock (filelock's Unix lock) right now?"""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+class CompilePool:
+    """A pool of compile workers with per-key state. Thread-safe; ``submit``
+    never blocks. Nothing starts until the first submit (or ``prewarm``)."""
+
+    def __init__(self, jobs: int | None = None, *, settings=None, start_method: str | None = None):
         from quack import settings as _settings
 
         self.settings = settings or _settings.get()
         self.jobs = jobs or self.settings.compile_jobs or min(os.cpu_count() or 1, 16)
-        self.start_method = start_method
+        self.start_method = start_method or os.environ.get("QUACK_POOL_START", "forkserver")
         self._lock = threading.RLock()
-        self._ex: ProcessPoolExecutor | None = None
-        self._futures: dict[str, Future] = {}
-        self._state: dict[str, str] = {}
-        self._errors: dict[str, BaseException] = {}
-        self._submitted_at: dict[str, float] = {}
-        self.counts = {"submitted": 0, "done": 0, "failed": 0, "compiled": 0, "compile_s": 0.0}
+        self._cond = threading.Condition(self._lock)
+        self._state: dict[tuple, str] = {}
+        self._errors: dict[tuple, BaseException] = {}
+        self._tasks: dict[tuple, _Task] = {}
+        self._reports: dict[tuple, dict] = {}
+        self._queue: list[_Task] = []
+        self._external: dict[tuple, _Task] = {}
+        self._workers: list[_Worker] = []
+        self._want_workers = 0
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = None, None
+        self._closed = False
+        self.generation = 0  # bumped on every state change (see wait_change)
+        self.counts = {"submitted": 0, "done": 0, "failed": 0, "compiled": 0, "compile_s": 0.0,
+                       "awaited_external": 0, "timeouts": 0, "worker_deaths": 0,
+                       "workers_started": 0}
 
-    # -- lifecycle ---------------------------------------------------------------
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._ex is None:
-            self._ex = ProcessPoolExecutor(self.jobs, mp_context=_context(self.start_method),
-                                           initializer=_worker_init)
-        return self._ex
+    # -- lifecycle -------------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            if self._closed:
+                raise RuntimeError("compile pool is shut down")
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_w, False)
+            self._thread = threading.Thread(target=self._run, name="quack-compile-pool", daemon=True)
+            self._thread.start()
+
+    def _wake(self) -> None:
+        if self._wake_w is not None:
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass
 
     def prewarm(self) -> None:
-        """Start every worker now (imports paid in the forkserver), return at once."""
-        with self._lock, masked_main():
-            ex = self._executor()
-            for _ in range(self.jobs):
-                ex.submit(_noop)
+        """Start the forkserver and every worker now, in the background; returns at once."""
+        with self._lock:
+            self._want_workers = self.jobs
+            self._ensure_thread()
+            self._wake()
 
     def shutdown(self, wait: bool = False) -> None:
+        """Kill the workers and stop. Never waits for a compile; ``wait=True`` only
+        joins the (already killed) processes."""
         with self._lock:
-            ex, self._ex = self._ex, None
-        if ex is not None:
-            ex.shutdown(wait=wait, cancel_futures=True)
+            if self._closed:
+                return
+            self._closed = True
+            workers, self._workers = self._workers, []
+            for t in list(self._queue) + [w.task for w in workers if w.task] + list(self._external.values()):
+                if self._state.get(t.ident) == PENDING:
+                    self._state[t.ident] = FAILED
+                    self._errors[t.ident] = CompileError(t.kernel, t.params, t.arch,
+                                                         "compile cancelled (pool shut down)")
+            self._queue.clear()
+            self._external.clear()
+            self._bump()
+            self._wake()
+        for w in workers:
+            try:
+                w.proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                w.conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if wait:
+            for w in workers:
+                w.proc.join(5)
 
     def __enter__(self):
         return self
@@ -116,100 +309,289 @@ class CompilePool:
     def __exit__(self, *exc):
         self.shutdown(wait=False)
 
-    # -- work ------------------------------------------------------------------
-    def submit(self, spec, params: dict, arch: str, key: str, *, force: bool = False) -> str:
-        """Queue a compile unless the key is already pending or done. Returns its state."""
-        with self._lock:
-            st = self._state.get(key, NEW)
-            if st in (PENDING, DONE):
-                return st
-            # Current settings, not the pool's creation-time ones: a test or the CLI
-            # may point the cache elsewhere after the pool started.
+    # -- identity ----------------------------------------------------------------------------
+    def _ident(self, key: str, root=None) -> tuple:
+        if root is None:
             from quack import settings as _settings
 
-            s = _settings.get()
-            args = (spec.module, spec.name, spec.plain(params), arch, str(s.cache_dir), s.fsync,
-                    s.lock_timeout, force)
-            with masked_main():
-                try:
-                    fut = self._executor().submit(worker_build, *args)
-                except (BrokenProcessPool, RuntimeError):
-                    self._ex = None  # a dead worker broke the pool: start a fresh one
-                    fut = self._executor().submit(worker_build, *args)
-            self._futures[key] = fut
-            self._state[key] = PENDING
-            self._errors.pop(key, None)
-            self._submitted_at[key] = time.monotonic()
+            root = _settings.get().cache_dir
+        return (str(root), key)
+
+    def _bump(self) -> None:
+        self.generation += 1
+        self._cond.notify_all()
+
+    # -- work --------------------------------------------------------------------------------
+    def submit(self, spec, params: dict, arch: str, key: str, *, settings=None, force: bool = False,
+               timeout: float | None = None) -> str:
+        """Queue a compile unless the key is pending or done. Returns its state.
+        ``settings`` (default: this process's current settings) gives the cache
+        the worker publishes into and the time-out."""
+        from quack import settings as _settings
+
+        s = settings or _settings.get()
+        ident = (str(s.cache_dir), key)
+        with self._lock:
+            st = self._state.get(ident, NEW)
+            if st in (PENDING, DONE):
+                return st
+            plain = spec.plain(params)
+            args = (spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync, s.lock_timeout, force)
+            task = _Task(ident, key, s.cache_dir, spec.name, plain, arch, args,
+                         timeout if timeout is not None else s.compile_timeout)
+            self._errors.pop(ident, None)
+            self._reports.pop(ident, None)
+            self._tasks[ident] = task
+            self._state[ident] = PENDING
+            if not force:
+                ext = self._external_paths(spec, params, arch, s)
+                if ext is not None and lock_held(ext[0]):
+                    task.external_lock, task.obj_meta = ext
+                    task.started = time.monotonic()
+                    self._external[ident] = task
+                    self.counts["awaited_external"] += 1
+                    self._ensure_thread()
+                    self._bump()
+                    self._wake()
+                    return PENDING
+            self._queue.append(task)
             self.counts["submitted"] += 1
-            fut.add_done_callback(lambda f, k=key: self._finish(k, f))
+            self._ensure_thread()
+            self._bump()
+            self._wake()
             return PENDING
 
-    def _finish(self, key: str, fut: Future) -> None:
-        with self._lock:
-            if self._futures.get(key) is not fut:
-                return
-            if fut.cancelled():
-                self._state[key] = FAILED
-                self._errors[key] = RuntimeError("compile cancelled (pool shut down)")
-            elif fut.exception() is not None:
-                exc = fut.exception()
-                if isinstance(exc, BrokenProcessPool):
-                    exc = RuntimeError(f"compile worker died (killed or crashed) while compiling "
-                                       f"key {key[:16]}: {exc}")
-                self._state[key] = FAILED
-                self._errors[key] = exc
-                self.counts["failed"] += 1
-            else:
-                r = fut.result()
-                self._state[key] = DONE
-                self.counts["done"] += 1
-                if r.get("compiled"):
-                    self.counts["compiled"] += 1
-                    self.counts["compile_s"] += r.get("compile_s", 0.0)
-
-    def state(self, key: str) -> str:
-        with self._lock:
-            return self._state.get(key, NEW)
-
-    def error(self, key: str) -> BaseException | None:
-        with self._lock:
-            return self._errors.get(key)
-
-    def forget(self, key: str) -> None:
-        """Drop a key's state (after a failure was reported, so it may be retried)."""
-        with self._lock:
-            self._state.pop(key, None)
-            self._errors.pop(key, None)
-            self._futures.pop(key, None)
-
-    def pending_for(self, key: str) -> float:
-        with self._lock:
-            t = self._submitted_at.get(key)
-            return 0.0 if t is None else time.monotonic() - t
-
-    def wait(self, key: str, timeout: float | None = None) -> dict:
-        """Block until the key is done; returns the worker's report. Raises the
-        worker's CompileError, RuntimeError for a dead worker, TimeoutError."""
-        with self._lock:
-            fut = self._futures.get(key)
-        if fut is None:
-            raise KeyError(key)
+    @staticmethod
+    def _external_paths(spec, params, arch, s):
         try:
-            return fut.result(timeout=timeout)
-        except BrokenProcessPool as e:
-            raise RuntimeError(f"compile worker died (killed or crashed) while compiling key "
-                               f"{key[:16]}: {e}") from None
-        except TimeoutError:
-            raise
-        except CompileError:
-            raise
+            from quack import builder
+            from quack.store import DiskStore
+
+            p = DiskStore(s.cache_dir).paths(builder.entry_ref(spec, params, arch))
+            return str(p["lock"]), str(p["meta"])
+        except Exception:  # noqa: BLE001 - an unusable cache is the worker's to report
+            return None
+
+    def state(self, key: str, root=None) -> str:
+        with self._lock:
+            return self._state.get(self._ident(key, root), NEW)
+
+    def poll(self, key: str, root=None) -> tuple[str, BaseException | None]:
+        """(state, error) of a key."""
+        ident = self._ident(key, root)
+        with self._lock:
+            return self._state.get(ident, NEW), self._errors.get(ident)
+
+    def error(self, key: str, root=None) -> BaseException | None:
+        with self._lock:
+            return self._errors.get(self._ident(key, root))
+
+    def report(self, key: str, root=None) -> dict | None:
+        with self._lock:
+            return self._reports.get(self._ident(key, root))
+
+    def forget(self, key: str, root=None) -> None:
+        """Drop a key's state (after a failure was reported, so it may be retried)."""
+        ident = self._ident(key, root)
+        with self._lock:
+            if self._state.get(ident) == PENDING:
+                return  # still running: forgetting would let a second compile start
+            self._state.pop(ident, None)
+            self._errors.pop(ident, None)
+            self._tasks.pop(ident, None)
+            self._reports.pop(ident, None)
+
+    def pending_for(self, key: str, root=None) -> float:
+        with self._lock:
+            t = self._tasks.get(self._ident(key, root))
+            return 0.0 if t is None or t.started is None else time.monotonic() - t.started
+
+    def wait(self, key: str, timeout: float | None = None, root=None) -> tuple[str, BaseException | None]:
+        """Block until the key is no longer pending (or ``timeout``); returns (state, error).
+        Compile time-outs are the pool's job (the key fails with CompileTimeout)."""
+        ident = self._ident(key, root)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._state.get(ident) == PENDING:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._cond.wait(left)
+            return self._state.get(ident, NEW), self._errors.get(ident)
+
+    def wait_change(self, since: int, timeout: float | None = None) -> int:
+        """Block until ``generation`` moves past ``since`` (any key changed state)."""
+        with self._lock:
+            if self.generation == since:
+                self._cond.wait(timeout)
+            return self.generation
 
     def stats(self) -> dict:
         with self._lock:
             d = dict(self.counts)
+            d["compile_s"] = round(d["compile_s"], 3)
             d["pending"] = sum(1 for s in self._state.values() if s == PENDING)
-            d["errors"] = {k: str(e)[:500] for k, e in self._errors.items()}
+            d["queued"] = len(self._queue)
+            d["running"] = sum(1 for w in self._workers if w.task is not None)
+            d["workers"] = len(self._workers)
+            d["errors"] = {k[1]: str(e)[:2000] for k, e in self._errors.items()}
             return d
+
+    # -- the dispatcher thread ---------------------------------------------------------------
+    def _finish(self, task: _Task, ok: bool, payload) -> None:
+        """Record a task's outcome; caller holds the lock."""
+        ident = task.ident
+        if self._tasks.get(ident) is not task:
+            return
+        if ok:
+            self._state[ident] = DONE
+            self._reports[ident] = payload
+            self.counts["done"] += 1
+            if payload.get("compiled"):
+                self.counts["compiled"] += 1
+                self.counts["compile_s"] += payload.get("compile_s", 0.0)
+        else:
+            self._state[ident] = FAILED
+            self._errors[ident] = payload
+            self.counts["failed"] += 1
+        self._bump()
+
+    def _spawn(self) -> _Worker | None:
+        ctx = _context(self.start_method)
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="quack-compile")
+        _install_prep_filter()
+        _tls.neutral = True
+        try:
+            proc.start()
+        finally:
+            _tls.neutral = False
+            child.close()
+        with self._lock:
+            self.counts["workers_started"] += 1
+        return _Worker(proc, parent)
+
+    def _run(self) -> None:
+        while True:
+            # 1. Decide (under the lock) what to start and what to wait on.
+            with self._lock:
+                if self._closed:
+                    break
+                now = time.monotonic()
+                self._check_deadlines(now)
+                self._check_external(now)
+                idle = [w for w in self._workers if w.task is None]
+                while self._queue and idle:
+                    w = idle.pop()
+                    t = self._queue.pop(0)
+                    try:
+                        w.conn.send((worker_build, t.args))
+                    except (OSError, ValueError):
+                        self._queue.insert(0, t)
+                        continue  # a dead worker; its sentinel reports it below
+                    w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
+                need = min(max(len(self._queue), self._want_workers - len(self._workers)),
+                           self.jobs - len(self._workers))
+                objs = [self._wake_r]
+                for w in self._workers:
+                    objs.append(w.conn)
+                    objs.append(w.proc.sentinel)
+                timeout = self._next_timeout(now)
+            # 2. Start workers outside the lock (the first start waits for the forkserver).
+            if need > 0:
+                try:
+                    w = self._spawn()
+                except Exception as e:  # noqa: BLE001 - can't start workers: fail what is queued
+                    with self._lock:
+                        for t in self._queue:
+                            self._finish(t, False, CompileError(t.kernel, t.params, t.arch,
+                                                                f"cannot start a compile worker: {e!r}"))
+                        self._queue.clear()
+                        self._want_workers = 0
+                    continue
+                with self._lock:
+                    if self._closed:
+                        w.proc.kill()
+                        break
+                    self._workers.append(w)
+                continue
+            # 3. Wait for a result, a death, a wake-up or a deadline.
+            try:
+                ready = mpc.wait(objs, timeout)
+            except OSError:
+                ready = []
+            with self._lock:
+                if self._closed:
+                    break
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 4096)
+                    except OSError:
+                        pass
+                for w in list(self._workers):
+                    if w.conn in ready:
+                        try:
+                            status, payload = w.conn.recv()
+                        except (EOFError, OSError):
+                            continue  # died: the sentinel handles it
+                        t, w.task = w.task, None
+                        if t is not None:
+                            self._finish(t, status == "ok", payload)
+                    if w.proc.sentinel in ready or not w.proc.is_alive():
+                        self._reap(w)
+
+    def _reap(self, w: _Worker) -> None:
+        if w not in self._workers:
+            return
+        self._workers.remove(w)
+        w.proc.join(0.1)
+        try:
+            w.conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+        t, w.task = w.task, None
+        if t is not None:
+            self.counts["worker_deaths"] += 1
+            self._finish(t, False, _worker_died_error(t, w.proc.exitcode))
+
+    def _check_deadlines(self, now: float) -> None:
+        for w in list(self._workers):
+            t = w.task
+            if t is not None and t.started is not None and now - t.started > t.timeout:
+                try:
+                    w.proc.kill()
+                except Exception:  # noqa: BLE001
+                    pass
+                w.task = None
+                self._reap(w)
+                self.counts["timeouts"] += 1
+                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started))
+
+    def _check_external(self, now: float) -> None:
+        for ident, t in list(self._external.items()):
+            if os.path.exists(t.obj_meta):
+                del self._external[ident]
+                self._finish(t, True, {"key": t.key, "compiled": False, "external": True})
+            elif not lock_held(t.external_lock):
+                # The other process let go. Published in the meantime? Else it failed:
+                # new again, the next call compiles it here.
+                del self._external[ident]
+                if os.path.exists(t.obj_meta):
+                    self._finish(t, True, {"key": t.key, "compiled": False, "external": True})
+                else:
+                    self._tasks.pop(ident, None)
+                    self._state.pop(ident, None)
+                    self._bump()
+            elif now - t.started > t.timeout:
+                del self._external[ident]
+                self.counts["timeouts"] += 1
+                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, external=True))
+
+    def _next_timeout(self, now: float) -> float | None:
+        cands = [t.started + t.timeout - now for w in self._workers if (t := w.task) is not None]
+        if self._external:
+            cands.append(EXTERNAL_POLL_S)
+        return max(0.0, min(cands)) + 0.01 if cands else None
 
 
 # -- the process-wide pool and the "pending raises" scope -----------------------------
@@ -219,11 +601,25 @@ _active: contextvars.ContextVar[CompilePool | None] = contextvars.ContextVar("qu
 
 
 def default_pool() -> CompilePool:
-    """The lazily started pool that compiles jit-mode misses for this process."""
+    """The lazily created pool that compiles misses for this process (started on
+    its first submit)."""
     global _default
     with _default_lock:
-        if _default is None:
+        if _default is None or _default._closed:
             _default = CompilePool()
+            import atexit
+
+            atexit.register(_default.shutdown)
+        return _default
+
+
+def configure_default(jobs: int | None = None) -> CompilePool:
+    """Set the default pool's size (the pytest plugin's --async-compile=N). Replaces
+    an idle default pool; a started one keeps running with its size."""
+    global _default
+    with _default_lock:
+        if _default is None or _default._closed or (not _default.started and jobs):
+            _default = CompilePool(jobs)
             import atexit
 
             atexit.register(_default.shutdown)
