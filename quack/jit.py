@@ -11,7 +11,7 @@ from typing import Any, Callable
 from quack import _generation, journal, loader, pool as _pool, registry, settings as _settings
 from quack.errors import CacheError, CompileError, CompilePending, KernelNotPrebuilt
 from quack.params import Param
-from quack.store import CacheWarning, DiskStore, LockTimeout
+from quack.store import CacheWarning, DiskStore, LockTimeout, warn_once
 
 _ALL: list["JitKernel"] = []
 
@@ -100,6 +100,12 @@ class JitKernel:
             return self._load(store, entry, params, key, arch, miss=False)
         if s.mode == "prebuilt":
             raise KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
+        if not store.writable():
+            # Read-only cache: hits still load from it; misses run uncached, one warning.
+            warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
+                      f"kernels missing from it are compiled in this process and not stored",
+                      stacklevel=5)
+            return self._compile_in_process(params, key, arch)
         t0 = time.perf_counter()
         if not self.spec.shippable:
             if not self._warned_local:
