@@ -1,0 +1,53 @@
+"""Rendering for ``quack cache stats``."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from quack.inventory import human_bytes
+
+
+def print_stats(con: Console, info: dict) -> None:
+    t = info["totals"]
+    con.print(f"cache {info['root']}: {t['entries']} entries, {human_bytes(t['bytes'])} "
+              f"({t['current_entries']} current, {t['stale_entries']} stale, "
+              f"{t['unknown_entries']} of kernels not registered here)", markup=False)
+    if info["fingerprints"]:
+        tb = Table(title="per toolchain stamp / source fingerprint", header_style="bold")
+        for c in ("stamp", "kernel", "srcfp", "status", "entries", "bytes"):
+            tb.add_column(c, justify="right" if c in ("entries", "bytes") else "left")
+        for f in info["fingerprints"]:
+            st = {"current": "[green]current[/]", "stale": f"[yellow]stale[/] ({f['why']})"}.get(
+                f["status"], f"[dim]{f['status']}[/]")
+            tb.add_row(f["stamp"], f["kernel"], f["srcfp"], st, str(f["entries"]), human_bytes(f["bytes"]))
+        con.print(tb)
+    j = info.get("journal", {})
+    kernels = sorted(set(info["kernels"]) | set(j.get("kernels", {})))
+    if kernels:
+        tb = Table(title="per kernel", header_style="bold")
+        for c in ("kernel", "current", "stale", "bytes", "hits", "misses", "compiles", "compile s"):
+            tb.add_column(c, justify="left" if c == "kernel" else "right")
+        for k in kernels:
+            e = info["kernels"].get(k, {"current": 0, "stale": 0, "unknown": 0, "bytes": 0})
+            u = j.get("kernels", {}).get(k, {})
+            tb.add_row(k, str(e["current"] + e.get("unknown", 0)), str(e["stale"]), human_bytes(e["bytes"]),
+                       str(u.get("hits", 0)), str(u.get("misses", 0)), str(u.get("compiles", 0)),
+                       f"{u.get('compile_s', 0.0):.1f}")
+        con.print(tb)
+    if j.get("slowest"):
+        tb = Table(title="slowest compiles (journal)", header_style="bold")
+        for c in ("kernel", "params", "arch", "seconds"):
+            tb.add_column(c, justify="right" if c == "seconds" else "left")
+        for r in j["slowest"]:
+            params = " ".join(f"{a}={b}" for a, b in (r.get("params") or {}).items())
+            tb.add_row(str(r["kernel"]), params, str(r.get("arch")), f"{r['compile_s']:.2f}")
+        con.print(tb)
+    d = info["debris"]
+    if any(d.values()):
+        con.print(f"debris: {d['tmp_files']} orphaned temp files ({human_bytes(d['tmp_bytes'])}), "
+                  f"{d['orphan_objects']} objects without metadata ({human_bytes(d['orphan_bytes'])}), "
+                  f"{d['quarantined_files']} quarantined files ({human_bytes(d['quarantined_bytes'])}); "
+                  f"`quack cache clean` removes them", markup=False)
+    if t["stale_entries"]:
+        con.print(f"{t['stale_entries']} stale entries ({human_bytes(t['stale_bytes'])}): "
+                  f"`quack cache clean` removes them", markup=False)

@@ -1,0 +1,483 @@
+"""Build manifests: parse, validate and expand TOML files into build configurations.
+
+A manifest::
+
+    [defaults]                          # optional, shared by every [[kernel]] table
+    archs = ["sm_90a"]
+    params = { dtype = ["bfloat16"] }   # applied to kernels that have such a parameter
+
+    [[kernel]]
+    name = "rmsnorm_fwd"
+    archs = ["sm_90a"]                  # optional
+    params = { dtype = ["float32", "bfloat16"], n = [256, 4096], has_weight = [true, false] }
+    exclude = [{ dtype = "float32", n = 256 }]                      # drop matching combinations
+    include = [{ dtype = "float16", n = 333, has_weight = true }]    # extra single combinations
+
+Every value is a scalar or a list (the cross product is built); a Config
+parameter takes an inline table. Everything is validated before anything
+compiles, and all problems are reported together, each naming the file (and
+line where it can be found), the table, the key, the value and what is allowed.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+from quack import registry, settings as _settings
+from quack.errors import ParamError, UnknownKernel
+from quack.params import Config as ConfigParam
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DEFAULT_MAX_CONFIGS = 10_000
+TOP_KEYS = ("defaults", "kernel")
+DEFAULTS_KEYS = ("archs", "params")
+KERNEL_KEYS = ("name", "archs", "params", "exclude", "include")
+_SCALARS = (str, int, float, bool)
+
+
+class ManifestError(Exception):
+    """One or more problems in the manifests; ``problems`` lists them all."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """One (kernel, canonical parameters, arch) to build, with its cache key."""
+
+    kernel: str
+    params: dict
+    arch: str
+    key: str
+    origin: str
+    spec: Any = dataclasses.field(compare=False, repr=False, hash=False)
+
+    @property
+    def plain_params(self) -> dict:
+        return self.spec.plain(self.params)
+
+    def label(self) -> str:
+        return f"{self.kernel}({format_params(self.plain_params)}) {self.arch}"
+
+
+def format_params(params: dict) -> str:
+    out = []
+    for k, v in params.items():
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, dict):
+            v = "{" + ",".join(f"{a}={b}" for a, b in v.items()) + "}"
+        out.append(f"{k}={v}")
+    return " ".join(out)
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, bool):
+        s = "true" if v else "false"
+    elif isinstance(v, str):
+        s = '"' + v + '"'
+    else:
+        s = repr(v)
+    return s if len(s) <= 80 else s[:77] + "..."
+
+
+def _tname(v: Any) -> str:
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, dict):
+        return "table"
+    if isinstance(v, list):
+        return "array"
+    return {str: "string", int: "integer", float: "float"}.get(type(v), type(v).__name__)
+
+
+_TOML_POS = re.compile(r"\(at line (\d+), column (\d+)\)")
+
+
+def read_document(path: Path) -> dict:
+    """Parse one manifest; a syntax error names file, line and column."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ManifestError([f"{path}: no such manifest file"]) from None
+    except IsADirectoryError:
+        raise ManifestError([f"{path}: is a directory, not a manifest file"]) from None
+    except UnicodeDecodeError as e:
+        raise ManifestError([f"{path}: not UTF-8 text ({e})"]) from None
+    except OSError as e:
+        raise ManifestError([f"{path}: cannot read ({e.strerror})"]) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        msg = str(e)
+        m = _TOML_POS.search(msg)
+        line = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)
+        col = getattr(e, "colno", None) or (int(m.group(2)) if m else None)
+        bare = _TOML_POS.sub("", getattr(e, "msg", msg)).strip()
+        where = f"{path}:{line}:{col}" if line else str(path)
+        snippet = ""
+        if line:
+            lines = text.splitlines()
+            if 0 < line <= len(lines):
+                snippet = f"\n    {lines[line - 1]}\n    {' ' * max(0, (col or 1) - 1)}^"
+        raise ManifestError([f"{where}: TOML syntax error: {bare}{snippet}"]) from None
+
+
+def _kernel_header_lines(path: Path) -> list[int]:
+    try:
+        lines = path.read_text("utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return []
+    return [i + 1 for i, ln in enumerate(lines) if re.match(r"^\s*\[\[\s*kernel\s*\]\]", ln)]
+
+
+class _Ctx:
+    """Collects problems for one file."""
+
+    def __init__(self, path: Path, n_kernels: int):
+        self.path = path
+        self.problems: list[str] = []
+        self.warnings: list[str] = []
+        hl = _kernel_header_lines(path)
+        self.header_lines = hl if len(hl) == n_kernels else []
+
+    def where(self, table: str, idx: int | None = None) -> str:
+        if idx is not None and self.header_lines:
+            return f"{self.path}:{self.header_lines[idx]}: {table}"
+        return f"{self.path}: {table}"
+
+    def err(self, where: str, msg: str) -> None:
+        self.problems.append(f"{where}: {msg}")
+
+
+def _as_list(v: Any) -> list:
+    return v if isinstance(v, list) else [v]
+
+
+def _check_archs(ctx: _Ctx, where: str, value: Any) -> list[str] | None:
+    vals = _as_list(value)
+    if not vals:
+        ctx.err(where, "archs = [] is empty; give at least one arch, e.g. archs = [\"sm_90a\"]")
+        return None
+    out = []
+    ok = True
+    for a in vals:
+        try:
+            out.append(_settings.check_arch(a))
+        except ValueError:
+            ok = False
+            close = difflib.get_close_matches(str(a), _settings.KNOWN_ARCHS, n=1)
+            hint = f" (did you mean \"{close[0]}\"?)" if close else ""
+            ctx.err(where, f"archs: {_show(a)} is not a CUDA arch cutlass-dsl knows{hint}; allowed: "
+                    + ", ".join(_settings.KNOWN_ARCHS))
+    return out if ok else None
+
+
+def _values(ctx: _Ctx, where: str, spec, pname: str, raw: Any) -> list | None:
+    """Check one params entry (scalar or list) against the kernel's parameter."""
+    p = spec.params[pname]
+    is_config = isinstance(p, ConfigParam)
+    if isinstance(raw, list):
+        if not raw:
+            ctx.err(where, f"params.{pname} = [] is empty; allowed: {p.describe()}")
+            return None
+        items = raw
+    else:
+        items = [raw]
+    out = []
+    ok = True
+    for v in items:
+        if isinstance(v, list) or (isinstance(v, dict) and not is_config) or not isinstance(
+                v, (*_SCALARS, dict)):
+            ctx.err(where, f"params.{pname} = {_show(v)}: a {_tname(v)} is not allowed here; "
+                    f"expected {p.describe()} (or a list of them)")
+            ok = False
+            continue
+        try:
+            out.append(p.check(pname, v))
+        except ParamError as e:
+            ok = False
+            ctx.err(where, f"params.{pname} = {_show(v)} ({_tname(v)}) is not allowed for kernel "
+                    f"{spec.name}; expected {p.describe()}" + _extra(e))
+    if ok and len(set(map(repr, out))) != len(out):
+        ctx.warnings.append(f"{where}: params.{pname} lists a value twice (ignored)")
+        seen, uniq = set(), []
+        for v in out:
+            if repr(v) not in seen:
+                seen.add(repr(v))
+                uniq.append(v)
+        out = uniq
+    return out if ok else None
+
+
+def _extra(e: ParamError) -> str:
+    m = re.search(r"\((unknown fields.*|field .*)\)$", str(e))
+    return f" ({m.group(1)})" if m else ""
+
+
+def _unknown_param(ctx: _Ctx, where: str, spec, pname: str, what: str = "params") -> None:
+    allowed = ", ".join(f"{n} ({p.describe()})" for n, p in spec.params.items())
+    close = difflib.get_close_matches(pname, list(spec.params), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    ctx.err(where, f"{what}.{pname}: kernel {spec.name} has no parameter {pname!r}{hint}; "
+            f"its parameters are: {allowed}")
+
+
+def _matcher(ctx: _Ctx, where: str, spec, table: Any, what: str) -> dict | None:
+    if not isinstance(table, dict):
+        ctx.err(where, f"{what} entries must be tables like {{ dtype = \"float32\" }}, got {_show(table)}")
+        return None
+    if not table:
+        ctx.err(where, f"{what} entry {{}} is empty")
+        return None
+    out = {}
+    ok = True
+    for k, v in table.items():
+        if k not in spec.params:
+            _unknown_param(ctx, where, spec, k, what)
+            ok = False
+            continue
+        vals = _values(ctx, f"{where}: {what}", spec, k, v)
+        if vals is None:
+            ok = False
+        else:
+            out[k] = vals
+    return out if ok else None
+
+
+def _matches(combo: dict, matcher: dict) -> bool:
+    return all(combo[k] in vals for k, vals in matcher.items())
+
+
+def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_archs: list[str],
+                   arch_override: list[str] | None, max_configs: int, used_defaults: set) -> list:
+    label = f"[[kernel]] #{idx + 1}"
+    if not isinstance(table, dict):
+        ctx.err(ctx.where(label, idx), f"must be a table, got {_show(table)}")
+        return []
+    name = table.get("name")
+    if name is None:
+        ctx.err(ctx.where(label, idx), "missing key 'name' (the registered kernel name)")
+        return []
+    if not isinstance(name, str):
+        ctx.err(ctx.where(label, idx), f"name = {_show(name)} must be a string")
+        return []
+    where = ctx.where(f"{label} ({name})", idx)
+    try:
+        spec = registry.get(name)
+    except UnknownKernel as e:
+        known = list(e.known)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        ctx.err(where, f"name = {_show(name)}: no kernel is registered under this name{hint}; "
+                f"registered kernels: {', '.join(known) or '(none: check [build] kernel_packages)'}")
+        return []
+    used_defaults.add("\0resolved")
+    ok = True
+    for k in table:
+        if k not in KERNEL_KEYS:
+            ok = False
+            if k in spec.params:
+                ctx.err(where, f"unknown key {k!r}: parameters go under params, e.g. "
+                        f"params = {{ {k} = {_show(table[k])} }}")
+            else:
+                ctx.err(where, f"unknown key {k!r}; allowed keys: {', '.join(KERNEL_KEYS)}")
+    archs = default_archs
+    if "archs" in table:
+        archs = _check_archs(ctx, where, table["archs"])
+        ok = ok and archs is not None
+    if arch_override:
+        archs = arch_override
+    params = table.get("params", {})
+    if not isinstance(params, dict):
+        ctx.err(where, f"params = {_show(params)} must be a table of parameter = value or list")
+        return []
+    # `exclude = [...]` written after a [kernel.params] header lands inside params in
+    # TOML; take it as the kernel's (no kernel parameter has these names).
+    table = dict(table)
+    params = dict(params)
+    for k in ("exclude", "include"):
+        if k in params and k not in spec.params:
+            if k in table:
+                ctx.err(where, f"{k} given twice (in the table and under params)")
+                return []
+            table[k] = params.pop(k)
+    given: dict[str, list] = {}
+    for k, v in params.items():
+        if k not in spec.params:
+            _unknown_param(ctx, where, spec, k)
+            ok = False
+            continue
+        vals = _values(ctx, where, spec, k, v)
+        if vals is None:
+            ok = False
+        else:
+            given[k] = vals
+    for k, v in defaults.items():
+        if k in spec.params and k not in params:
+            used_defaults.add(k)
+            vals = _values(ctx, f"{ctx.where('[defaults]')} (for {label} {name})", spec, k, v)
+            if vals is None:
+                ok = False
+            else:
+                given[k] = vals
+        elif k in spec.params:
+            used_defaults.add(k)
+    for n, p in spec.params.items():
+        if n not in given and n not in spec.defaults:
+            ok = False
+            ctx.err(where, f"missing parameter {n!r} (no default in {spec.qualname}); "
+                    f"expected {p.describe()}")
+    excludes, includes = [], []
+    for what, dest in (("exclude", excludes), ("include", includes)):
+        raw = table.get(what, [])
+        if not isinstance(raw, list):
+            raw = [raw]
+        for j, t in enumerate(raw):
+            m = _matcher(ctx, f"{where}: {what}[{j}]", spec, t, what)
+            if m is None:
+                ok = False
+            else:
+                dest.append(m)
+    if not ok:
+        return []
+    names = list(spec.params)
+    axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
+    total = math.prod(len(a) for a in axes) * len(archs)
+    if total > max_configs:
+        dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
+        ctx.err(where, f"the cross product has {total} configurations ({dims} x archs {len(archs)}), "
+                f"over the limit of {max_configs}; narrow the lists or raise the limit with --max-configs")
+        return []
+    combos = [dict(zip(names, c)) for c in itertools.product(*axes)]
+    kept = [c for c in combos if not any(_matches(c, m) for m in excludes)]
+    for j, m in enumerate(excludes):
+        if not any(_matches(c, m) for c in combos):
+            ctx.warnings.append(f"{where}: exclude[{j}] matches no combination")
+    for j, m in enumerate(includes):
+        combo = {}
+        for n in names:
+            if n in m:
+                if len(m[n]) != 1:
+                    ctx.err(f"{where}: include[{j}]", f"{n} must be a single value, got {len(m[n])}")
+                    return []
+                combo[n] = m[n][0]
+            elif len(axes[names.index(n)]) == 1:
+                combo[n] = axes[names.index(n)][0]
+            else:
+                ctx.err(f"{where}: include[{j}]", f"must give {n!r}: the kernel table lists several "
+                        f"values for it ({', '.join(map(_show, axes[names.index(n)]))})")
+                return []
+        kept.append(combo)
+    if not kept:
+        ctx.err(where, f"the cross product is empty: all {len(combos)} combinations are excluded")
+        return []
+    out = []
+    for combo in kept:
+        try:
+            bound = spec.bind((), combo)
+        except ParamError as e:  # pragma: no cover - values were checked one by one
+            ctx.err(where, str(e))
+            return []
+        for arch in archs:
+            out.append(BuildConfig(name, bound, arch, spec.key(bound, arch), f"{ctx.path}:{label}", spec))
+    return out
+
+
+def expand_document(path: Path, doc: dict, *, archs: Iterable[str] = (), arch_override=None,
+                    max_configs: int = DEFAULT_MAX_CONFIGS) -> tuple[list[BuildConfig], list[str], list[str]]:
+    """(configs, problems, warnings) for one parsed manifest."""
+    kernels = doc.get("kernel", [])
+    ctx = _Ctx(path, len(kernels) if isinstance(kernels, list) else 0)
+    for k in doc:
+        if k not in TOP_KEYS:
+            hint = ""
+            if k in ("kernels", "defaults_", "default"):
+                hint = " (did you mean [[kernel]] or [defaults]?)"
+            ctx.err(str(path), f"unknown top-level key {k!r}{hint}; allowed: [defaults] and [[kernel]] tables")
+    defaults = doc.get("defaults", {})
+    default_archs = list(archs)
+    dparams: dict = {}
+    if not isinstance(defaults, dict):
+        ctx.err(ctx.where("[defaults]"), "must be a table")
+    else:
+        for k in defaults:
+            if k not in DEFAULTS_KEYS:
+                ctx.err(ctx.where("[defaults]"), f"unknown key {k!r}; allowed keys: {', '.join(DEFAULTS_KEYS)}")
+        if "archs" in defaults:
+            a = _check_archs(ctx, ctx.where("[defaults]"), defaults["archs"])
+            if a is not None:
+                default_archs = a
+        dparams = defaults.get("params", {})
+        if not isinstance(dparams, dict):
+            ctx.err(ctx.where("[defaults]"), "params must be a table of parameter = value or list")
+            dparams = {}
+    if not isinstance(kernels, list):
+        ctx.err(str(path), "'kernel' must be an array of tables: write [[kernel]], not [kernel]")
+        kernels = []
+    elif not kernels and not ctx.problems:
+        ctx.err(str(path), "no [[kernel]] tables: the manifest builds nothing")
+    out: list[BuildConfig] = []
+    used: set = set()
+    for i, t in enumerate(kernels):
+        out.extend(_expand_kernel(ctx, i, t, dparams, default_archs, arch_override, max_configs, used))
+    for k in dparams:
+        if k not in used and "\0resolved" in used:
+            ctx.err(ctx.where("[defaults]"), f"params.{k}: no kernel in this manifest has a parameter {k!r}")
+    return out, ctx.problems, ctx.warnings
+
+
+@dataclasses.dataclass
+class Expansion:
+    configs: list[BuildConfig]     # unique by key, in manifest order
+    duplicates: int
+    warnings: list[str]
+    files: list[str]
+
+
+def expand(paths: Iterable[Path | str], *, archs: Iterable[str] = (), arch_override=None,
+           max_configs: int = DEFAULT_MAX_CONFIGS) -> Expansion:
+    """Read, validate and expand manifests; raises ManifestError with every problem."""
+    problems: list[str] = []
+    warns: list[str] = []
+    configs: list[BuildConfig] = []
+    files = []
+    if arch_override:
+        bad = [a for a in arch_override if a not in _settings.KNOWN_ARCHS]
+        if bad:
+            raise ManifestError([f"--arch {bad[0]!r} is not a CUDA arch cutlass-dsl knows; allowed: "
+                                 + ", ".join(_settings.KNOWN_ARCHS)])
+    for p in paths:
+        path = Path(p)
+        files.append(str(path))
+        try:
+            doc = read_document(path)
+        except ManifestError as e:
+            problems.extend(e.problems)
+            continue
+        c, pr, w = expand_document(path, doc, archs=archs, arch_override=arch_override,
+                                   max_configs=max_configs)
+        configs.extend(c)
+        problems.extend(pr)
+        warns.extend(w)
+    if problems:
+        raise ManifestError(problems)
+    seen: set[str] = set()
+    uniq = []
+    for c in configs:
+        if c.key not in seen:
+            seen.add(c.key)
+            uniq.append(c)
+    return Expansion(uniq, len(configs) - len(uniq), warns, files)

@@ -1,0 +1,418 @@
+"""The build scheduler: plan (what is cached), order (longest first), compile in
+a pool of warm workers, report progress, write a trace, summarize.
+
+The build process never imports torch or cutlass: workers fork from quack's
+forkserver (cutlass imported and one compile done there) and run
+``quack.pool.worker_build`` through ``quack_build.worker.task``."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+from typing import Protocol
+
+from quack import builder, journal
+from quack.store import DiskStore, LAYOUT
+from quack_build.manifest import BuildConfig
+
+CACHED, COMPILED, SHARED, FAILED, SKIPPED, INTERRUPTED = (
+    "cached", "compiled", "cached-by-other", "failed", "not-built", "interrupted")
+
+
+@dataclasses.dataclass
+class Task:
+    cfg: BuildConfig
+    status: str = "todo"
+    est_s: float | None = None
+    compile_s: float = 0.0
+    wall_s: float = 0.0
+    start: float = 0.0
+    end: float = 0.0
+    pid: int = 0
+    slot: int = -1
+    error: str = ""
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        d = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
+             "key": self.cfg.key, "status": self.status}
+        if self.status in (COMPILED, SHARED, FAILED):
+            d.update(compile_s=round(self.compile_s, 4), wall_s=round(self.wall_s, 4), worker=self.pid)
+        if self.est_s is not None and self.status not in (CACHED,):
+            d["estimate_s"] = round(self.est_s, 3)
+        if self.error:
+            d["error"] = self.error
+        return d
+
+
+class Reporter(Protocol):
+    def planned(self, tasks: list[Task], todo: list[Task], jobs: int) -> None: ...
+    def started(self, task: Task) -> None: ...
+    def finished(self, task: Task) -> None: ...
+    def note(self, text: str) -> None: ...
+    def tick(self) -> None: ...
+    def close(self) -> None: ...
+
+
+class NullReporter:
+    def planned(self, tasks, todo, jobs): pass
+    def started(self, task): pass
+    def finished(self, task): pass
+    def note(self, text): pass
+    def tick(self): pass
+    def close(self): pass
+
+
+@dataclasses.dataclass
+class BuildResult:
+    tasks: list[Task]
+    jobs: int
+    wall_s: float = 0.0
+    plan_s: float = 0.0
+    compile_wall_s: float = 0.0
+    pool_start_s: float = 0.0
+    interrupted: bool = False
+    t0: float = 0.0
+    log_path: str = ""
+    trace_path: str = ""
+    missing_after: list = dataclasses.field(default_factory=list)
+
+    def count(self, status: str) -> int:
+        return sum(1 for t in self.tasks if t.status == status)
+
+    @property
+    def compile_s(self) -> float:
+        return sum(t.compile_s for t in self.tasks if t.status == COMPILED)
+
+    @property
+    def busy_s(self) -> float:
+        return sum(t.wall_s for t in self.tasks if t.status in (COMPILED, SHARED, FAILED))
+
+    @property
+    def efficiency(self) -> float | None:
+        """Busy worker time over jobs x (first compile start .. last compile end): the
+        pool's one-time start-up (forkserver import + warm-up) is reported apart."""
+        if self.compile_wall_s <= 0 or self.jobs <= 0:
+            return None
+        return self.busy_s / (self.jobs * self.compile_wall_s)
+
+    @property
+    def ok(self) -> bool:
+        return not self.interrupted and not self.missing_after and self.count(FAILED) == 0 \
+            and self.count(SKIPPED) == 0
+
+    def to_json(self) -> dict:
+        eff = self.efficiency
+        compiled = self.count(COMPILED)
+        return {
+            "ok": self.ok,
+            "total": len(self.tasks),
+            "cached": self.count(CACHED),
+            "compiled": compiled,
+            "cached_by_other": self.count(SHARED),
+            "failed": self.count(FAILED),
+            "not_built": self.count(SKIPPED) + self.count(INTERRUPTED),
+            "interrupted": self.interrupted,
+            "jobs": self.jobs,
+            "compile_s": round(self.compile_s, 3),
+            "wall_s": round(self.wall_s, 3),
+            "plan_s": round(self.plan_s, 3),
+            "pool_start_s": round(self.pool_start_s, 3),
+            "compile_wall_s": round(self.compile_wall_s, 3),
+            "keys_per_s": round(compiled / self.compile_wall_s, 3) if self.compile_wall_s > 0 else None,
+            "efficiency": round(eff, 4) if eff is not None else None,
+            "missing_after": self.missing_after,
+            "log": self.log_path or None,
+            "trace": self.trace_path or None,
+            "keys": [t.to_json() for t in self.tasks],
+        }
+
+
+# --- planning ------------------------------------------------------------------
+
+def plan(configs: list[BuildConfig], store: DiskStore, *, force: bool = False) -> list[Task]:
+    """A Task per config; cached ones (a valid entry for the current fingerprint) marked so.
+    A corrupt entry is quarantined by the lookup and counts as missing."""
+    tasks = []
+    for c in configs:
+        t = Task(c)
+        if not force and store.lookup(builder.entry_ref(c.spec, c.params, c.arch)) is not None:
+            t.status = CACHED
+        tasks.append(t)
+    return tasks
+
+
+def past_compile_times(root: Path, todo: list[Task]) -> dict[str, float]:
+    """key -> seconds its last compile took, from any fingerprint's metadata (an edit
+    changes the directory, not the key) and the usage journal."""
+    want: dict[str, set[str]] = {}
+    for t in todo:
+        want.setdefault(t.cfg.kernel, set()).add(t.cfg.key)
+    out: dict[str, float] = {}
+    base = Path(root) / LAYOUT
+    try:
+        stamps = [e.path for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        stamps = []
+    for st in stamps:
+        for kernel, ks in want.items():
+            kd = Path(st) / kernel
+            try:
+                fps = [e.path for e in os.scandir(kd) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                continue
+            for fp in fps:
+                for k in ks:
+                    try:
+                        with open(os.path.join(fp, k + ".json"), "rb") as f:
+                            v = json.loads(f.read()).get("compile_s")
+                    except (OSError, ValueError, AttributeError):
+                        continue
+                    if isinstance(v, (int, float)) and v > 0:
+                        out[k] = max(out.get(k, 0.0), float(v))
+    keyset = {t.cfg.key for t in todo}
+    for r in journal.read(Path(root)):
+        k = r.get("key")
+        v = r.get("compile_s")
+        if k in keyset and k not in out and r.get("compiles") and isinstance(v, (int, float)) and v > 0:
+            out[k] = float(v)
+    return out
+
+
+def order_longest_first(todo: list[Task], known: dict[str, float]) -> list[Task]:
+    """Known compile times first, longest first; unknown keys get their kernel's mean
+    (else the overall mean), so one slow kernel family starts early."""
+    per_kernel: dict[str, list[float]] = {}
+    for t in todo:
+        if t.cfg.key in known:
+            per_kernel.setdefault(t.cfg.kernel, []).append(known[t.cfg.key])
+    allv = [v for vs in per_kernel.values() for v in vs]
+    overall = sum(allv) / len(allv) if allv else None
+    for t in todo:
+        if t.cfg.key in known:
+            t.est_s = known[t.cfg.key]
+        elif t.cfg.kernel in per_kernel:
+            vs = per_kernel[t.cfg.kernel]
+            t.est_s = sum(vs) / len(vs)
+        else:
+            t.est_s = overall
+    idx = {id(t): i for i, t in enumerate(todo)}
+    return sorted(todo, key=lambda t: (-(t.est_s or 0.0), idx[id(t)]))
+
+
+# --- running -------------------------------------------------------------------
+
+def _remove_partial(store: DiskStore, t: Task) -> None:
+    """After an interrupt: an object published without its metadata is removed, and the
+    killed worker's temp files (under the key's lock, not waiting: a key another process
+    is building is left alone)."""
+    from quack.inventory import _try_lock
+
+    ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
+    p = store.paths(ref)
+    d = p["obj"].parent
+    lk = _try_lock(p["lock"]) if p["lock"].exists() else None
+    if lk is None:
+        return
+    try:
+        if not p["meta"].exists():
+            for n in ("obj", "so", "so_meta"):
+                try:
+                    os.unlink(p[n])
+                except OSError:
+                    pass
+        if t.pid:
+            for n in os.listdir(d):
+                if n.startswith(ref.key) and f".tmp-{t.pid}-" in n:
+                    try:
+                        os.unlink(d / n)
+                    except OSError:
+                        pass
+    except OSError:
+        pass
+    finally:
+        lk.release()
+
+
+def _pool_task(pool, ident):
+    """The pool's record of a key (start time, worker pid); None if it has none."""
+    tasks = getattr(pool, "_tasks", None)
+    return tasks.get(ident) if isinstance(tasks, dict) else None
+
+
+def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | None = None,
+        keep_going: bool = False, force: bool = False, log_dir: Path | None = None,
+        plan_s: float = 0.0, order: str = "longest", settings=None) -> BuildResult:
+    """Compile every task not cached in a quack.pool.CompilePool; returns the result
+    (check ``.ok``). The pool runs the keys in the order given (longest first by
+    default); at most ``jobs`` + 2 are queued at once, so fail-fast and Ctrl-C stop
+    promptly and progress polling stays O(jobs)."""
+    from quack import pool as qpool
+    from quack import settings as qs
+
+    s = settings or qs.get()
+    rep = reporter or NullReporter()
+    t_begin = time.time() - plan_s
+    todo = [t for t in tasks if t.status != CACHED]
+    if todo and order == "longest":
+        todo = order_longest_first(todo, past_compile_times(store.root, todo))
+    jobs = max(1, min(jobs, len(todo))) if todo else max(1, jobs)
+    res = BuildResult(tasks, jobs, plan_s=plan_s, t0=t_begin)
+    rep.planned(tasks, todo, jobs)
+    if not todo:
+        res.wall_s = time.time() - t_begin
+        res.missing_after = _missing(tasks, store)
+        rep.close()
+        return res
+    log_path = None
+    pool = qpool.CompilePool(jobs, settings=s)
+    root = str(s.cache_dir)
+    queue = list(reversed(todo))  # pop() from the end = longest first
+    inflight: dict[str, Task] = {}
+    slots = list(range(jobs - 1, -1, -1))
+    stop = False
+    t_compile = time.time()
+    gen = pool.generation
+    window = jobs + 2
+    try:
+        while queue or inflight:
+            while queue and not stop and len(inflight) < window:
+                t = queue.pop()
+                t.status = "queued"
+                inflight[t.cfg.key] = t
+                pool.submit(t.cfg.spec, t.cfg.params, t.cfg.arch, t.cfg.key, settings=s, force=force)
+            gen = pool.wait_change(gen, timeout=0.1)
+            now_w, now_m = time.time(), time.monotonic()
+            for key, t in list(inflight.items()):
+                st, err = pool.poll(key, root)
+                if t.status == "queued":
+                    pt = _pool_task(pool, (root, key))
+                    if pt is not None and pt.started is not None:
+                        t.status = "running"
+                        t.start = now_w - (now_m - pt.started)
+                        t.pid = pt.pid or 0
+                        t.slot = slots.pop() if slots else -1
+                        rep.started(t)
+                if st not in (qpool.DONE, qpool.FAILED):
+                    continue
+                del inflight[key]
+                if t.slot >= 0:
+                    slots.append(t.slot)
+                if not t.start:
+                    t.start = now_w
+                if st == qpool.DONE:
+                    r = pool.report(key, root) or {}
+                    t.status = COMPILED if r.get("compiled") else SHARED
+                    t.compile_s = float(r.get("compile_s") or 0.0)
+                    t.pid = r.get("pid", t.pid) or t.pid
+                    t.wall_s = float(r.get("wall_s") or (now_w - t.start))
+                    t.end = t.start + t.wall_s if r.get("wall_s") else now_w
+                else:
+                    t.status = FAILED
+                    t.end = now_w
+                    t.wall_s = max(0.0, t.end - t.start)
+                    t.error = _first_line(err)
+                    t.detail = getattr(err, "detail", None) or str(err)
+                    log_path = _log_failure(log_dir, log_path, t)
+                    if not keep_going:
+                        stop = True
+                rep.finished(t)
+            rep.tick()
+        pool.shutdown(wait=True)
+    except KeyboardInterrupt:
+        res.interrupted = True
+        rep.note("interrupted: stopping the workers")
+        pool.shutdown(wait=True)
+        for key, t in inflight.items():
+            t.status = INTERRUPTED
+            t.end = time.time()
+            pt = _pool_task(pool, (root, key))
+            if pt is not None and pt.pid:
+                t.pid = pt.pid
+            _remove_partial(store, t)
+        for t in queue:
+            t.status = INTERRUPTED
+    finally:
+        ran = [t for t in tasks if t.start and t.end and t.status in (COMPILED, SHARED, FAILED)]
+        if ran:
+            first_start = min(t.start for t in ran)
+            res.compile_wall_s = max(t.end for t in ran) - first_start
+            res.pool_start_s = max(0.0, first_start - t_compile)
+        else:
+            res.compile_wall_s = time.time() - t_compile
+        res.log_path = str(log_path) if log_path else ""
+        for t in tasks:
+            if t.status in ("todo", "queued", "running"):
+                t.status = SKIPPED
+    res.wall_s = time.time() - t_begin
+    if not res.interrupted:
+        res.missing_after = _missing(tasks, store)
+    rep.close()
+    return res
+
+
+def _first_line(err) -> str:
+    if err is None:
+        return "failed"
+    detail = getattr(err, "detail", None)
+    if detail:
+        lines = [ln.strip() for ln in str(detail).strip().splitlines() if ln.strip()]
+        if lines:
+            return lines[-1][:300]
+    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+
+
+def _missing(tasks: list[Task], store: DiskStore) -> list[str]:
+    """Keys not in the cache after the build (exit 0 only if none)."""
+    out = []
+    for t in tasks:
+        if t.status in (FAILED, SKIPPED, INTERRUPTED):
+            out.append(t.cfg.key)
+            continue
+        if store.lookup(builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)) is None:
+            out.append(t.cfg.key)
+    return out
+
+
+def _log_failure(log_dir: Path | None, log_path: Path | None, t: Task) -> Path | None:
+    """Append a failed compile's full error text to this build's log file."""
+    if log_dir is None:
+        return log_path
+    try:
+        if log_path is None:
+            log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            log_path = log_dir / time.strftime(f"build-%Y%m%d-%H%M%S-{os.getpid()}.log")
+        with open(log_path, "a", encoding="utf-8") as f:
+            f.write(f"=== {t.cfg.label()}  key {t.cfg.key}\n--- {t.error}\n{t.detail}\n\n")
+    except OSError:
+        return log_path
+    return log_path
+
+
+# --- trace ---------------------------------------------------------------------
+
+def write_trace(path: Path, res: BuildResult, t0: float) -> None:
+    """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one row per worker."""
+    ev = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "quack build"}},
+          {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "scheduler"}}]
+    if res.plan_s:
+        ev.append({"name": "plan (expand, look up cache)", "cat": "plan", "ph": "X", "pid": 1, "tid": 0,
+                   "ts": 0, "dur": int(res.plan_s * 1e6)})
+    workers = sorted({t.pid for t in res.tasks if t.pid})
+    for i, pid in enumerate(workers):
+        ev.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": pid,
+                   "args": {"name": f"worker {i + 1} (pid {pid})"}})
+    for t in res.tasks:
+        if not t.pid or t.end <= 0:
+            continue
+        ev.append({"name": t.cfg.kernel, "cat": t.status, "ph": "X", "pid": 1, "tid": t.pid,
+                   "ts": int((t.start - t0) * 1e6), "dur": max(1, int((t.end - t.start) * 1e6)),
+                   "args": {"params": t.cfg.plain_params, "arch": t.cfg.arch, "key": t.cfg.key,
+                            "status": t.status, "compile_s": round(t.compile_s, 4),
+                            **({"error": t.error} if t.error else {})}})
+    doc = {"traceEvents": ev, "displayTimeUnit": "ms",
+           "otherData": {"tool": "quack build", "summary": {k: v for k, v in res.to_json().items()
+                                                             if k != "keys"}}}
+    Path(path).write_text(json.dumps(doc, indent=None), encoding="utf-8")

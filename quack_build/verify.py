@@ -1,0 +1,183 @@
+"""``quack verify``: every configuration of the manifests is present for the
+current fingerprint, its checksum intact, built for the requested arch (read
+from the cubin embedded in the .o) and loadable in a fresh process that finds
+the entry function; with ``--run`` (GPU) each kernel's reference hook runs.
+
+Read-only: a corrupt entry is reported, not quarantined."""
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+
+from quack import builder, fsutil
+from quack.cubin import arch_matches, gpu_codes
+from quack.store import DiskStore
+
+LOAD_TIMEOUT = 300.0
+
+
+class _Child:
+    def __init__(self, gpu: bool):
+        env = dict(os.environ)
+        env["QUACK_VERIFY_SYSPATH"] = os.pathsep.join(p for p in sys.path if p)
+        if not gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        self.err = tempfile.TemporaryFile()
+        self.p = subprocess.Popen([sys.executable, "-m", "quack_build._verify_child"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=self.err, env=env)
+
+    def ask(self, req: dict, timeout: float = LOAD_TIMEOUT) -> dict | None:
+        try:
+            self.p.stdin.write((json.dumps(req) + "\n").encode())
+            self.p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            return None
+        r, _, _ = select.select([self.p.stdout], [], [], timeout)
+        if not r:
+            self.p.kill()
+            return {"ok": False, "error": f"loading took over {timeout:.0f} s (killed)"}
+        line = self.p.stdout.readline()
+        if not line:
+            return None
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"ok": False, "error": f"bad answer from the loader: {line[:200]!r}"}
+
+    def death(self) -> str:
+        try:
+            rc = self.p.wait(5)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            rc = self.p.wait()
+        self.err.seek(0)
+        tail = self.err.read()[-600:].decode("utf-8", "replace").strip()
+        why = f"signal {-rc}" if rc < 0 else f"exit status {rc}"
+        return f"the loader process died ({why})" + (f": {tail}" if tail else "")
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.close()
+            self.p.wait(10)
+        except Exception:  # noqa: BLE001
+            self.p.kill()
+        self.err.close()
+
+
+def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
+    """Presence, checksum and arch of one configuration, without touching the cache."""
+    ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
+    p = store.paths(ref)
+    info = {"obj": str(p["obj"]), "so": None, "gpu_code": []}
+    try:
+        meta_bytes = fsutil.read_nofollow(p["meta"])
+    except FileNotFoundError:
+        other = _elsewhere(store, ref)
+        return [("missing: not built for the current fingerprint"
+                 + (f" (a stale build exists: {other})" if other else "")
+                 + "; run quack build")], info
+    except OSError as e:
+        return [f"metadata unreadable: {e}"], info
+    problem, meta = store._check(ref, meta_bytes, p["obj"])
+    if problem:
+        return [problem], info
+    data = fsutil.read_nofollow(p["obj"])
+    codes = gpu_codes(data)
+    info["gpu_code"] = [c.arch for c in codes]
+    problems = []
+    if not codes:
+        problems.append("no embedded GPU code found in the object")
+    elif not arch_matches(cfg.arch, codes):
+        problems.append(f"built for {', '.join(c.arch for c in codes)}, expected {cfg.arch}")
+    so = store._verified_so(p, meta)
+    info["so"] = str(so) if so else None
+    return problems, info
+
+
+def _elsewhere(store: DiskStore, ref) -> str:
+    d = store.entry_dir(ref)
+    try:
+        for fp in os.scandir(d.parent):
+            if fp.name != d.name and os.path.exists(os.path.join(fp.path, ref.key + ".json")):
+                return f"source fingerprint {fp.name}"
+    except OSError:
+        pass
+    return ""
+
+
+def verify(configs, store: DiskStore, *, load: bool = True, run: bool = False, console=None) -> dict:
+    t0 = time.time()
+    rows = []
+    for c in configs:
+        problems, info = check_static(store, c)
+        rows.append({"kernel": c.kernel, "params": c.plain_params, "arch": c.arch, "key": c.key,
+                     "problems": problems, "gpu_code": info["gpu_code"], "_cfg": c, "_info": info})
+    note = ""
+    if (load or run) and rows:
+        todo = [r for r in rows if not r["problems"]]
+        child = _Child(gpu=run)
+        if run:
+            a = child.ask({"op": "gpu"}, timeout=120)
+            if not a or not a.get("gpu"):
+                note = "--run needs a CUDA GPU and none is visible; kernels were not run"
+                run = False
+        i = 0
+        while i < len(todo):
+            r = todo[i]
+            c = r["_cfg"]
+            req = {"key": c.key, "obj": r["_info"]["obj"], "so": r["_info"]["so"], "kernel": c.kernel,
+                   "module": c.spec.module, "params": c.plain_params, "run": run}
+            a = child.ask(req)
+            if a is None:
+                r["problems"].append(child.death())
+                child.close()
+                child = _Child(gpu=run)
+            else:
+                if not a.get("ok"):
+                    r["problems"].append(a.get("error", "load failed"))
+                r["loaded"] = a.get("how", "")
+                if "run" in a:
+                    r["run"] = a["run"]
+                if child.p.poll() is not None:
+                    child.close()
+                    child = _Child(gpu=run)
+            if console is not None and len(todo) > 20 and (i + 1) % 50 == 0:
+                console.print(f"  loaded {i + 1}/{len(todo)}", markup=False)
+            i += 1
+        child.close()
+    bad = [r for r in rows if r["problems"]]
+    for r in rows:
+        r.pop("_cfg")
+        r.pop("_info")
+    ok = not bad and not note
+    return {"ok": ok, "total": len(rows), "problems": len(bad), "loaded": load, "ran": run,
+            "note": note, "seconds": round(time.time() - t0, 3), "entries": rows}
+
+
+def print_report(con, res: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from quack_build.manifest import format_params
+
+    bad = [r for r in res["entries"] if r["problems"]]
+    if bad:
+        tb = Table(title="quack verify: problems", header_style="bold")
+        for col in ("kernel", "params", "arch", "key", "problem"):
+            tb.add_column(col)
+        for r in bad:
+            tb.add_row(r["kernel"], format_params(r["params"]), r["arch"], r["key"][:12],
+                       escape("; ".join(r["problems"])))
+        con.print(tb)
+    if res["note"]:
+        con.print(f"[yellow]{escape(res['note'])}[/]")
+    checks = "present, checksum, arch" + (", loads in a fresh process" if res["loaded"] else "") + (
+        ", reference run" if res["ran"] else "")
+    con.print(f"verified {res['total']} configurations ({checks}): "
+              + ("[green]all good[/]" if not bad else f"[red]{len(bad)} with problems[/]")
+              + f" in {res['seconds']:.1f}s")
