@@ -279,6 +279,17 @@ class RowTiles:
                     mV[self.row] = val.to(mV.element_type)
 
     @cute.jit
+    def mask_cols(self, val_ssa, fill: cutlass.Constexpr = 0.0):
+        """``val_ssa`` (fp32, fragment-shaped) with columns >= N set to ``fill``."""
+        r = cute.make_rmem_tensor(val_ssa.shape, Float32)
+        r.store(val_ssa)
+        for k in cutlass.range_constexpr(cute.size(self.tXcX, mode=[2])):
+            if not self.pred[0, 0, k]:
+                for v in cutlass.range_constexpr(self.plan.vec):
+                    r[(v, 0), 0, k] = Float32(fill)
+        return r.load()
+
+    @cute.jit
     def store_fp32_rows(self, frag: cute.Tensor, mOut: cute.Tensor):
         """Scalar stores of an fp32 fragment into (rows, N) fp32 ``mOut`` at this
         thread's coordinates (used once per CTA, for partial sums)."""

@@ -1,0 +1,127 @@
+"""LayerNorm forward in CuTe DSL.
+
+mean = mean(x);  rstd = 1 / sqrt(mean((x - mean)^2) + eps);  y = (x - mean) * rstd * w + b
+(two-pass variance over the row kept in registers; fp32 math)
+
+Top level imports only quack: torch and cutlass are imported inside functions.
+"""
+from quack import jit_cache
+from quack.params import Bool, Dtype, Int
+
+from kernels._plan import N_MAX, N_MIN
+
+
+@jit_cache(
+    "layernorm_fwd",
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
+            "has_bias": Bool()},
+    reference="kernels.layernorm:_verify_layernorm_fwd",
+)
+def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True):
+    """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+
+    from kernels import _rowreduce as rr
+    from kernels._plan import plan_rows
+
+    dt = rr.cutlass_dtype(dtype)
+    plan = plan_rows(n, dt.width, budget=64)
+
+    @cute.kernel
+    def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor,
+               mRstd: cute.Tensor, eps: Float32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
+        m = cute.size(mX, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=2)
+        red.allocate(smem)
+        red.init_cluster(tidx)
+        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        rX = t.load(t.part(mX))
+        if const_expr(mW is not None):
+            rW = t.load_bcast(t.part_bcast(mW))
+        if const_expr(mB is not None):
+            rB = t.load_bcast(t.part_bcast(mB))
+        x = rX.load().to(Float32)
+        red.wait_cluster()
+        mean = red.reduce(x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                          "sum", 0) * (1.0 / plan.n)
+        xc = x - mean
+        sq = xc * xc
+        if const_expr(not plan.even):
+            # columns past N were loaded as 0 and now hold -mean: mask them out
+            sq = t.mask_cols(sq)
+        var = red.reduce(sq.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                         "sum", 1) * (1.0 / plan.n)
+        rstd = cute.math.rsqrt(var + eps, fastmath=True)
+        y = xc * rstd
+        if const_expr(mW is not None):
+            y = y * rW.load().to(Float32)
+        if const_expr(mB is not None):
+            y = y + rB.load().to(Float32)
+        t.store(y, t.part(mY))
+        t.write_row_scalar(mMean, mean)
+        t.write_row_scalar(mRstd, rstd)
+
+    @cute.jit
+    def launch(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor,
+               eps: Float32, stream):
+        kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
+            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream))
+
+    x, m = rr.fake_rows(dt, n, plan.vec)
+    y, _ = rr.fake_rows(dt, n, plan.vec, m)
+    w = rr.fake_vec(dt, n) if has_weight else None
+    b = rr.fake_vec(dt, n) if has_bias else None
+    mean = rr.fake_vec(Float32, m, align=4)
+    rstd = rr.fake_vec(Float32, m, align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch, x, w, b, y, mean, rstd, Float32(1e-5), stream,
+                        options="--enable-tvm-ffi")
+
+
+def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
+    """LayerNorm over the last dim. Returns ``(y, mean, rstd)`` (mean, rstd float32,
+    shape x.shape[:-1])."""
+    from kernels import _torch as kt
+    import torch
+
+    x2 = kt.rows(x, "x")
+    m, n = x2.shape
+    w = kt.vector(weight, "weight", n, x)
+    b = kt.vector(bias, "bias", n, x)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    y = torch.empty_like(x2)
+    mean = torch.empty(m, dtype=torch.float32, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m > 0:
+        fn = compile_layernorm_fwd(kt.dtype_name(x2, "x"), n, w is not None, b is not None)
+        fn(x2, w, b, y, mean, rstd, float(eps))
+    return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
+
+
+def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
+    """LayerNorm forward (inference); returns y."""
+    return layernorm_fwd(x, weight, bias, eps)[0]
+
+
+def _verify_layernorm_fwd(params: dict, device) -> None:
+    import torch
+
+    dt = getattr(torch, params["dtype"])
+    n = params["n"]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(37, n, generator=g) + 0.5).to(device=device, dtype=dt)
+    w = torch.randn(n, generator=g).to(device=device, dtype=dt) if params.get("has_weight", True) else None
+    b = torch.randn(n, generator=g).to(device=device, dtype=dt) if params.get("has_bias", True) else None
+    y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
+    ref = torch.nn.functional.layer_norm(x.float(), (n,), w.float() if w is not None else None,
+                                         b.float() if b is not None else None, 1e-5)
+    tol = 1e-4 if dt == torch.float32 else (2e-2 if dt == torch.bfloat16 else 5e-3)
+    torch.testing.assert_close(mean, x.float().mean(-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y.float(), ref, atol=tol * 4, rtol=tol)

@@ -1,0 +1,191 @@
+"""Softmax along the last dim, forward and backward, in CuTe DSL.
+
+forward:  y = exp(x - max(x)) / sum(exp(x - max(x)))     (fp32 math)
+backward: dx = y * (dy - sum(dy * y))
+
+Top level imports only quack: torch and cutlass are imported inside functions.
+"""
+import math
+
+from quack import jit_cache
+from quack.params import Dtype, Int
+
+from kernels._plan import N_MAX, N_MIN
+
+LOG2_E = math.log2(math.e)
+
+
+@jit_cache(
+    "softmax_fwd",
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
+    reference="kernels.softmax:_verify_softmax_fwd",
+)
+def compile_softmax_fwd(dtype: str, n: int):
+    """Runtime signature: fn(x, y) with x, y (M, n) of ``dtype``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+
+    from kernels import _rowreduce as rr
+    from kernels._plan import plan_rows
+
+    dt = rr.cutlass_dtype(dtype)
+    plan = plan_rows(n, dt.width, budget=64)
+
+    @cute.kernel
+    def kernel(mX: cute.Tensor, mY: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
+        m = cute.size(mX, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=2)
+        red.allocate(smem)
+        red.init_cluster(tidx)
+        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
+        red.wait_cluster()
+        mx = red.reduce(x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
+                        "max", 0)
+        e = cute.math.exp2(x * LOG2_E - mx * LOG2_E, fastmath=True)
+        s = red.reduce(e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 1)
+        t.store(e * cute.arch.rcp_approx(s), t.part(mY))
+
+    @cute.jit
+    def launch(mX: cute.Tensor, mY: cute.Tensor, stream):
+        kernel(mX, mY).launch(**rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream))
+
+    x, m = rr.fake_rows(dt, n, plan.vec)
+    y, _ = rr.fake_rows(dt, n, plan.vec, m)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch, x, y, stream, options="--enable-tvm-ffi")
+
+
+@jit_cache(
+    "softmax_bwd",
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
+    reference="kernels.softmax:_verify_softmax_bwd",
+)
+def compile_softmax_bwd(dtype: str, n: int):
+    """Runtime signature: fn(dy, y, dx), all (M, n) of ``dtype``."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+
+    from kernels import _rowreduce as rr
+    from kernels._plan import plan_rows
+
+    dt = rr.cutlass_dtype(dtype)
+    plan = plan_rows(n, dt.width, budget=32)
+
+    @cute.kernel
+    def kernel(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
+        m = cute.size(mY, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=1)
+        red.allocate(smem)
+        red.init_cluster(tidx)
+        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        dy = t.load(t.part(mdY)).load().to(Float32)
+        y = t.load(t.part(mY)).load().to(Float32)
+        red.wait_cluster()
+        dot = red.reduce((dy * y).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                         "sum", 0)
+        t.store(y * (dy - dot), t.part(mdX))
+
+    @cute.jit
+    def launch(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor, stream):
+        kernel(mdY, mY, mdX).launch(**rr.launch_kwargs(plan, cute.size(mY, mode=[0]), stream))
+
+    dy, m = rr.fake_rows(dt, n, plan.vec)
+    y, _ = rr.fake_rows(dt, n, plan.vec, m)
+    dx, _ = rr.fake_rows(dt, n, plan.vec, m)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch, dy, y, dx, stream, options="--enable-tvm-ffi")
+
+
+# --------------------------------------------------------------------------- torch-facing
+
+def softmax_fwd(x):
+    """Softmax over the last dim of a CUDA tensor (float32/float16/bfloat16)."""
+    from kernels import _torch as kt
+    import torch
+
+    x2 = kt.rows(x, "x")
+    m, n = x2.shape
+    y = torch.empty_like(x2)
+    if m > 0:
+        compile_softmax_fwd(kt.dtype_name(x2, "x"), n)(x2, y)
+    return y.view(x.shape)
+
+
+def softmax_bwd(dy, y):
+    """Gradient of softmax: dx = y * (dy - sum(dy * y, -1))."""
+    from kernels import _torch as kt
+    import torch
+
+    y2 = kt.rows(y, "y")
+    m, n = y2.shape
+    dy2 = kt.like_rows(dy, "dy", y, "y")
+    dx = torch.empty_like(y2)
+    if m > 0:
+        compile_softmax_bwd(kt.dtype_name(y2, "y"), n)(dy2, y2, dx)
+    return dx.view(y.shape)
+
+
+_FN = {}
+
+
+def softmax(x):
+    """Differentiable softmax over the last dim (``torch.autograd.Function``)."""
+    if "fn" not in _FN:
+        import torch
+
+        class SoftmaxFunction(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                y = softmax_fwd(x)
+                ctx.save_for_backward(y)
+                return y
+
+            @staticmethod
+            def backward(ctx, dy):
+                (y,) = ctx.saved_tensors
+                return softmax_bwd(dy.contiguous(), y)
+
+        _FN["fn"] = SoftmaxFunction
+    return _FN["fn"].apply(x)
+
+
+# --------------------------------------------------------------------------- verify
+
+def _tol(dt):
+    import torch
+
+    return {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}[dt]
+
+
+def _verify_softmax_fwd(params: dict, device) -> None:
+    import torch
+
+    dt = getattr(torch, params["dtype"])
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(37, params["n"], generator=g) * 3).to(device=device, dtype=dt)
+    y = softmax_fwd(x)
+    torch.testing.assert_close(y.float(), torch.softmax(x.float(), -1), atol=_tol(dt), rtol=_tol(dt) * 4)
+
+
+def _verify_softmax_bwd(params: dict, device) -> None:
+    import torch
+
+    dt = getattr(torch, params["dtype"])
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(37, params["n"], generator=g).to(device=device)
+    y = torch.softmax(x, -1).to(dt)
+    dy = torch.randn(37, params["n"], generator=g).to(device=device, dtype=dt)
+    yf, dyf = y.float(), dy.float()
+    ref = yf * (dyf - (yf * dyf).sum(-1, keepdim=True))
+    torch.testing.assert_close(softmax_bwd(dy, y).float(), ref, atol=_tol(dt), rtol=_tol(dt) * 4)

@@ -1,0 +1,35 @@
+"""Kernel test configurations shared by the CPU and GPU tiers (and mirrored in
+manifests/tests.toml)."""
+DTYPES = ("float32", "float16", "bfloat16")
+# CPU tier: compile + export + load for sm_90a. One-warp, one-block and cluster paths.
+CPU_NS = (1000, 16384, 65536)
+# GPU tier grid.
+GPU_MS = (1, 7, 1024, 32768)
+GPU_NS = (256, 1000, 4096, 16384, 65536, 262144)
+
+# kernel name -> list of extra compile params (variants) exercised by the tests
+VARIANTS = {
+    "rmsnorm_fwd": [dict(has_weight=True, has_bias=False, has_residual=False),
+                    dict(has_weight=False, has_bias=True, has_residual=True)],
+    "rmsnorm_bwd": [dict(has_weight=True), dict(has_weight=False)],
+    "softmax_fwd": [dict()],
+    "softmax_bwd": [dict()],
+    "layernorm_fwd": [dict(has_weight=True, has_bias=True)],
+    "cross_entropy_fwd": [dict()],
+    "cross_entropy_bwd": [dict()],
+}
+
+COMPILE_FNS = {
+    "rmsnorm_fwd": ("kernels.rmsnorm", "compile_rmsnorm_fwd"),
+    "rmsnorm_bwd": ("kernels.rmsnorm", "compile_rmsnorm_bwd"),
+    "softmax_fwd": ("kernels.softmax", "compile_softmax_fwd"),
+    "softmax_bwd": ("kernels.softmax", "compile_softmax_bwd"),
+    "layernorm_fwd": ("kernels.layernorm", "compile_layernorm_fwd"),
+    "cross_entropy_fwd": ("kernels.cross_entropy", "compile_cross_entropy_fwd"),
+    "cross_entropy_bwd": ("kernels.cross_entropy", "compile_cross_entropy_bwd"),
+}
+
+
+def tol(dtype: str):
+    """(atol, rtol) for outputs of O(1) magnitude."""
+    return {"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 2e-2)}[dtype]
