@@ -1,0 +1,198 @@
+"""Issue 6, case 3: builders killed with SIGKILL at random points of an export, 60 times;
+afterwards every published entry verifies, the debris is swept (`quack cache clean`, or
+the store's own sweep), and a rebuild completes. Ctrl-C (SIGINT) of `quack build` too."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from quack import loader
+from quack.store import DiskStore, EntryRef
+from reliability_support import (PY, TESTS, cli_has, compile_objects, debris, env, needs_cli,
+                                 toy_ref, write_toy_project)
+
+KILLS = int(os.environ.get("QUACK_TEST_KILLS", "60"))
+NKEYS = 6
+
+# A builder that republishes copies of a real .o through the store's publish path
+# (lock, O_EXCL temp, write in chunks, fsync, rename, fsync dir, metadata last) and
+# links each .so, over and over, until it is killed.
+_REPUBLISH = r"""
+import hashlib, os, sys, time
+from pathlib import Path
+from quack import loader
+from quack.store import DiskStore, EntryRef
+root, obj, srcfp, nkeys = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+data = Path(obj).read_bytes()
+store = DiskStore(Path(root), fsync=True)
+refs = [EntryRef("toy_scale", hashlib.sha256(b"k%d" % i).hexdigest(), "sm_90a", srcfp) for i in range(nkeys)]
+print("ready", flush=True)
+n = 0
+while True:
+    for ref in refs:
+        with store.lock(ref):
+            tmp = store.tmp_obj(ref)
+            with open(tmp, "wb") as f:
+                for i in range(0, len(data), 4096):
+                    f.write(data[i:i + 4096]); f.flush()
+            e = store.publish(ref, tmp, {"compile_s": 0.0, "n": n})
+            loader.link_entry(store, e)
+        n += 1
+"""
+
+
+def backdate(root: Path, seconds: float) -> None:
+    t = time.time() - seconds
+    for p in Path(root).rglob("*"):
+        if p.is_file() and not p.is_symlink():
+            os.utime(p, (t, t))
+
+
+def _refs(srcfp):
+    return [EntryRef("toy_scale", hashlib.sha256(b"k%d" % i).hexdigest(), "sm_90a", srcfp)
+            for i in range(NKEYS)]
+
+
+def test_sigkill_during_export_loop(tmp_path):
+    objs = compile_objects(tmp_path / "objs")  # the only real compiles here (2)
+    info = objs["float32"]
+    root = tmp_path / "cache"
+    store = DiskStore(root)
+    rng = random.Random(1234)
+    stats = {"kills": 0, "debris_after_kill": 0, "orphan_o_after_kill": 0, "meta_present": 0,
+             "so_without_sidecar": 0}
+    for i in range(KILLS):
+        p = subprocess.Popen([PY, "-c", _REPUBLISH, str(root), info["path"], info["srcfp"], str(NKEYS)],
+                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             start_new_session=True, cwd=str(TESTS))
+        assert p.stdout.readline().strip() == b"ready", p.stderr.read()
+        time.sleep(rng.uniform(0.0, 0.25))
+        os.killpg(p.pid, signal.SIGKILL)  # the builder and any gcc it runs
+        p.wait(timeout=30)
+        assert p.returncode == -signal.SIGKILL, p.stderr.read()
+        stats["kills"] += 1
+        # After every kill: every entry whose metadata is present verifies, with no
+        # warning (nothing quarantined); the rest are plain misses.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for ref in _refs(info["srcfp"]):
+                paths = store.paths(ref)
+                e = store.lookup(ref)
+                if paths["meta"].exists():
+                    stats["meta_present"] += 1
+                    assert e is not None, f"kill {i}: published entry {ref.key[:12]} did not verify"
+                    assert hashlib.sha256(e.obj_path.read_bytes()).hexdigest() == e.meta["sha256"]
+                else:
+                    assert e is None
+                    stats["orphan_o_after_kill"] += paths["obj"].exists()
+                stats["so_without_sidecar"] += paths["so"].exists() and not paths["so_meta"].exists()
+        stats["debris_after_kill"] += bool(debris(root))
+    print("sigkill loop:", json.dumps(stats))
+    assert stats["kills"] >= 50
+    # The kills must have landed in different places, or the test proves little.
+    assert stats["debris_after_kill"] > 0 or stats["orphan_o_after_kill"] > 0, stats
+
+    # Sweep the debris: `quack cache clean` where it exists, else the store's sweep.
+    # clean spares a dead writer's temp file for a minute (its pid may be reused, the
+    # file may be on a shared disk), an orphan .o for 5: make the debris look 400 s old.
+    backdate(root, 400)
+    if cli_has("cache", "clean"):
+        r = subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root)], env=env(),
+                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "Traceback" not in r.stdout + r.stderr
+    else:
+        store.sweep_debris(min_age=0)
+    assert debris(root) == [], debris(root)
+    for ref in _refs(info["srcfp"]):
+        paths = store.paths(ref)
+        assert paths["meta"].exists() or not paths["obj"].exists(), "an orphan .o survived the sweep"
+
+    # Rebuild every key (a publish through the same path) and load one for real.
+    for ref in _refs(info["srcfp"]):
+        with store.lock(ref):
+            tmp = store.tmp_obj(ref)
+            tmp.write_bytes(Path(info["path"]).read_bytes())
+            e = store.publish(ref, tmp, {"compile_s": 0.0})
+        assert store.lookup(ref) is not None
+    if loader.can_link():
+        e = store.lookup(_refs(info["srcfp"])[0])
+        fn, mod, how = loader.load_entry(store, e)
+        assert callable(fn) and how == "so"
+
+
+def test_sweep_spares_live_writers_and_held_locks(tmp_path):
+    """The sweep never removes a live writer's temp file, nor a .o whose key lock is
+    held (a publish between its two renames), nor any lock file."""
+    objs = {"float32": {"srcfp": "0123456789abcdef"}}
+    root = tmp_path / "cache"
+    store = DiskStore(root)
+    ref = EntryRef("toy_scale", "ab" * 32, "sm_90a", objs["float32"]["srcfp"])
+    live = store.tmp_obj(ref)  # ours: this pid is alive
+    dead = live.with_name(f"{ref.key}.o.tmp-999999999-deadbeef")
+    dead.write_bytes(b"x")
+    p = store.paths(ref)
+    p["obj"].write_bytes(b"orphan")
+    with store.lock(ref):
+        removed = store.sweep_debris(min_age=3600)
+        assert dead in removed and live not in removed and p["obj"].exists()
+    removed = store.sweep_debris(min_age=3600)
+    assert p["obj"] in removed and not p["obj"].exists()
+    assert live.exists() and p["lock"].exists()
+
+
+@needs_cli("build")
+def test_ctrl_c_of_quack_build(tmp_path):
+    """SIGINT to `quack build` mid-compile: it stops (non-zero, no traceback), leaves no
+    published partial entry, its debris is swept, and a rebuild completes."""
+    manifest = """
+[[kernel]]
+name = "toy_scale"
+params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], bias = [false, true] }
+"""
+    write_toy_project(tmp_path, manifest)
+    root = tmp_path / "cache"
+    results = []
+    rng = random.Random(7)
+    for attempt in range(3):
+        p = subprocess.Popen(["quack", "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(tmp_path),
+                             start_new_session=True)
+        time.sleep(rng.uniform(1.5, 4.0))
+        os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole group
+        try:
+            out, _ = p.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, _ = p.communicate()
+            pytest.fail(f"quack build did not stop within 60 s of SIGINT:\n{out.decode()[-3000:]}")
+        text = out.decode(errors="replace")
+        results.append(p.returncode)
+        assert "Traceback" not in text, text[-3000:]
+        # Everything published is whole.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for meta in root.rglob("*.json"):
+                if meta.name.endswith(".so.json") or meta.parent.name == "logs":
+                    continue
+                m = json.loads(meta.read_text())
+                obj = meta.with_suffix(".o")
+                assert hashlib.sha256(obj.read_bytes()).hexdigest() == m["sha256"], meta
+    backdate(root, 400)
+    subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root)], env=env(),
+                   capture_output=True, timeout=300, cwd=str(tmp_path))
+    assert debris(root) == []
+    r = subprocess.run(["quack", "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
+                       capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert any(rc != 0 for rc in results), "an interrupted build must exit non-zero"
