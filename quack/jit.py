@@ -99,7 +99,9 @@ class JitKernel:
         if entry is not None:
             return self._load(store, entry, params, key, arch, miss=False)
         if s.mode == "prebuilt":
-            raise KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
+            err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
+            _pool.note_not_prebuilt(err, s)
+            raise err
         if not store.writable():
             # Read-only cache: hits still load from it; misses run uncached, one warning.
             warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
@@ -150,6 +152,7 @@ class JitKernel:
                     exc = CompilePending(self.spec.name, key)
                     exc.root = root
                     exc.pool = pool
+                    _pool.note_pending(exc)
                     raise exc
                 st, err = pool.wait(key, root=root)
             if st == _pool.FAILED:

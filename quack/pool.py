@@ -533,18 +533,24 @@ class CompilePool:
                         try:
                             status, payload = w.conn.recv()
                         except (EOFError, OSError):
-                            continue  # died: the sentinel handles it
+                            self._reap(w)  # died mid-task: its key fails
+                            continue
                         t, w.task = w.task, None
                         if t is not None:
                             self._finish(t, status == "ok", payload)
-                    if w.proc.sentinel in ready or not w.proc.is_alive():
+                    if w.proc.sentinel in ready:
                         self._reap(w)
 
     def _reap(self, w: _Worker) -> None:
         if w not in self._workers:
             return
         self._workers.remove(w)
-        w.proc.join(0.1)
+        if w.proc.exitcode is None:
+            try:
+                w.proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+        w.proc.join(1.0)
         try:
             w.conn.close()
         except Exception:  # noqa: BLE001
@@ -624,6 +630,24 @@ def configure_default(jobs: int | None = None) -> CompilePool:
 
             atexit.register(_default.shutdown)
         return _default
+
+
+# Per-attempt logs the pytest plugin sets: CompilePending raised (even if the test
+# swallowed it with ``except BaseException``), and prebuilt-mode misses.
+_pending_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_pending_log", default=None)
+_miss_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_miss_log", default=None)
+
+
+def note_pending(exc) -> None:
+    log = _pending_log.get()
+    if log is not None:
+        log.append(exc)
+
+
+def note_not_prebuilt(exc, settings) -> None:
+    log = _miss_log.get()
+    if log is not None:
+        log.append((exc, settings))
 
 
 def active_pool() -> CompilePool | None:

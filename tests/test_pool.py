@@ -1,0 +1,227 @@
+"""The compile pool with real CuTe DSL compiles on the CPU: parallel compiles,
+stats, prewarm, and the fault rules (compile error, killed worker, wedged
+compile, a key locked by another process)."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+
+import pytest
+
+import poolkernels
+import toykernels
+from quack import builder, pool as qpool
+from quack.errors import CompileError, CompilePending
+from quack.store import CacheWarning, DiskStore
+
+from conftest import use_settings
+
+
+def _tag() -> int:
+    return random.randrange(1, 1 << 30)
+
+
+def _wait_for(pred, timeout=60.0, step=0.05):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return False
+
+
+@pytest.fixture
+def pool(quack_settings):
+    p = qpool.CompilePool(2)
+    yield p
+    p.shutdown()
+
+
+def test_scope_raises_pending_compiles_in_parallel_then_loads(pool, cache_dir):
+    n0 = len(toykernels.COMPILES)
+    keys = []
+    t0 = time.perf_counter()
+    with qpool.pool_scope(pool):
+        for block in (64, 96):
+            with pytest.raises(CompilePending) as ei:
+                toykernels.toy_scale("float16", block, True)
+            keys.append(ei.value.key)
+            assert ei.value.pool is pool and pool.state(ei.value.key) == qpool.PENDING
+        assert time.perf_counter() - t0 < 0.5, "submit must not block on worker start-up"
+        # A second call while pending doesn't submit again.
+        with pytest.raises(CompilePending):
+            toykernels.toy_scale("float16", 64, True)
+        for k in keys:
+            assert pool.wait(k, timeout=120) == (qpool.DONE, None)
+        fns = [toykernels.toy_scale("float16", b, True) for b in (64, 96)]
+    assert all(callable(f) for f in fns)
+    assert len(toykernels.COMPILES) == n0, "compiles happen in workers only"
+    st = pool.stats()
+    assert (st["submitted"], st["done"], st["compiled"], st["failed"], st["pending"]) == (2, 2, 2, 0, 0)
+    assert st["compile_s"] > 0 and st["errors"] == {}
+
+
+def test_swallowing_except_exception_cannot_hide_pending(pool):
+    with qpool.pool_scope(pool):
+        with pytest.raises(CompilePending):
+            try:
+                toykernels.toy_scale("float32", 160, False)
+            except Exception:  # noqa: BLE001 - what careless test code does
+                pytest.fail("CompilePending was swallowed by except Exception")
+
+
+def test_compile_error_reraised_once_with_worker_traceback(pool):
+    tag = _tag()
+    with qpool.pool_scope(pool):
+        with pytest.raises(CompilePending) as ei:
+            poolkernels.pool_fault("raise", tag)
+        assert pool.wait(ei.value.key, timeout=120)[0] == qpool.FAILED
+        with pytest.raises(CompileError) as ce:
+            poolkernels.pool_fault("raise", tag)
+        text = str(ce.value)
+        assert "deliberate compile failure" in text and "Traceback" in text and "poolkernels.py" in text
+        # Reported once: the next call submits again.
+        with pytest.raises(CompilePending):
+            poolkernels.pool_fault("raise", tag)
+    assert pool.stats()["failed"] >= 1
+
+
+def test_compile_error_outside_scope_waits_and_raises(quack_settings):
+    with pytest.raises(CompileError, match="deliberate compile failure"):
+        poolkernels.pool_fault("raise", _tag())
+
+
+def test_killed_worker_fails_its_key_only_and_pool_recovers(pool):
+    tag = _tag()
+    pf = poolkernels.pid_file(tag)
+    with qpool.pool_scope(pool):
+        with pytest.raises(CompilePending) as victim:
+            poolkernels.pool_fault("die", tag)
+        with pytest.raises(CompilePending) as bystander:
+            toykernels.toy_scale("float32", 192, True)
+        assert _wait_for(lambda: os.path.exists(pf) and open(pf).read().strip()), "worker never started"
+        os.kill(int(open(pf).read()), signal.SIGKILL)
+        os.unlink(pf)
+        st, err = pool.wait(victim.value.key, timeout=60)
+        assert st == qpool.FAILED and "SIGKILL" in str(err), err
+        assert pool.wait(bystander.value.key, timeout=120) == (qpool.DONE, None)
+        with pytest.raises(CompileError, match="killed by SIGKILL"):
+            poolkernels.pool_fault("die", tag)
+        # The pool replaced the worker: a new key still compiles.
+        with pytest.raises(CompilePending) as after:
+            poolkernels.pool_fault("ok", tag)
+        assert pool.wait(after.value.key, timeout=120) == (qpool.DONE, None)
+    st = pool.stats()
+    assert st["worker_deaths"] == 1 and st["failed"] == 1
+
+
+def test_wedged_compile_times_out_then_compiles_in_process(quack_settings):
+    use_settings(compile_timeout=2.0)
+    tag = _tag()
+    p = qpool.default_pool()
+    before = p.stats()
+    t0 = time.perf_counter()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fn = poolkernels.pool_fault("wedge", tag)
+    assert callable(fn)
+    assert 2.0 <= time.perf_counter() - t0 < 60
+    assert any(issubclass(x.category, CacheWarning) and "in this process" in str(x.message) for x in w)
+    after = p.stats()
+    assert after["timeouts"] == before["timeouts"] + 1
+    try:
+        os.unlink(poolkernels.pid_file(tag))
+    except FileNotFoundError:
+        pass
+
+
+def _lock_holder(cache_dir, publish: bool) -> subprocess.Popen:
+    code = f"""
+import os, sys, time
+sys.path[:0] = {[os.path.dirname(__file__)]!r}
+from pathlib import Path
+import toykernels
+from quack import builder, registry
+from quack.store import DiskStore
+spec = registry.get("toy_scale")
+params = spec.bind(("float32", 224, True))
+store = DiskStore(Path({str(cache_dir)!r}))
+ref = builder.entry_ref(spec, params, "sm_90a")
+with store.lock(ref):
+    print("locked", flush=True)
+    time.sleep(1.5)
+    if {publish!r}:
+        tmp = store.tmp_obj(ref)
+        builder.compile_to(spec, params, "sm_90a", tmp)
+        store.publish(ref, tmp, {{"params": spec.plain(params), "compile_s": 0.1}})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+@pytest.mark.parametrize("publish", [True, False], ids=["publishes", "gives-up"])
+def test_key_locked_by_another_process_is_awaited_not_compiled_twice(pool, cache_dir, publish):
+    proc = _lock_holder(cache_dir, publish)
+    try:
+        with qpool.pool_scope(pool):
+            with pytest.raises(CompilePending) as ei:
+                toykernels.toy_scale("float32", 224, True)
+            st = pool.stats()
+            assert st["awaited_external"] == 1 and st["submitted"] == 0
+            state, err = pool.wait(ei.value.key, timeout=120)
+            if publish:
+                assert (state, err) == (qpool.DONE, None)
+                assert callable(toykernels.toy_scale("float32", 224, True))
+                assert pool.stats()["compiled"] == 0, "compiled twice"
+            else:
+                # The other process let go without publishing: new again, ours to compile.
+                assert state == qpool.NEW
+                with pytest.raises(CompilePending):
+                    toykernels.toy_scale("float32", 224, True)
+                assert pool.wait(ei.value.key, timeout=120)[0] == qpool.DONE
+                assert pool.stats()["compiled"] == 1
+    finally:
+        proc.wait(60)
+
+
+def test_prewarm_returns_at_once_and_shutdown_never_waits(quack_settings):
+    p = qpool.CompilePool(2)
+    t0 = time.perf_counter()
+    p.prewarm()
+    assert time.perf_counter() - t0 < 0.2
+    assert _wait_for(lambda: p.stats()["workers"] == 2, timeout=120)
+    tag = _tag()
+    with qpool.pool_scope(p):
+        with pytest.raises(CompilePending) as ei:
+            poolkernels.pool_fault("wedge", tag)
+    assert _wait_for(lambda: p.stats()["running"] == 1)
+    t0 = time.perf_counter()
+    p.shutdown()
+    assert time.perf_counter() - t0 < 0.5, "shutdown waited for a compile"
+    st, err = p.poll(ei.value.key)
+    assert st == qpool.FAILED and "shut down" in str(err)
+    try:
+        os.unlink(poolkernels.pid_file(tag))
+    except FileNotFoundError:
+        pass
+
+
+def test_state_is_per_cache_root(pool, tmp_path):
+    roots = [tmp_path / "a", tmp_path / "b"]
+    for r in roots:
+        use_settings(cache_dir=str(r))
+        with qpool.pool_scope(pool):
+            with pytest.raises(CompilePending) as ei:
+                toykernels.toy_scale("float32", 256, False)
+            pool.wait(ei.value.key, timeout=120)
+            assert callable(toykernels.toy_scale("float32", 256, False))
+    spec = toykernels.toy_scale.spec
+    params = spec.bind(("float32", 256, False))
+    ref = builder.entry_ref(spec, params, "sm_90a")
+    assert all(DiskStore(r).lookup(ref) is not None for r in roots)
+    assert pool.stats()["compiled"] == 2
