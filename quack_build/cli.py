@@ -110,7 +110,15 @@ def _store(s):
     return DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
+    typer.echo(f"warning: {message}", err=True)
+
+
 def _run(fn):
+    import warnings
+
+    saved = warnings.showwarning
+    warnings.showwarning = _show_warning
     try:
         code = fn()
     except _Fail as e:
@@ -119,6 +127,8 @@ def _run(fn):
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130)
+    finally:
+        warnings.showwarning = saved
     raise typer.Exit(code or 0)
 
 

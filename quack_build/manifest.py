@@ -201,7 +201,8 @@ def _values(ctx: _Ctx, where: str, spec, pname: str, raw: Any) -> list | None:
     for v in items:
         if isinstance(v, list) or (isinstance(v, dict) and not is_config) or not isinstance(
                 v, (*_SCALARS, dict)):
-            ctx.err(where, f"params.{pname} = {_show(v)}: a {_tname(v)} is not allowed here; "
+            tn = _tname(v)
+            ctx.err(where, f"params.{pname} = {_show(v)}: {'an' if tn[0] in 'aeiou' else 'a'} {tn} is not allowed here; "
                     f"expected {p.describe()} (or a list of them)")
             ok = False
             continue

@@ -1,0 +1,161 @@
+"""Manifest parsing, validation and expansion (no compiles)."""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import toykernels  # noqa: F401  (registers toy_scale)
+from quack import registry
+from quack.manifest_line import manifest_line
+from quack.params import Config, Int
+from quack_build.manifest import ManifestError, expand
+
+CORPUS = Path(__file__).parent / "data" / "manifests"
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    m: int = 64
+    n: int = 128
+    swizzle: bool = False
+
+
+def _cfg_kernel(tile: Tile, stages: int = 2):  # never compiled here
+    raise NotImplementedError
+
+
+if "mf_tiled" not in registry.all_specs():
+    registry.register("mf_tiled", _cfg_kernel, {"tile": Config(cls=Tile), "stages": Int(min=1, max=8)})
+
+
+def _write(tmp_path, text, name="m.toml") -> Path:
+    p = tmp_path / name
+    p.write_text(text)
+    return p
+
+
+def _expects(path: Path) -> list[str]:
+    try:
+        lines = path.read_text("utf-8").splitlines()
+    except UnicodeDecodeError:
+        return ["not UTF-8"]
+    return [ln.split("# expect:", 1)[1].strip() for ln in lines if ln.startswith("# expect:")]
+
+
+@pytest.mark.parametrize("path", sorted(CORPUS.glob("*.toml")), ids=lambda p: p.stem)
+def test_malformed_corpus(path):
+    expects = _expects(path)
+    assert expects, f"{path} has no '# expect:' lines"
+    with pytest.raises(ManifestError) as ei:
+        expand([path], archs=["sm_90a"])
+    text = str(ei.value)
+    assert str(path) in text  # every problem names its file
+    for e in expects:
+        assert e in text, f"expected {e!r} in:\n{text}"
+
+
+def test_several_problems_all_reported():
+    with pytest.raises(ManifestError) as ei:
+        expand([CORPUS / "several_problems.toml"], archs=["sm_90a"])
+    assert len(ei.value.problems) == 3
+
+
+def test_cross_product_exclude_include_defaults(tmp_path):
+    p = _write(tmp_path, """
+[defaults]
+archs = ["sm_90a"]
+params = { dtype = ["float16", "bfloat16"] }
+
+[[kernel]]
+name = "toy_scale"
+[kernel.params]
+block = [64, 128]
+bias = [true, false]
+exclude = [{ block = 64, bias = true }]
+include = [{ dtype = "float32", block = 256, bias = false }]
+""")
+    exp = expand([p])
+    got = [(c.params["dtype"], c.params["block"], c.params["bias"], c.arch) for c in exp.configs]
+    assert len(got) == 2 * 3 + 1
+    assert ("float16", 64, True, "sm_90a") not in got
+    assert ("float32", 256, False, "sm_90a") in got
+    assert exp.duplicates == 0
+
+
+def test_keys_match_runtime_keys(tmp_path):
+    p = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\narchs = ["sm_90a", "sm_80"]\n'
+                         'params = { dtype = "bf16", block = 256 }\n')
+    exp = expand([p])
+    assert {c.key for c in exp.configs} == {
+        toykernels.toy_scale.key(dtype="bfloat16", block=256, arch="sm_90a"),
+        toykernels.toy_scale.key("bfloat16", 256, False, arch="sm_80")}
+
+
+def test_archs_precedence_and_override(tmp_path):
+    p = _write(tmp_path, '[defaults]\narchs = ["sm_80"]\n[[kernel]]\nname = "toy_scale"\n'
+                         'params = { dtype = "float16" }\n[[kernel]]\nname = "toy_scale"\narchs = "sm_100a"\n'
+                         'params = { dtype = "float32" }\n')
+    assert sorted(c.arch for c in expand([p], archs=["sm_90a"]).configs) == ["sm_100a", "sm_80"]
+    p2 = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = "float16" }\n', "n.toml")
+    assert [c.arch for c in expand([p2], archs=["sm_90a"]).configs] == ["sm_90a"]
+    assert {c.arch for c in expand([p, p2], arch_override=["sm_120a"]).configs} == {"sm_120a"}
+    with pytest.raises(ManifestError, match="--arch 'sm_7'"):
+        expand([p2], arch_override=["sm_7"])
+
+
+def test_duplicates_across_files_dropped(tmp_path):
+    a = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float16", "float32"] }\n', "a.toml")
+    b = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = "fp16", block = 128 }\n', "b.toml")
+    exp = expand([a, b], archs=["sm_90a"])
+    assert len(exp.configs) == 2 and exp.duplicates == 1
+
+
+def test_limit_on_cross_product(tmp_path):
+    p = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float16", "float32"], '
+                         'block = [32, 64, 128, 256], bias = [true, false] }\n')
+    assert len(expand([p], archs=["sm_90a"]).configs) == 16
+    with pytest.raises(ManifestError, match=r"16 configurations .*over the limit of 10.*--max-configs"):
+        expand([p], archs=["sm_90a"], max_configs=10)
+
+
+def test_config_params_inline_tables(tmp_path):
+    p = _write(tmp_path, '[[kernel]]\nname = "mf_tiled"\n'
+                         'params = { tile = [{ m = 64, n = 128 }, { m = 128, n = 128, swizzle = true }], stages = [2, 3] }\n'
+                         'exclude = [{ tile = { m = 64, n = 128 }, stages = 3 }]\n')
+    exp = expand([p], archs=["sm_90a"])
+    assert len(exp.configs) == 3
+    assert {(c.params["tile"], c.params["stages"]) for c in exp.configs} == {
+        (Tile(64, 128), 2), (Tile(128, 128, True), 2), (Tile(128, 128, True), 3)}
+    bad = _write(tmp_path, '[[kernel]]\nname = "mf_tiled"\nparams = { tile = { m = 64, k = 1 } }\n', "bad.toml")
+    with pytest.raises(ManifestError) as ei:
+        expand([bad], archs=["sm_90a"])
+    assert "unknown fields ['k']" in str(ei.value) and "fields are ['m', 'n', 'swizzle']" in str(ei.value)
+
+
+def test_manifest_line_round_trip(tmp_path):
+    """What KernelNotPrebuilt prints (and prewarm --emit-manifest writes) is a valid manifest
+    that builds exactly the missing key."""
+    spec = registry.get("toy_scale")
+    params = spec.bind((), {"dtype": "bfloat16", "block": 512, "bias": True})
+    p = _write(tmp_path, manifest_line("toy_scale", params, "sm_90a"))
+    (c,) = expand([p]).configs
+    assert c.key == spec.key(params, "sm_90a")
+    spec2 = registry.get("mf_tiled")
+    params2 = spec2.bind((), {"tile": Tile(128, 64, True), "stages": 4})
+    p2 = _write(tmp_path, manifest_line("mf_tiled", params2, "sm_100a"), "t.toml")
+    (c2,) = expand([p2]).configs
+    assert c2.key == spec2.key(params2, "sm_100a")
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(ManifestError, match="no such manifest file"):
+        expand([tmp_path / "nope.toml"])
+
+
+def test_duplicate_list_values_warn(tmp_path):
+    p = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float16", "fp16"] }\n')
+    exp = expand([p], archs=["sm_90a"])
+    assert len(exp.configs) == 1
+    assert any("lists a value twice" in w for w in exp.warnings)
