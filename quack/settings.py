@@ -25,7 +25,11 @@ KNOWN_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a"
                "sm_103a", "sm_110a", "sm_120", "sm_120a", "sm_121a")
 
 
-def _bool(text: str) -> bool:
+def _bool(text: str | bool) -> bool:
+    if isinstance(text, bool):  # quack.toml gives real booleans
+        return text
+    if not isinstance(text, str):
+        raise ValueError("expected true or false")
     t = text.strip().lower()
     if t in ("1", "true", "yes", "on"):
         return True

@@ -62,6 +62,16 @@ def compile_objects(dest: Path) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def session_objects(tmp_path_factory) -> dict:
+    """compile_objects once per test session (per xdist worker), shared by every module."""
+    d = tmp_path_factory.getbasetemp() / "quack-toy-objects"
+    done = d / "objects.json"
+    if not done.exists():
+        info = compile_objects(d)
+        done.write_text(json.dumps(info))
+    return json.loads(done.read_text())
+
+
 def toy_ref(info: dict, arch: str = "sm_90a"):
     from quack.store import EntryRef
 

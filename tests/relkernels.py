@@ -3,7 +3,8 @@
 ``rel_copy`` "compiles" by copying a real toy_scale .o (path in QUACK_TEST_OBJ) and
 appends one line per compile to QUACK_TEST_COUNTER (O_APPEND: safe across processes),
 so tests can count compiles across many processes without paying for real ones.
-QUACK_TEST_COMPILE_SLEEP makes each compile take that long (to widen race windows)."""
+QUACK_TEST_COMPILE_SLEEP makes each compile take that long (to widen race windows);
+QUACK_TEST_EXPORT_ERRNO makes the export write half the file and fail with that errno."""
 import os
 import time
 
@@ -18,7 +19,11 @@ class _Exported:
     def export_to_c(self, object_file_path, function_name):
         with open(os.environ["QUACK_TEST_OBJ"], "rb") as f:
             data = f.read()
+        fail = int(os.environ.get("QUACK_TEST_EXPORT_ERRNO", "0"))
         with open(object_file_path, "wb") as f:
+            if fail:  # half written, then the disk is full (what a real write reports)
+                f.write(data[: len(data) // 2])
+                raise OSError(fail, os.strerror(fail))
             f.write(data)
 
     def __call__(self, *a):  # what an in-process (uncached) compile hands back

@@ -18,7 +18,7 @@ import pytest
 
 from quack import loader
 from quack.store import DiskStore, EntryRef
-from reliability_support import (PY, TESTS, cli_has, compile_objects, debris, env, needs_cli,
+from reliability_support import (PY, TESTS, cli_has, debris, env, needs_cli, session_objects,
                                  toy_ref, write_toy_project)
 
 KILLS = int(os.environ.get("QUACK_TEST_KILLS", "60"))
@@ -63,8 +63,8 @@ def _refs(srcfp):
             for i in range(NKEYS)]
 
 
-def test_sigkill_during_export_loop(tmp_path):
-    objs = compile_objects(tmp_path / "objs")  # the only real compiles here (2)
+def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
+    objs = session_objects(tmp_path_factory)  # real toy_scale objects, compiled once per session
     info = objs["float32"]
     root = tmp_path / "cache"
     store = DiskStore(root)

@@ -16,17 +16,12 @@ import toykernels
 from conftest import use_settings
 from quack import loader
 from quack.store import CacheWarning, DiskStore, EntryRef
-from reliability_support import (compile_objects, copy_publish, env, needs_cli, toy_ref,
+from reliability_support import (copy_publish, env, needs_cli, session_objects, toy_ref,
                                  write_toy_project)
-
-_OBJS: dict = {}
-
 
 @pytest.fixture
 def toy_objects(tmp_path_factory):
-    if not _OBJS:
-        _OBJS.update(compile_objects(tmp_path_factory.mktemp("objs")))
-    return _OBJS
+    return session_objects(tmp_path_factory)
 
 
 def damage(path: Path, how: str) -> None:

@@ -1,0 +1,295 @@
+"""Issue 6, cases 4-5 and durability: disk full, read-only cache, publish order, fsync switch."""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+
+import relkernels  # noqa: F401 - registers rel_copy
+from quack import builder, loader, registry, settings
+from quack.store import CacheWarning, CacheWriteError, DiskStore
+from reliability_support import (can_mount, copy_publish, env, needs_cli, run_py, session_objects,
+                                 toy_ref, write_toy_project)
+
+
+@pytest.fixture
+def objs(tmp_path_factory):
+    return session_objects(tmp_path_factory)
+
+
+def files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+
+
+def entry_files(root: Path) -> list[str]:
+    """Everything but lock files (which are meant to stay)."""
+    return [f for f in files(root) if not f.endswith(".lock")]
+
+
+# --- 4. disk full ---------------------------------------------------------------------
+
+def test_enospc_during_export_names_cache_and_leaves_nothing(objs, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUACK_TEST_OBJ", objs["float32"]["path"])
+    monkeypatch.setenv("QUACK_TEST_EXPORT_ERRNO", str(errno.ENOSPC))
+    root = tmp_path / "cache"
+    store = DiskStore(root)
+    spec = registry.get("rel_copy")
+    params = spec.bind((), {"i": 1})
+    with pytest.raises(CacheWriteError) as ei:
+        builder.build(spec, params, "sm_90a", store)
+    msg = str(ei.value)
+    assert str(root) in msg and "disk full" in msg and "nothing was published" in msg, msg
+    assert entry_files(root) == [], "a temp file or partial entry was left behind"
+    monkeypatch.delenv("QUACK_TEST_EXPORT_ERRNO")  # space freed
+    entry, compiled = builder.build(spec, params, "sm_90a", store)
+    assert compiled and store.lookup(entry.ref) is not None
+
+
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4])
+def test_enospc_at_each_fsync_of_publish(fail_at, objs, tmp_path, monkeypatch):
+    """Some file systems report a full disk only at fsync. Fail the n-th fsync of a
+    publish (object, directory, metadata, directory): a clear error naming the cache,
+    no temp file left, and what remains is either nothing or a whole, verified entry."""
+    root = tmp_path / "cache"
+    store = DiskStore(root, fsync=True)
+    ref = toy_ref(objs["float32"])
+    real = os.fsync
+    n = [0]
+
+    def fsync(fd):
+        n[0] += 1
+        if n[0] == fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    with pytest.raises(CacheWriteError) as ei:
+        copy_publish(store, ref, Path(objs["float32"]["path"]))
+    monkeypatch.setattr(os, "fsync", real)
+    assert str(root) in str(ei.value) and "disk full" in str(ei.value)
+    left = entry_files(root)
+    assert not any(".tmp-" in f for f in left), left
+    e = store.lookup(ref)
+    assert e is not None or not any(f.endswith((".o", ".json")) for f in left), left
+    copy_publish(store, ref, Path(objs["float32"]["path"]))
+    assert store.lookup(ref) is not None
+
+
+_TMPFS_BUILD = r"""
+import json, sys, subprocess
+from pathlib import Path
+from quack import builder, registry
+from quack.store import DiskStore, CacheWriteError
+import toykernels
+spec = registry.get("toy_scale")
+params = spec.bind((), {"dtype": "float32", "block": 256, "bias": True})
+out = []
+for mnt in sys.argv[1:]:
+    root = Path(mnt) / "cache"
+    try:
+        builder.build(spec, params, "sm_90a", DiskStore(root))
+        out.append({"ok": True})
+    except CacheWriteError as e:
+        out.append({"ok": False, "msg": str(e),
+                    "left": sorted(str(p) for p in root.rglob("*") if p.is_file() and not p.name.endswith(".lock"))})
+    if mnt == sys.argv[-1]:
+        subprocess.run(["mount", "-o", "remount,size=4m", mnt], check=True)  # free space
+        e, compiled = builder.build(spec, params, "sm_90a", DiskStore(root))
+        out.append({"ok": True, "compiled": compiled, "verified": DiskStore(root).lookup(e.ref) is not None})
+print(json.dumps(out))
+"""
+
+_TMPFS_JIT = r"""
+import json, warnings
+warnings.simplefilter("always")
+import toykernels
+with warnings.catch_warnings(record=True) as w:
+    fn = toykernels.toy_scale("float16", 128, True)
+u = toykernels.toy_scale.usage()[0]
+print(json.dumps({"callable": callable(fn), "how": u["how"], "warnings": [str(x.message) for x in w]}))
+"""
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs root with mount (a real tmpfs); the injected "
+                    "ENOSPC tests above cover the logic")
+def test_real_full_tmpfs(tmp_path):
+    """A real full file system (tmpfs): too small for the .o (12k), big enough for the .o but
+    not its metadata (16k). Clear error naming the cache, nothing left; after growing it the
+    build completes; and the runtime in jit mode still runs the kernel on a full disk."""
+    mnts = []
+    try:
+        for size in ("12k", "16k", "12k"):
+            m = tmp_path / f"mnt{len(mnts)}_{size}"
+            m.mkdir()
+            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(m)],
+                           check=True)
+            mnts.append(m)
+        r = run_py(_TMPFS_BUILD + "", timeout=300) if False else subprocess.run(
+            [os.sys.executable, "-c", _TMPFS_BUILD, str(mnts[0]), str(mnts[1])], env=env(),
+            capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        for mnt, rr in zip(mnts[:2], res[:2]):
+            assert rr["ok"] is False, rr
+            assert str(mnt / "cache") in rr["msg"] and "disk full" in rr["msg"], rr["msg"]
+            assert rr["left"] == [], rr["left"]
+        assert res[2] == {"ok": True, "compiled": True, "verified": True}
+        j = run_py(_TMPFS_JIT, QUACK_CACHE_DIR=mnts[2] / "cache", QUACK_ARCH="sm_90a", QUACK_MODE="jit")
+        out = json.loads(j.stdout.strip().splitlines()[-1])
+        assert out["callable"] and out["how"] == "jit", out
+        assert any("disk full" in w for w in out["warnings"]), out["warnings"]
+        assert not any(".tmp-" in p.name for p in (mnts[2] / "cache").rglob("*"))
+    finally:
+        for m in mnts:
+            subprocess.run(["umount", str(m)], capture_output=True)
+
+
+# --- 5. read-only cache -------------------------------------------------------------------
+
+_RO_RUNTIME = r"""
+import json, warnings
+warnings.simplefilter("always")
+import toykernels
+from quack.store import CacheWarning
+with warnings.catch_warnings(record=True) as w:
+    a = toykernels.toy_scale("float32", 128, False)   # prebuilt, with its .so
+    b = toykernels.toy_scale("float16", 64, False)    # prebuilt .o only: linked privately
+    c = toykernels.toy_scale("bfloat16", 128, False)  # miss: compiled here, not stored
+    d = toykernels.toy_scale("bfloat16", 64, True)    # another miss: no second warning
+u = {(x["params"]["dtype"], x["params"]["block"]): x for x in toykernels.toy_scale.usage()}
+print(json.dumps({"how": [u[k]["how"] for k in (("float32", 128), ("float16", 64), ("bfloat16", 128),
+                                                ("bfloat16", 64))],
+                  "callable": all(map(callable, (a, b, c, d))),
+                  "warnings": [str(x.message) for x in w if issubclass(x.category, CacheWarning)],
+                  "other": [str(x.message) for x in w if not issubclass(x.category, CacheWarning)]}))
+"""
+
+
+@pytest.fixture
+def read_only_cache(objs, tmp_path):
+    """A cache with two prebuilt entries (one with its .so), made read-only for real:
+    a read-only bind mount as root, or chmod a-w as an ordinary user."""
+    src = tmp_path / "cache"
+    store = DiskStore(src)
+    e = copy_publish(store, toy_ref(objs["float32"]), Path(objs["float32"]["path"]))
+    loader.link_entry(store, e)
+    copy_publish(store, toy_ref(objs["float16"]), Path(objs["float16"]["path"]))
+    before = files(src)
+    if os.geteuid() != 0:
+        for p in [src, *src.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222)
+        yield src, before
+        for p in [src, *src.rglob("*")]:
+            p.chmod(p.stat().st_mode | 0o200)
+    elif can_mount():
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o700)
+        subprocess.run(["mount", "--bind", str(src), str(ro)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+            yield ro, before
+        finally:
+            subprocess.run(["umount", str(ro)], capture_output=True)
+    else:
+        pytest.skip("root without mount: no way to make a directory read-only for root")
+
+
+def test_read_only_cache_runtime_works_with_one_warning(read_only_cache):
+    root, before = read_only_cache
+    r = run_py(_RO_RUNTIME, QUACK_CACHE_DIR=root, QUACK_ARCH="sm_90a", QUACK_MODE="jit")
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["callable"]
+    assert out["how"][:2] == ["so", "so"], out  # hits load fast, even without a stored .so
+    assert out["how"][2:] == ["jit", "jit"], out
+    assert len(out["warnings"]) == 1 and "not writable" in out["warnings"][0], out["warnings"]
+    assert files(root) == before, "a read-only cache was modified"
+
+
+def test_read_only_cache_build_fails_clearly(read_only_cache):
+    root, _ = read_only_cache
+    os.environ["QUACK_TEST_OBJ"] = "/nonexistent"  # never reached: the lock/temp fails first
+    spec = registry.get("rel_copy")
+    with pytest.raises(CacheWriteError) as ei:
+        builder.build(spec, spec.bind((), {"i": 3}), "sm_90a", DiskStore(root))
+    msg = str(ei.value)
+    assert str(root) in msg and ("read-only" in msg or "permission denied" in msg), msg
+    assert DiskStore(root).writable() is False
+
+
+@needs_cli("build")
+def test_read_only_cache_quack_build_fails_clearly(read_only_cache, tmp_path):
+    root, before = read_only_cache
+    write_toy_project(tmp_path / "proj", """
+[[kernel]]
+name = "toy_scale"
+params = { dtype = ["bfloat16"], block = [32] }
+""")
+    r = subprocess.run(["quack", "build", "--cache-dir", str(root)], env=env(), capture_output=True,
+                       text=True, timeout=300, cwd=str(tmp_path / "proj"))
+    out = r.stdout + r.stderr
+    assert r.returncode != 0 and r.returncode != 2, out
+    assert "Traceback" not in out, out
+    assert str(root) in out and ("read-only" in out or "not writable" in out or "permission" in out), out
+    assert files(root) == before
+
+
+# --- durability -------------------------------------------------------------------------------
+
+def _record(monkeypatch):
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return real_fsync(fd)
+
+    def replace(a, b, **kw):
+        calls.append(("rename", os.fspath(a), os.fspath(b)))
+        return real_replace(a, b, **kw)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return calls
+
+
+def test_publish_durability_order(objs, tmp_path, monkeypatch):
+    """write temp, fsync it, rename, fsync the directory; metadata the same way, last."""
+    store = DiskStore(tmp_path / "cache", fsync=True)
+    ref = toy_ref(objs["float32"])
+    p = store.paths(ref)
+    calls = _record(monkeypatch)
+    copy_publish(store, ref, Path(objs["float32"]["path"]))
+    d = str(p["obj"].parent)
+    shape = []
+    for c in calls:
+        if c[0] == "fsync":
+            path = c[1]
+            shape.append(("fsync", "dir" if path == d else "obj.tmp" if ".o.tmp-" in path
+                          else "meta.tmp" if ".json.tmp-" in path else path))
+        else:
+            shape.append(("rename", "obj.tmp" if ".o.tmp-" in c[1] else "meta.tmp" if ".json.tmp-" in c[1]
+                          else c[1], Path(c[2]).suffix))
+    assert shape == [("fsync", "obj.tmp"), ("rename", "obj.tmp", ".o"), ("fsync", "dir"),
+                     ("fsync", "meta.tmp"), ("rename", "meta.tmp", ".json"), ("fsync", "dir")], shape
+
+
+def test_fsync_can_be_turned_off(objs, tmp_path, monkeypatch):
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    ref = toy_ref(objs["float32"])
+    calls = _record(monkeypatch)
+    copy_publish(store, ref, Path(objs["float32"]["path"]))
+    assert [c[0] for c in calls] == ["rename", "rename"]  # same order, no fsync
+    assert store.lookup(ref) is not None
+
+
+def test_fsync_setting_precedence(tmp_path):
+    assert settings.resolve(env={}, cwd=tmp_path).fsync is True
+    assert settings.resolve(env={"QUACK_FSYNC": "0"}, cwd=tmp_path).fsync is False
+    (tmp_path / "quack.toml").write_text("[cache]\nfsync = false\n")
+    assert settings.resolve(env={}, cwd=tmp_path).fsync is False
+    assert settings.resolve(env={"QUACK_FSYNC": "1"}, cwd=tmp_path).fsync is True
