@@ -3,7 +3,7 @@
 Pure Python, no cutlass, no CUDA. The host object embeds a fatbin (magic
 ``50 ed 55 ba``: header u32 magic, u16 version, u16 header size, u64 payload
 size), a list of entries (u16 kind: 1 PTX, 2 ELF; u16 version; u32 header
-size; u64 payload size; ...; u32 SM at offset 16). An ELF entry is a cubin
+size; u64 payload size; ...; u32 SM at offset 28). An ELF entry is a cubin
 (e_machine 190, EM_CUDA) whose e_flags encode the SM:
 
 - ELF ABI version < 8 (up to sm_90): SM in bits 0-7, virtual SM in bits 16-23,
@@ -64,7 +64,7 @@ def gpu_codes(data: bytes) -> list[GpuCode]:
             kind, _ver, ehs, psz = struct.unpack_from("<HHIQ", data, p)
             if ehs < 24 or p + ehs > end:
                 break
-            (sm_hdr,) = struct.unpack_from("<I", data, p + 16) if ehs >= 20 else (0,)
+            (sm_hdr,) = struct.unpack_from("<I", data, p + 28) if ehs >= 32 else (0,)
             payload = data[p + ehs:p + ehs + psz]
             if kind == 2:
                 cb = _cubin(payload)
