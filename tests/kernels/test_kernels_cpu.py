@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from tests.kernels._cases import COMPILE_FNS, CPU_NS, DTYPES, VARIANTS
+from _cases import COMPILE_FNS, CPU_NS, DTYPES, VARIANTS
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 

@@ -2,7 +2,7 @@
 Outputs are poisoned with NaN before each run so unwritten elements fail."""
 import pytest
 
-from tests.kernels._cases import DTYPES, GPU_MS, GPU_NS, tol
+from _cases import DTYPES, GPU_MS, GPU_NS, tol
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
