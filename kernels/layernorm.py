@@ -41,12 +41,7 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         red.allocate(smem)
         red.init_cluster(tidx)
         t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
-        rX = t.load(t.part(mX))
-        if const_expr(mW is not None):
-            rW = t.load_bcast(t.part_bcast(mW))
-        if const_expr(mB is not None):
-            rB = t.load_bcast(t.part_bcast(mB))
-        x = rX.load().to(Float32)
+        x = t.load(t.part(mX)).load().to(Float32)
         red.wait_cluster()
         mean = red.reduce(x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
                           "sum", 0) * (1.0 / plan.n)
@@ -58,6 +53,12 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         var = red.reduce(sq.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
                          "sum", 1) * (1.0 / plan.n)
         rstd = cute.math.rsqrt(var + eps, fastmath=True)
+        # weight / bias loaded after the reductions (L2-resident, shared by all rows):
+        # fewer live registers while the row is reduced.
+        if const_expr(mW is not None):
+            rW = t.load_bcast(t.part_bcast(mW))
+        if const_expr(mB is not None):
+            rB = t.load_bcast(t.part_bcast(mB))
         y = xc * rstd
         if const_expr(mW is not None):
             y = y * rW.load().to(Float32)
