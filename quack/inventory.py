@@ -42,7 +42,7 @@ class KeyFiles:
 
     @property
     def last_use(self) -> float:
-        return self.mtimes.get(".json") or max(self.mtimes.values(), default=0.0)
+        return self.mtimes.get(".json") or max((v for k, v in self.mtimes.items() if k != ".lock"), default=0.0)
 
 
 @dataclasses.dataclass
@@ -107,32 +107,55 @@ def _subdirs(path: Path):
 
 
 def _scan(d: FpDir) -> FpDir:
+    """Classify one directory's files (the hot loop of ``quack cache stats``: one
+    lstat per file except lock files, which are empty)."""
     try:
         it = os.scandir(d.path)
     except OSError:
         return d
+    keys_ = d.keys
     with it:
         for e in it:
             name = e.name
+            if ".tmp-" in name:
+                m = _TMP_RE.match(name)
+                if m:
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    d.tmps.append((Path(e.path), int(m.group("pid")), st.st_size, st.st_mtime))
+                    continue
+            if name.endswith(".json"):
+                suf = ".so.json" if name.endswith(".so.json") else ".json"
+            elif name.endswith(".o"):
+                suf = ".o"
+            elif name.endswith(".so"):
+                suf = ".so"
+            elif name.endswith(".lock"):
+                suf = ".lock"
+            else:
+                suf = ""
+            k = name[: -len(suf)] if suf else ""
+            if not k:
+                try:
+                    d.other.append((Path(e.path), e.stat(follow_symlinks=False).st_size))
+                except OSError:
+                    pass
+                continue
+            kf = keys_.get(k)
+            if kf is None:
+                kf = keys_[k] = KeyFiles(k, {}, {})
+            if suf == ".lock":
+                kf.sizes[suf] = 0
+                kf.mtimes[suf] = 0.0
+                continue
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:
                 continue
-            m = _TMP_RE.match(name)
-            if m:
-                d.tmps.append((Path(e.path), int(m.group("pid")), st.st_size, st.st_mtime))
-                continue
-            for suf in _SUFFIXES:
-                if name.endswith(suf) and len(name) > len(suf):
-                    k = name[: -len(suf)]
-                    kf = d.keys.get(k)
-                    if kf is None:
-                        kf = d.keys[k] = KeyFiles(k)
-                    kf.sizes[suf] = st.st_size
-                    kf.mtimes[suf] = st.st_mtime
-                    break
-            else:
-                d.other.append((Path(e.path), st.st_size))
+            kf.sizes[suf] = st.st_size
+            kf.mtimes[suf] = st.st_mtime
     return d
 
 

@@ -170,26 +170,25 @@ def make_reporter(console: Console, *, verbose: bool = False, quiet: bool = Fals
 def summary_table(res: BuildResult) -> Table:
     eff = res.efficiency
     compiled = res.count(COMPILED)
-    tbl = Table(title="quack build summary", show_header=True, header_style="bold")
-    tbl.add_column("configurations", justify="right")
-    tbl.add_column("compiled", justify="right")
-    tbl.add_column("cached", justify="right")
-    tbl.add_column("failed", justify="right")
-    tbl.add_column("not built", justify="right")
-    tbl.add_column("compile s", justify="right")
-    tbl.add_column("wall s", justify="right")
-    tbl.add_column("keys/s", justify="right")
-    tbl.add_column("efficiency", justify="right")
-    cached = res.count(CACHED) + res.count(SHARED)
+    shared = res.count(SHARED)
     failed = res.count(FAILED)
     not_built = res.count(SKIPPED) + res.count(INTERRUPTED)
-    tbl.add_row(str(len(res.tasks)), str(compiled),
-                str(cached) + (f" ({res.count(SHARED)} by another process)" if res.count(SHARED) else ""),
-                f"[red]{failed}[/]" if failed else "0",
-                f"[yellow]{not_built}[/]" if not_built else "0",
-                f"{res.compile_s:.1f}", f"{res.wall_s:.1f}",
-                f"{compiled / res.compile_wall_s:.2f}" if compiled and res.compile_wall_s > 0 else "-",
-                f"{eff * 100:.0f}% of {res.jobs}" if eff is not None else "-")
+    tbl = Table(title="quack build summary", show_header=False, box=None, padding=(0, 2))
+    tbl.add_column(style="bold")
+    tbl.add_column(justify="right")
+    tbl.add_row("configurations", str(len(res.tasks)))
+    tbl.add_row("compiled", f"[green]{compiled}[/]" if compiled else "0")
+    tbl.add_row("cached", str(res.count(CACHED) + shared) + (f" ({shared} built by another process)"
+                                                              if shared else ""))
+    tbl.add_row("failed", f"[red]{failed}[/]" if failed else "0")
+    if not_built:
+        tbl.add_row("not built", f"[yellow]{not_built}[/]")
+    tbl.add_row("compile time (sum)", f"{res.compile_s:.1f} s")
+    tbl.add_row("wall time", f"{res.wall_s:.1f} s")
+    if compiled and res.compile_wall_s > 0:
+        tbl.add_row("throughput", f"{compiled / res.compile_wall_s:.2f} keys/s")
+    if eff is not None:
+        tbl.add_row("parallel efficiency", f"{eff * 100:.0f}% of {res.jobs} worker{'s' if res.jobs != 1 else ''}")
     return tbl
 
 

@@ -92,10 +92,13 @@ def test_stats_json(cache):
     assert "11 entries" in r.output and "kernel source changed" in r.output and "slowest compiles" in r.output
 
 
-def test_stats_imports_neither_cutlass_nor_torch(cache):
-    code = ("import sys\nfrom quack_build.cli import app\ntry:\n    app(['cache', 'stats', '--json'])\n"
-            "except SystemExit as e:\n    assert e.code == 0, e.code\n"
-            "bad = [m for m in ('torch', 'cutlass', 'tvm_ffi') if m in sys.modules]\n"
+@pytest.mark.parametrize("entry", ["main", "typer"])
+def test_stats_imports_neither_cutlass_nor_torch(cache, entry):
+    call = ("from quack_build.cli import main\nmain(['cache', 'stats', '--json'])" if entry == "main" else
+            "from quack_build.cli import app\napp(['cache', 'stats', '--json'])")
+    heavy = "('torch', 'cutlass', 'tvm_ffi', 'typer')" if entry == "main" else "('torch', 'cutlass', 'tvm_ffi')"
+    code = (f"import sys\ntry:\n    " + call.replace("\n", "\n    ") + "\nexcept SystemExit as e:\n"
+            f"    assert not e.code, e.code\nbad = [m for m in {heavy} if m in sys.modules]\n"
             "assert not bad, bad\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
     r = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd(), env=env, capture_output=True, text=True)

@@ -1,0 +1,300 @@
+"""The typer application behind ``quack`` (see quack_build.cli): build, verify,
+prewarm, cache stats|clean.
+
+Exit status: 0 success; 1 a problem (invalid manifest or settings, a failed
+compile, a missing or broken entry); 2 a usage error (typer's own); 130
+interrupted. Heavy modules load inside commands: ``quack cache stats`` never
+imports cutlass or torch."""
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+app = typer.Typer(name="quack", add_completion=False, no_args_is_help=True,
+                  help="quack: precompile CuTe DSL kernels into a versioned cache, and manage the cache.",
+                  pretty_exceptions_enable=False, rich_markup_mode=None)
+cache_app = typer.Typer(no_args_is_help=True, help="Inspect and clean the kernel cache.")
+app.add_typer(cache_app, name="cache")
+
+from quack_build.common import (_console, _current_srcfps, _emit_json, _Fail, _load_kernels,  # noqa: F401
+                                  _settings)
+from quack_build import common as _common
+
+
+def _manifests(s, given: List[Path]) -> list:
+    if given:
+        return list(given)
+    paths = s.manifest_paths()
+    if not paths:
+        raise _Fail("error: no manifest given and none listed in quack.toml ([build] manifests = [...])",
+                    code=2)
+    return paths
+
+
+def _expand(s, manifests, arch, max_configs):
+    from quack_build.manifest import ManifestError, expand
+
+    try:
+        return expand(_manifests(s, manifests), archs=s.build_archs(), arch_override=arch or None,
+                      max_configs=max_configs)
+    except ManifestError as e:
+        n = len(e.problems)
+        raise _Fail("\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; "
+                    "nothing was built") from None
+
+
+def _store(s):
+    from quack.store import DiskStore
+
+    return DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
+    typer.echo(f"warning: {message}", err=True)
+
+
+def _run(fn):
+    import warnings
+
+    saved = warnings.showwarning
+    warnings.showwarning = _show_warning
+    try:
+        code = fn()
+    except _Fail as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(e.code)
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130)
+    finally:
+        warnings.showwarning = saved
+    raise typer.Exit(code or 0)
+
+
+# --- build ---------------------------------------------------------------------
+
+@app.command()
+def build(
+    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=0, help="Compile workers (default: CPU count)."),
+    arch: List[str] = typer.Option(None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would compile and what is cached."),
+    keep_going: bool = typer.Option(False, "--keep-going", "-k", help="Go on after a failed compile."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even what is cached."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout (progress on stderr)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON file."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also list cached and started keys."),
+):
+    """Compile the manifests' configurations into the cache, in parallel."""
+    _run(lambda: _build(manifests or [], jobs, arch or [], dry_run, keep_going, force, as_json, trace,
+                        cache_dir, max_configs, verbose))
+
+
+def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, cache_dir, max_configs,
+           verbose) -> int:
+    from quack.errors import CacheError
+    from quack_build import display, scheduler
+
+    t0 = time.time()
+    s = _settings(cache_dir, jobs)
+    _load_kernels(s)
+    exp = _expand(s, manifests, arch, max_configs)
+    con = _console(to_stderr=as_json)
+    for w in exp.warnings:
+        con.print(f"warning: {w}", markup=False)
+    store = _store(s)
+    try:
+        tasks = scheduler.plan(exp.configs, store, force=force)
+    except (CacheError, OSError) as e:
+        raise _Fail(f"error: cache {s.cache_dir}: {e}") from None
+    plan_s = time.time() - t0
+    n_jobs = s.effective_jobs(jobs)
+    if dry_run:
+        todo = [t for t in tasks if t.status != scheduler.CACHED]
+        todo = scheduler.order_longest_first(todo, scheduler.past_compile_times(store.root, todo)) if todo else []
+        if as_json:
+            _emit_json({"dry_run": True, "total": len(tasks), "cached": len(tasks) - len(todo),
+                        "to_compile": len(todo), "duplicates": exp.duplicates,
+                        "keys": [t.to_json() for t in todo] + [t.to_json() for t in tasks
+                                                               if t.status == scheduler.CACHED]})
+        else:
+            for t in todo:
+                est = f"  ~{t.est_s:.2f}s" if t.est_s else ""
+                con.print(f"compile  {t.cfg.label()}  key {t.cfg.key[:16]}{est}", markup=False, soft_wrap=True)
+            for t in tasks:
+                if t.status == scheduler.CACHED:
+                    con.print(f"cached   {t.cfg.label()}  key {t.cfg.key[:16]}", markup=False, soft_wrap=True)
+            con.print(f"{len(tasks)} configurations ({exp.duplicates} duplicates dropped): "
+                      f"{len(tasks) - len(todo)} cached, {len(todo)} to compile", markup=False)
+        return 0
+    rep = display.make_reporter(con, verbose=verbose)
+    old_term = signal.getsignal(signal.SIGTERM)
+    if old_term in (signal.SIG_DFL, None):
+        signal.signal(signal.SIGTERM, _term_to_interrupt)
+    try:
+        res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
+                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s)
+    finally:
+        if old_term in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if trace:
+        scheduler.write_trace(trace, res, res.t0)
+        res.trace_path = str(trace)
+    display.print_summary(con, res)
+    if trace:
+        con.print(f"trace: {trace} (open in ui.perfetto.dev)", markup=False)
+    if as_json:
+        _emit_json(res.to_json())
+    if res.interrupted:
+        return 130
+    return 0 if res.ok else 1
+
+
+def _term_to_interrupt(signum, frame):  # noqa: ARG001
+    raise KeyboardInterrupt
+
+
+# --- cache stats / clean -------------------------------------------------------
+
+@cache_app.command("stats")
+def cache_stats(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    top: int = typer.Option(10, "--top", min=0, help="How many of the slowest compiles to list."),
+):
+    """Entries and bytes per fingerprint (current vs stale) and kernel; usage from the journal."""
+    _run(lambda: _common.stats(as_json, cache_dir, top))
+
+
+@cache_app.command("clean")
+def cache_clean(
+    remove_all: bool = typer.Option(False, "--all", help="Remove every entry (entries in use are skipped)."),
+    max_size: Optional[str] = typer.Option(None, "--max-size", help="Shrink to this size, least recently used first (e.g. 5G)."),
+    older_than: Optional[str] = typer.Option(None, "--older-than", help="Remove entries unused for this long (e.g. 30d, 12h)."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="List every file removed."),
+):
+    """Remove stale fingerprints, quarantined entries and debris (safe while the cache is in use)."""
+    _run(lambda: _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbose))
+
+
+def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbose) -> int:
+    from quack import inventory
+
+    try:
+        ms = inventory.parse_size(max_size) if max_size is not None else None
+        age = inventory.parse_age(older_than) if older_than is not None else None
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    s = _settings(cache_dir)
+    _load_kernels(s, required=False)
+    con = _console(to_stderr=as_json)
+    if not Path(s.cache_dir).is_dir():
+        if as_json:
+            _emit_json({"removed": 0, "freed_bytes": 0, "busy": 0, "dry_run": dry_run})
+        else:
+            con.print(f"cache {s.cache_dir} does not exist: nothing to clean", markup=False)
+        return 0
+
+    def log(r):
+        if verbose:
+            con.print(f"{'would remove' if dry_run else 'removed'} {r.path} ({r.why})", markup=False,
+                      soft_wrap=True)
+
+    rep = inventory.clean(s.cache_dir, _current_srcfps(), remove_all=remove_all, max_size=ms,
+                          older_than=age, dry_run=dry_run, log=log)
+    by_why: dict = {}
+    for r in rep.removed:
+        d = by_why.setdefault(r.why, [0, 0])
+        d[0] += 1
+        d[1] += r.bytes
+    if as_json:
+        _emit_json({"dry_run": dry_run, "removed": len(rep.removed), "freed_bytes": rep.freed,
+                    "by_reason": {k: {"files": v[0], "bytes": v[1]} for k, v in by_why.items()},
+                    "busy": [str(p) for p, _ in rep.busy], "errors": [f"{p}: {e}" for p, e in rep.errors]})
+    else:
+        verb = "would free" if dry_run else "freed"
+        for why, (n, b) in sorted(by_why.items()):
+            con.print(f"  {n:>6} files  {inventory.human_bytes(b):>10}  {why}", markup=False)
+        con.print(f"{verb} {inventory.human_bytes(rep.freed)} ({len(rep.removed)} files) in {s.cache_dir}",
+                  markup=False)
+        if rep.busy:
+            con.print(f"skipped {len(rep.busy)} in use by other processes", markup=False)
+        for p, e in rep.errors:
+            con.print(f"error: {p}: {e}", markup=False)
+    return 1 if rep.errors else 0
+
+
+# --- verify ----------------------------------------------------------------------
+
+@app.command()
+def verify(
+    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+    arch: List[str] = typer.Option(None, "--arch", help="Verify for this arch instead of the manifests' (repeatable)."),
+    run: bool = typer.Option(False, "--run", help="GPU only: run each kernel against its reference."),
+    no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+):
+    """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
+    _run(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))
+
+
+def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> int:
+    from quack_build import verify as v
+
+    s = _settings(cache_dir)
+    _load_kernels(s)
+    exp = _expand(s, manifests, arch, max_configs)
+    con = _console(to_stderr=as_json)
+    res = v.verify(exp.configs, _store(s), load=not no_load, run=run, console=None if as_json else con)
+    if as_json:
+        _emit_json(res)
+    else:
+        v.print_report(con, res)
+    return 0 if res["ok"] else 1
+
+
+# --- prewarm ---------------------------------------------------------------------
+
+@app.command()
+def prewarm(
+    since: str = typer.Option("7d", "--since", help="Use journal records this recent (e.g. 7d, 12h; 0 = all)."),
+    top: Optional[int] = typer.Option(None, "--top", min=1, help="Only the N most used configurations."),
+    emit_manifest: Optional[Path] = typer.Option(None, "--emit-manifest", help="Write them as a manifest (TOML)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=0, help="Compile workers (default: CPU count)."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List, don't compile."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+):
+    """Rebuild, for the current fingerprint, what the usage journal shows was used recently."""
+    _run(lambda: _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir))
+
+
+def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> int:
+    from quack import inventory
+    from quack_build import prewarm as pw
+
+    try:
+        age = inventory.parse_age(since) if since not in ("0", "all") else None
+    except ValueError as e:
+        typer.echo(f"error: --since: {e}", err=True)
+        raise typer.Exit(2)
+    s = _settings(cache_dir, jobs)
+    _load_kernels(s)
+    con = _console(to_stderr=as_json)
+    return pw.prewarm(s, _store(s), since_s=age, top=top, emit_manifest=emit_manifest,
+                      jobs=s.effective_jobs(jobs), dry_run=dry_run, as_json=as_json, console=con,
+                      emit_json=_emit_json)
+
+
