@@ -122,13 +122,41 @@ def source_files(module: str) -> dict[str, Path]:
     return seen
 
 
-@functools.lru_cache(maxsize=None)
+_FP_CACHE: dict[str, tuple[dict, tuple, str]] = {}
+
+
+def _stat_sig(files: dict[str, Path]) -> tuple:
+    sig = []
+    for name, path in sorted(files.items()):
+        try:
+            st = path.stat()
+            sig.append((name, st.st_mtime_ns, st.st_size, st.st_ino))
+        except OSError:
+            sig.append((name, None))
+    return tuple(sig)
+
+
 def source_fingerprint(module: str) -> str:
-    """SHA-256 (first 16 hex digits) over the names and bytes of source_files(module)."""
+    """SHA-256 (first 16 hex digits) over the names and bytes of source_files(module).
+
+    Memoized per process but re-checked against the files' stat signature: a
+    long-lived process (a notebook, a compile worker) whose kernel source is
+    edited must see the new fingerprint, or it would look for (and a worker
+    would publish) entries under different directories."""
+    hit = _FP_CACHE.get(module)
+    if hit is not None and _stat_sig(hit[0]) == hit[1]:
+        return hit[2]
+    files = source_files(module)
+    sig = _stat_sig(files)
     h = hashlib.sha256()
-    for name, path in sorted(source_files(module).items()):
+    for name, path in sorted(files.items()):
         h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    fp = h.hexdigest()[:16]
+    _FP_CACHE[module] = (files, sig, fp)
+    return fp
+
+
+source_fingerprint.cache_clear = _FP_CACHE.clear  # type: ignore[attr-defined]
 
 
 def safe_component(text: str) -> str:

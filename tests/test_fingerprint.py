@@ -72,3 +72,10 @@ def test_toolchain_change_moves_every_entry(monkeypatch):
     monkeypatch.setattr(keys, "toolchain", lambda: {"python": "3.11", "cutlass_dsl": "4.9.0",
                                                     "libs": "cu12", "tvm_ffi": "0.1.15"})
     assert keys.toolchain_stamp("sm_90a") != before
+
+
+def test_edit_seen_without_clearing_the_memo(pkg):
+    soft, _ = fps()
+    assert keys.source_fingerprint("fpkern.softmax") == soft  # memoized
+    (pkg / "_common.py").write_text("X = 12345  # longer\n")
+    assert keys.source_fingerprint("fpkern.softmax") != soft  # a long-lived process sees the edit
