@@ -199,7 +199,7 @@ def order_longest_first(todo: list[Task], known: dict[str, float]) -> list[Task]
         else:
             t.est_s = overall
     idx = {id(t): i for i, t in enumerate(todo)}
-    return sorted(todo, key=lambda t: (-(t.est_s or 0.0), idx[id(t)]))
+    return sorted(todo, key=lambda t: (-(t.est_s or 0.0), t.cfg.key not in known, idx[id(t)]))
 
 
 # --- running -------------------------------------------------------------------

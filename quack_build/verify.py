@@ -27,6 +27,8 @@ class _Child:
         env["QUACK_VERIFY_SYSPATH"] = os.pathsep.join(p for p in sys.path if p)
         if not gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
+        else:
+            env["QUACK_MODE"] = "prebuilt"  # a reference run uses the prebuilt entries, never compiles
         self.err = tempfile.TemporaryFile()
         self.p = subprocess.Popen([sys.executable, "-m", "quack_build._verify_child"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.err, env=env)
