@@ -97,7 +97,10 @@ class JitKernel:
                           f"in this process without storing it", CacheWarning, stacklevel=4)
             return self._compile_in_process(params, key, arch)
         if entry is not None:
-            return self._load(store, entry, params, key, arch, miss=False)
+            try:
+                return self._load(store, entry, params, key, arch, miss=False)
+            except loader.EntryVanished:
+                entry = None  # cleaned between lookup and load: a plain miss
         if s.mode == "prebuilt":
             err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
             _pool.note_not_prebuilt(err, s)
@@ -125,7 +128,10 @@ class JitKernel:
             entry = self._compile_in_worker(store, ref, params, key, arch)
             if entry is None:
                 return self._compile_in_process(params, key, arch)
-        loaded = self._load(store, entry, params, key, arch, miss=True)
+        try:
+            loaded = self._load(store, entry, params, key, arch, miss=True)
+        except loader.EntryVanished:  # evicted right after its compile: run it uncached
+            return self._compile_in_process(params, key, arch)
         loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
         return loaded

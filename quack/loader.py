@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -19,6 +20,11 @@ from pathlib import Path
 from quack import fsutil
 
 FUNCTION_NAME = "func"
+
+
+class EntryVanished(LookupError):
+    """The entry was removed (``quack cache clean``) or replaced between its verification
+    and its loading. Not corruption: the caller treats it as a miss."""
 
 
 class LinkError(Exception):
@@ -84,9 +90,10 @@ def _private_so_dir() -> Path:
     return Path(_private_dir)
 
 
-def link_entry(store, entry) -> Path | None:
+def link_entry(store, entry, obj: Path | None = None) -> Path | None:
     """Give a verified entry its .so (temp + rename, sidecar last). None if we can't link.
-    A read-only cache gets the .so in a private temp directory instead (not shared)."""
+    A read-only cache gets the .so in a private temp directory instead (not shared).
+    ``obj``: link this verified copy of the .o instead of the entry's path."""
     if not can_link():
         return None
     writable = getattr(store, "writable", lambda: True)()
@@ -98,7 +105,7 @@ def link_entry(store, entry) -> Path | None:
     except OSError:
         return None
     try:
-        link(entry.obj_path, tmp)
+        link(obj or entry.obj_path, tmp)
         if writable:
             return store.write_so(entry, tmp)
         private = tmp.with_name(f"{entry.ref.key}.so")
@@ -141,14 +148,45 @@ def load_object(obj: Path):
     return mod[FUNCTION_NAME], mod
 
 
+def snapshot_object(entry) -> Path:
+    """A private copy of the entry's .o whose bytes match the metadata's digest, read
+    once without following symlinks: what gets linked or loaded is what was verified,
+    even if a clean or a rebuild touches the cache meanwhile. Raises EntryVanished."""
+    try:
+        data = fsutil.read_nofollow(entry.obj_path)
+    except OSError as e:
+        raise EntryVanished(f"{entry.obj_path} vanished before it could be loaded ({e})") from None
+    if hashlib.sha256(data).hexdigest() != entry.meta.get("sha256"):
+        raise EntryVanished(f"{entry.obj_path} was replaced after it was verified")
+    snap = fsutil.reserve_tmp(_private_so_dir() / f"{entry.ref.key}.o")
+    with open(snap, "wb") as f:
+        f.write(data)
+    return snap
+
+
 def load_entry(store, entry):
-    """(callable, module, how) for a verified entry: .so if possible, else link it, else .o."""
-    so = entry.so_path or link_entry(store, entry)
-    if so is not None:
+    """(callable, module, how) for a verified entry: its verified .so if there is one,
+    else a .so linked from a verified snapshot of the .o, else the snapshot through
+    CuTe DSL. Raises EntryVanished if the entry went away since its lookup (a miss)."""
+    if entry.so_path is not None:
         try:
-            fn, mod = load_so(so)
+            fn, mod = load_so(entry.so_path)
             return fn, mod, "so"
-        except Exception:  # noqa: BLE001 - a bad derived .so falls back to the verified .o
+        except Exception:  # noqa: BLE001 - gone or bad derived .so: fall back to the verified .o
             pass
-    fn, mod = load_object(entry.obj_path)
-    return fn, mod, "o"
+    snap = snapshot_object(entry)
+    try:
+        so = link_entry(store, entry, obj=snap)
+        if so is not None:
+            try:
+                fn, mod = load_so(so)
+                return fn, mod, "so"
+            except Exception:  # noqa: BLE001
+                pass
+        fn, mod = load_object(snap)
+        return fn, mod, "o"
+    finally:
+        try:
+            os.unlink(snap)
+        except OSError:
+            pass

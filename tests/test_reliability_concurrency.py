@@ -1,0 +1,345 @@
+"""Issue 6, cases 6-8: stopped and killed lock holders, `quack cache clean` under load,
+many processes on one cold key and on 100 keys. Compiles are counted, never timed."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+import relkernels  # noqa: F401 - registers rel_copy
+from quack import builder, registry
+from quack.store import DiskStore, LockTimeout
+from reliability_support import PY, TESTS, env, needs_cli, session_objects
+
+
+@pytest.fixture
+def objs(tmp_path_factory):
+    return session_objects(tmp_path_factory)
+
+
+def rel_ref(i: int):
+    spec = registry.get("rel_copy")
+    return builder.entry_ref(spec, spec.bind((), {"i": i}), "sm_90a")
+
+
+def spawn(code: str, *args, **envextra) -> subprocess.Popen:
+    return subprocess.Popen([PY, "-c", code, *map(str, args)], env=env(**envextra), cwd=str(TESTS),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(p: subprocess.Popen, timeout: float = 300):
+    out, err = p.communicate(timeout=timeout)
+    assert p.returncode == 0, f"rc={p.returncode}\n{out}\n{err}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def counted(counter: Path) -> list[tuple[int, int]]:
+    if not counter.exists():
+        return []
+    return [tuple(map(int, line.split())) for line in counter.read_text().splitlines()]
+
+
+# --- 6. lock holders stopped and killed ------------------------------------------------------
+
+_HOLDER = r"""
+import json, os, sys, time
+from pathlib import Path
+import relkernels
+from quack import builder, registry
+from quack.store import DiskStore
+root, obj, i, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+spec = registry.get("rel_copy")
+ref = builder.entry_ref(spec, spec.bind((), {"i": i}), "sm_90a")
+store = DiskStore(Path(root))
+data = Path(obj).read_bytes()
+with store.lock(ref):
+    tmp = store.tmp_obj(ref)
+    with open(tmp, "wb") as f:
+        f.write(data[: len(data) // 2]); f.flush()
+        print("locked", flush=True)
+        time.sleep(hold)
+        f.write(data[len(data) // 2:])
+    store.publish(ref, tmp, {"compile_s": 0.0, "pid": os.getpid()})
+print(json.dumps({"published": True, "pid": os.getpid()}), flush=True)
+"""
+
+_JIT_WAITER = r"""
+import json, time, warnings
+warnings.simplefilter("always")
+import relkernels
+t = time.time()
+with warnings.catch_warnings(record=True) as w:
+    fn = relkernels.rel_copy(7)
+u = relkernels.rel_copy.usage()[0]
+print(json.dumps({"how": u["how"], "value": fn(), "s": time.time() - t,
+                  "warnings": [str(x.message) for x in w]}))
+"""
+
+_BUILD_WAITER = r"""
+import json, sys, time
+from pathlib import Path
+import relkernels
+from quack import builder, registry
+from quack.store import DiskStore, LockTimeout
+root, i, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+spec = registry.get("rel_copy")
+print("waiting", flush=True)
+try:
+    e, compiled = builder.build(spec, spec.bind((), {"i": i}), "sm_90a", DiskStore(Path(root)),
+                                lock_timeout=timeout)
+    print(json.dumps({"compiled": compiled, "t": time.time(), "pid_in_meta": e.meta.get("pid")}))
+except LockTimeout as e:
+    print(json.dumps({"timeout": str(e), "t": time.time()}))
+"""
+
+
+def test_stopped_lock_holder(objs, tmp_path):
+    """A holder SIGSTOPped past the lock time-out: runtime waiters fall back (compile
+    in-process, run the kernel, publish nothing), a build waiter gets LockTimeout, patient
+    waiters wait; resumed, the holder publishes: exactly one complete publish, and the
+    patient waiters then find it (no compile)."""
+    root, counter = tmp_path / "cache", tmp_path / "compiles"
+    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter)
+    holder = spawn(_HOLDER, root, objs["float32"]["path"], 7, 1.0, **ex)
+    assert holder.stdout.readline().strip() == "locked"
+    os.kill(holder.pid, signal.SIGSTOP)
+    try:
+        patient = [spawn(_BUILD_WAITER, root, 7, 120, **ex) for _ in range(2)]
+        hasty = spawn(_BUILD_WAITER, root, 7, 1.0, **ex)
+        jit = [spawn(_JIT_WAITER, QUACK_CACHE_DIR=root, QUACK_ARCH="sm_90a", QUACK_LOCK_TIMEOUT=1,
+                     QUACK_COMPILE_TIMEOUT=2, QUACK_COMPILE_JOBS=1, **ex) for _ in range(2)]
+        h = finish(hasty)
+        assert "timeout" in h and "still held" in h["timeout"], h
+        for p in jit:
+            r = finish(p)
+            assert r["how"] == "jit" and r["value"] == 7, r  # ran uncached
+            assert any("compiling" in w and "in this process" in w for w in r["warnings"]), r
+        ref = rel_ref(7)
+        assert not DiskStore(root).paths(ref)["meta"].exists(), "a waiter published under a held lock"
+        assert all(p.poll() is None for p in patient)
+    finally:
+        os.kill(holder.pid, signal.SIGCONT)
+    hr = finish(holder)
+    for p in patient:
+        r = finish(p)
+        assert r["compiled"] is False and r["pid_in_meta"] == hr["pid"], r
+    store = DiskStore(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        e = store.lookup(rel_ref(7))
+    assert e is not None and e.meta["pid"] == hr["pid"]  # the holder's publish, the only one
+    d = store.entry_dir(rel_ref(7))
+    assert sorted(p.suffix for p in d.iterdir()) == [".json", ".lock", ".o"], list(d.iterdir())
+    # Compiles: only the runtime waiters' private ones (never published); none by the
+    # holder (it published what it had), none by the patient waiters.
+    pids = {pid for pid, _ in counted(counter)}
+    assert hr["pid"] not in pids
+
+
+def test_killed_lock_holder_next_waiter_proceeds_at_once(objs, tmp_path):
+    root, counter = tmp_path / "cache", tmp_path / "compiles"
+    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter)
+    holder = spawn(_HOLDER, root, objs["float32"]["path"], 9, 3600, **ex)
+    assert holder.stdout.readline().strip() == "locked"
+    waiter = spawn(_BUILD_WAITER, root, 9, 120, **ex)
+    assert waiter.stdout.readline().strip() == "waiting"
+    time.sleep(1.0)
+    assert waiter.poll() is None, "the waiter did not wait for the lock"
+    t_kill = time.time()
+    holder.kill()
+    holder.wait()
+    r = finish(waiter)
+    assert r["compiled"] is True and r["t"] - t_kill < 5.0, r
+    assert len(counted(counter)) == 1
+    store = DiskStore(root)
+    assert store.lookup(rel_ref(9)) is not None
+    store.sweep_debris(min_age=0)  # the killed holder's half-written temp
+    assert not [p for p in root.rglob("*") if ".tmp-" in p.name]
+
+
+# --- 8. many processes, one cold key / 100 keys ---------------------------------------------------
+
+_COLD = r"""
+import json, os, sys, time
+from pathlib import Path
+import toykernels
+from quack import builder, registry
+from quack.store import DiskStore
+root, go = sys.argv[1], Path(sys.argv[2])
+spec = registry.get("toy_scale")
+params = spec.bind((), {"dtype": "bfloat16", "block": 512, "bias": True})
+while not go.exists():
+    time.sleep(0.005)
+e, compiled = builder.build(spec, params, "sm_90a", DiskStore(Path(root)))
+print(json.dumps({"compiled": compiled, "compiles": len(toykernels.COMPILES), "so": bool(e.so_path)}))
+"""
+
+
+def test_eight_processes_one_cold_key_compile_once(tmp_path):
+    """A real kernel, cold, requested by 8 processes released together: one compile."""
+    root, go = tmp_path / "cache", tmp_path / "go"
+    ps = [spawn(_COLD, root, go) for _ in range(8)]
+    time.sleep(1.0)  # let them all import and spin on the start line
+    go.touch()
+    rs = [finish(p) for p in ps]
+    assert sum(r["compiled"] for r in rs) == 1, rs
+    assert sum(r["compiles"] for r in rs) == 1, rs
+
+
+_MANY = r"""
+import json, random, sys, time
+from pathlib import Path
+import relkernels
+from quack import builder, registry
+from quack.store import DiskStore
+root, n, seed, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
+spec = registry.get("rel_copy")
+store = DiskStore(Path(root))
+keys = list(range(n)); random.Random(seed).shuffle(keys)
+while not go.exists():
+    time.sleep(0.005)
+compiled = 0
+for i in keys:
+    e, c = builder.build(spec, spec.bind((), {"i": i}), "sm_90a", store)
+    compiled += c
+print(json.dumps({"compiled": compiled}))
+"""
+
+
+def test_eight_processes_hundred_keys_compile_count_equals_keys(objs, tmp_path):
+    root, counter, go = tmp_path / "cache", tmp_path / "compiles", tmp_path / "go"
+    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter,
+              QUACK_TEST_COMPILE_SLEEP=0.01)
+    ps = [spawn(_MANY, root, 100, seed, go, **ex) for seed in range(8)]
+    time.sleep(1.0)
+    go.touch()
+    rs = [finish(p, timeout=600) for p in ps]
+    c = counted(counter)
+    assert len(c) == 100 and sorted(i for _, i in c) == list(range(100)), len(c)
+    assert sum(r["compiled"] for r in rs) == 100
+    store = DiskStore(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert all(store.lookup(rel_ref(i)) is not None for i in range(100))
+
+
+_JIT_MANY = r"""
+import json, random, sys, warnings
+warnings.simplefilter("error")
+import relkernels
+keys = list(range(int(sys.argv[1]))); random.Random(int(sys.argv[2])).shuffle(keys)
+vals = [relkernels.rel_copy(i) for i in keys]
+u = relkernels.rel_copy.usage()
+print(json.dumps({"n": len(vals), "how": sorted({x["how"] for x in u}),
+                  "compiles": sum(x["compiles"] for x in u)}))
+"""
+
+
+def test_runtime_processes_share_compiles(objs, tmp_path):
+    """The same through the runtime (@jit_cache -> compile pool -> store): 4 processes over
+    12 keys, compile count equals key count, no time-outs, no warnings."""
+    root, counter = tmp_path / "cache", tmp_path / "compiles"
+    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter, QUACK_CACHE_DIR=root,
+              QUACK_ARCH="sm_90a", QUACK_COMPILE_JOBS=1, QUACK_TEST_COMPILE_SLEEP=0.05)
+    ps = [spawn(_JIT_MANY, 12, seed, **ex) for seed in range(4)]
+    rs = [finish(p, timeout=600) for p in ps]
+    assert all(r["n"] == 12 for r in rs)
+    c = counted(counter)
+    assert sorted(i for _, i in c) == list(range(12)), c
+
+
+# --- 7. clean while processes load and build ---------------------------------------------------
+
+_LOADER = r"""
+import hashlib, json, os, random, sys, time, warnings
+from pathlib import Path
+warnings.simplefilter("error")  # any CacheWarning (a 'corrupt' entry) fails this process
+import relkernels
+from quack import builder, loader, registry
+from quack.store import DiskStore
+root, seed, duration, go = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
+spec = registry.get("rel_copy")
+store = DiskStore(Path(root))
+rng = random.Random(seed)
+loader._prepare_runtime()
+import tvm_ffi  # noqa: F401 - pay the runtime's import (it pulls in torch) before the clock starts
+print("ready", flush=True)
+while not go.exists():
+    time.sleep(0.005)
+until = time.time() + duration
+stats = {"hits": 0, "misses": 0, "builds": 0, "loads": 0, "vanished": 0}
+while time.time() < until:
+    i = rng.randrange(60)
+    ref = builder.entry_ref(spec, spec.bind((), {"i": i}), "sm_90a")
+    e = store.lookup(ref)
+    if e is None:
+        stats["misses"] += 1
+        if rng.random() < 0.5:
+            builder.build(spec, spec.bind((), {"i": i}), "sm_90a", store)
+            stats["builds"] += 1
+        continue
+    stats["hits"] += 1
+    try:
+        data = e.obj_path.read_bytes()
+    except FileNotFoundError:
+        stats["vanished"] += 1  # evicted after the lookup: a plain miss next time
+        continue
+    # A reader never sees a partial file: what it reads is whole or absent.
+    assert hashlib.sha256(data).hexdigest() == e.meta["sha256"], "partial or foreign object read"
+    if rng.random() < 0.2:
+        try:
+            fn, mod, how = loader.load_entry(store, e)
+            stats["loads"] += 1
+        except loader.EntryVanished:
+            stats["vanished"] += 1
+print(json.dumps(stats))
+"""
+
+
+@needs_cli("cache", "clean")
+def test_clean_while_eight_processes_load_and_build(objs, tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "quack.toml").write_text('[build]\nkernel_packages = ["relkernels"]\n')
+    root = tmp_path / "cache"
+    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_CACHE_DIR=root)
+    store = DiskStore(root)
+    spec = registry.get("rel_copy")
+    os.environ["QUACK_TEST_OBJ"] = objs["float32"]["path"]
+    for i in range(40):
+        builder.build(spec, spec.bind((), {"i": i}), "sm_90a", store)
+    # A lock this test holds all along: clean must neither unlink it nor evict its entry.
+    held = rel_ref(0)
+    lock_ino = os.stat(store.paths(held)["lock"]).st_ino
+    go = tmp_path / "go"
+    ps = [spawn(_LOADER, root, seed, 6.0, go, **ex) for seed in range(8)]
+    for p in ps:
+        assert p.stdout.readline().strip() == "ready"
+    cleans = []
+    go.touch()
+    until = time.time() + 6.0
+    with store.lock(held):
+        rng = random.Random(3)
+        while time.time() < until:
+            args = rng.choice([[], ["--max-size", "100KiB"], ["--max-size", "0"], ["--older-than", "0s"]])
+            r = subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root), *args], env=env(),
+                               capture_output=True, text=True, timeout=120, cwd=str(proj))
+            cleans.append((args, r.returncode))
+            assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
+        assert os.stat(store.paths(held)["lock"]).st_ino == lock_ino, "a held lock file was unlinked"
+        assert store.paths(held)["meta"].exists(), "an entry under a held lock was evicted"
+    rs = [finish(p, timeout=300) for p in ps]
+    print("clean under load:", len(cleans), "cleans;", json.dumps(rs))
+    assert len(cleans) >= 3 and sum(r["hits"] for r in rs) > 0 and sum(r["misses"] for r in rs) > 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for i in range(60):
+            store.lookup(rel_ref(i))  # whatever is left verifies (or is a plain miss)
