@@ -39,7 +39,7 @@ def _bool(text: str | bool) -> bool:
 
 
 def _pos_int(text: str | int) -> int:
-    if isinstance(text, bool):
+    if isinstance(text, (bool, float)):  # 2.5 must not silently become 2
         raise ValueError("expected an integer >= 0 (0 means one per CPU)")
     v = int(text)
     if v < 0:
