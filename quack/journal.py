@@ -18,6 +18,9 @@ def append(root: Path, records: list[dict]) -> None:
     try:
         if not Path(root).is_dir():
             return
+        from quack import fsutil
+
+        fsutil.check_root(Path(root))  # never through a symlinked / unsafe root (CacheError)
         # O_APPEND writes land whole at the end even with several writers.
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:

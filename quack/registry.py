@@ -79,7 +79,7 @@ class KernelSpec:
 
 def register(name: str, fn: Callable, params: dict[str, Param], *, version: int = 0,
              reference: str | None = None) -> KernelSpec:
-    if not isinstance(name, str) or not NAME_RE.match(name):
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
     for pn, p in params.items():
         if not isinstance(p, Param):

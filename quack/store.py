@@ -87,7 +87,7 @@ _ARCH_RE = re.compile(r"^sm_[0-9]{2,3}[af]?$")
 
 
 def _check_field(what: str, value, rx: re.Pattern, form: str) -> None:
-    if not isinstance(value, str) or not rx.match(value) or "\n" in value:
+    if not isinstance(value, str) or not rx.fullmatch(value):
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
         raise ParamError(f"refusing {what} {shown} for a cache path: expected {form}",

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import relkernels  # noqa: F401 - registers rel_copy
+import toykernels  # noqa: F401 - registers toy_scale
 from quack import builder, loader, registry, settings
 from quack.store import CacheWarning, CacheWriteError, DiskStore
 from reliability_support import (can_mount, copy_publish, env, needs_cli, run_py, session_objects,
