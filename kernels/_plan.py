@@ -95,6 +95,15 @@ def plan_rows(n: int, width: int, *, budget: int = 64, max_cluster: int = 16) ->
                    cluster_n=cluster_n, nvec=nvec)
 
 
+def smem_bcast_ok(plan: RowPlan, width: int, count: int, max_bytes: int = 72 * 1024) -> bool:
+    """Stage ``count`` broadcast vectors (weight / bias) of ``width`` bits in shared
+    memory with cp.async? Only for one row per CTA split over a cluster (the large-N
+    paths), vector accesses of >= 4 bytes (cp.async sizes), and a shared-memory tile
+    small enough to keep 2+ CTAs per SM."""
+    return (plan.cluster_n > 1 and plan.rows_per_cta == 1 and plan.vec * width >= 32
+            and count * plan.tile_n * width // 8 <= max_bytes)
+
+
 def check_n(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int):
         raise TypeError(f"n must be an int, got {type(n).__name__}")

@@ -56,13 +56,18 @@ def fake_vec(dtype, length, align: int = 16):
     return make_fake_tensor(dtype, (length,), stride=(1,), assumed_align=align)
 
 
-def launch_kwargs(plan: RowPlan, m, stream):
-    return dict(
+def launch_kwargs(plan: RowPlan, m, stream, min_blocks: int = 0):
+    """``min_blocks`` > 0 asks ptxas for that many resident CTAs per SM (caps the
+    registers per thread; shared memory carve-out set to the maximum)."""
+    kw = dict(
         grid=[cute.ceil_div(m, plan.rows_per_cta), plan.cluster_n, 1],
         block=[plan.num_threads, 1, 1],
         cluster=[1, plan.cluster_n, 1] if plan.cluster_n > 1 else None,
         stream=stream,
     )
+    if min_blocks > 0:
+        kw.update(min_blocks_per_mp=min_blocks, preferred_smem_carveout=100)
+    return kw
 
 
 def broadcast_rows(vec_tensor: cute.Tensor, rows: int) -> cute.Tensor:
@@ -151,6 +156,106 @@ def row_allreduce(
     return val
 
 
+LOG2_E = 1.4426950408889634
+
+
+@cute.jit
+def _lse_combine(m1: Float32, s1: Float32, m2: Float32, s2: Float32):
+    """(max, sum of exp(x - max)) pairs -> their union (online softmax). A side
+    whose max is -inf (nothing seen) contributes 0, never NaN."""
+    m = cute.arch.fmax(m1, m2)
+    ms = m
+    if m == -Float32.inf:
+        ms = Float32(0.0)
+    e1 = cute.math.exp2((m1 - ms) * LOG2_E, fastmath=True)
+    e2 = cute.math.exp2((m2 - ms) * LOG2_E, fastmath=True)
+    return m, s1 * e1 + s2 * e2
+
+
+@cute.jit
+def row_allreduce_pair(
+    a: Float32,
+    b: Float32,
+    kind: cutlass.Constexpr[str],
+    threads_per_row: cutlass.Constexpr[int],
+    cluster_n: cutlass.Constexpr[int],
+    count: cutlass.Constexpr[int],
+    buf_a: cute.Tensor,
+    buf_b: cute.Tensor,
+    mbar: cute.Pointer,
+    phase=0,
+):
+    """All-reduce a pair over the threads (and CTAs) sharing a row in ONE round trip.
+
+    kind "lse":     (max, sum of exp(x - max))  -> row max, row sum of exp(x - row max)
+    kind "welford": (mean, M2 = sum (x - mean)^2) of ``count`` elements per thread (the
+                    same count for every thread) -> row mean, row M2 (Chan's formula)
+    """
+    g = const_expr(min(threads_per_row, 32))
+    if const_expr(kind == "lse"):
+        for i in cutlass.range_constexpr(g.bit_length() - 1):
+            off = const_expr(g >> (i + 1))
+            a, b = _lse_combine(a, b, cute.arch.shuffle_sync_bfly(a, offset=off, mask=-1, mask_and_clamp=31),
+                                cute.arch.shuffle_sync_bfly(b, offset=off, mask=-1, mask_and_clamp=31))
+    else:
+        ma = cute.arch.warp_reduction(a, operator.add, threads_in_group=g) * (1.0 / g)
+        d = a - ma
+        b = cute.arch.warp_reduction(b + d * d * float(count), operator.add, threads_in_group=g)
+        a = ma
+    warps_per_row = const_expr(max(threads_per_row // 32, 1))
+    if const_expr(warps_per_row > 1 or cluster_n > 1):
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        row = warp // warps_per_row
+        col = warp % warps_per_row
+        if const_expr(cluster_n == 1):
+            if lane == 0:
+                buf_a[row, col] = a
+                buf_b[row, col] = b
+            cute.arch.barrier()
+        else:
+            rank = cute.arch.block_idx_in_cluster()
+            rows_per_cta = const_expr(cute.size(buf_a, mode=[0]))
+            if warp == 0:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(
+                        mbar, rows_per_cta * warps_per_row * cluster_n * 8)
+            if lane < cluster_n:
+                ci = (row, rank * warps_per_row + col)
+                store_remote_f32(a, buf_a.iterator + cute.crd2idx(ci, buf_a.layout), mbar, lane)
+                store_remote_f32(b, buf_b.iterator + cute.crd2idx(ci, buf_b.layout), mbar, lane)
+            cute.arch.mbarrier_wait(mbar, phase=phase)
+        total = const_expr(warps_per_row * cluster_n)
+        if const_expr(kind == "lse"):
+            va = -Float32.inf
+            vb = Float32(0.0)
+            for i in cutlass.range_constexpr((total + 31) // 32):
+                idx = lane + i * 32
+                if idx < total:
+                    va, vb = _lse_combine(va, vb, buf_a[row, idx], buf_b[row, idx])
+            for i in cutlass.range_constexpr(5):
+                off2 = const_expr(16 >> i)
+                va, vb = _lse_combine(va, vb, cute.arch.shuffle_sync_bfly(va, offset=off2, mask=-1, mask_and_clamp=31),
+                                      cute.arch.shuffle_sync_bfly(vb, offset=off2, mask=-1, mask_and_clamp=31))
+            a, b = va, vb
+        else:
+            sa = Float32(0.0)
+            for i in cutlass.range_constexpr((total + 31) // 32):
+                idx = lane + i * 32
+                if idx < total:
+                    sa = sa + buf_a[row, idx]
+            mean = cute.arch.warp_reduction(sa, operator.add) * (1.0 / total)
+            sb = Float32(0.0)
+            for i in cutlass.range_constexpr((total + 31) // 32):
+                idx = lane + i * 32
+                if idx < total:
+                    dd = buf_a[row, idx] - mean
+                    sb = sb + buf_b[row, idx] + dd * dd * float(count * g)
+            a = mean
+            b = cute.arch.warp_reduction(sb, operator.add)
+    return a, b
+
+
 class Reducer:
     """Shared memory for a kernel's row reductions: ``stages`` independent
     all-reduces (each used once per CTA), plus the cluster mbarriers."""
@@ -196,6 +301,19 @@ class Reducer:
         loop reusing stages alternates two of them and passes the mbarrier
         ``phase`` (flips each time the stage is reused)."""
         return reduce_stage(val, kind, self.plan, self.buf, self.mbar, stage, phase)
+
+    def reduce_pair(self, a, b, kind: str, count: int = 1, phase=0):
+        """Pair all-reduce in one round trip ("lse" or "welford"); needs stages >= 2."""
+        return reduce_pair_stage(a, b, kind, self.plan, self.buf, self.mbar, count, phase)
+
+
+def reduce_pair_stage(a, b, kind: str, plan: RowPlan, buf, mbar, count: int, phase=0):
+    """One-round-trip pair all-reduce (see ``row_allreduce_pair``); uses the two
+    first stages of the buffer (a, b) and the first mbarrier."""
+    ba = buf[None, None, 0] if const_expr(buf is not None) else None
+    bb = buf[None, None, 1] if const_expr(buf is not None) else None
+    return row_allreduce_pair(Float32(a), Float32(b), kind, plan.threads_per_row, plan.cluster_n,
+                              count, ba, bb, mbar, phase)
 
 
 def reduce_stage(val, kind: str, plan: RowPlan, buf, mbar, stage, phase=0):
@@ -255,6 +373,66 @@ class RowTiles:
     def store(self, val_ssa, gT: cute.Tensor):
         r = cute.make_rmem_tensor_like(gT)
         r.store(val_ssa.to(gT.element_type))
+        if self.row < self.m:
+            cute.copy(self.tiled_copy, r, gT, pred=self.pred)
+
+    # ---- broadcast vectors (weight / bias) staged in shared memory with cp.async:
+    # issued at kernel start, read after the reductions. Keeps them out of the
+    # registers while the row is reduced, without an L2 round trip on the tail.
+
+    def alloc_smem_bcast(self, smem, dtype):
+        """A (1, tile_n) shared-memory tile for one broadcast vector (rows_per_cta == 1)."""
+        return smem.allocate_tensor(dtype, cute.make_layout((1, self.plan.tile_n), stride=(self.plan.tile_n, 1)),
+                                    byte_alignment=16)
+
+    @cute.jit
+    def prefetch_bcast(self, mV: cute.Tensor, sV: cute.Tensor):
+        """cp.async this CTA's slice of a (N,) vector into ``sV``; commit one group."""
+        dtype = mV.element_type
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype,
+                                   num_bits_per_copy=self.plan.vec * dtype.width)
+        thr_layout = cute.make_ordered_layout((self.plan.rows_per_cta, self.plan.threads_per_row),
+                                              order=(1, 0))
+        tc = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.plan.vec)))
+        tidx, _, _ = cute.arch.thread_idx()
+        thr = tc.get_slice(tidx)
+        full = broadcast_rows(mV, self.plan.rows_per_cta)
+        g = thr.partition_S(cute.local_tile(full, tiler(self.plan), (0, self.coord[1])))
+        d = thr.partition_D(sV)
+        cute.copy(tc, g, d, pred=self.pred)
+        cute.arch.cp_async_commit_group()
+
+    @cute.jit
+    def load_smem_bcast(self, mV: cute.Tensor, sV: cute.Tensor):
+        """This thread's fragment of a prefetched vector, from shared memory (waits for
+        this thread's cp.async groups; each thread reads only what it copied)."""
+        cute.arch.cp_async_wait_group(0)
+        src = self.thr.partition_S(sV)
+        r = cute.make_rmem_tensor_like(self.part_bcast(mV))
+        if const_expr(not self.plan.even):
+            r.fill(0.0)
+        cute.copy(self.tiled_copy, src, r, pred=self.pred)
+        return r
+
+    @cute.jit
+    def store_affine_smem(self, y_ssa, gT: cute.Tensor, sW, sB, mW, mB):
+        """Store ``y * w + b`` (fp32 fragment ``y_ssa``; ``sW`` / ``sB`` prefetched tiles
+        or None) one vector at a time, so only one vector of w / b is live at once."""
+        cute.arch.cp_async_wait_group(0)
+        yf = cute.make_rmem_tensor(y_ssa.shape, Float32)
+        yf.store(y_ssa)
+        r = cute.make_rmem_tensor_like(gT)
+        if const_expr(sW is not None):
+            tW = self.thr.partition_S(sW)
+        if const_expr(sB is not None):
+            tB = self.thr.partition_S(sB)
+        for k in cutlass.range_constexpr(cute.size(yf, mode=[2])):
+            yk = yf[None, 0, k].load()
+            if const_expr(sW is not None):
+                yk = yk * tW[None, 0, k].load().to(Float32)
+            if const_expr(sB is not None):
+                yk = yk + tB[None, 0, k].load().to(Float32)
+            r[None, 0, k].store(yk.to(gT.element_type))
         if self.row < self.m:
             cute.copy(self.tiled_copy, r, gT, pred=self.pred)
 

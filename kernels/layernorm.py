@@ -11,6 +11,10 @@ from quack.params import Bool, Dtype, Int
 from kernels._plan import N_MAX, N_MIN
 
 
+# Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
+_TUNE: dict = {}
+
+
 @jit_cache(
     "layernorm_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
@@ -24,10 +28,13 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     from cutlass import Float32, const_expr
 
     from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows
+    from kernels._plan import plan_rows, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=64)
+    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, dt.width,
+                                                             int(has_weight) + int(has_bias))
+    min_blocks = _TUNE.get("min_blocks", 0) if stage_wb else 0
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor,
@@ -42,29 +49,52 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         red.init_cluster(tidx)
         t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
         x = t.load(t.part(mX)).load().to(Float32)
+        sW = None
+        sB = None
+        if const_expr(stage_wb):
+            # weight / bias: cp.async into shared memory now, read after the reduction
+            if const_expr(mW is not None):
+                sW = t.alloc_smem_bcast(smem, dt)
+                t.prefetch_bcast(mW, sW)
+            if const_expr(mB is not None):
+                sB = t.alloc_smem_bcast(smem, dt)
+                t.prefetch_bcast(mB, sB)
         red.wait_cluster()
-        mean = red.reduce(x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                          "sum", 0) * (1.0 / plan.n)
-        xc = x - mean
-        sq = xc * xc
-        if const_expr(not plan.even):
+        if const_expr(plan.even):
+            # One round trip: per-thread (mean, M2) of its elements (exact two-pass in
+            # registers), merged over the row with Chan's formula (equal counts).
+            e = const_expr(plan.elems_per_thread)
+            mt = x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0) * (1.0 / e)
+            dt_ = x - mt
+            m2t = (dt_ * dt_).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+            mean, m2 = red.reduce_pair(mt, m2t, "welford", count=e)
+            var = m2 * (1.0 / plan.n)
+            xc = x - mean
+        else:
+            mean = red.reduce(x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                              "sum", 0) * (1.0 / plan.n)
+            xc = x - mean
+            sq = xc * xc
             # columns past N were loaded as 0 and now hold -mean: mask them out
             sq = t.mask_cols(sq)
-        var = red.reduce(sq.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                         "sum", 1) * (1.0 / plan.n)
+            var = red.reduce(sq.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                             "sum", 1) * (1.0 / plan.n)
         rstd = cute.math.rsqrt(var + eps, fastmath=True)
-        # weight / bias loaded after the reductions (L2-resident, shared by all rows):
-        # fewer live registers while the row is reduced.
-        if const_expr(mW is not None):
-            rW = t.load_bcast(t.part_bcast(mW))
-        if const_expr(mB is not None):
-            rB = t.load_bcast(t.part_bcast(mB))
-        y = xc * rstd
-        if const_expr(mW is not None):
-            y = y * rW.load().to(Float32)
-        if const_expr(mB is not None):
-            y = y + rB.load().to(Float32)
-        t.store(y, t.part(mY))
+        if const_expr(stage_wb):
+            t.store_affine_smem(xc * rstd, t.part(mY), sW, sB, mW, mB)
+        else:
+            # weight / bias loaded after the reductions (L2-resident, shared by all rows):
+            # fewer live registers while the row is reduced.
+            if const_expr(mW is not None):
+                rW = t.load_bcast(t.part_bcast(mW))
+            if const_expr(mB is not None):
+                rB = t.load_bcast(t.part_bcast(mB))
+            y = xc * rstd
+            if const_expr(mW is not None):
+                y = y * rW.load().to(Float32)
+            if const_expr(mB is not None):
+                y = y + rB.load().to(Float32)
+            t.store(y, t.part(mY))
         t.write_row_scalar(mMean, mean)
         t.write_row_scalar(mRstd, rstd)
 
@@ -72,7 +102,7 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     def launch(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor,
                eps: Float32, stream):
         kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream))
+            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks))
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)

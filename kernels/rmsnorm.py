@@ -12,6 +12,9 @@ from quack.params import Bool, Dtype, Int
 from kernels._plan import N_MAX, N_MIN
 
 
+# Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
+_TUNE: dict = {}
+
 # --------------------------------------------------------------------------- forward
 
 @jit_cache(
@@ -29,10 +32,13 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     from cutlass import Float32, const_expr
 
     from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows
+    from kernels._plan import plan_rows, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=64)
+    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, dt.width,
+                                                             int(has_weight) + int(has_bias))
+    min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else 0
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
@@ -50,10 +56,21 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         rX = t.load(t.part(mX))
         if const_expr(mR is not None):
             rR = t.load(t.part(mR))
-        if const_expr(mW is not None):
-            rW = t.load_bcast(t.part_bcast(mW))
-        if const_expr(mB is not None):
-            rB = t.load_bcast(t.part_bcast(mB))
+        sW = None
+        sB = None
+        if const_expr(stage_wb):
+            # weight / bias: cp.async into shared memory, read after the reduction
+            if const_expr(mW is not None):
+                sW = t.alloc_smem_bcast(smem, dt)
+                t.prefetch_bcast(mW, sW)
+            if const_expr(mB is not None):
+                sB = t.alloc_smem_bcast(smem, dt)
+                t.prefetch_bcast(mB, sB)
+        else:
+            if const_expr(mW is not None):
+                rW = t.load_bcast(t.part_bcast(mW))
+            if const_expr(mB is not None):
+                rB = t.load_bcast(t.part_bcast(mB))
         h = rX.load().to(Float32)
         if const_expr(mR is not None):
             h = h + rR.load().to(Float32)
@@ -62,19 +79,23 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         ss = red.reduce((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
                         "sum", 0)
         rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
-        y = h * rstd
-        if const_expr(mW is not None):
-            y = y * rW.load().to(Float32)
-        if const_expr(mB is not None):
-            y = y + rB.load().to(Float32)
-        t.store(y, t.part(mY))
+        if const_expr(stage_wb):
+            t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
+        else:
+            y = h * rstd
+            if const_expr(mW is not None):
+                y = y * rW.load().to(Float32)
+            if const_expr(mB is not None):
+                y = y + rB.load().to(Float32)
+            t.store(y, t.part(mY))
         t.write_row_scalar(mRstd, rstd)
 
     @cute.jit
     def launch(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
                eps: Float32, stream):
         m = cute.size(mX, mode=[0])
-        kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(**rr.launch_kwargs(plan, m, stream))
+        kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
+            **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks))
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)
