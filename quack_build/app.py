@@ -80,7 +80,7 @@ def _run(fn):
 @app.command()
 def build(
     manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=0, help="Compile workers (default: CPU count)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers, at least 1 (default: [build] jobs, else CPU count)."),
     arch: List[str] = typer.Option(None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would compile and what is cached."),
     keep_going: bool = typer.Option(False, "--keep-going", "-k", help="Go on after a failed compile."),
@@ -272,7 +272,7 @@ def prewarm(
     since: str = typer.Option("7d", "--since", help="Use journal records this recent (e.g. 7d, 12h; 0 = all)."),
     top: Optional[int] = typer.Option(None, "--top", min=1, help="Only the N most used configurations."),
     emit_manifest: Optional[Path] = typer.Option(None, "--emit-manifest", help="Write them as a manifest (TOML)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=0, help="Compile workers (default: CPU count)."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers, at least 1 (default: [build] jobs, else CPU count)."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List, don't compile."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),

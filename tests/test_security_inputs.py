@@ -105,9 +105,8 @@ USAGE = [
     ["cache", "clean", "--older-than", "soon"],
     ["verify", "--max-configs", "0"],
     ["prewarm", "--bogus"],
-    pytest.param(["build", "--dry-run", "--jobs", "0"], marks=pytest.mark.xfail(
-        reason="issue 6 case 13 asks for a usage error; the CLI currently takes 0 as 'one per CPU' "
-               "(reported to the lead)", strict=False)),
+    ["build", "--dry-run", "--jobs", "0"],
+    ["prewarm", "--jobs", "0"],
 ]
 
 
