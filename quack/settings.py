@@ -162,7 +162,10 @@ def read_config(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {}
     by_loc = {(f.section, f.key): name for name, f in _FIELDS.items()}
     for section, table in raw.items():
-        if section not in _SECTIONS or not isinstance(table, dict):
+        if section in _SECTIONS and not isinstance(table, dict):
+            raise SettingsError(f"{path}: {section} = {table!r} must be a table: write [{section}] "
+                                f"and its keys below it", source=str(path), key=section)
+        if section not in _SECTIONS:
             raise SettingsError(
                 f"{path}: unknown section [{section}]; allowed sections: "
                 + ", ".join(f"[{s}]" for s in _SECTIONS), source=str(path), key=section)

@@ -82,3 +82,9 @@ def test_settings_error_pickles():
     e = SettingsError("boom", source="f", key="k")
     e2 = pickle.loads(pickle.dumps(e))
     assert (str(e2), e2.source, e2.key) == ("boom", "f", "k")
+
+
+def test_section_given_as_a_value(tmp_path):
+    write(tmp_path, "cache = 5\n")
+    with pytest.raises(SettingsError, match=r"cache = 5 must be a table"):
+        settings.resolve(env={}, cwd=tmp_path)
