@@ -144,7 +144,7 @@ class JitKernel:
         (wedged worker, or a lock held elsewhere that never publishes) returns None:
         the caller compiles in this process."""
         s = _settings.get()
-        pool = _pool.active_pool()
+        pool = _pool.active_pool(s.cache_dir)
         scoped = pool is not None
         if pool is None:
             pool = _pool.default_pool()

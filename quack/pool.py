@@ -650,17 +650,33 @@ def note_not_prebuilt(exc, settings) -> None:
         log.append((exc, settings))
 
 
-def active_pool() -> CompilePool | None:
-    return _active.get()
+_scope_root: contextvars.ContextVar[str | None] = contextvars.ContextVar("quack_scope_root", default=None)
+
+
+def active_pool(root=None) -> CompilePool | None:
+    """The pool of the enclosing pool_scope, or None. A scope limited to one cache
+    root (the pytest plugin's: the session's default cache) is not active for a
+    miss in another root (a test's private cache): that miss waits instead."""
+    pool = _active.get()
+    if pool is not None and root is not None:
+        only = _scope_root.get()
+        if only is not None and only != str(root):
+            return None
+    return pool
 
 
 @contextlib.contextmanager
-def pool_scope(pool: CompilePool | None = None):
-    """In this block a miss submits to ``pool`` and raises CompilePending at once."""
+def pool_scope(pool: CompilePool | None = None, *, root=None):
+    """In this block a miss submits to ``pool`` and raises CompilePending at once
+    (only for misses in cache ``root``, if given)."""
     token = _active.set(pool or default_pool())
+    rtoken = _scope_root.set(None if root is None else str(root))
+    ltoken = _pending_log.set(None)  # a nested scope's pendings are its owner's business
     try:
         yield _active.get()
     finally:
+        _pending_log.reset(ltoken)
+        _scope_root.reset(rtoken)
         _active.reset(token)
 
 

@@ -279,6 +279,7 @@ class _Runner:
         self.interactor = None
         self.setup_errors: list[str] = []
         self.t_first_test = None
+        self.scope_root = None
         gpu = os.environ.get("QUACK_PYTEST_GPU")
         self.gpu_lock = _GpuLock(gpu) if gpu and os.environ.get("QUACK_PYTEST_GPU_SHARED") == "1" else None
         self.gpu_name = gpu or "all"
@@ -298,6 +299,15 @@ class _Runner:
                     n = 0
                 n = n or (os.cpu_count() or 1)
             jobs = max(1, n // workers) if self.worker else max(1, n)
+            # Deferral covers misses in the session's cache; a test that installs its
+            # own Settings (a private cache) waits for its compiles instead: its
+            # tmp_path, and so its cache, would be new on every retry.
+            try:
+                from quack import settings
+
+                self.scope_root = str(settings.get().cache_dir)
+            except Exception:  # noqa: BLE001
+                self.scope_root = None
             self.pool = _pool.configure_default(jobs)
             if config.getoption("quack_prewarm", False):
                 self.pool.prewarm()
@@ -361,19 +371,21 @@ class _Runner:
         item._quack_pending = None
         item._quack_oom = False
         log = []
-        token = _pool._pending_log.set(log)
         miss_token = _pool._miss_log.set([]) if self.prebuilt else None
         if self.prebuilt:
             self._ensure_strict()
         try:
             if self.deferring and not sync:
-                with _pool.pool_scope(self.pool):
-                    reports = runtestprotocol(item, nextitem=nextitem, log=False)
+                with _pool.pool_scope(self.pool, root=self.scope_root):
+                    token = _pool._pending_log.set(log)  # inside: pool_scope masks the log
+                    try:
+                        reports = runtestprotocol(item, nextitem=nextitem, log=False)
+                    finally:
+                        _pool._pending_log.reset(token)
             else:
                 with _pool.suppress_pool():
                     reports = runtestprotocol(item, nextitem=nextitem, log=False)
         finally:
-            _pool._pending_log.reset(token)
             if miss_token is not None:
                 _pool._miss_log.reset(miss_token)
         pending = item._quack_pending or (log[0] if log and self.deferring and not sync else None)

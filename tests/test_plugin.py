@@ -103,15 +103,23 @@ def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdis
 def test_warm_rerun_defers_nothing(pytester, run_env):
     pytester.makepyfile(test_ok="""
         import toykernels
+        from quack import settings
         def test_a():
             assert callable(toykernels.toy_scale("float32", 320, False))
+        def test_own_cache_waits_instead_of_deferring(tmp_path):
+            saved = settings._current
+            settings.set_current(settings.resolve({"cache_dir": str(tmp_path / "c"), "mode": "jit"}))
+            try:
+                assert callable(toykernels.toy_scale("float32", 352, False))
+            finally:
+                settings.set_current(saved)
     """)
     r1 = pytester.runpytest_subprocess("--async-compile", "-p", "no:cacheprovider", timeout=300)
-    r1.assert_outcomes(passed=1)
-    assert "quack: 1 keys submitted" in r1.stdout.str() and "1 deferrals" in r1.stdout.str()
+    r1.assert_outcomes(passed=2)
+    assert "quack: 2 keys submitted" in r1.stdout.str() and " 1 deferrals" in r1.stdout.str()
     r2 = pytester.runpytest_subprocess("--async-compile", "-p", "no:cacheprovider", timeout=300)
-    r2.assert_outcomes(passed=1)
-    assert "quack: 0 keys submitted" in r2.stdout.str() and "0 deferrals" in r2.stdout.str()
+    r2.assert_outcomes(passed=2)
+    assert "quack: 1 keys submitted" in r2.stdout.str() and " 0 deferrals" in r2.stdout.str()
 
 
 STRICT = r'''
