@@ -129,6 +129,114 @@ def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True):
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=32)
+    stages = bwd_smem_stages(plan, dt.width)
+
+    @cute.kernel
+    def kernel_smem(mX: cute.Tensor, mW, mdY: cute.Tensor, mRstd: cute.Tensor, mdX: cute.Tensor,
+                    mdW, rows_per_block: Int32):
+        # Large rows (one row per CTA of a cluster): x and dy of the next ``stages - 1``
+        # row tiles stream into shared memory with per-thread cp.async while the current
+        # tile is reduced, so loads stay in flight across the cluster round trip.
+        # Each thread copies and reads back only its own vectors: no CTA barrier.
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, cy, _ = cute.arch.block_idx()
+        cluster_y = cy
+        m = cute.size(mX, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=2)
+        red.allocate(smem)
+        sl = cute.make_layout((1, plan.tile_n, stages), stride=(plan.tile_n, 1, plan.tile_n))
+        sX = smem.allocate_tensor(dt, sl, byte_alignment=128)
+        sdY = smem.allocate_tensor(dt, sl, byte_alignment=128)
+        red.init_cluster(tidx)
+        t0 = rr.RowTiles(plan, dt, m, tidx, 0, cluster_y)
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(
+            cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), dt,
+            num_bits_per_copy=plan.vec * dt.width)
+        tc = cute.make_tiled_copy_tv(
+            atom, cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
+            cute.make_layout((1, plan.vec)))
+        thr = tc.get_slice(tidx)
+        num_tiles = m
+        grid_m = cute.arch.grid_dim()[0]
+        # prologue: tiles 0 .. stages-2 of this CTA
+        for s in cutlass.range_constexpr(stages - 1):
+            ts = bidx + s * grid_m
+            if ts < num_tiles:
+                cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
+                          thr.partition_D(sX[None, None, s]), pred=t0.pred)
+                cute.copy(tc, thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (ts, cluster_y))),
+                          thr.partition_D(sdY[None, None, s]), pred=t0.pred)
+            cute.arch.cp_async_commit_group()
+        if const_expr(mW is not None):
+            rW = t0.load_bcast(t0.part_bcast(mW))
+        dw_acc = cute.make_rmem_tensor_like(t0.part(mdX), Float32)
+        dw_acc.fill(0.0)
+        rstd_next = Float32(0.0)
+        if bidx < num_tiles:
+            rstd_next = Float32(mRstd[bidx])
+        red.wait_cluster()
+        rbuf, rmbar = red.buf, red.mbar
+        for tile in cutlass.range(bidx, num_tiles, grid_m, unroll=1):
+            it = (tile - bidx) // grid_m
+            t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
+            rstd = rstd_next
+            if tile + grid_m < num_tiles:
+                rstd_next = Float32(mRstd[tile + grid_m])
+            # refill the stage read by the previous iteration with tile it + stages - 1
+            tn = tile + (stages - 1) * grid_m
+            sn = (it + stages - 1) % stages
+            if tn < num_tiles:
+                cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
+                          thr.partition_D(sX[None, None, sn]), pred=t.pred)
+                cute.copy(tc, thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (tn, cluster_y))),
+                          thr.partition_D(sdY[None, None, sn]), pred=t.pred)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(stages - 1)
+            sc = it % stages
+            tXs = t.thr.partition_S(sX[None, None, sc])
+            tdYs = t.thr.partition_S(sdY[None, None, sc])
+            rx = cute.make_rmem_tensor_like(t.part(mX))
+            rdy = cute.make_rmem_tensor_like(t.part(mX))
+            if const_expr(not plan.even):
+                rx.fill(0.0)
+                rdy.fill(0.0)
+            cute.copy(t.tiled_copy, tXs, rx, pred=t.pred)
+            cute.copy(t.tiled_copy, tdYs, rdy, pred=t.pred)
+            x = rx.load().to(Float32)
+            g = rdy.load().to(Float32)
+            if const_expr(mW is not None):
+                g = g * rW.load().to(Float32)
+            # sum(g * xhat) = rstd * sum(g * x): rstd is needed only after the reduction
+            dot = rr.reduce_stage(
+                (g * x).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                "sum", plan, rbuf, rmbar, it % 2, (it // 2) % 2)
+            c = dot * rstd * rstd * (1.0 / plan.n)
+            # second pass re-reads shared memory (keeps the row out of the registers)
+            rx2 = cute.make_rmem_tensor_like(t.part(mX))
+            rdy2 = cute.make_rmem_tensor_like(t.part(mX))
+            if const_expr(not plan.even):
+                rx2.fill(0.0)
+                rdy2.fill(0.0)
+            cute.copy(t.tiled_copy, tXs, rx2, pred=t.pred)
+            cute.copy(t.tiled_copy, tdYs, rdy2, pred=t.pred)
+            x2 = rx2.load().to(Float32)
+            dy2 = rdy2.load().to(Float32)
+            g2 = dy2
+            if const_expr(mW is not None):
+                g2 = dy2 * rW.load().to(Float32)
+            dx = (g2 - x2 * c) * rstd
+            rdx = cute.make_rmem_tensor_like(t.part(mX))
+            rdx.store(dx.to(dt))
+            cute.copy(t.tiled_copy, rdx,
+                      t.part(mdX),
+                      pred=t.pred)
+            if const_expr(mdW is not None):
+                dw_acc.store(dw_acc.load() + dy2 * (x2 * rstd))
+        cute.arch.cp_async_wait_group(0)
+        if const_expr(mdW is not None):
+            tp = rr.RowTiles(plan, dt, cute.size(mdW, mode=[0]), tidx, bidx, cluster_y)
+            tp.store_fp32_rows(dw_acc, mdW)
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mdY: cute.Tensor, mRstd: cute.Tensor, mdX: cute.Tensor,
@@ -173,10 +281,12 @@ def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True):
             tp = rr.RowTiles(plan, dt, cute.size(mdW, mode=[0]), tidx, bidx, cluster_y)
             tp.store_fp32_rows(dw_acc, mdW)
 
+    bwd_kernel = kernel_smem if stages >= 2 else kernel
+
     @cute.jit
     def launch(mX: cute.Tensor, mW, mdY: cute.Tensor, mRstd: cute.Tensor, mdX: cute.Tensor,
                mdW, num_blocks: Int32, stream):
-        kernel(mX, mW, mdY, mRstd, mdX, mdW, num_blocks).launch(
+        bwd_kernel(mX, mW, mdY, mRstd, mdX, mdW, num_blocks).launch(
             grid=[num_blocks, plan.cluster_n, 1],
             block=[plan.num_threads, 1, 1],
             cluster=[1, plan.cluster_n, 1] if plan.cluster_n > 1 else None,
@@ -192,6 +302,23 @@ def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True):
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(launch, x, w, dy, rstd, dx, dw, Int32(1), stream,
                         options="--enable-tvm-ffi")
+
+
+def bwd_smem_stages(plan, width: int) -> int:
+    """Pipeline depth of the shared-memory backward (x and dy tiles per stage, at most
+    ``_TUNE["stages"]`` = 4), or 0 for the register path. Used for one row per CTA
+    (N >= 4096 for 16-bit dtypes; split over a cluster above 16384) while two or more
+    stages fit in ``_TUNE["smem_kb"]`` (default 128 KiB: measured faster than 192 at
+    N = 262144)."""
+    if not _TUNE.get("smem", True):
+        return 0
+    if plan.rows_per_cta != 1 or plan.vec * width < 32:
+        return 0
+    if plan.n < _TUNE.get("smem_min_n", 0):
+        return 0
+    stage_bytes = 2 * plan.tile_n * width // 8
+    s = min(_TUNE.get("stages", 4), _TUNE.get("smem_kb", 128) * 1024 // stage_bytes)
+    return s if s >= 2 else 0
 
 
 # --------------------------------------------------------------------------- torch-facing
@@ -220,13 +347,24 @@ def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     return (y.view(shape), rstd.view(shape[:-1]), ro.view(shape) if ro is not None else None)
 
 
-def _bwd_grid(m: int, plan, device) -> int:
-    """CTAs (per cluster rank) of the persistent backward: enough to fill the GPU."""
+def _bwd_grid(m: int, plan, width: int, device) -> int:
+    """CTAs (per cluster rank) of the persistent backward: as many as can be resident
+    at once. 128-thread CTAs: 2 per SM; 256-thread CTAs: 1 (registers); fewer when the
+    shared-memory pipeline does not fit. Clusters of 4+ CTAs: one cluster less than
+    SMs / cluster size (GPC granularity: on the H200, 15 clusters of 8 and 7 of 16 are
+    co-resident, not 16 and 8; one more runs as a second wave, ~1.7x slower)."""
     from kernels import _torch as kt
 
     tiles = -(-m // plan.rows_per_cta)
     ctas_per_sm = 2 if plan.num_threads <= 128 else 1
-    return max(1, min(tiles, kt.sm_count(device) * ctas_per_sm // plan.cluster_n))
+    st = bwd_smem_stages(plan, width)
+    if st:
+        smem = st * 2 * plan.tile_n * width // 8 + 1024
+        ctas_per_sm = max(1, min(ctas_per_sm, (227 * 1024) // smem))
+    clusters = kt.sm_count(device) * ctas_per_sm // plan.cluster_n
+    if plan.cluster_n >= 4:
+        clusters -= 1
+    return max(1, min(tiles, clusters))
 
 
 def rmsnorm_bwd(x, weight, dy, rstd):
@@ -247,8 +385,9 @@ def rmsnorm_bwd(x, weight, dy, rstd):
     if m == 0:
         dw = torch.zeros_like(weight) if weight is not None else None
         return dx.view(x.shape), dw
-    plan = plan_rows(n, 32 if dt == "float32" else 16, budget=32)
-    grid = _bwd_grid(m, plan, x.device)
+    width = 32 if dt == "float32" else 16
+    plan = plan_rows(n, width, budget=32)
+    grid = _bwd_grid(m, plan, width, x.device)
     dw_part = (torch.empty(grid * plan.rows_per_cta, n, dtype=torch.float32, device=x.device)
                if w is not None else None)
     fn = compile_rmsnorm_bwd(dt, n, w is not None)
