@@ -12,6 +12,11 @@ Options
                        overlap collection) instead of at the first miss.
   --quack-max-defers=K after K deferrals a test's next attempt compiles synchronously.
 
+Deferral rule: only misses in the session's cache (the default settings' cache
+directory) defer. A test that installs its own Settings with another cache (a
+tmp_path cache) waits for its compiles in the pool instead: its tmp_path, and so
+its cache, would be new on every retry. Misses in teardown always wait.
+
 Strict mode rule: the plugin installs the process's *default* settings with
 mode=prebuilt (``quack.settings.set_current``) and re-installs them whenever a
 test leaves none installed. A test that installs its own Settings (a private
