@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The figures of the closing notes, in one call on the lent H200 after staging
+# (../shared/device/README.md: call 1 unpacks .device/big into /tmp/site, this is
+# call 2, carrying .device/wheels). Logs go to $OUT; a short table is printed last.
+set -uo pipefail
+OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
+if [ -d .device/wheels ]; then
+  for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+fi
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
+test -d /tmp/site/nvidia_cutlass_dsl || { echo "not staged"; exit 3; }
+# Registers the pytest11 entry point and the console script (no network needed).
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1 \
+  || echo "editable install failed: see pip.log"
+python3 -c "import torch, cutlass; print(torch.cuda.get_device_name(), cutlass.__version__, torch.__version__)"
+SUITE="tests/kernels tests/test_gpu_roundtrip.py"
+step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
+  echo "$name: rc=$rc $((SECONDS - t))s | $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"; }
+export QUACK_CACHE_DIR=/tmp/qsuite
+step suite_cold_async 170 python3 -m pytest -q -p no:cacheprovider --async-compile=16 $SUITE
+grep -E "^quack:" "$OUT/suite_cold_async.log" | tail -2
+step suite_warm 150 python3 -m pytest -q -p no:cacheprovider $SUITE
+grep -E "^quack:" "$OUT/suite_warm.log" | tail -2
+step build_scaling 130 python3 benchmarks/bench_build.py --jobs 1 4 8 16 --manifest manifests/default.toml --packages kernels
+tail -12 "$OUT/build_scaling.log"
+CE_VARIANTS=${CE_VARIANTS:-reg,w32k4s4,w32k4s3c8,cta256,cl2,cl4} \
+  step ce_variants 150 python3 benchmarks/tune_variants.py cross_entropy_fwd
+tail -22 "$OUT/ce_variants.log"
