@@ -20,10 +20,10 @@ step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
 export QUACK_CACHE_DIR=/tmp/qsuite
 step suite_cold_async 170 python3 -m pytest -q -p no:cacheprovider --async-compile=16 $SUITE
 grep -E "^quack:" "$OUT/suite_cold_async.log" | tail -2
-step suite_warm 150 python3 -m pytest -q -p no:cacheprovider $SUITE
+step suite_warm 130 python3 -m pytest -q -p no:cacheprovider $SUITE
 grep -E "^quack:" "$OUT/suite_warm.log" | tail -2
-step build_scaling 130 python3 benchmarks/bench_build.py --jobs 1 4 8 16 --manifest manifests/default.toml --packages kernels
+step build_scaling 110 python3 benchmarks/bench_build.py --jobs 1 4 8 16 --manifest manifests/default.toml --packages kernels
 tail -12 "$OUT/build_scaling.log"
 CE_VARIANTS=${CE_VARIANTS:-reg,w32k4s4,w32k4s3c8,cta256,cl2,cl4} \
-  step ce_variants 150 python3 benchmarks/tune_variants.py cross_entropy_fwd
+  step ce_variants 120 python3 benchmarks/tune_variants.py cross_entropy_fwd
 tail -22 "$OUT/ce_variants.log"
