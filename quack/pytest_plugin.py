@@ -143,6 +143,16 @@ def pytest_unconfigure(config):
         runner.close()
 
 
+def _drop_frames(exc) -> None:
+    """A deferred test's CompilePending is kept until its retry; its traceback would
+    keep the test's frames alive, and with them every tensor the test had allocated
+    (seen on the H200: 138 GiB held by deferred attempts, then CUDA out-of-memory)."""
+    if exc is not None:
+        exc.__traceback__ = None
+        exc.__context__ = None
+        exc.__cause__ = None
+
+
 # -- detecting CompilePending in the phases -----------------------------------------------------
 class _Deferred(pytest.skip.Exception):
     """Setup hit a pending compile: end setup (the body must not run on half-built
@@ -394,6 +404,9 @@ class _Runner:
             if miss_token is not None:
                 _pool._miss_log.reset(miss_token)
         pending = item._quack_pending or (log[0] if log and self.deferring and not sync else None)
+        item._quack_pending = None
+        for exc in (pending, *log):
+            _drop_frames(exc)
         return pending, reports
 
     def _run_item(self, item, nextitem):
