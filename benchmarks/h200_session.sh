@@ -18,12 +18,16 @@ step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "$name: rc=$rc $((SECONDS - t))s | $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"; }
 export QUACK_CACHE_DIR=/tmp/qsuite
-step suite_cold_async 170 python3 -m pytest -q -p no:cacheprovider --async-compile=16 $SUITE
+step suite_cold_async 160 python3 -m pytest -q -p no:cacheprovider --async-compile=16 $SUITE
 grep -E "^quack:" "$OUT/suite_cold_async.log" | tail -2
-step suite_warm 130 python3 -m pytest -q -p no:cacheprovider $SUITE
+step suite_warm 100 python3 -m pytest -q -p no:cacheprovider $SUITE
 grep -E "^quack:" "$OUT/suite_warm.log" | tail -2
-step build_scaling 110 python3 benchmarks/bench_build.py --jobs 1 4 8 16 --manifest manifests/default.toml --packages kernels
+step build_scaling 100 python3 benchmarks/bench_build.py --jobs 1 4 8 16 --manifest manifests/default.toml --packages kernels
 tail -12 "$OUT/build_scaling.log"
-CE_VARIANTS=${CE_VARIANTS:-reg,w32k4s4,w32k4s3c8,cta256,cl2,cl4} \
-  step ce_variants 120 python3 benchmarks/tune_variants.py cross_entropy_fwd
-tail -22 "$OUT/ce_variants.log"
+step verify_run 75 bash -c "python3 -m quack_build build -j 16 && python3 -m quack_build verify --run"
+tail -8 "$OUT/verify_run.log"
+if [ "${RUN_CE:-0}" = 1 ]; then
+  CE_VARIANTS=${CE_VARIANTS:-reg,w32k4s4,w32k4s3c8,cta256,cl2,cl4} \
+    step ce_variants 120 python3 benchmarks/tune_variants.py cross_entropy_fwd
+  tail -22 "$OUT/ce_variants.log"
+fi
