@@ -8,8 +8,10 @@ size; u64 payload size; ...; u32 SM at offset 28). An ELF entry is a cubin
 
 - ELF ABI version < 8 (up to sm_90): SM in bits 0-7, virtual SM in bits 16-23,
   0x800 = arch-specific ("a") features: 0x5a0d5a is sm_90a, 0x500550 sm_80.
-- ABI version >= 8 (sm_100 on): SM in bits 8-15, 0x8 = "a": 0x600640a is
-  sm_100a, 0x600780a sm_120a.
+- ABI version >= 8 (sm_100 on, and everything CUDA 13 builds): SM in bits 8-15,
+  0x8 = "a" in CUDA 12 builds (0x600640a is sm_100a, 0x600780a sm_120a); CUDA 13
+  builds leave it out, so the fatbin entry header's flags (u32 at offset 40:
+  0x100000 "a", 0x200000 "f") decide the suffix.
 """
 from __future__ import annotations
 
@@ -34,6 +36,21 @@ def decode_e_flags(e_flags: int, abi_version: int) -> tuple[int, bool]:
     if abi_version >= 8:
         return (e_flags >> 8) & 0xFF, bool(e_flags & 0x8)
     return e_flags & 0xFF, bool(e_flags & 0x800)
+
+
+# Fatbin entry-header flags (u32 at offset 40): the arch-specific / family variant.
+# CUDA 13's ptxas no longer marks sm_90a in the cubin's e_flags (sm_90 and sm_90a
+# give the same 0x6005a04), but the fatbin entry says it, in both CUDA 12 and 13 builds.
+_HDR_ARCH_SPECIFIC = 0x100000
+_HDR_FAMILY = 0x200000
+
+
+def _suffix(hflags: int, accel_from_e_flags: bool) -> str:
+    if hflags & _HDR_FAMILY:
+        return "f"
+    if hflags & _HDR_ARCH_SPECIFIC or accel_from_e_flags:
+        return "a"
+    return ""
 
 
 def _cubin(payload: bytes) -> tuple[int, bool, int] | None:
@@ -66,13 +83,14 @@ def gpu_codes(data: bytes) -> list[GpuCode]:
                 break
             (sm_hdr,) = struct.unpack_from("<I", data, p + 28) if ehs >= 32 else (0,)
             payload = data[p + ehs:p + ehs + psz]
+            (hflags,) = struct.unpack_from("<I", data, p + 40) if ehs >= 44 else (0,)
             if kind == 2:
                 cb = _cubin(payload)
                 if cb is not None:
                     sm, accel, flags = cb
-                    out.append(GpuCode("cubin", sm, f"sm_{sm}{'a' if accel else ''}", flags))
+                    out.append(GpuCode("cubin", sm, f"sm_{sm}{_suffix(hflags, accel)}", flags))
                 else:  # compressed or unreadable cubin: the entry header still names the SM
-                    out.append(GpuCode("cubin", sm_hdr, f"sm_{sm_hdr}", None, compressed=True))
+                    out.append(GpuCode("cubin", sm_hdr, f"sm_{sm_hdr}{_suffix(hflags, False)}", None, compressed=True))
             elif kind == 1:
                 out.append(GpuCode("ptx", sm_hdr, f"compute_{sm_hdr}"))
             p += ehs + psz

@@ -79,3 +79,22 @@ def test_tmp_debris_rules():
 def test_human_bytes():
     assert inventory.human_bytes(512) == "512 B"
     assert inventory.human_bytes(3 << 20) == "3.0 MiB"
+
+
+# The fatbin entry header of a real CUDA 13 (nvidia-cutlass-dsl-libs-cu13 4.8.1) sm_90a
+# build, up to its flags word; its cubin's e_flags (0x6005a04, ABI 8) are the same for
+# sm_90 and sm_90a, so only the entry flags tell them apart (a verify run on the H200
+# reported every cu13 entry as "built for sm_90" before this was read).
+_CU13_ENTRY_HEAD = bytes.fromhex("0200010148000000" "1011000000000000" "0000000000000000"
+                                 "080001005a000000" "4000000007000000")
+
+
+@pytest.mark.parametrize("hflags,arch", [(0x00100011, "sm_90a"), (0x00000011, "sm_90"),
+                                         (0x00200011, "sm_90f")])
+def test_cuda13_arch_from_fatbin_entry_flags(hflags, arch):
+    cub = _cubin(0x6005A04, 8)
+    head = _CU13_ENTRY_HEAD + struct.pack("<I", hflags)
+    entry = head[:8] + struct.pack("<Q", len(cub)) + head[16:] + bytes(72 - len(head)) + cub
+    blob = b"\x50\xed\x55\xba" + struct.pack("<HHQ", 1, 16, len(entry)) + entry
+    (code,) = gpu_codes(b"host" * 8 + blob)
+    assert code.arch == arch and code.sm == 90
