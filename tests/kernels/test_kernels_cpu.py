@@ -19,11 +19,18 @@ def _fn(kernel):
 
 
 @pytest.fixture(scope="module")
-def kernel_cache(tmp_path_factory):
+def kernel_cache():
+    """The session's cache (QUACK_CACHE_DIR, quack.toml): `quack build manifests/tests.toml`
+    fills it, so under `pytest --quack-prebuilt` (CI) these tests prove every prebuilt
+    entry loads, and without it they compile what is missing in the workers.
+    QUACK_TEST_KERNEL_CACHE points them at another cache instead."""
     from quack import settings
 
+    d = os.environ.get("QUACK_TEST_KERNEL_CACHE")
+    if not d:
+        yield str(settings.get().cache_dir)
+        return
     saved = settings._current
-    d = os.environ.get("QUACK_TEST_KERNEL_CACHE") or str(tmp_path_factory.mktemp("kcache"))
     settings.set_current(settings.resolve({"cache_dir": d, "arch": "sm_90a", "mode": "jit"}))
     yield d
     settings.set_current(saved)
