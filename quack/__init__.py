@@ -25,6 +25,7 @@ _LAZY = {
     "pool_scope": "quack.pool",
     "suppress_pool": "quack.pool",
     "CompilePool": "quack.pool",
+    "autotune": "quack.autotune",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]
