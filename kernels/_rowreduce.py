@@ -324,6 +324,27 @@ def reduce_stage(val, kind: str, plan: RowPlan, buf, mbar, stage, phase=0):
     return row_allreduce(Float32(val), kind, plan.threads_per_row, plan.cluster_n, b, mb, phase)
 
 
+def cta_coords(plan: RowPlan):
+    """(tidx, bidx, cluster_y): this thread, its CTA's row tile, and the CTA's slice of
+    the row within the cluster (0 without a cluster). Called from kernel bodies."""
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, cy, _ = cute.arch.block_idx()
+    return tidx, bidx, (cy if const_expr(plan.cluster_n > 1) else 0)
+
+
+def start_rows(plan: RowPlan, dtype, mX: cute.Tensor, stages: int):
+    """The row kernels' common prologue: coordinates, the reducer's shared memory with
+    its cluster barriers signalled (pair with ``red.wait_cluster()``), and the CTA's
+    row tiles over ``mX``. Returns (tidx, bidx, cluster_y, m, smem, red, tiles)."""
+    tidx, bidx, cluster_y = cta_coords(plan)
+    m = cute.size(mX, mode=[0])
+    smem = cutlass.utils.SmemAllocator()
+    red = Reducer(plan, stages=stages)
+    red.allocate(smem)
+    red.init_cluster(tidx)
+    return tidx, bidx, cluster_y, m, smem, red, RowTiles(plan, dtype, m, tidx, bidx, cluster_y)
+
+
 class RowTiles:
     """Thread-level partitions of (M, N) row tensors for one CTA."""
 

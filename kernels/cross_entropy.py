@@ -115,15 +115,7 @@ def compile_cross_entropy_fwd(dtype: str, n: int):
     @cute.kernel
     def kernel(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
                ignore_index: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
-        m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
-        red = rr.Reducer(plan, stages=2)
-        red.allocate(smem)
-        red.init_cluster(tidx)
-        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
         x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         # The target logit: one scalar load per row, by the row's first thread of rank 0.
         tgt = Int64(ignore_index)
@@ -374,9 +366,7 @@ def compile_cross_entropy_bwd(dtype: str, n: int):
     @cute.kernel
     def kernel(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
                mdX: cute.Tensor, ignore_index: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
+        tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
         t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
         x = t.load(t.part(mX)).load().to(Float32)

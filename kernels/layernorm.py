@@ -39,15 +39,7 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor,
                mRstd: cute.Tensor, eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
-        m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
-        red = rr.Reducer(plan, stages=2)
-        red.allocate(smem)
-        red.init_cluster(tidx)
-        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
         x = t.load(t.part(mX)).load().to(Float32)
         sW = None
         sB = None

@@ -43,16 +43,7 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
                eps: Float32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
-        m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
-        red = rr.Reducer(plan, stages=1)
-        red.allocate(smem)
-        red.init_cluster(tidx)
-
-        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=1)
         rX = t.load(t.part(mX))
         if const_expr(mR is not None):
             rR = t.load(t.part(mR))
@@ -241,9 +232,7 @@ def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True):
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mdY: cute.Tensor, mRstd: cute.Tensor, mdX: cute.Tensor,
                mdW, rows_per_block: Int32):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
+        tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
         smem = cutlass.utils.SmemAllocator()
         red = rr.Reducer(plan, stages=2)

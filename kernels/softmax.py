@@ -34,15 +34,7 @@ def compile_softmax_fwd(dtype: str, n: int):
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mY: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
-        m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
-        red = rr.Reducer(plan, stages=2)
-        red.allocate(smem)
-        red.init_cluster(tidx)
-        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
         x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         red.wait_cluster()
         mx = red.reduce(x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
@@ -80,15 +72,7 @@ def compile_softmax_bwd(dtype: str, n: int):
 
     @cute.kernel
     def kernel(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor):
-        tidx, _, _ = cute.arch.thread_idx()
-        bidx, cy, _ = cute.arch.block_idx()
-        cluster_y = cy if const_expr(plan.cluster_n > 1) else 0
-        m = cute.size(mY, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
-        red = rr.Reducer(plan, stages=1)
-        red.allocate(smem)
-        red.init_cluster(tidx)
-        t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mY, stages=1)
         dy = t.load(t.part(mdY)).load().to(Float32)
         y = t.load(t.part(mY)).load().to(Float32)
         red.wait_cluster()
