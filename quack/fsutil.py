@@ -164,7 +164,9 @@ def pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return True  # exists, owned by someone else
+    except OSError:
+        return True  # can't tell: assume alive, so its files are left alone
     return True
 
 

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from quack import keys
+from quack import fsutil, keys
 from quack.store import LAYOUT
 
 _TMP_RE = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
@@ -174,23 +174,11 @@ def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
     return out
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    except OSError:
-        return True
-    return True
-
-
 def tmp_is_debris(pid: int, mtime: float, now: float) -> bool:
     age = now - mtime
     if age > TMP_MAX_AGE:
         return True
-    return age > TMP_DEAD_MIN_AGE and not pid_alive(pid)
+    return age > TMP_DEAD_MIN_AGE and not fsutil.pid_alive(pid)
 
 
 # --- stats ---------------------------------------------------------------------
