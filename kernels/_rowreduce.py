@@ -406,6 +406,18 @@ class RowTiles:
         return smem.allocate_tensor(dtype, cute.make_layout((1, self.plan.tile_n), stride=(self.plan.tile_n, 1)),
                                     byte_alignment=16)
 
+    def stage_bcast(self, smem, dtype, *vectors):
+        """``alloc_smem_bcast`` + ``prefetch_bcast`` for each vector given; an absent
+        (None) vector stays None. Returns the shared-memory tiles in order."""
+        tiles = []
+        for v in vectors:
+            sv = None
+            if v is not None:
+                sv = self.alloc_smem_bcast(smem, dtype)
+                self.prefetch_bcast(v, sv)
+            tiles.append(sv)
+        return tiles
+
     @cute.jit
     def prefetch_bcast(self, mV: cute.Tensor, sV: cute.Tensor):
         """cp.async this CTA's slice of a (N,) vector into ``sV``; commit one group."""

@@ -45,12 +45,7 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         sB = None
         if const_expr(stage_wb):
             # weight / bias: cp.async into shared memory now, read after the reduction
-            if const_expr(mW is not None):
-                sW = t.alloc_smem_bcast(smem, dt)
-                t.prefetch_bcast(mW, sW)
-            if const_expr(mB is not None):
-                sB = t.alloc_smem_bcast(smem, dt)
-                t.prefetch_bcast(mB, sB)
+            sW, sB = t.stage_bcast(smem, dt, mW, mB)
         red.wait_cluster()
         if const_expr(plan.even):
             # One round trip: per-thread (mean, M2) of its elements (exact two-pass in

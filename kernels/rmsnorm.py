@@ -51,12 +51,7 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         sB = None
         if const_expr(stage_wb):
             # weight / bias: cp.async into shared memory, read after the reduction
-            if const_expr(mW is not None):
-                sW = t.alloc_smem_bcast(smem, dt)
-                t.prefetch_bcast(mW, sW)
-            if const_expr(mB is not None):
-                sB = t.alloc_smem_bcast(smem, dt)
-                t.prefetch_bcast(mB, sB)
+            sW, sB = t.stage_bcast(smem, dt, mW, mB)
         else:
             if const_expr(mW is not None):
                 rW = t.load_bcast(t.part_bcast(mW))
