@@ -1,7 +1,10 @@
 """A throwaway compile that pays CuTe DSL's one-time set-up (3-4 s for the
 first cute.compile in a process, then 0.2-0.3 s) in the forkserver, so that
-every forked compile worker starts warm."""
-from __future__ import annotations
+every forked compile worker starts warm.
+
+No `from __future__ import annotations` here: CuTe DSL evaluates the kernel's
+annotations (cute.Tensor) in this module's globals, where `cute` is a local name;
+as strings they raise NameError (the forkserver swallowed it: workers started cold)."""
 
 
 def warm_up() -> None:
