@@ -111,3 +111,27 @@ class CompilePending(BaseException):
 
     def __str__(self) -> str:
         return f"kernel {self.kernel} (key {self.key[:16]}) is still compiling"
+
+
+class ExecutorError(QuackError, RuntimeError):
+    """A build executor cannot run (``quack build --executor ...``): its package is not
+    installed, its cluster is unreachable, or no worker it started is usable. The message
+    says what to do; ``executor`` names it ("ray"), ``address`` the cluster, if any."""
+
+    def __init__(self, message: str, *, executor: str = "", address: str = ""):
+        super().__init__(message)
+        self.executor = executor
+        self.address = address
+
+
+class ToolchainMismatch(ExecutorError):
+    """A remote build worker's toolchain (Python, cutlass-dsl, its CUDA libraries,
+    tvm-ffi) differs from the coordinator's: its objects would not be the ones this
+    cache key promises, so the worker is refused."""
+
+    def __init__(self, message: str, *, worker_stamp: str = "", coordinator_stamp: str = "",
+                 worker: str = "", executor: str = "", address: str = ""):
+        super().__init__(message, executor=executor, address=address)
+        self.worker_stamp = worker_stamp
+        self.coordinator_stamp = coordinator_stamp
+        self.worker = worker

@@ -68,6 +68,22 @@ def _mode(text: str) -> str:
     return text
 
 
+EXECUTOR_FORMS = "'local', 'ray', 'auto', 'ray://HOST:PORT' or 'HOST:PORT'"
+_ADDR_RE = re.compile(r"^(ray://)?[A-Za-z0-9._-]+:[0-9]{1,5}$")
+
+
+def check_executor(text: str) -> str:
+    """Where ``quack build`` compiles: 'local' (the forkserver pool, the default), 'ray'
+    (a Ray instance started for the build), 'auto' (the running cluster Ray finds, or
+    RAY_ADDRESS), 'ray://HOST:PORT' (Ray Client) or 'HOST:PORT' (a cluster's GCS)."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected {EXECUTOR_FORMS}")
+    t = text.strip()
+    if t in ("local", "ray", "auto") or _ADDR_RE.fullmatch(t):
+        return t
+    raise ValueError(f"expected {EXECUTOR_FORMS}")
+
+
 def _str_list(v: Any) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ValueError("expected a list of strings")
@@ -98,6 +114,7 @@ _FIELDS: dict[str, _Field] = {
     "archs": _Field("build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)],
                     "a list of CUDA archs"),
     "kernel_packages": _Field("build", "kernel_packages", (), _str_list, "a list of package names"),
+    "executor": _Field("build", "executor", ("QUACK_BUILD_EXECUTOR",), check_executor, EXECUTOR_FORMS),
 }
 _SECTIONS = sorted({f.section for f in _FIELDS.values()})
 
@@ -116,6 +133,7 @@ class Settings:
     jobs: int = 0
     archs: tuple[str, ...] = ()
     kernel_packages: tuple[str, ...] = ("kernels",)
+    executor: str = "local"
     config_file: Path | None = None
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 

@@ -77,6 +77,17 @@ def _run(fn):
 
 # --- build ---------------------------------------------------------------------
 
+def _check_executor(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    from quack.settings import check_executor
+
+    try:
+        return check_executor(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
 @app.command()
 def build(
     manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
@@ -90,19 +101,24 @@ def build(
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
     max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also list cached and started keys."),
+    executor: Optional[str] = typer.Option(
+        None, "--executor", callback=_check_executor,
+        help="Where to compile: local (default: this host's worker pool), ray (a Ray instance started "
+             "for the build), auto (the running Ray cluster, or RAY_ADDRESS), ray://HOST:PORT or "
+             "HOST:PORT (a Ray cluster). Default: [build] executor / QUACK_BUILD_EXECUTOR."),
 ):
     """Compile the manifests' configurations into the cache, in parallel."""
     _run(lambda: _build(manifests or [], jobs, arch or [], dry_run, keep_going, force, as_json, trace,
-                        cache_dir, max_configs, verbose))
+                        cache_dir, max_configs, verbose, executor))
 
 
 def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, cache_dir, max_configs,
-           verbose) -> int:
-    from quack.errors import CacheError
-    from quack_build import display, scheduler
+           verbose, executor=None) -> int:
+    from quack.errors import CacheError, ExecutorError
+    from quack_build import display, executors, scheduler
 
     t0 = time.time()
-    s = _settings(cache_dir, jobs)
+    s = _settings(cache_dir, jobs, executor)
     _load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
     con = _console(to_stderr=as_json)
@@ -133,13 +149,19 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
             con.print(f"{len(tasks)} configurations ({exp.duplicates} duplicates dropped): "
                       f"{len(tasks) - len(todo)} cached, {len(todo)} to compile", markup=False)
         return 0
+    try:
+        ex = executors.create(s, jobs=jobs or s.jobs or None, store=store)
+    except ExecutorError as e:
+        raise _Fail(f"error: {e}") from None
     rep = display.make_reporter(con, verbose=verbose)
     old_term = signal.getsignal(signal.SIGTERM)
     if old_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _term_to_interrupt)
     try:
         res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
-                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s)
+                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s, executor=ex)
+    except ExecutorError as e:
+        raise _Fail(f"error: {e}") from None
     finally:
         if old_term in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)

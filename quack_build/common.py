@@ -30,12 +30,13 @@ class _Fail(Exception):
         self.code = code
 
 
-def _settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None):
+def _settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None, executor: Optional[str] = None):
     from quack import settings as qs
     from quack.errors import SettingsError
 
     try:
-        s = qs.resolve({"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs})
+        s = qs.resolve({"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs,
+                        "executor": executor})
     except SettingsError as e:
         raise _Fail(f"error: {e}") from None
     qs.set_current(s)

@@ -95,7 +95,7 @@ class PlainReporter(_Base):
         else:
             word = "compiled " if t.status == COMPILED else "cached*  "
             self.note(f"{n} {word} {t.cfg.label()}  {t.compile_s if t.status == COMPILED else t.wall_s:.2f}s "
-                      f"(worker {t.pid})")
+                      f"({t.lane or f'worker {t.pid}'})")
 
 
 class LiveReporter(_Base):
@@ -195,7 +195,9 @@ def summary_table(res: BuildResult) -> Table:
 def print_summary(console: Console, res: BuildResult) -> None:
     console.print(summary_table(res))
     if res.pool_start_s:
-        console.print(f"worker start-up (forkserver import + warm-up compile): {res.pool_start_s:.1f}s; "
+        what = ("Ray start-up (connect, ship code, actor import + warm-up compile)" if res.executor == "ray"
+                else "worker start-up (forkserver import + warm-up compile)")
+        console.print(f"{what}: {res.pool_start_s:.1f}s; "
                       f"compile phase {res.compile_wall_s:.1f}s", markup=False)
     failed = [t for t in res.tasks if t.status == FAILED]
     if failed:

@@ -34,12 +34,15 @@ class Task:
     slot: int = -1
     error: str = ""
     detail: str = ""
+    lane: str = ""  # the worker's name in the trace and display ("" = by pid)
 
     def to_json(self) -> dict:
         d = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
              "key": self.cfg.key, "status": self.status}
         if self.status in (COMPILED, SHARED, FAILED):
             d.update(compile_s=round(self.compile_s, 4), wall_s=round(self.wall_s, 4), worker=self.pid)
+            if self.lane:
+                d["lane"] = self.lane
         if self.est_s is not None and self.status not in (CACHED,):
             d["estimate_s"] = round(self.est_s, 3)
         if self.error:
@@ -74,6 +77,7 @@ class BuildResult:
     compile_wall_s: float = 0.0
     pool_start_s: float = 0.0
     interrupted: bool = False
+    executor: str = "local"
     t0: float = 0.0
     log_path: str = ""
     trace_path: str = ""
@@ -116,6 +120,7 @@ class BuildResult:
             "not_built": self.count(SKIPPED) + self.count(INTERRUPTED),
             "interrupted": self.interrupted,
             "jobs": self.jobs,
+            "executor": self.executor,
             "compile_s": round(self.compile_s, 3),
             "wall_s": round(self.wall_s, 3),
             "plan_s": round(self.plan_s, 3),
@@ -236,21 +241,16 @@ def _remove_partial(store: DiskStore, t: Task) -> None:
         lk.release()
 
 
-def _pool_task(pool, ident):
-    """The pool's record of a key (start time, worker pid); None if it has none."""
-    tasks = getattr(pool, "_tasks", None)
-    return tasks.get(ident) if isinstance(tasks, dict) else None
-
-
 def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | None = None,
         keep_going: bool = False, force: bool = False, log_dir: Path | None = None,
-        plan_s: float = 0.0, order: str = "longest", settings=None) -> BuildResult:
-    """Compile every task not cached in a quack.pool.CompilePool; returns the result
-    (check ``.ok``). The pool runs the keys in the order given (longest first by
-    default); at most ``jobs`` + 2 are queued at once, so fail-fast and Ctrl-C stop
-    promptly and progress polling stays O(jobs)."""
-    from quack import pool as qpool
+        plan_s: float = 0.0, order: str = "longest", settings=None, executor=None) -> BuildResult:
+    """Compile every task not cached through ``executor`` (default: the local pool of
+    ``jobs`` workers; see quack_build.executors); returns the result (check ``.ok``).
+    Keys go to the executor in the order given (longest first by default); at most
+    ``jobs`` + 2 are outstanding at once, so fail-fast and Ctrl-C stop promptly and
+    progress polling stays O(jobs). Raises ExecutorError when the executor cannot start."""
     from quack import settings as qs
+    from quack_build import executors as qex
 
     s = settings or qs.get()
     rep = reporter or NullReporter()
@@ -258,7 +258,17 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
     todo = [t for t in tasks if t.status != CACHED]
     if todo and order == "longest":
         todo = order_longest_first(todo, past_compile_times(store.root, todo))
-    jobs = max(1, min(jobs, len(todo))) if todo else max(1, jobs)
+    ex = executor
+    if todo:
+        if ex is None:
+            from quack_build.executors.local import LocalExecutor
+
+            ex = LocalExecutor(jobs, settings=s)
+        t_start = time.time()
+        ex.start(len(todo))
+        jobs = ex.jobs
+    else:
+        jobs = max(1, jobs)
     res = BuildResult(tasks, jobs, plan_s=plan_s, t0=t_begin)
     rep.planned(tasks, todo, jobs)
     if not todo:
@@ -267,49 +277,52 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
         rep.close()
         return res
     log_path = None
-    pool = qpool.CompilePool(jobs, settings=s)
-    root = str(s.cache_dir)
     queue = list(reversed(todo))  # pop() from the end = longest first
     inflight: dict[str, Task] = {}
     slots = list(range(jobs - 1, -1, -1))
     stop = False
-    t_compile = time.time()
-    gen = pool.generation
+    t_compile = t_start
     window = jobs + 2
     try:
-        while queue or inflight:
+        while inflight or (queue and not stop):
             while queue and not stop and len(inflight) < window:
                 t = queue.pop()
                 t.status = "queued"
                 inflight[t.cfg.key] = t
-                pool.submit(t.cfg.spec, t.cfg.params, t.cfg.arch, t.cfg.key, settings=s, force=force)
-            gen = pool.wait_change(gen, timeout=0.1)
-            now_w, now_m = time.time(), time.monotonic()
-            for key, t in list(inflight.items()):
-                st, err = pool.poll(key, root)
-                if t.status == "queued":
-                    pt = _pool_task(pool, (root, key))
-                    if pt is not None and pt.started is not None:
-                        t.status = "running"
-                        t.start = now_w - (now_m - pt.started)
-                        t.pid = pt.pid or 0
-                        t.slot = slots.pop() if slots else -1
-                        rep.started(t)
-                if st not in (qpool.DONE, qpool.FAILED):
+                c = t.cfg
+                ex.submit(qex.WorkItem(c.key, c.kernel, c.spec.module, c.plain_params, c.arch, force,
+                                       spec=c.spec, bound=c.params))
+            for ev in ex.poll(0.1):
+                if ev.kind == qex.NOTE:
+                    rep.note(ev.text)
                     continue
-                del inflight[key]
+                t = inflight.get(ev.key)
+                if t is None:
+                    continue
+                now_w = time.time()
+                if ev.kind == qex.STARTED:
+                    if t.status == "running" and t.slot >= 0:  # a retry on another worker
+                        slots.append(t.slot)
+                    t.status = "running"
+                    t.start = ev.t_start or now_w
+                    t.pid = ev.pid
+                    t.lane = ev.lane
+                    t.slot = slots.pop() if slots else -1
+                    rep.started(t)
+                    continue
+                del inflight[ev.key]
                 if t.slot >= 0:
                     slots.append(t.slot)
                 if not t.start:
                     t.start = now_w
-                if st == qpool.DONE:
-                    r = pool.report(key, root) or {}
-                    t.status = COMPILED if r.get("compiled") else SHARED
-                    t.compile_s = float(r.get("compile_s") or 0.0)
-                    t.pid = r.get("pid", t.pid) or t.pid
-                    t.wall_s = float(r.get("wall_s") or (now_w - t.start))
-                    t.end = t.start + t.wall_s if r.get("wall_s") else now_w
+                if ev.kind == qex.DONE:
+                    t.status = COMPILED if ev.compiled else SHARED
+                    t.compile_s = ev.compile_s
+                    t.pid = ev.pid or t.pid
+                    t.wall_s = ev.wall_s or (now_w - t.start)
+                    t.end = t.start + ev.wall_s if ev.wall_s else now_w
                 else:
+                    err = ev.error
                     t.status = FAILED
                     t.end = now_w
                     t.wall_s = max(0.0, t.end - t.start)
@@ -320,20 +333,24 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
                         stop = True
                 rep.finished(t)
             rep.tick()
-        pool.shutdown(wait=True)
+        ex.close()
     except KeyboardInterrupt:
         res.interrupted = True
         rep.note("interrupted: stopping the workers")
-        pool.shutdown(wait=True)
+        ex.cancel()
+        ex.close()
         for key, t in inflight.items():
             t.status = INTERRUPTED
             t.end = time.time()
-            pt = _pool_task(pool, (root, key))
-            if pt is not None and pt.pid:
-                t.pid = pt.pid
+            if not t.pid and hasattr(ex, "worker_pid"):
+                t.pid = ex.worker_pid(key)
             _remove_partial(store, t)
         for t in queue:
             t.status = INTERRUPTED
+    except BaseException:
+        ex.cancel()
+        ex.close()
+        raise
     finally:
         ran = [t for t in tasks if t.start and t.end and t.status in (COMPILED, SHARED, FAILED)]
         if ran:
@@ -343,6 +360,7 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
         else:
             res.compile_wall_s = time.time() - t_compile
         res.log_path = str(log_path) if log_path else ""
+        res.executor = ex.name
         for t in tasks:
             if t.status in ("todo", "queued", "running"):
                 t.status = SKIPPED
@@ -400,14 +418,18 @@ def write_trace(path: Path, res: BuildResult, t0: float) -> None:
     if res.plan_s:
         ev.append({"name": "plan (expand, look up cache)", "cat": "plan", "ph": "X", "pid": 1, "tid": 0,
                    "ts": 0, "dur": int(res.plan_s * 1e6)})
-    workers = sorted({t.pid for t in res.tasks if t.pid})
-    for i, pid in enumerate(workers):
-        ev.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": pid,
-                   "args": {"name": f"worker {i + 1} (pid {pid})"}})
+    # One row per worker: a local pool's by pid; a cluster's by its lane (an actor's
+    # node and pid: pids of different nodes may coincide).
+    lanes = sorted({(t.lane, t.pid) for t in res.tasks if t.pid or t.lane}, key=lambda x: (x[0], x[1]))
+    tids = {}
+    for i, (lane, pid) in enumerate(lanes):
+        tids[(lane, pid)] = tid = (pid if not lane else 100000 + i) or 100000 + i
+        name = f"worker {i + 1} (pid {pid})" if not lane else lane
+        ev.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
     for t in res.tasks:
-        if not t.pid or t.end <= 0:
+        if not (t.pid or t.lane) or t.end <= 0:
             continue
-        ev.append({"name": t.cfg.kernel, "cat": t.status, "ph": "X", "pid": 1, "tid": t.pid,
+        ev.append({"name": t.cfg.kernel, "cat": t.status, "ph": "X", "pid": 1, "tid": tids[(t.lane, t.pid)],
                    "ts": int((t.start - t0) * 1e6), "dur": max(1, int((t.end - t.start) * 1e6)),
                    "args": {"params": t.cfg.plain_params, "arch": t.cfg.arch, "key": t.cfg.key,
                             "status": t.status, "compile_s": round(t.compile_s, 4),
