@@ -7,7 +7,9 @@ interrupted. Heavy modules load inside commands: ``quack cache stats`` never
 imports cutlass or torch."""
 from __future__ import annotations
 
+import contextlib
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -157,9 +159,13 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     old_term = signal.getsignal(signal.SIGTERM)
     if old_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _term_to_interrupt)
+    # --json: stdout carries the JSON only; what others print there meanwhile (Ray's driver
+    # prints its cluster's error messages on sys.stdout) goes to stderr.
+    quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
-        res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
-                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s, executor=ex)
+        with quiet_stdout:
+            res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
+                                log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s, executor=ex)
     except ExecutorError as e:
         raise _Fail(f"error: {e}") from None
     finally:

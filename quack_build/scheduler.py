@@ -78,6 +78,7 @@ class BuildResult:
     pool_start_s: float = 0.0
     interrupted: bool = False
     executor: str = "local"
+    executor_stats: dict = dataclasses.field(default_factory=dict)  # a cluster's: nodes, retries, ...
     t0: float = 0.0
     log_path: str = ""
     trace_path: str = ""
@@ -121,6 +122,7 @@ class BuildResult:
             "interrupted": self.interrupted,
             "jobs": self.jobs,
             "executor": self.executor,
+            **({"executor_stats": self.executor_stats} if self.executor_stats else {}),
             "compile_s": round(self.compile_s, 3),
             "wall_s": round(self.wall_s, 3),
             "plan_s": round(self.plan_s, 3),
@@ -361,6 +363,7 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
             res.compile_wall_s = time.time() - t_compile
         res.log_path = str(log_path) if log_path else ""
         res.executor = ex.name
+        res.executor_stats = ex.stats() if hasattr(ex, "stats") else {}
         for t in tasks:
             if t.status in ("todo", "queued", "running"):
                 t.status = SKIPPED

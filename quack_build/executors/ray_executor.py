@@ -99,7 +99,7 @@ class BuildWorker:
                 srcfps[name] = spec.source_fingerprint()
             except Exception:  # noqa: BLE001 - reported per key if it is built
                 pass
-        return {"pid": os.getpid(), "host": socket.gethostname(), "node": _node_ip(),
+        return {"pid": os.getpid(), "host": socket.gethostname(), "node": _node_ip(), "node_id": _node_id(),
                 "stamp": self.stamp(self.arch), "toolchain": keys.toolchain(), "srcfps": srcfps,
                 "warm_s": round(self.warm_s, 3)}
 
@@ -147,6 +147,15 @@ class BuildWorker:
         return os.getpid()
 
 
+def _node_id() -> str:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001
+        return ""
+
+
 def _node_ip() -> str:
     try:
         import ray
@@ -165,6 +174,7 @@ class _Actor:
     label: str = ""
     pid: int = 0
     node: str = ""
+    node_id: str = ""
 
 
 def _first_line(e: BaseException) -> str:
@@ -228,7 +238,7 @@ class RayExecutor:
         self._pending_notes: list[Event] = []
         self.counts = {"actors_started": 0, "actors_refused": 0, "actor_deaths": 0, "retries": 0,
                        "dispatched": 0, "published": 0, "actor_compile_wall_s": 0.0,
-                       "roundtrip_s": 0.0, "publish_s": 0.0, "warm_s": []}
+                       "roundtrip_s": 0.0, "publish_s": 0.0, "warm_s": [], "nodes": set()}
         self._dispatched_at: dict = {}
 
     # -- start-up -------------------------------------------------------------------------
@@ -250,7 +260,8 @@ class RayExecutor:
         kw = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env=self._renv)
         try:
             if address is None:
-                ray.init(num_cpus=self.requested or os.cpu_count() or 1, _node_ip_address="127.0.0.1",
+                ray.init(address="local", num_cpus=self.requested or os.cpu_count() or 1,
+                         _node_ip_address="127.0.0.1",
                          include_dashboard=False, **kw)
             else:
                 ray.init(address=address, **kw)
@@ -380,12 +391,22 @@ class RayExecutor:
 
     def _handle(self, ready: list) -> list[Event]:
         out: list[Event] = []
+        done = []
         for ref in ready:
             if ref in self._hellos:
                 out += self._on_hello(ref, self._hellos.pop(ref))
             elif ref in self._busy:
-                out += self._on_result(ref, *self._busy.pop(ref))
-        return out
+                got = self._collect(ref, *self._busy.pop(ref))
+                if isinstance(got, list):
+                    out += got
+                else:
+                    done.append(got)
+        # Actors get their next key before the coordinator verifies and publishes (lock,
+        # write, fsync): publishing stays off the actors' critical path.
+        started = self._dispatch()
+        for item, res, a in done:
+            out += self._finish(item, res, a)
+        return out + started  # after the DONE events, which free the display's slots
 
     def _on_hello(self, ref, a: _Actor) -> list[Event]:
         ray = self._ray
@@ -397,6 +418,7 @@ class RayExecutor:
             log.warning("quack: Ray %s failed to start: %s", a.label, _first_line(e))
             return [Event(NOTE, text=f"warning: Ray {a.label} failed to start: {_first_line(e)}")]
         a.pid, a.node = int(info.get("pid") or 0), str(info.get("node") or info.get("host") or "?")
+        a.node_id = str(info.get("node_id") or "")
         a.label = f"actor {a.index} ({a.node} pid {a.pid})"
         self.counts["warm_s"].append(info.get("warm_s"))
         got, want = str(info.get("stamp") or ""), self._want
@@ -421,6 +443,7 @@ class RayExecutor:
                         worker_stamp=theirs[name], coordinator_stamp=mine, worker=a.label,
                         executor="ray", address=self.address))
         self._idle.append(a)
+        self.counts["nodes"].add(a.node_id)
         log.info("quack: Ray %s ready (warm-up %.1fs)", a.label, info.get("warm_s") or 0.0)
         return []
 
@@ -441,7 +464,8 @@ class RayExecutor:
         except Exception:  # noqa: BLE001 - already gone
             pass
 
-    def _on_result(self, ref, a: _Actor, item: WorkItem, attempt: int) -> list[Event]:
+    def _collect(self, ref, a: _Actor, item: WorkItem, attempt: int):
+        """A finished task: (item, result, actor) to publish, or the events it gives."""
         ray = self._ray
         t_disp = self._dispatched_at.pop(ref, time.perf_counter())
         try:
@@ -459,12 +483,13 @@ class RayExecutor:
         if res.get("error") is not None:
             return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=res["error"])]
         self.counts["actor_compile_wall_s"] += float(res.get("wall_s") or 0.0)
+        return item, res, a
+
+    def _finish(self, item: WorkItem, res: dict, a: _Actor) -> list[Event]:
         p0 = time.perf_counter()
         try:
             compiled = self._publish(item, res, a)
-        except (ExecutorError, CacheError, OSError) as e:
-            return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=e)]
-        except Exception as e:  # noqa: BLE001 - LockTimeout and the like: the cache's problem
+        except Exception as e:  # noqa: BLE001 - ExecutorError, CacheError, OSError, LockTimeout
             return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=e)]
         finally:
             self.counts["publish_s"] += time.perf_counter() - p0
@@ -579,6 +604,7 @@ class RayExecutor:
 
     def stats(self) -> dict:
         d = dict(self.counts)
+        d["nodes"] = sorted(d["nodes"])
         d["jobs"] = self.jobs
         d["start_s"] = round(self.start_s, 3)
         d["address"] = self.address

@@ -1,0 +1,203 @@
+"""The executor contract as the scheduler drives it (a scripted executor: no compiles),
+the executor setting, and `--executor ray` without Ray installed."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import toykernels  # noqa: F401
+from quack import registry, settings
+from quack.errors import CompileError, ExecutorError, SettingsError, ToolchainMismatch
+from quack.store import DiskStore
+from quack_build import executors, scheduler
+from quack_build.executors import DONE, FAILED, NOTE, STARTED, Event
+from quack_build.manifest import BuildConfig
+from test_cli_build import sub_env, write_project
+
+
+def _cfg(block: int) -> BuildConfig:
+    spec = registry.get("toy_scale")
+    p = spec.bind((), {"dtype": "float16", "block": block})
+    return BuildConfig("toy_scale", p, "sm_90a", spec.key(p, "sm_90a"), "test", spec)
+
+
+class ScriptedExecutor:
+    """Answers each poll with the next scripted batch of events (keys by block size)."""
+
+    name = "scripted"
+    start_s = 0.0
+
+    def __init__(self, script, jobs=2):
+        self.script = list(script)
+        self.jobs = jobs
+        self.submitted: list[str] = []
+        self.calls: list[str] = []
+
+    def start(self, max_jobs):
+        self.calls.append(f"start {max_jobs}")
+        self.jobs = min(self.jobs, max_jobs)
+
+    def submit(self, item):
+        self.submitted.append(item.key)
+
+    def poll(self, timeout):
+        assert self.script, "polled after the script ended: the scheduler should have stopped"
+        return self.script.pop(0)
+
+    def cancel(self):
+        self.calls.append("cancel")
+
+    def close(self):
+        self.calls.append("close")
+
+    def stats(self):
+        return {"retries": 1}
+
+
+class Recorder(scheduler.NullReporter):
+    def __init__(self):
+        self.notes, self.started_lanes = [], []
+
+    def note(self, text):
+        self.notes.append(text)
+
+    def started(self, task):
+        self.started_lanes.append((task.lane, task.slot))
+
+
+def test_scheduler_drives_an_executor_retry_note_lanes_failure_and_trace(tmp_path):
+    a, b = _cfg(64), _cfg(128)
+    k = {64: a.key, 128: b.key}
+    err = CompileError("toy_scale", {"block": 128}, "sm_90a", "Traceback ...\nValueError: the compiler says no")
+    script = [
+        [Event(STARTED, k[64], lane="actor 1 (n1 pid 11)", pid=11, t_start=1000.0),
+         Event(STARTED, k[128], lane="actor 2 (n2 pid 22)", pid=22, t_start=1000.0)],
+        [Event(NOTE, text="Ray actor 1 died while compiling; retrying on another actor (retry 1 of 2)"),
+         Event(STARTED, k[64], lane="actor 2 (n2 pid 22)", pid=22, t_start=1001.0)],
+        [Event(FAILED, k[128], lane="actor 2 (n2 pid 22)", pid=22, error=err)],
+        [Event(DONE, k[64], lane="actor 2 (n2 pid 22)", pid=22, compiled=True, compile_s=0.5)],
+    ]
+    ex = ScriptedExecutor(script)
+    rep = Recorder()
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    tasks = scheduler.plan([a, b], store)
+    res = scheduler.run(tasks, store, jobs=8, reporter=rep, keep_going=True, executor=ex,
+                        log_dir=tmp_path / "logs")
+    assert ex.calls == ["start 2", "close"] and sorted(ex.submitted) == sorted(k.values())
+    assert res.jobs == 2 and res.executor == "scripted" and res.executor_stats == {"retries": 1}
+    assert res.count(scheduler.COMPILED) == 1 and res.count(scheduler.FAILED) == 1
+    assert rep.notes == ["Ray actor 1 died while compiling; retrying on another actor (retry 1 of 2)"]
+    # the retry moved the key to another lane and gave its slot back first
+    assert [lane for lane, _ in rep.started_lanes] == ["actor 1 (n1 pid 11)", "actor 2 (n2 pid 22)",
+                                                       "actor 2 (n2 pid 22)"]
+    assert len({slot for _, slot in rep.started_lanes[1:]}) == 2
+    failed = next(t for t in res.tasks if t.status == scheduler.FAILED)
+    assert failed.error == "ValueError: the compiler says no"
+    assert "the compiler says no" in (tmp_path / "logs").glob("build-*.log").__next__().read_text()
+    doc = res.to_json()
+    assert doc["executor"] == "scripted" and {kk.get("lane") for kk in doc["keys"]} == {"actor 2 (n2 pid 22)"}
+    trace = tmp_path / "t.json"
+    scheduler.write_trace(trace, res, res.t0)
+    names = [e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "thread_name"]
+    assert names == ["scheduler", "actor 2 (n2 pid 22)"]
+    # nothing was really published: the build is not ok
+    assert not res.ok and set(res.missing_after) == set(k.values())
+
+
+def test_fail_fast_stops_submitting_and_ends_with_keys_still_queued(tmp_path):
+    cfgs = [_cfg(b) for b in (32, 64, 128, 256, 512, 1024)]
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    tasks = scheduler.plan(cfgs, store)
+    first, second, third = (t.cfg.key for t in tasks[:3])  # no known times: manifest order
+    err = CompileError("toy_scale", {}, "sm_90a", "boom")
+    # jobs=1: a window of 3 submitted; the first fails, the two in flight finish, the
+    # other three are never submitted, and the run ends (no spin on the unsent ones).
+    ex = ScriptedExecutor([[Event(STARTED, first, pid=1)], [Event(FAILED, first, error=err)],
+                           [Event(DONE, second, pid=1, compiled=True), Event(DONE, third, pid=1, compiled=True)]],
+                          jobs=1)
+    res = scheduler.run(tasks, store, jobs=1, executor=ex)
+    assert ex.submitted == [first, second, third] and not ex.script
+    assert res.count(scheduler.FAILED) == 1 and res.count(scheduler.COMPILED) == 2
+    assert res.count(scheduler.SKIPPED) == 3 and ex.calls[-1] == "close"
+
+
+def test_executor_start_failure_propagates_and_nothing_is_planned(tmp_path):
+    class Refusing(ScriptedExecutor):
+        def start(self, max_jobs):
+            raise ToolchainMismatch("refusing Ray actor 1: its toolchain stamp is 'x' but this coordinator's is 'y'",
+                                    worker_stamp="x", coordinator_stamp="y")
+
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    with pytest.raises(ExecutorError) as ei:
+        scheduler.run(scheduler.plan([_cfg(32)], store), store, jobs=1, executor=Refusing([]))
+    e = ei.value
+    assert isinstance(e, RuntimeError) and (e.worker_stamp, e.coordinator_stamp) == ("x", "y")
+    import pickle
+
+    e2 = pickle.loads(pickle.dumps(e))
+    assert type(e2) is ToolchainMismatch and e2.worker_stamp == "x" and str(e2) == str(e)
+
+
+# --- the setting ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value", ["local", "ray", "auto", "ray://head.example:10001", "10.0.0.5:6379"])
+def test_executor_setting_accepts_the_documented_forms(tmp_path, value):
+    (tmp_path / "quack.toml").write_text(f'[build]\nexecutor = "{value}"\n')
+    assert settings.resolve(cwd=tmp_path, env={}).executor == value
+    assert settings.resolve(cwd=tmp_path, env={"QUACK_BUILD_EXECUTOR": "local"}).executor == "local"
+    assert settings.resolve({"executor": "auto"}, cwd=tmp_path, env={}).executor == "auto"
+
+
+def test_executor_setting_errors_name_the_source(tmp_path):
+    assert settings.resolve(cwd=tmp_path, env={}).executor == "local"
+    with pytest.raises(SettingsError) as ei:
+        settings.resolve(cwd=tmp_path, env={"QUACK_BUILD_EXECUTOR": "slurm"})
+    assert "QUACK_BUILD_EXECUTOR='slurm' is invalid" in str(ei.value) and "ray://HOST:PORT" in str(ei.value)
+    (tmp_path / "quack.toml").write_text('[build]\nexecutor = "ray://"\n')
+    with pytest.raises(SettingsError) as ei:
+        settings.resolve(cwd=tmp_path, env={})
+    assert "build.executor = 'ray://' is invalid" in str(ei.value)
+
+
+def test_cli_executor_flag_usage_error_is_exit_2(tmp_path, monkeypatch):
+    from quack_build.cli import app
+
+    proj = write_project(tmp_path / "proj")
+    monkeypatch.chdir(proj)
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
+    saved = settings._current
+    try:
+        r = CliRunner().invoke(app, ["build", "--executor", "slurm://x"])
+    finally:
+        settings.set_current(saved)
+    assert r.exit_code == 2 and "--executor" in r.output
+
+
+def test_factory_local_is_the_default(tmp_path):
+    s = settings.resolve({"cache_dir": str(tmp_path / "c"), "jobs": 3}, cwd=tmp_path, env={})
+    ex = executors.create(s, jobs=None, store=DiskStore(tmp_path / "c"))
+    assert ex.name == "local" and ex.jobs == 3
+
+
+# --- without Ray ------------------------------------------------------------------------------
+
+NO_RAY = ("import sys\nsys.modules['ray'] = None  # as if the [ray] extra were not installed\n"
+          "from quack_build.cli import main\nmain(sys.argv[1:])\n")
+
+
+def test_executor_ray_without_ray_is_one_line_with_the_install_command(tmp_path):
+    proj = write_project(tmp_path / "proj")
+    for flag in (["--executor", "ray"], []):
+        env = sub_env(tmp_path / "cache")
+        if not flag:
+            env["QUACK_BUILD_EXECUTOR"] = "ray://127.0.0.1:1"
+        r = subprocess.run([sys.executable, "-c", NO_RAY, "build", *flag], cwd=proj, env=env,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 1, r.stderr
+        assert r.stderr.strip() == "error: " + executors.RAY_INSTALL_HINT
+        assert "pip install 'quack-cache[ray]'" in r.stderr
+    assert not list((tmp_path / "cache").glob("v1/*/*/*/*.o"))
