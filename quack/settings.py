@@ -248,6 +248,6 @@ def set_current(s: Settings | None) -> None:
     None forgets them, so the next ``get`` resolves again."""
     global _current
     _current = s
-    from quack import _generation
+    from quack.runtime import _generation
 
     _generation.bump()

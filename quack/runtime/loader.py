@@ -17,7 +17,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from quack import fsutil
+from quack.cache import fsutil
 
 FUNCTION_NAME = "func"
 
@@ -40,7 +40,7 @@ def runtime_libdirs() -> tuple[str, str] | None:
     tspec = importlib.util.find_spec("tvm_ffi")
     if spec is None or tspec is None or not spec.submodule_search_locations:
         return None
-    from quack.keys import toolchain
+    from quack.cache.keys import toolchain
 
     flavour = toolchain()["libs"]
     cdir = None

@@ -8,10 +8,13 @@ import time
 import warnings
 from typing import Any, Callable
 
-from quack import _generation, journal, loader, pool as _pool, registry, settings as _settings
+from quack.runtime import _generation, loader
+from quack.cache import journal
+from quack.compile import pool as _pool
+from quack import registry, settings as _settings
 from quack.errors import CacheError, CompileError, CompilePending, KernelNotPrebuilt
 from quack.params import Param
-from quack.store import CacheWarning, DiskStore, LockTimeout, warn_once
+from quack.cache.store import CacheWarning, DiskStore, LockTimeout, warn_once
 
 _ALL: list["JitKernel"] = []
 
@@ -83,7 +86,7 @@ class JitKernel:
             return loaded.fn
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
-        from quack import builder
+        from quack.compile import builder
 
         arch = s.arch
         if not s.cache_enabled:
@@ -203,7 +206,7 @@ class JitKernel:
 
     def _compile_in_process(self, params, key, arch) -> Loaded:
         """No usable cache: compile here and keep the JIT function in memory."""
-        from quack import builder
+        from quack.compile import builder
 
         builder.pin_arch(arch)
         t0 = time.perf_counter()

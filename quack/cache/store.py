@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from quack import fsutil, keys
+from quack.cache import fsutil, keys
 from quack.errors import CacheError, ParamError
 
 LAYOUT = "v1"
