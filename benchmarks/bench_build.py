@@ -176,7 +176,7 @@ def main() -> None:
         if "jobs" not in a.skip:
             if a.manifest:
                 man = a.manifest.resolve()
-                packages = a.packages or ["kernels"]
+                packages = a.packages or ["quack_kernels"]
             else:
                 n_blocks = max(1, a.toy_keys // 6)
                 man = work / "toy.toml"

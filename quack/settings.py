@@ -115,7 +115,7 @@ class Settings:
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
-    kernel_packages: tuple[str, ...] = ("kernels",)
+    kernel_packages: tuple[str, ...] = ("quack_kernels",)
     config_file: Path | None = None
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 

@@ -36,7 +36,8 @@ def _manifests(s, given: List[Path]) -> list:
 
 
 def _expand(s, manifests, arch, max_configs):
-    from quack_build.manifest import ManifestError, expand
+    from quack.errors import ManifestError
+    from quack_build.manifest import expand
 
     try:
         return expand(_manifests(s, manifests), archs=s.build_archs(), arch_override=arch or None,

@@ -16,7 +16,8 @@ import poolkernels
 import toykernels
 from quack.compile import builder, pool as qpool
 from quack.errors import CompileError, CompilePending
-from quack.cache.store import CacheWarning, DiskStore
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore
 
 from conftest import use_settings
 

@@ -17,7 +17,8 @@ import pytest
 import relkernels  # noqa: F401 - registers rel_copy
 from quack.compile import builder
 from quack import registry
-from quack.cache.store import DiskStore, LockTimeout
+from quack.errors import LockTimeout
+from quack.cache.store import DiskStore
 from reliability_support import PY, TESTS, env, needs_cli, session_objects
 
 
@@ -91,7 +92,8 @@ from pathlib import Path
 import relkernels
 from quack.compile import builder
 from quack import registry
-from quack.cache.store import DiskStore, LockTimeout
+from quack.errors import LockTimeout
+from quack.cache.store import DiskStore
 root, i, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 spec = registry.get("rel_copy")
 print("waiting", flush=True)
@@ -272,6 +274,7 @@ from quack.compile import builder
 from quack.runtime import loader
 from quack import registry
 from quack.cache.store import DiskStore
+from quack.errors import EntryVanished
 root, seed, duration, go = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
 spec = registry.get("rel_copy")
 store = DiskStore(Path(root))
@@ -305,7 +308,7 @@ while time.time() < until:
         try:
             fn, mod, how = loader.load_entry(store, e)
             stats["loads"] += 1
-        except loader.EntryVanished:
+        except EntryVanished:
             stats["vanished"] += 1
 print(json.dumps(stats))
 """

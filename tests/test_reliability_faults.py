@@ -15,7 +15,8 @@ import toykernels  # noqa: F401 - registers toy_scale
 from quack.compile import builder
 from quack.runtime import loader
 from quack import registry, settings
-from quack.cache.store import CacheWarning, CacheWriteError, DiskStore
+from quack.errors import CacheWarning, CacheWriteError
+from quack.cache.store import DiskStore
 from reliability_support import (can_mount, copy_publish, env, needs_cli, run_py, session_objects,
                                  toy_ref, write_toy_project)
 
@@ -88,7 +89,8 @@ import json, sys, subprocess
 from pathlib import Path
 from quack.compile import builder
 from quack import registry
-from quack.cache.store import DiskStore, CacheWriteError
+from quack.errors import CacheWriteError
+from quack.cache.store import DiskStore
 import toykernels
 spec = registry.get("toy_scale")
 params = spec.bind((), {"dtype": "float32", "block": 256, "bias": True})
@@ -159,7 +161,7 @@ _RO_RUNTIME = r"""
 import json, warnings
 warnings.simplefilter("always")
 import toykernels
-from quack.cache.store import CacheWarning
+from quack.errors import CacheWarning
 with warnings.catch_warnings(record=True) as w:
     a = toykernels.toy_scale("float32", 128, False)   # prebuilt, with its .so
     b = toykernels.toy_scale("float16", 64, False)    # prebuilt .o only: linked privately

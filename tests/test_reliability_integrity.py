@@ -15,7 +15,8 @@ import pytest
 import toykernels
 from conftest import use_settings
 from quack.runtime import loader
-from quack.cache.store import CacheWarning, DiskStore, EntryRef
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore, EntryRef
 from reliability_support import (copy_publish, env, needs_cli, session_objects, toy_ref,
                                  write_toy_project)
 

@@ -15,7 +15,8 @@ from quack.compile import builder
 from quack.cache import keys
 from quack import registry
 from quack.errors import KernelNotPrebuilt, ParamError
-from quack.cache.store import CacheWarning, DiskStore
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore
 from reliability_support import PY, TESTS, copy_publish, env, session_objects, toy_ref
 
 

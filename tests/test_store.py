@@ -8,7 +8,8 @@ import pytest
 
 import toykernels
 from quack.compile import builder
-from quack.cache.store import CacheWarning, DiskStore
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore
 
 SPEC = toykernels.toy_scale.spec
 

@@ -42,21 +42,10 @@ import types
 from multiprocessing import connection as mpc
 from pathlib import Path
 
-from quack.errors import CacheError, CompileError
-from quack.cache.store import LockTimeout
+from quack.errors import CacheError, CompileError, CompileTimeout, LockTimeout
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
 EXTERNAL_POLL_S = 0.1
-
-
-class CompileTimeout(TimeoutError):
-    """A compile (or another process's lock on its key) ran past compile_timeout."""
-
-    def __init__(self, kernel: str, key: str, seconds: float, external: bool = False):
-        who = "another process holding its lock" if external else "its compile worker"
-        super().__init__(f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s "
-                         f"({who}; wedged?)")
-        self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
 
 
 def _worker_died_error(task: "_Task", exitcode) -> CompileError:

@@ -18,19 +18,9 @@ import subprocess
 from pathlib import Path
 
 from quack.cache import fsutil
+from quack.errors import EntryVanished, LinkError
 
 FUNCTION_NAME = "func"
-
-
-class EntryVanished(LookupError):
-    """The entry was removed (``quack cache clean``) or replaced between its verification
-    and its loading. Not corruption: the caller treats it as a miss."""
-
-
-class LinkError(Exception):
-    def __init__(self, message: str, obj: str = ""):
-        super().__init__(message)
-        self.obj = obj
 
 
 @functools.lru_cache(maxsize=None)
