@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 def _build(executor_name: str, manifests, jobs: int, cache: Path, address: str = ""):
     from quack import settings as qs
-    from quack.store import DiskStore
+    from quack.cache.store import DiskStore
     from quack_build import scheduler
     from quack_build.common import _load_kernels
     from quack_build.executors.local import LocalExecutor

@@ -3,7 +3,7 @@ a pool of warm workers, report progress, write a trace, summarize.
 
 The build process never imports torch or cutlass: workers fork from quack's
 forkserver (cutlass imported and one compile done there) and run
-``quack.pool.worker_build`` through ``quack_build.worker.task``."""
+``quack.compile.pool.worker_build`` through ``quack_build.worker.task``."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from quack import builder, journal
-from quack.store import DiskStore, LAYOUT
+from quack.compile import builder
+from quack.cache import journal
+from quack.cache.store import DiskStore, LAYOUT
 from quack_build.manifest import BuildConfig
 
 CACHED, COMPILED, SHARED, FAILED, SKIPPED, INTERRUPTED = (
@@ -215,7 +216,7 @@ def _remove_partial(store: DiskStore, t: Task) -> None:
     """After an interrupt: an object published without its metadata is removed, and the
     killed worker's temp files (under the key's lock, not waiting: a key another process
     is building is left alone)."""
-    from quack.inventory import _try_lock
+    from quack_build.inventory import _try_lock
 
     ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
     p = store.paths(ref)

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 import toykernels  # noqa: F401
 from quack import registry, settings
 from quack.errors import CompileError, ExecutorError, SettingsError, ToolchainMismatch
-from quack.store import DiskStore
+from quack.cache.store import DiskStore
 from quack_build import executors, scheduler
 from quack_build.executors import DONE, FAILED, NOTE, STARTED, Event
 from quack_build.manifest import BuildConfig

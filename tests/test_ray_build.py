@@ -19,8 +19,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from quack import builder, keys, settings
-from quack.store import DiskStore
+from quack import settings
+from quack.cache import keys
+from quack.compile import builder
+from quack.cache.store import DiskStore
 from test_cli_build import quack_sub, sub_env, write_project
 
 # Ray rewrites a 127.0.0.1 address to the host's outward IP (where our loopback-only test

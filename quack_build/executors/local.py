@@ -21,7 +21,7 @@ class LocalExecutor:
         self._root = str(settings.cache_dir)
 
     def start(self, max_jobs: int) -> None:
-        from quack import pool as qpool
+        from quack.compile import pool as qpool
 
         self.jobs = max(1, min(self.jobs, max_jobs))
         self._pool = qpool.CompilePool(self.jobs, settings=self.settings)
@@ -38,7 +38,7 @@ class LocalExecutor:
         return tasks.get((self._root, key)) if isinstance(tasks, dict) else None
 
     def poll(self, timeout: float) -> list[Event]:
-        from quack import pool as qpool
+        from quack.compile import pool as qpool
 
         self._gen = self._pool.wait_change(self._gen, timeout=timeout)
         now_w, now_m = time.time(), time.monotonic()

@@ -38,7 +38,7 @@ import time
 import traceback
 from pathlib import Path
 
-from quack.errors import CacheError, CompileError, ExecutorError, ToolchainMismatch
+from quack.errors import CompileError, ExecutorError, LinkError, ToolchainMismatch
 from quack_build.executors import DONE, FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
 
 log = logging.getLogger("quack")
@@ -81,8 +81,9 @@ class BuildWorker:
         finally:
             if hidden and sys.modules.get("torch", 0) is None:
                 del sys.modules["torch"]
-        from quack import keys, registry
-        from quack._warmup import warm_up
+        from quack import registry
+        from quack.cache import keys
+        from quack.compile._warmup import warm_up
 
         registry.load_packages(packages)
         warm_up()
@@ -91,7 +92,8 @@ class BuildWorker:
         self.warm_s = time.perf_counter() - t0
 
     def hello(self) -> dict:
-        from quack import keys, registry
+        from quack import registry
+        from quack.cache import keys
 
         srcfps = {}
         for name, spec in registry.all_specs().items():
@@ -104,14 +106,16 @@ class BuildWorker:
                 "warm_s": round(self.warm_s, 3)}
 
     def stamp(self, arch: str) -> str:
-        from quack import keys
+        from quack.cache import keys
 
         return self.stamp_override or keys.toolchain_stamp(arch)
 
     def build(self, item: dict) -> dict:
         """Compile one key into a temp directory; return its bytes and checksums, or
         {"error": CompileError} with the compiler's text. Never raises for a compile."""
-        from quack import builder, loader, registry
+        from quack import registry
+        from quack.compile import builder
+        from quack.runtime import loader
 
         t_start = time.time()
         p0 = time.perf_counter()
@@ -130,7 +134,7 @@ class BuildWorker:
                     try:
                         loader.link(obj, Path(d) / "k.so")
                         so = (Path(d) / "k.so").read_bytes()
-                    except (loader.LinkError, OSError):
+                    except (LinkError, OSError):
                         so = None  # the coordinator links it (or the loader, on first use)
         except CompileError as e:
             return {"error": e, "pid": os.getpid()}
@@ -227,6 +231,7 @@ class RayExecutor:
         self._arch = settings.arch
         self._want = ""
         self._renv: dict = {}
+        self._stage = ""
         self._actors: list[_Actor] = []
         self._idle: list[_Actor] = []
         self._hellos: dict = {}      # ObjectRef -> _Actor (warming up)
@@ -279,6 +284,13 @@ class RayExecutor:
             self.address = address or "?"
 
     def _runtime_env(self) -> dict:
+        """Ship quack, quack_build and the kernel packages as Ray py_modules. Each is
+        copied under its import name first: Ray names a shipped module after its
+        directory, and an installed package may live in a folder of another name
+        (kernels/ installs as quack_kernels)."""
+        import shutil
+
+        self._stage = tempfile.mkdtemp(prefix="quack-ray-ship-")
         mods = []
         for name in ("quack", "quack_build", *self.settings.kernel_packages):
             try:
@@ -286,11 +298,19 @@ class RayExecutor:
                 paths = list(getattr(mod, "__path__", None) or [mod.__file__])
                 if len(paths) != 1 or not paths[0]:
                     raise ValueError(f"a namespace package spread over {len(paths)} directories")
+                src = Path(paths[0])
+                if src.is_dir():
+                    dst = Path(self._stage) / name.replace(".", "/")
+                    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so",
+                                                                            "*.o"))
+                else:
+                    dst = Path(self._stage) / f"{name}.py"
+                    shutil.copyfile(src, dst)
             except Exception as e:  # noqa: BLE001
-                raise ExecutorError(f"cannot ship the kernel package {name!r} ([build] kernel_packages) "
-                                    f"to the Ray actors: {_first_line(e)}", executor="ray") from None
-            mods.append(str(paths[0]))  # a package's directory or a one-file module's .py
-        return {"py_modules": mods, "excludes": ["__pycache__", "*.pyc", "*.so", "*.o"],
+                raise ExecutorError(f"cannot ship the package {name!r} ([build] kernel_packages) to the "
+                                    f"Ray actors: {_first_line(e)}", executor="ray") from None
+            mods.append(str(dst))
+        return {"py_modules": mods,
                 "env_vars": {"CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_DISABLE_FILE_CACHING": "1",
                              "QUACK_NO_PRELOAD": "1"}}
 
@@ -307,7 +327,7 @@ class RayExecutor:
         self.counts["actors_started"] += 1
 
     def start(self, max_jobs: int) -> None:
-        from quack import keys
+        from quack.cache import keys
 
         t0 = time.monotonic()
         self._ray = import_ray()
@@ -522,7 +542,9 @@ class RayExecutor:
         """Check what the actor sent and publish it; True if published here, False if
         another process published the key first. Raises ExecutorError for a result
         that does not match (key, fingerprint, stamp, size, checksum)."""
-        from quack import builder, fsutil, loader
+        from quack.cache import fsutil
+        from quack.compile import builder
+        from quack.runtime import loader
 
         ref = builder.entry_ref(item.spec, item.bound, item.arch)
         data = res.get("obj") or b""
@@ -592,6 +614,11 @@ class RayExecutor:
         self._idle.clear()
 
     def close(self) -> None:
+        if self._stage:
+            import shutil
+
+            shutil.rmtree(self._stage, ignore_errors=True)
+            self._stage = ""
         if self._ray is None:
             return
         self.cancel()
