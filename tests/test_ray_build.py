@@ -272,3 +272,35 @@ def test_unreachable_address_is_a_clear_error_within_10s(tmp_path, form):
     assert "--executor local" in r.stderr
     assert took < 10, took
     assert not objects(tmp_path / "cache")
+
+
+def test_executor_ray_from_the_setting_starts_a_local_instance_and_stops_it(tmp_path):
+    proj = write_project(tmp_path / "proj", """
+[[kernel]]
+name = "toy_scale"
+archs = ["sm_90a"]
+params = { dtype = "bfloat16", block = 64 }
+""")
+    env = sub_env(tmp_path / "cache")
+    env["QUACK_BUILD_EXECUTOR"] = "ray"  # the setting, not the flag
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.Popen([sys.executable, "-m", "quack_build.cli", "build", "-j", "1", "--json"], cwd=proj,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err[-3000:]
+    res = json.loads(out)
+    assert res["executor"] == "ray" and res["compiled"] == 1 and res["jobs"] == 1
+    assert len(entries(tmp_path / "cache", "toy_scale")) == 1
+
+    # Ray names the session it started after the driver's pid: none of its processes
+    # (GCS, raylet, workers) outlive the build.
+    def leftovers():
+        r = subprocess.run(["pgrep", "-f", f"session_[0-9_-]*_{p.pid}/"], capture_output=True, text=True)
+        return r.stdout.split()
+
+    assert wait_for(lambda: not leftovers(), timeout=30), leftovers()

@@ -34,6 +34,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -45,6 +46,9 @@ log = logging.getLogger("quack")
 
 MAX_RETRIES = 2          # a key whose actor died is tried at most 1 + MAX_RETRIES times
 CONNECT_TIMEOUT_S = 5.0  # reaching a cluster's address; an unreachable one fails fast
+# Publishing (verify, lock, write, fsync x2, .so) is I/O-bound: threads overlap the fsyncs,
+# so the one coordinator keeps up with many nodes (see benchmarks/bench_ray.py).
+PUBLISH_THREADS = 8
 # Test hook: a stamp every actor of this process's next builds reports instead of its own
 # (how the tests fake a node with another toolchain). None in normal use.
 TEST_ACTOR_STAMP: str | None = None
@@ -245,6 +249,10 @@ class RayExecutor:
                        "dispatched": 0, "published": 0, "actor_compile_wall_s": 0.0,
                        "roundtrip_s": 0.0, "publish_s": 0.0, "warm_s": [], "nodes": set()}
         self._dispatched_at: dict = {}
+        self._publisher = None          # ThreadPoolExecutor, from start()
+        self._publishing: set = set()   # its futures, each giving a list of events
+        self._counts_lock = threading.Lock()
+        self._cpu_ready = 0.0
 
     # -- start-up -------------------------------------------------------------------------
     def _connect(self) -> None:
@@ -334,6 +342,9 @@ class RayExecutor:
         self._connect()
         try:
             self._want = keys.toolchain_stamp(self._arch)
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="quack-publish")
             cpus = int(self._ray.cluster_resources().get("CPU", 0))
             n = self.requested or cpus or 1
             if cpus and n > cpus:
@@ -353,6 +364,7 @@ class RayExecutor:
             self.close()
             raise
         self.start_s = time.monotonic() - t0
+        self._cpu_ready = time.process_time()
 
     def _no_actor_error(self) -> ExecutorError:
         if self._refused and not self._start_errors:
@@ -398,13 +410,22 @@ class RayExecutor:
             ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
         return ready
 
+    def _published(self) -> list[Event]:
+        out: list[Event] = []
+        for f in [f for f in self._publishing if f.done()]:
+            self._publishing.discard(f)
+            out += f.result()  # _finish never raises: a failure is a FAILED event
+        return out
+
     def poll(self, timeout: float) -> list[Event]:
-        out = self._pending_notes + self._dispatch()
+        out = self._pending_notes + self._dispatch() + self._published()
         self._pending_notes = []
         if self._closed:
             return out
+        if self._publishing:  # come back soon for what the publisher threads finish
+            timeout = min(timeout, 0.02)
         out += self._handle(self._wait(0 if out else timeout))
-        out += self._dispatch()
+        out += self._dispatch() + self._published()
         if self._queue and not self._idle and not self._busy and not self._hellos:
             raise self._no_actor_error()
         return out
@@ -425,8 +446,8 @@ class RayExecutor:
         # write, fsync): publishing stays off the actors' critical path.
         started = self._dispatch()
         for item, res, a in done:
-            out += self._finish(item, res, a)
-        return out + started  # after the DONE events, which free the display's slots
+            self._publishing.add(self._publisher.submit(self._finish, item, res, a))
+        return out + started
 
     def _on_hello(self, ref, a: _Actor) -> list[Event]:
         ray = self._ray
@@ -506,13 +527,15 @@ class RayExecutor:
         return item, res, a
 
     def _finish(self, item: WorkItem, res: dict, a: _Actor) -> list[Event]:
+        """In a publisher thread: publish one result; the events for it (never raises)."""
         p0 = time.perf_counter()
         try:
             compiled = self._publish(item, res, a)
         except Exception as e:  # noqa: BLE001 - ExecutorError, CacheError, OSError, LockTimeout
             return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=e)]
         finally:
-            self.counts["publish_s"] += time.perf_counter() - p0
+            with self._counts_lock:
+                self.counts["publish_s"] += time.perf_counter() - p0
         return [Event(DONE, item.key, lane=a.label, pid=a.pid, compiled=compiled,
                       compile_s=float(res.get("compile_s") or 0.0) if compiled else 0.0)]
 
@@ -593,7 +616,8 @@ class RayExecutor:
                         os.unlink(tmp_so)
             else:
                 loader.link_entry(store, entry)
-        self.counts["published"] += 1
+        with self._counts_lock:
+            self.counts["published"] += 1
         return True
 
     def worker_pid(self, key: str) -> int:
@@ -604,7 +628,9 @@ class RayExecutor:
 
     # -- stopping ---------------------------------------------------------------------------
     def cancel(self) -> None:
-        """Kill every actor (Ray cancels their tasks with them): nothing more is published."""
+        """Kill every actor (Ray cancels their tasks with them) and let the publishes in
+        progress finish (each is atomic; queued ones are dropped): nothing more is
+        published once this returns."""
         self._closed = True
         self._queue.clear()
         for a in list(self._actors):
@@ -612,6 +638,9 @@ class RayExecutor:
         self._busy.clear()
         self._hellos.clear()
         self._idle.clear()
+        if self._publisher is not None:
+            self._publisher.shutdown(wait=True, cancel_futures=True)
+            self._publisher = None
 
     def close(self) -> None:
         if self._stage:
@@ -621,6 +650,8 @@ class RayExecutor:
             self._stage = ""
         if self._ray is None:
             return
+        if self._cpu_ready and not self.counts.get("coordinator_cpu_s"):
+            self.counts["coordinator_cpu_s"] = round(time.process_time() - self._cpu_ready, 3)
         self.cancel()
         if self._owned:
             self._owned = False
@@ -633,6 +664,7 @@ class RayExecutor:
         d = dict(self.counts)
         d["nodes"] = sorted(d["nodes"])
         d["jobs"] = self.jobs
+        d["publish_threads"] = PUBLISH_THREADS
         d["start_s"] = round(self.start_s, 3)
         d["address"] = self.address
         return d
