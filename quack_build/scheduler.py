@@ -350,9 +350,10 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
             _remove_partial(store, t)
         for t in queue:
             t.status = INTERRUPTED
-    except BaseException:
+    except BaseException:  # the executor lost (ExecutorError) or a bug: stop the workers, the display
         ex.cancel()
         ex.close()
+        rep.close()
         raise
     finally:
         ran = [t for t in tasks if t.start and t.end and t.status in (COMPILED, SHARED, FAILED)]

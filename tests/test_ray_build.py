@@ -97,6 +97,16 @@ def wait_for(pred, timeout: float, step: float = 0.1):
     return None
 
 
+def all_dead(pids) -> bool:
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        return False
+    return True
+
+
 def objects(cache: Path, kernel: str = "*") -> list[Path]:
     return sorted(cache.glob(f"v1/*/{kernel}/*/*.o"))
 
@@ -218,16 +228,23 @@ def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path):
     assert not list(cache.glob("v1/*/qrt_slow/*/*.tmp-*"))
     pids = [int(m.name.split("-")[1]) for m in marks.iterdir()]
 
-    def all_dead():
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                continue
-            return False
-        return True
+    assert wait_for(lambda: all_dead(pids), timeout=30), f"actors {pids} still compiling after Ctrl-C"
 
-    assert wait_for(all_dead, timeout=30), f"actors {pids} still compiling after Ctrl-C"
+
+def test_compile_past_the_time_out_kills_its_actor_and_fails_the_key(cluster, tmp_path):
+    proj, marks, env = slow_project(tmp_path, sleep=120)
+    env["QUACK_COMPILE_TIMEOUT"] = "3"
+    r = quack_sub(["build", "--executor", cluster, "--keep-going", "--json"], proj, env, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["failed"] == 2 and res["compiled"] == 0 and res["executor_stats"]["timeouts"] == 2
+    assert all("CompileTimeout: compile of qrt_slow key" in k["error"] and "still unfinished after 3 s"
+               in k["error"] for k in res["keys"]), res["keys"]
+    pids = [int(m.name.split("-")[1]) for m in marks.iterdir()]
+    assert len(pids) == 2
+
+    assert wait_for(lambda: all_dead(pids), timeout=30), f"wedged actors {pids} still running"
+    assert not objects(tmp_path / "cache", "qrt_slow")
 
 
 def test_toolchain_stamp_mismatch_is_refused_naming_both(cluster, tmp_path, monkeypatch):

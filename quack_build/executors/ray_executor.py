@@ -49,6 +49,8 @@ CONNECT_TIMEOUT_S = 5.0  # reaching a cluster's address; an unreachable one fail
 # Publishing (verify, lock, write, fsync x2, .so) is I/O-bound: threads overlap the fsyncs,
 # so the one coordinator keeps up with many nodes (see benchmarks/bench_ray.py).
 PUBLISH_THREADS = 8
+# How long start() waits for the first warm, accepted actor (a cluster may be scaling up).
+START_TIMEOUT_S = 600.0
 # Test hook: a stamp every actor of this process's next builds reports instead of its own
 # (how the tests fake a node with another toolchain). None in normal use.
 TEST_ACTOR_STAMP: str | None = None
@@ -86,7 +88,6 @@ class BuildWorker:
             if hidden and sys.modules.get("torch", 0) is None:
                 del sys.modules["torch"]
         from quack import registry
-        from quack.cache import keys
         from quack.compile._warmup import warm_up
 
         registry.load_packages(packages)
@@ -354,10 +355,10 @@ class RayExecutor:
             self.jobs = max(1, min(n, max_jobs))
             for _ in range(self.jobs):
                 self._spawn()
-            deadline = time.monotonic() + self.settings.compile_timeout
+            deadline = time.monotonic() + START_TIMEOUT_S
             # Dispatch starts with the first warm, accepted actor; the others join as they come.
             while not self._idle and self._hellos and time.monotonic() < deadline:
-                self._handle(self._wait(min(1.0, max(0.0, deadline - time.monotonic()))))
+                self._pending_notes += self._handle(self._wait(min(1.0, max(0.0, deadline - time.monotonic()))))
             if not self._idle:
                 raise self._no_actor_error()
         except BaseException:
@@ -376,9 +377,8 @@ class RayExecutor:
             why = "; ".join(self._start_errors[:3] + [str(r) for r in self._refused[:1]])
             return ExecutorError(f"no Ray actor could start on {self.address}: {why}", executor="ray",
                                  address=self.address)
-        return ExecutorError(f"no Ray actor became ready on {self.address} within "
-                             f"{self.settings.compile_timeout:.0f} s (compile_timeout); does the cluster "
-                             f"have free CPUs?", executor="ray", address=self.address)
+        return ExecutorError(f"no Ray actor became ready on {self.address} within {START_TIMEOUT_S:.0f} s; "
+                             f"does the cluster have free CPUs?", executor="ray", address=self.address)
 
     # -- work -------------------------------------------------------------------------------
     def submit(self, item: WorkItem) -> None:
@@ -425,9 +425,32 @@ class RayExecutor:
         if self._publishing:  # come back soon for what the publisher threads finish
             timeout = min(timeout, 0.02)
         out += self._handle(self._wait(0 if out else timeout))
+        out += self._check_deadlines()
         out += self._dispatch() + self._published()
         if self._queue and not self._idle and not self._busy and not self._hellos:
             raise self._no_actor_error()
+        return out
+
+    def _check_deadlines(self) -> list[Event]:
+        """A compile running past compile_timeout (a wedged actor): kill the actor, fail
+        the key with CompileTimeout, start a replacement."""
+        from quack.errors import CompileTimeout
+
+        out: list[Event] = []
+        now = time.perf_counter()
+        limit = self.settings.compile_timeout
+        for ref, (a, item, _attempt) in list(self._busy.items()):
+            t0 = self._dispatched_at.get(ref)
+            if t0 is None or now - t0 <= limit:
+                continue
+            del self._busy[ref]
+            self._dispatched_at.pop(ref, None)
+            self._drop(a)
+            self.counts["timeouts"] = self.counts.get("timeouts", 0) + 1
+            if self._spawned < 2 * self.jobs + 2 * self.max_retries + 2:
+                self._spawn()
+            out.append(Event(FAILED, item.key, lane=a.label, pid=a.pid,
+                             error=CompileTimeout(item.kernel, item.key, now - t0)))
         return out
 
     def _handle(self, ready: list) -> list[Event]:
