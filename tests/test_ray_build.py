@@ -63,17 +63,32 @@ params = { n = [1, 2] }
 """
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def ray_cluster():
+    """Two nodes of one CPU each, loopback only; a Ray Client server on the head."""
     from ray.cluster_utils import Cluster
 
+    client_port = _free_port()
     c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+                head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+                                "ray_client_server_port": client_port})
     try:
         c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        yield c.address
+        yield {"gcs": c.address, "client": f"ray://127.0.0.1:{client_port}"}
     finally:
         c.shutdown()
+
+
+@pytest.fixture
+def cluster(ray_cluster) -> str:
+    """The cluster's GCS address (HOST:PORT)."""
+    return ray_cluster["gcs"]
 
 
 def slow_project(tmp_path: Path, sleep: float):
@@ -187,7 +202,8 @@ def test_actor_killed_mid_compile_is_retried_on_another_actor(cluster, tmp_path)
     assert len(entries(tmp_path / "cache", "qrt_slow")) == 2
 
 
-def test_failing_config_exit_1_with_compiler_message_keep_going_builds_the_rest(cluster, tmp_path):
+def test_failing_config_exit_1_with_compiler_message_keep_going_builds_the_rest(ray_cluster, tmp_path):
+    """Through Ray Client (ray://HOST:PORT) this time."""
     proj = write_project(tmp_path / "proj", """
 [[kernel]]
 name = "toy_fail"
@@ -198,7 +214,8 @@ archs = ["sm_90a"]
 params = { dtype = "float32", block = [32, 64] }
 """)
     cache = tmp_path / "cache"
-    r = quack_sub(["build", "--executor", cluster, "--keep-going", "--json"], proj, sub_env(cache), timeout=600)
+    r = quack_sub(["build", "--executor", ray_cluster["client"], "--keep-going", "--json"], proj, sub_env(cache),
+                  timeout=600)
     assert r.returncode == 1, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["failed"] == 1 and res["compiled"] == 2 and res["not_built"] == 0 and not res["ok"]
@@ -269,12 +286,6 @@ def test_toolchain_stamp_mismatch_is_refused_naming_both(cluster, tmp_path, monk
     assert f"its toolchain stamp is {fake!r} but this coordinator's is {mine!r}" in r.output
     assert "every actor refused: nothing built" in r.output
     assert not objects(cache)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("form", ["ray://127.0.0.1:{port}", "127.0.0.1:{port}"])
