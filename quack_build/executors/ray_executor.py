@@ -27,25 +27,18 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
-import importlib
 import logging
-import os
-import socket
-import sys
-import tempfile
 import threading
 import time
-import traceback
-from pathlib import Path
 
-from quack.errors import CompileError, ExecutorError, LinkError, ToolchainMismatch
+from quack.errors import CompileError, ExecutorError, ToolchainMismatch
 from quack_build.executors import DONE, FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
+from quack_build.executors.publish import publish_result
+from quack_build.executors.ray_cluster import ACTOR_ENV, CONNECT_TIMEOUT_S, connect, first_line, stage_packages
 
 log = logging.getLogger("quack")
 
-MAX_RETRIES = 2          # a key whose actor died is tried at most 1 + MAX_RETRIES times
-CONNECT_TIMEOUT_S = 5.0  # reaching a cluster's address; an unreachable one fails fast
+MAX_RETRIES = 2  # a key whose actor died is tried at most 1 + MAX_RETRIES times
 # Publishing (verify, lock, write, fsync x2, .so) is I/O-bound: threads overlap the fsyncs,
 # so the one coordinator keeps up with many nodes (see benchmarks/bench_ray.py).
 PUBLISH_THREADS = 8
@@ -65,115 +58,6 @@ def import_ray():
     return ray
 
 
-# --- the actor (runs on the cluster's nodes) ------------------------------------------------
-
-class BuildWorker:
-    """The body of a Ray actor: a warm, GPU-blind compile worker that never writes to a
-    cache. Constructed once per actor (compiler import + warm-up compile)."""
-
-    def __init__(self, packages: list[str], arch: str, stamp_override: str | None = None):
-        t0 = time.perf_counter()
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
-        os.environ["CUTE_DSL_ARCH"] = arch
-        # tvm_ffi imports torch when it can (seconds a compile never needs): hide it
-        # while the compiler imports, as the local forkserver does.
-        hidden = "torch" not in sys.modules
-        if hidden:
-            sys.modules["torch"] = None  # type: ignore[assignment]
-        try:
-            import cutlass.cute  # noqa: F401
-            import tvm_ffi  # noqa: F401
-        finally:
-            if hidden and sys.modules.get("torch", 0) is None:
-                del sys.modules["torch"]
-        from quack import registry
-        from quack.compile._warmup import warm_up
-
-        registry.load_packages(packages)
-        warm_up()
-        self.arch = arch
-        self.stamp_override = stamp_override
-        self.warm_s = time.perf_counter() - t0
-
-    def hello(self) -> dict:
-        from quack import registry
-        from quack.cache import keys
-
-        srcfps = {}
-        for name, spec in registry.all_specs().items():
-            try:
-                srcfps[name] = spec.source_fingerprint()
-            except Exception:  # noqa: BLE001 - reported per key if it is built
-                pass
-        return {"pid": os.getpid(), "host": socket.gethostname(), "node": _node_ip(), "node_id": _node_id(),
-                "stamp": self.stamp(self.arch), "toolchain": keys.toolchain(), "srcfps": srcfps,
-                "warm_s": round(self.warm_s, 3)}
-
-    def stamp(self, arch: str) -> str:
-        from quack.cache import keys
-
-        return self.stamp_override or keys.toolchain_stamp(arch)
-
-    def build(self, item: dict) -> dict:
-        """Compile one key into a temp directory; return its bytes and checksums, or
-        {"error": CompileError} with the compiler's text. Never raises for a compile."""
-        from quack import registry
-        from quack.compile import builder
-        from quack.runtime import loader
-
-        t_start = time.time()
-        p0 = time.perf_counter()
-        kernel, params, arch = item["kernel"], item["params"], item["arch"]
-        try:
-            spec = registry.import_spec(item["module"], kernel)
-            bound = spec.bind((), params)
-            key = spec.key(bound, arch)
-            srcfp = spec.source_fingerprint()
-            with tempfile.TemporaryDirectory(prefix="quack-ray-") as d:
-                obj = Path(d) / "k.o"
-                seconds = builder.compile_to(spec, bound, arch, obj)
-                data = obj.read_bytes()
-                so = None
-                if loader.can_link():
-                    try:
-                        loader.link(obj, Path(d) / "k.so")
-                        so = (Path(d) / "k.so").read_bytes()
-                    except (LinkError, OSError):
-                        so = None  # the coordinator links it (or the loader, on first use)
-        except CompileError as e:
-            return {"error": e, "pid": os.getpid()}
-        except BaseException as e:  # noqa: BLE001 - everything goes back as text
-            detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            return {"error": CompileError(kernel, params, arch, detail), "pid": os.getpid()}
-        return {"key": key, "srcfp": srcfp, "stamp": self.stamp(arch), "obj": data,
-                "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "so": so,
-                "so_sha256": hashlib.sha256(so).hexdigest() if so is not None else "",
-                "compile_s": round(seconds, 4), "wall_s": time.perf_counter() - p0, "t_start": t_start,
-                "pid": os.getpid(), "host": socket.gethostname()}
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def _node_id() -> str:
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id()
-    except Exception:  # noqa: BLE001
-        return ""
-
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # noqa: BLE001
-        return socket.gethostname()
-
-
 # --- the coordinator ----------------------------------------------------------------------
 
 @dataclasses.dataclass(eq=False)
@@ -184,28 +68,6 @@ class _Actor:
     pid: int = 0
     node: str = ""
     node_id: str = ""
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
-
-
-def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
-    """A TCP connect to the cluster's HOST:PORT, so an unreachable address fails in
-    seconds with a clear message (Ray's own connect retries for a minute or more)."""
-    hostport = address[len("ray://"):] if address.startswith("ray://") else address
-    host, _, port = hostport.rpartition(":")
-    try:
-        socket.create_connection((host, int(port)), timeout=timeout).close()
-    except (OSError, ValueError) as e:
-        why = "timed out" if isinstance(e, socket.timeout) else (getattr(e, "strerror", None) or str(e))
-        raise ExecutorError(
-            f"cannot reach the Ray cluster at {address}: {why} (within {timeout:.0f} s). Is it running "
-            f"(`ray start --head` on that host; Ray Client listens on 10001, the GCS on 6379) and is "
-            f"the port open from here? To build on this host instead: --executor local",
-            executor="ray", address=address) from None
 
 
 class RayExecutor:
@@ -235,7 +97,6 @@ class RayExecutor:
         self._closed = False
         self._arch = settings.arch
         self._want = ""
-        self._renv: dict = {}
         self._stage = ""
         self._actors: list[_Actor] = []
         self._idle: list[_Actor] = []
@@ -256,74 +117,9 @@ class RayExecutor:
         self._cpu_ready = 0.0
 
     # -- start-up -------------------------------------------------------------------------
-    def _connect(self) -> None:
-        ray = self._ray
-        if ray.is_initialized():
-            # Code ships with the job's runtime_env, which only ray.init sets: a process
-            # already connected can't give its actors our packages.
-            raise ExecutorError("this process is already connected to Ray; quack build connects by "
-                                "itself (call ray.shutdown() first, or run `quack build` in its own "
-                                "process)", executor="ray")
-        target = self.target
-        # RAY_ADDRESS is Ray's own setting: `--executor ray` honours it like ray.init() does.
-        env_addr = os.environ.get("RAY_ADDRESS", "")
-        address = None if target == "ray" and not env_addr else (env_addr if target == "ray" else target)
-        if address and address != "auto":
-            probe(address, self.connect_timeout)
-        self._renv = self._runtime_env()
-        kw = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env=self._renv)
-        try:
-            if address is None:
-                ray.init(address="local", num_cpus=self.requested or os.cpu_count() or 1,
-                         _node_ip_address="127.0.0.1",
-                         include_dashboard=False, **kw)
-            else:
-                ray.init(address=address, **kw)
-        except ExecutorError:
-            raise
-        except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ...
-            where = address or "a new local instance"
-            raise ExecutorError(f"cannot start Ray ({where}): {_first_line(e)}", executor="ray",
-                                address=address or "") from None
-        self._owned = True
-        try:
-            self.address = address if address and address != "auto" else \
-                ray.get_runtime_context().gcs_address
-        except Exception:  # noqa: BLE001 - Ray Client has no GCS address to show
-            self.address = address or "?"
-
-    def _runtime_env(self) -> dict:
-        """Ship quack, quack_build and the kernel packages as Ray py_modules. Each is
-        copied under its import name first: Ray names a shipped module after its
-        directory, and an installed package may live in a folder of another name
-        (kernels/ installs as quack_kernels)."""
-        import shutil
-
-        self._stage = tempfile.mkdtemp(prefix="quack-ray-ship-")
-        mods = []
-        for name in ("quack", "quack_build", *self.settings.kernel_packages):
-            try:
-                mod = importlib.import_module(name)
-                paths = list(getattr(mod, "__path__", None) or [mod.__file__])
-                if len(paths) != 1 or not paths[0]:
-                    raise ValueError(f"a namespace package spread over {len(paths)} directories")
-                src = Path(paths[0])
-                if src.is_dir():
-                    dst = Path(self._stage) / name.replace(".", "/")
-                    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so",
-                                                                            "*.o"))
-                else:
-                    dst = Path(self._stage) / f"{name}.py"
-                    shutil.copyfile(src, dst)
-            except Exception as e:  # noqa: BLE001
-                raise ExecutorError(f"cannot ship the package {name!r} ([build] kernel_packages) to the "
-                                    f"Ray actors: {_first_line(e)}", executor="ray") from None
-            mods.append(str(dst))
-        return {"py_modules": mods,
-                "env_vars": {"CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_DISABLE_FILE_CACHING": "1",
-                             "QUACK_NO_PRELOAD": "1"}}
-
     def _spawn(self) -> None:
+        from quack_build.executors.ray_worker import BuildWorker
+
         ray = self._ray
         cls = ray.remote(BuildWorker)
         handle = cls.options(num_cpus=1, num_gpus=0, max_restarts=0, max_task_retries=0,
@@ -340,8 +136,12 @@ class RayExecutor:
 
         t0 = time.monotonic()
         self._ray = import_ray()
-        self._connect()
         try:
+            self._stage, mods = stage_packages(("quack", "quack_build", *self.settings.kernel_packages))
+            self.address = connect(self._ray, self.target, num_cpus=self.requested,
+                                   runtime_env={"py_modules": mods, "env_vars": dict(ACTOR_ENV)},
+                                   connect_timeout=self.connect_timeout)
+            self._owned = True
             self._want = keys.toolchain_stamp(self._arch)
             from concurrent.futures import ThreadPoolExecutor
 
@@ -478,9 +278,9 @@ class RayExecutor:
             info = ray.get(ref)
         except Exception as e:  # noqa: BLE001 - the actor's constructor failed or it died
             self._drop(a)
-            self._start_errors.append(f"{a.label}: {_first_line(e)}")
-            log.warning("quack: Ray %s failed to start: %s", a.label, _first_line(e))
-            return [Event(NOTE, text=f"warning: Ray {a.label} failed to start: {_first_line(e)}")]
+            self._start_errors.append(f"{a.label}: {first_line(e)}")
+            log.warning("quack: Ray %s failed to start: %s", a.label, first_line(e))
+            return [Event(NOTE, text=f"warning: Ray {a.label} failed to start: {first_line(e)}")]
         a.pid, a.node = int(info.get("pid") or 0), str(info.get("node") or info.get("host") or "?")
         a.node_id = str(info.get("node_id") or "")
         a.label = f"actor {a.index} ({a.node} pid {a.pid})"
@@ -540,7 +340,7 @@ class RayExecutor:
         except Exception as e:  # noqa: BLE001 - a Ray-level failure of this task: report it
             self._idle.append(a)
             return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=ExecutorError(
-                f"Ray task for {item.kernel} key {item.key[:16]} on {a.label} failed: {_first_line(e)}",
+                f"Ray task for {item.kernel} key {item.key[:16]} on {a.label} failed: {first_line(e)}",
                 executor="ray", address=self.address))]
         self._idle.append(a)
         self.counts["roundtrip_s"] += time.perf_counter() - t_disp
@@ -553,7 +353,10 @@ class RayExecutor:
         """In a publisher thread: publish one result; the events for it (never raises)."""
         p0 = time.perf_counter()
         try:
-            compiled = self._publish(item, res, a)
+            compiled = publish_result(self.store, item, res, worker=f"Ray {a.label}", address=self.address)
+            if compiled:
+                with self._counts_lock:
+                    self.counts["published"] += 1
         except Exception as e:  # noqa: BLE001 - ExecutorError, CacheError, OSError, LockTimeout
             return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=e)]
         finally:
@@ -565,7 +368,7 @@ class RayExecutor:
     def _on_actor_death(self, a: _Actor, item: WorkItem, attempt: int, e: BaseException) -> list[Event]:
         self._drop(a)
         self.counts["actor_deaths"] += 1
-        why = _first_line(e)
+        why = first_line(e)
         out: list[Event] = []
         if not self._closed and self._spawned < 2 * self.jobs + 2 * self.max_retries + 2:
             self._spawn()  # keep the worker count; bounded, so a crashing node can't loop forever
@@ -584,65 +387,6 @@ class RayExecutor:
         return out
 
     # -- publishing (the coordinator is the only writer) -------------------------------------
-    def _publish(self, item: WorkItem, res: dict, a: _Actor) -> bool:
-        """Check what the actor sent and publish it; True if published here, False if
-        another process published the key first. Raises ExecutorError for a result
-        that does not match (key, fingerprint, stamp, size, checksum)."""
-        from quack.cache import fsutil
-        from quack.compile import builder
-        from quack.runtime import loader
-
-        ref = builder.entry_ref(item.spec, item.bound, item.arch)
-        data = res.get("obj") or b""
-        problem = ""
-        if res.get("key") != item.key:
-            problem = f"it computed key {str(res.get('key'))[:16]}, the coordinator {item.key[:16]}"
-        elif res.get("srcfp") != ref.srcfp:
-            problem = (f"it compiled sources with fingerprint {res.get('srcfp')}, this checkout has "
-                       f"{ref.srcfp}")
-        elif res.get("stamp") != ref.stamp:
-            problem = f"its toolchain stamp is {res.get('stamp')!r}, the coordinator's {ref.stamp!r}"
-        elif len(data) != res.get("size"):
-            problem = f"received {len(data)} bytes, it sent {res.get('size')} (truncated in transit)"
-        elif hashlib.sha256(data).hexdigest() != res.get("sha256"):
-            problem = "the object's SHA-256 does not match what it sent (corrupted in transit)"
-        if problem:
-            raise ExecutorError(f"refusing the object for {item.kernel} key {item.key[:16]} from Ray "
-                                f"{a.label}: {problem}; nothing was published", executor="ray",
-                                address=self.address)
-        store = self.store
-        if not item.force and store.lookup(ref) is not None:
-            return False
-        with store.lock(ref):
-            if not item.force and store.lookup(ref) is not None:
-                return False
-            tmp = store.tmp_obj(ref)
-            try:
-                _write_into(tmp, data)
-                meta = {"params": item.params, "compile_s": res.get("compile_s", 0.0),
-                        "host": res.get("host", ""), "pid": res.get("pid", 0), "created": time.time(),
-                        "executor": "ray"}
-                entry = store.publish(ref, tmp, meta)
-            finally:
-                if os.path.lexists(tmp):
-                    os.unlink(tmp)
-            so = res.get("so")
-            if so is not None and hashlib.sha256(so).hexdigest() == res.get("so_sha256"):
-                tmp_so = fsutil.reserve_tmp(store.paths(ref)["so"])
-                try:
-                    _write_into(tmp_so, so)
-                    store.write_so(entry, tmp_so)
-                except OSError:
-                    pass  # a derived file: the loader links the .o on first use
-                finally:
-                    if os.path.lexists(tmp_so):
-                        os.unlink(tmp_so)
-            else:
-                loader.link_entry(store, entry)
-        with self._counts_lock:
-            self.counts["published"] += 1
-        return True
-
     def worker_pid(self, key: str) -> int:
         for a, item, _ in self._busy.values():
             if item.key == key:
@@ -691,14 +435,3 @@ class RayExecutor:
         d["start_s"] = round(self.start_s, 3)
         d["address"] = self.address
         return d
-
-
-def _write_into(tmp: Path, data: bytes) -> None:
-    """Fill a temp file the store reserved (O_EXCL, ours): no symlink is followed."""
-    fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
