@@ -201,3 +201,60 @@ def test_executor_ray_without_ray_is_one_line_with_the_install_command(tmp_path)
         assert r.stderr.strip() == "error: " + executors.RAY_INSTALL_HINT
         assert "pip install 'quack-cache[ray]'" in r.stderr
     assert not list((tmp_path / "cache").glob("v1/*/*/*/*.o"))
+
+
+# --- publishing a remote worker's result (the coordinator is the only writer) -----------------
+
+def _remote_result(cfg: BuildConfig, data: bytes = b"\x7fELF not really an object" * 40, **over) -> dict:
+    import hashlib
+
+    from quack.cache import keys
+
+    res = {"key": cfg.key, "srcfp": cfg.spec.source_fingerprint(), "stamp": keys.toolchain_stamp(cfg.arch),
+           "obj": data, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "so": None,
+           "compile_s": 0.25, "host": "node-7", "pid": 4242}
+    res.update(over)
+    return res
+
+
+def _item(cfg: BuildConfig, force: bool = False) -> executors.WorkItem:
+    return executors.WorkItem(cfg.key, cfg.kernel, cfg.spec.module, cfg.plain_params, cfg.arch, force,
+                              spec=cfg.spec, bound=cfg.params)
+
+
+def test_publish_result_verifies_and_publishes_once_with_metadata_last(tmp_path):
+    from quack.compile import builder
+    from quack_build.executors.publish import publish_result
+
+    cfg = _cfg(256)
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    res = _remote_result(cfg)
+    assert publish_result(store, _item(cfg), res, worker="Ray actor 1") is True
+    e = store.lookup(builder.entry_ref(cfg.spec, cfg.params, cfg.arch))
+    assert e is not None and e.obj_path.read_bytes() == res["obj"]
+    assert e.meta["sha256"] == res["sha256"] and e.meta["executor"] == "ray" and e.meta["host"] == "node-7"
+    assert not list(e.obj_path.parent.glob("*.tmp-*"))
+    # already there: not published again (another process won); --force replaces it
+    assert publish_result(store, _item(cfg), _remote_result(cfg, b"other" * 10), worker="w") is False
+    assert store.lookup(e.ref).obj_path.read_bytes() == res["obj"]
+    assert publish_result(store, _item(cfg, force=True), _remote_result(cfg, b"other" * 10), worker="w") is True
+    assert store.lookup(e.ref).obj_path.read_bytes() == b"other" * 10
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("key", "0" * 64, "it computed key 0000000000000000, the coordinator"),
+    ("srcfp", "feedfacefeedface", "it compiled sources with fingerprint feedfacefeedface, this checkout has"),
+    ("stamp", "py3.9-cutlass0.1-cu12-tvmffi0.1-sm_90a", "its toolchain stamp is 'py3.9-cutlass0.1"),
+    ("size", 3, "bytes, it sent 3 (truncated in transit)"),
+    ("sha256", "ab" * 32, "SHA-256 does not match what it sent (corrupted in transit)"),
+])
+def test_publish_result_refuses_a_mismatch_and_publishes_nothing(tmp_path, field, value, says):
+    from quack_build.executors.publish import publish_result
+
+    cfg = _cfg(512)
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    with pytest.raises(ExecutorError) as ei:
+        publish_result(store, _item(cfg), _remote_result(cfg, **{field: value}), worker="Ray actor 3 (n pid 9)")
+    assert says in str(ei.value) and "from Ray actor 3 (n pid 9)" in str(ei.value)
+    assert "nothing was published" in str(ei.value)
+    assert not list((tmp_path / "cache").glob("v1/*/*/*/*"))
