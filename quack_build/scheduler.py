@@ -270,6 +270,8 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
         t_start = time.time()
         ex.start(len(todo))
         jobs = ex.jobs
+        if hasattr(ex, "describe"):
+            rep.note(ex.describe())
     else:
         jobs = max(1, jobs)
     res = BuildResult(tasks, jobs, plan_s=plan_s, t0=t_begin)

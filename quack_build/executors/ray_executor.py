@@ -28,6 +28,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
+import sys
 import threading
 import time
 
@@ -49,8 +51,12 @@ START_TIMEOUT_S = 600.0
 TEST_ACTOR_STAMP: str | None = None
 
 
-def import_ray():
-    """``ray``, or ExecutorError with the install line."""
+def import_ray(local_only: bool = False):
+    """``ray``, or ExecutorError with the install line. ``local_only``: the build starts its
+    own single-host instance; keep all of it on 127.0.0.1 (Ray otherwise binds the host's
+    outward IP). Read by Ray when it is first imported, so set before."""
+    if local_only and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
     except ImportError:
@@ -135,7 +141,7 @@ class RayExecutor:
         from quack.cache import keys
 
         t0 = time.monotonic()
-        self._ray = import_ray()
+        self._ray = import_ray(local_only=self.target == "ray" and not os.environ.get("RAY_ADDRESS"))
         try:
             self._stage, mods = stage_packages(("quack", "quack_build", *self.settings.kernel_packages))
             self.address = connect(self._ray, self.target, num_cpus=self.requested,
@@ -426,6 +432,11 @@ class RayExecutor:
                 self._ray.shutdown()
             except Exception:  # noqa: BLE001
                 pass
+
+    def describe(self) -> str:
+        ready = len(self._idle) + len(self._busy)
+        return (f"Ray {self.address}: {self.jobs} actor{'s' if self.jobs != 1 else ''} (1 CPU each, "
+                f"GPU-blind), {ready} warm after {self.start_s:.1f}s")
 
     def stats(self) -> dict:
         d = dict(self.counts)
