@@ -114,7 +114,7 @@ class RayExecutor:
         self._spawned = 0
         self._pending_notes: list[Event] = []
         self.counts = {"actors_started": 0, "actors_refused": 0, "actor_deaths": 0, "retries": 0,
-                       "dispatched": 0, "published": 0, "actor_compile_wall_s": 0.0,
+                       "dispatched": 0, "published": 0, "timeouts": 0, "actor_compile_wall_s": 0.0,
                        "roundtrip_s": 0.0, "publish_s": 0.0, "warm_s": [], "nodes": set()}
         self._dispatched_at: dict = {}
         self._publisher = None          # ThreadPoolExecutor, from start()
@@ -252,7 +252,7 @@ class RayExecutor:
             del self._busy[ref]
             self._dispatched_at.pop(ref, None)
             self._drop(a)
-            self.counts["timeouts"] = self.counts.get("timeouts", 0) + 1
+            self.counts["timeouts"] += 1
             if self._spawned < 2 * self.jobs + 2 * self.max_retries + 2:
                 self._spawn()
             out.append(Event(FAILED, item.key, lane=a.label, pid=a.pid,
