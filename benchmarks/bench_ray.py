@@ -61,53 +61,66 @@ def _digests(cache: Path) -> dict:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in cache.glob("v1/*/*/*/*.o")}
 
 
+def _phase_local(manifests, jobs: int, tmp: Path) -> dict:
+    res_l, ex_l, wall_l, cpu_l = _build("local", manifests, jobs, tmp / "local")
+    n = res_l.count("compiled")
+    return {"keys": n, "wall_s": round(wall_l, 2), "start_s": round(res_l.pool_start_s, 2),
+            "compile_wall_s": round(res_l.compile_wall_s, 2),
+            "keys_per_s": round(n / res_l.compile_wall_s, 3),
+            "coordinator_cpu_ms_per_key": round(1000 * cpu_l / n, 2),
+            "mean_compile_s": round(res_l.compile_s / n, 3)}
+
+
+def _phase_ray(manifests, jobs: int, tmp: Path) -> dict:
+    from ray.cluster_utils import Cluster
+
+    t0 = time.perf_counter()
+    cluster = Cluster(initialize_head=True, connect=False,
+                      head_node_args={"num_cpus": jobs, "node_ip_address": "127.0.0.1",
+                                      "include_dashboard": False})
+    cluster_up = time.perf_counter() - t0
+    try:
+        res_r, ex_r, wall_r, cpu_r = _build("ray", manifests, jobs, tmp / "ray", cluster.address)
+    finally:
+        cluster.shutdown()
+    st = ex_r.stats()
+    nr = res_r.count("compiled")
+    transport = (st["roundtrip_s"] - st["actor_compile_wall_s"]) / nr
+    publish = st["publish_s"] / nr
+    cpu_phase = st.get("coordinator_cpu_s") or cpu_r
+    return {"keys": nr, "wall_s": round(wall_r, 2), "cluster_start_s": round(cluster_up, 2),
+            "executor_start_s": st["start_s"], "actor_warm_s": st["warm_s"],
+            "compile_wall_s": round(res_r.compile_wall_s, 2),
+            "keys_per_s": round(nr / res_r.compile_wall_s, 3),
+            # on an actor's critical path: dispatch -> result back, minus its compile
+            "overhead_ms_per_key": round(1000 * transport, 2),
+            # off it (publisher threads): verify, lock, write, fsync, .so
+            "publish_ms_per_key": round(1000 * publish, 2),
+            "publish_threads": st["publish_threads"],
+            "coordinator_cpu_ms_per_key": round(1000 * cpu_phase / nr, 2),
+            "coordinator_cpu_ms_per_key_incl_start": round(1000 * cpu_r / nr, 2),
+            "mean_compile_s": round(res_r.compile_s / nr, 3),
+            "retries": st["retries"]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--manifest", action="append", default=None)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--ray-first", action="store_true", help="Run the Ray build before the local one.")
     a = ap.parse_args()
     manifests = a.manifest or [str(ROOT / "manifests" / "default.toml")]
     os.chdir(ROOT)
     out: dict = {"jobs": a.jobs, "manifests": manifests, "cpus": os.cpu_count()}
     with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
         tmp = Path(tmp)
-        res_l, ex_l, wall_l, cpu_l = _build("local", manifests, a.jobs, tmp / "local")
-        n = res_l.count("compiled")
-        out["local"] = {"keys": n, "wall_s": round(wall_l, 2), "start_s": round(res_l.pool_start_s, 2),
-                        "compile_wall_s": round(res_l.compile_wall_s, 2),
-                        "keys_per_s": round(n / res_l.compile_wall_s, 3),
-                        "coordinator_cpu_ms_per_key": round(1000 * cpu_l / n, 2),
-                        "mean_compile_s": round(res_l.compile_s / n, 3)}
-        from ray.cluster_utils import Cluster
-
-        t0 = time.perf_counter()
-        cluster = Cluster(initialize_head=True, connect=False,
-                          head_node_args={"num_cpus": a.jobs, "node_ip_address": "127.0.0.1",
-                                          "include_dashboard": False})
-        cluster_up = time.perf_counter() - t0
-        try:
-            res_r, ex_r, wall_r, cpu_r = _build("ray", manifests, a.jobs, tmp / "ray", cluster.address)
-        finally:
-            cluster.shutdown()
-        st = ex_r.stats()
-        nr = res_r.count("compiled")
-        transport = (st["roundtrip_s"] - st["actor_compile_wall_s"]) / nr
-        publish = st["publish_s"] / nr
-        cpu_phase = st.get("coordinator_cpu_s") or cpu_r
-        out["ray"] = {"keys": nr, "wall_s": round(wall_r, 2), "cluster_start_s": round(cluster_up, 2),
-                      "executor_start_s": st["start_s"], "actor_warm_s": st["warm_s"],
-                      "compile_wall_s": round(res_r.compile_wall_s, 2),
-                      "keys_per_s": round(nr / res_r.compile_wall_s, 3),
-                      # on an actor's critical path: dispatch -> result back, minus its compile
-                      "overhead_ms_per_key": round(1000 * transport, 2),
-                      # off it (publisher threads): verify, lock, write, fsync, .so
-                      "publish_ms_per_key": round(1000 * publish, 2),
-                      "publish_threads": st["publish_threads"],
-                      "coordinator_cpu_ms_per_key": round(1000 * cpu_phase / nr, 2),
-                      "coordinator_cpu_ms_per_key_incl_start": round(1000 * cpu_r / nr, 2),
-                      "mean_compile_s": round(res_r.compile_s / nr, 3),
-                      "retries": st["retries"]}
+        # The machine may be shared: each phase records the load average around it, and
+        # --ray-first swaps the order (to see whether a difference follows the order).
+        for phase in (("ray", "local") if a.ray_first else ("local", "ray")):
+            load0 = os.getloadavg()[0]
+            out[phase] = (_phase_local if phase == "local" else _phase_ray)(manifests, a.jobs, tmp)
+            out[phase]["load_avg_before_after"] = [round(load0, 1), round(os.getloadavg()[0], 1)]
         dl, dr = _digests(tmp / "local"), _digests(tmp / "ray")
         out["bit_identical"] = bool(dl) and dl == dr
     out["ray_vs_local_throughput"] = round(out["ray"]["keys_per_s"] / out["local"]["keys_per_s"], 3)
