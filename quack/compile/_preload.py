@@ -41,4 +41,17 @@ def _preload() -> None:
 
 
 if os.environ.get("QUACK_NO_PRELOAD") != "1":
-    _preload()
+    # CPython's forkserver ignores Ctrl-C, but only after its preload: during this one (an
+    # import and a warm-up compile, seconds) a Ctrl-C of `quack build` reaching the process
+    # group would print the forkserver's KeyboardInterrupt traceback. The build decides.
+    import signal
+
+    try:
+        _old_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to protect
+        _old_sigint = None
+    try:
+        _preload()
+    finally:
+        if _old_sigint is not None:
+            signal.signal(signal.SIGINT, _old_sigint)

@@ -1,0 +1,33 @@
+"""The compile forkserver's preload (quack.compile._preload: compiler import + a warm-up
+compile, seconds) ignores Ctrl-C like the forkserver itself does afterwards: a Ctrl-C of
+`quack build` reaching the process group in that window must not kill it with a
+KeyboardInterrupt traceback (the build decides what happens)."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+CHILD = ("import sys, time\nprint('importing', flush=True)\nt = time.monotonic()\n"
+         "import quack.compile._preload\n"
+         "import signal\nprint('done', round(time.monotonic() - t, 1), signal.getsignal(signal.SIGINT) "
+         "is signal.default_int_handler, flush=True)\n")
+
+
+def test_ctrl_c_during_the_forkserver_preload_is_ignored():
+    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "importing"
+        time.sleep(0.5)  # inside the preload: the compiler import alone takes longer
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=300)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode == 0, err[-3000:]
+    assert "KeyboardInterrupt" not in err
+    done = out.split()
+    # the preload really ran past the signal, and the handler is back afterwards
+    assert done[0] == "done" and float(done[1]) > 0.5 and done[2] == "True", out
