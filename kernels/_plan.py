@@ -10,7 +10,7 @@ Strategy by N (16-bit dtypes; 32-bit ones use the same element budget):
 =================  ===============  ===========  =========
 N                  threads / row    CTA threads  cluster
 =================  ===============  ===========  =========
-<= 64·vec          8 / 16 (sub-warp, several rows per warp)
+<= 64·vec          8 / 16 (sub-warp, several rows per warp; N = 1 .. 255 too)
 <= 3072            32 (one warp)    128          1
 <= 6144            64               128          1
 <= 8192            128              128          1
@@ -23,9 +23,36 @@ from __future__ import annotations
 import dataclasses
 import math
 
-N_MIN = 256
+from quack.params import Dtype
+
+N_MIN = 1
 N_MAX = 262144
 WIDTHS = {"float32": 32, "float16": 16, "bfloat16": 16}
+
+
+def io_width(*dtypes) -> int:
+    """Bits of the widest of ``dtypes`` (names; None and "same" are skipped): the plan's
+    vector width is set by the widest tensor read or written with the row tiling, so
+    that every vector access (e.g. an fp32 weight beside bf16 activations) is <= 128 bits."""
+    return max(WIDTHS[d] for d in dtypes if d not in (None, "same"))
+
+
+class WeightDtype(Dtype):
+    """The weight / bias dtype of a norm kernel: ``"same"`` (the input's dtype, the
+    default) or one of float32 / float16 / bfloat16. The torch wrappers pass "same"
+    when the weight's dtype equals the input's, so one configuration has one key."""
+
+    def check(self, name, value):
+        if value is None or value == "same":
+            return "same"
+        return super().check(name, value)
+
+    def describe(self):
+        return '"same" (the input dtype) or ' + super().describe()
+
+
+def resolve_weight_dtype(dtype: str, weight_dtype: str) -> str:
+    return dtype if weight_dtype in (None, "same") else weight_dtype
 
 
 @dataclasses.dataclass(frozen=True)

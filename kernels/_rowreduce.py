@@ -37,6 +37,17 @@ def make_tiled_copy(dtype, plan: RowPlan):
     return cute.make_tiled_copy_tv(atom, thr_layout, val_layout)
 
 
+def cp_async_atom(dtype, num_bits: int):
+    """A cp.async (global -> shared) copy atom of ``num_bits`` (32, 64 or 128) per thread.
+    Bypasses L1 (``.cg``) only for 16-byte copies: PTX allows ``cp.async.cg`` with a
+    16-byte size only, so 4- and 8-byte copies (rows whose N is not a multiple of the
+    16-byte vector) use ``.ca`` (an MLIR verification error otherwise)."""
+    mode = (cute.nvgpu.cpasync.LoadCacheMode.GLOBAL if num_bits == 128
+            else cute.nvgpu.cpasync.LoadCacheMode.ALWAYS)
+    return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), dtype,
+                               num_bits_per_copy=num_bits)
+
+
 def tiler(plan: RowPlan):
     return (plan.rows_per_cta, plan.tile_n)
 
@@ -188,6 +199,7 @@ def row_allreduce_pair(
     """All-reduce a pair over the threads (and CTAs) sharing a row in ONE round trip.
 
     kind "lse":     (max, sum of exp(x - max))  -> row max, row sum of exp(x - row max)
+    kind "sum2":    (a, b)                      -> (row sum of a, row sum of b)
     kind "welford": (mean, M2 = sum (x - mean)^2) of ``count`` elements per thread (the
                     same count for every thread) -> row mean, row M2 (Chan's formula)
     """
@@ -197,6 +209,9 @@ def row_allreduce_pair(
             off = const_expr(g >> (i + 1))
             a, b = _lse_combine(a, b, cute.arch.shuffle_sync_bfly(a, offset=off, mask=-1, mask_and_clamp=31),
                                 cute.arch.shuffle_sync_bfly(b, offset=off, mask=-1, mask_and_clamp=31))
+    elif const_expr(kind == "sum2"):
+        a = cute.arch.warp_reduction(a, operator.add, threads_in_group=g)
+        b = cute.arch.warp_reduction(b, operator.add, threads_in_group=g)
     else:
         ma = cute.arch.warp_reduction(a, operator.add, threads_in_group=g) * (1.0 / g)
         d = a - ma
@@ -238,6 +253,16 @@ def row_allreduce_pair(
                 va, vb = _lse_combine(va, vb, cute.arch.shuffle_sync_bfly(va, offset=off2, mask=-1, mask_and_clamp=31),
                                       cute.arch.shuffle_sync_bfly(vb, offset=off2, mask=-1, mask_and_clamp=31))
             a, b = va, vb
+        elif const_expr(kind == "sum2"):
+            sa = Float32(0.0)
+            sb = Float32(0.0)
+            for i in cutlass.range_constexpr((total + 31) // 32):
+                idx = lane + i * 32
+                if idx < total:
+                    sa = sa + buf_a[row, idx]
+                    sb = sb + buf_b[row, idx]
+            a = cute.arch.warp_reduction(sa, operator.add)
+            b = cute.arch.warp_reduction(sb, operator.add)
         else:
             sa = Float32(0.0)
             for i in cutlass.range_constexpr((total + 31) // 32):
@@ -350,8 +375,11 @@ class RowTiles:
 
     def __init__(self, plan: RowPlan, dtype, m, tidx, bidx, cluster_y):
         self.plan = plan
+        self.dtype = dtype
+        self.tidx = tidx
         self.tiled_copy = make_tiled_copy(dtype, plan)
         self.thr = self.tiled_copy.get_slice(tidx)
+        self._copies = {dtype: self.tiled_copy}
         self.coord = (bidx, cluster_y)
         self.m = m
         ident = cute.make_identity_tensor((m, plan.n))
@@ -359,6 +387,14 @@ class RowTiles:
         self.tXcX = self.thr.partition_S(cX)
         self.row = self.tXcX[(0, 0), 0, 0][0]
         self.pred = None if const_expr(plan.even) else column_predicate(self.tXcX, plan.n)
+
+    def copy_for(self, dtype):
+        """The tiled copy for tensors of ``dtype`` (same thread / value layout: the plan's
+        ``vec`` elements per access, <= 128 bits since the plan is sized for the widest
+        dtype). A weight may have another dtype than the rows."""
+        if dtype not in self._copies:
+            self._copies[dtype] = make_tiled_copy(dtype, self.plan)
+        return self._copies[dtype]
 
     def part(self, mT: cute.Tensor):
         """This thread's fragment view (vec, 1, nvec) of a (M, N) tensor."""
@@ -387,7 +423,7 @@ class RowTiles:
         r = cute.make_rmem_tensor_like(gT)
         if const_expr(not self.plan.even):
             r.fill(0.0)
-        cute.copy(self.tiled_copy, gT, r, pred=self.pred)
+        cute.copy(self.copy_for(gT.element_type), gT, r, pred=self.pred)
         return r
 
     @cute.jit
@@ -408,7 +444,8 @@ class RowTiles:
 
     def stage_bcast(self, smem, dtype, *vectors):
         """``alloc_smem_bcast`` + ``prefetch_bcast`` for each vector given; an absent
-        (None) vector stays None. Returns the shared-memory tiles in order."""
+        (None) vector stays None. Returns the shared-memory tiles in order. ``dtype`` is
+        the vectors' element type (the weight dtype, which may differ from the rows')."""
         tiles = []
         for v in vectors:
             sv = None
@@ -422,8 +459,7 @@ class RowTiles:
     def prefetch_bcast(self, mV: cute.Tensor, sV: cute.Tensor):
         """cp.async this CTA's slice of a (N,) vector into ``sV``; commit one group."""
         dtype = mV.element_type
-        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype,
-                                   num_bits_per_copy=self.plan.vec * dtype.width)
+        atom = cp_async_atom(dtype, self.plan.vec * dtype.width)
         thr_layout = cute.make_ordered_layout((self.plan.rows_per_cta, self.plan.threads_per_row),
                                               order=(1, 0))
         tc = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.plan.vec)))
@@ -444,7 +480,7 @@ class RowTiles:
         r = cute.make_rmem_tensor_like(self.part_bcast(mV))
         if const_expr(not self.plan.even):
             r.fill(0.0)
-        cute.copy(self.tiled_copy, src, r, pred=self.pred)
+        cute.copy(self.copy_for(sV.element_type), src, r, pred=self.pred)
         return r
 
     @cute.jit
