@@ -209,13 +209,15 @@ def test_bad_inputs():
 
     x = _rand(8, 1024, "bfloat16")
     with pytest.raises(TypeError, match="weight"):
-        rmsnorm_fwd(x, torch.ones(1024, device="cuda", dtype=torch.float16))
+        rmsnorm_fwd(x, torch.ones(1024, device="cuda", dtype=torch.int32))
+    with pytest.raises(TypeError, match="bias"):
+        rmsnorm_fwd(x, torch.ones(1024, device="cuda"), torch.ones(1024, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="weight"):
         rmsnorm_fwd(x, torch.ones(512, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="last dim"):
         rmsnorm_fwd(_rand(1024, 8, "bfloat16").t())
     with pytest.raises(ValueError, match="out of range"):
-        rmsnorm_fwd(_rand(8, 128, "bfloat16"))
+        rmsnorm_fwd(torch.empty(8, 0, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="dy"):
         softmax_bwd(_rand(8, 512, "bfloat16"), x)
     with pytest.raises(TypeError, match="x has dtype"):
