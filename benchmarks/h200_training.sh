@@ -5,7 +5,7 @@
 # Logs go to $OUT. STEPS picks steps (default: all): build,tests,bench.
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
-STEPS=${STEPS:-build,tests,bench}
+STEPS=${STEPS:-build,tests,bench,variants}
 WHEELS=${WHEELS:-.device/wheels}
 if [ -d "$WHEELS" ] && [ ! -d /tmp/site/tvm_ffi ]; then
   for w in "$WHEELS"/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
@@ -32,3 +32,6 @@ case ",$STEPS," in *,bench,*)
     --ops "${BENCH_OPS:-layernorm_bwd,layernorm_bwd_w32,rmsnorm_fwd,rmsnorm_fwd_w32,rmsnorm_bwd,rmsnorm_bwd_w32,layernorm_fwd,layernorm_fwd_w32,softmax_fwd,softmax_bwd,cross_entropy_fwd,cross_entropy_bwd}" \
     --compile-ops "${COMPILE_OPS:-layernorm_bwd,layernorm_bwd_w32}" --json "$OUT/bench.json"
   grep -vE "Warning|warn" "$OUT/bench.log" | tail -52;; esac
+case ",$STEPS," in *,variants,*)
+  step variants "${VARIANTS_LIMIT:-120}" python3 benchmarks/tune_variants.py cross_entropy_bwd
+  grep -E "^cross_entropy_bwd" "$OUT/variants.log";; esac

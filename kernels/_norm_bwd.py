@@ -21,8 +21,9 @@ BWD_BUDGET = 32   # row elements per thread kept in registers (two rows: x and d
 
 
 def bwd_plan(dtype: str, n: int, weight_dtype: str = "same", has_weight: bool = True):
-    """The launch plan of the backward (the wrapper sizes its grid with the same one)."""
-    return plan_rows(n, io_width(dtype, weight_dtype if has_weight else None), budget=BWD_BUDGET)
+    """The launch plan of the backward (the wrapper sizes its grid with the same one): by
+    the rows' dtype; a wider weight is read element-wise once per CTA."""
+    return plan_rows(n, io_width(dtype), budget=BWD_BUDGET)
 
 
 def bwd_smem_stages(plan, width: int, tune: dict | None = None) -> int:

@@ -32,8 +32,9 @@ WIDTHS = {"float32": 32, "float16": 16, "bfloat16": 16}
 
 def io_width(*dtypes) -> int:
     """Bits of the widest of ``dtypes`` (names; None and "same" are skipped): the plan's
-    vector width is set by the widest tensor read or written with the row tiling, so
-    that every vector access (e.g. an fp32 weight beside bf16 activations) is <= 128 bits."""
+    vector width when every tensor of the row tiling must move in <= 128-bit vectors
+    (cross-entropy's fp32 class weights). The norms size their plan by the rows' dtype
+    alone: a wider weight is read element-wise (``RowTiles.load_bcast``)."""
     return max(WIDTHS[d] for d in dtypes if d not in (None, "same"))
 
 
@@ -127,7 +128,7 @@ def smem_bcast_ok(plan: RowPlan, width: int, count: int, max_bytes: int = 72 * 1
     memory with cp.async? Only for one row per CTA split over a cluster (the large-N
     paths), vector accesses of >= 4 bytes (cp.async sizes), and a shared-memory tile
     small enough to keep 2+ CTAs per SM."""
-    return (plan.cluster_n > 1 and plan.rows_per_cta == 1 and plan.vec * width >= 32
+    return (plan.cluster_n > 1 and plan.rows_per_cta == 1 and 32 <= plan.vec * width <= 128
             and count * plan.tile_n * width // 8 <= max_bytes)
 
 

@@ -404,7 +404,15 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     dt = rr.cutlass_dtype(dtype)
     smooth = smoothing != "none"
     weighted = smoothing == "weighted"
-    plan = plan_rows(n, io_width(dtype, "float32" if weighted else None), budget=64)
+    # No reduction in the backward (lse is given): a row may span several CTAs without a
+    # cluster; the element budget per thread sets registers, hence occupancy.
+    plan = plan_rows(n, io_width(dtype, "float32" if weighted else None),
+                     budget=_TUNE.get("bwd_budget", 64))
+
+    def launch_kwargs(m, stream):
+        kw = rr.launch_kwargs(plan, m, stream)
+        kw["cluster"] = None
+        return kw
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
@@ -452,7 +460,7 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
                           mdX: cute.Tensor, ignore_index: Int32, mB: cute.Tensor, mC: cute.Tensor,
                           mW, stream):
             kernel(mX, mT, mdLoss, mLse, mdX, ignore_index, mB, mC, mW).launch(
-                **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream))
+                **launch_kwargs(cute.size(mX, mode=[0]), stream))
 
         b = rr.fake_vec(Float32, m, align=4)
         c = rr.fake_vec(Float32, m, align=4)
@@ -464,7 +472,7 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     def launch(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
                mdX: cute.Tensor, ignore_index: Int32, stream):
         kernel(mX, mT, mdLoss, mLse, mdX, ignore_index, None, None, None).launch(
-            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream))
+            **launch_kwargs(cute.size(mX, mode=[0]), stream))
 
     return cute.compile(launch, x, tg, dloss, lse, dx, Int32(-100), stream,
                         options="--enable-tvm-ffi")

@@ -31,12 +31,11 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     from cutlass import Float32, const_expr
 
     from kernels import _rowreduce as rr
-    from kernels._plan import io_width, plan_rows, resolve_weight_dtype, smem_bcast_ok
+    from kernels._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
-    plan = plan_rows(n, io_width(dtype, weight_dtype if (has_weight or has_bias) else None),
-                     budget=64)
+    plan = plan_rows(n, dt.width, budget=64)
     stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width,
                                                              int(has_weight) + int(has_bias))
     min_blocks = _TUNE.get("min_blocks", 0) if stage_wb else 0
@@ -74,6 +73,11 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         rstd = cute.math.rsqrt(var + eps, fastmath=True)
         if const_expr(stage_wb):
             t.store_affine_smem(xc * rstd, t.part(mY), sW, sB, mW, mB)
+        elif const_expr(wdt.width > dt.width):
+            # a weight wider than the rows (fp32 beside 16-bit x): element-wise, one
+            # vector at a time (the rows keep their 16-byte accesses)
+            t.store_affine(xc * rstd, t.part(mY), t.part_bcast(mW) if const_expr(mW is not None) else None,
+                           t.part_bcast(mB) if const_expr(mB is not None) else None)
         else:
             # weight / bias loaded after the reductions (L2-resident, shared by all rows):
             # fewer live registers while the row is reduced.

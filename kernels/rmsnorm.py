@@ -33,15 +33,19 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     from cutlass import Float32, const_expr
 
     from kernels import _rowreduce as rr
-    from kernels._plan import io_width, plan_rows, resolve_weight_dtype, smem_bcast_ok
+    from kernels._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
-    width = io_width(dtype, weight_dtype if (has_weight or has_bias) else None)
-    plan = plan_rows(n, width, budget=64)
+    plan = plan_rows(n, dt.width, budget=64)
+    # a weight wider than the rows (fp32 beside 16-bit x) is read after the reduction,
+    # element-wise: early, it would hold 2x the registers through the reduction
+    late_wb = wdt.width > dt.width
     stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width,
                                                              int(has_weight) + int(has_bias))
-    min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else 0
+    # 3 CTAs/SM (80 registers) on the staged path; the late, element-wise fp32 weight
+    # path would spill there (ptxas: 52 bytes at N = 65536), so it keeps 128 registers
+    min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else _TUNE.get("late_min_blocks", 0)
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
@@ -55,7 +59,7 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         if const_expr(stage_wb):
             # weight / bias: cp.async into shared memory, read after the reduction
             sW, sB = t.stage_bcast(smem, wdt, mW, mB)
-        else:
+        elif const_expr(not late_wb):
             if const_expr(mW is not None):
                 rW = t.load_bcast(t.part_bcast(mW))
             if const_expr(mB is not None):
@@ -70,6 +74,9 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
         if const_expr(stage_wb):
             t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
+        elif const_expr(late_wb):
+            t.store_affine(h * rstd, t.part(mY), t.part_bcast(mW) if const_expr(mW is not None) else None,
+                           t.part_bcast(mB) if const_expr(mB is not None) else None)
         else:
             y = h * rstd
             if const_expr(mW is not None):
