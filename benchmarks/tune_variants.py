@@ -306,7 +306,7 @@ def main():
             ({}, None), (dict(stages=3), None), (dict(stages=2), None), (old, None)])
         rmsnorm_bwd_variants([(4096, 262144)], [({}, None), (dict(smem_kb=192), None), (old, None)])
         rmsnorm_bwd_variants([(32768, 16384), (32768, 4096)], [({}, None), (old, None)])
-    if only is not None and "fwd" not in only:
+    if only is not None and "fwd" not in only and "rmsnorm_fwd" not in only:
         return
 
     def rnd(*s):
@@ -330,8 +330,9 @@ def main():
         ref = F.layer_norm(x[:k].float(), (x.shape[1],), w.float(), b.float(), 1e-5)
         return bool(torch.allclose(y[:k].float(), ref, atol=6e-2, rtol=2e-2))
 
+    ln_variants = [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)]
     run("layernorm_fwd", layernorm, lambda n: layernorm.compile_layernorm_fwd.raw("bfloat16", n, True, True),
-        [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)],
+        ln_variants if only is None or "fwd" in only else [],
         ln_setup, ln_call, ln_check, lambda m, n: 2 * m * n * 2 + 4 * n + 8 * m)
 
     # RMSNorm forward
@@ -342,7 +343,9 @@ def main():
         x, w = a
         y = torch.empty_like(x)
         rstd = torch.empty(x.shape[0], device="cuda")
-        fn(x, w, None, None, y, None, rstd, 1e-6)
+        fn(x, w, None, None, y, None, rstd, 1e-6,
+           rmsnorm.fwd_grid(x.shape[0], "bfloat16", x.shape[1],
+                            rmsnorm.fwd_persist_cfg("bfloat16", x.shape[1], True, False, "same"), x.device))
         return y
 
     def rms_check(a, y):
@@ -353,7 +356,7 @@ def main():
         return bool(torch.allclose(y[:k].float(), ref, atol=6e-2, rtol=2e-2))
 
     run("rmsnorm_fwd", rmsnorm, lambda n: rmsnorm.compile_rmsnorm_fwd.raw("bfloat16", n, True, False, False),
-        [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)],
+        [dict(persist=False), dict(persist=True), dict(persist=True, persist_ctas=2)],
         rms_setup, rms_call, rms_check, lambda m, n: 2 * m * n * 2 + 2 * n + 4 * m)
 
     # Cross-entropy forward
@@ -374,7 +377,7 @@ def main():
         return bool(torch.allclose(loss[:k], ref, atol=1e-3, rtol=1e-3))
 
     run("cross_entropy_fwd", cross_entropy, lambda n: cross_entropy.compile_cross_entropy_fwd.raw("bfloat16", n),
-        [dict(min_blocks=0), dict(min_blocks=4)],
+        [dict(min_blocks=0), dict(min_blocks=4)] if only is None or "fwd" in only else [],
         ce_setup, ce_call, ce_check, lambda m, n: m * n * 2 + 16 * m)
 
 

@@ -473,6 +473,22 @@ class RowTiles:
         return tiles
 
     @cute.jit
+    def stage_bcast_own(self, mV: cute.Tensor, sV: cute.Tensor):
+        """Copy this thread's own elements of a (N,) vector into ``sV`` (element-wise
+        loads, for vectors wider than 128 bits a fragment vector: an fp32 weight beside
+        16-bit rows); the same thread reads them back, so no barrier is needed."""
+        g = self.part_bcast(mV)
+        d = self.thr.partition_S(sV)
+        for k in cutlass.range_constexpr(cute.size(g, mode=[2])):
+            if const_expr(self.plan.even):
+                for v in cutlass.range_constexpr(self.plan.vec):
+                    d[(v, 0), 0, k] = g[(v, 0), 0, k]
+            else:
+                if self.pred[0, 0, k]:
+                    for v in cutlass.range_constexpr(self.plan.vec):
+                        d[(v, 0), 0, k] = g[(v, 0), 0, k]
+
+    @cute.jit
     def prefetch_bcast(self, mV: cute.Tensor, sV: cute.Tensor):
         """cp.async this CTA's slice of a (N,) vector into ``sV``; commit one group."""
         dtype = mV.element_type

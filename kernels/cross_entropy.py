@@ -405,9 +405,12 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     smooth = smoothing != "none"
     weighted = smoothing == "weighted"
     # No reduction in the backward (lse is given): a row may span several CTAs without a
-    # cluster; the element budget per thread sets registers, hence occupancy.
+    # cluster; the element budget per thread sets registers, hence occupancy. Measured on
+    # the H200 (bf16, `tune_variants.py cross_entropy_bwd`, us for budget 64 / 32 / 16):
+    # 4096: 145 / 134 / 141; 16384: 654 / 538 / 548; 65536: 2134 / 2174 / 2356;
+    # 262144: 1100 / 1100 / 1101.
     plan = plan_rows(n, io_width(dtype, "float32" if weighted else None),
-                     budget=_TUNE.get("bwd_budget", 64))
+                     budget=_TUNE.get("bwd_budget", 32 if n <= 32768 else 64))
 
     def launch_kwargs(m, stream):
         kw = rr.launch_kwargs(plan, m, stream)

@@ -27,10 +27,12 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
                         has_residual: bool = False, weight_dtype: str = "same"):
     """Compile RMSNorm forward for rows of ``n`` elements of ``dtype`` (any batch size),
     weight / bias of ``weight_dtype`` ("same": ``dtype``).
-    Runtime signature: fn(x, w|None, b|None, residual|None, y, residual_out|None, rstd, eps)."""
+    Runtime signature: fn(x, w|None, b|None, residual|None, y, residual_out|None, rstd, eps,
+    num_blocks); num_blocks is the persistent grid (``fwd_grid``; ignored by the
+    one-row-tile-per-CTA launch)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, const_expr
+    from cutlass import Float32, Int32, const_expr
 
     from kernels import _rowreduce as rr
     from kernels._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
@@ -46,6 +48,9 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     # 3 CTAs/SM (80 registers) on the staged path; the late, element-wise fp32 weight
     # path would spill there (ptxas: 52 bytes at N = 65536), so it keeps 128 registers
     min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else _TUNE.get("late_min_blocks", 0)
+    pcfg = fwd_persist_cfg(dtype, n, has_weight, has_bias, weight_dtype)
+    if pcfg is not None:
+        min_blocks = pcfg["ctas_per_sm"]
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
@@ -67,6 +72,11 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         h = rX.load().to(Float32)
         if const_expr(mR is not None):
             h = h + rR.load().to(Float32)
+            if const_expr(dt.width < 32):
+                # normalize the stored residual (x's dtype): the backward differentiates at
+                # it with this rstd, so forward and backward describe one function (at small
+                # N, where |h|^2 ~ eps, dx is ill-conditioned in h)
+                h = h.to(dt).to(Float32)
             t.store(h, t.part(mRo))
         red.wait_cluster()
         ss = red.reduce((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
@@ -86,12 +96,61 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
             t.store(y, t.part(mY))
         t.write_row_scalar(mRstd, rstd)
 
+    @cute.kernel
+    def kernel_persist(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
+                       eps: Float32):
+        # One row per CTA of a cluster, persistent over rows (grid = co-resident clusters):
+        # the weight / bias slice is staged in shared memory ONCE per CTA instead of once
+        # per row (at N = 262144 a per-row reload doubles, with fp32 weights triples, the
+        # L2 -> SM traffic of the x reads).
+        tidx, bidx, cluster_y = rr.cta_coords(plan)
+        m = cute.size(mX, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=2)
+        red.allocate(smem)
+        red.init_cluster(tidx)
+        t0 = rr.RowTiles(plan, dt, m, tidx, 0, cluster_y)
+        sW = None
+        sB = None
+        if const_expr(pcfg["cp_async"]):
+            sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
+        else:
+            if const_expr(mW is not None):
+                sW = t0.alloc_smem_bcast(smem, wdt)
+                t0.stage_bcast_own(mW, sW)
+            if const_expr(mB is not None):
+                sB = t0.alloc_smem_bcast(smem, wdt)
+                t0.stage_bcast_own(mB, sB)
+        red.wait_cluster()
+        rbuf, rmbar = red.buf, red.mbar
+        grid_m = cute.arch.grid_dim()[0]
+        for tile in cutlass.range(bidx, m, grid_m, unroll=1):
+            it = (tile - bidx) // grid_m
+            t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
+            h = t.load(t.part(mX)).load().to(Float32)
+            if const_expr(mR is not None):
+                h = h + t.load(t.part(mR)).load().to(Float32)
+                if const_expr(dt.width < 32):
+                    h = h.to(dt).to(Float32)
+                t.store(h, t.part(mRo))
+            ss = rr.reduce_stage(
+                (h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                "sum", plan, rbuf, rmbar, it % 2, (it // 2) % 2)
+            rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
+            t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
+            t.write_row_scalar(mRstd, rstd)
+
     @cute.jit
     def launch(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
-               eps: Float32, stream):
+               eps: Float32, num_blocks: Int32, stream):
         m = cute.size(mX, mode=[0])
-        kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
-            **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks))
+        if const_expr(pcfg is not None):
+            kw = rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+            kw["grid"] = [num_blocks, plan.cluster_n, 1]
+            kernel_persist(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(**kw)
+        else:
+            kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks))
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)
@@ -101,8 +160,44 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     ro = rr.fake_rows(dt, n, plan.vec, m)[0] if has_residual else None
     rstd = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(launch, x, w, b, r, y, ro, rstd, Float32(1e-6), stream,
+    return cute.compile(launch, x, w, b, r, y, ro, rstd, Float32(1e-6), Int32(1), stream,
                         options="--enable-tvm-ffi")
+
+
+def fwd_persist_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
+    """The persistent forward (``kernel_persist``) for cluster plans (N > 16384 for 16-bit
+    dtypes), or None: ``ctas_per_sm`` resident CTAs (``_TUNE["persist_ctas"]``, default 3)
+    whose weight / bias slices fit in shared memory; ``cp_async`` when a fragment vector of
+    the weight is <= 128 bits (else copied element-wise). ``_TUNE["persist"] = False``
+    keeps the one-row-per-CTA grid."""
+    from kernels._plan import WIDTHS, plan_rows, resolve_weight_dtype
+
+    if not _TUNE.get("persist", True) or not (has_weight or has_bias):
+        return None
+    plan = plan_rows(n, WIDTHS[dtype], budget=64)
+    if plan.cluster_n == 1 or plan.rows_per_cta != 1:
+        return None
+    wbits = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)]
+    smem = (int(has_weight) + int(has_bias)) * plan.tile_n * wbits // 8 + 1024
+    ctas = min(_TUNE.get("persist_ctas", 3), (227 * 1024) // (smem + 1024))
+    if ctas < 2:
+        return None
+    return dict(ctas_per_sm=ctas, cp_async=32 <= plan.vec * wbits <= 128)
+
+
+def fwd_grid(m: int, dtype: str, n: int, pcfg, device) -> int:
+    """CTAs (per cluster rank) of the persistent forward: co-resident clusters (one less
+    than SMs x CTAs/SM / cluster for clusters of 4+, as in ``_norm_bwd.bwd_grid``)."""
+    from kernels import _torch as kt
+    from kernels._plan import WIDTHS, plan_rows
+
+    if pcfg is None:
+        return 1
+    plan = plan_rows(n, WIDTHS[dtype], budget=64)
+    clusters = kt.sm_count(device) * pcfg["ctas_per_sm"] // plan.cluster_n
+    if plan.cluster_n >= 4:
+        clusters -= 1
+    return max(1, min(m, clusters))
 
 
 # --------------------------------------------------------------------------- backward
@@ -164,7 +259,8 @@ def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     ro = torch.empty_like(x2) if r2 is not None else None
     if m > 0:
         fn = compile_rmsnorm_fwd(dt, n, w is not None, b is not None, r2 is not None, wdt)
-        fn(x2, w, b, r2, y, ro, rstd, eps)
+        grid = fwd_grid(m, dt, n, fwd_persist_cfg(dt, n, w is not None, b is not None, wdt), x.device)
+        fn(x2, w, b, r2, y, ro, rstd, eps, grid)
     shape = x.shape
     return (y.view(shape), rstd.view(shape[:-1]), ro.view(shape) if ro is not None else None)
 
