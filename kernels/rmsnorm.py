@@ -168,11 +168,16 @@ def fwd_persist_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight
     """The persistent forward (``kernel_persist``) for cluster plans (N > 16384 for 16-bit
     dtypes), or None: ``ctas_per_sm`` resident CTAs (``_TUNE["persist_ctas"]``, default 3)
     whose weight / bias slices fit in shared memory; ``cp_async`` when a fragment vector of
-    the weight is <= 128 bits (else copied element-wise). ``_TUNE["persist"] = False``
-    keeps the one-row-per-CTA grid."""
+    the weight is <= 128 bits (else copied element-wise).
+
+    Off by default (``_TUNE["persist"] = True`` turns it on): measured on the H200 (bf16,
+    `tune_variants.py rmsnorm_fwd`) it is slower without a load pipeline across rows:
+    32768x65536 2773 us vs 2067 one row per CTA; 4096x262144 1391 vs 1069 (2 CTAs/SM:
+    3099 / 1660). Kept as the starting point for a cp.async-pipelined version, which the
+    fp32-weight forward at N >= 65536 needs (it re-reads 4-byte weights per row)."""
     from kernels._plan import WIDTHS, plan_rows, resolve_weight_dtype
 
-    if not _TUNE.get("persist", True) or not (has_weight or has_bias):
+    if not _TUNE.get("persist", False) or not (has_weight or has_bias):
         return None
     plan = plan_rows(n, WIDTHS[dtype], budget=64)
     if plan.cluster_n == 1 or plan.rows_per_cta != 1:
