@@ -15,7 +15,7 @@ Imported only from inside compile functions and torch wrappers (no cutlass, no t
 the top level: the builder imports them inside).
 """
 
-from kernels._plan import io_width, plan_rows, resolve_weight_dtype
+from ._plan import io_width, plan_rows, resolve_weight_dtype
 
 BWD_BUDGET = 32   # row elements per thread kept in registers (two rows: x and dy)
 
@@ -50,7 +50,7 @@ def bwd_grid(m: int, plan, width: int, device, tune: dict | None = None) -> int:
     shared-memory pipeline does not fit. Clusters of 4+ CTAs: one cluster less than
     SMs / cluster size (GPC granularity: on the H200, 15 clusters of 8 and 7 of 16 are
     co-resident, not 16 and 8; one more runs as a second wave, ~1.7x slower)."""
-    from kernels import _torch as kt
+    from . import _torch as kt
 
     tiles = -(-m // plan.rows_per_cta)
     ctas_per_sm = 2 if plan.num_threads <= 128 else 1
@@ -74,7 +74,7 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr
 
-    from kernels import _rowreduce as rr
+    from . import _rowreduce as rr
 
     layer = kind == "layer"
     dt = rr.cutlass_dtype(dtype)
@@ -302,7 +302,7 @@ def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, t
     """The torch side of both backwards: validate, size the persistent grid, launch,
     sum the partials (fp32). Returns (dx, dweight|None, dbias|None): dweight in the
     weight's dtype, dbias in ``bias_dtype`` (None: no bias, no dbias)."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(x, "x")

@@ -4,7 +4,7 @@ them forward and backward without a graph break. The ops are opaque to the compi
 compiling and loading a kernel (``@jit_cache``: memory -> disk -> compile worker) happens
 inside the op's real implementation, at run time, never in the traced graph.
 
-Imports torch at the top: import it only from inside functions (``kernels.rmsnorm.rmsnorm``
+Imports torch at the top: import it only from inside functions (``quack_kernels.rmsnorm.rmsnorm``
 and friends do), so that importing the kernel modules stays torch-free. The real
 implementations are registered for every device: on a CPU tensor they raise the torch
 wrappers' ValueError ("must be a CUDA tensor"); on meta / fake tensors the fake
@@ -18,10 +18,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels import cross_entropy as _ce
-from kernels import layernorm as _ln
-from kernels import rmsnorm as _rms
-from kernels import softmax as _sm
+from . import cross_entropy as _ce
+from . import layernorm as _ln
+from . import rmsnorm as _rms
+from . import softmax as _sm
 
 NS = "quack_kernels"
 _F32 = torch.float32

@@ -4,7 +4,7 @@ only from inside compile functions: importing this module imports cutlass.
 The building blocks:
 - ``RowTiles``: a CTA's view of its rows — per-thread fragments of the row
   (128-bit vector accesses through a tiled copy), a column predicate, the
-  thread's row index, and the launch shape from ``kernels._plan.RowPlan``.
+  thread's row index, and the launch shape from ``quack_kernels._plan.RowPlan``.
 - ``row_allreduce``: warp shuffle -> shared memory across the warps of a row ->
   distributed shared memory across the CTAs of a cluster (st.async with an
   mbarrier transaction count), every thread of the row gets the result.
@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Boolean, const_expr
 
-from kernels._plan import RowPlan
+from ._plan import RowPlan
 
 CUTLASS_DTYPES = {
     "float32": cutlass.Float32,

@@ -18,7 +18,7 @@ import math
 from quack import jit_cache
 from quack.params import Choice, Dtype, Int
 
-from kernels._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -90,7 +90,7 @@ def stream_cfg(dtype: str, n: int, smoothing: str = "none"):
 
 def stream_grid(cfg: dict, m: int, device) -> int:
     """CTAs (per cluster rank) of the persistent streaming forward: all co-resident."""
-    from kernels import _torch as kt
+    from . import _torch as kt
 
     slots = kt.sm_count(device) * cfg["ctas_per_sm"] // cfg["cluster"]
     if cfg["cluster"] >= 4:
@@ -107,7 +107,7 @@ def stream_grid(cfg: dict, m: int, device) -> int:
 @jit_cache(
     "cross_entropy_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
-    reference="kernels.cross_entropy:_verify_cross_entropy_fwd",
+    reference=f"{__name__}:_verify_cross_entropy_fwd",
 )
 def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
     """Runtime signature: fn(logits, target(int64, M), loss(fp32, M), lse(fp32, M), ignore_index)
@@ -118,8 +118,8 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import io_width, plan_rows
+    from . import _rowreduce as rr
+    from ._plan import io_width, plan_rows
 
     dt = rr.cutlass_dtype(dtype)
     cfg = stream_cfg(dtype, n, smoothing)
@@ -209,8 +209,8 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import RowPlan
+    from . import _rowreduce as rr
+    from ._plan import RowPlan
 
     dt = rr.cutlass_dtype(dtype)
     vec, T, C, K, S = cfg["vec"], cfg["tpr"], cfg["cluster"], cfg["k"], cfg["stages"]
@@ -387,7 +387,7 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
 @jit_cache(
     "cross_entropy_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
-    reference="kernels.cross_entropy:_verify_cross_entropy_bwd",
+    reference=f"{__name__}:_verify_cross_entropy_bwd",
 )
 def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     """Runtime signature: fn(logits, target(int64, M), a(fp32, M), lse(fp32, M), dlogits,
@@ -398,8 +398,8 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import io_width, plan_rows
+    from . import _rowreduce as rr
+    from ._plan import io_width, plan_rows
 
     dt = rr.cutlass_dtype(dtype)
     smooth = smoothing != "none"
@@ -484,7 +484,7 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
 # --------------------------------------------------------------------------- torch-facing
 
 def _targets(target, m, x):
-    from kernels import _torch as kt  # noqa: F401
+    from . import _torch as kt  # noqa: F401
     import torch
 
     if not isinstance(target, torch.Tensor):
@@ -502,7 +502,7 @@ def _class_weight(weight, n, x):
     """Validate class weights: a float (N,) tensor on the logits' device; fp32 copy."""
     if weight is None:
         return None
-    from kernels import _torch as kt
+    from . import _torch as kt
 
     kt._tensor(weight, "weight")
     if weight.device != x.device:
@@ -540,7 +540,7 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, weight=None,
     """Per-row cross-entropy (torch's ``reduction="none"``, with class ``weight`` and
     ``label_smoothing``). Returns ``(loss, lse)``, float32 of shape logits.shape[:-1];
     rows whose target is ``ignore_index`` get loss 0."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(logits, "logits")
@@ -581,7 +581,7 @@ def cross_entropy_bwd(logits, target, dloss, lse, ignore_index: int = -100, weig
     """d(loss)/d(logits) of ``cross_entropy_fwd`` times ``dloss`` (per row):
     (softmax(logits) - onehot(target)) * dloss[:, None] without weight / smoothing;
     0 for ignored rows."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(logits, "logits")
@@ -615,7 +615,7 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
     ``quack_kernels::cross_entropy_fwd`` custom op with its registered autograd; works
     under ``torch.compile(fullgraph=True)``). reduction 'none', 'sum' or 'mean' (divided
     by the summed class weights of the non-ignored targets: their count without weights)."""
-    from kernels import _ops
+    from . import _ops
 
     return _ops.cross_entropy(logits, target, ignore_index, reduction, weight, label_smoothing)
 

@@ -2,14 +2,14 @@
 
 mean = mean(x);  rstd = 1 / sqrt(mean((x - mean)^2) + eps);  y = (x - mean) * rstd * w + b
 (two-pass variance over the row kept in registers; fp32 math). The backward (dx, dw, db)
-is the persistent norm backward of ``kernels._norm_bwd``.
+is the persistent norm backward of ``quack_kernels._norm_bwd``.
 
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
-from kernels._plan import N_MAX, N_MIN, WeightDtype
+from ._plan import N_MAX, N_MIN, WeightDtype
 
 
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
@@ -20,7 +20,7 @@ _TUNE: dict = {}
     "layernorm_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
             "has_bias": Bool(), "weight_dtype": WeightDtype()},
-    reference="kernels.layernorm:_verify_layernorm_fwd",
+    reference=f"{__name__}:_verify_layernorm_fwd",
 )
 def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True,
                           weight_dtype: str = "same"):
@@ -30,8 +30,8 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
+    from . import _rowreduce as rr
+    from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
@@ -115,26 +115,26 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     "layernorm_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
             "has_bias": Bool(), "weight_dtype": WeightDtype()},
-    reference="kernels.layernorm:_verify_layernorm_bwd",
+    reference=f"{__name__}:_verify_layernorm_bwd",
 )
 def compile_layernorm_bwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True,
                           weight_dtype: str = "same"):
-    """Compile LayerNorm backward (persistent, like RMSNorm's; ``kernels._norm_bwd``).
+    """Compile LayerNorm backward (persistent, like RMSNorm's; ``quack_kernels._norm_bwd``).
     Runtime signature: fn(x, w|None, dy, mean, rstd, dx, dw_partial|None, db_partial|None,
     num_blocks), partials (num_blocks * rows_per_cta, n) fp32 summed by the caller."""
-    from kernels._norm_bwd import compile_norm_bwd
+    from ._norm_bwd import compile_norm_bwd
 
     return compile_norm_bwd("layer", dtype, n, has_weight, has_bias, weight_dtype, _BWD_TUNE)
 
 
-# Backward tuning knobs (see ``kernels._norm_bwd.bwd_smem_stages``).
+# Backward tuning knobs (see ``quack_kernels._norm_bwd.bwd_smem_stages``).
 _BWD_TUNE: dict = {}
 
 
 def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
     """LayerNorm over the last dim. Returns ``(y, mean, rstd)`` (mean, rstd float32,
     shape x.shape[:-1]). weight / bias may have another float dtype than x."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(x, "x")
@@ -156,7 +156,7 @@ def layernorm_bwd(x, weight, dy, mean, rstd, bias=None):
     Returns ``(dx, dweight, dbias)``: dweight None without weight, dbias None without
     ``bias`` (only its dtype is used); dweight / dbias in the weight's / bias's dtype,
     summed in fp32."""
-    from kernels._norm_bwd import run_norm_bwd
+    from ._norm_bwd import run_norm_bwd
 
     def compile_fn(dt, n, has_w, has_b, wdt):
         return compile_layernorm_bwd(dt, n, has_w, has_b, wdt)
@@ -168,7 +168,7 @@ def layernorm_bwd(x, weight, dy, mean, rstd, bias=None):
 def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
     """Differentiable LayerNorm (the ``quack_kernels::layernorm_fwd`` custom op with its
     registered autograd; works under ``torch.compile(fullgraph=True)``); returns y."""
-    from kernels import _ops
+    from . import _ops
 
     return _ops.layernorm(x, weight, bias, eps)
 

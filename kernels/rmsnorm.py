@@ -9,7 +9,7 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
-from kernels._plan import N_MAX, N_MIN, WeightDtype
+from ._plan import N_MAX, N_MIN, WeightDtype
 
 
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
@@ -21,7 +21,7 @@ _TUNE: dict = {}
     "rmsnorm_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
             "has_bias": Bool(), "has_residual": Bool(), "weight_dtype": WeightDtype()},
-    reference="kernels.rmsnorm:_verify_rmsnorm_fwd",
+    reference=f"{__name__}:_verify_rmsnorm_fwd",
 )
 def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = False,
                         has_residual: bool = False, weight_dtype: str = "same"):
@@ -34,8 +34,8 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
+    from . import _rowreduce as rr
+    from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
@@ -175,7 +175,7 @@ def fwd_persist_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight
     32768x65536 2773 us vs 2067 one row per CTA; 4096x262144 1391 vs 1069 (2 CTAs/SM:
     3099 / 1660). Kept as the starting point for a cp.async-pipelined version, which the
     fp32-weight forward at N >= 65536 needs (it re-reads 4-byte weights per row)."""
-    from kernels._plan import WIDTHS, plan_rows, resolve_weight_dtype
+    from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
 
     if not _TUNE.get("persist", False) or not (has_weight or has_bias):
         return None
@@ -193,8 +193,8 @@ def fwd_persist_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight
 def fwd_grid(m: int, dtype: str, n: int, pcfg, device) -> int:
     """CTAs (per cluster rank) of the persistent forward: co-resident clusters (one less
     than SMs x CTAs/SM / cluster for clusters of 4+, as in ``_norm_bwd.bwd_grid``)."""
-    from kernels import _torch as kt
-    from kernels._plan import WIDTHS, plan_rows
+    from . import _torch as kt
+    from ._plan import WIDTHS, plan_rows
 
     if pcfg is None:
         return 1
@@ -211,29 +211,29 @@ def fwd_grid(m: int, dtype: str, n: int, pcfg, device) -> int:
     "rmsnorm_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
             "has_bias": Bool(), "weight_dtype": WeightDtype()},
-    reference="kernels.rmsnorm:_verify_rmsnorm_bwd",
+    reference=f"{__name__}:_verify_rmsnorm_bwd",
 )
 def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = False,
                         weight_dtype: str = "same"):
-    """Compile RMSNorm backward (persistent; ``kernels._norm_bwd``). Runtime signature:
+    """Compile RMSNorm backward (persistent; ``quack_kernels._norm_bwd``). Runtime signature:
     fn(x, w|None, dy, None, rstd, dx, dw_partial|None, db_partial|None, num_blocks) where
     the partials are (num_blocks * rows_per_cta, n) fp32, summed by the caller;
     ``has_bias`` adds db = sum_rows(dy)."""
-    from kernels._norm_bwd import compile_norm_bwd
+    from ._norm_bwd import compile_norm_bwd
 
     return compile_norm_bwd("rms", dtype, n, has_weight, has_bias, weight_dtype, _TUNE)
 
 
 def bwd_smem_stages(plan, width: int) -> int:
-    """Pipeline depth of the shared-memory backward (``kernels._norm_bwd``), with this
+    """Pipeline depth of the shared-memory backward (``quack_kernels._norm_bwd``), with this
     module's ``_TUNE`` knobs."""
-    from kernels._norm_bwd import bwd_smem_stages as stages
+    from ._norm_bwd import bwd_smem_stages as stages
 
     return stages(plan, width, _TUNE)
 
 
 def _bwd_grid(m: int, plan, width: int, device) -> int:
-    from kernels._norm_bwd import bwd_grid
+    from ._norm_bwd import bwd_grid
 
     return bwd_grid(m, plan, width, device, _TUNE)
 
@@ -250,7 +250,7 @@ def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     """RMSNorm over the last dim. Returns ``(y, rstd, residual_out)``: y like x,
     rstd float32 of shape x.shape[:-1], residual_out = x + residual (None without residual).
     weight / bias may have another float dtype than x (e.g. fp32 with bf16 x)."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(x, "x")
@@ -275,7 +275,7 @@ def rmsnorm_bwd(x, weight, dy, rstd, bias=None):
     residual when a residual was added), rstd from the forward. Returns ``(dx, dweight)``,
     or ``(dx, dweight, dbias)`` when ``bias`` is given (only its dtype is used); dweight /
     dbias in the weight's / bias's dtype (None when absent), summed in fp32."""
-    from kernels._norm_bwd import run_norm_bwd
+    from ._norm_bwd import run_norm_bwd
 
     def compile_fn(dt, n, has_w, has_b, wdt):
         return compile_rmsnorm_bwd(dt, n, has_w, has_b, wdt)
@@ -289,7 +289,7 @@ def rmsnorm(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     """Differentiable RMSNorm (the ``quack_kernels::rmsnorm_fwd`` custom op with its
     registered autograd: works under ``torch.compile(fullgraph=True)``). Returns y, or
     ``(y, x + residual)`` when a residual is given."""
-    from kernels import _ops
+    from . import _ops
 
     return _ops.rmsnorm(x, weight, bias, residual, eps)
 

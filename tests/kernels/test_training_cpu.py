@@ -42,14 +42,14 @@ TRAINING_CASES = [
 ]
 
 COMPILE = {
-    "rmsnorm_fwd": ("kernels.rmsnorm", "compile_rmsnorm_fwd"),
-    "rmsnorm_bwd": ("kernels.rmsnorm", "compile_rmsnorm_bwd"),
-    "layernorm_fwd": ("kernels.layernorm", "compile_layernorm_fwd"),
-    "layernorm_bwd": ("kernels.layernorm", "compile_layernorm_bwd"),
-    "softmax_fwd": ("kernels.softmax", "compile_softmax_fwd"),
-    "softmax_bwd": ("kernels.softmax", "compile_softmax_bwd"),
-    "cross_entropy_fwd": ("kernels.cross_entropy", "compile_cross_entropy_fwd"),
-    "cross_entropy_bwd": ("kernels.cross_entropy", "compile_cross_entropy_bwd"),
+    "rmsnorm_fwd": ("quack_kernels.rmsnorm", "compile_rmsnorm_fwd"),
+    "rmsnorm_bwd": ("quack_kernels.rmsnorm", "compile_rmsnorm_bwd"),
+    "layernorm_fwd": ("quack_kernels.layernorm", "compile_layernorm_fwd"),
+    "layernorm_bwd": ("quack_kernels.layernorm", "compile_layernorm_bwd"),
+    "softmax_fwd": ("quack_kernels.softmax", "compile_softmax_fwd"),
+    "softmax_bwd": ("quack_kernels.softmax", "compile_softmax_bwd"),
+    "cross_entropy_fwd": ("quack_kernels.cross_entropy", "compile_cross_entropy_fwd"),
+    "cross_entropy_bwd": ("quack_kernels.cross_entropy", "compile_cross_entropy_bwd"),
 }
 
 
@@ -66,8 +66,8 @@ def test_training_configs_compile_export_load(kernel_cache, kernel, dtype, n, ex
 
 def test_every_n_from_1_to_262144_is_accepted_and_planned():
     from quack import registry
-    from kernels._plan import N_MAX, plan_rows
-    import kernels.cross_entropy, kernels.layernorm, kernels.rmsnorm, kernels.softmax  # noqa: F401
+    from quack_kernels._plan import N_MAX, plan_rows
+    import quack_kernels.cross_entropy, quack_kernels.layernorm, quack_kernels.rmsnorm, quack_kernels.softmax  # noqa: F401
 
     for name in COMPILE:
         spec = registry.get(name)
@@ -90,7 +90,7 @@ def test_every_n_from_1_to_262144_is_accepted_and_planned():
 
 def test_weight_dtype_param_is_canonical_and_in_the_key():
     from quack import registry
-    import kernels.rmsnorm  # noqa: F401
+    import quack_kernels.rmsnorm  # noqa: F401
 
     spec = registry.get("rmsnorm_fwd")
     same = spec.bind((), {"dtype": "bfloat16", "n": 4096})
@@ -105,7 +105,7 @@ def test_weight_dtype_param_is_canonical_and_in_the_key():
 
 def test_cross_entropy_smoothing_param():
     from quack import registry
-    import kernels.cross_entropy  # noqa: F401
+    import quack_kernels.cross_entropy  # noqa: F401
 
     spec = registry.get("cross_entropy_bwd")
     assert spec.bind((), {"dtype": "float16", "n": 7})["smoothing"] == "none"
@@ -123,7 +123,7 @@ TORCH_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torc
 
 
 def _ops():
-    from kernels import _ops
+    from quack_kernels import _ops
 
     return _ops
 
@@ -196,10 +196,10 @@ def test_torch_compile_fullgraph_forward_and_backward_on_meta():
     graph calls the registered backward ops (traced on meta tensors, aot_eager)."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    from kernels.cross_entropy import cross_entropy
-    from kernels.layernorm import layernorm
-    from kernels.rmsnorm import rmsnorm
-    from kernels.softmax import softmax
+    from quack_kernels.cross_entropy import cross_entropy
+    from quack_kernels.layernorm import layernorm
+    from quack_kernels.rmsnorm import rmsnorm
+    from quack_kernels.softmax import softmax
 
     torch._dynamo.reset()
     x = _meta((4, 7, 100), torch.bfloat16, grad=True)
@@ -225,8 +225,8 @@ def test_torch_compile_fullgraph_forward_and_backward_on_meta():
 
 
 def test_cpu_tensor_error_unchanged_through_the_ops():
-    from kernels.rmsnorm import rmsnorm
-    from kernels.cross_entropy import cross_entropy
+    from quack_kernels.rmsnorm import rmsnorm
+    from quack_kernels.cross_entropy import cross_entropy
 
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         rmsnorm(torch.randn(4, 100))

@@ -3,17 +3,24 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from quack import _generation, journal, loader, pool as _pool, registry, settings as _settings
-from quack.errors import CacheError, CompileError, CompilePending, KernelNotPrebuilt
+from quack.runtime import _generation, loader, tiers
+from quack.cache import journal
+from quack.compile import pool as _pool
+from quack import registry, settings as _settings
+from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending, CompileTimeout,
+                          EntryVanished, KernelNotPrebuilt, LockTimeout)
+from quack.manifest_line import manifest_line
 from quack.params import Param
-from quack.store import CacheWarning, DiskStore, LockTimeout, warn_once
+from quack.cache.store import DiskStore, warn_once
 
 _ALL: list["JitKernel"] = []
+log = logging.getLogger("quack.jit")
 
 
 class Loaded:
@@ -83,7 +90,7 @@ class JitKernel:
             return loaded.fn
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
-        from quack import builder
+        from quack.compile import builder
 
         arch = s.arch
         if not s.cache_enabled:
@@ -98,11 +105,22 @@ class JitKernel:
             return self._compile_in_process(params, key, arch)
         if entry is not None:
             try:
-                return self._load(store, entry, params, key, arch, miss=False)
-            except loader.EntryVanished:
+                loaded = self._load(store, entry, params, key, arch, miss=False)
+                log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
+                return loaded
+            except EntryVanished:
                 entry = None  # cleaned between lookup and load: a plain miss
+        # The read-only tiers (quack.runtime.tiers): a hit is published locally, then loaded.
+        entry, tier = tiers.fetch_into(store, ref, tiers.read_tiers(s))
+        if entry is not None:
+            try:
+                return self._load(store, entry, params, key, arch, miss=True)
+            except EntryVanished:
+                log.info("tier %s: %s %s vanished before loading", tier, self.spec.name, key[:16])
         if s.mode == "prebuilt":
-            err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
+            plain = self.spec.plain(params)
+            err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),
+                                    manifest_line(self.spec.name, plain, arch))
             _pool.note_not_prebuilt(err, s)
             raise err
         if not store.writable():
@@ -130,7 +148,7 @@ class JitKernel:
                 return self._compile_in_process(params, key, arch)
         try:
             loaded = self._load(store, entry, params, key, arch, miss=True)
-        except loader.EntryVanished:  # evicted right after its compile: run it uncached
+        except EntryVanished:  # evicted right after its compile: run it uncached
             return self._compile_in_process(params, key, arch)
         loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
@@ -163,7 +181,7 @@ class JitKernel:
                 st, err = pool.wait(key, root=root)
             if st == _pool.FAILED:
                 pool.forget(key, root)  # reported once; a later call may retry
-                if isinstance(err, _pool.CompileTimeout):
+                if isinstance(err, CompileTimeout):
                     warnings.warn(f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this "
                                   f"process", CacheWarning, stacklevel=5)
                     return None
@@ -203,7 +221,7 @@ class JitKernel:
 
     def _compile_in_process(self, params, key, arch) -> Loaded:
         """No usable cache: compile here and keep the JIT function in memory."""
-        from quack import builder
+        from quack.compile import builder
 
         builder.pin_arch(arch)
         t0 = time.perf_counter()
