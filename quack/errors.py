@@ -54,12 +54,14 @@ class UnknownKernel(QuackError, KeyError):
 class KernelNotPrebuilt(QuackError, LookupError):
     """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
 
-    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str):
+    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str,
+                 bundles: tuple[str, ...] = ()):
         self.kernel = kernel
         self.params = dict(params)
         self.arch = arch
         self.key = key
         self.cache_dir = cache_dir
+        self.bundles = tuple(bundles)  # "name version (n entries for this toolchain)" per bundle searched
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -68,11 +70,22 @@ class KernelNotPrebuilt(QuackError, LookupError):
         line = manifest_line(self.kernel, self.params, self.arch)
         return (
             f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
-            f"(key {self.key[:16]}, cache {self.cache_dir}).\n"
+            f"(key {self.key[:16]}, cache {self.cache_dir}; "
+            f"bundles searched: {'; '.join(self.bundles) or 'none installed'}).\n"
             f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
             f"(or unset QUACK_MODE=prebuilt to compile on demand)"
         )
+
+
+class BundleError(QuackError, ValueError):
+    """A deployment bundle (or its wheel) is malformed, damaged, or not signed by a
+    trusted key. ``bundle`` names it, ``path`` the file at fault."""
+
+    def __init__(self, message: str, *, bundle: str = "", path: str = ""):
+        super().__init__(message)
+        self.bundle = bundle
+        self.path = path
 
 
 class CompileError(QuackError, RuntimeError):

@@ -20,10 +20,11 @@ class Loaded:
     """One loaded kernel in this process, with its usage counters."""
 
     __slots__ = ("fn", "module", "key", "params", "arch", "hits", "misses", "compiles",
-                 "load_s", "compile_s", "how")
+                 "load_s", "compile_s", "how", "tier")
 
-    def __init__(self, fn, module, key, params, arch, how):
+    def __init__(self, fn, module, key, params, arch, how, tier="cache"):
         self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
+        self.tier = tier  # where it came from: "cache", "bundle:<name>" or "compile"
         self.hits = self.misses = self.compiles = 0
         self.load_s = self.compile_s = 0.0
 
@@ -83,28 +84,38 @@ class JitKernel:
             return loaded.fn
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
+        """The tiers after memory: local cache -> installed bundles -> compile."""
         from quack import builder
 
         arch = s.arch
-        if not s.cache_enabled:
-            return self._compile_in_process(params, key, arch)
-        store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
         ref = builder.entry_ref(self.spec, params, arch)
-        try:
-            entry = store.lookup(ref)
-        except (CacheError, OSError) as e:
-            warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); compiling {self.spec.name} "
-                          f"in this process without storing it", CacheWarning, stacklevel=4)
-            return self._compile_in_process(params, key, arch)
-        if entry is not None:
+        store = None
+        if s.cache_enabled:
+            store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
             try:
-                return self._load(store, entry, params, key, arch, miss=False)
-            except loader.EntryVanished:
-                entry = None  # cleaned between lookup and load: a plain miss
+                entry = store.lookup(ref)
+            except (CacheError, OSError) as e:
+                warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
+                              f"{self.spec.name} (a compile runs in this process, unstored)",
+                              CacheWarning, stacklevel=4)
+                store, entry = None, None
+            if entry is not None:
+                try:
+                    return self._load(store, entry, params, key, arch, miss=False)
+                except loader.EntryVanished:
+                    entry = None  # cleaned between lookup and load: a plain miss
+        loaded = self._from_bundles(ref, store, params, key, arch, s)
+        if loaded is not None:
+            return loaded
         if s.mode == "prebuilt":
-            err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
+            from quack.bundles import tier as _bundle_tier
+
+            err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir),
+                                    bundles=_bundle_tier.tier().searched(s))
             _pool.note_not_prebuilt(err, s)
             raise err
+        if store is None:  # cache disabled or unusable
+            return self._compile_in_process(params, key, arch)
         if not store.writable():
             # Read-only cache: hits still load from it; misses run uncached, one warning.
             warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
@@ -133,6 +144,7 @@ class JitKernel:
         except loader.EntryVanished:  # evicted right after its compile: run it uncached
             return self._compile_in_process(params, key, arch)
         loaded.compiles = 1
+        loaded.tier = "compile"
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
         return loaded
 
@@ -184,6 +196,25 @@ class JitKernel:
                       f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
         return None
 
+    def _from_bundles(self, ref, store, params, key, arch, s) -> Loaded | None:
+        """An installed bundle's entry (quack.bundles): discovered at the first call that
+        gets here, checksummed, its .so loaded (or linked into the local cache)."""
+        from quack.bundles import tier as _bundle_tier
+
+        found = _bundle_tier.tier().lookup(ref, s)
+        if found is None:
+            return None
+        entry, bundle = found
+        t0 = time.perf_counter()
+        try:
+            fn, module, how = _bundle_tier.load(entry, store)
+        except loader.EntryVanished:  # uninstalled meanwhile: a miss
+            return None
+        loaded = Loaded(fn, module, key, params, arch, how, tier="bundle:" + bundle.name)
+        loaded.load_s = time.perf_counter() - t0
+        loaded.hits = 1
+        return loaded
+
     def _store_failed(self, err, key):
         warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
                       f"compiling it in this process, uncached", CacheWarning, stacklevel=6)
@@ -214,7 +245,7 @@ class JitKernel:
 
             raise CompileError(self.spec.name, self.spec.plain(params), arch,
                                "".join(traceback.format_exception(type(e), e, e.__traceback__))) from None
-        loaded = Loaded(fn, None, key, params, arch, "jit")
+        loaded = Loaded(fn, None, key, params, arch, "jit", tier="compile")
         loaded.misses = loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0
         return loaded
@@ -225,7 +256,7 @@ class JitKernel:
             out.append({"kernel": self.spec.name, "key": ld.key, "arch": ld.arch,
                         "params": self.spec.plain(ld.params), "hits": ld.hits, "misses": ld.misses,
                         "compiles": ld.compiles, "load_s": round(ld.load_s, 6),
-                        "compile_s": round(ld.compile_s, 4), "how": ld.how})
+                        "compile_s": round(ld.compile_s, 4), "how": ld.how, "tier": ld.tier})
         return out
 
 

@@ -71,6 +71,34 @@ class _Child:
         self.err.close()
 
 
+def load_fresh(reqs: list[dict], *, run: bool = False) -> tuple[list[dict], str]:
+    """Load each request's object (``_verify_child``'s request format) in a fresh process,
+    restarted after a crash so the crash is blamed on its entry. Returns (one answer per
+    request, a note when ``run`` was asked for and no GPU is visible)."""
+    answers: list[dict] = []
+    note = ""
+    child = _Child(gpu=run)
+    try:
+        if run:
+            a = child.ask({"op": "gpu"}, timeout=120)
+            if not a or not a.get("gpu"):
+                note = "--run needs a CUDA GPU and none is visible; kernels were not run"
+                run = False
+        for req in reqs:
+            a = child.ask(dict(req, run=run and req.get("run", True)))
+            if a is None:
+                a = {"ok": False, "error": child.death()}
+                child.close()
+                child = _Child(gpu=run)
+            elif child.p.poll() is not None:
+                child.close()
+                child = _Child(gpu=run)
+            answers.append(a)
+    finally:
+        child.close()
+    return answers, note
+
+
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
     """Presence, checksum and arch of one configuration, without touching the cache."""
     ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
