@@ -270,6 +270,16 @@ def jit_cache(name: str, params: dict[str, Param], *, version: int = 0,
     return deco
 
 
+def kernel(name: str) -> JitKernel:
+    """The ``@jit_cache``d kernel registered as ``name`` (its module must be imported)."""
+    for k in _ALL:
+        if k.spec.name == name:
+            return k
+    from quack.errors import UnknownKernel
+
+    raise UnknownKernel(name, tuple(sorted(registry.all_specs())))
+
+
 def cache_stats() -> dict[str, Any]:
     """This process's counters, summed over kernels."""
     tot = {"hits": 0, "misses": 0, "compiles": 0, "load_s": 0.0, "compile_s": 0.0}
