@@ -72,7 +72,12 @@ def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_jso
             raise _Fail("error: --sign needs a signing key: --signing-key FILE, QUACK_SIGNING_KEY or "
                         "[remote] signing_key in quack.toml (create one with `quack keygen NAME`)")
     t0 = time.time()
-    rc = build(manifests, jobs, arch, False, False, False, as_json, None, cache_dir, max_configs, False)
+    import contextlib
+    import sys
+
+    # With --json, stdout carries only the bundle's result: the build step reports on stderr.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        rc = build(manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False)
     if rc:
         raise _Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
     build_s = time.time() - t0
