@@ -113,11 +113,19 @@ def _init_py(name: str, version: str) -> str:
             f'INDEX = Path(__file__).with_name("{_index.INDEX_NAME}")\n')
 
 
+def _wheelfile():
+    try:
+        from wheel.wheelfile import WheelError, WheelFile
+    except ImportError:
+        raise BundleError("quack bundle needs the 'wheel' package: pip install 'quack-cache[bundle]'") from None
+    return WheelFile, WheelError
+
+
 def write_wheel(files: list[BundleFile], *, name: str, version: str, out_dir: Path,
                 signing_key=None, created: float | None = None) -> tuple[Path, Index]:
     """Write ``out_dir/<name>-<version>-py3-none-<platform>.whl`` atomically (a temp
     directory beside it, then a rename). ``signing_key``: a quack.signing.SigningKey."""
-    from wheel.wheelfile import WheelFile
+    WheelFile, _ = _wheelfile()
 
     _index.check_name(name)
     version = check_version(version)
@@ -162,7 +170,7 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
     hashes (WheelFile verifies each member as it is read), the index, each entry's
     files against the index, the signature (verified when ``trusted`` keys are given).
     Raises BundleError when it is not a readable bundle wheel at all."""
-    from wheel.wheelfile import WheelError, WheelFile
+    WheelFile, WheelError = _wheelfile()
 
     try:
         wf = WheelFile(path, "r")

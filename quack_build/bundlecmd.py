@@ -84,10 +84,17 @@ def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_jso
     s = _settings(cache_dir, jobs)
     _load_kernels(s)
     exp = expand(s, manifests, arch, max_configs)
+    from quack.errors import BundleError
+
     files, problems = bw.collect(exp.configs, store_of(s))
     if problems:
         raise _Fail("error: " + "\n".join(problems) + "\nno bundle written")
-    path, idx = bw.write_wheel(files, name=name, version=version, out_dir=out, signing_key=key)
+    try:
+        path, idx = bw.write_wheel(files, name=name, version=version, out_dir=out, signing_key=key)
+    except BundleError as e:
+        raise _Fail(f"error: {e}") from None
+    except OSError as e:
+        raise _Fail(f"error: cannot write the wheel into {out}: {e.strerror or e}") from None
     res = {"wheel": str(path), "name": name, "version": idx.version, "entries": len(idx.entries),
            "with_so": sum(1 for f in files if f.so is not None), "bytes": idx.bytes,
            "wheel_bytes": path.stat().st_size, "stamps": idx.stamps, "signed_by": key.name if key else "",

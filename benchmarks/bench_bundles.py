@@ -1,0 +1,158 @@
+"""Deployment bundle figures (issue 13).
+
+    QUACK_CACHE_DIR=... python benchmarks/bench_bundles.py [--repeat 7] [--out DIR]
+
+Uses the project's cache (settings; what is missing is built by `quack bundle`) and
+prints JSON:
+  - bundle size and `quack bundle` wall time for manifests/default.toml and for
+    default + tests (a warm cache: the packaging cost; the compile cost is `quack build`'s)
+  - fresh interpreter -> first kernel loaded (rmsnorm_fwd bf16 4096): from an installed
+    bundle with an empty cache vs from the local cache without any bundle, in two fresh
+    virtual environments set up alike (median of --repeat, alternating)
+  - a process that never uses quack kernels (imports quack and the kernels package): how
+    often bundle discovery runs (entry_points calls) and its import time with and without
+    a bundle installed; and the cost of discovery itself, paid once at the first lookup
+    that reaches the bundle tier
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_FIRST = r"""
+import time
+t0 = time.perf_counter()
+import sys
+from quack import jit, registry
+import kernels.rmsnorm
+fn = jit.kernel("rmsnorm_fwd")("bfloat16", 4096, True, False, False)
+t1 = time.perf_counter()
+u = jit.kernel("rmsnorm_fwd").usage()[0]
+import json
+print(json.dumps({"first_kernel_s": t1 - t0, "tier": u["tier"], "how": u["how"], "compiles": u["compiles"],
+                  "cutlass": "cutlass" in sys.modules}))
+"""
+
+_IDLE = r"""
+import time
+t0 = time.perf_counter()
+import importlib.metadata as md
+calls = []
+real = md.entry_points
+def counting(*a, **k):
+    if k.get("group") == "quack.bundles":
+        calls.append(1)
+    return real(*a, **k)
+md.entry_points = counting
+import quack, quack.jit, kernels.rmsnorm, kernels.softmax
+from quack import settings
+settings.get()
+t1 = time.perf_counter()
+from quack.bundles import tier
+t2 = time.perf_counter()
+bs = tier.discover(settings.get())
+t3 = time.perf_counter()
+import json
+print(json.dumps({"import_s": t1 - t0, "discovery_calls_before_any_lookup": len(calls),
+                  "discover_s": t3 - t2, "bundles": len(bs)}))
+"""
+
+
+def cli(*args, env=None):
+    t0 = time.perf_counter()
+    r = subprocess.run([sys.executable, "-m", "quack_build", *map(str, args)], capture_output=True, text=True,
+                       cwd=ROOT, env=env or os.environ.copy(), timeout=3600)
+    if r.returncode != 0:
+        sys.exit(f"quack {' '.join(map(str, args))} failed:\n{r.stderr[-3000:]}")
+    return r, time.perf_counter() - t0
+
+
+def fresh_venv(d: Path) -> Path:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(d)], check=True, timeout=600)
+    py = d / "bin" / "python"
+    site_dir = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                              capture_output=True, text=True, check=True, timeout=600).stdout.strip()
+    Path(site_dir, "_parent.pth").write_text(
+        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    return py
+
+
+def run_json(py: Path, code: str, env: dict) -> dict:
+    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=env, cwd="/", timeout=600)
+    if r.returncode != 0:
+        sys.exit(r.stderr[-3000:])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--out", type=Path, default=None)
+    a = ap.parse_args()
+    from quack import settings
+
+    cache = settings.resolve(cwd=ROOT).cache_dir
+    work = Path(a.out or tempfile.mkdtemp(prefix="quack-bench-bundles-"))
+    work.mkdir(parents=True, exist_ok=True)
+    res: dict = {"cache": str(cache)}
+    for label, mans in (("default", ["manifests/default.toml"]),
+                        ("default+tests", ["manifests/default.toml", "manifests/tests.toml"])):
+        r, wall = cli("bundle", *mans, "--name", f"bench-{label.replace('+', '-')}", "-o", work / "dist",
+                      "--cache-dir", cache, "--json")
+        info = json.loads(r.stdout)
+        res[f"bundle_{label}"] = {"entries": info["entries"], "objects_bytes": info["bytes"],
+                                  "wheel_bytes": info["wheel_bytes"], "quack_bundle_wall_s": round(wall, 2),
+                                  "build_step_s": info["build_s"]}
+    wheel = next((work / "dist").glob("bench_default-*.whl"))
+    with_b = fresh_venv(work / "with-bundle")
+    subprocess.run([sys.executable, "-m", "pip", "--python", str(with_b), "install", "-q", "--no-deps",
+                    "--no-index", str(wheel)], check=True, timeout=600)
+    without = fresh_venv(work / "no-bundle")
+    base = dict(os.environ, QUACK_MODE="prebuilt", QUACK_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
+    runs: dict = {"bundle": [], "local": []}
+    for i in range(a.repeat):
+        empty = work / f"empty-{i}"
+        empty.mkdir(mode=0o700)
+        b = run_json(with_b, _FIRST, dict(base, QUACK_CACHE_DIR=str(empty)))
+        assert b["tier"].startswith("bundle:") and not b["compiles"] and not b["cutlass"], b
+        runs["bundle"].append(b["first_kernel_s"])
+        shutil.rmtree(empty)
+        loc = run_json(without, _FIRST, dict(base, QUACK_CACHE_DIR=str(cache)))
+        assert loc["tier"] == "cache" and not loc["compiles"], loc
+        runs["local"].append(loc["first_kernel_s"])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    res["first_kernel_fresh_interpreter_ms"] = {
+        "bundle_median": round(med["bundle"] * 1e3, 1), "local_cache_median": round(med["local"] * 1e3, 1),
+        "difference": round((med["bundle"] - med["local"]) * 1e3, 1), "repeat": a.repeat,
+        "bundle_all": [round(x * 1e3, 1) for x in runs["bundle"]],
+        "local_all": [round(x * 1e3, 1) for x in runs["local"]]}
+    idle = {"with": [], "without": []}
+    for _ in range(a.repeat):
+        idle["with"].append(run_json(with_b, _IDLE, dict(base, QUACK_CACHE_DIR=str(cache))))
+        idle["without"].append(run_json(without, _IDLE, dict(base, QUACK_CACHE_DIR=str(cache))))
+    res["process_without_kernels"] = {
+        "discovery_calls": sorted({x["discovery_calls_before_any_lookup"] for v in idle.values() for x in v}),
+        "import_ms_with_bundle": round(statistics.median(x["import_s"] for x in idle["with"]) * 1e3, 1),
+        "import_ms_without_bundle": round(statistics.median(x["import_s"] for x in idle["without"]) * 1e3, 1),
+        "discovery_ms_at_first_bundle_lookup": round(
+            statistics.median(x["discover_s"] for x in idle["with"]) * 1e3, 2),
+        "discovery_ms_no_bundle_installed": round(
+            statistics.median(x["discover_s"] for x in idle["without"]) * 1e3, 2)}
+    print(json.dumps(res, indent=1))
+    if a.out is None:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
