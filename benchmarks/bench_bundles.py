@@ -40,9 +40,19 @@ fn = jit.kernel("rmsnorm_fwd")("bfloat16", 4096, True, False, False)
 t1 = time.perf_counter()
 u = jit.kernel("rmsnorm_fwd").usage()[0]
 import json
-print(json.dumps({"first_kernel_s": t1 - t0, "tier": u["tier"], "how": u["how"], "compiles": u["compiles"],
+print(json.dumps({"first_kernel_s": t1 - t0, "load_s": u["load_s"], "tier": u["tier"], "how": u["how"], "compiles": u["compiles"],
                   "cutlass": "cutlass" in sys.modules}))
 """
+
+# The same, with the libraries every loaded kernel needs (tvm_ffi, cutlass-dsl's runtime
+# .so) already loaded: what is left is the tier's own cost (lookup, checksum, dlopen).
+_FIRST_WARM = r"""
+import ctypes, os, sys, time
+import tvm_ffi
+from quack import loader
+d = loader.runtime_libdirs()
+ctypes.CDLL(os.path.join(d[0], "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+""" + _FIRST
 
 _IDLE = r"""
 import time
@@ -59,12 +69,13 @@ import quack, quack.jit, kernels.rmsnorm, kernels.softmax
 from quack import settings
 settings.get()
 t1 = time.perf_counter()
+n_calls = len(calls)
 from quack.bundles import tier
 t2 = time.perf_counter()
 bs = tier.discover(settings.get())
 t3 = time.perf_counter()
 import json
-print(json.dumps({"import_s": t1 - t0, "discovery_calls_before_any_lookup": len(calls),
+print(json.dumps({"import_s": t1 - t0, "discovery_calls_before_any_lookup": n_calls,
                   "discover_s": t3 - t2, "bundles": len(bs)}))
 """
 
@@ -121,20 +132,35 @@ def main() -> None:
     without = fresh_venv(work / "no-bundle")
     base = dict(os.environ, QUACK_MODE="prebuilt", QUACK_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
     runs: dict = {"bundle": [], "local": []}
+    loads: dict = {"bundle": [], "local": []}
+    warm: dict = {"bundle": [], "local": []}
     for i in range(a.repeat):
         empty = work / f"empty-{i}"
         empty.mkdir(mode=0o700)
         b = run_json(with_b, _FIRST, dict(base, QUACK_CACHE_DIR=str(empty)))
         assert b["tier"].startswith("bundle:") and not b["compiles"] and not b["cutlass"], b
         runs["bundle"].append(b["first_kernel_s"])
+        loads["bundle"].append(b["load_s"])
         shutil.rmtree(empty)
         loc = run_json(without, _FIRST, dict(base, QUACK_CACHE_DIR=str(cache)))
         assert loc["tier"] == "cache" and not loc["compiles"], loc
         runs["local"].append(loc["first_kernel_s"])
+        loads["local"].append(loc["load_s"])
+        empty.mkdir(mode=0o700)
+        warm["bundle"].append(run_json(with_b, _FIRST_WARM, dict(base, QUACK_CACHE_DIR=str(empty)))["first_kernel_s"])
+        shutil.rmtree(empty)
+        warm["local"].append(run_json(without, _FIRST_WARM, dict(base, QUACK_CACHE_DIR=str(cache)))["first_kernel_s"])
     med = {k: statistics.median(v) for k, v in runs.items()}
     res["first_kernel_fresh_interpreter_ms"] = {
         "bundle_median": round(med["bundle"] * 1e3, 1), "local_cache_median": round(med["local"] * 1e3, 1),
         "difference": round((med["bundle"] - med["local"]) * 1e3, 1), "repeat": a.repeat,
+        "paired_difference_median": round(statistics.median(
+            b - lo for b, lo in zip(runs["bundle"], runs["local"])) * 1e3, 1),
+        "bundle_min": round(min(runs["bundle"]) * 1e3, 1), "local_cache_min": round(min(runs["local"]) * 1e3, 1),
+        "runtime_preloaded_bundle_median": round(statistics.median(warm["bundle"]) * 1e3, 2),
+        "runtime_preloaded_local_median": round(statistics.median(warm["local"]) * 1e3, 2),
+        "tier_load_ms_bundle_median": round(statistics.median(loads["bundle"]) * 1e3, 2),
+        "tier_load_ms_local_median": round(statistics.median(loads["local"]) * 1e3, 2),
         "bundle_all": [round(x * 1e3, 1) for x in runs["bundle"]],
         "local_all": [round(x * 1e3, 1) for x in runs["local"]]}
     idle = {"with": [], "without": []}

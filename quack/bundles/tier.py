@@ -33,7 +33,7 @@ class Bundle:
     """One installed bundle, as discovery found it."""
 
     name: str                     # the entry point's name (= the bundle name)
-    dist: str                     # distribution name
+    dist: str                     # distribution name (quack bundle makes it the bundle name)
     version: str
     path: Path | None             # the package directory
     index: Index | None = None
@@ -78,6 +78,7 @@ def open_bundle(name: str, dist: str, version: str, path: Path | None, trusted, 
     except BundleError as e:
         b.problem = f"{path / _index.INDEX_NAME} is malformed: {e}"
         return b
+    b.version = b.index.version
     if b.index.name != name:
         b.problem = f"its index names bundle {b.index.name!r}, its entry point {name!r}"
         return b
@@ -110,19 +111,19 @@ def discover(settings) -> list[Bundle]:
     out: list[Bundle] = []
     seen = set()
     for ep in entry_points(group=_index.ENTRY_POINT_GROUP):
+        # Name and version come from the bundle's own index, not the distribution's
+        # METADATA: parsing that imports the email package (~10 ms) for nothing.
         dist = getattr(ep, "dist", None)
-        dname = dist.metadata["Name"] if dist is not None else "?"
-        version = dist.version if dist is not None else "?"
-        if (ep.name, dname) in seen:
-            continue
-        seen.add((ep.name, dname))
         path = None
         if dist is not None:
             try:
                 path = Path(dist.locate_file(ep.module))
             except Exception:  # noqa: BLE001 - a distribution we can't locate files of
                 path = None
-        out.append(open_bundle(ep.name, dname, version, path, trusted, trust_problem=trust_problem))
+        if (ep.name, path) in seen:
+            continue  # the same distribution reached twice through sys.path
+        seen.add((ep.name, path))
+        out.append(open_bundle(ep.name, ep.name, "?", path, trusted, trust_problem=trust_problem))
     out.sort(key=lambda b: (b.name, b.version))
     for b in out:
         if b.problem:
