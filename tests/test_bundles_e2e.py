@@ -231,6 +231,11 @@ def test_two_bundles_with_the_same_keys_both_checked(default_wheel, tmp_path):
     res = json.loads(r.stdout)
     assert sorted(b["name"] for b in res["bundles"]) == ["e2e-default", "e2e-extra"]
     assert len(res["entries"]) == 53 and all(e.get("loaded") == "so" for e in res["entries"])
+    r = quack_cli("cache", "stats", python=py, env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache"),
+                                                        COLUMNS="200"))
+    assert r.returncode == 0 and "installed bundles" in r.stdout, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if "e2e-" in ln]
+    assert len(lines) == 2 and all("current" in ln for ln in lines), r.stdout
 
 
 def test_other_toolchain_bundle_ignored_and_reported(tmp_path):
@@ -312,29 +317,40 @@ def test_signed_bundle_trusted_and_refused(tmp_path):
     assert r.returncode == 0 and json.loads(r.stdout)["signer"] == "ci-1"
 
 
-@pytest.mark.skipif(not loader.can_link(), reason="needs a C compiler and cutlass-dsl's runtime libraries")
-def test_bundle_without_so_links_into_the_local_cache_or_a_private_dir(tmp_path):
+needs_link = pytest.mark.skipif(not loader.can_link(), reason="needs a C compiler and cutlass-dsl's runtime libraries")
+
+
+@pytest.fixture(scope="module")
+def noso(tmp_path_factory):
+    """A bundle of two default configurations as built on a machine without a C
+    compiler (objects only), installed into a fresh venv: (python, configs, files)."""
     from quack import registry
     from quack.store import DiskStore
     from quack_build import bundle as bw
     from quack_build.manifest import expand
 
+    tmp = tmp_path_factory.mktemp("noso")
     registry.load_packages(["kernels"])
     cfgs = expand([DEFAULT], archs=("sm_90a",)).configs[:2]
     files, problems = bw.collect(cfgs, DiskStore(project_cache()))
     assert not problems
-    for f in files:  # as built on a machine without a C compiler
+    for f in files:
         f.so = None
         f.entry = dataclasses.replace(f.entry, so_sha256=None, so_size=None)
-    whl, _ = bw.write_wheel(files, name="e2e-noso", version="1", out_dir=tmp_path / "dist")
-    py = fresh_venv(tmp_path / "v")
+    whl, _ = bw.write_wheel(files, name="e2e-noso", version="1", out_dir=tmp / "dist")
+    py = fresh_venv(tmp / "v")
     pip(py, "install", "--no-deps", "--no-index", whl)
-    c = [{"kernel": x.kernel, "params": x.plain_params, "key": x.key} for x in cfgs]
+    return py, [{"kernel": x.kernel, "params": x.plain_params, "key": x.key} for x in cfgs], files
+
+
+@needs_link
+def test_bundle_without_so_links_into_the_local_cache_or_a_private_dir(noso, tmp_path):
+    py, c, files = noso
     cache = empty_cache(tmp_path)
     out = load_all(py, tmp_path, c, QUACK_CACHE_DIR=cache)
     assert_all_from_bundle(out, 2, "e2e-noso")
     sos = sorted(cache.rglob("*.so"))
-    assert [p.stem for p in sos] == sorted(x.key for x in cfgs) and not list(cache.rglob("*.o"))
+    assert sorted(p.stem for p in sos) == sorted(x["key"] for x in c) and not list(cache.rglob("*.o"))
     inodes = [p.stat().st_ino for p in sos]
     out = load_all(py, tmp_path, c, QUACK_CACHE_DIR=cache)  # reuses the derived .so, no relink
     assert_all_from_bundle(out, 2, "e2e-noso")
@@ -343,8 +359,16 @@ def test_bundle_without_so_links_into_the_local_cache_or_a_private_dir(tmp_path)
     out = load_all(py, tmp_path, c, QUACK_CACHE_DIR=off, QUACK_CACHE_ENABLED="0")
     assert_all_from_bundle(out, 2, "e2e-noso")
     assert not off.exists()
-    digest = hashlib.sha256(files[0].obj).hexdigest()
-    assert json.loads(next(cache.rglob(f"{cfgs[0].key}.so.json")).read_text())["o_sha256"] == digest
+    side = json.loads(next(cache.rglob(f"{files[0].entry.key}.so.json")).read_text())
+    assert side["o_sha256"] == hashlib.sha256(files[0].obj).hexdigest()
+
+
+@needs_link
+def test_bundle_without_so_read_only_cache_links_privately(noso, tmp_path, read_only_empty_cache):
+    py, c, _ = noso
+    out = load_all(py, tmp_path, c, QUACK_CACHE_DIR=read_only_empty_cache)
+    assert_all_from_bundle(out, 2, "e2e-noso")
+    assert list(read_only_empty_cache.iterdir()) == []
 
 
 def test_bundle_cli_usage_errors(tmp_path):
