@@ -34,8 +34,9 @@ _FIRST = r"""
 import time
 t0 = time.perf_counter()
 import sys
-from quack import jit, registry
-import kernels.rmsnorm
+from quack import registry
+from quack.runtime import jit
+import quack_kernels.rmsnorm
 fn = jit.kernel("rmsnorm_fwd")("bfloat16", 4096, True, False, False)
 t1 = time.perf_counter()
 u = jit.kernel("rmsnorm_fwd").usage()[0]
@@ -49,7 +50,7 @@ print(json.dumps({"first_kernel_s": t1 - t0, "load_s": u["load_s"], "tier": u["t
 _FIRST_WARM = r"""
 import ctypes, os, sys, time
 import tvm_ffi
-from quack import loader
+from quack.runtime import loader
 d = loader.runtime_libdirs()
 ctypes.CDLL(os.path.join(d[0], "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
 """ + _FIRST
@@ -65,7 +66,7 @@ def counting(*a, **k):
         calls.append(1)
     return real(*a, **k)
 md.entry_points = counting
-import quack, quack.jit, kernels.rmsnorm, kernels.softmax
+import quack, quack.runtime.jit, quack_kernels.rmsnorm, quack_kernels.softmax
 from quack import settings
 settings.get()
 t1 = time.perf_counter()

@@ -125,7 +125,7 @@ class Settings:
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
-    kernel_packages: tuple[str, ...] = ("kernels",)
+    kernel_packages: tuple[str, ...] = ("quack_kernels",)
     signing_key: str | None = None
     trusted_keys: tuple[str, ...] = ()
     config_file: Path | None = None
@@ -273,6 +273,6 @@ def set_current(s: Settings | None) -> None:
     None forgets them, so the next ``get`` resolves again."""
     global _current
     _current = s
-    from quack import _generation
+    from quack.runtime import _generation
 
     _generation.bump()

@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 from quack import __version__ as QUACK_VERSION
-from quack import fsutil, keys, loader
+from quack.cache import fsutil, keys
+from quack.runtime import loader
 from quack.bundles import index as _index
 from quack.bundles.index import Index, IndexEntry
-from quack.errors import BundleError
+from quack.errors import BundleError, LinkError
 
 GENERATOR = f"quack-cache {QUACK_VERSION}"
 
@@ -58,7 +59,7 @@ def collect(configs, store) -> tuple[list[BundleFile], list[str]]:
     """The store's verified entries for ``configs`` (BuildConfig), each with a .so (the
     store's, or linked now when it has none and a C compiler is here). Returns
     (files, problems); a configuration missing from the store is a problem."""
-    from quack import builder
+    from quack.compile import builder
 
     files: list[BundleFile] = []
     problems: list[str] = []
@@ -92,7 +93,7 @@ def _link(obj: Path) -> bytes | None:
         out = Path(d) / "k.so"
         try:
             loader.link(obj, out)
-        except (loader.LinkError, OSError):
+        except (LinkError, OSError):
             return None
         return out.read_bytes()
 

@@ -102,7 +102,7 @@ def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_jso
     if as_json:
         _emit_json(res)
     else:
-        from quack.inventory import human_bytes
+        from quack_build.inventory import human_bytes
 
         _console().print(f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
                          f"{human_bytes(res['wheel_bytes'])}, {', '.join(res['stamps'])}"
@@ -130,7 +130,7 @@ def _inspect(wheel: Path, as_json: bool) -> int:
         return 0 if info["ok"] else 1
     from rich.table import Table
 
-    from quack.inventory import human_bytes
+    from quack_build.inventory import human_bytes
     from quack_build.manifest import format_params
 
     con = _console()
@@ -161,9 +161,10 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
     load in a fresh process. A bundle none of whose entries this toolchain can use is a
     problem; entries for other toolchains in a bundle that has some for this one are
     listed, not counted as problems."""
-    from quack import fsutil, keys, registry
+    from quack import registry
+    from quack.cache import fsutil, keys
     from quack.bundles import tier as bt
-    from quack.cubin import arch_matches, gpu_codes
+    from quack_build.cubin import arch_matches, gpu_codes
     from quack_build import verify as v
 
     t0 = time.time()

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from quack import loader, settings
+from quack import settings
+from quack.runtime import loader
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT = ROOT / "manifests" / "default.toml"
@@ -38,7 +39,7 @@ def default_configs() -> list[dict]:
     from quack import registry
     from quack_build.manifest import expand
 
-    registry.load_packages(["kernels"])
+    registry.load_packages(["quack_kernels"])
     exp = expand([DEFAULT], archs=("sm_90a",))
     return [{"kernel": c.kernel, "params": c.plain_params, "key": c.key} for c in exp.configs]
 
@@ -78,9 +79,10 @@ _LOAD = r"""
 import json, sys, warnings
 warnings.simplefilter("always")
 import quack
-from quack import jit, registry
-from quack.store import CacheWarning
-registry.load_packages(["kernels"])
+from quack import registry
+from quack.runtime import jit
+from quack.errors import CacheWarning
+registry.load_packages(["quack_kernels"])
 cfgs = json.load(open(sys.argv[1]))
 out = {"loaded": [], "missing": [], "message": "", "warnings": []}
 with warnings.catch_warnings(record=True) as w:
@@ -240,11 +242,11 @@ def test_two_bundles_with_the_same_keys_both_checked(default_wheel, tmp_path):
 
 def test_other_toolchain_bundle_ignored_and_reported(tmp_path):
     from quack import registry
-    from quack.store import DiskStore
+    from quack.cache.store import DiskStore
     from quack_build import bundle as bw
     from quack_build.manifest import expand
 
-    registry.load_packages(["kernels"])
+    registry.load_packages(["quack_kernels"])
     cfgs = expand([DEFAULT], archs=("sm_90a",)).configs[:2]
     files, problems = bw.collect(cfgs, DiskStore(project_cache()))
     assert not problems, problems
@@ -301,7 +303,7 @@ def test_signed_bundle_trusted_and_refused(tmp_path):
     from quack import registry
     from quack_build.manifest import expand
 
-    registry.load_packages(["kernels"])
+    registry.load_packages(["quack_kernels"])
     cfgs = [{"kernel": c.kernel, "params": c.plain_params, "key": c.key} for c in expand([man], archs=("sm_90a",)).configs]
     good = load_all(py, tmp_path, cfgs, QUACK_CACHE_DIR=empty_cache(tmp_path), QUACK_TRUSTED_KEYS=keys / "ci-1.pub")
     assert_all_from_bundle(good, 1, "e2e-signed")
@@ -325,12 +327,12 @@ def noso(tmp_path_factory):
     """A bundle of two default configurations as built on a machine without a C
     compiler (objects only), installed into a fresh venv: (python, configs, files)."""
     from quack import registry
-    from quack.store import DiskStore
+    from quack.cache.store import DiskStore
     from quack_build import bundle as bw
     from quack_build.manifest import expand
 
     tmp = tmp_path_factory.mktemp("noso")
-    registry.load_packages(["kernels"])
+    registry.load_packages(["quack_kernels"])
     cfgs = expand([DEFAULT], archs=("sm_90a",)).configs[:2]
     files, problems = bw.collect(cfgs, DiskStore(project_cache()))
     assert not problems

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 import toykernels
-from quack import builder, settings
+from quack import settings
+from quack.compile import builder
 from quack.bundles import index as bindex
 from quack.bundles import tier as bt
 from quack.errors import BundleError, KernelNotPrebuilt
-from quack.store import CacheWarning
+from quack.errors import CacheWarning
 from quack_build import bundle as bw
 
 PARAMS = {"dtype": "float32", "block": 128, "bias": False}
@@ -220,7 +221,7 @@ def counting(*a, **k):
         calls.append(1)
     return real(*a, **k)
 md.entry_points = counting
-import quack, quack.jit, toykernels
+import quack, quack.runtime.jit, toykernels
 from quack import settings
 settings.get()
 before = len(calls)

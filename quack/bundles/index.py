@@ -25,7 +25,7 @@ import dataclasses
 import json
 import re
 
-from quack import keys
+from quack.cache import keys
 from quack.errors import BundleError, ParamError
 
 INDEX_NAME = "index.json"
@@ -133,7 +133,7 @@ def _entry(i: int, raw) -> IndexEntry:
     key, kernel, arch, srcfp = field("key", str), field("kernel", str), field("arch", str), field("srcfp", str)
     stamp = field("stamp", str)
     try:
-        from quack.store import EntryRef
+        from quack.cache.store import EntryRef
 
         EntryRef(kernel, key, arch, srcfp)  # the store's path rules: no '..', '/', NUL
     except ParamError as e:

@@ -19,11 +19,11 @@ import logging
 import threading
 from pathlib import Path
 
-from quack import fsutil, keys
+from quack.cache import fsutil, keys
 from quack.bundles import index as _index
 from quack.bundles.index import Index, IndexEntry
 from quack.errors import BundleError, KeyFileError
-from quack.store import Entry, EntryRef, warn_once
+from quack.cache.store import Entry, EntryRef, warn_once
 
 log = logging.getLogger("quack")
 
@@ -185,7 +185,7 @@ def load(entry: Entry, store=None):
     against the index), else a .so derived from its verified .o, kept in the local
     cache beside where the entry would live (or in a private temp dir when the cache
     is read-only or disabled: ``store`` None). Raises loader.EntryVanished."""
-    from quack import loader
+    from quack.runtime import loader
 
     if entry.so_path is not None:
         try:

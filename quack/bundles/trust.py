@@ -11,7 +11,7 @@ import binascii
 import json
 from pathlib import Path
 
-from quack import fsutil
+from quack.cache import fsutil
 from quack.errors import BundleError, KeyFileError, SignatureError
 
 SIG_FORMAT = 1

@@ -8,10 +8,15 @@ import time
 import warnings
 from typing import Any, Callable
 
-from quack import _generation, journal, loader, pool as _pool, registry, settings as _settings
-from quack.errors import CacheError, CompileError, CompilePending, KernelNotPrebuilt
+from quack.runtime import _generation, loader
+from quack.cache import journal
+from quack.compile import pool as _pool
+from quack import registry, settings as _settings
+from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending, CompileTimeout,
+                          EntryVanished, KernelNotPrebuilt, LockTimeout)
+from quack.manifest_line import manifest_line
 from quack.params import Param
-from quack.store import CacheWarning, DiskStore, LockTimeout, warn_once
+from quack.cache.store import DiskStore, warn_once
 
 _ALL: list["JitKernel"] = []
 
@@ -85,7 +90,7 @@ class JitKernel:
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
         """The tiers after memory: local cache -> installed bundles -> compile."""
-        from quack import builder
+        from quack.compile import builder
 
         arch = s.arch
         ref = builder.entry_ref(self.spec, params, arch)
@@ -102,7 +107,7 @@ class JitKernel:
             if entry is not None:
                 try:
                     return self._load(store, entry, params, key, arch, miss=False)
-                except loader.EntryVanished:
+                except EntryVanished:
                     entry = None  # cleaned between lookup and load: a plain miss
         loaded = self._from_bundles(ref, store, params, key, arch, s)
         if loaded is not None:
@@ -110,7 +115,9 @@ class JitKernel:
         if s.mode == "prebuilt":
             from quack.bundles import tier as _bundle_tier
 
-            err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir),
+            plain = self.spec.plain(params)
+            err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),
+                                    manifest_line(self.spec.name, plain, arch),
                                     bundles=_bundle_tier.tier().searched(s))
             _pool.note_not_prebuilt(err, s)
             raise err
@@ -141,7 +148,7 @@ class JitKernel:
                 return self._compile_in_process(params, key, arch)
         try:
             loaded = self._load(store, entry, params, key, arch, miss=True)
-        except loader.EntryVanished:  # evicted right after its compile: run it uncached
+        except EntryVanished:  # evicted right after its compile: run it uncached
             return self._compile_in_process(params, key, arch)
         loaded.compiles = 1
         loaded.tier = "compile"
@@ -175,7 +182,7 @@ class JitKernel:
                 st, err = pool.wait(key, root=root)
             if st == _pool.FAILED:
                 pool.forget(key, root)  # reported once; a later call may retry
-                if isinstance(err, _pool.CompileTimeout):
+                if isinstance(err, CompileTimeout):
                     warnings.warn(f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this "
                                   f"process", CacheWarning, stacklevel=5)
                     return None
@@ -208,7 +215,7 @@ class JitKernel:
         t0 = time.perf_counter()
         try:
             fn, module, how = _bundle_tier.load(entry, store)
-        except loader.EntryVanished:  # uninstalled meanwhile: a miss
+        except EntryVanished:  # uninstalled meanwhile: a miss
             return None
         loaded = Loaded(fn, module, key, params, arch, how, tier="bundle:" + bundle.name)
         loaded.load_s = time.perf_counter() - t0
@@ -234,7 +241,7 @@ class JitKernel:
 
     def _compile_in_process(self, params, key, arch) -> Loaded:
         """No usable cache: compile here and keep the JIT function in memory."""
-        from quack import builder
+        from quack.compile import builder
 
         builder.pin_arch(arch)
         t0 = time.perf_counter()
