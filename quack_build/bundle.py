@@ -131,7 +131,12 @@ def write_wheel(files: list[BundleFile], *, name: str, version: str, out_dir: Pa
     _index.check_name(name)
     version = check_version(version)
     pkg = _index.package_name(name)
-    idx = Index(name, version, time.time() if created is None else created, QUACK_VERSION,
+    if created is None:
+        # SOURCE_DATE_EPOCH (reproducible builds): WheelFile dates the members by it too,
+        # so the same entries give a byte-identical wheel.
+        sde = os.environ.get("SOURCE_DATE_EPOCH", "")
+        created = float(sde) if sde.isdigit() else time.time()
+    idx = Index(name, version, created, QUACK_VERSION,
                 tuple(f.entry for f in files))
     index_bytes = idx.to_bytes()
     out_dir = Path(out_dir)

@@ -249,3 +249,19 @@ def test_discovery_is_lazy_and_once_per_process(tmp_path):
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"before": 0, "miss1": 1, "miss2": 1, "cutlass": False}, out
+
+
+def test_wheel_is_reproducible_with_source_date_epoch(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOURCE_DATE_EPOCH", "1764547200")
+    files = [bfile(ref_for()), bfile(ref_for(dict(PARAMS, block=64)), so=None)]
+    a, idx = bw.write_wheel(files, name="repro", version="1.0", out_dir=tmp_path / "a")
+    b, _ = bw.write_wheel(files, name="repro", version="1.0", out_dir=tmp_path / "b")
+    assert a.name == b.name == f"repro-1.0-py3-none-{bw.platform_tag()}.whl"
+    assert a.read_bytes() == b.read_bytes() and idx.created == 1764547200.0
+    info = bw.inspect_wheel(a)
+    assert info["ok"] and len(info["entries"]) == 2 and not info["signed"]
+    with zipfile.ZipFile(a) as z:
+        names = set(z.namelist())
+        record = z.read("repro-1.0.dist-info/RECORD").decode()
+    assert "repro-1.0.dist-info/entry_points.txt" in names and "quack_bundle_repro/index.json" in names
+    assert all(n in record for n in names if not n.endswith("RECORD"))  # every file hashed by WheelFile
