@@ -363,6 +363,15 @@ def test_bundle_without_so_links_into_the_local_cache_or_a_private_dir(noso, tmp
     assert not off.exists()
     side = json.loads(next(cache.rglob(f"{files[0].entry.key}.so.json")).read_text())
     assert side["o_sha256"] == hashlib.sha256(files[0].obj).hexdigest()
+    # `quack cache clean` keeps a bundle's derived .so, even an old one (it is no interrupted
+    # publish, though it has no .o beside it); --all removes it.
+    for p in [*cache.rglob("*.so"), *cache.rglob("*.so.json")]:
+        os.utime(p, (p.stat().st_atime - 3600, p.stat().st_mtime - 3600))
+    assert quack_cli("cache", "clean", "--cache-dir", cache).returncode == 0
+    assert len(list(cache.rglob("*.so"))) == 2
+    r = quack_cli("cache", "clean", "--all", "--json", "--cache-dir", cache)
+    assert r.returncode == 0 and not list(cache.rglob("*.so")) and not list(cache.rglob("*.so.json"))
+    assert json.loads(r.stdout)["by_reason"]["derived .so of a bundle entry (relinked on next use)"]["files"] == 4
 
 
 @needs_link
