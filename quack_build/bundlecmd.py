@@ -157,10 +157,10 @@ def _inspect(wheel: Path, as_json: bool) -> int:
 
 def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
     """Every installed bundle: refused or not, each entry's checksums, arch (from the
-    embedded cubin), toolchain stamp and kernel source against this project, and a
-    load in a fresh process. A bundle none of whose entries this toolchain can use is a
-    problem; entries for other toolchains in a bundle that has some for this one are
-    listed, not counted as problems."""
+    embedded cubin), toolchain stamp (which names the arch) and kernel source against
+    this process's, and a load in a fresh process. A bundle none of whose entries this
+    toolchain and target arch can use is a problem; entries for other toolchains or
+    archs in a bundle that has some for this one are listed, not counted as problems."""
     from quack import registry
     from quack.cache import fsutil, keys
     from quack.bundles import tier as bt
@@ -187,9 +187,10 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             info["entries"] += 1
             r = {"bundle": b.name, "kernel": e.kernel, "params": e.params, "arch": e.arch, "key": e.key,
                  "stamp": e.stamp, "problems": [], "note": ""}
-            if keys.toolchain_stamp(e.arch) != e.stamp:
+            if keys.toolchain_stamp(s.arch) != e.stamp:
                 info["other_toolchain"] += 1
-                r["note"] = f"not used: built for {e.stamp}, this toolchain is {keys.toolchain_stamp(e.arch)}"
+                r["note"] = (f"not used: built for {e.stamp}, this toolchain and arch are "
+                             f"{keys.toolchain_stamp(s.arch)}")
                 rows.append(r)
                 continue
             info["current"] += 1
@@ -214,9 +215,8 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
                                   "run": run and spec is not None}))
             rows.append(r)
         if info["current"] == 0 and info["entries"]:
-            info["problems"].append("none of its entries is for this toolchain "
-                                    f"({', '.join(b.index.stamps)}; this one: "
-                                    f"{keys.toolchain_stamp(b.index.entries[0].arch)})")
+            info["problems"].append("none of its entries is for this toolchain and arch "
+                                    f"({', '.join(b.index.stamps)}; this one: {keys.toolchain_stamp(s.arch)})")
     note = ""
     if loads:
         answers, note = v.load_fresh([req for _, req in loads], run=run)
@@ -241,7 +241,7 @@ def print_bundle_report(con, res: dict) -> None:
         con.print("no quack bundles installed (entry point group quack.bundles)")
         return
     tb = Table(title="installed bundles", header_style="bold")
-    for c in ("bundle", "version", "entries", "this toolchain", "other toolchains", "signed by", "problem"):
+    for c in ("bundle", "version", "entries", "this toolchain+arch", "other toolchains/archs", "signed by", "problem"):
         tb.add_column(c)
     for b in res["bundles"]:
         tb.add_row(b["name"], b["version"], str(b["entries"]), str(b["current"]), str(b["other_toolchain"]),

@@ -29,10 +29,10 @@ def print_stats(con: Console, info: dict) -> None:
             if b["problem"]:
                 st = f"[red]refused[/] ({b['problem']})"
             elif b["current"]:
-                st = "[green]current[/]" + (f" ({b['current_entries']} for this toolchain)"
+                st = "[green]current[/]" + (f" ({b['current_entries']} for this toolchain and arch)"
                                             if b["current_entries"] != b["entries"] else "")
             else:
-                st = "[yellow]not for this toolchain[/] (ignored)"
+                st = "[yellow]not for this toolchain or arch[/] (ignored)"
             tb.add_row(b["name"], b["version"], str(b["entries"]), human_bytes(b["bytes"]),
                        ", ".join(b["stamps"]), st)
         con.print(tb)

@@ -258,7 +258,7 @@ def test_other_toolchain_bundle_ignored_and_reported(tmp_path):
     c = [{"kernel": x.kernel, "params": x.plain_params, "key": x.key} for x in cfgs]
     out = load_all(py, tmp_path, c, QUACK_CACHE_DIR=empty_cache(tmp_path))
     assert out["loaded"] == [] and len(out["missing"]) == 2 and out["compiles"] == 0
-    assert "e2e-old 0.9 (0 of 2 entries for this toolchain)" in out["message"]
+    assert "e2e-old 0.9 (0 of 2 entries for this toolchain and sm_90a)" in out["message"]
     r = quack_cli("cache", "stats", "--json", python=py,
                   env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache")))
     assert r.returncode == 0, r.stderr
@@ -266,7 +266,7 @@ def test_other_toolchain_bundle_ignored_and_reported(tmp_path):
     assert b["name"] == "e2e-old" and b["current"] is False and b["entries"] == 2
     assert "cutlass9.9.9-x" in b["stamps"][0]
     r = quack_cli("verify", "--bundles", python=py)
-    assert r.returncode == 1 and "none of its entries is for this toolchain" in r.stdout, r.stdout
+    assert r.returncode == 1 and "none of its entries is for this toolchain and arch" in r.stdout, r.stdout
 
 
 def test_uninstalled_bundle_entries_disappear(default_wheel, tmp_path):

@@ -111,6 +111,14 @@ def test_other_toolchain_stamp_is_never_used_and_reported(site, s):
     assert row["current"] is False and row["stamps"] == [other]
 
 
+def test_other_arch_bundle_is_never_used_and_reported(site, s):
+    install(site, [bfile(ref_for(arch="sm_100a"))], name="blackwell")
+    assert bt.tier().lookup(ref_for(), s) is None
+    [row] = bt.summary(s)  # this process targets sm_90a
+    assert row["current"] is False and row["current_entries"] == 0 and row["stamps"][0].endswith("-sm_100a")
+    assert bt.tier().searched(s) == ("blackwell 1.0 (0 of 1 entries for this toolchain and sm_90a)",)
+
+
 def test_other_source_fingerprint_is_not_used(site, s):
     ref = ref_for()
     stale = dataclasses.replace(ref, srcfp="0123456789abcdef")
@@ -130,7 +138,7 @@ def test_prebuilt_miss_lists_the_bundles_searched(site, cache_dir):
     finally:
         settings.set_current(saved)
     err = ei.value
-    assert err.bundles == ("shipped 2.0 (1 of 1 entries for this toolchain)",)
+    assert err.bundles == ("shipped 2.0 (1 of 1 entries for this toolchain and sm_90a)",)
     assert "bundles searched: shipped 2.0" in str(err)
     again = pickle.loads(pickle.dumps(err))
     assert again.bundles == err.bundles and str(again) == str(err)

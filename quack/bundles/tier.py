@@ -45,18 +45,20 @@ class Bundle:
     def usable(self) -> bool:
         return not self.problem and self.index is not None
 
-    def current_entries(self) -> int:
-        """Entries built for this interpreter's toolchain (stamp)."""
+    def current_entries(self, arch: str) -> int:
+        """Entries this process can use: built for ``arch`` with this interpreter's
+        toolchain (the stamp names both)."""
         if self.index is None:
             return 0
-        return sum(1 for e in self.index.entries if keys.toolchain_stamp(e.arch) == e.stamp)
+        stamp = keys.toolchain_stamp(arch)
+        return sum(1 for e in self.index.entries if e.stamp == stamp)
 
-    def describe(self) -> str:
+    def describe(self, arch: str) -> str:
         if self.problem:
             return f"{self.name} {self.version} (refused: {self.problem})"
         n = len(self.index.entries) if self.index else 0
-        cur = self.current_entries()
-        return f"{self.name} {self.version} ({cur} of {n} entries for this toolchain)"
+        cur = self.current_entries(arch)
+        return f"{self.name} {self.version} ({cur} of {n} entries for this toolchain and {arch})"
 
 
 def open_bundle(name: str, dist: str, version: str, path: Path | None, trusted, *,
@@ -160,11 +162,11 @@ def check_files(b: Bundle, e: IndexEntry) -> tuple[str, Path | None]:
 
 def summary(settings) -> list[dict]:
     """Installed bundles for ``quack cache stats``: name, version, entries, bytes, stamps,
-    and whether this toolchain can use them (``current``)."""
+    and whether this toolchain and target arch can use them (``current``)."""
     out = []
     for b in discover(settings):
         idx = b.index
-        cur = b.current_entries()
+        cur = b.current_entries(settings.arch)
         out.append({"name": b.name, "version": b.version, "dist": b.dist, "path": str(b.path),
                     "entries": len(idx.entries) if idx else 0, "current_entries": cur,
                     "bytes": idx.bytes if idx else 0, "stamps": idx.stamps if idx else [],
@@ -257,7 +259,11 @@ class BundleTier:
         return None
 
     def searched(self, settings=None) -> tuple[str, ...]:
-        return tuple(b.describe() for b in self.bundles(settings))
+        if settings is None:
+            from quack import settings as _settings
+
+            settings = _settings.get()
+        return tuple(b.describe(settings.arch) for b in self.bundles(settings))
 
     @property
     def discovered(self) -> bool:
