@@ -78,6 +78,23 @@ def test_hit_is_checksummed_and_comes_from_the_bundle(site, s):
     assert bt.tier().lookup(ref_for(dict(PARAMS, block=64)), s) is None  # another key: a miss
 
 
+def test_bundles_sit_in_the_lookup_chain_as_an_in_place_tier(site, s):
+    from quack.cache.contract import InPlaceTier, ReadTier
+    from quack.runtime import tiers
+
+    assert tiers.lookup_order(s) == ["memory", "local", "bundles", "compile"]
+    (v,) = [t for t in tiers.read_tiers(s) if t.name == "bundles"]
+    assert isinstance(v, InPlaceTier) and isinstance(v, ReadTier)
+    assert not bt.tier().discovered  # building the chain discovers nothing
+    ref = ref_for()
+    install(site, [bfile(ref)], name="demo")
+    entry = v.open(ref)
+    assert entry.meta["source"] == "bundle:demo" and bt.tier().discovered
+    got = v.fetch(ref)
+    assert got.data == b"placeholder object bytes" and got.ref == ref and got.source == "bundle:demo"
+    assert v.searched() == ("demo 1.0 (1 of 1 entries for this toolchain and sm_90a)",)
+
+
 def test_altered_object_refused_with_one_warning_and_the_other_bundle_used(site, s):
     ref = ref_for()
     a = install(site, [bfile(ref)], name="a-first")

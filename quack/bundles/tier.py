@@ -270,6 +270,49 @@ class BundleTier:
         return self._bundles is not None
 
 
+class BundleView:
+    """The process's bundle tier seen with one Settings (trusted keys, arch): what
+    quack.runtime.tiers registers as "bundles". An InPlaceTier (loaded where installed)
+    and a ReadTier (``fetch``: the verified bytes, for a chain that copies)."""
+
+    name = "bundles"
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    def open(self, ref: EntryRef) -> Entry | None:
+        found = tier().lookup(ref, self.settings)
+        if found is None:
+            return None
+        entry, b = found
+        entry.meta["source"] = f"bundle:{b.name}"
+        return entry
+
+    def load(self, entry: Entry, store=None):
+        return load(entry, store)
+
+    def fetch(self, ref: EntryRef):
+        from quack.cache.contract import Fetched
+
+        entry = self.open(ref)
+        if entry is None:
+            return None
+        try:
+            data = fsutil.read_nofollow(entry.obj_path)
+        except OSError:
+            return None
+        if hashlib.sha256(data).hexdigest() != entry.meta["sha256"]:
+            return None  # replaced since open(): a miss
+        return Fetched(ref, data, {"params": entry.meta.get("params", {})}, entry.meta["source"])
+
+    def searched(self) -> tuple[str, ...]:
+        return tier().searched(self.settings)
+
+
+def view(settings) -> BundleView:
+    return BundleView(settings)
+
+
 _TIER = BundleTier()
 
 
@@ -280,4 +323,47 @@ def tier() -> BundleTier:
 def reset() -> None:
     """Forget what discovery found (tests; after installing or removing a bundle in-process)."""
     global _TIER
-    _TIER = BundleTier()
+    class BundleView:
+    """The process's bundle tier seen with one Settings (trusted keys, arch): what
+    quack.runtime.tiers registers as "bundles". An InPlaceTier (loaded where installed)
+    and a ReadTier (``fetch``: the verified bytes, for a chain that copies)."""
+
+    name = "bundles"
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    def open(self, ref: EntryRef) -> Entry | None:
+        found = tier().lookup(ref, self.settings)
+        if found is None:
+            return None
+        entry, b = found
+        entry.meta["source"] = f"bundle:{b.name}"
+        return entry
+
+    def load(self, entry: Entry, store=None):
+        return load(entry, store)
+
+    def fetch(self, ref: EntryRef):
+        from quack.cache.contract import Fetched
+
+        entry = self.open(ref)
+        if entry is None:
+            return None
+        try:
+            data = fsutil.read_nofollow(entry.obj_path)
+        except OSError:
+            return None
+        if hashlib.sha256(data).hexdigest() != entry.meta["sha256"]:
+            return None  # replaced since open(): a miss
+        return Fetched(ref, data, {"params": entry.meta.get("params", {})}, entry.meta["source"])
+
+    def searched(self) -> tuple[str, ...]:
+        return tier().searched(self.settings)
+
+
+def view(settings) -> BundleView:
+    return BundleView(settings)
+
+
+_TIER = BundleTier()

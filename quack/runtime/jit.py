@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from quack.runtime import _generation, loader
+from quack.runtime import _generation, loader, tiers
+from quack.cache.contract import InPlaceTier
 from quack.cache import journal
 from quack.compile import pool as _pool
 from quack import registry, settings as _settings
@@ -19,6 +21,7 @@ from quack.params import Param
 from quack.cache.store import DiskStore, warn_once
 
 _ALL: list["JitKernel"] = []
+log = logging.getLogger("quack.jit")
 
 
 class Loaded:
@@ -89,7 +92,8 @@ class JitKernel:
             return loaded.fn
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
-        """The tiers after memory: local cache -> installed bundles -> compile."""
+        """The tiers after memory: local cache -> read-only tiers (installed bundles,
+        remote, ...) -> compile (quack.runtime.tiers; docs/architecture.md)."""
         from quack.compile import builder
 
         arch = s.arch
@@ -106,19 +110,20 @@ class JitKernel:
                 store, entry = None, None
             if entry is not None:
                 try:
-                    return self._load(store, entry, params, key, arch, miss=False)
+                    loaded = self._load(store, entry, params, key, arch, miss=False)
+                    log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
+                    return loaded
                 except EntryVanished:
                     entry = None  # cleaned between lookup and load: a plain miss
-        loaded = self._from_bundles(ref, store, params, key, arch, s)
+        loaded = self._from_tiers(ref, store, params, key, arch, s)
         if loaded is not None:
             return loaded
         if s.mode == "prebuilt":
-            from quack.bundles import tier as _bundle_tier
-
             plain = self.spec.plain(params)
             err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),
                                     manifest_line(self.spec.name, plain, arch),
-                                    bundles=_bundle_tier.tier().searched(s))
+                                    bundles=next((t.searched() for t in tiers.read_tiers(s)
+                                                  if t.name == "bundles"), ()))
             _pool.note_not_prebuilt(err, s)
             raise err
         if store is None:  # cache disabled or unusable
@@ -203,24 +208,38 @@ class JitKernel:
                       f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
         return None
 
-    def _from_bundles(self, ref, store, params, key, arch, s) -> Loaded | None:
-        """An installed bundle's entry (quack.bundles): discovered at the first call that
-        gets here, checksummed, its .so loaded (or linked into the local cache)."""
-        from quack.bundles import tier as _bundle_tier
-
-        found = _bundle_tier.tier().lookup(ref, s)
-        if found is None:
-            return None
-        entry, bundle = found
-        t0 = time.perf_counter()
-        try:
-            fn, module, how = _bundle_tier.load(entry, store)
-        except EntryVanished:  # uninstalled meanwhile: a miss
-            return None
-        loaded = Loaded(fn, module, key, params, arch, how, tier="bundle:" + bundle.name)
-        loaded.load_s = time.perf_counter() - t0
-        loaded.hits = 1
-        return loaded
+    def _from_tiers(self, ref, store, params, key, arch, s) -> Loaded | None:
+        """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
+        (installed bundles: already on this machine, verified where it lies) is loaded
+        where it is, so it serves a read-only or disabled cache too; any other tier's hit
+        is published into the local store, then loaded from there."""
+        for tier in tiers.read_tiers(s):
+            if isinstance(tier, InPlaceTier):
+                entry = tier.open(ref)
+                if entry is None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    fn, module, how = tier.load(entry, store)
+                except EntryVanished:  # uninstalled meanwhile: a miss here
+                    log.info("tier %s: %s %s vanished before loading", tier.name, self.spec.name, key[:16])
+                    continue
+                loaded = Loaded(fn, module, key, params, arch, how, tier=entry.meta.get("source", tier.name))
+                loaded.load_s = time.perf_counter() - t0
+                loaded.hits = 1
+                log.debug("tier %s: hit %s %s (%s)", loaded.tier, self.spec.name, key[:16], how)
+                return loaded
+            if store is None:
+                continue  # nowhere to publish a fetched copy
+            entry, name = tiers.fetch_into(store, ref, (tier,))
+            if entry is not None:
+                try:
+                    loaded = self._load(store, entry, params, key, arch, miss=True)
+                    loaded.tier = name
+                    return loaded
+                except EntryVanished:
+                    log.info("tier %s: %s %s vanished before loading", name, self.spec.name, key[:16])
+        return None
 
     def _store_failed(self, err, key):
         warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
