@@ -174,46 +174,6 @@ def summary(settings) -> list[dict]:
     return out
 
 
-class _NoCache:
-    """A cache that can't take a derived .so (read-only or disabled): the loader links
-    into a private temp directory instead."""
-
-    def writable(self) -> bool:
-        return False
-
-
-def load(entry: Entry, store=None):
-    """(callable, module, how) for a verified bundle entry: its shipped .so (verified
-    against the index), else a .so derived from its verified .o, kept in the local
-    cache beside where the entry would live (or in a private temp dir when the cache
-    is read-only or disabled: ``store`` None). Raises loader.EntryVanished."""
-    from quack.runtime import loader
-
-    if entry.so_path is not None:
-        try:
-            fn, mod = loader.load_so(entry.so_path)
-            return fn, mod, "so"
-        except Exception as e:  # noqa: BLE001 - a .so that won't load: link the .o ourselves
-            log.info("quack: shipped .so of %s key %s did not load (%s); linking its object",
-                     entry.ref.kernel, entry.ref.key[:16], e)
-    target = _NoCache()
-    if store is not None:
-        so = store.derived_so(entry.ref, entry.meta["sha256"])
-        if so is not None:
-            try:
-                fn, mod = loader.load_so(so)
-                return fn, mod, "so"
-            except Exception:  # noqa: BLE001 - relinked below
-                pass
-        if store.writable():
-            try:
-                fsutil.ensure_dir(store.entry_dir(entry.ref), store.root)
-                target = store
-            except OSError:
-                pass
-    return loader.load_entry(target, dataclasses.replace(entry, so_path=None))
-
-
 class BundleTier:
     """The lookup through installed bundles; one per process (``tier()``)."""
 
@@ -288,9 +248,6 @@ class BundleView:
         entry.meta["source"] = f"bundle:{b.name}"
         return entry
 
-    def load(self, entry: Entry, store=None):
-        return load(entry, store)
-
     def fetch(self, ref: EntryRef):
         from quack.cache.contract import Fetched
 
@@ -323,47 +280,4 @@ def tier() -> BundleTier:
 def reset() -> None:
     """Forget what discovery found (tests; after installing or removing a bundle in-process)."""
     global _TIER
-    class BundleView:
-    """The process's bundle tier seen with one Settings (trusted keys, arch): what
-    quack.runtime.tiers registers as "bundles". An InPlaceTier (loaded where installed)
-    and a ReadTier (``fetch``: the verified bytes, for a chain that copies)."""
-
-    name = "bundles"
-
-    def __init__(self, settings):
-        self.settings = settings
-
-    def open(self, ref: EntryRef) -> Entry | None:
-        found = tier().lookup(ref, self.settings)
-        if found is None:
-            return None
-        entry, b = found
-        entry.meta["source"] = f"bundle:{b.name}"
-        return entry
-
-    def load(self, entry: Entry, store=None):
-        return load(entry, store)
-
-    def fetch(self, ref: EntryRef):
-        from quack.cache.contract import Fetched
-
-        entry = self.open(ref)
-        if entry is None:
-            return None
-        try:
-            data = fsutil.read_nofollow(entry.obj_path)
-        except OSError:
-            return None
-        if hashlib.sha256(data).hexdigest() != entry.meta["sha256"]:
-            return None  # replaced since open(): a miss
-        return Fetched(ref, data, {"params": entry.meta.get("params", {})}, entry.meta["source"])
-
-    def searched(self) -> tuple[str, ...]:
-        return tier().searched(self.settings)
-
-
-def view(settings) -> BundleView:
-    return BundleView(settings)
-
-
-_TIER = BundleTier()
+    _TIER = BundleTier()

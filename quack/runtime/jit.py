@@ -220,7 +220,7 @@ class JitKernel:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    fn, module, how = tier.load(entry, store)
+                    fn, module, how = loader.load_in_place(entry, store)
                 except EntryVanished:  # uninstalled meanwhile: a miss here
                     log.info("tier %s: %s %s vanished before loading", tier.name, self.spec.name, key[:16])
                     continue
