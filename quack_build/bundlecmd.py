@@ -227,6 +227,9 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             if "run" in a:
                 r["run"] = a["run"]
     bad = sum(1 for r in rows if r["problems"]) + sum(1 for b in out if b["problems"])
+    if not bundles:
+        # A deployment check that finds nothing to check must not pass quietly.
+        note = "no quack bundles are installed (entry point group quack.bundles); pip install one"
     return {"ok": bad == 0 and not note, "bundles": out, "entries": rows, "problems": bad,
             "note": note, "loaded": load, "seconds": round(time.time() - t0, 3)}
 
@@ -238,7 +241,7 @@ def print_bundle_report(con, res: dict) -> None:
     from quack_build.manifest import format_params
 
     if not res["bundles"]:
-        con.print("no quack bundles installed (entry point group quack.bundles)")
+        con.print(f"[red]{escape(res['note'])}[/]")
         return
     tb = Table(title="installed bundles", header_style="bold")
     for c in ("bundle", "version", "entries", "this toolchain+arch", "other toolchains/archs", "signed by", "problem"):

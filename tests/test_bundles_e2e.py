@@ -281,6 +281,8 @@ def test_uninstalled_bundle_entries_disappear(default_wheel, tmp_path):
     assert "bundles searched: none installed" in out["message"]
     r = quack_cli("cache", "stats", "--json", python=py, env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache")))
     assert json.loads(r.stdout)["bundles"] == []
+    r = quack_cli("verify", "--bundles", python=py)
+    assert r.returncode == 1 and "no quack bundles are installed" in r.stdout, r.stdout + r.stderr
 
 
 def test_signed_bundle_trusted_and_refused(tmp_path):
