@@ -55,6 +55,34 @@ d = loader.runtime_libdirs()
 ctypes.CDLL(os.path.join(d[0], "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
 """ + _FIRST
 
+# Per kernel, in one process with the runtime loaded: local lookup + load of key i
+# (the project's cache) vs bundle open + in-place load of key i (the installed bundle),
+# alternating over all keys; discovery is paid once, before.
+_PER_KEY = r"""
+import json, statistics, sys, time
+from quack import registry, settings
+from quack.cache.store import DiskStore
+from quack.compile import builder
+from quack.runtime import loader, tiers
+registry.load_packages(["quack_kernels"])
+from quack_build.manifest import expand
+s = settings.get()
+cfgs = expand([sys.argv[1]], archs=("sm_90a",)).configs
+store = DiskStore(s.cache_dir)
+(view,) = [t for t in tiers.read_tiers(s) if t.name == "bundles"]
+keep = []
+warm = builder.entry_ref(cfgs[0].spec, cfgs[0].params, "sm_90a")
+keep.append(loader.load_entry(store, store.lookup(warm)))   # runtime libraries loaded
+t0 = time.perf_counter(); view.open(warm); disc = time.perf_counter() - t0
+loc, bun = [], []
+for c in cfgs[1:]:
+    ref = builder.entry_ref(c.spec, c.params, "sm_90a")
+    t0 = time.perf_counter(); e = store.lookup(ref); keep.append(loader.load_entry(store, e)); loc.append(time.perf_counter() - t0)
+    t0 = time.perf_counter(); e = view.open(ref); keep.append(loader.load_in_place(e, None)); bun.append(time.perf_counter() - t0)
+print(json.dumps({"keys": len(loc), "local_ms": statistics.median(loc) * 1e3, "bundle_ms": statistics.median(bun) * 1e3,
+                  "first_open_with_discovery_ms": disc * 1e3}))
+"""
+
 _IDLE = r"""
 import time
 t0 = time.perf_counter()
@@ -164,6 +192,10 @@ def main() -> None:
         "tier_load_ms_local_median": round(statistics.median(loads["local"]) * 1e3, 2),
         "bundle_all": [round(x * 1e3, 1) for x in runs["bundle"]],
         "local_all": [round(x * 1e3, 1) for x in runs["local"]]}
+    pk = run_json(with_b, _PER_KEY.replace("sys.argv[1]", repr(str(ROOT / "manifests" / "default.toml"))),
+                  dict(base, QUACK_CACHE_DIR=str(cache)))
+    res["per_kernel_load_runtime_loaded_ms"] = {k: (round(v, 3) if isinstance(v, float) else v)
+                                                for k, v in pk.items()}
     idle = {"with": [], "without": []}
     for _ in range(a.repeat):
         idle["with"].append(run_json(with_b, _IDLE, dict(base, QUACK_CACHE_DIR=str(cache))))
