@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from _fixtures import kernel_cache  # noqa: F401, F811  (a fixture)
 from _cases import COMPILE_FNS, CPU_NS, DTYPES, VARIANTS
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")

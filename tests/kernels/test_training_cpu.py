@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from _fixtures import kernel_cache  # noqa: F401, F811  (a fixture)
 from _cases import DTYPES
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
