@@ -98,6 +98,25 @@ class CacheError(QuackError, OSError):
         self.path = path
 
 
+class SignatureError(QuackError, ValueError):
+    """A signed object is refused: its signer is not trusted (``reason``
+    ``untrusted``) or its signature does not verify (``bad-signature``)."""
+
+    def __init__(self, message: str, *, signer: str = "", reason: str = ""):
+        super().__init__(message)
+        self.signer = signer
+        self.reason = reason
+
+
+class KeyFileError(QuackError, ValueError):
+    """A signing or trusted key file is missing, unreadable or malformed."""
+
+    def __init__(self, message: str, *, path: str = "", reason: str = ""):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
 class CompilePending(BaseException):
     """Control flow, not an error: the kernel is compiling in the background.
 
