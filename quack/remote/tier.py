@@ -1,0 +1,346 @@
+"""The remote tier: between the local disk store and a compile.
+
+    memory -> local disk -> remote (this) -> compile
+
+``fetch`` turns a local miss into a local hit when the remote holds a verified
+object: the bytes are checked (quack.remote.objects), then published into the
+local store with its normal atomic publish (under the key's lock: check, lock,
+check again), and loaded from there as any entry. Nothing unverified is ever
+written locally or loaded.
+
+``push`` signs a local entry and stores it if the remote has none (first writer
+wins). Only with ``write = true`` and a signing key; a reader needs no secret.
+
+Failures never propagate: every problem is a miss (or a failed push, counted),
+with one warning per kind per process. A connection error or a time-out
+switches the remote off for the rest of the process (one warning), so a dead
+host costs one connect time-out, not one per kernel."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+from quack.errors import CacheError, KeyFileError, ObjectRejected, RemoteError
+from quack.remote import objects
+from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
+from quack.signing import SigningKey, TrustedKeys
+from quack.store import CacheWarning, Entry, EntryRef, LockTimeout
+
+log = logging.getLogger("quack.remote")
+STATS_FILE = "remote-stats.jsonl"
+
+
+class RemoteWarning(CacheWarning):
+    """A remote cache problem quack recovered from (a miss, a skipped push)."""
+
+
+# Per process, across tier instances (settings may be re-resolved): which URLs
+# are switched off, and which warnings were given.
+_offline: dict[str, str] = {}
+_warned: set[tuple[str, str]] = set()
+_state_lock = threading.Lock()
+
+
+def _warn_once(url: str, kind: str, message: str) -> None:
+    with _state_lock:
+        if (url, kind) in _warned:
+            return
+        _warned.add((url, kind))
+    warnings.warn(message, RemoteWarning, stacklevel=4)
+
+
+@dataclasses.dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    rejected: int = 0
+    pushed: int = 0
+    push_exists: int = 0
+    push_failed: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    rejected_by_reason: Counter = dataclasses.field(default_factory=Counter)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rejected_by_reason"] = dict(self.rejected_by_reason)
+        return d
+
+    def any(self) -> bool:
+        return any(v for k, v in self.to_json().items() if k != "rejected_by_reason")
+
+
+class RemoteTier:
+    """One remote cache as seen by this process. Thread-safe."""
+
+    def __init__(self, backend: Backend, *, trusted: TrustedKeys, signer: SigningKey | None = None,
+                 write: bool = False):
+        self.backend = backend
+        self.url = redact(backend.url)
+        self.trusted = trusted
+        self.signer = signer
+        self.write = bool(write and signer is not None)
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._push_off = ""
+
+    # -- state -----------------------------------------------------------------------
+    @property
+    def offline(self) -> bool:
+        return self.url in _offline
+
+    def _count(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self.counters, k, getattr(self.counters, k) + v)
+
+    def _failed(self, e: RemoteError, op: str) -> None:
+        self._count(errors=1)
+        if e.offline or (op == "get" and e.reason == "denied"):
+            # Every later call would fail the same way (and a time-out would cost
+            # OP_TIMEOUT each): off for the process.
+            with _state_lock:
+                first = self.url not in _offline
+                _offline.setdefault(self.url, str(e))
+            if first:
+                log.warning("remote %s off for this process: %s", self.url, e)
+                _warn_once(self.url, "offline", f"quack: {e}; the remote cache is off for the rest of this "
+                           "process (kernels come from the local cache or are compiled)")
+        elif op == "put" and e.reason in ("full", "denied"):
+            self._push_off = str(e)
+            _warn_once(self.url, "push-" + e.reason, f"quack: {e}; not pushing to it for the rest of this "
+                       "process (reads continue)")
+        else:
+            _warn_once(self.url, "error-" + op, f"quack: {e}; treated as a miss")
+
+    # -- reading ---------------------------------------------------------------------
+    def fetch(self, store, ref: EntryRef, params: dict | None = None) -> Entry | None:
+        """The verified remote object for ``ref`` published into ``store``, or None.
+        Never raises for a remote or verification problem."""
+        if self.offline or not len(self.trusted):
+            return None
+        name = objects.object_name(ref)
+        try:
+            blob = self.backend.get(name)
+        except RemoteError as e:
+            self._failed(e, "get")
+            return None
+        if blob is None:
+            self._count(misses=1)
+            log.debug("remote miss %s key %s", ref.kernel, ref.key[:16])
+            return None
+        self._count(bytes_down=len(blob))
+        try:
+            data, header = objects.unpack(blob, ref, self.trusted)
+        except ObjectRejected as e:
+            with self._lock:
+                self.counters.rejected += 1
+                self.counters.rejected_by_reason[e.reason] += 1
+            log.warning("remote object refused: %s", e)
+            _warn_once(self.url, "rejected", f"quack: {e}. Refused objects are never loaded nor stored; "
+                       "the kernel is compiled locally (rejections are counted in `quack cache stats` "
+                       "and the build summary)")
+            return None
+        entry = self._publish(store, ref, data, header)
+        if entry is not None:
+            self._count(hits=1)
+            log.info("remote hit %s key %s (%d bytes, signed by %s)", ref.kernel, ref.key[:16], len(data),
+                     header.get("signer"))
+        return entry
+
+    def _publish(self, store, ref: EntryRef, data: bytes, header: dict) -> Entry | None:
+        meta = {"params": header.get("params"), "compile_s": header.get("compile_s"),
+                "created": time.time(), "remote": self.url, "signer": header.get("signer")}
+        try:
+            with store.lock(ref):
+                existing = store.lookup(ref)
+                if existing is not None:  # another process got it meanwhile
+                    return existing
+                tmp = store.tmp_obj(ref)
+                try:
+                    with open(tmp, "r+b") as f:
+                        f.write(data)
+                        f.truncate()
+                    return store.publish(ref, tmp, meta)
+                finally:
+                    try:
+                        os.unlink(tmp)
+                    except FileNotFoundError:
+                        pass
+        except (CacheError, OSError, LockTimeout) as e:
+            _warn_once(self.url, "local-store", f"quack: can't store a remote object in the local cache "
+                       f"({e}); treated as a miss")
+            return None
+
+    def has(self, ref: EntryRef) -> bool | None:
+        """Whether the remote holds an object for ``ref`` (None: unknown, remote off)."""
+        if self.offline:
+            return None
+        try:
+            return self.backend.exists(objects.object_name(ref))
+        except RemoteError as e:
+            self._failed(e, "get")
+            return None
+
+    # -- writing ---------------------------------------------------------------------
+    def push(self, store, entry: Entry) -> str:
+        """Sign and store a local entry unless the remote has it. Returns
+        ``pushed``, ``exists``, ``failed``, or ``off`` (read-only, remote off)."""
+        if not self.write or self.offline or self._push_off:
+            return "off"
+        ref = entry.ref
+        try:
+            from quack import fsutil
+
+            data = fsutil.read_nofollow(entry.obj_path)
+        except OSError as e:
+            self._count(push_failed=1)
+            _warn_once(self.url, "push-read", f"quack: can't read {entry.obj_path} to push it ({e})")
+            return "failed"
+        import hashlib
+
+        if hashlib.sha256(data).hexdigest() != entry.meta.get("sha256"):
+            self._count(push_failed=1)  # changed under us: never sign what the store did not verify
+            return "failed"
+        blob = objects.pack(ref, entry.meta.get("params") or {}, data, self.signer,
+                            compile_s=entry.meta.get("compile_s"))
+        try:
+            stored = self.backend.put_if_absent(objects.object_name(ref), blob)
+        except RemoteError as e:
+            self._count(push_failed=1)
+            self._failed(e, "put")
+            return "failed"
+        if stored:
+            self._count(pushed=1, bytes_up=len(blob))
+            log.info("pushed %s key %s (%d bytes)", ref.kernel, ref.key[:16], len(blob))
+            return "pushed"
+        self._count(push_exists=1)
+        return "exists"
+
+    # -- statistics ------------------------------------------------------------------
+    def record(self, root: Path) -> None:
+        """Append this process's counters to ``<cache>/remote-stats.jsonl`` (for
+        ``quack cache stats``); never raises."""
+        with self._lock:  # hand over the counters: recording twice never counts twice
+            counters, self.counters = self.counters, Counters()
+        if not counters.any():
+            return
+        c = counters.to_json()
+        line = json.dumps({"t": time.time(), "url": self.url, **c}, sort_keys=True) + "\n"
+        try:
+            if not Path(root).is_dir():
+                return
+            fd = os.open(Path(root) / STATS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+def read_stats(root: Path) -> dict:
+    """Totals of ``remote-stats.jsonl``: per URL and overall."""
+    total = Counters()
+    per_url: dict[str, Counters] = {}
+    try:
+        with open(Path(root) / STATS_FILE, "rb") as f:
+            lines = f.readlines()
+    except OSError:
+        lines = []
+    fields = [f.name for f in dataclasses.fields(Counters) if f.name != "rejected_by_reason"]
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # a torn line
+        if not isinstance(r, dict):
+            continue
+        for c in (total, per_url.setdefault(str(r.get("url")), Counters())):
+            for k in fields:
+                v = r.get(k)
+                if isinstance(v, int):
+                    setattr(c, k, getattr(c, k) + v)
+            reasons = r.get("rejected_by_reason")
+            if isinstance(reasons, dict):
+                c.rejected_by_reason.update({str(k): v for k, v in reasons.items() if isinstance(v, int)})
+    return {"total": total.to_json(), "per_url": {u: c.to_json() for u, c in per_url.items()}}
+
+
+# --- from settings ----------------------------------------------------------------------
+
+def from_settings(s, *, strict: bool = False) -> RemoteTier | None:
+    """The tier configured by ``s`` (None without ``remote_url``). A bad URL or key
+    file is warned about once and leaves the remote off, unless ``strict`` (the
+    explicit ``quack cache push|pull``), where it raises ValueError/KeyFileError."""
+    if not s.remote_url:
+        return None
+    from quack import signing
+
+    url = redact(s.remote_url)
+    try:
+        backend = open_backend(s.remote_url, connect_timeout=min(CONNECT_TIMEOUT, s.remote_timeout),
+                               op_timeout=s.remote_timeout)
+        trusted = signing.trusted_keys_from_settings(s)
+        signer = signing.signing_key_from_settings(s) if s.remote_write else None
+    except (ValueError, KeyFileError, ImportError) as e:
+        if strict:
+            raise
+        _warn_once(url, "config", f"quack: remote cache {url} not used: {e}")
+        return None
+    if s.remote_write and signer is None:
+        _warn_once(url, "no-key", f"quack: remote cache {url}: write = true but no signing key "
+                   "(QUACK_SIGNING_KEY / [remote] signing_key); reading only")
+    if not len(trusted):
+        _warn_once(url, "no-trust", f"quack: remote cache {url}: no trusted keys (QUACK_TRUSTED_KEYS / "
+                   "[remote] trusted_keys), so nothing from it can be accepted; not reading from it")
+    return RemoteTier(backend, trusted=trusted, signer=signer, write=s.remote_write)
+
+
+_current: tuple[object, RemoteTier | None] | None = None
+_current_lock = threading.Lock()
+_atexit_armed = False
+
+
+def current(s) -> RemoteTier | None:
+    """The process's tier for settings ``s`` (made once per settings object; its
+    counters are appended to the stats file when replaced and at exit)."""
+    global _current, _atexit_armed
+    with _current_lock:
+        if _current is not None and _current[0] is s:
+            return _current[1]
+        old = _current
+        tier = from_settings(s)
+        _current = (s, tier)
+        if not _atexit_armed:
+            import atexit
+
+            atexit.register(_record_current)
+            _atexit_armed = True
+    if old is not None and old[1] is not None:
+        old[1].record(Path(old[0].cache_dir))
+    return tier
+
+
+def _record_current() -> None:
+    cur = _current
+    if cur is not None and cur[1] is not None:
+        cur[1].record(Path(cur[0].cache_dir))
+
+
+def forget_offline() -> None:
+    """Tests: switch every remote back on and re-arm the once-only warnings."""
+    with _state_lock:
+        _offline.clear()
+        _warned.clear()
