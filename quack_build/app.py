@@ -134,15 +134,19 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
                       f"{len(tasks) - len(todo)} cached, {len(todo)} to compile", markup=False)
         return 0
     rep = display.make_reporter(con, verbose=verbose)
+    remote = _remote(s)
     old_term = signal.getsignal(signal.SIGTERM)
     if old_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _term_to_interrupt)
     try:
         res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
-                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s)
+                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s, remote=remote)
     finally:
         if old_term in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if remote is not None:
+            remote.record(Path(s.cache_dir))
+            remote.close()
     if trace:
         scheduler.write_trace(trace, res, res.t0)
         res.trace_path = str(trace)
@@ -154,6 +158,16 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     if res.interrupted:
         return 130
     return 0 if res.ok else 1
+
+
+def _remote(s, *, strict: bool = False):
+    """The remote tier configured for this command, or None. In a build, a bad
+    remote configuration is one warning (the build goes on without it)."""
+    if not s.remote_url:
+        return None
+    from quack.remote import tier
+
+    return tier.from_settings(s, strict=strict)
 
 
 def _term_to_interrupt(signum, frame):  # noqa: ARG001
