@@ -17,24 +17,22 @@ switches the remote off for the rest of the process (one warning), so a dead
 host costs one connect time-out, not one per kernel."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import threading
 import time
 import warnings
-from collections import Counter
 from pathlib import Path
 
 from quack.errors import CacheError, KeyFileError, ObjectRejected, RemoteError
 from quack.remote import objects
+from quack.remote.stats import STATS_FILE, Counters
 from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
 from quack.signing import SigningKey, TrustedKeys
 from quack.store import CacheWarning, Entry, EntryRef, LockTimeout
 
 log = logging.getLogger("quack.remote")
-STATS_FILE = "remote-stats.jsonl"
 
 
 class RemoteWarning(CacheWarning):
@@ -54,28 +52,6 @@ def _warn_once(url: str, kind: str, message: str) -> None:
             return
         _warned.add((url, kind))
     warnings.warn(message, RemoteWarning, stacklevel=4)
-
-
-@dataclasses.dataclass
-class Counters:
-    hits: int = 0
-    misses: int = 0
-    errors: int = 0
-    rejected: int = 0
-    pushed: int = 0
-    push_exists: int = 0
-    push_failed: int = 0
-    bytes_down: int = 0
-    bytes_up: int = 0
-    rejected_by_reason: Counter = dataclasses.field(default_factory=Counter)
-
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["rejected_by_reason"] = dict(self.rejected_by_reason)
-        return d
-
-    def any(self) -> bool:
-        return any(v for k, v in self.to_json().items() if k != "rejected_by_reason")
 
 
 class RemoteTier:
@@ -104,6 +80,7 @@ class RemoteTier:
 
     def _failed(self, e: RemoteError, op: str) -> None:
         self._count(errors=1)
+        why = str(e).rstrip(".")
         if e.offline or (op == "get" and e.reason == "denied"):
             # Every later call would fail the same way (and a time-out would cost
             # OP_TIMEOUT each): off for the process.
@@ -111,15 +88,15 @@ class RemoteTier:
                 first = self.url not in _offline
                 _offline.setdefault(self.url, str(e))
             if first:
-                log.warning("remote %s off for this process: %s", self.url, e)
-                _warn_once(self.url, "offline", f"quack: {e}; the remote cache is off for the rest of this "
+                log.info("remote %s off for this process: %s", self.url, e)
+                _warn_once(self.url, "offline", f"quack: {why}; the remote cache is off for the rest of this "
                            "process (kernels come from the local cache or are compiled)")
         elif op == "put" and e.reason in ("full", "denied"):
             self._push_off = str(e)
-            _warn_once(self.url, "push-" + e.reason, f"quack: {e}; not pushing to it for the rest of this "
+            _warn_once(self.url, "push-" + e.reason, f"quack: {why}; not pushing to it for the rest of this "
                        "process (reads continue)")
         else:
-            _warn_once(self.url, "error-" + op, f"quack: {e}; treated as a miss")
+            _warn_once(self.url, "error-" + op, f"quack: {why}; treated as a miss")
 
     # -- reading ---------------------------------------------------------------------
     def fetch(self, store, ref: EntryRef, params: dict | None = None) -> Entry | None:
@@ -144,7 +121,7 @@ class RemoteTier:
             with self._lock:
                 self.counters.rejected += 1
                 self.counters.rejected_by_reason[e.reason] += 1
-            log.warning("remote object refused: %s", e)
+            log.info("remote object refused: %s", e)
             _warn_once(self.url, "rejected", f"quack: {e}. Refused objects are never loaded nor stored; "
                        "the kernel is compiled locally (rejections are counted in `quack cache stats` "
                        "and the build summary)")
@@ -248,34 +225,6 @@ class RemoteTier:
 
     def close(self) -> None:
         self.backend.close()
-
-
-def read_stats(root: Path) -> dict:
-    """Totals of ``remote-stats.jsonl``: per URL and overall."""
-    total = Counters()
-    per_url: dict[str, Counters] = {}
-    try:
-        with open(Path(root) / STATS_FILE, "rb") as f:
-            lines = f.readlines()
-    except OSError:
-        lines = []
-    fields = [f.name for f in dataclasses.fields(Counters) if f.name != "rejected_by_reason"]
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue  # a torn line
-        if not isinstance(r, dict):
-            continue
-        for c in (total, per_url.setdefault(str(r.get("url")), Counters())):
-            for k in fields:
-                v = r.get(k)
-                if isinstance(v, int):
-                    setattr(c, k, getattr(c, k) + v)
-            reasons = r.get("rejected_by_reason")
-            if isinstance(reasons, dict):
-                c.rejected_by_reason.update({str(k): v for k, v in reasons.items() if isinstance(v, int)})
-    return {"total": total.to_json(), "per_url": {u: c.to_json() for u, c in per_url.items()}}
 
 
 # --- from settings ----------------------------------------------------------------------
