@@ -101,6 +101,12 @@ class JitKernel:
                 return self._load(store, entry, params, key, arch, miss=False)
             except loader.EntryVanished:
                 entry = None  # cleaned between lookup and load: a plain miss
+        entry = self._from_remote(s, store, ref, params)
+        if entry is not None:
+            try:
+                return self._load(store, entry, params, key, arch, miss=True)
+            except loader.EntryVanished:
+                entry = None
         if s.mode == "prebuilt":
             err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
             _pool.note_not_prebuilt(err, s)
@@ -135,6 +141,17 @@ class JitKernel:
         loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
         return loaded
+
+    def _from_remote(self, s, store, ref, params):
+        """Local miss: the remote tier (verified, then published into the local
+        store as any entry), or None. Needs a writable local cache: only bytes
+        that went through the store's atomic publish are ever loaded."""
+        if not s.remote_url or not store.writable():
+            return None
+        from quack.remote import tier
+
+        remote = tier.current(s)
+        return remote.fetch(store, ref, self.spec.plain(params)) if remote is not None else None
 
     def _compile_in_worker(self, store, ref, params, key, arch):
         """A miss, compiled by the pool. Inside a pool_scope: submit and raise
