@@ -67,10 +67,10 @@ class RedisServer:
             self.stop()
         raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
 
-    def client(self):
+    def client(self, db: int = 0):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5, socket_connect_timeout=1)
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, socket_timeout=5, socket_connect_timeout=1)
 
     def ping(self) -> bool:
         try:
