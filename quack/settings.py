@@ -146,7 +146,7 @@ class Settings:
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
-    kernel_packages: tuple[str, ...] = ("kernels",)
+    kernel_packages: tuple[str, ...] = ("quack_kernels",)
     remote_url: str | None = None
     remote_write: bool = False
     remote_timeout: float = 5.0  # per operation; connecting waits at most 0.5 s
@@ -297,6 +297,6 @@ def set_current(s: Settings | None) -> None:
     None forgets them, so the next ``get`` resolves again."""
     global _current
     _current = s
-    from quack import _generation
+    from quack.runtime import _generation
 
     _generation.bump()

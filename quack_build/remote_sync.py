@@ -10,7 +10,7 @@ import dataclasses
 import time
 from typing import Callable
 
-from quack import builder
+from quack.compile import builder
 
 REMOTE = "remote"  # a Task status: pulled from the remote, verified, published locally
 

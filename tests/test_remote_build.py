@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from quack import keys, settings, signing
+from quack import settings, signing
+from quack.cache import keys
 from quack.remote import objects, tier
 from remote_services import moto_s3, redis_server, silent_socket
 
@@ -264,7 +265,7 @@ def test_redis_stopped_mid_build(toy, keydir, tmp_path):
     first pull. The build finishes (1 pulled, 5 compiled), one warning, one error."""
     import warnings
 
-    from quack.store import DiskStore
+    from quack.cache.store import DiskStore
     from quack_build.manifest import expand
     from quack_build import scheduler
 
@@ -298,7 +299,7 @@ def test_redis_stopped_mid_build(toy, keydir, tmp_path):
 
 def _toy_blobs(toy, keydir) -> dict[str, bytes]:
     """The toy writer's objects, read back from its file-system cache and signed (no Redis needed)."""
-    from quack.store import DiskStore, EntryRef
+    from quack.cache.store import DiskStore, EntryRef
 
     out = {}
     store = DiskStore(toy["cache"], fsync=False)
@@ -392,7 +393,7 @@ RUNTIME = """
 import json, sys, warnings
 warnings.simplefilter("always")
 import toykernels
-from quack import jit
+from quack.runtime import jit
 fn = toykernels.toy_scale("float16", 128, False)
 print(json.dumps({"compiles": len(toykernels.COMPILES), "stats": jit.cache_stats(), "how": jit._ALL[0].usage()[0]["how"]}))
 """

@@ -11,12 +11,13 @@ from collections import Counter
 
 import pytest
 
-from quack import keys, settings, signing
+from quack import settings, signing
+from quack.cache import keys
 from quack.errors import ObjectRejected
 from quack.remote import objects, tier
 from quack.remote.backend import open_backend
 from quack.remote.stats import read_stats
-from quack.store import DiskStore, EntryRef
+from quack.cache.store import DiskStore, EntryRef
 from remote_services import free_port
 
 SRCFP = "0123456789abcdef"

@@ -32,7 +32,7 @@ import hashlib
 import json
 import time
 
-from quack import keys
+from quack.cache import keys
 from quack.errors import ObjectRejected, SignatureError
 from quack.signing import SigningKey, TrustedKeys
 

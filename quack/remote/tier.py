@@ -25,18 +25,15 @@ import time
 import warnings
 from pathlib import Path
 
-from quack.errors import CacheError, KeyFileError, ObjectRejected, RemoteError
 from quack.remote import objects
 from quack.remote.stats import STATS_FILE, Counters
 from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
 from quack.signing import SigningKey, TrustedKeys
-from quack.store import CacheWarning, Entry, EntryRef, LockTimeout
+from quack.cache.store import Entry, EntryRef
+from quack.errors import (CacheError, KeyFileError, LockTimeout, ObjectRejected, RemoteError,
+                          RemoteWarning)
 
 log = logging.getLogger("quack.remote")
-
-
-class RemoteWarning(CacheWarning):
-    """A remote cache problem quack recovered from (a miss, a skipped push)."""
 
 
 # Per process, across tier instances (settings may be re-resolved): which URLs
@@ -175,7 +172,7 @@ class RemoteTier:
             return "off"
         ref = entry.ref
         try:
-            from quack import fsutil
+            from quack.cache import fsutil
 
             data = fsutil.read_nofollow(entry.obj_path)
         except OSError as e:
