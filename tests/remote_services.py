@@ -24,6 +24,18 @@ def require_services() -> bool:
     return os.environ.get("QUACK_TEST_REQUIRE_SERVICES", "") == "1"
 
 
+def require_modules(*names: str) -> None:
+    """Skip the module (fail under QUACK_TEST_REQUIRE_SERVICES=1) without the client libraries."""
+    import importlib.util
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        msg = (f"missing {', '.join(missing)}: pip install -e '.[remote,remote-test]'")
+        if require_services():
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

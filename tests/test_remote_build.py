@@ -20,7 +20,10 @@ import pytest
 from quack import settings, signing
 from quack.cache import keys
 from quack.remote import objects, tier
+import remote_services
 from remote_services import moto_s3, redis_server, silent_socket
+
+remote_services.require_modules("redis", "boto3", "moto")
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent

@@ -18,6 +18,7 @@ from quack.remote import objects, tier
 from quack.remote.backend import open_backend
 from quack.remote.stats import read_stats
 from quack.cache.store import DiskStore, EntryRef
+import remote_services
 from remote_services import free_port
 
 SRCFP = "0123456789abcdef"
@@ -189,6 +190,7 @@ def test_rejected_objects_are_counted_warned_once_never_stored(keyring, shared, 
 
 
 def test_refused_port_switches_remote_off_once(keyring, store):
+    remote_services.require_modules("redis")
     url = f"redis://127.0.0.1:{free_port()}/0"
     reader = make_tier(url, keyring)
     with warnings.catch_warnings(record=True) as w:

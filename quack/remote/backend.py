@@ -56,10 +56,12 @@ def open_backend(url: str, *, connect_timeout: float = CONNECT_TIMEOUT,
     touches the network."""
     scheme = urlsplit(url).scheme.lower()
     if scheme in ("redis", "rediss"):
+        _need("redis", scheme)
         from quack.remote.redis_backend import RedisBackend
 
         return RedisBackend(url, connect_timeout=connect_timeout, op_timeout=op_timeout)
     if scheme == "s3":
+        _need("boto3", scheme)
         from quack.remote.s3_backend import S3Backend
 
         return S3Backend(url, connect_timeout=connect_timeout, op_timeout=op_timeout)
@@ -69,6 +71,14 @@ def open_backend(url: str, *, connect_timeout: float = CONNECT_TIMEOUT,
         return FileBackend(url)
     raise ValueError(f"remote URL {redact(url)!r}: unsupported scheme {scheme or '(none)'!r}; use "
                      "redis://host:port/db, s3://bucket/prefix or file:///shared/path")
+
+
+def _need(module: str, scheme: str) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"the {scheme}:// remote cache needs the {module} package: "
+                          "pip install 'quack-cache[remote]'")
 
 
 def unreachable(url: str, e: BaseException, reason: str = "unreachable") -> RemoteError:
