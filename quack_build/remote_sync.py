@@ -12,6 +12,7 @@ from typing import Callable
 
 from quack.compile import builder
 
+PULL_THREADS = 8
 REMOTE = "remote"  # a Task status: pulled from the remote, verified, published locally
 
 
@@ -35,27 +36,41 @@ class SyncReport:
         return d
 
 
-def pull(tasks, store, remote, *, on_pulled: Callable | None = None) -> int:
+def pull(tasks, store, remote, *, on_pulled: Callable | None = None, threads: int = PULL_THREADS) -> int:
     """Fetch every task not cached locally from the remote; a verified object is
     published into ``store`` and its task marked REMOTE. Returns how many were
-    pulled. Stops asking once the remote is off."""
-    n = 0
-    for t in tasks:
-        if t.status != "todo":
-            continue
+    pulled. A few threads overlap the network round trips and the local store's
+    fsyncs (the per-entry cost is mostly the durable publish); once the remote
+    is off, the remaining tasks are not asked for."""
+    todo = [t for t in tasks if t.status == "todo"]
+    if not todo:
+        return 0
+
+    def one(t) -> bool:
         if remote.offline:
-            break
+            return False
         ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
         t0 = time.time()
         entry = remote.fetch(store, ref, t.cfg.spec.plain(t.cfg.params))
         if entry is None:
-            continue
+            return False
         t.status = REMOTE
         t.start, t.end = t0, time.time()
         t.wall_s = t.end - t0
-        n += 1
         if on_pulled is not None:
             on_pulled(t)
+        return True
+
+    # The first fetch alone: a dead remote is found (and switched off) once,
+    # not by every thread at the same time.
+    n = int(one(todo[0]))
+    rest = todo[1:]
+    if not rest or remote.offline:
+        return n
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(rest))), thread_name_prefix="quack-pull") as ex:
+        n += sum(ex.map(one, rest))
     return n
 
 

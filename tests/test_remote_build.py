@@ -265,7 +265,7 @@ def test_each_tampered_object_is_refused_compiled_locally_and_counted(toy, srv, 
 
 def test_redis_stopped_mid_build(toy, keydir, tmp_path):
     """In process: the remote holds 3 of 6 keys; Redis is stopped right after the
-    first pull. The build finishes (1 pulled, 5 compiled), one warning, one error."""
+    first pull. The build finishes (the rest compiled), one warning."""
     import warnings
 
     from quack.cache.store import DiskStore
@@ -292,8 +292,11 @@ def test_redis_stopped_mid_build(toy, keydir, tmp_path):
                 res = scheduler.run(tasks, store, jobs=2, remote=remote, settings=s_settings,
                                     on_pulled=lambda t: s.stop())
             assert res.ok
-            assert (res.count(scheduler.REMOTE), res.count(scheduler.COMPILED)) == (1, 5)
-            assert res.remote["errors"] == 1 and res.remote_offline
+            # Pulls run on a few threads: those in flight when Redis stopped may
+            # have finished; every key is there, pulled or compiled.
+            hits, compiled = res.count(scheduler.REMOTE), res.count(scheduler.COMPILED)
+            assert 1 <= hits <= 3 and hits + compiled == 6
+            assert res.remote["errors"] >= 1 and res.remote_offline
             assert len([x for x in w if issubclass(x.category, tier.RemoteWarning)]) == 1
         finally:
             settings.set_current(None)
