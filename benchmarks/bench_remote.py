@@ -102,6 +102,7 @@ def main() -> None:
     from quack.cache.store import DiskStore
     from quack.remote import objects, tier
     from quack.remote.backend import open_backend
+    from quack.runtime import tiers
 
     out: dict = {"manifests": args.manifests, "jobs": args.jobs}
     with tempfile.TemporaryDirectory(prefix="bench-remote-") as td:
@@ -140,7 +141,7 @@ def main() -> None:
                 _, _, stamp, kernel, srcfp, key = n.split("/")
                 ref = EntryRef(kernel, key, stamp.rsplit("-", 1)[1], srcfp)
                 t = time.perf_counter()
-                e = remote.fetch(store, ref)
+                e = tiers.fetch_into(store, ref, (remote,))[0]
                 fetches.append(time.perf_counter() - t)
                 assert e is not None, n
             # The same without fsync (QUACK_FSYNC=0): what the network + verification cost alone.
@@ -150,7 +151,7 @@ def main() -> None:
                 _, _, stamp, kernel, srcfp, key = n.split("/")
                 ref = EntryRef(kernel, key, stamp.rsplit("-", 1)[1], srcfp)
                 t = time.perf_counter()
-                assert remote.fetch(store_nf, ref) is not None
+                assert tiers.fetch_into(store_nf, ref, (remote,))[0] is not None
                 fetches_nf.append(time.perf_counter() - t)
             # A ~100 KB object (the issue's yardstick; the manifests' objects are smaller).
             signer = signing.load_signing_key(keydir / "ci-1.key")
@@ -164,7 +165,7 @@ def main() -> None:
                 synth["get"].append(time.perf_counter() - t)
                 for label, st in (("fsync", store), ("nofsync", store_nf)):
                     t = time.perf_counter()
-                    assert remote.fetch(st, ref) is not None
+                    assert tiers.fetch_into(st, ref, (remote,))[0] is not None
                     synth[label].append(time.perf_counter() - t)
             near_100k = [f for f, z in zip(fetches, sizes) if 50_000 <= z <= 200_000]
             out["pull_latency"] = {"objects": len(names), "median_object_bytes": int(statistics.median(sizes)),

@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from quack.compile import builder
+from quack.runtime import tiers
 
 PULL_THREADS = 8
 REMOTE = "remote"  # a Task status: pulled from the remote, verified, published locally
@@ -51,8 +52,8 @@ def pull(tasks, store, remote, *, on_pulled: Callable | None = None, threads: in
             return False
         ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
         t0 = time.time()
-        entry = remote.fetch(store, ref, t.cfg.spec.plain(t.cfg.params))
-        if entry is None:
+        got = remote.fetch(ref)
+        if got is None or tiers.publish_fetched(store, got) is None:
             return False
         t.status = REMOTE
         t.start, t.end = t0, time.time()

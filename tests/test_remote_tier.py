@@ -14,7 +14,9 @@ import pytest
 from quack import settings, signing
 from quack.cache import keys
 from quack.errors import ObjectRejected
+from quack.cache.contract import ReadTier
 from quack.remote import objects, tier
+from quack.runtime import tiers
 from quack.remote.backend import open_backend
 from quack.remote.stats import read_stats
 from quack.cache.store import DiskStore, EntryRef
@@ -155,11 +157,12 @@ def test_push_then_fetch_into_a_fresh_store(keyring, shared, store, tmp_path):
     assert writer.push(store, entry) == "exists"
     fresh = DiskStore(tmp_path / "fresh", fsync=False)
     reader = make_tier(f"file://{shared}", keyring)
-    got = reader.fetch(fresh, ref())
-    assert got is not None and got.obj_path.read_bytes() == DATA
-    assert got.meta["remote"] == f"file://{shared}" and got.meta["signer"] == "ci-1"
+    assert isinstance(reader, ReadTier) and reader.name == "remote"
+    got, name = tiers.fetch_into(fresh, ref(), (reader,))  # the runtime's chain: verify, publish locally
+    assert name == "remote" and got is not None and got.obj_path.read_bytes() == DATA
+    assert got.meta["params"] == {"dtype": "float16"} and got.meta["compile_s"] == 0.5
     assert fresh.lookup(ref()) is not None  # published through the store, checksum-verified
-    assert reader.fetch(fresh, ref(5)) is None
+    assert tiers.fetch_into(fresh, ref(5), (reader,)) == (None, "")
     c = reader.counters
     assert (c.hits, c.misses, c.rejected, c.bytes_down > len(DATA)) == (1, 1, 0, True)
     assert (writer.counters.pushed, writer.counters.push_exists) == (1, 1)
@@ -181,7 +184,7 @@ def test_rejected_objects_are_counted_warned_once_never_stored(keyring, shared, 
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for i in range(len(names)):
-            assert reader.fetch(store, ref(i)) is None
+            assert tiers.fetch_into(store, ref(i), (reader,)) == (None, "")
     assert reader.counters.rejected == len(names)
     assert reader.counters.rejected_by_reason == Counter(_cases(keyring)[c][1] for c in names)
     remote_warnings = [x for x in w if issubclass(x.category, tier.RemoteWarning)]
@@ -196,9 +199,9 @@ def test_refused_port_switches_remote_off_once(keyring, store):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for i in range(20):
-            assert reader.fetch(store, ref(i)) is None
+            assert reader.fetch(ref(i)) is None
         again = make_tier(url, keyring)  # another tier in this process: still off
-        assert again.fetch(store, ref(0)) is None
+        assert again.fetch(ref(0)) is None
     assert reader.offline and again.offline
     assert reader.counters.errors == 1 and again.counters.errors == 0
     assert len([x for x in w if issubclass(x.category, tier.RemoteWarning)]) == 1
@@ -208,7 +211,7 @@ def test_no_trusted_keys_reads_nothing(shared, store, keyring):
     backend = open_backend(f"file://{shared}")
     backend.put_if_absent(objects.object_name(ref()), objects.pack(ref(), {}, DATA, keyring["ci"]))
     reader = tier.RemoteTier(backend, trusted=signing.TrustedKeys())
-    assert reader.fetch(store, ref()) is None
+    assert reader.fetch(ref()) is None
     assert reader.counters.hits == 0 and store.lookup(ref()) is None
 
 
@@ -218,8 +221,7 @@ def test_stats_recorded_and_summed(keyring, shared, store):
     writer.record(store.root)
     writer.record(store.root)  # recording again never double-counts
     reader = make_tier(f"file://{shared}", keyring)
-    reader.fetch(DiskStore(store.root.parent / "c2", fsync=False), ref())
-    reader.fetch(DiskStore(store.root.parent / "c2", fsync=False), ref(9))
+    assert reader.fetch(ref()) is not None and reader.fetch(ref(9)) is None
     reader.record(store.root)
     (store.root / "remote-stats.jsonl").open("a").write("{torn line\n")
     s = read_stats(store.root)
@@ -245,6 +247,11 @@ def test_from_settings(keyring, tmp_path):
     with pytest.raises(Exception, match="PRIVATE"):
         tier.from_settings(settings.resolve(env=bad, cwd=tmp_path), strict=True)
     assert tier.from_settings(settings.resolve(env={}, cwd=tmp_path)) is None
+    # The runtime's chain: remote after the local store (and bundles), before compiling.
+    s = settings.resolve(env=env, cwd=tmp_path)
+    order = tiers.lookup_order(s)
+    assert order[:2] == ["memory", "local"] and order[-2:] == ["remote", "compile"]
+    assert "remote" not in tiers.lookup_order(settings.resolve(env={}, cwd=tmp_path))
     with pytest.raises(settings.SettingsError, match="QUACK_REMOTE"):
         settings.resolve(env={"QUACK_REMOTE": "http://x"}, cwd=tmp_path)
     with pytest.raises(settings.SettingsError, match="QUACK_REMOTE_TIMEOUT"):

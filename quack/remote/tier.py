@@ -1,12 +1,13 @@
 """The remote tier: between the local disk store and a compile.
 
-    memory -> local disk -> remote (this) -> compile
+    memory -> local disk -> bundles -> remote (this) -> compile
 
-``fetch`` turns a local miss into a local hit when the remote holds a verified
-object: the bytes are checked (quack.remote.objects), then published into the
-local store with its normal atomic publish (under the key's lock: check, lock,
-check again), and loaded from there as any entry. Nothing unverified is ever
-written locally or loaded.
+A ``ReadTier`` (quack.cache.contract), registered in the runtime's lookup chain
+(quack.runtime.tiers, order REMOTE). ``fetch`` returns a verified object
+(quack.remote.objects checks signature, key, stamp, source, size, SHA-256); the
+chain publishes it into the local store with its normal atomic publish (lock,
+check again, temp file, metadata last) and loads it from there. Nothing
+unverified is ever written locally or loaded.
 
 ``push`` signs a local entry and stores it if the remote has none (first writer
 wins). Only with ``write = true`` and a signing key; a reader needs no secret.
@@ -29,9 +30,9 @@ from quack.remote import objects
 from quack.remote.stats import STATS_FILE, Counters
 from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
 from quack.signing import SigningKey, TrustedKeys
+from quack.cache.contract import Fetched
 from quack.cache.store import Entry, EntryRef
-from quack.errors import (CacheError, KeyFileError, LockTimeout, ObjectRejected, RemoteError,
-                          RemoteWarning)
+from quack.errors import KeyFileError, ObjectRejected, RemoteError, RemoteWarning
 
 log = logging.getLogger("quack.remote")
 
@@ -52,7 +53,10 @@ def _warn_once(url: str, kind: str, message: str) -> None:
 
 
 class RemoteTier:
-    """One remote cache as seen by this process. Thread-safe."""
+    """One remote cache as seen by this process: a ReadTier (``fetch``) that can
+    also ``push``. Thread-safe."""
+
+    name = "remote"
 
     def __init__(self, backend: Backend, *, trusted: TrustedKeys, signer: SigningKey | None = None,
                  write: bool = False):
@@ -95,10 +99,11 @@ class RemoteTier:
         else:
             _warn_once(self.url, "error-" + op, f"quack: {why}; treated as a miss")
 
-    # -- reading ---------------------------------------------------------------------
-    def fetch(self, store, ref: EntryRef, params: dict | None = None) -> Entry | None:
-        """The verified remote object for ``ref`` published into ``store``, or None.
-        Never raises for a remote or verification problem."""
+    # -- reading (the ReadTier contract, quack.cache.contract) -------------------------
+    def fetch(self, ref: EntryRef) -> Fetched | None:
+        """The verified object for ``ref``, or None. Never raises for a remote or
+        verification problem (a miss, counted, one warning per kind). The caller
+        publishes it into the local store (quack.runtime.tiers.publish_fetched)."""
         if self.offline or not len(self.trusted):
             return None
         name = objects.object_name(ref)
@@ -123,36 +128,11 @@ class RemoteTier:
                        "the kernel is compiled locally (rejections are counted in `quack cache stats` "
                        "and the build summary)")
             return None
-        entry = self._publish(store, ref, data, header)
-        if entry is not None:
-            self._count(hits=1)
-            log.info("remote hit %s key %s (%d bytes, signed by %s)", ref.kernel, ref.key[:16], len(data),
-                     header.get("signer"))
-        return entry
-
-    def _publish(self, store, ref: EntryRef, data: bytes, header: dict) -> Entry | None:
-        meta = {"params": header.get("params"), "compile_s": header.get("compile_s"),
-                "created": time.time(), "remote": self.url, "signer": header.get("signer")}
-        try:
-            with store.lock(ref):
-                existing = store.lookup(ref)
-                if existing is not None:  # another process got it meanwhile
-                    return existing
-                tmp = store.tmp_obj(ref)
-                try:
-                    with open(tmp, "r+b") as f:
-                        f.write(data)
-                        f.truncate()
-                    return store.publish(ref, tmp, meta)
-                finally:
-                    try:
-                        os.unlink(tmp)
-                    except FileNotFoundError:
-                        pass
-        except (CacheError, OSError, LockTimeout) as e:
-            _warn_once(self.url, "local-store", f"quack: can't store a remote object in the local cache "
-                       f"({e}); treated as a miss")
-            return None
+        self._count(hits=1)
+        log.info("remote hit %s key %s (%d bytes, signed by %s)", ref.kernel, ref.key[:16], len(data),
+                 header.get("signer"))
+        meta = {"params": header.get("params"), "compile_s": header.get("compile_s"), "created": time.time()}
+        return Fetched(ref, data, meta, f"remote:{self.url}")
 
     def has(self, ref: EntryRef) -> bool | None:
         """Whether the remote holds an object for ``ref`` (None: unknown, remote off)."""

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from quack.runtime import _generation, loader
+from quack.runtime import _generation, loader, tiers
 from quack.cache import journal
 from quack.compile import pool as _pool
 from quack import registry, settings as _settings
@@ -19,6 +20,7 @@ from quack.params import Param
 from quack.cache.store import DiskStore, warn_once
 
 _ALL: list["JitKernel"] = []
+log = logging.getLogger("quack.jit")
 
 
 class Loaded:
@@ -103,15 +105,18 @@ class JitKernel:
             return self._compile_in_process(params, key, arch)
         if entry is not None:
             try:
-                return self._load(store, entry, params, key, arch, miss=False)
+                loaded = self._load(store, entry, params, key, arch, miss=False)
+                log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
+                return loaded
             except EntryVanished:
                 entry = None  # cleaned between lookup and load: a plain miss
-        entry = self._from_remote(s, store, ref, params)
+        # The read-only tiers (quack.runtime.tiers): a hit is published locally, then loaded.
+        entry, tier = tiers.fetch_into(store, ref, tiers.read_tiers(s))
         if entry is not None:
             try:
                 return self._load(store, entry, params, key, arch, miss=True)
-            except loader.EntryVanished:
-                entry = None
+            except EntryVanished:
+                log.info("tier %s: %s %s vanished before loading", tier, self.spec.name, key[:16])
         if s.mode == "prebuilt":
             plain = self.spec.plain(params)
             err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),
@@ -148,17 +153,6 @@ class JitKernel:
         loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
         return loaded
-
-    def _from_remote(self, s, store, ref, params):
-        """Local miss: the remote tier (verified, then published into the local
-        store as any entry), or None. Needs a writable local cache: only bytes
-        that went through the store's atomic publish are ever loaded."""
-        if not s.remote_url or not store.writable():
-            return None
-        from quack.remote import tier
-
-        remote = tier.current(s)
-        return remote.fetch(store, ref, self.spec.plain(params)) if remote is not None else None
 
     def _compile_in_worker(self, store, ref, params, key, arch):
         """A miss, compiled by the pool. Inside a pool_scope: submit and raise
