@@ -269,3 +269,27 @@ def test_signature_covers_every_header_field(keyring):
     sig = objects.parse_header(good)[0]["signature"]
     assert len(base64.b64decode(sig)) == 64
     assert json.loads(good[len(objects.MAGIC):good.index(b"\n", len(objects.MAGIC))])["signer"] == "ci-1"
+
+
+def test_summary_table_shows_the_remote():
+    """`quack build`'s summary table: remote hits, pushed, rejected (with reasons), failures."""
+    import io
+
+    from rich.console import Console
+
+    from quack_build import display
+    from quack_build.scheduler import BuildResult
+
+    res = BuildResult([], 2, remote_url="redis://h:6379/0", remote_offline=True,
+                      remote={"pushed": 3, "push_exists": 1, "rejected": 2, "push_failed": 1, "errors": 1,
+                              "rejected_by_reason": {"checksum": 1, "untrusted": 1}})
+    con = Console(file=io.StringIO(), width=200)
+    display.print_summary(con, res)
+    out = con.file.getvalue()
+    for text in ("redis://h:6379/0", "(off: unreachable)", "remote hits", "remote pushed", "3 (1 already there)",
+                 "remote rejected", "2 (checksum 1, untrusted 1)", "remote push failed", "remote errors"):
+        assert text in out, text
+    js = res.to_json()
+    assert (js["remote_hits"], js["remote_pushed"], js["remote_rejected"]) == (0, 3, 2)
+    assert js["remote"]["offline"] is True
+    assert BuildResult([], 1).to_json()["remote"] is None
