@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -182,12 +181,13 @@ def main() -> None:
             local = runtime_first_calls(td / "warm", env_for(td / "warm"), args.manifests[:1], args.runtime_keys)
             fresh = runtime_first_calls(td / "rt", env_for(td / "rt", url, keydir), args.manifests[:1],
                                         args.runtime_keys)
-            out["runtime_first_call"] = {"keys": len(local), "local_hit_median_ms": round(statistics.median(local) * 1e3, 3),
+            out["runtime_first_call"] = {"keys": len(local),
+                                         "local_hit_median_ms": round(statistics.median(local) * 1e3, 3),
                                          "remote_hit_median_ms": round(statistics.median(fresh) * 1e3, 3)}
         # 4. a down remote, over every configuration's pull (all local misses).
+        from quack_build import remote_sync, scheduler
         from quack_build.common import _load_kernels
         from quack_build.manifest import expand
-        from quack_build import remote_sync, scheduler
 
         _load_kernels(settings.resolve(env=env_for(td / "x")))
         configs = expand([ROOT / m for m in args.manifests], archs=("sm_90a",)).configs

@@ -9,11 +9,11 @@ import threading
 import time
 
 import pytest
+import remote_services
+from remote_services import moto_s3, redis_server, silent_socket
 
 from quack.errors import RemoteError
 from quack.remote.backend import open_backend, redact
-import remote_services
-from remote_services import moto_s3, redis_server, silent_socket
 
 remote_services.require_modules("redis", "boto3", "moto")
 

@@ -10,18 +10,18 @@ import warnings
 from collections import Counter
 
 import pytest
+import remote_services
+from remote_services import free_port
 
 from quack import settings, signing
 from quack.cache import keys
-from quack.errors import ObjectRejected
 from quack.cache.contract import ReadTier
+from quack.cache.store import DiskStore, EntryRef
+from quack.errors import ObjectRejected
 from quack.remote import objects, tier
-from quack.runtime import tiers
 from quack.remote.backend import open_backend
 from quack.remote.stats import read_stats
-from quack.cache.store import DiskStore, EntryRef
-import remote_services
-from remote_services import free_port
+from quack.runtime import tiers
 
 SRCFP = "0123456789abcdef"
 

@@ -18,6 +18,7 @@ switches the remote off for the rest of the process (one warning), so a dead
 host costs one connect time-out, not one per kernel."""
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -26,13 +27,14 @@ import time
 import warnings
 from pathlib import Path
 
-from quack.remote import objects
-from quack.remote.stats import STATS_FILE, Counters
-from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
-from quack.signing import SigningKey, TrustedKeys
+from quack.cache import fsutil
 from quack.cache.contract import Fetched
 from quack.cache.store import Entry, EntryRef
 from quack.errors import KeyFileError, ObjectRejected, RemoteError, RemoteWarning
+from quack.remote import objects
+from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
+from quack.remote.stats import STATS_FILE, Counters
+from quack.signing import SigningKey, TrustedKeys
 
 log = logging.getLogger("quack.remote")
 
@@ -152,15 +154,11 @@ class RemoteTier:
             return "off"
         ref = entry.ref
         try:
-            from quack.cache import fsutil
-
             data = fsutil.read_nofollow(entry.obj_path)
         except OSError as e:
             self._count(push_failed=1)
             _warn_once(self.url, "push-read", f"quack: can't read {entry.obj_path} to push it ({e})")
             return "failed"
-        import hashlib
-
         if hashlib.sha256(data).hexdigest() != entry.meta.get("sha256"):
             self._count(push_failed=1)  # changed under us: never sign what the store did not verify
             return "failed"
