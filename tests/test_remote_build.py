@@ -414,6 +414,12 @@ def test_runtime_loads_what_ci_built_without_compiling(toy, srv, keydir, tmp_pat
     assert out["compiles"] == 0 and out["stats"]["compiles"] == 0 and out["stats"]["misses"] == 1
     st = json.loads(quack(["cache", "stats", "--json"], toy["proj"], env_for(tmp_path / "c")).stdout)
     assert st["remote"]["total"]["hits"] == 1
+    # `quack prewarm` (what the journal says was used, missing now) pulls instead of compiling.
+    shutil.rmtree(tmp_path / "c" / "v1")
+    r = quack(["prewarm", "--json"], toy["proj"], env_for(tmp_path / "c", db(srv, 0), keydir=keydir))
+    assert r.returncode == 0, r.stderr[-3000:]
+    pw = json.loads(r.stdout)
+    assert (pw["remote_hits"], pw["compiled"]) == (1, 0)
     # Remote down, prebuilt mode: the ordinary "not prebuilt" error, no crash from the remote.
     env = env_for(tmp_path / "c2", "redis://127.0.0.1:9/0", keydir=keydir, QUACK_MODE="prebuilt")
     r = subprocess.run([sys.executable, "-c", RUNTIME], cwd=toy["proj"], env=env, capture_output=True, text=True,
