@@ -327,8 +327,13 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
     max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    bundles: bool = typer.Option(False, "--bundles", help="Check the installed bundles instead of the cache."),
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
+    if bundles:
+        from quack_build import bundlecmd
+
+        _run(lambda: bundlecmd.run_verify_bundles(as_json, cache_dir, no_load, run))
     _run(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))
 
 
@@ -410,3 +415,10 @@ def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> in
                       emit_json=_emit_json)
 
 
+
+
+# --- bundle ------------------------------------------------------------------------
+
+from quack_build import bundlecmd as _bundlecmd  # noqa: E402 - registers on the app defined above
+
+_bundlecmd.register(app, _run, _build, _expand, _store)

@@ -80,6 +80,9 @@ def stats(as_json, cache_dir, top) -> int:
     _load_kernels(s, required=False)
     info = inventory.summarize(s.cache_dir, _current_srcfps())
     info["journal"] = inventory.journal_summary(journal.read(s.cache_dir), top=top)
+    from quack.bundles import tier as _bundle_tier
+
+    info["bundles"] = _bundle_tier.summary(s)
     from quack.remote.stats import read_stats
 
     info["remote"] = read_stats(s.cache_dir)

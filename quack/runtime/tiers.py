@@ -153,6 +153,17 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
         return None
 
 
+def _installed_bundles(settings: Settings) -> ReadTier:
+    """Installed bundles (quack.bundles), an InPlaceTier: the factory only makes the view;
+    the entry points are read at the view's first lookup, once per process."""
+    from quack.bundles.tier import view
+
+    return view(settings)
+
+
+register_tier("bundles", _installed_bundles, order=BUNDLES)
+
+
 def _remote(settings: Settings) -> ReadTier | None:
     """The shared remote cache (quack.remote), when ``[remote] url`` / QUACK_REMOTE is
     set. Imported only then: no redis, boto3 or cryptography import otherwise."""
