@@ -54,7 +54,7 @@ def project(tmp_path, monkeypatch):
     d = write_project(tmp_path / "proj")
     monkeypatch.chdir(d)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
-    saved = settings._current
+    saved = settings.installed()
     yield d
     settings.set_current(saved)
 

@@ -52,7 +52,7 @@ def cache(tmp_path, monkeypatch):
     (proj / "quack.toml").write_text('[build]\nkernel_packages = ["toykernels"]\n')
     monkeypatch.chdir(proj)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(root))
-    saved = settings._current
+    saved = settings.installed()
     cur_fp = registry.get("toy_scale").source_fingerprint()
     cur = root / "v1" / keys.toolchain_stamp("sm_90a") / "toy_scale" / cur_fp
     stale_fp = root / "v1" / keys.toolchain_stamp("sm_90a") / "toy_scale" / "0000000000000000"

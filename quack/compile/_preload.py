@@ -14,6 +14,8 @@ def _preload() -> None:
         from quack import settings
 
         s = settings.get()
+        if s.no_preload:  # QUACK_NO_PRELOAD: workers import lazily (tests of the cold path)
+            return
         os.environ.setdefault("CUTE_DSL_ARCH", s.arch)
         packages = s.kernel_packages
     except Exception:  # noqa: BLE001 - a bad quack.toml is reported by the caller, not here
@@ -40,5 +42,4 @@ def _preload() -> None:
         pass
 
 
-if os.environ.get("QUACK_NO_PRELOAD") != "1":
-    _preload()
+_preload()

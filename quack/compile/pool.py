@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -46,6 +48,39 @@ from quack.errors import CacheError, CompileError, CompileTimeout, LockTimeout
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
 EXTERNAL_POLL_S = 0.1
+log = logging.getLogger("quack.pool")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRequest:
+    """One compile task as sent to a worker (pickled over its pipe): what to
+    import, which configuration, and the cache to publish into."""
+
+    module: str
+    kernel: str
+    params: dict
+    arch: str
+    root: str
+    fsync: bool
+    lock_timeout: float
+    force: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+    """The pool's public view of one key's task (``CompilePool.task_info``).
+
+    ``started``: time.monotonic() when a worker took it (or, for a key another
+    process is compiling, when the pool began awaiting it); None while queued.
+    ``pid``: the worker's pid once started; None for queued or external keys."""
+
+    kernel: str
+    key: str
+    arch: str
+    submitted: float
+    started: float | None
+    pid: int | None
+    external: bool
 
 
 def _worker_died_error(task: "_Task", exitcode) -> CompileError:
@@ -66,18 +101,17 @@ def _noop() -> int:
     return os.getpid()
 
 
-def worker_build(module: str, kernel: str, params: dict, arch: str, root: str, fsync: bool,
-                 lock_timeout: float, force: bool) -> dict:
+def worker_build(req: WorkerRequest) -> dict:
     """Task run in a worker: import, compile, publish. Returns a small report."""
     from quack.compile import builder
     from quack import registry
     from quack.cache.store import DiskStore
 
-    spec = registry.import_spec(module, kernel)
-    bound = spec.bind((), params)
-    store = DiskStore(Path(root), fsync=fsync, lock_timeout=lock_timeout)
+    spec = registry.import_spec(req.module, req.kernel)
+    bound = spec.bind((), req.params)
+    store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
-    entry, compiled = builder.build(spec, bound, arch, store, force=force)
+    entry, compiled = builder.build(spec, bound, req.arch, store, force=req.force)
     return {"key": entry.ref.key, "compiled": compiled, "pid": os.getpid(),
             "compile_s": entry.meta.get("compile_s", 0.0) if compiled else 0.0,
             "wall_s": time.perf_counter() - t0, "obj": str(entry.obj_path)}
@@ -96,17 +130,17 @@ def _worker_main(conn) -> None:
             return
         if msg is None:
             return
-        fn, args = msg
+        fn, req = msg
         try:
-            result = ("ok", fn(*args))
+            result = ("ok", fn(req))
         except CompileError as e:
             result = ("err", e)
         except (CacheError, LockTimeout) as e:  # the cache's problem: the caller runs uncached
             result = ("err", e)
         except BaseException as e:  # noqa: BLE001 - everything goes back as text
             detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            kernel, params, arch = (args[1], args[2], args[3]) if len(args) >= 4 else ("?", {}, "?")
-            result = ("err", CompileError(kernel, params, arch, detail))
+            result = ("err", CompileError(getattr(req, "kernel", "?"), getattr(req, "params", {}),
+                                          getattr(req, "arch", "?"), detail))
         try:
             conn.send(result)
         except Exception:  # noqa: BLE001 - unpicklable result: send text instead
@@ -168,12 +202,12 @@ def _context(start_method: str):
 
 # -- the pool --------------------------------------------------------------------------------
 class _Task:
-    __slots__ = ("ident", "key", "root", "kernel", "params", "arch", "args", "timeout", "submitted",
+    __slots__ = ("ident", "key", "root", "kernel", "params", "arch", "request", "timeout", "submitted",
                  "started", "pid", "external_lock", "obj_meta")
 
-    def __init__(self, ident, key, root, kernel, params, arch, args, timeout):
+    def __init__(self, ident, key, root, kernel, params, arch, request: WorkerRequest, timeout):
         self.ident, self.key, self.root = ident, key, root
-        self.kernel, self.params, self.arch, self.args, self.timeout = kernel, params, arch, args, timeout
+        self.kernel, self.params, self.arch, self.request, self.timeout = kernel, params, arch, request, timeout
         self.submitted = time.monotonic()
         self.started = None
         self.pid = None
@@ -216,7 +250,7 @@ class CompilePool:
 
         self.settings = settings or _settings.get()
         self.jobs = jobs or self.settings.compile_jobs or min(os.cpu_count() or 1, 16)
-        self.start_method = start_method or os.environ.get("QUACK_POOL_START", "forkserver")
+        self.start_method = start_method or self.settings.pool_start
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._state: dict[tuple, str] = {}
@@ -326,7 +360,8 @@ class CompilePool:
             if st in (PENDING, DONE):
                 return st
             plain = spec.plain(params)
-            args = (spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync, s.lock_timeout, force)
+            args = WorkerRequest(spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync,
+                                 s.lock_timeout, force)
             task = _Task(ident, key, s.cache_dir, spec.name, plain, arch, args,
                          timeout if timeout is not None else s.compile_timeout)
             self._errors.pop(ident, None)
@@ -340,12 +375,15 @@ class CompilePool:
                     task.started = time.monotonic()
                     self._external[ident] = task
                     self.counts["awaited_external"] += 1
+                    log.info("pool: %s %s is being compiled by another process; awaiting it",
+                             spec.name, key[:16])
                     self._ensure_thread()
                     self._bump()
                     self._wake()
                     return PENDING
             self._queue.append(task)
             self.counts["submitted"] += 1
+            log.debug("pool: submitted %s %s", spec.name, key[:16])
             self._ensure_thread()
             self._bump()
             self._wake()
@@ -390,6 +428,15 @@ class CompilePool:
             self._errors.pop(ident, None)
             self._tasks.pop(ident, None)
             self._reports.pop(ident, None)
+
+    def task_info(self, key: str, root=None) -> TaskInfo | None:
+        """The pool's record of a key's current task (None if it has none)."""
+        with self._lock:
+            t = self._tasks.get(self._ident(key, root))
+            if t is None:
+                return None
+            return TaskInfo(t.kernel, t.key, t.arch, t.submitted, t.started, t.pid,
+                            t.external_lock is not None)
 
     def pending_for(self, key: str, root=None) -> float:
         with self._lock:
@@ -444,6 +491,8 @@ class CompilePool:
             self._state[ident] = FAILED
             self._errors[ident] = payload
             self.counts["failed"] += 1
+            log.info("pool: %s %s failed: %s", task.kernel, task.key[:16],
+                     str(payload).strip().splitlines()[-1][:200] if str(payload).strip() else "")
         self._bump()
 
     def _spawn(self) -> _Worker | None:
@@ -459,6 +508,7 @@ class CompilePool:
             child.close()
         with self._lock:
             self.counts["workers_started"] += 1
+        log.debug("pool: started worker pid %s (%s)", proc.pid, self.start_method)
         return _Worker(proc, parent)
 
     def _run(self) -> None:
@@ -475,7 +525,7 @@ class CompilePool:
                     w = idle.pop()
                     t = self._queue.pop(0)
                     try:
-                        w.conn.send((worker_build, t.args))
+                        w.conn.send((worker_build, t.request))
                     except (OSError, ValueError):
                         self._queue.insert(0, t)
                         continue  # a dead worker; its sentinel reports it below
@@ -548,6 +598,8 @@ class CompilePool:
         t, w.task = w.task, None
         if t is not None:
             self.counts["worker_deaths"] += 1
+            log.warning("pool: worker pid %s died (exit %s) compiling %s %s; replaced",
+                        w.proc.pid, w.proc.exitcode, t.kernel, t.key[:16])
             self._finish(t, False, _worker_died_error(t, w.proc.exitcode))
 
     def _check_deadlines(self, now: float) -> None:
@@ -561,6 +613,7 @@ class CompilePool:
                 w.task = None
                 self._reap(w)
                 self.counts["timeouts"] += 1
+                log.warning("pool: %s %s ran past %.0f s; worker killed", t.kernel, t.key[:16], t.timeout)
                 self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started))
 
     def _check_external(self, now: float) -> None:
@@ -626,6 +679,30 @@ def configure_default(jobs: int | None = None) -> CompilePool:
 # swallowed it with ``except BaseException``), and prebuilt-mode misses.
 _pending_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_pending_log", default=None)
 _miss_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_miss_log", default=None)
+
+
+@contextlib.contextmanager
+def recording_pending():
+    """Collect, in the yielded list, every CompilePending raised in this block
+    (even one a test swallowed). Enter it inside ``pool_scope``, which starts
+    each scope with no recording."""
+    log: list = []
+    token = _pending_log.set(log)
+    try:
+        yield log
+    finally:
+        _pending_log.reset(token)
+
+
+@contextlib.contextmanager
+def recording_not_prebuilt():
+    """Collect (KernelNotPrebuilt, settings) for every prebuilt-mode miss in this block."""
+    log: list = []
+    token = _miss_log.set(log)
+    try:
+        yield log
+    finally:
+        _miss_log.reset(token)
 
 
 def note_pending(exc) -> None:

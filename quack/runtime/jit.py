@@ -124,6 +124,8 @@ class JitKernel:
             _pool.note_not_prebuilt(err, s)
             raise err
         if not store.writable():
+            log.info("%s is not writable: compiling %s %s in this process", s.cache_dir,
+                     self.spec.name, key[:16])
             # Read-only cache: hits still load from it; misses run uncached, one warning.
             warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
                       f"kernels missing from it are compiled in this process and not stored",
@@ -145,6 +147,7 @@ class JitKernel:
         else:
             entry = self._compile_in_worker(store, ref, params, key, arch)
             if entry is None:
+                log.info("fallback: compiling %s %s in this process", self.spec.name, key[:16])
                 return self._compile_in_process(params, key, arch)
         try:
             loaded = self._load(store, entry, params, key, arch, miss=True)
