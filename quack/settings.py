@@ -11,7 +11,7 @@ import re
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 from quack.errors import SettingsError
 
@@ -228,7 +228,7 @@ def read_config(path: Path) -> dict[str, Any]:
 def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> Settings:
     """Resolve all settings. ``overrides`` are CLI values (None = not given)."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     config = find_config(cwd)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -238,7 +238,7 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
             sources[k] = str(config)
     for name, f in _FIELDS.items():
         for var in f.env:
-            text = env.get(var)
+            text = environ.get(var)
             if text is None or text == "":
                 continue
             try:
@@ -261,7 +261,8 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
     else:
         cache_path = Path(os.path.expanduser(str(cache_dir)))
         if not cache_path.is_absolute():
-            base = config.parent if sources.get("cache_dir") == str(config) else Path.cwd()
+            base = config.parent if config is not None and sources.get("cache_dir") == str(config) \
+                else Path.cwd()
             cache_path = base / cache_path
     for k in ("manifests", "archs", "kernel_packages"):
         if k in values:

@@ -49,9 +49,9 @@ def _expand(s, manifests, arch, max_configs):
 
 
 def _store(s):
-    from quack.cache.store import DiskStore
+    from quack.cache.store import local_store
 
-    return DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
+    return local_store(s)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
@@ -67,10 +67,10 @@ def _run(fn):
         code = fn()
     except Fail as e:
         typer.echo(str(e), err=True)
-        raise typer.Exit(e.code)
+        raise typer.Exit(e.code) from None
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     finally:
         warnings.showwarning = saved
     raise typer.Exit(code or 0)
@@ -195,7 +195,7 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         age = inventory.parse_age(older_than) if older_than is not None else None
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     s = cli_settings(cache_dir)
     load_kernels(s, required=False)
     con = console(to_stderr=as_json)
@@ -230,8 +230,8 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
                   markup=False)
         if rep.busy:
             con.print(f"skipped {len(rep.busy)} in use by other processes", markup=False)
-        for p, e in rep.errors:
-            con.print(f"error: {p}: {e}", markup=False)
+        for p, err in rep.errors:
+            con.print(f"error: {p}: {err}", markup=False)
     return 1 if rep.errors else 0
 
 
@@ -290,7 +290,7 @@ def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> in
         age = inventory.parse_age(since) if since not in ("0", "all") else None
     except ValueError as e:
         typer.echo(f"error: --since: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     s = cli_settings(cache_dir, jobs)
     load_kernels(s)
     con = console(to_stderr=as_json)

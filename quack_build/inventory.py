@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from quack.cache import fsutil, keys, orphans
+from quack.cache import keys, orphans
 from quack.cache.store import LAYOUT
 
 _TMP_RE = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
@@ -207,7 +207,8 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
     debris["quarantined_bytes"] = sum(x[1] for x in q)
     per_stamp: dict[str, dict] = {}
     for f in fps:
-        s = per_stamp.setdefault(f["stamp"], {"stamp": f["stamp"], "current": stamp_is_current(f["stamp"]),
+        stamp = str(f["stamp"])
+        s = per_stamp.setdefault(stamp, {"stamp": stamp, "current": stamp_is_current(stamp),
                                              "entries": 0, "bytes": 0, "fingerprints": 0})
         s["entries"] += f["entries"]
         s["bytes"] += f["bytes"]
@@ -436,6 +437,6 @@ def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all
         for d, kf in sorted(kept, key=lambda x: x[1].last_use):
             if total <= max_size:
                 break
-            if c.remove_key(d, kf, f"--max-size (least recently used)", drop_lock=False):
+            if c.remove_key(d, kf, "--max-size (least recently used)", drop_lock=False):
                 total -= kf.bytes
     return c.report

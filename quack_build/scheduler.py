@@ -37,7 +37,7 @@ class Task:
     detail: str = ""
 
     def to_json(self) -> dict:
-        d = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
+        d: dict[str, object] = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
              "key": self.cfg.key, "status": self.status}
         if self.status in (COMPILED, SHARED, FAILED):
             d.update(compile_s=round(self.compile_s, 4), wall_s=round(self.wall_s, 4), worker=self.pid)
@@ -175,10 +175,11 @@ def past_compile_times(root: Path, todo: list[Task]) -> dict[str, float]:
                         out[k] = max(out.get(k, 0.0), float(v))
     keyset = {t.cfg.key for t in todo}
     for r in journal.read(Path(root)):
-        k = r.get("key")
+        rk = r.get("key")
         v = r.get("compile_s")
-        if k in keyset and k not in out and r.get("compiles") and isinstance(v, (int, float)) and v > 0:
-            out[k] = float(v)
+        if isinstance(rk, str) and rk in keyset and rk not in out and r.get("compiles") \
+                and isinstance(v, (int, float)) and v > 0:
+            out[rk] = float(v)
     return out
 
 

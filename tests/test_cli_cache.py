@@ -98,7 +98,7 @@ def test_stats_imports_neither_cutlass_nor_torch(cache, entry):
     call = ("from quack_build.cli import main\nmain(['cache', 'stats', '--json'])" if entry == "main" else
             "from quack_build.cli import app\napp(['cache', 'stats', '--json'])")
     heavy = "('torch', 'cutlass', 'tvm_ffi', 'typer')" if entry == "main" else "('torch', 'cutlass', 'tvm_ffi')"
-    code = (f"import sys\ntry:\n    " + call.replace("\n", "\n    ") + "\nexcept SystemExit as e:\n"
+    code = ("import sys\ntry:\n    " + call.replace("\n", "\n    ") + "\nexcept SystemExit as e:\n"
             f"    assert not e.code, e.code\nbad = [m for m in {heavy} if m in sys.modules]\n"
             "assert not bad, bad\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))

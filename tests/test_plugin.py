@@ -1,7 +1,6 @@
 """The pytest plugin, end to end in pytester subprocesses with real CPU compiles
 of the toy kernels: --async-compile single-process and under xdist (load and
 worksteal), the fault cases, OOM retry, strict prebuilt mode, the integrity check."""
-import os
 import re
 
 import pytest

@@ -1,6 +1,5 @@
 """settings.override / installed, and the settings read through settings.py
 (QUACK_POOL_START, QUACK_NO_PRELOAD, QUACK_LOG, QUACK_PYTEST_GPU_PIN)."""
-import logging
 import subprocess
 import sys
 

@@ -184,7 +184,7 @@ def _install_prep_filter() -> None:
                 d.pop(k, None)
         return d
 
-    get_preparation_data._quack_filter = True
+    get_preparation_data._quack_filter = True  # type: ignore[attr-defined]
     spawn.get_preparation_data = get_preparation_data
 
 
@@ -209,17 +209,18 @@ class _Task:
         self.ident, self.key, self.root = ident, key, root
         self.kernel, self.params, self.arch, self.request, self.timeout = kernel, params, arch, request, timeout
         self.submitted = time.monotonic()
-        self.started = None
-        self.pid = None
-        self.external_lock = None  # lock path, for a key another process is compiling
-        self.obj_meta = None       # its metadata path (written last by a publish)
+        self.started: float | None = None
+        self.pid: int | None = None
+        self.external_lock: str | None = None  # lock path, for a key another process is compiling
+        self.obj_meta: str | None = None       # its metadata path (written last by a publish)
 
 
 class _Worker:
     __slots__ = ("proc", "conn", "task")
 
     def __init__(self, proc, conn):
-        self.proc, self.conn, self.task = proc, conn, None
+        self.proc, self.conn = proc, conn
+        self.task: _Task | None = None
 
 
 def lock_held(path) -> bool:
@@ -262,7 +263,8 @@ class CompilePool:
         self._workers: list[_Worker] = []
         self._want_workers = 0
         self._thread: threading.Thread | None = None
-        self._wake_r, self._wake_w = None, None
+        self._wake_r: int = -1
+        self._wake_w: int | None = None
         self._closed = False
         self.generation = 0  # bumped on every state change (see wait_change)
         self.counts = {"submitted": 0, "done": 0, "failed": 0, "compiled": 0, "compile_s": 0.0,
@@ -393,9 +395,9 @@ class CompilePool:
     def _external_paths(spec, params, arch, s):
         try:
             from quack.compile import builder
-            from quack.cache.store import DiskStore
+            from quack.cache.store import local_store
 
-            p = DiskStore(s.cache_dir).paths(builder.entry_ref(spec, params, arch))
+            p = local_store(s).paths(builder.entry_ref(spec, params, arch))
             return str(p["lock"]), str(p["meta"])
         except Exception:  # noqa: BLE001 - an unusable cache is the worker's to report
             return None
@@ -465,8 +467,8 @@ class CompilePool:
 
     def stats(self) -> dict:
         with self._lock:
-            d = dict(self.counts)
-            d["compile_s"] = round(d["compile_s"], 3)
+            d: dict[str, object] = dict(self.counts)
+            d["compile_s"] = round(self.counts["compile_s"], 3)
             d["pending"] = sum(1 for s in self._state.values() if s == PENDING)
             d["queued"] = len(self._queue)
             d["running"] = sum(1 for w in self._workers if w.task is not None)
@@ -495,7 +497,7 @@ class CompilePool:
                      str(payload).strip().splitlines()[-1][:200] if str(payload).strip() else "")
         self._bump()
 
-    def _spawn(self) -> _Worker | None:
+    def _spawn(self) -> _Worker:
         ctx = _context(self.start_method)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="quack-compile")
@@ -575,9 +577,9 @@ class CompilePool:
                         except (EOFError, OSError):
                             self._reap(w)  # died mid-task: its key fails
                             continue
-                        t, w.task = w.task, None
-                        if t is not None:
-                            self._finish(t, status == "ok", payload)
+                        done, w.task = w.task, None
+                        if done is not None:
+                            self._finish(done, status == "ok", payload)
                     if w.proc.sentinel in ready:
                         self._reap(w)
 
@@ -618,6 +620,8 @@ class CompilePool:
 
     def _check_external(self, now: float) -> None:
         for ident, t in list(self._external.items()):
+            # submit sets all three for every external task
+            assert t.obj_meta is not None and t.external_lock is not None and t.started is not None
             if os.path.exists(t.obj_meta):
                 del self._external[ident]
                 self._finish(t, True, {"key": t.key, "compiled": False, "external": True})
@@ -637,7 +641,8 @@ class CompilePool:
                 self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, external=True))
 
     def _next_timeout(self, now: float) -> float | None:
-        cands = [t.started + t.timeout - now for w in self._workers if (t := w.task) is not None]
+        cands = [t.started + t.timeout - now for w in self._workers
+                 if (t := w.task) is not None and t.started is not None]
         if self._external:
             cands.append(EXTERNAL_POLL_S)
         return max(0.0, min(cands)) + 0.01 if cands else None

@@ -17,7 +17,7 @@ from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending
                           EntryVanished, KernelNotPrebuilt, LockTimeout)
 from quack.manifest_line import manifest_line
 from quack.params import Param
-from quack.cache.store import DiskStore, warn_once
+from quack.cache.store import local_store, warn_once
 
 _ALL: list["JitKernel"] = []
 log = logging.getLogger("quack.jit")
@@ -95,7 +95,7 @@ class JitKernel:
         arch = s.arch
         if not s.cache_enabled:
             return self._compile_in_process(params, key, arch)
-        store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
+        store = local_store(s)
         ref = builder.entry_ref(self.spec, params, arch)
         try:
             entry = store.lookup(ref)
@@ -177,7 +177,7 @@ class JitKernel:
             if st == _pool.PENDING:
                 if scoped:
                     exc = CompilePending(self.spec.name, key)
-                    exc.root = root
+                    exc.root = str(root)
                     exc.pool = pool
                     _pool.note_pending(exc)
                     raise exc
@@ -230,7 +230,7 @@ class JitKernel:
         t0 = time.perf_counter()
         try:
             fn = self.spec.fn(**params)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
             import traceback
 
             raise CompileError(self.spec.name, self.spec.plain(params), arch,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _pytest.outcomes import Skipped  # pytest.skip.Exception, spelled so type checkers see it
 
 MAX_DEFERS = 20
 
@@ -48,7 +49,7 @@ def pool_for_session(config, async_n: int, worker: bool):
     return pool, scope_root
 
 
-class Deferred(pytest.skip.Exception):
+class Deferred(Skipped):
     """Setup hit a pending compile: end setup (the body must not run on half-built
     fixtures). The attempt's reports are discarded."""
 

@@ -6,12 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import TYPE_CHECKING
 
 import pytest
 
 from quack.testing import deferral, gpus, oom
 from quack.testing.deferral import MAX_DEFERS
 from quack.testing.strict import StrictMode
+
+if TYPE_CHECKING:
+    from quack.compile.pool import CompilePool
 
 
 class Runner:
@@ -23,7 +27,7 @@ class Runner:
         self.deferring = async_n is not None
         self.max_defers = max(0, int(config.getoption("quack_max_defers", MAX_DEFERS)))
         self.worker = hasattr(config, "workerinput")
-        self.pool = None
+        self.pool: CompilePool | None = None  # set when deferring (--async-compile)
         self.strict = StrictMode() if prebuilt else None
         self.misses: list | None = None  # the current attempt's prebuilt-mode misses
         self.defers = 0
@@ -126,9 +130,9 @@ class Runner:
             if bad:
                 item._quack_teardown_error = bad[0]
             return pending
-        bad = getattr(item, "_quack_teardown_error", None)
-        if bad is not None and reports and reports[-1].when == "teardown" and reports[-1].passed:
-            reports[-1] = bad  # a deferred attempt's teardown failed: that is part of the outcome
+        td_error = getattr(item, "_quack_teardown_error", None)
+        if td_error is not None and reports and reports[-1].when == "teardown" and reports[-1].passed:
+            reports[-1] = td_error  # a deferred attempt's teardown failed: that is part of the outcome
         self._log(item, reports)
         return None
 
@@ -170,6 +174,7 @@ class Runner:
         from quack.compile import pool as _pool
 
         pool = getattr(pending, "pool", None) or self.pool
+        assert pool is not None  # a pending compile always has its pool
         return pool.state(pending.key, getattr(pending, "root", None)) != _pool.PENDING
 
     # single process: our own loop ----------------------------------------------------------------
@@ -184,9 +189,11 @@ class Runner:
             return True
         from collections import deque
 
+        pool = self.pool
+        assert pool is not None  # deferring
         queue = deque((item, None) for item in session.items)
         blocked = 0
-        gen = self.pool.generation
+        gen = pool.generation
         while queue:
             item, pending = queue.popleft()
             if pending is not None and not self._ready(pending) \
@@ -194,11 +201,11 @@ class Runner:
                 queue.append((item, pending))
                 blocked += 1
                 if blocked >= len(queue):
-                    gen = self.pool.wait_change(gen, 1.0)
+                    gen = pool.wait_change(gen, 1.0)
                     blocked = 0
                 continue
             blocked = 0
-            gen = self.pool.generation
+            gen = pool.generation
             nextitem = queue[0][0] if queue else None
             pending = self._run_item(item, nextitem)
             if pending is not None:
@@ -237,15 +244,17 @@ class Runner:
         if session.shouldstop or session.shouldfail:
             self.deferred.clear()
             return
-        gen = self.pool.generation if self.pool else 0
+        pool = self.pool
+        assert pool is not None  # only a deferring runner defers
+        gen = pool.generation
         while self.deferred:
             before = [(i.nodeid, self.attempts.get(i.nodeid, 0)) for i, _ in self.deferred]
             self._drain(nextitem=None)
             after = [(i.nodeid, self.attempts.get(i.nodeid, 0)) for i, _ in self.deferred]
             if self.deferred and after == before:
-                gen = self.pool.wait_change(gen, 1.0)
+                gen = pool.wait_change(gen, 1.0)
             else:
-                gen = self.pool.generation
+                gen = pool.generation
 
     # bookkeeping ----------------------------------------------------------------------------------
     def summary(self) -> dict:

@@ -4,6 +4,7 @@ that every collected, non-deselected test reported, and prints one summary line
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 
@@ -40,7 +41,7 @@ class Controller:
         parts = list(self.worker_summaries)
         if self.local is not None:
             parts.append(self.local.summary())
-        tot = {"submitted": 0, "failed": 0, "compiled": 0, "compile_s": 0.0, "deferrals": 0,
+        tot: dict[str, Any] = {"submitted": 0, "failed": 0, "compiled": 0, "compile_s": 0.0, "deferrals": 0,
                "forced_sync": 0, "timeouts": 0, "worker_deaths": 0, "awaited_external": 0}
         oom, errors, setup_errors, firsts = [], [], [], []
         for p in parts:
