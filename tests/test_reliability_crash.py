@@ -102,8 +102,8 @@ def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
     assert stats["debris_after_kill"] > 0 or stats["orphan_o_after_kill"] > 0, stats
 
     # Sweep the debris: `quack cache clean` where it exists, else the store's sweep.
-    # clean spares a dead writer's temp file for a minute (its pid may be reused, the
-    # file may be on a shared disk), an orphan .o for 5: make the debris look 400 s old.
+    # clean spares a gone writer's files for a minute (quack.cache.orphans: its pid may
+    # be reused, the file may be on a shared disk): make the debris look 400 s old.
     backdate(root, 400)
     if cli_has("cache", "clean"):
         r = subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root)], env=env(),

@@ -5,10 +5,16 @@ torch is hidden while cutlass and tvm_ffi import (tvm_ffi imports torch when
 it can: ~3 s that a compile never needs; the .o is bit-identical), then
 unhidden so a compile function that does import torch still can."""
 import os
+import signal
 import sys
 
 
 def _preload() -> None:
+    # This runs in the forkserver, which shares the terminal's process group: a Ctrl-C
+    # must not kill it mid-import with a KeyboardInterrupt traceback on the user's
+    # terminal. The parent decides what happens to compiles (it exits, and the
+    # forkserver follows when its pipe closes); workers ignore SIGINT likewise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     try:
         from quack import settings

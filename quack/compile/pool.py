@@ -200,6 +200,20 @@ def _context(start_method: str):
     return ctx
 
 
+def _block_sigint_for_children() -> None:
+    """Block SIGINT in the dispatcher thread (never the main thread): processes it
+    starts (the forkserver, workers) inherit the mask, so a terminal's Ctrl-C, sent to
+    the whole process group, cannot interrupt them mid-start with a traceback; the
+    main thread still receives it. multiprocessing's resource tracker unblocks SIGINT
+    in the calling thread when it starts, so it is started first."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
 # -- the pool --------------------------------------------------------------------------------
 class _Task:
     __slots__ = ("ident", "key", "root", "kernel", "params", "arch", "request", "timeout", "submitted",
@@ -498,6 +512,7 @@ class CompilePool:
         self._bump()
 
     def _spawn(self) -> _Worker:
+        _block_sigint_for_children()
         ctx = _context(self.start_method)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="quack-compile")

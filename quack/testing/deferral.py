@@ -37,7 +37,8 @@ def pool_for_session(config, async_n: int, worker: bool):
     scope_root = None
     try:
         s = settings.get()
-        n = n or s.compile_jobs
+        if n <= 0:
+            n = s.compile_jobs
         scope_root = str(s.cache_dir)
     except Exception:  # noqa: BLE001 - a bad quack.toml: the first miss reports it
         pass
