@@ -3,12 +3,15 @@
 real multi-GPU host under xdist (skipped where it cannot apply)."""
 import os
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 import gpupin
 from conftest import requires_gpu
 from quack.testing import gpus
+
+pytest_plugins = ["pytester"]
 
 
 @pytest.mark.parametrize("n_gpus", [1, 2, 3, 4, 8])
@@ -81,3 +84,48 @@ def test_this_worker_sees_its_own_gpu():
     assert torch.cuda.device_count() == 1
     torch.zeros(1, device="cuda")  # initialises CUDA here, so this worker records its GPU
     assert str(torch.cuda.get_device_properties(0).uuid)
+
+_CONFTEST = """
+import os
+import gpupin
+from gpupin import pytest_sessionfinish, pytest_terminal_summary, pytest_testnodedown
+
+def _fake_record():
+    # What torch.cuda.get_device_properties(0).uuid would say, from the pinned device
+    # (no CUDA on this machine): {same} makes every worker claim one GPU.
+    from quack.testing import gpus
+    wid = os.environ.get("PYTEST_XDIST_WORKER")
+    if not wid:
+        return None
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return {"worker": wid, "cvd": cvd, "uuid": {same} or "GPU-" + cvd, "pid": os.getpid(),
+            "pinned": gpus.current is not None, "workers": int(os.environ["PYTEST_XDIST_WORKER_COUNT"])}
+
+gpupin.record = _fake_record
+"""
+
+
+@pytest.mark.parametrize("same,ok", [("None", True), ('"GPU-one"', False)], ids=["round-robin", "shared"])
+def test_session_end_check_through_xdist(pytester, monkeypatch, same, ok):
+    """The helper's plumbing on CPU: records travel from 3 xdist workers pinned over two
+    (fake) GPUs to the controller; a wrong assignment fails the session."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    monkeypatch.setenv("QUACK_PYTEST_GPU_PIN", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    pytester.makeconftest(_CONFTEST.replace("{same}", same))
+    pytester.makepyfile(test_a="""
+        import pytest
+        @pytest.mark.parametrize("i", range(9))
+        def test_x(i):
+            pass
+    """)
+    r = pytester.runpytest_subprocess("-n", "3", "-p", "no:cacheprovider", timeout=300)
+    out = r.stdout.str()
+    assert "quack GPU pinning: 3 workers on" in out, out
+    if ok:
+        assert r.ret == 0 and "PROBLEM" not in out
+        assert "gw0: CUDA_VISIBLE_DEVICES=3" in out and "gw1: CUDA_VISIBLE_DEVICES=5" in out
+    else:
+        assert r.ret == 1 and "PROBLEM" in out and "not on the same GPU" not in out
+        assert "are on the same GPU; round-robin over 2 GPUs says otherwise" in out
