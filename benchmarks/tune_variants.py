@@ -39,7 +39,7 @@ def run(name, mod, raw, tunes, setup, call, check, nbytes):
 def rmsnorm_bwd_variants(shapes, variants):
     """RMSNorm backward: variants are (tune dict, grid clusters or None = the wrapper's)."""
     from quack_kernels._plan import plan_rows
-    
+
     dt = torch.bfloat16
     for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=dt)

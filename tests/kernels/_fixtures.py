@@ -17,7 +17,7 @@ def kernel_cache():
     if not d:
         yield str(settings.get().cache_dir)
         return
-    saved = settings._current
+    saved = settings.installed()
     settings.set_current(settings.resolve({"cache_dir": d, "arch": "sm_90a", "mode": "jit"}))
     yield d
     settings.set_current(saved)
