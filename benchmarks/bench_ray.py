@@ -37,14 +37,14 @@ def _build(executor_name: str, manifests, jobs: int, cache: Path, address: str =
     from quack import settings as qs
     from quack.cache.store import DiskStore
     from quack_build import scheduler
-    from quack_build.common import _load_kernels
+    from quack_build.common import load_kernels
     from quack_build.executors.local import LocalExecutor
     from quack_build.executors.ray_executor import RayExecutor
     from quack_build.manifest import expand
 
     s = qs.resolve({"cache_dir": str(cache), "jobs": jobs, "fsync": True})
     qs.set_current(s)
-    _load_kernels(s)
+    load_kernels(s)
     exp = expand([Path(m) for m in manifests], archs=s.build_archs())
     store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
     tasks = scheduler.plan(exp.configs, store)

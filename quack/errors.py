@@ -57,7 +57,7 @@ class KernelNotPrebuilt(QuackError, LookupError):
     """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
 
     def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str,
-                 manifest_line: str = ""):
+                 manifest_line: str = "", bundles: tuple[str, ...] = ()):
         # manifest_line: the manifest entry that would build it (quack.manifest_line),
         # made by the raiser so that this module imports nothing from quack.
         self.kernel = kernel
@@ -66,17 +66,29 @@ class KernelNotPrebuilt(QuackError, LookupError):
         self.key = key
         self.cache_dir = cache_dir
         self.manifest_line = manifest_line
+        self.bundles = tuple(bundles)  # "name version (n entries for this toolchain)" per bundle searched
         super().__init__(self._message())
 
     def _message(self) -> str:
         line = self.manifest_line
         return (
             f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
-            f"(key {self.key[:16]}, cache {self.cache_dir}).\n"
+            f"(key {self.key[:16]}, cache {self.cache_dir}; "
+            f"bundles searched: {'; '.join(self.bundles) or 'none installed'}).\n"
             f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
             f"(or unset QUACK_MODE=prebuilt to compile on demand)"
         )
+
+
+class BundleError(QuackError, ValueError):
+    """A deployment bundle (or its wheel) is malformed, damaged, or not signed by a
+    trusted key. ``bundle`` names it, ``path`` the file at fault."""
+
+    def __init__(self, message: str, *, bundle: str = "", path: str = ""):
+        super().__init__(message)
+        self.bundle = bundle
+        self.path = path
 
 
 class CompileError(QuackError, RuntimeError):
@@ -102,6 +114,53 @@ class CacheError(QuackError, OSError):
         self.path = path
 
 
+class SignatureError(QuackError, ValueError):
+    """A signed object is refused: its signer is not trusted (``reason``
+    ``untrusted``) or its signature does not verify (``bad-signature``)."""
+
+    def __init__(self, message: str, *, signer: str = "", reason: str = ""):
+        super().__init__(message)
+        self.signer = signer
+        self.reason = reason
+
+
+class KeyFileError(QuackError, ValueError):
+    """A signing or trusted key file is missing, unreadable or malformed."""
+
+    def __init__(self, message: str, *, path: str = "", reason: str = ""):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
+
+
+class RemoteError(QuackError, OSError):
+    """A remote cache operation failed. ``reason``: ``unreachable`` (refused,
+    DNS, reset), ``timeout``, ``full`` (out of memory or quota), ``denied``
+    (credentials, permissions), ``protocol`` (an answer that makes no sense).
+    ``unreachable`` and ``timeout`` switch the remote off for the process."""
+
+    def __init__(self, message: str, *, url: str = "", reason: str = ""):
+        super().__init__(message)
+        self.url = url
+        self.reason = reason
+
+    @property
+    def offline(self) -> bool:
+        return self.reason in ("unreachable", "timeout")
+
+
+class ObjectRejected(QuackError, ValueError):
+    """A remote object failed verification (unsigned, untrusted or bad
+    signature, another key's object, wrong toolchain or source, truncated or
+    altered bytes). It is a miss: never loaded, never stored locally."""
+
+    def __init__(self, message: str, *, key: str = "", reason: str = "", signer: str = ""):
+        super().__init__(message)
+        self.key = key
+        self.reason = reason
+        self.signer = signer
+
+
 class CacheWriteError(CacheError):
     """Writing to the cache failed (disk full, read-only, permission): nothing was
     published and the temp files are gone. ``reason`` is a short label."""
@@ -114,6 +173,10 @@ class CacheWriteError(CacheError):
 
 class CacheWarning(QuackError, UserWarning):
     """A cache problem quack recovered from (the entry is rebuilt)."""
+
+
+class RemoteWarning(CacheWarning):
+    """A remote cache problem quack recovered from (a miss, a skipped push)."""
 
 
 class LockTimeout(QuackError, TimeoutError):
@@ -167,6 +230,8 @@ class CompilePending(BaseException):
         super().__init__(kernel, key)
         self.kernel = kernel
         self.key = key
+        self.root: str | None = None  # the cache the compile publishes into
+        self.pool: object = None      # the CompilePool compiling it (the plugin polls it)
 
     def __str__(self) -> str:
         return f"kernel {self.kernel} (key {self.key[:16]}) is still compiling"

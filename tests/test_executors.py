@@ -169,7 +169,7 @@ def test_cli_executor_flag_usage_error_is_exit_2(tmp_path, monkeypatch):
     proj = write_project(tmp_path / "proj")
     monkeypatch.chdir(proj)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
-    saved = settings._current
+    saved = settings.installed()
     try:
         r = CliRunner().invoke(app, ["build", "--executor", "slurm://x"])
     finally:

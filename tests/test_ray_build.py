@@ -154,10 +154,10 @@ def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_pat
     # when it holds them all, e.g. after CI's `quack build`; else built here).
     settings.set_current(None)
     s = settings.resolve(cwd=ROOT)
-    from quack_build.common import _load_kernels
+    from quack_build.common import load_kernels
     from quack_build.manifest import expand
 
-    _load_kernels(s)
+    load_kernels(s)
     configs = expand(s.manifest_paths(), archs=s.build_archs()).configs
     ray_store = DiskStore(cache, fsync=False)
     ref_store = DiskStore(Path(os.environ.get("QUACK_CACHE_DIR") or s.cache_dir), fsync=False)
@@ -274,7 +274,7 @@ def test_toolchain_stamp_mismatch_is_refused_naming_both(cluster, tmp_path, monk
     monkeypatch.setenv("QUACK_CACHE_DIR", str(cache))
     fake = "py3.11-cutlass0.0.1-cu12-tvmffi0.0.1-sm_90a"
     monkeypatch.setattr(ray_executor, "TEST_ACTOR_STAMP", fake)
-    saved = settings._current
+    saved = settings.installed()
     try:
         r = CliRunner().invoke(app, ["build", "--executor", cluster, "-j", "2"])
     finally:

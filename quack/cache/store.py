@@ -100,8 +100,14 @@ class Entry:
     so_path: Path | None  # verified .so, if there is one
 
 
-__all__ = ["DiskStore", "Entry", "EntryRef", "Inspection", "Store", "LAYOUT", "warn_once",
+__all__ = ["DiskStore", "Entry", "EntryRef", "Inspection", "Store", "LAYOUT", "local_store", "warn_once",
            "write_error"]
+
+
+def local_store(s) -> "DiskStore":
+    """The local store of settings ``s`` (``quack.settings.Settings``): the one
+    writable Store of a process; jit, the pool and the CLI open it here."""
+    return DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
 
 
 class DiskStore:
@@ -212,6 +218,17 @@ class DiskStore:
             return Inspection(CORRUPT, problem, meta, p["obj"])
         return Inspection(OK, "", meta, p["obj"], self._verified_so(p, meta))
 
+    def derived_so(self, ref: EntryRef, o_sha256: str) -> Path | None:
+        """A verified .so at ``ref``'s place linked from an object with digest ``o_sha256``
+        (an installed bundle's object: the .so is kept here, the object stays in the
+        bundle). None if absent, stale or damaged; never raises."""
+        try:
+            if not fsutil.check_tree(self.entry_dir(ref), self.root):
+                return None
+        except (CacheError, OSError):
+            return None
+        return self._verified_so(self.paths(ref), {"sha256": o_sha256})
+
     def _check(self, ref: EntryRef, meta_bytes: bytes, obj: Path) -> tuple[str, dict]:
         try:
             meta = json.loads(meta_bytes)
@@ -246,7 +263,7 @@ class DiskStore:
             return None  # stale or damaged derived file: relinked from the verified .o
         return p["so"]
 
-    def _bad(self, ref: EntryRef, reason: str) -> None:
+    def _bad(self, ref: EntryRef, reason: str) -> Entry | None:
         try:
             where = f"moved to {self.quarantine(ref, reason)}"
         except OSError as e:  # read-only cache: can't move it, but never load it either

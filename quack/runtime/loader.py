@@ -14,11 +14,18 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import dataclasses
+import logging
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from quack.cache import fsutil
 from quack.errors import EntryVanished, LinkError
+
+if TYPE_CHECKING:
+    from quack.cache.contract import Store
+    from quack.cache.store import Entry
 
 FUNCTION_NAME = "func"
 
@@ -41,6 +48,8 @@ def runtime_libdirs() -> tuple[str, str] | None:
                 break
         if cdir:
             break
+    if tspec.origin is None:
+        return None
     tdir = Path(tspec.origin).parent / "lib"
     if cdir is None or not (tdir / "libtvm_ffi.so").is_file():
         return None
@@ -80,13 +89,13 @@ def _private_so_dir() -> Path:
     return Path(_private_dir)
 
 
-def link_entry(store, entry, obj: Path | None = None) -> Path | None:
+def link_entry(store: Store, entry: Entry, obj: Path | None = None) -> Path | None:
     """Give a verified entry its .so (temp + rename, sidecar last). None if we can't link.
     A read-only cache gets the .so in a private temp directory instead (not shared).
     ``obj``: link this verified copy of the .o instead of the entry's path."""
     if not can_link():
         return None
-    writable = getattr(store, "writable", lambda: True)()
+    writable = store.writable()
     try:
         if writable:
             tmp = fsutil.reserve_tmp(store.paths(entry.ref)["so"])
@@ -154,7 +163,7 @@ def snapshot_object(entry) -> Path:
     return snap
 
 
-def load_entry(store, entry):
+def load_entry(store: Store, entry: Entry):
     """(callable, module, how) for a verified entry: its verified .so if there is one,
     else a .so linked from a verified snapshot of the .o, else the snapshot through
     CuTe DSL. Raises EntryVanished if the entry went away since its lookup (a miss)."""
@@ -180,3 +189,45 @@ def load_entry(store, entry):
             os.unlink(snap)
         except OSError:
             pass
+
+
+class _NoCache:
+    """A cache that can't take a derived .so (read-only or disabled): link_entry links
+    into this process's private temp directory instead."""
+
+    def writable(self) -> bool:
+        return False
+
+
+def load_in_place(entry, store=None):
+    """(callable, module, how) for an entry that lives outside the local store, in an
+    in-place tier (an installed bundle; quack.cache.contract.InPlaceTier), verified
+    there: its own .so if it has one, else a .so derived from its .o and kept in the
+    local ``store`` where the entry would live (tied to the object's digest by the
+    sidecar), or in a private temp directory when ``store`` is None (disabled or
+    unusable) or read-only. Raises EntryVanished."""
+    if entry.so_path is not None:
+        try:
+            fn, mod = load_so(entry.so_path)
+            return fn, mod, "so"
+        except Exception as e:  # noqa: BLE001 - a .so that won't load: link the .o ourselves
+            logging.getLogger("quack.loader").info(
+                "shipped .so of %s key %s did not load (%s); linking its object",
+                entry.ref.kernel, entry.ref.key[:16], e)
+    target = _NoCache()
+    if store is not None:
+        so = store.derived_so(entry.ref, entry.meta["sha256"])
+        if so is not None:
+            try:
+                fn, mod = load_so(so)
+                return fn, mod, "so"
+            except Exception:  # noqa: BLE001 - relinked below
+                pass
+        if store.writable():
+            try:
+                fsutil.ensure_dir(store.paths(entry.ref)["so"].parent, store.root)
+                target = store
+            except OSError:
+                pass
+    # _NoCache answers only writable() (False), all link_entry asks of such a cache.
+    return load_entry(cast("Store", target), dataclasses.replace(entry, so_path=None))

@@ -3,6 +3,7 @@ forkserver on this host). Each worker publishes its own entry under the key's lo
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from quack_build.executors import DONE, FAILED, STARTED, Event, WorkItem
 
@@ -14,7 +15,7 @@ class LocalExecutor:
         self.jobs = max(1, jobs)
         self.settings = settings
         self.start_s = 0.0  # the pool starts on the first submit; the scheduler measures it
-        self._pool = None
+        self._pool: Any = None  # a quack.compile.pool.CompilePool, from start()
         self._gen = 0
         self._items: dict[str, WorkItem] = {}
         self._started: set[str] = set()
@@ -33,9 +34,8 @@ class LocalExecutor:
                           force=item.force)
 
     def _task_record(self, key: str):
-        # The pool's record of a key (start time, worker pid); None if it has none.
-        tasks = getattr(self._pool, "_tasks", None)
-        return tasks.get((self._root, key)) if isinstance(tasks, dict) else None
+        """The pool's TaskInfo of a key (start time, worker pid); None if it has none."""
+        return self._pool.task_info(key, self._root)
 
     def poll(self, timeout: float) -> list[Event]:
         from quack.compile import pool as qpool

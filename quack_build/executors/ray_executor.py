@@ -32,6 +32,7 @@ import os
 import sys
 import threading
 import time
+from typing import Any
 
 from quack.errors import CompileError, ExecutorError, ToolchainMismatch
 from quack_build.executors import DONE, FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
@@ -68,7 +69,7 @@ def import_ray(local_only: bool = False):
 
 @dataclasses.dataclass(eq=False)
 class _Actor:
-    handle: object
+    handle: Any
     index: int
     label: str = ""
     pid: int = 0
@@ -98,7 +99,7 @@ class RayExecutor:
         self.jobs = jobs or 1
         self.start_s = 0.0
         self.address = ""
-        self._ray = None
+        self._ray: Any = None  # the ray module, from start()
         self._owned = False
         self._closed = False
         self._arch = settings.arch
@@ -113,11 +114,11 @@ class RayExecutor:
         self._start_errors: list[str] = []
         self._spawned = 0
         self._pending_notes: list[Event] = []
-        self.counts = {"actors_started": 0, "actors_refused": 0, "actor_deaths": 0, "retries": 0,
+        self.counts: dict[str, Any] = {"actors_started": 0, "actors_refused": 0, "actor_deaths": 0, "retries": 0,
                        "dispatched": 0, "published": 0, "timeouts": 0, "actor_compile_wall_s": 0.0,
                        "roundtrip_s": 0.0, "publish_s": 0.0, "warm_s": [], "nodes": set()}
         self._dispatched_at: dict = {}
-        self._publisher = None          # ThreadPoolExecutor, from start()
+        self._publisher: Any = None     # ThreadPoolExecutor, from start()
         self._publishing: set = set()   # its futures, each giving a list of events
         self._counts_lock = threading.Lock()
         self._cpu_ready = 0.0
