@@ -248,6 +248,42 @@ def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path):
     assert wait_for(lambda: all_dead(pids), timeout=30), f"actors {pids} still compiling after Ctrl-C"
 
 
+def test_a_cluster_build_fills_the_signed_remote_cache(cluster, tmp_path):
+    """The coordinator publishes what the actors compiled, then signs and pushes it to the
+    remote (file:// here); another machine's build then pulls every key, compiling none."""
+    from quack import signing
+
+    keydir = tmp_path / "keys"
+    signing.write_keypair("ci-1", keydir)
+    (tmp_path / "team-cache").mkdir()
+    remote = f"file://{tmp_path / 'team-cache'}"
+    proj = write_project(tmp_path / "proj", """
+[[kernel]]
+name = "toy_scale"
+archs = ["sm_90a"]
+params = { dtype = "float32", block = [96, 160] }
+""")
+
+    def env(cache: Path, write: bool) -> dict:
+        e = sub_env(cache)
+        e.update(QUACK_REMOTE=remote, QUACK_TRUSTED_KEYS=str(keydir / "ci-1.pub"))
+        if write:
+            e.update(QUACK_REMOTE_WRITE="1", QUACK_SIGNING_KEY=str(keydir / "ci-1.key"))
+        return e
+
+    r = quack_sub(["build", "--executor", cluster, "--json"], proj, env(tmp_path / "c1", True), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["executor"] == "ray" and res["compiled"] == 2 and res["remote_pushed"] == 2
+    assert {k["remote_push"] for k in res["keys"]} == {"pushed"}
+    r = quack_sub(["build", "--json"], proj, env(tmp_path / "c2", False), timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert res["remote_hits"] == 2 and res["compiled"] == 0
+    assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c1")) == \
+        sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c2"))
+
+
 def test_compile_past_the_time_out_kills_its_actor_and_fails_the_key(cluster, tmp_path):
     proj, marks, env = slow_project(tmp_path, sleep=120)
     env["QUACK_COMPILE_TIMEOUT"] = "3"
