@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from _fixtures import kernel_cache  # noqa: F401, F811  (a fixture)
+from _fixtures import kernel_cache  # noqa: F401  (a fixture, used by name)
 from _cases import COMPILE_FNS, CPU_NS, DTYPES, VARIANTS
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -19,9 +19,10 @@ def _fn(kernel):
     return getattr(importlib.import_module(mod), name)
 
 
+@pytest.mark.usefixtures("kernel_cache")
 @pytest.mark.parametrize("kernel,dtype,n,variant", CASES,
                          ids=[f"{k}-{dt}-{n}" for k, dt, n, _ in CASES])
-def test_compile_export_load(kernel_cache, kernel, dtype, n, variant):
+def test_compile_export_load(kernel, dtype, n, variant):
     fn = _fn(kernel)(dtype=dtype, n=n, **variant)
     assert callable(fn)
 

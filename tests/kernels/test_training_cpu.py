@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from _fixtures import kernel_cache  # noqa: F401, F811  (a fixture)
+from _fixtures import kernel_cache  # noqa: F401  (a fixture, used by name)
 from _cases import DTYPES
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -54,10 +54,11 @@ COMPILE = {
 }
 
 
+@pytest.mark.usefixtures("kernel_cache")
 @pytest.mark.parametrize("kernel,dtype,n,extra", TRAINING_CASES,
                          ids=[f"{k}-{d}-{n}-{'-'.join(map(str, e.values())) or 'base'}"
                               for k, d, n, e in TRAINING_CASES])
-def test_training_configs_compile_export_load(kernel_cache, kernel, dtype, n, extra):
+def test_training_configs_compile_export_load(kernel, dtype, n, extra):
     mod, name = COMPILE[kernel]
     fn = getattr(importlib.import_module(mod), name)(dtype=dtype, n=n, **extra)
     assert callable(fn)
@@ -68,7 +69,10 @@ def test_training_configs_compile_export_load(kernel_cache, kernel, dtype, n, ex
 def test_every_n_from_1_to_262144_is_accepted_and_planned():
     from quack import registry
     from quack_kernels._plan import N_MAX, plan_rows
-    import quack_kernels.cross_entropy, quack_kernels.layernorm, quack_kernels.rmsnorm, quack_kernels.softmax  # noqa: F401
+    import quack_kernels.cross_entropy  # noqa: F401  (registers its kernels)
+    import quack_kernels.layernorm  # noqa: F401
+    import quack_kernels.rmsnorm  # noqa: F401
+    import quack_kernels.softmax  # noqa: F401
 
     for name in COMPILE:
         spec = registry.get(name)
