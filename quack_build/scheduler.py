@@ -277,7 +277,9 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
     gen = pool.generation
     window = jobs + 2
     try:
-        while queue or inflight:
+        # After a failure without --keep-going (stop) nothing more is submitted: the loop
+        # ends when the in-flight keys have, and what is left queued is reported not built.
+        while inflight or (queue and not stop):
             while queue and not stop and len(inflight) < window:
                 t = queue.pop()
                 t.status = "queued"

@@ -41,3 +41,12 @@ def rel_copy(i: int = 0):
             os.close(fd)
     time.sleep(float(os.environ.get("QUACK_TEST_COMPILE_SLEEP", "0")))
     return _Exported(i)
+
+
+@jit_cache("rel_fail", params={"i": Int(min=0, max=100000)})
+def rel_fail(i: int = 0):
+    """rel_copy, except that the configurations listed in QUACK_TEST_FAIL (comma-separated
+    ``i`` values) raise inside the compile function, like a kernel the compiler rejects."""
+    if str(i) in os.environ.get("QUACK_TEST_FAIL", "").split(","):
+        raise ValueError(f"rel_fail: configuration i={i} does not compile")
+    return rel_copy.raw(i)
