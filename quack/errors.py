@@ -54,12 +54,14 @@ class UnknownKernel(QuackError, KeyError):
 class KernelNotPrebuilt(QuackError, LookupError):
     """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
 
-    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str):
+    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str, *,
+                 reason: str = ""):
         self.kernel = kernel
         self.params = dict(params)
         self.arch = arch
         self.key = key
         self.cache_dir = cache_dir
+        self.reason = reason  # why nothing could be loaded, when it is not a plain miss
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -68,7 +70,8 @@ class KernelNotPrebuilt(QuackError, LookupError):
         line = manifest_line(self.kernel, self.params, self.arch)
         return (
             f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
-            f"(key {self.key[:16]}, cache {self.cache_dir}).\n"
+            f"(key {self.key[:16]}, cache {self.cache_dir})"
+            + (f": {self.reason}" if self.reason else "") + ".\n"
             f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
             f"(or unset QUACK_MODE=prebuilt to compile on demand)"

@@ -86,13 +86,24 @@ class JitKernel:
         from quack import builder
 
         arch = s.arch
+        # Prebuilt mode never compiles, whatever the cache's state: every path that
+        # would compile below raises KernelNotPrebuilt instead (with why, when it is
+        # not a plain miss).
+        prebuilt = s.mode == "prebuilt"
         if not s.cache_enabled:
+            if prebuilt:
+                self._not_prebuilt(params, key, s, "the cache is disabled (QUACK_CACHE_ENABLED=0 or "
+                                   "[cache] enabled = false), so nothing can be loaded")
             return self._compile_in_process(params, key, arch)
         store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
         ref = builder.entry_ref(self.spec, params, arch)
         try:
             entry = store.lookup(ref)
         except (CacheError, OSError) as e:
+            if prebuilt:
+                warn_once(f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})",
+                          stacklevel=5)
+                self._not_prebuilt(params, key, s, f"the cache is unusable ({e})")
             warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); compiling {self.spec.name} "
                           f"in this process without storing it", CacheWarning, stacklevel=4)
             return self._compile_in_process(params, key, arch)
@@ -101,10 +112,8 @@ class JitKernel:
                 return self._load(store, entry, params, key, arch, miss=False)
             except loader.EntryVanished:
                 entry = None  # cleaned between lookup and load: a plain miss
-        if s.mode == "prebuilt":
-            err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), arch, key, str(s.cache_dir))
-            _pool.note_not_prebuilt(err, s)
-            raise err
+        if prebuilt:
+            self._not_prebuilt(params, key, s, "")
         if not store.writable():
             # Read-only cache: hits still load from it; misses run uncached, one warning.
             warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
@@ -135,6 +144,12 @@ class JitKernel:
         loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
         return loaded
+
+    def _not_prebuilt(self, params, key, s, reason: str):
+        err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), s.arch, key, str(s.cache_dir),
+                                reason=reason)
+        _pool.note_not_prebuilt(err, s)
+        raise err
 
     def _compile_in_worker(self, store, ref, params, key, arch):
         """A miss, compiled by the pool. Inside a pool_scope: submit and raise
@@ -205,6 +220,9 @@ class JitKernel:
         """No usable cache: compile here and keep the JIT function in memory."""
         from quack import builder
 
+        s = _settings.get()
+        if s.mode == "prebuilt":  # the last guard: no path may compile in prebuilt mode
+            self._not_prebuilt(params, key, s, "")
         builder.pin_arch(arch)
         t0 = time.perf_counter()
         try:
