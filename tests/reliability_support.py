@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -121,31 +120,6 @@ def tree(root: Path) -> list[Path]:
 
 def debris(root: Path) -> list[Path]:
     return [p for p in tree(root) if ".tmp-" in p.name]
-
-
-def cli_available() -> bool:
-    return shutil.which("quack") is not None and _cli_module_ok()
-
-
-def _cli_module_ok() -> bool:
-    try:
-        import quack_build.cli  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-def cli_has(*words: str) -> bool:
-    """Does `quack <words> --help` exist (the CLI lands in parallel with this suite)?"""
-    if not cli_available():
-        return False
-    r = subprocess.run(["quack", *words, "--help"], capture_output=True, text=True, env=env(), timeout=60)
-    return r.returncode == 0
-
-
-def needs_cli(*words: str):
-    return pytest.mark.skipif(not cli_has(*words), reason=f"`quack {' '.join(words)}` is not available "
-                              f"in this checkout (the CLI is built in parallel, issue 3)")
 
 
 def can_mount() -> bool:

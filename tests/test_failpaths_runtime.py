@@ -2,7 +2,6 @@
 a failed compile is remembered per process (bugs 2 and 4 of issue 9)."""
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest

@@ -21,7 +21,7 @@ import toykernels  # noqa: F401 - registers toy_scale
 from quack import builder, fsutil, loader, registry, settings
 from quack.errors import CacheError, ParamError, SettingsError, UnknownKernel
 from quack.store import CacheWarning, CacheWriteError, DiskStore, EntryRef
-from reliability_support import (ROOT, copy_publish, env, needs_cli, run_py, session_objects, toy_ref,
+from reliability_support import (QUACK, ROOT, copy_publish, env, run_py, session_objects, toy_ref,
                                  write_toy_project)
 
 
@@ -285,7 +285,6 @@ def test_path_helpers_refuse_escapes(tmp_path):
         DiskStore(str(tmp_path / "a\0b"))
 
 
-@needs_cli("build")
 def test_hostile_manifest_entries_refused(canary, tmp_path):
     """Manifest entries with ../, /, NUL, absolute paths, long strings, non-UTF-8: the CLI
     refuses each clearly and nothing is written outside the cache root."""
@@ -305,7 +304,7 @@ def test_hostile_manifest_entries_refused(canary, tmp_path):
     for i, data in enumerate(entries):
         m = tmp_path / f"hostile{i}.toml"
         m.write_bytes(data)
-        r = subprocess.run(["quack", "build", "--cache-dir", str(tmp_path / "cache"), str(m)], env=env(),
+        r = subprocess.run([*QUACK, "build", "--cache-dir", str(tmp_path / "cache"), str(m)], env=env(),
                            capture_output=True, text=True, errors="replace", timeout=120, cwd=str(tmp_path))
         out = r.stdout + r.stderr
         assert r.returncode not in (0,) and "Traceback" not in out, (i, out)
