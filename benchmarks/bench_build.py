@@ -78,8 +78,8 @@ def bench_jobs(proj: Path, work: Path, jobs_list: list[int]) -> list[dict]:
 def _fake_entries(cache: Path, configs, rng_size: int = 12000) -> None:
     """Valid-looking entries (metadata names the key, size and SHA-256 match) for configs."""
     for c in configs:
-        from quack import builder
-        from quack.store import DiskStore
+        from quack.compile import builder
+        from quack.cache.store import DiskStore
 
         store = DiskStore(cache, fsync=False)
         ref = builder.entry_ref(c.spec, c.params, c.arch)
@@ -123,7 +123,8 @@ def bench_overhead(work: Path, n_keys: int) -> dict:
 def bench_stats(work: Path, n: int) -> dict:
     sys.path[:0] = [str(ROOT), str(TESTS)]
     import toykernels  # noqa: F401
-    from quack import keys, registry
+    from quack.cache import keys
+    from quack import registry
 
     cache = work / "cache-stats"
     fp = registry.get("toy_scale").source_fingerprint()
@@ -145,7 +146,7 @@ def bench_stats(work: Path, n: int) -> dict:
         res, wall, _ = _quack(["cache", "stats", "--json"], proj, cache)
         assert res["totals"]["entries"] == n, res["totals"]
         times.append(wall)
-    from quack import inventory
+    from quack_build import inventory
 
     t0 = time.perf_counter()
     inventory.summarize(cache, {"toy_scale": fp})
@@ -175,7 +176,7 @@ def main() -> None:
         if "jobs" not in a.skip:
             if a.manifest:
                 man = a.manifest.resolve()
-                packages = a.packages or ["kernels"]
+                packages = a.packages or ["quack_kernels"]
             else:
                 n_blocks = max(1, a.toy_keys // 6)
                 man = work / "toy.toml"

@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 def compile_obj(dest: Path) -> tuple[Path, float]:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import toykernels  # noqa: F401
-    from quack import builder, registry
+    from quack.compile import builder
+    from quack import registry
 
     spec = registry.get("toy_scale")
     params = spec.bind((), {"dtype": "float32", "block": 128, "bias": False})
@@ -40,7 +41,7 @@ def compile_obj(dest: Path) -> tuple[Path, float]:
 
 
 def publish_many(root: Path, data: bytes, n: int, fsync: bool, offset: int) -> list[float]:
-    from quack.store import DiskStore, EntryRef
+    from quack.cache.store import DiskStore, EntryRef
 
     store = DiskStore(root, fsync=fsync)
     out = []

@@ -38,10 +38,10 @@ def bench(fn, reps=30, warmup=3):
 
 
 def make_ops(dt):
-    from kernels.rmsnorm import rmsnorm_fwd, rmsnorm_bwd
-    from kernels.softmax import softmax_fwd, softmax_bwd
-    from kernels.layernorm import layernorm_fwd
-    from kernels.cross_entropy import cross_entropy_fwd, cross_entropy_bwd
+    from quack_kernels.rmsnorm import rmsnorm_fwd, rmsnorm_bwd
+    from quack_kernels.softmax import softmax_fwd, softmax_bwd
+    from quack_kernels.layernorm import layernorm_fwd
+    from quack_kernels.cross_entropy import cross_entropy_fwd, cross_entropy_bwd
 
     es = torch.empty((), dtype=dt).element_size()
 

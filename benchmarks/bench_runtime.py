@@ -33,7 +33,7 @@ import torch
 t_torch = time.perf_counter()
 sys.path.insert(0, {tests!r})
 import toykernels
-from quack import jit
+from quack.runtime import jit
 blocks = {blocks!r}
 loads = []
 for b in blocks:

@@ -10,7 +10,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.bench_kernels import bench  # noqa: E402
-from kernels import cross_entropy, layernorm, rmsnorm  # noqa: E402
+from quack_kernels import cross_entropy, layernorm, rmsnorm  # noqa: E402
 
 SHAPES = [(32768, 65536), (4096, 262144)]
 
@@ -38,7 +38,7 @@ def run(name, mod, raw, tunes, setup, call, check, nbytes):
 
 def rmsnorm_bwd_variants(shapes, variants):
     """RMSNorm backward: variants are (tune dict, grid clusters or None = the wrapper's)."""
-    from kernels._plan import plan_rows
+    from quack_kernels._plan import plan_rows
     
     dt = torch.bfloat16
     for m, n in shapes:

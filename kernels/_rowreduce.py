@@ -16,7 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Boolean, const_expr
 
-from kernels._plan import RowPlan
+from ._plan import RowPlan
 
 CUTLASS_DTYPES = {
     "float32": cutlass.Float32,

@@ -2,7 +2,7 @@
 Import this only from inside functions (it imports torch)."""
 import torch
 
-from kernels._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

@@ -10,7 +10,7 @@ import math
 from quack import jit_cache
 from quack.params import Dtype, Int
 
-from kernels._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -77,7 +77,7 @@ def stream_cfg(dtype: str, n: int):
 
 def stream_grid(cfg: dict, m: int, device) -> int:
     """CTAs (per cluster rank) of the persistent streaming forward: all co-resident."""
-    from kernels import _torch as kt
+    from . import _torch as kt
 
     slots = kt.sm_count(device) * cfg["ctas_per_sm"] // cfg["cluster"]
     if cfg["cluster"] >= 4:
@@ -94,7 +94,7 @@ def stream_grid(cfg: dict, m: int, device) -> int:
 @jit_cache(
     "cross_entropy_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
-    reference="kernels.cross_entropy:_verify_cross_entropy_fwd",
+    reference=f"{__name__}:_verify_cross_entropy_fwd",
 )
 def compile_cross_entropy_fwd(dtype: str, n: int):
     """Runtime signature: fn(logits, target(int64, M), loss(fp32, M), lse(fp32, M), ignore_index)."""
@@ -102,8 +102,8 @@ def compile_cross_entropy_fwd(dtype: str, n: int):
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows
+    from . import _rowreduce as rr
+    from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
     cfg = stream_cfg(dtype, n)
@@ -169,8 +169,8 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import RowPlan
+    from . import _rowreduce as rr
+    from ._plan import RowPlan
 
     dt = rr.cutlass_dtype(dtype)
     vec, T, C, K, S = cfg["vec"], cfg["tpr"], cfg["cluster"], cfg["k"], cfg["stages"]
@@ -348,7 +348,7 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
 @jit_cache(
     "cross_entropy_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
-    reference="kernels.cross_entropy:_verify_cross_entropy_bwd",
+    reference=f"{__name__}:_verify_cross_entropy_bwd",
 )
 def compile_cross_entropy_bwd(dtype: str, n: int):
     """Runtime signature: fn(logits, target(int64, M), dloss(fp32, M), lse(fp32, M), dlogits,
@@ -357,8 +357,8 @@ def compile_cross_entropy_bwd(dtype: str, n: int):
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows
+    from . import _rowreduce as rr
+    from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=64)
@@ -407,7 +407,7 @@ def compile_cross_entropy_bwd(dtype: str, n: int):
 # --------------------------------------------------------------------------- torch-facing
 
 def _targets(target, m, x):
-    from kernels import _torch as kt  # noqa: F401
+    from . import _torch as kt  # noqa: F401
     import torch
 
     if not isinstance(target, torch.Tensor):
@@ -424,7 +424,7 @@ def _targets(target, m, x):
 def cross_entropy_fwd(logits, target, ignore_index: int = -100):
     """Per-row cross-entropy. Returns ``(loss, lse)``, float32 of shape logits.shape[:-1];
     rows whose target is ``ignore_index`` get loss 0."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(logits, "logits")
@@ -448,7 +448,7 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100):
 
 def cross_entropy_bwd(logits, target, dloss, lse, ignore_index: int = -100):
     """dlogits = (softmax(logits) - onehot(target)) * dloss[:, None], 0 for ignored rows."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(logits, "logits")

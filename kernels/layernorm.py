@@ -8,7 +8,7 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
-from kernels._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN
 
 
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
@@ -19,7 +19,7 @@ _TUNE: dict = {}
     "layernorm_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
             "has_bias": Bool()},
-    reference="kernels.layernorm:_verify_layernorm_fwd",
+    reference=f"{__name__}:_verify_layernorm_fwd",
 )
 def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True):
     """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps)."""
@@ -27,8 +27,8 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows, smem_bcast_ok
+    from . import _rowreduce as rr
+    from ._plan import plan_rows, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=64)
@@ -105,7 +105,7 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
 def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
     """LayerNorm over the last dim. Returns ``(y, mean, rstd)`` (mean, rstd float32,
     shape x.shape[:-1])."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(x, "x")

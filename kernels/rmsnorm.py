@@ -9,7 +9,7 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
-from kernels._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN
 
 
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
@@ -21,7 +21,7 @@ _TUNE: dict = {}
     "rmsnorm_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
             "has_bias": Bool(), "has_residual": Bool()},
-    reference="kernels.rmsnorm:_verify_rmsnorm_fwd",
+    reference=f"{__name__}:_verify_rmsnorm_fwd",
 )
 def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = False,
                         has_residual: bool = False):
@@ -31,8 +31,8 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows, smem_bcast_ok
+    from . import _rowreduce as rr
+    from ._plan import plan_rows, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=64)
@@ -100,7 +100,7 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
 @jit_cache(
     "rmsnorm_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool()},
-    reference="kernels.rmsnorm:_verify_rmsnorm_bwd",
+    reference=f"{__name__}:_verify_rmsnorm_bwd",
 )
 def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True):
     """Compile RMSNorm backward. Runtime signature:
@@ -110,8 +110,8 @@ def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True):
     import cutlass.cute as cute
     from cutlass import Float32, Int32, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows
+    from . import _rowreduce as rr
+    from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=32)
@@ -310,7 +310,7 @@ def bwd_smem_stages(plan, width: int) -> int:
 def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     """RMSNorm over the last dim. Returns ``(y, rstd, residual_out)``: y like x,
     rstd float32 of shape x.shape[:-1], residual_out = x + residual (None without residual)."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(x, "x")
@@ -337,7 +337,7 @@ def _bwd_grid(m: int, plan, width: int, device) -> int:
     shared-memory pipeline does not fit. Clusters of 4+ CTAs: one cluster less than
     SMs / cluster size (GPC granularity: on the H200, 15 clusters of 8 and 7 of 16 are
     co-resident, not 16 and 8; one more runs as a second wave, ~1.7x slower)."""
-    from kernels import _torch as kt
+    from . import _torch as kt
 
     tiles = -(-m // plan.rows_per_cta)
     ctas_per_sm = 2 if plan.num_threads <= 128 else 1
@@ -355,8 +355,8 @@ def rmsnorm_bwd(x, weight, dy, rstd):
     """Gradients of y = RMSNorm(x) * weight. ``x`` is the normalized input (x + residual
     when a residual was added), rstd from the forward. Returns ``(dx, dweight)``
     (dweight None when weight is None)."""
-    from kernels import _torch as kt
-    from kernels._plan import plan_rows
+    from . import _torch as kt
+    from ._plan import plan_rows
     import torch
 
     x2 = kt.rows(x, "x")

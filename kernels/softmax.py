@@ -10,7 +10,7 @@ import math
 from quack import jit_cache
 from quack.params import Dtype, Int
 
-from kernels._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN
 
 LOG2_E = math.log2(math.e)
 
@@ -18,7 +18,7 @@ LOG2_E = math.log2(math.e)
 @jit_cache(
     "softmax_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
-    reference="kernels.softmax:_verify_softmax_fwd",
+    reference=f"{__name__}:_verify_softmax_fwd",
 )
 def compile_softmax_fwd(dtype: str, n: int):
     """Runtime signature: fn(x, y) with x, y (M, n) of ``dtype``."""
@@ -26,8 +26,8 @@ def compile_softmax_fwd(dtype: str, n: int):
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows
+    from . import _rowreduce as rr
+    from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=64)
@@ -56,7 +56,7 @@ def compile_softmax_fwd(dtype: str, n: int):
 @jit_cache(
     "softmax_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
-    reference="kernels.softmax:_verify_softmax_bwd",
+    reference=f"{__name__}:_verify_softmax_bwd",
 )
 def compile_softmax_bwd(dtype: str, n: int):
     """Runtime signature: fn(dy, y, dx), all (M, n) of ``dtype``."""
@@ -64,8 +64,8 @@ def compile_softmax_bwd(dtype: str, n: int):
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
-    from kernels import _rowreduce as rr
-    from kernels._plan import plan_rows
+    from . import _rowreduce as rr
+    from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=32)
@@ -95,7 +95,7 @@ def compile_softmax_bwd(dtype: str, n: int):
 
 def softmax_fwd(x):
     """Softmax over the last dim of a CUDA tensor (float32/float16/bfloat16)."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     x2 = kt.rows(x, "x")
@@ -108,7 +108,7 @@ def softmax_fwd(x):
 
 def softmax_bwd(dy, y):
     """Gradient of softmax: dx = y * (dy - sum(dy * y, -1))."""
-    from kernels import _torch as kt
+    from . import _torch as kt
     import torch
 
     y2 = kt.rows(y, "y")

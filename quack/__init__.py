@@ -6,9 +6,9 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 _LAZY = {
-    "jit_cache": "quack.jit",
-    "JitKernel": "quack.jit",
-    "cache_stats": "quack.jit",
+    "jit_cache": "quack.runtime.jit",
+    "JitKernel": "quack.runtime.jit",
+    "cache_stats": "quack.runtime.jit",
     "KernelNotPrebuilt": "quack.errors",
     "CompileError": "quack.errors",
     "CompilePending": "quack.errors",
@@ -22,10 +22,10 @@ _LAZY = {
     "Float": "quack.params",
     "Choice": "quack.params",
     "Config": "quack.params",
-    "pool_scope": "quack.pool",
-    "suppress_pool": "quack.pool",
-    "CompilePool": "quack.pool",
-    "autotune": "quack.autotune",
+    "pool_scope": "quack.compile.pool",
+    "suppress_pool": "quack.compile.pool",
+    "CompilePool": "quack.compile.pool",
+    "autotune": "quack.compile.autotune",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

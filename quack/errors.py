@@ -1,5 +1,7 @@
-"""Exceptions of quack. All carry fields and pickle cleanly: they cross the
-boundary between compile workers and the caller."""
+"""Exceptions (and the one warning category) of quack. All carry fields and pickle
+cleanly: they cross the boundary between compile workers and the caller.
+
+This module imports nothing from quack, so any module can import it."""
 from __future__ import annotations
 
 
@@ -54,20 +56,21 @@ class UnknownKernel(QuackError, KeyError):
 class KernelNotPrebuilt(QuackError, LookupError):
     """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
 
-    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str, *,
-                 reason: str = ""):
+    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str,
+                 manifest_line: str = "", *, reason: str = ""):
+        # manifest_line: the manifest entry that would build it (quack.manifest_line),
+        # made by the raiser so that this module imports nothing from quack.
         self.kernel = kernel
         self.params = dict(params)
         self.arch = arch
         self.key = key
         self.cache_dir = cache_dir
+        self.manifest_line = manifest_line
         self.reason = reason  # why nothing could be loaded, when it is not a plain miss
         super().__init__(self._message())
 
     def _message(self) -> str:
-        from quack.manifest_line import manifest_line
-
-        line = manifest_line(self.kernel, self.params, self.arch)
+        line = self.manifest_line
         return (
             f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
             f"(key {self.key[:16]}, cache {self.cache_dir})"
@@ -99,6 +102,61 @@ class CacheError(QuackError, OSError):
     def __init__(self, message: str, *, path: str = ""):
         super().__init__(message)
         self.path = path
+
+
+class CacheWriteError(CacheError):
+    """Writing to the cache failed (disk full, read-only, permission): nothing was
+    published and the temp files are gone. ``reason`` is a short label."""
+
+    def __init__(self, message: str, *, path: str = "", reason: str = "", code: int = 0):
+        super().__init__(message, path=path)
+        self.reason = reason
+        self.code = code
+
+
+class CacheWarning(QuackError, UserWarning):
+    """A cache problem quack recovered from (the entry is rebuilt)."""
+
+
+class LockTimeout(QuackError, TimeoutError):
+    """Another process held the key's lock past the time-out. Callers fall back:
+    the runtime compiles in-process without publishing (the holder publishes)."""
+
+    def __init__(self, path: str, timeout: float):
+        super().__init__(f"lock {path} still held after {timeout:.0f} s")
+        self.path = path
+        self.timeout = timeout
+
+
+class CompileTimeout(QuackError, TimeoutError):
+    """A compile (or another process's lock on its key) ran past compile_timeout."""
+
+    def __init__(self, kernel: str, key: str, seconds: float, external: bool = False):
+        who = "another process holding its lock" if external else "its compile worker"
+        super().__init__(f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s "
+                         f"({who}; wedged?)")
+        self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
+
+
+class EntryVanished(QuackError, LookupError):
+    """The entry was removed (``quack cache clean``) or replaced between its verification
+    and its loading. Not corruption: the caller treats it as a miss."""
+
+
+class LinkError(QuackError, RuntimeError):
+    """Linking a cached .o into a loadable shared object failed."""
+
+    def __init__(self, message: str, obj: str = ""):
+        super().__init__(message)
+        self.obj = obj
+
+
+class ManifestError(QuackError, ValueError):
+    """One or more problems in the manifests; ``problems`` lists them all."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
 
 
 class CompilePending(BaseException):

@@ -7,7 +7,7 @@ import inspect
 import re
 from typing import Any, Callable
 
-from quack import keys
+from quack.cache import keys
 from quack.errors import ParamError, UnknownKernel
 from quack.params import Param, plain
 

@@ -115,7 +115,7 @@ class Settings:
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
-    kernel_packages: tuple[str, ...] = ("kernels",)
+    kernel_packages: tuple[str, ...] = ("quack_kernels",)
     config_file: Path | None = None
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -248,6 +248,6 @@ def set_current(s: Settings | None) -> None:
     None forgets them, so the next ``get`` resolves again."""
     global _current
     _current = s
-    from quack import _generation
+    from quack.runtime import _generation
 
     _generation.bump()

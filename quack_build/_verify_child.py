@@ -19,7 +19,7 @@ def _answer(d: dict) -> None:
 def _one(req: dict, keep: list) -> dict:
     from pathlib import Path
 
-    from quack import loader
+    from quack.runtime import loader
 
     out = {"key": req["key"], "ok": False, "how": ""}
     try:

@@ -36,7 +36,8 @@ def _manifests(s, given: List[Path]) -> list:
 
 
 def _expand(s, manifests, arch, max_configs):
-    from quack_build.manifest import ManifestError, expand
+    from quack.errors import ManifestError
+    from quack_build.manifest import expand
 
     try:
         return expand(_manifests(s, manifests), archs=s.build_archs(), arch_override=arch or None,
@@ -48,7 +49,7 @@ def _expand(s, manifests, arch, max_configs):
 
 
 def _store(s):
-    from quack.store import DiskStore
+    from quack.cache.store import DiskStore
 
     return DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
 
@@ -187,7 +188,7 @@ def cache_clean(
 
 
 def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbose) -> int:
-    from quack import inventory
+    from quack_build import inventory
 
     try:
         ms = inventory.parse_size(max_size) if max_size is not None else None
@@ -282,7 +283,7 @@ def prewarm(
 
 
 def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> int:
-    from quack import inventory
+    from quack_build import inventory
     from quack_build import prewarm as pw
 
     try:

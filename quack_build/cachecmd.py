@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from quack.inventory import human_bytes
+from quack_build.inventory import human_bytes
 
 
 def print_stats(con: Console, info: dict) -> None:

@@ -73,7 +73,8 @@ def _emit_json(obj) -> None:
     sys.stdout.flush()
 
 def stats(as_json, cache_dir, top) -> int:
-    from quack import inventory, journal
+    from quack_build import inventory
+    from quack.cache import journal
 
     s = _settings(cache_dir)
     _load_kernels(s, required=False)

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from quack.inventory import human_bytes  # noqa: F401  (re-exported for the CLI)
+from quack_build.inventory import human_bytes  # noqa: F401  (re-exported for the CLI)
 from quack_build.scheduler import (CACHED, COMPILED, FAILED, INTERRUPTED, SHARED, SKIPPED, BuildResult,
                                    Task)
 

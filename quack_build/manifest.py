@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from quack import registry, settings as _settings
-from quack.errors import ParamError, UnknownKernel
+from quack.errors import ManifestError, ParamError, UnknownKernel
 from quack.params import Config as ConfigParam
 
 if sys.version_info >= (3, 11):
@@ -43,14 +43,6 @@ TOP_KEYS = ("defaults", "kernel")
 DEFAULTS_KEYS = ("archs", "params")
 KERNEL_KEYS = ("name", "archs", "params", "exclude", "include")
 _SCALARS = (str, int, float, bool)
-
-
-class ManifestError(Exception):
-    """One or more problems in the manifests; ``problems`` lists them all."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        super().__init__("\n".join(self.problems))
 
 
 @dataclasses.dataclass(frozen=True)

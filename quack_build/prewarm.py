@@ -6,7 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from quack import fsutil, journal, registry
+from quack.cache import fsutil, journal
+from quack import registry
 from quack.errors import ParamError, UnknownKernel
 from quack.settings import KNOWN_ARCHS
 from quack_build.manifest import BuildConfig

@@ -3,7 +3,7 @@ a pool of warm workers, report progress, write a trace, summarize.
 
 The build process never imports torch or cutlass: workers fork from quack's
 forkserver (cutlass imported and one compile done there) and run
-``quack.pool.worker_build`` through ``quack_build.worker.task``."""
+``quack.compile.pool.worker_build`` through ``quack_build.worker.task``."""
 from __future__ import annotations
 
 import dataclasses
@@ -13,8 +13,9 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from quack import builder, journal
-from quack.store import DiskStore, LAYOUT
+from quack.compile import builder
+from quack.cache import journal
+from quack.cache.store import DiskStore, LAYOUT
 from quack_build.manifest import BuildConfig
 
 CACHED, COMPILED, SHARED, FAILED, SKIPPED, INTERRUPTED = (
@@ -208,7 +209,7 @@ def _remove_partial(store: DiskStore, t: Task) -> None:
     """After an interrupt: an object published without its metadata is removed, and the
     killed worker's temp files (under the key's lock, not waiting: a key another process
     is building is left alone)."""
-    from quack.inventory import _try_lock
+    from quack_build.inventory import _try_lock
 
     ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
     p = store.paths(ref)
@@ -245,11 +246,11 @@ def _pool_task(pool, ident):
 def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | None = None,
         keep_going: bool = False, force: bool = False, log_dir: Path | None = None,
         plan_s: float = 0.0, order: str = "longest", settings=None) -> BuildResult:
-    """Compile every task not cached in a quack.pool.CompilePool; returns the result
+    """Compile every task not cached in a quack.compile.pool.CompilePool; returns the result
     (check ``.ok``). The pool runs the keys in the order given (longest first by
     default); at most ``jobs`` + 2 are queued at once, so fail-fast and Ctrl-C stop
     promptly and progress polling stays O(jobs)."""
-    from quack import pool as qpool
+    from quack.compile import pool as qpool
     from quack import settings as qs
 
     s = settings or qs.get()

@@ -14,9 +14,10 @@ import sys
 import tempfile
 import time
 
-from quack import builder, fsutil
-from quack.cubin import arch_matches, gpu_codes
-from quack.store import DiskStore
+from quack.compile import builder
+from quack.cache import fsutil
+from quack_build.cubin import arch_matches, gpu_codes
+from quack.cache.store import DiskStore
 
 LOAD_TIMEOUT = 300.0
 

@@ -67,7 +67,8 @@ def last_json(r: subprocess.CompletedProcess):
 
 _COMPILE_ONE = """
 import json, sys
-from quack import builder, registry
+from quack.compile import builder
+from quack import registry
 import toykernels
 spec = registry.get("toy_scale")
 out = {}
@@ -101,7 +102,7 @@ def session_objects(tmp_path_factory) -> dict:
 
 
 def toy_ref(info: dict, arch: str = "sm_90a"):
-    from quack.store import EntryRef
+    from quack.cache.store import EntryRef
 
     return EntryRef("toy_scale", info["key"], arch, info["srcfp"])
 

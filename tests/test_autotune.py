@@ -4,8 +4,8 @@ import random
 
 import poolkernels
 import toykernels
-from quack import pool as qpool
-from quack.autotune import autotune
+from quack.compile import pool as qpool
+from quack.compile.autotune import autotune
 
 
 def test_autotune_benchmarks_ready_first_skips_failures_picks_fastest(quack_settings):

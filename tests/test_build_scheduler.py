@@ -5,8 +5,9 @@ import json
 import time
 
 import toykernels  # noqa: F401
-from quack import journal, registry
-from quack.store import DiskStore
+from quack.cache import journal
+from quack import registry
+from quack.cache.store import DiskStore
 from quack_build import scheduler
 from quack_build.manifest import BuildConfig
 

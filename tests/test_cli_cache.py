@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 import toykernels  # noqa: F401
-from quack import journal, keys, registry, settings
+from quack.cache import journal, keys
+from quack import registry, settings
 from quack_build.cli import app
 
 TESTS = Path(__file__).parent

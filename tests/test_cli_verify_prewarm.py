@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 import toykernels  # noqa: F401
-from quack import journal, registry, settings
+from quack.cache import journal
+from quack import registry, settings
 from quack_build.cli import app
 from quack_build.manifest import expand
 

@@ -86,8 +86,8 @@ def test_lock_symlink_build_ends(tmp_path, obj):
     target.write_text("do not touch\n")
     from quack import registry  # noqa: PLC0415
     import relkernels  # noqa: F401, PLC0415
-    from quack.store import DiskStore  # noqa: PLC0415
-    from quack import builder  # noqa: PLC0415
+    from quack.cache.store import DiskStore  # noqa: PLC0415
+    from quack.compile import builder  # noqa: PLC0415
 
     spec = registry.get("rel_fail")
     ref = builder.entry_ref(spec, spec.bind((), first["params"]), "sm_90a")

@@ -9,7 +9,7 @@ import pytest
 import relkernels
 from conftest import use_settings
 from quack.errors import KernelNotPrebuilt
-from quack.store import CacheWarning
+from quack.errors import CacheWarning
 
 
 @pytest.fixture

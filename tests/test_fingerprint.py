@@ -5,7 +5,7 @@ import textwrap
 
 import pytest
 
-from quack import keys
+from quack.cache import keys
 
 
 @pytest.fixture

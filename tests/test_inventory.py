@@ -1,4 +1,4 @@
-"""quack.inventory (cache walk, sizes, ages) and quack.cubin (arch of an object), no compiles."""
+"""quack_build.inventory (cache walk, sizes, ages) and quack_build.cubin (arch of an object), no compiles."""
 from __future__ import annotations
 
 import os
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from quack import inventory
-from quack.cubin import arch_matches, decode_e_flags, gpu_codes
+from quack_build import inventory
+from quack_build.cubin import arch_matches, decode_e_flags, gpu_codes
 
 
 def _cubin(e_flags: int, abi: int) -> bytes:

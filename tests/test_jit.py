@@ -12,7 +12,7 @@ import toykernels
 from quack import jit_cache, settings
 from quack.errors import CompileError, KernelNotPrebuilt
 from quack.params import Int
-from quack.store import CacheWarning
+from quack.errors import CacheWarning
 
 from conftest import use_settings
 

@@ -10,7 +10,8 @@ import toykernels  # noqa: F401  (registers toy_scale)
 from quack import registry
 from quack.manifest_line import manifest_line
 from quack.params import Config, Int
-from quack_build.manifest import ManifestError, expand
+from quack.errors import ManifestError
+from quack_build.manifest import expand
 
 CORPUS = Path(__file__).parent / "data" / "manifests"
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from quack import keys
+from quack.cache import keys
 from quack.errors import ParamError
 from quack.params import Bool, Choice, Config, Dtype, Float, Int
 from quack.registry import KernelSpec, register

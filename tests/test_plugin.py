@@ -180,7 +180,7 @@ def test_prebuilt_strict_mode(pytester, run_env, quack_settings, cache_dir, monk
 
 def test_integrity_check_fails_a_run_with_a_lost_report(pytester, run_env):
     pytester.makeconftest("""
-        import quack.pytest_plugin as qp
+        import quack.testing.plugin as qp
         _orig = qp._Runner._log
         def _lossy(self, item, reports):
             if "lost" not in item.nodeid:

@@ -14,9 +14,10 @@ import pytest
 
 import poolkernels
 import toykernels
-from quack import builder, pool as qpool
+from quack.compile import builder, pool as qpool
 from quack.errors import CompileError, CompilePending
-from quack.store import CacheWarning, DiskStore
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore
 
 from conftest import use_settings
 
@@ -145,8 +146,9 @@ import os, sys, time
 sys.path[:0] = {[os.path.dirname(__file__)]!r}
 from pathlib import Path
 import toykernels
-from quack import builder, registry
-from quack.store import DiskStore
+from quack.compile import builder
+from quack import registry
+from quack.cache.store import DiskStore
 spec = registry.get("toy_scale")
 params = spec.bind(("float32", 224, True))
 store = DiskStore(Path({str(cache_dir)!r}))

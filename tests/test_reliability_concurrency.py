@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 import relkernels  # noqa: F401 - registers rel_copy
-from quack import builder, registry
-from quack.store import DiskStore, LockTimeout
+from quack.compile import builder
+from quack import registry
+from quack.errors import LockTimeout
+from quack.cache.store import DiskStore
 from reliability_support import PY, QUACK, TESTS, env, session_objects
 
 
@@ -53,8 +55,9 @@ _HOLDER = r"""
 import json, os, sys, time
 from pathlib import Path
 import relkernels
-from quack import builder, registry
-from quack.store import DiskStore
+from quack.compile import builder
+from quack import registry
+from quack.cache.store import DiskStore
 root, obj, i, hold = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
 spec = registry.get("rel_copy")
 ref = builder.entry_ref(spec, spec.bind((), {"i": i}), "sm_90a")
@@ -87,8 +90,10 @@ _BUILD_WAITER = r"""
 import json, sys, time
 from pathlib import Path
 import relkernels
-from quack import builder, registry
-from quack.store import DiskStore, LockTimeout
+from quack.compile import builder
+from quack import registry
+from quack.errors import LockTimeout
+from quack.cache.store import DiskStore
 root, i, timeout = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 spec = registry.get("rel_copy")
 print("waiting", flush=True)
@@ -171,8 +176,9 @@ _COLD = r"""
 import json, os, sys, time
 from pathlib import Path
 import toykernels
-from quack import builder, registry
-from quack.store import DiskStore
+from quack.compile import builder
+from quack import registry
+from quack.cache.store import DiskStore
 root, go = sys.argv[1], Path(sys.argv[2])
 spec = registry.get("toy_scale")
 params = spec.bind((), {"dtype": "bfloat16", "block": 512, "bias": True})
@@ -198,8 +204,9 @@ _MANY = r"""
 import json, random, sys, time
 from pathlib import Path
 import relkernels
-from quack import builder, registry
-from quack.store import DiskStore
+from quack.compile import builder
+from quack import registry
+from quack.cache.store import DiskStore
 root, n, seed, go = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
 spec = registry.get("rel_copy")
 store = DiskStore(Path(root))
@@ -263,8 +270,11 @@ import hashlib, json, os, random, sys, time, warnings
 from pathlib import Path
 warnings.simplefilter("error")  # any CacheWarning (a 'corrupt' entry) fails this process
 import relkernels
-from quack import builder, loader, registry
-from quack.store import DiskStore
+from quack.compile import builder
+from quack.runtime import loader
+from quack import registry
+from quack.cache.store import DiskStore
+from quack.errors import EntryVanished
 root, seed, duration, go = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), Path(sys.argv[4])
 spec = registry.get("rel_copy")
 store = DiskStore(Path(root))
@@ -298,7 +308,7 @@ while time.time() < until:
         try:
             fn, mod, how = loader.load_entry(store, e)
             stats["loads"] += 1
-        except loader.EntryVanished:
+        except EntryVanished:
             stats["vanished"] += 1
 print(json.dumps(stats))
 """

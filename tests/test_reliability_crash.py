@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from quack import loader
-from quack.store import DiskStore, EntryRef
+from quack.runtime import loader
+from quack.cache.store import DiskStore, EntryRef
 from reliability_support import (PY, QUACK, TESTS, debris, env, session_objects,
                                  toy_ref, write_toy_project)
 
@@ -30,8 +30,8 @@ NKEYS = 6
 _REPUBLISH = r"""
 import hashlib, os, sys, time
 from pathlib import Path
-from quack import loader
-from quack.store import DiskStore, EntryRef
+from quack.runtime import loader
+from quack.cache.store import DiskStore, EntryRef
 root, obj, srcfp, nkeys = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 data = Path(obj).read_bytes()
 store = DiskStore(Path(root), fsync=True)

@@ -12,8 +12,11 @@ import pytest
 
 import relkernels  # noqa: F401 - registers rel_copy
 import toykernels  # noqa: F401 - registers toy_scale
-from quack import builder, loader, registry, settings
-from quack.store import CacheWarning, CacheWriteError, DiskStore
+from quack.compile import builder
+from quack.runtime import loader
+from quack import registry, settings
+from quack.errors import CacheWarning, CacheWriteError
+from quack.cache.store import DiskStore
 from reliability_support import (QUACK, can_mount, copy_publish, env, run_py, session_objects,
                                  toy_ref, write_toy_project)
 
@@ -84,8 +87,10 @@ def test_enospc_at_each_fsync_of_publish(fail_at, objs, tmp_path, monkeypatch):
 _TMPFS_BUILD = r"""
 import json, sys, subprocess
 from pathlib import Path
-from quack import builder, registry
-from quack.store import DiskStore, CacheWriteError
+from quack.compile import builder
+from quack import registry
+from quack.errors import CacheWriteError
+from quack.cache.store import DiskStore
 import toykernels
 spec = registry.get("toy_scale")
 params = spec.bind((), {"dtype": "float32", "block": 256, "bias": True})
@@ -156,7 +161,7 @@ _RO_RUNTIME = r"""
 import json, warnings
 warnings.simplefilter("always")
 import toykernels
-from quack.store import CacheWarning
+from quack.errors import CacheWarning
 with warnings.catch_warnings(record=True) as w:
     a = toykernels.toy_scale("float32", 128, False)   # prebuilt, with its .so
     b = toykernels.toy_scale("float16", 64, False)    # prebuilt .o only: linked privately

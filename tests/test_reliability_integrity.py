@@ -14,8 +14,9 @@ import pytest
 
 import toykernels
 from conftest import use_settings
-from quack import loader
-from quack.store import CacheWarning, DiskStore, EntryRef
+from quack.runtime import loader
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore, EntryRef
 from reliability_support import (QUACK, copy_publish, env, session_objects, toy_ref,
                                  write_toy_project)
 

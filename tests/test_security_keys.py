@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 
 import toykernels  # noqa: F401 - registers toy_scale
-from quack import builder, keys, registry
+from quack.compile import builder
+from quack.cache import keys
+from quack import registry
 from quack.errors import KernelNotPrebuilt, ParamError
-from quack.store import CacheWarning, DiskStore
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore
 from reliability_support import PY, TESTS, copy_publish, env, session_objects, toy_ref
 
 

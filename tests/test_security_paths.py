@@ -18,9 +18,13 @@ import pytest
 
 import relkernels  # noqa: F401 - registers rel_copy
 import toykernels  # noqa: F401 - registers toy_scale
-from quack import builder, fsutil, loader, registry, settings
+from quack.compile import builder
+from quack.cache import fsutil
+from quack.runtime import loader
+from quack import registry, settings
 from quack.errors import CacheError, ParamError, SettingsError, UnknownKernel
-from quack.store import CacheWarning, CacheWriteError, DiskStore, EntryRef
+from quack.errors import CacheWarning, CacheWriteError
+from quack.cache.store import DiskStore, EntryRef
 from reliability_support import (QUACK, ROOT, copy_publish, env, run_py, session_objects, toy_ref,
                                  write_toy_project)
 

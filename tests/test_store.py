@@ -7,8 +7,9 @@ import sys
 import pytest
 
 import toykernels
-from quack import builder
-from quack.store import CacheWarning, DiskStore
+from quack.compile import builder
+from quack.errors import CacheWarning
+from quack.cache.store import DiskStore
 
 SPEC = toykernels.toy_scale.spec
 
@@ -80,8 +81,8 @@ _RACE = """
 import sys, json
 sys.path.insert(0, {tests!r})
 import toykernels
-from quack import builder
-from quack.store import DiskStore
+from quack.compile import builder
+from quack.cache.store import DiskStore
 spec = toykernels.toy_scale.spec
 entry, compiled = builder.build(spec, spec.bind(("bfloat16", 64, True), {{}}), "sm_90a", DiskStore({root!r}))
 print(json.dumps({{"compiled": compiled, "sha": entry.meta["sha256"]}}))

@@ -20,13 +20,13 @@ VARIANTS = {
 }
 
 COMPILE_FNS = {
-    "rmsnorm_fwd": ("kernels.rmsnorm", "compile_rmsnorm_fwd"),
-    "rmsnorm_bwd": ("kernels.rmsnorm", "compile_rmsnorm_bwd"),
-    "softmax_fwd": ("kernels.softmax", "compile_softmax_fwd"),
-    "softmax_bwd": ("kernels.softmax", "compile_softmax_bwd"),
-    "layernorm_fwd": ("kernels.layernorm", "compile_layernorm_fwd"),
-    "cross_entropy_fwd": ("kernels.cross_entropy", "compile_cross_entropy_fwd"),
-    "cross_entropy_bwd": ("kernels.cross_entropy", "compile_cross_entropy_bwd"),
+    "rmsnorm_fwd": ("quack_kernels.rmsnorm", "compile_rmsnorm_fwd"),
+    "rmsnorm_bwd": ("quack_kernels.rmsnorm", "compile_rmsnorm_bwd"),
+    "softmax_fwd": ("quack_kernels.softmax", "compile_softmax_fwd"),
+    "softmax_bwd": ("quack_kernels.softmax", "compile_softmax_bwd"),
+    "layernorm_fwd": ("quack_kernels.layernorm", "compile_layernorm_fwd"),
+    "cross_entropy_fwd": ("quack_kernels.cross_entropy", "compile_cross_entropy_fwd"),
+    "cross_entropy_bwd": ("quack_kernels.cross_entropy", "compile_cross_entropy_bwd"),
 }
 
 

@@ -56,15 +56,15 @@ def test_kernel_modules_import_without_torch_or_cutlass():
     import subprocess
     import sys
 
-    code = ("import sys; import kernels.rmsnorm, kernels.softmax, kernels.layernorm, "
-            "kernels.cross_entropy; bad=[m for m in ('torch','cutlass') if m in sys.modules]; "
+    code = ("import sys; import quack_kernels.rmsnorm, quack_kernels.softmax, quack_kernels.layernorm, "
+            "quack_kernels.cross_entropy; bad=[m for m in ('torch','cutlass') if m in sys.modules]; "
             "assert not bad, bad")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
 def test_plan_strategies():
-    from kernels._plan import plan_rows
+    from quack_kernels._plan import plan_rows
 
     assert plan_rows(256, 16).threads_per_row < 32            # sub-warp rows
     assert plan_rows(1000, 16).cluster_n == 1
@@ -81,7 +81,7 @@ def test_plan_strategies():
 
 def test_bad_n_param():
     from quack.errors import ParamError
-    from kernels.rmsnorm import compile_rmsnorm_fwd
+    from quack_kernels.rmsnorm import compile_rmsnorm_fwd
 
     with pytest.raises(ParamError):
         compile_rmsnorm_fwd(dtype="bfloat16", n=128)
@@ -91,8 +91,8 @@ def test_bad_n_param():
 
 def test_validation_cpu_tensor():
     torch = pytest.importorskip("torch")
-    from kernels.rmsnorm import rmsnorm_fwd
-    from kernels.softmax import softmax_fwd
+    from quack_kernels.rmsnorm import rmsnorm_fwd
+    from quack_kernels.softmax import softmax_fwd
 
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         rmsnorm_fwd(torch.randn(4, 1024))

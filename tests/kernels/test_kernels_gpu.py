@@ -68,7 +68,7 @@ def _close(got, ref, dt, scale=1.0):
 @pytest.mark.parametrize("dt,m,n", _grid(3))
 @pytest.mark.parametrize("variant", ["w", "b+res"])
 def test_rmsnorm_fwd(dt, m, n, variant):
-    from kernels.rmsnorm import rmsnorm_fwd
+    from quack_kernels.rmsnorm import rmsnorm_fwd
 
     x = _rand(m, n, dt)
     w = _rand(1, n, dt, seed=1)[0] if variant == "w" else None
@@ -88,7 +88,7 @@ def test_rmsnorm_fwd(dt, m, n, variant):
 @pytest.mark.parametrize("dt,m,n", _grid(4))
 @pytest.mark.parametrize("has_weight", [True, False], ids=["w", "now"])
 def test_rmsnorm_bwd(dt, m, n, has_weight):
-    from kernels.rmsnorm import rmsnorm_bwd
+    from quack_kernels.rmsnorm import rmsnorm_bwd
 
     x = _rand(m, n, dt)
     dy = _rand(m, n, dt, seed=1)
@@ -109,7 +109,7 @@ def test_rmsnorm_bwd(dt, m, n, has_weight):
 
 @pytest.mark.parametrize("dt,m,n", _grid(2))
 def test_softmax_fwd(dt, m, n):
-    from kernels.softmax import softmax_fwd
+    from quack_kernels.softmax import softmax_fwd
 
     x = _rand(m, n, dt, scale=3)
     y = softmax_fwd(x)
@@ -119,7 +119,7 @@ def test_softmax_fwd(dt, m, n):
 
 @pytest.mark.parametrize("dt,m,n", _grid(3))
 def test_softmax_bwd(dt, m, n):
-    from kernels.softmax import softmax_bwd
+    from quack_kernels.softmax import softmax_bwd
 
     y = torch.softmax(_rand(m, n, "float32", scale=3), -1).to(getattr(torch, dt))
     dy = _rand(m, n, dt, seed=1)
@@ -130,7 +130,7 @@ def test_softmax_bwd(dt, m, n):
 
 @pytest.mark.parametrize("dt,m,n", _grid(2))
 def test_layernorm_fwd(dt, m, n):
-    from kernels.layernorm import layernorm_fwd
+    from quack_kernels.layernorm import layernorm_fwd
 
     x = _rand(m, n, dt) + 0.5
     w = _rand(1, n, dt, seed=1)[0]
@@ -153,7 +153,7 @@ def _ce_inputs(dt, m, n):
 
 @pytest.mark.parametrize("dt,m,n", _grid(1))
 def test_cross_entropy_fwd(dt, m, n):
-    from kernels.cross_entropy import cross_entropy_fwd
+    from quack_kernels.cross_entropy import cross_entropy_fwd
 
     x, t = _ce_inputs(dt, m, n)
     loss, lse = cross_entropy_fwd(x, t, ignore_index=-100)
@@ -164,7 +164,7 @@ def test_cross_entropy_fwd(dt, m, n):
 
 @pytest.mark.parametrize("dt,m,n", _grid(2))
 def test_cross_entropy_bwd(dt, m, n):
-    from kernels.cross_entropy import cross_entropy_bwd
+    from quack_kernels.cross_entropy import cross_entropy_bwd
 
     x, t = _ce_inputs(dt, m, n)
     xr = x.float().requires_grad_()
@@ -179,9 +179,9 @@ def test_cross_entropy_bwd(dt, m, n):
 # ----------------------------------------------------------------- autograd + validation
 
 def test_autograd_wrappers():
-    from kernels.rmsnorm import rmsnorm
-    from kernels.softmax import softmax
-    from kernels.cross_entropy import cross_entropy
+    from quack_kernels.rmsnorm import rmsnorm
+    from quack_kernels.softmax import softmax
+    from quack_kernels.cross_entropy import cross_entropy
 
     x = _rand(64, 4096, "bfloat16").requires_grad_()
     w = _rand(1, 4096, "bfloat16", seed=1)[0].requires_grad_()
@@ -203,9 +203,9 @@ def test_autograd_wrappers():
 
 
 def test_bad_inputs():
-    from kernels.rmsnorm import rmsnorm_fwd
-    from kernels.softmax import softmax_bwd
-    from kernels.cross_entropy import cross_entropy_fwd
+    from quack_kernels.rmsnorm import rmsnorm_fwd
+    from quack_kernels.softmax import softmax_bwd
+    from quack_kernels.cross_entropy import cross_entropy_fwd
 
     x = _rand(8, 1024, "bfloat16")
     with pytest.raises(TypeError, match="weight"):

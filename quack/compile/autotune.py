@@ -1,7 +1,7 @@
 """Autotuning on the compile pool: submit every candidate configuration at once,
 benchmark each as soon as its kernel is ready (cached ones first), keep the fastest.
 
-    from quack.autotune import autotune
+    from quack.compile.autotune import autotune
     res = autotune(rmsnorm_fwd_compile, [{"block": b} for b in (128, 256, 512)],
                    bench=lambda fn, cfg: time_it(fn, x, w, y),
                    common={"dtype": "bfloat16", "n": 4096})
@@ -17,7 +17,7 @@ import dataclasses
 import time
 from typing import Any, Callable, Sequence
 
-from quack import pool as _pool
+from quack.compile import pool as _pool
 from quack.errors import CompileError, CompilePending
 
 

@@ -17,20 +17,10 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from quack import fsutil
+from quack.cache import fsutil
+from quack.errors import EntryVanished, LinkError
 
 FUNCTION_NAME = "func"
-
-
-class EntryVanished(LookupError):
-    """The entry was removed (``quack cache clean``) or replaced between its verification
-    and its loading. Not corruption: the caller treats it as a miss."""
-
-
-class LinkError(Exception):
-    def __init__(self, message: str, obj: str = ""):
-        super().__init__(message)
-        self.obj = obj
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,7 +30,7 @@ def runtime_libdirs() -> tuple[str, str] | None:
     tspec = importlib.util.find_spec("tvm_ffi")
     if spec is None or tspec is None or not spec.submodule_search_locations:
         return None
-    from quack.keys import toolchain
+    from quack.cache.keys import toolchain
 
     flavour = toolchain()["libs"]
     cdir = None

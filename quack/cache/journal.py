@@ -18,7 +18,7 @@ def append(root: Path, records: list[dict]) -> None:
     try:
         if not Path(root).is_dir():
             return
-        from quack import fsutil
+        from quack.cache import fsutil
 
         fsutil.check_root(Path(root))  # never through a symlinked / unsafe root (CacheError)
         # O_APPEND writes land whole at the end even with several writers.

@@ -42,21 +42,10 @@ import types
 from multiprocessing import connection as mpc
 from pathlib import Path
 
-from quack.errors import CacheError, CompileError
-from quack.store import LockTimeout
+from quack.errors import CacheError, CompileError, CompileTimeout, LockTimeout
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
 EXTERNAL_POLL_S = 0.1
-
-
-class CompileTimeout(TimeoutError):
-    """A compile (or another process's lock on its key) ran past compile_timeout."""
-
-    def __init__(self, kernel: str, key: str, seconds: float, external: bool = False):
-        who = "another process holding its lock" if external else "its compile worker"
-        super().__init__(f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s "
-                         f"({who}; wedged?)")
-        self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
 
 
 def _worker_died_error(task: "_Task", exitcode) -> CompileError:
@@ -80,8 +69,9 @@ def _noop() -> int:
 def worker_build(module: str, kernel: str, params: dict, arch: str, root: str, fsync: bool,
                  lock_timeout: float, force: bool) -> dict:
     """Task run in a worker: import, compile, publish. Returns a small report."""
-    from quack import builder, registry
-    from quack.store import DiskStore
+    from quack.compile import builder
+    from quack import registry
+    from quack.cache.store import DiskStore
 
     spec = registry.import_spec(module, kernel)
     bound = spec.bind((), params)
@@ -171,7 +161,7 @@ def _context(start_method: str):
     global _forkserver_configured
     ctx = mp.get_context(start_method)
     if start_method == "forkserver" and not _forkserver_configured:
-        ctx.set_forkserver_preload(["quack._preload"])
+        ctx.set_forkserver_preload(["quack.compile._preload"])
         _forkserver_configured = True
     return ctx
 
@@ -364,8 +354,8 @@ class CompilePool:
     @staticmethod
     def _external_paths(spec, params, arch, s):
         try:
-            from quack import builder
-            from quack.store import DiskStore
+            from quack.compile import builder
+            from quack.cache.store import DiskStore
 
             p = DiskStore(s.cache_dir).paths(builder.entry_ref(spec, params, arch))
             return str(p["lock"]), str(p["meta"])

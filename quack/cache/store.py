@@ -22,38 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from quack import fsutil, keys
-from quack.errors import CacheError, ParamError
+from quack.cache import fsutil, keys
+from quack.errors import CacheError, CacheWarning, CacheWriteError, LockTimeout, ParamError
 
 LAYOUT = "v1"
 META_FORMAT = 1
-
-
-class CacheWarning(UserWarning):
-    """A cache problem quack recovered from (the entry is rebuilt)."""
-
-
-class LockTimeout(Exception):
-    """Another process held the key's lock past the time-out. Callers fall back:
-    the runtime compiles in-process without publishing (the holder publishes)."""
-
-    def __init__(self, path: str, timeout: float):
-        super().__init__(f"lock {path} still held after {timeout:.0f} s")
-        self.path = path
-        self.timeout = timeout
-
-    def __reduce__(self):  # crosses from compile workers to the caller
-        return (LockTimeout, (self.path, self.timeout))
-
-
-class CacheWriteError(CacheError):
-    """Writing to the cache failed (disk full, read-only, permission): nothing was
-    published and the temp files are gone. ``reason`` is a short label."""
-
-    def __init__(self, message: str, *, path: str = "", reason: str = "", code: int = 0):
-        super().__init__(message, path=path)
-        self.reason = reason
-        self.code = code
 
 
 _WRITE_REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",

@@ -32,7 +32,7 @@ def _preload() -> None:
             del sys.modules["torch"]
     try:
         from quack import registry
-        from quack._warmup import warm_up
+        from quack.compile._warmup import warm_up
 
         registry.load_packages(packages)
         warm_up()

@@ -11,10 +11,10 @@ import sys
 import time
 import traceback
 
-from quack import loader
+from quack.runtime import loader
 from quack.errors import CacheError, CompileError
 from quack.registry import KernelSpec
-from quack.store import DiskStore, Entry, EntryRef, write_error
+from quack.cache.store import DiskStore, Entry, EntryRef, write_error
 
 
 def entry_ref(spec: KernelSpec, params: dict, arch: str) -> EntryRef:

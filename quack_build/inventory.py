@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from quack import fsutil, keys
-from quack.store import LAYOUT
+from quack.cache import fsutil, keys
+from quack.cache.store import LAYOUT
 
 _TMP_RE = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 _SUFFIXES = (".so.json", ".json", ".o", ".so", ".lock")  # longest first

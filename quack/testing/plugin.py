@@ -205,7 +205,7 @@ class _PendingHooks:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item, nextitem):
         # Teardown never defers: a miss there waits for its compile.
-        from quack.pool import suppress_pool
+        from quack.compile.pool import suppress_pool
 
         with suppress_pool():
             return (yield)
@@ -301,7 +301,7 @@ class _Runner:
         if prebuilt:
             self._install_strict()
         if self.deferring:
-            from quack import pool as _pool
+            from quack.compile import pool as _pool
 
             n = async_n or 0
             workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
@@ -353,7 +353,7 @@ class _Runner:
         if call.excinfo is not None and _is_cuda_oom(call.excinfo.value):
             item._quack_oom = True
         if self.prebuilt and call.when == "call" and rep.passed:
-            from quack import pool as _pool
+            from quack.compile import pool as _pool
 
             misses = [e for e, s in (_pool._miss_log.get() or []) if s is self.strict_settings]
             if misses:
@@ -379,7 +379,7 @@ class _Runner:
     def _protocol(self, item, nextitem, sync: bool):
         from _pytest.runner import runtestprotocol
 
-        from quack import pool as _pool
+        from quack.compile import pool as _pool
 
         self._fix_setupstate(item)
         self.predicted = nextitem
@@ -484,7 +484,7 @@ class _Runner:
         return self.interactor
 
     def _ready(self, pending) -> bool:
-        from quack import pool as _pool
+        from quack.compile import pool as _pool
 
         pool = getattr(pending, "pool", None) or self.pool
         return pool.state(pending.key, getattr(pending, "root", None)) != _pool.PENDING

@@ -8,10 +8,15 @@ import time
 import warnings
 from typing import Any, Callable
 
-from quack import _generation, journal, loader, pool as _pool, registry, settings as _settings
-from quack.errors import CacheError, CompileError, CompilePending, KernelNotPrebuilt
+from quack.runtime import _generation, loader
+from quack.cache import journal
+from quack.compile import pool as _pool
+from quack import registry, settings as _settings
+from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending, CompileTimeout,
+                          EntryVanished, KernelNotPrebuilt, LockTimeout)
+from quack.manifest_line import manifest_line
 from quack.params import Param
-from quack.store import CacheWarning, DiskStore, LockTimeout, warn_once
+from quack.cache.store import DiskStore, warn_once
 
 _ALL: list["JitKernel"] = []
 
@@ -83,7 +88,7 @@ class JitKernel:
             return loaded.fn
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
-        from quack import builder
+        from quack.compile import builder
 
         arch = s.arch
         # Prebuilt mode never compiles, whatever the cache's state: every path that
@@ -110,7 +115,7 @@ class JitKernel:
         if entry is not None:
             try:
                 return self._load(store, entry, params, key, arch, miss=False)
-            except loader.EntryVanished:
+            except EntryVanished:
                 entry = None  # cleaned between lookup and load: a plain miss
         if prebuilt:
             self._not_prebuilt(params, key, s, "")
@@ -139,15 +144,16 @@ class JitKernel:
                 return self._compile_in_process(params, key, arch)
         try:
             loaded = self._load(store, entry, params, key, arch, miss=True)
-        except loader.EntryVanished:  # evicted right after its compile: run it uncached
+        except EntryVanished:  # evicted right after its compile: run it uncached
             return self._compile_in_process(params, key, arch)
         loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
         return loaded
 
     def _not_prebuilt(self, params, key, s, reason: str):
-        err = KernelNotPrebuilt(self.spec.name, self.spec.plain(params), s.arch, key, str(s.cache_dir),
-                                reason=reason)
+        plain = self.spec.plain(params)
+        err = KernelNotPrebuilt(self.spec.name, plain, s.arch, key, str(s.cache_dir),
+                                manifest_line(self.spec.name, plain, s.arch), reason=reason)
         _pool.note_not_prebuilt(err, s)
         raise err
 
@@ -178,7 +184,7 @@ class JitKernel:
                 st, err = pool.wait(key, root=root)
             if st == _pool.FAILED:
                 pool.forget(key, root)  # reported once; a later call may retry
-                if isinstance(err, _pool.CompileTimeout):
+                if isinstance(err, CompileTimeout):
                     warnings.warn(f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this "
                                   f"process", CacheWarning, stacklevel=5)
                     return None
@@ -218,7 +224,7 @@ class JitKernel:
 
     def _compile_in_process(self, params, key, arch) -> Loaded:
         """No usable cache: compile here and keep the JIT function in memory."""
-        from quack import builder
+        from quack.compile import builder
 
         s = _settings.get()
         if s.mode == "prebuilt":  # the last guard: no path may compile in prebuilt mode

@@ -1,0 +1,81 @@
+"""quack.errors: every exception is a QuackError with its standard base, keeps its fields
+through pickle (they cross from compile workers to the caller), and the module imports
+nothing from quack."""
+from __future__ import annotations
+
+import ast
+import pickle
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quack import errors as E
+
+# (instance, standard base the callers rely on, fields that must survive pickle)
+CASES = [
+    (E.SettingsError("bad", source="quack.toml", key="arch"), ValueError, ("source", "key")),
+    (E.ParamError("bad n", kernel="k", param="n"), ValueError, ("kernel", "param")),
+    (E.UnknownKernel("nope", ("a", "b")), KeyError, ("name", "known")),
+    (E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "[[kernel]]\nname = \"k\""),
+     LookupError, ("kernel", "params", "arch", "key", "cache_dir", "manifest_line")),
+    (E.CompileError("k", {"n": 4}, "sm_90a", "boom", "/log"), RuntimeError,
+     ("kernel", "params", "arch", "detail", "log_path")),
+    (E.CacheError("unusable", path="/c"), OSError, ("path",)),
+    (E.CacheWriteError("full", path="/c", reason="disk full", code=28), OSError,
+     ("path", "reason", "code")),
+    (E.CacheWarning("recovered"), UserWarning, ()),
+    (E.LockTimeout("/c/x.lock", 30.0), TimeoutError, ("path", "timeout")),
+    (E.CompileTimeout("k", "cd" * 32, 60.0, external=True), TimeoutError,
+     ("kernel", "key", "seconds", "external")),
+    (E.EntryVanished("/c/x.o vanished"), LookupError, ()),
+    (E.LinkError("cc failed", "/c/x.o"), RuntimeError, ("obj",)),
+    (E.ManifestError(["m.toml: a", "m.toml: b"]), ValueError, ("problems",)),
+]
+
+
+@pytest.mark.parametrize("err,base,fields", CASES, ids=[type(c[0]).__name__ for c in CASES])
+def test_quack_error_with_standard_base_pickles(err, base, fields):
+    assert isinstance(err, E.QuackError)
+    assert isinstance(err, base)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is type(err)
+    assert str(back) == str(err)
+    for f in fields:
+        assert getattr(back, f) == getattr(err, f), f
+
+
+def test_every_exception_class_is_covered():
+    """A new exception in errors.py must be added to CASES (CompilePending is control flow)."""
+    defined = {name for name, obj in vars(E).items()
+               if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == E.__name__}
+    covered = {type(c[0]).__name__ for c in CASES} | {"QuackError", "CompilePending"}
+    assert defined == covered
+
+
+def test_kernel_not_prebuilt_message_carries_the_manifest_line():
+    err = E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "LINE-FROM-RAISER")
+    assert "LINE-FROM-RAISER" in str(err) and "quack build --arch sm_90a" in str(err)
+
+
+def test_compile_pending_is_not_an_exception():
+    p = pickle.loads(pickle.dumps(E.CompilePending("k", "ef" * 32)))
+    assert not isinstance(p, Exception) and p.kernel == "k"
+
+
+def test_errors_imports_nothing_from_quack():
+    tree = ast.parse(Path(E.__file__).read_bytes())
+    mods = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in errors.py"
+            mods.add(node.module or "")
+    assert not {m for m in mods if m.split(".")[0] in ("quack", "quack_build", "quack_kernels")}
+    # And importing it alone loads no other quack module.
+    out = subprocess.run([sys.executable, "-c", "import sys, quack.errors; "
+                          "print(sorted(m for m in sys.modules if m.startswith('quack')))"],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    assert out.strip() == "['quack', 'quack.errors']"
