@@ -4,6 +4,10 @@ cleanly: they cross the boundary between compile workers and the caller.
 This module imports nothing from quack, so any module can import it."""
 from __future__ import annotations
 
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")  # colour codes in compiler output
+
 
 class QuackError(Exception):
     """Base of quack's ordinary errors."""
@@ -88,10 +92,12 @@ class CompileError(QuackError, RuntimeError):
         self.kernel = kernel
         self.params = dict(params)
         self.arch = arch
-        self.detail = detail
+        # CuTe DSL colours its diagnostics; the text ends up in logs, pytest reports and
+        # JSON, never on a terminal as-is, so the codes go.
+        self.detail = _ANSI.sub("", detail)
         self.log_path = log_path
         super().__init__(
-            f"compiling {kernel} {self.params} for {arch} failed:\n{detail}"
+            f"compiling {kernel} {self.params} for {arch} failed:\n{self.detail}"
             + (f"\n(full log: {log_path})" if log_path else "")
         )
 

@@ -18,8 +18,7 @@ from quack_build.scheduler import (CACHED, COMPILED, FAILED, INTERRUPTED, SHARED
 
 
 def _err_line(t: Task) -> str:
-    lines = [ln for ln in (t.detail or t.error).strip().splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else t.error
+    return t.error or "failed"  # the compiler's first error line (scheduler._first_line)
 
 
 def _fmt_s(s: float | None) -> str:

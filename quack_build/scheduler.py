@@ -357,14 +357,16 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
 
 
 def _first_line(err) -> str:
+    """The failure's one line: the compiler's own first error (not CuTe's closing advice,
+    no ANSI codes); the full text goes to the build log."""
+    from quack.compile.diagnostics import first_error_line
+
     if err is None:
         return "failed"
     detail = getattr(err, "detail", None)
     if detail:
-        lines = [ln.strip() for ln in str(detail).strip().splitlines() if ln.strip()]
-        if lines:
-            return lines[-1][:300]
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        return first_error_line(str(detail))
+    return first_error_line(f"{type(err).__name__}: {err}")
 
 
 def _missing(tasks: list[Task], store: DiskStore) -> list[str]:

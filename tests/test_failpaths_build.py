@@ -99,3 +99,25 @@ def test_lock_symlink_build_ends(tmp_path, obj):
     res = json.loads(r.stdout)
     assert res["failed"] >= 1 and res["compiled"] + res["failed"] + res["not_built"] == 8
     assert target.read_text() == "do not touch\n"
+
+
+def test_failure_line_is_the_compilers_error_without_ansi(tmp_path):
+    """A real CuTe compiler error: the FAILED line and the summary show the compiler's own
+    error (not its closing "Re-run with CUTE_DSL_SHOW_STACKTRACE" advice), no ANSI codes
+    in non-terminal output; the build log keeps the whole text."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "quack.toml").write_text('[build]\nkernel_packages = ["toykernels"]\n')
+    (proj / "m.toml").write_text('[[kernel]]\nname = "toy_badcopy"\nparams = { dtype = "bfloat16" }\n')
+    r = run_quack(["build", "--jobs", "1", "--cache-dir", tmp_path / "cache", "m.toml"], cwd=proj)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    assert "\x1b" not in out
+    failed = [ln for ln in out.splitlines() if "FAILED" in ln]
+    assert len(failed) == 1, out
+    assert "'cute.copy' op dst expects shared based memref" in failed[0], failed[0]
+    assert "suggestion" not in failed[0] and "CUTE_DSL_SHOW_STACKTRACE" not in failed[0]
+    logs = list((tmp_path / "cache" / "logs").glob("build-*.log"))
+    assert len(logs) == 1
+    log = logs[0].read_text()
+    assert "CUTE_DSL_SHOW_STACKTRACE" in log and "Traceback" in log and "\x1b" not in log

@@ -56,3 +56,22 @@ def test_prebuilt_with_unusable_cache_raises_with_one_warning(quack_settings, co
     assert len(warned) == 1 and "unusable" in warned[0], warned
     assert warned2 == [] and "cache is unusable" in str(err2)
     assert not any(p.suffix == ".o" for p in real.rglob("*"))
+
+
+def test_first_error_line_of_a_python_failure_and_compile_error_without_ansi():
+    import pickle
+    import traceback
+
+    from quack.compile.diagnostics import first_error_line
+    from quack.errors import CompileError
+
+    try:
+        raise TypeError("export_to_c() got an unexpected keyword argument 'object_file_path'")
+    except TypeError as e:
+        text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+    assert first_error_line(text) == "TypeError: export_to_c() got an unexpected keyword argument " \
+                                     "'object_file_path'"
+    assert first_error_line("ValueError: a\x00b " + "x" * 1000, limit=40) == "ValueError: a\\x00b " + "x" * 18 + "..."
+    err = CompileError("k", {"n": 1}, "sm_90a", "\x1b[91merror:\x1b[0m bad\n")
+    assert err.detail == "error: bad\n" and "\x1b" not in str(err)
+    assert pickle.loads(pickle.dumps(err)).detail == "error: bad\n"
