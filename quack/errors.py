@@ -88,7 +88,11 @@ class KernelNotPrebuilt(QuackError, LookupError):
 class CompileError(QuackError, RuntimeError):
     """A kernel failed to compile; carries the compiler's traceback text."""
 
-    def __init__(self, kernel: str, params: dict, arch: str, detail: str, log_path: str = ""):
+    def __init__(self, kernel: str, params: dict, arch: str, detail: str, log_path: str = "", *,
+                 transient: bool = False):
+        # transient: the compile did not run to its end (worker killed, pool shut down,
+        # no worker could start): another attempt may succeed, so it is not remembered.
+        self.transient = transient
         self.kernel = kernel
         self.params = dict(params)
         self.arch = arch

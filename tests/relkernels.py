@@ -47,6 +47,10 @@ def rel_copy(i: int = 0):
 def rel_fail(i: int = 0):
     """rel_copy, except that the configurations listed in QUACK_TEST_FAIL (comma-separated
     ``i`` values) raise inside the compile function, like a kernel the compiler rejects."""
+    counter = os.environ.get("QUACK_TEST_FAIL_COUNTER")
+    if counter:  # one line per compile attempt, failed or not
+        with open(counter, "a") as f:
+            f.write(f"{os.getpid()} {i}\n")
     if str(i) in os.environ.get("QUACK_TEST_FAIL", "").split(","):
         raise ValueError(f"rel_fail: configuration i={i} does not compile")
     return rel_copy.raw(i)

@@ -2,6 +2,9 @@
 a failed compile is remembered per process (bugs 2 and 4 of issue 9)."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -10,6 +13,7 @@ import relkernels
 from conftest import use_settings
 from quack.errors import KernelNotPrebuilt
 from quack.errors import CacheWarning
+from reliability_support import env
 
 
 @pytest.fixture
@@ -75,3 +79,48 @@ def test_first_error_line_of_a_python_failure_and_compile_error_without_ansi():
     err = CompileError("k", {"n": 1}, "sm_90a", "\x1b[91merror:\x1b[0m bad\n")
     assert err.detail == "error: bad\n" and "\x1b" not in str(err)
     assert pickle.loads(pickle.dumps(err)).detail == "error: bad\n"
+
+
+_REMEMBER = r"""
+import json, os, sys, time
+from pathlib import Path
+from quack.errors import CompileError
+mod = Path(sys.argv[1]) / "fp_edit_kernel.py"
+mod.write_text("from relkernels import rel_fail as _f\n"
+               "from quack import jit_cache\nfrom quack.params import Int\n\n"
+               "@jit_cache('fp_edit', params={'i': Int(min=0)})\n"
+               "def fp_edit(i: int = 0):\n    return _f.raw(i)\n")
+sys.path.insert(0, sys.argv[1])
+import fp_edit_kernel
+counter = Path(os.environ["QUACK_TEST_FAIL_COUNTER"])
+attempts = lambda: len(counter.read_text().splitlines()) if counter.exists() else 0
+errs = []
+for _ in range(4):
+    try:
+        fp_edit_kernel.fp_edit(5)
+    except CompileError as e:
+        errs.append(e)
+out = {"errors": len(errs), "same": all(e is errs[0] for e in errs), "attempts": attempts(),
+       "text": str(errs[0])}
+time.sleep(0.01)
+mod.write_text(mod.read_text() + "# edited\n")   # a kernel edit: a new source fingerprint
+try:
+    fp_edit_kernel.fp_edit(5)
+except CompileError:
+    out["after_edit"] = attempts()
+print(json.dumps(out))
+"""
+
+
+def test_failed_compile_is_remembered_until_the_source_changes(tmp_path):
+    """Four calls of one failing key in one process: one compile (in a worker), the same
+    CompileError four times; after an edit of the kernel's source it compiles again."""
+    r = subprocess.run([sys.executable, "-c", _REMEMBER, str(tmp_path)], capture_output=True, text=True,
+                       timeout=240, cwd=str(tmp_path),
+                       env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_TEST_FAIL="5",
+                               QUACK_TEST_FAIL_COUNTER=tmp_path / "attempts", QUACK_COMPILE_JOBS=1))
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["errors"], out["same"], out["attempts"]) == (4, True, 1), out
+    assert "rel_fail: configuration i=5 does not compile" in out["text"]
+    assert out["after_edit"] == 2, out

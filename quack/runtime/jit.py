@@ -41,6 +41,7 @@ class JitKernel:
         self.raw = spec.fn
         self._memo: dict = {}
         self._by_key: dict[str, Loaded] = {}
+        self._failed: dict[str, tuple[str, CompileError]] = {}  # key -> (source fingerprint, error)
         self._gen = _generation.value
         self._lock = threading.RLock()
         self._warned_local = False
@@ -70,13 +71,20 @@ class JitKernel:
             if self._gen != _generation.value:
                 self._memo.clear()
                 self._by_key.clear()
+                self._failed.clear()
                 self._gen = _generation.value
             s = _settings.get()
             params = self.spec.bind(args, kwargs)
             key = self.spec.key(params, s.arch)
             loaded = self._by_key.get(key)
             if loaded is None:
-                loaded = self._resolve(params, key, s)
+                self._raise_if_failed(key)
+                try:
+                    loaded = self._resolve(params, key, s)
+                except CompileError as e:
+                    if not e.transient:
+                        self._remember_failure(key, e)
+                    raise
                 self._by_key[key] = loaded
             else:
                 loaded.hits += 1
@@ -86,6 +94,23 @@ class JitKernel:
             except TypeError:
                 pass  # unhashable argument spelling: still correct, just the slow path
             return loaded.fn
+
+    # A configuration that failed to compile fails the same way until its source changes:
+    # compiling it again on every call (minutes for a large kernel) tells nothing new.
+    def _raise_if_failed(self, key: str) -> None:
+        hit = self._failed.get(key)
+        if hit is None:
+            return
+        fp, err = hit
+        if fp == self.spec.source_fingerprint():
+            raise err
+        del self._failed[key]  # the kernel was edited: compile it again
+
+    def _remember_failure(self, key: str, err: CompileError) -> None:
+        if key not in self._failed and hasattr(err, "add_note"):  # Python 3.11+
+            err.add_note(f"quack: {self.spec.name} key {key[:16]} will not be compiled again in this "
+                         f"process until its source changes")
+        self._failed[key] = (self.spec.source_fingerprint(), err)
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
         from quack.compile import builder
