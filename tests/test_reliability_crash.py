@@ -141,9 +141,9 @@ def test_sweep_spares_live_writers_and_held_locks(tmp_path):
     p = store.paths(ref)
     p["obj"].write_bytes(b"orphan")
     with store.lock(ref):
-        removed = store.sweep_debris(min_age=3600)
+        removed = store.sweep_debris(grace=0)
         assert dead in removed and live not in removed and p["obj"].exists()
-    removed = store.sweep_debris(min_age=3600)
+    removed = store.sweep_debris(grace=0)
     assert p["obj"] in removed and not p["obj"].exists()
     assert live.exists() and p["lock"].exists()
 
