@@ -161,6 +161,20 @@ class LinkError(QuackError, RuntimeError):
         self.obj = obj
 
 
+class TomlFileError(QuackError, ValueError):
+    """A TOML file (manifest, quack.toml) that can't be read or parsed: not a regular
+    file, too large, not UTF-8, nested too deeply, or a syntax error. ``line`` and
+    ``col`` are 1-based, 0 when unknown; str() is ``path:line:col: problem``."""
+
+    def __init__(self, path: str, problem: str, *, line: int = 0, col: int = 0):
+        self.path = str(path)
+        self.problem = problem
+        self.line = line
+        self.col = col
+        where = self.path + (f":{line}" if line else "") + (f":{col}" if line and col else "")
+        super().__init__(f"{where}: {problem}")
+
+
 class ManifestError(QuackError, ValueError):
     """One or more problems in the manifests; ``problems`` lists them all."""
 

@@ -7,16 +7,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from quack.errors import SettingsError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from quack.errors import SettingsError, TomlFileError
 
 CONFIG_NAME = "quack.toml"
 MODES = ("jit", "prebuilt")
@@ -144,21 +138,21 @@ def find_config(start: Path | None = None) -> Path | None:
     d = (start or Path.cwd()).resolve()
     for p in (d, *d.parents):
         c = p / CONFIG_NAME
-        if c.is_file():
+        # Anything but a directory counts: a FIFO or device named quack.toml is refused
+        # by read_config with a clear message instead of being silently skipped.
+        if os.path.lexists(c) and not c.is_dir():
             return c
     return None
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """Parse quack.toml into {field: value}; errors name the file and key."""
+    from quack.tomlfile import load
+
     try:
-        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise SettingsError(f"{path}: not UTF-8 text ({e})", source=str(path)) from None
-    except tomllib.TOMLDecodeError as e:
-        raise SettingsError(f"{path}: TOML syntax error: {e}", source=str(path)) from None
-    except OSError as e:
-        raise SettingsError(f"{path}: cannot read ({e.strerror})", source=str(path)) from None
+        raw = load(path, "settings file")
+    except TomlFileError as e:  # not a regular file, too large, too deep, syntax: file:line
+        raise SettingsError(str(e), source=str(path)) from None
     out: dict[str, Any] = {}
     by_loc = {(f.section, f.key): name for name, f in _FIELDS.items()}
     for section, table in raw.items():

@@ -25,18 +25,12 @@ import difflib
 import itertools
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 from quack import registry, settings as _settings
-from quack.errors import ManifestError, ParamError, UnknownKernel
+from quack.errors import ManifestError, ParamError, TomlFileError, UnknownKernel
 from quack.params import Config as ConfigParam
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 DEFAULT_MAX_CONFIGS = 10_000
 TOP_KEYS = ("defaults", "kernel")
@@ -95,42 +89,23 @@ def _tname(v: Any) -> str:
     return {str: "string", int: "integer", float: "float"}.get(type(v), type(v).__name__)
 
 
-_TOML_POS = re.compile(r"\(at line (\d+), column (\d+)\)")
-
-
 def read_document(path: Path) -> dict:
-    """Parse one manifest; a syntax error names file, line and column."""
+    """Parse one manifest (quack.tomlfile: a regular file of at most 16 MiB, nesting
+    bounded); any problem is a ManifestError naming file, line and column."""
+    from quack.tomlfile import load
+
     try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ManifestError([f"{path}: no such manifest file"]) from None
-    except IsADirectoryError:
-        raise ManifestError([f"{path}: is a directory, not a manifest file"]) from None
-    except UnicodeDecodeError as e:
-        raise ManifestError([f"{path}: not UTF-8 text ({e})"]) from None
-    except OSError as e:
-        raise ManifestError([f"{path}: cannot read ({e.strerror})"]) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        msg = str(e)
-        m = _TOML_POS.search(msg)
-        line = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)
-        col = getattr(e, "colno", None) or (int(m.group(2)) if m else None)
-        bare = _TOML_POS.sub("", getattr(e, "msg", msg)).strip()
-        where = f"{path}:{line}:{col}" if line else str(path)
-        snippet = ""
-        if line:
-            lines = text.splitlines()
-            if 0 < line <= len(lines):
-                snippet = f"\n    {lines[line - 1]}\n    {' ' * max(0, (col or 1) - 1)}^"
-        raise ManifestError([f"{where}: TOML syntax error: {bare}{snippet}"]) from None
+        return load(path, "manifest file")
+    except TomlFileError as e:
+        raise ManifestError([str(e)]) from None
 
 
 def _kernel_header_lines(path: Path) -> list[int]:
+    from quack.tomlfile import read_bytes
+
     try:
-        lines = path.read_text("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
+        lines = read_bytes(path, "manifest file").decode("utf-8").splitlines()
+    except (TomlFileError, UnicodeDecodeError):
         return []
     return [i + 1 for i, ln in enumerate(lines) if re.match(r"^\s*\[\[\s*kernel\s*\]\]", ln)]
 
