@@ -75,7 +75,8 @@ def read_bytes(path: Path | str, what: str = "file") -> bytes:
         os.close(fd)
 
 
-def _escape(text: str) -> str:
+def escape(text: str) -> str:
+    """Control characters (NUL, ESC, ...) as \\xNN: shown, never sent raw to a terminal."""
     return _CTRL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
                      else f"\\u{ord(m.group()):04x}", text)
 
@@ -88,7 +89,7 @@ def excerpt(line: str, col: int = 0) -> tuple[str, int]:
     start = max(0, col - 1 - EXCERPT // 2) if len(line) > EXCERPT else 0
     head = "..." if start else ""
     tail = "..." if start + EXCERPT < len(line) else ""
-    return head + _escape(line[start:start + EXCERPT]) + tail, len(head) + len(_escape(line[start:col - 1]))
+    return head + escape(line[start:start + EXCERPT]) + tail, len(head) + len(escape(line[start:col - 1]))
 
 
 def _too_deep(text: str, limit: int) -> tuple[int, int] | None:

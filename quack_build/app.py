@@ -89,7 +89,7 @@ def build(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout (progress on stderr)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON file."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit on the configurations after expansion, over all manifests given."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also list cached and started keys."),
 ):
     """Compile the manifests' configurations into the cache, in parallel."""
@@ -245,7 +245,7 @@ def verify(
     no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit on the configurations after expansion, over all manifests given."),
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
     _run(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))

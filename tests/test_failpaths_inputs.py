@@ -91,3 +91,45 @@ def test_bom_long_line_and_nul_reported_readably(tmp_path):
     nul.write_bytes(b'[[kernel]]\nname = "toy\x00scale"\n')
     rc, out = _cli(["build", "--dry-run", str(nul)], tmp_path)
     assert rc == 1 and f"{nul}:2:" in out and "\\x00" in out and "\x00" not in out, out
+
+
+def _rel_project(d: Path, tables: int, per_table: int) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "quack.toml").write_text('[build]\nkernel_packages = ["relkernels"]\n')
+    m = d / "m.toml"
+    m.write_text("".join(f'[[kernel]]\nname = "rel_copy"\nparams = {{ i = {list(range(per_table))} }}\n'
+                         for _ in range(tables)))
+    return m
+
+
+def test_total_configurations_capped_across_tables(tmp_path):
+    """Many tables each under the limit: the total after expansion is capped (exit 1 at
+    once, naming the table that crossed it and --max-configs); raising the limit works."""
+    m = _rel_project(tmp_path, tables=30, per_table=7800)  # 234,000 configurations
+    rc, out = _cli(["build", "--dry-run", str(m)], tmp_path)
+    assert rc == 1, out[-2000:]
+    assert out.count("over the limit") == 1, out[-2000:]
+    assert "[[kernel]] #2 (rel_copy): the cross product has 7800 configurations" in out
+    assert "the tables before it already expand to 7800" in out and "--max-configs" in out
+    assert len(out) < 3000
+
+    m = _rel_project(tmp_path / "small", tables=6, per_table=1000)
+    rc, out = _cli(["build", "--dry-run", "--max-configs", "5000", str(m)], tmp_path / "small")
+    assert rc == 1 and "[[kernel]] #6" in out and "over the limit of 5000" in out, out[-2000:]
+    rc, out = _cli(["build", "--dry-run", "--max-configs", "6000", str(m)], tmp_path / "small")
+    assert rc == 0, out[-2000:]
+    assert "6000 configurations" not in out and "1000 configurations (5000 duplicates dropped)" in out
+
+
+def test_bad_values_one_error_per_problem(tmp_path):
+    """Thousands of bad values in one list are one problem (a few shown, then a count);
+    a bad value is not also reported as a missing parameter."""
+    write_toy_project(tmp_path)
+    m = tmp_path / "bad.toml"
+    m.write_text('[[kernel]]\nname = "toy_scale"\nparams = { dtype = "int8", block = '
+                 f'{list(range(2000, 7000))} }}\n')
+    rc, out = _cli(["build", "--dry-run", str(m)], tmp_path)
+    assert rc == 1, out
+    assert "3 problems" not in out and "missing parameter" not in out, out
+    assert out.count("is not allowed for kernel toy_scale") == 4  # dtype + 3 of the blocks
+    assert "params.block: 4997 more of its 5000 values are not allowed either" in out
