@@ -197,6 +197,7 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2)
     s = _settings(cache_dir)
+    _common.check_root(s.cache_dir)
     _load_kernels(s, required=False)
     con = _console(to_stderr=as_json)
     if not Path(s.cache_dir).is_dir():
@@ -258,7 +259,12 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> i
     _load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
     con = _console(to_stderr=as_json)
-    res = v.verify(exp.configs, _store(s), load=not no_load, run=run, console=None if as_json else con)
+    from quack.errors import CacheError
+
+    try:
+        res = v.verify(exp.configs, _store(s), load=not no_load, run=run, console=None if as_json else con)
+    except CacheError as e:  # an unsafe root: refused like build, stats and clean do
+        raise _Fail(f"error: {e}") from None
     if as_json:
         _emit_json(res)
     else:

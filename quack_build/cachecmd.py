@@ -48,6 +48,14 @@ def print_stats(con: Console, info: dict) -> None:
                   f"{d['orphan_objects']} objects without metadata ({human_bytes(d['orphan_bytes'])}), "
                   f"{d['quarantined_files']} quarantined files ({human_bytes(d['quarantined_bytes'])}); "
                   f"`quack cache clean` removes them", markup=False)
+    planted = info.get("planted") or []
+    if planted:
+        con.print(f"planted in the cache ({len(planted)}; quack never follows or uses them, "
+                  f"`quack cache clean` removes them):", markup=False)
+        for x in planted[:20]:
+            con.print(f"  {x['what']}: {x['path']}", markup=False, soft_wrap=True)
+        if len(planted) > 20:
+            con.print(f"  ... and {len(planted) - 20} more", markup=False)
     if t["stale_entries"]:
         con.print(f"{t['stale_entries']} stale entries ({human_bytes(t['stale_bytes'])}): "
                   f"`quack cache clean` removes them", markup=False)

@@ -68,6 +68,19 @@ def _current_srcfps() -> dict:
     return out
 
 
+def check_root(root: Path) -> None:
+    """Refuse an unsafe cache root (a symlink, not ours, group/other-writable) the way
+    ``quack build`` does: stats and clean must not report on, or delete in, a directory
+    someone else can plant files in."""
+    from quack.cache import fsutil
+    from quack.errors import CacheError
+
+    try:
+        fsutil.check_root(Path(root))
+    except CacheError as e:
+        raise _Fail(f"error: {e}") from None
+
+
 def _emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
     sys.stdout.flush()
@@ -77,6 +90,7 @@ def stats(as_json, cache_dir, top) -> int:
     from quack.cache import journal
 
     s = _settings(cache_dir)
+    check_root(s.cache_dir)
     _load_kernels(s, required=False)
     info = inventory.summarize(s.cache_dir, _current_srcfps())
     info["journal"] = inventory.journal_summary(journal.read(s.cache_dir), top=top)

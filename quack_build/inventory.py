@@ -117,6 +117,8 @@ def _scan(d: FpDir) -> FpDir:
     with it:
         for e in it:
             name = e.name
+            if e.is_symlink():
+                continue  # planted: reported by planted(), removed by clean, never counted
             if ".tmp-" in name:
                 m = _TMP_RE.match(name)
                 if m:
@@ -157,6 +159,39 @@ def _scan(d: FpDir) -> FpDir:
             kf.sizes[suf] = st.st_size
             kf.mtimes[suf] = st.st_mtime
     return d
+
+
+def planted(root: Path) -> list[tuple[Path, str]]:
+    """Things someone planted in the cache's layout, never followed: symbolic links
+    anywhere in ``v1/`` (in place of a stamp, kernel or fingerprint directory, or of
+    an entry or lock file) and non-directories where the layout has directories; and
+    ``v1/``, ``quarantine/``, ``logs/``, ``tmp/`` themselves as links. Each is
+    (path, what it is). The store refuses to use them; ``quack cache clean`` removes
+    them (the link itself, with unlink: its target is never touched)."""
+    out: list[tuple[Path, str]] = []
+    root = Path(root)
+    for name in (LAYOUT, "quarantine", "logs", "tmp"):
+        if os.path.islink(root / name):
+            out.append((root / name, "symbolic link"))
+
+    def scan(d: str, depth: int) -> None:  # depth 0: stamps, 1: kernels, 2: fingerprints, 3: files
+        try:
+            it = os.scandir(d)
+        except OSError:
+            return
+        with it:
+            for e in sorted(it, key=lambda e: e.name):
+                if e.is_symlink():
+                    out.append((Path(e.path), "symbolic link"))
+                elif depth < 3:
+                    if e.is_dir(follow_symlinks=False):
+                        scan(e.path, depth + 1)
+                    else:
+                        out.append((Path(e.path), "not a directory"))
+
+    if not os.path.islink(root / LAYOUT):
+        scan(str(root / LAYOUT), 0)
+    return out
 
 
 def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
@@ -221,7 +256,8 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
         s["bytes"] += f["bytes"]
         s["fingerprints"] += 1
     return {"root": str(root), "totals": totals, "stamps": list(per_stamp.values()),
-            "fingerprints": fps, "kernels": kernels, "debris": debris}
+            "fingerprints": fps, "kernels": kernels, "debris": debris,
+            "planted": [{"path": str(p), "what": w} for p, w in planted(root)]}
 
 
 def journal_summary(records: list[dict], top: int = 10) -> dict:
@@ -437,6 +473,15 @@ def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all
     ``max_size`` least recently used entries until the cache fits."""
     c = Cleaner(root, dry_run=dry_run, log=log)
     now = time.time()
+    # Planted links and files first (what the store refuses and its messages tell the
+    # user to clean): unlinked, never followed; a planted directory is left (and reported).
+    for path, what in planted(root):
+        try:
+            size = 0 if what == "symbolic link" else os.lstat(path).st_size
+        except OSError:
+            continue
+        if what == "symbolic link" or not os.path.isdir(path):
+            c._unlink(path, size, f"planted {what} (never followed)")
     kept: list[tuple[FpDir, KeyFiles]] = []
     for d in walk(root, current_srcfp):
         if d.status == "stale":

@@ -287,8 +287,10 @@ class DiskStore:
         except FileNotFoundError:
             st = None
         if st is not None and not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"lock file {path} is a symbolic link or not a regular file; quack refuses "
-                             f"to follow it. Remove it (rm {path}).", path=str(path))
+            # The remedy before the (long) path: a one-line summary cut at its end keeps it.
+            raise CacheError(f"lock file is a symbolic link or not a regular file (planted; quack "
+                             f"refuses to follow it: run quack cache clean, or rm it): {path}",
+                             path=str(path))
         lk = filelock.FileLock(str(path), timeout=t, mode=0o600)
         try:
             lk.acquire()
@@ -296,8 +298,8 @@ class DiskStore:
             raise LockTimeout(str(path), t) from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise CacheError(f"lock file {path} is a symbolic link; quack refuses to follow it. "
-                                 f"Remove it (rm {path}).", path=str(path)) from None
+                raise CacheError(f"lock file is a symbolic link (planted; quack refuses to follow it: "
+                                 f"run quack cache clean, or rm it): {path}", path=str(path)) from None
             raise write_error(e, self.root, f"creating the lock {path}") from None
         try:
             yield
