@@ -265,8 +265,8 @@ def journal_summary(records: list[dict], top: int = 10) -> dict:
     slow: list[dict] = []
     for r in records:
         k = per_kernel.setdefault(str(r.get("kernel")), {"hits": 0, "misses": 0, "compiles": 0,
-                                                         "compile_s": 0.0, "keys": set()})
-        for f in ("hits", "misses", "compiles"):
+                                                         "compile_s": 0.0, "waits": 0, "keys": set()})
+        for f in ("hits", "misses", "compiles", "waits"):
             v = r.get(f, 0)
             k[f] += v if isinstance(v, int) else 0
         cs = r.get("compile_s", 0.0)

@@ -124,3 +124,47 @@ def test_failed_compile_is_remembered_until_the_source_changes(tmp_path):
     assert (out["errors"], out["same"], out["attempts"]) == (4, True, 1), out
     assert "rel_fail: configuration i=5 does not compile" in out["text"]
     assert out["after_edit"] == 2, out
+
+
+_STAMPEDE = r"""
+import json, sys, time
+from pathlib import Path
+import relkernels
+go = Path(sys.argv[1])
+while not go.exists():
+    time.sleep(0.005)
+relkernels.rel_copy(77)
+u = relkernels.rel_copy.usage()[0]
+print(json.dumps({k: u[k] for k in ("compiles", "waits", "misses", "compile_s")}))
+"""
+
+
+def test_stampede_counts_one_compile_and_the_waits(tmp_path, tmp_path_factory):
+    """Eight processes ask for one cold key at once: one real compile, and the journal
+    and `quack cache stats` say one compile (where it happened) and seven waits."""
+    from reliability_support import run_quack, session_objects
+
+    obj = session_objects(tmp_path_factory)["float32"]["path"]
+    cache, counter, go = tmp_path / "cache", tmp_path / "compiles", tmp_path / "go"
+    e = env(QUACK_CACHE_DIR=cache, QUACK_MODE="jit", QUACK_TEST_OBJ=obj, QUACK_TEST_COUNTER=counter,
+            QUACK_TEST_COMPILE_SLEEP=1.0, QUACK_COMPILE_JOBS=1)
+    ps = [subprocess.Popen([sys.executable, "-c", _STAMPEDE, str(go)], env=e, cwd=str(tmp_path),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    try:
+        go.touch()
+        outs = [p.communicate(timeout=240) for p in ps]
+    finally:
+        for p in ps:
+            p.kill()
+    assert all(p.returncode == 0 for p in ps), [o[1][-2000:] for o in outs]
+    rs = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert len(counter.read_text().splitlines()) == 1  # one real compile
+    assert sum(r["compiles"] for r in rs) == 1 and sum(r["waits"] for r in rs) == 7, rs
+    assert all(r["misses"] == 1 for r in rs)
+
+    r = run_quack(["cache", "stats", "--json", "--cache-dir", cache], cwd=tmp_path, timeout=120,
+                  env_=env(QUACK_CACHE_DIR=cache))
+    assert r.returncode == 0, r.stderr
+    j = json.loads(r.stdout)["journal"]
+    assert j["kernels"]["rel_copy"]["compiles"] == 1 and j["kernels"]["rel_copy"]["waits"] == 7
+    assert len(j["slowest"]) == 1

@@ -27,12 +27,15 @@ class Loaded:
     """One loaded kernel in this process, with its usage counters."""
 
     __slots__ = ("fn", "module", "key", "params", "arch", "hits", "misses", "compiles",
-                 "load_s", "compile_s", "how")
+                 "load_s", "compile_s", "how", "waits", "wait_s")
 
     def __init__(self, fn, module, key, params, arch, how):
         self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
         self.hits = self.misses = self.compiles = 0
         self.load_s = self.compile_s = 0.0
+        # A miss another process (or worker) was already compiling: waited for, not compiled.
+        self.waits = 0
+        self.wait_s = 0.0
 
 
 class JitKernel:
@@ -169,21 +172,34 @@ class JitKernel:
                               f"compiling it in this process", CacheWarning, stacklevel=4)
                 self._warned_local = True
             try:
-                entry, _ = builder.build(self.spec, params, arch, store)
+                entry, compiled = builder.build(self.spec, params, arch, store)
+                compile_s = float(entry.meta.get("compile_s") or 0.0) if compiled else 0.0
             except (OSError, LockTimeout) as e:
                 warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({e}); "
                               f"running it uncached", CacheWarning, stacklevel=4)
                 return self._compile_in_process(params, key, arch)
         else:
-            entry = self._compile_in_worker(store, ref, params, key, arch)
+            entry, report = self._compile_in_worker(store, ref, params, key, arch)
             if entry is None:
                 return self._compile_in_process(params, key, arch)
+            compiled = bool(report and report.get("compiled"))
+            compile_s = float((report or {}).get("compile_s") or 0.0)
         try:
             loaded = self._load(store, entry, params, key, arch, miss=True)
         except EntryVanished:  # evicted right after its compile: run it uncached
             return self._compile_in_process(params, key, arch)
-        loaded.compiles = 1
-        loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
+        # Count a compile once, where it happened: when another process (or an earlier
+        # submission) built the key, this call waited for it (stats would otherwise count
+        # one compile per waiting process, each with the whole wait as its compile time).
+        elapsed = time.perf_counter() - t0 - loaded.load_s
+        if compiled:
+            loaded.compiles = 1
+            loaded.compile_s = compile_s or elapsed
+        else:
+            loaded.waits = 1
+            loaded.wait_s = elapsed
+        log.debug("%s %s %s (%.3f s)", "compiled" if compiled else "waited for", self.spec.name, key[:16],
+                  elapsed)
         return loaded
 
     def _not_prebuilt(self, params, key, s, reason: str):
@@ -199,7 +215,8 @@ class JitKernel:
         failed key is raised once as CompileError (the worker's traceback text) and
         then forgotten, so a later call compiles it again; a key past its time-out
         (wedged worker, or a lock held elsewhere that never publishes) returns None:
-        the caller compiles in this process."""
+        the caller compiles in this process. Returns (entry, the pool's report of the
+        key: ``compiled`` False when another process built it) or (None, None)."""
         s = _settings.get()
         pool = _pool.active_pool(s.cache_dir)
         scoped = pool is not None
@@ -223,23 +240,23 @@ class JitKernel:
                 if isinstance(err, CompileTimeout):
                     warnings.warn(f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this "
                                   f"process", CacheWarning, stacklevel=5)
-                    return None
+                    return None, None
                 if isinstance(err, (CacheError, LockTimeout)):
-                    return self._store_failed(err, key)  # the cache (full, read-only), not the kernel
+                    return self._store_failed(err, key), None  # the cache (full, read-only), not the kernel
                 if isinstance(err, CompileError):
                     raise err
                 raise CompileError(self.spec.name, self.spec.plain(params), arch, str(err))
             if st == _pool.DONE:
                 entry = store.lookup(ref)
                 if entry is not None:
-                    return entry
+                    return entry, pool.report(key, root)
                 # Done, yet no valid entry (cleaned, or quarantined as corrupt): build again.
                 pool.forget(key, root)
                 if pool.state(key, root) != _pool.NEW:
                     break
         warnings.warn(f"quack: the pool reported {self.spec.name} key {key[:16]} done but the cache "
                       f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
-        return None
+        return None, None
 
     def _store_failed(self, err, key):
         warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
@@ -285,7 +302,8 @@ class JitKernel:
             out.append({"kernel": self.spec.name, "key": ld.key, "arch": ld.arch,
                         "params": self.spec.plain(ld.params), "hits": ld.hits, "misses": ld.misses,
                         "compiles": ld.compiles, "load_s": round(ld.load_s, 6),
-                        "compile_s": round(ld.compile_s, 4), "how": ld.how})
+                        "compile_s": round(ld.compile_s, 4), "how": ld.how, "waits": ld.waits,
+                        "wait_s": round(ld.wait_s, 4)})
         return out
 
 
