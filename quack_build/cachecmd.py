@@ -46,7 +46,9 @@ def print_stats(con: Console, info: dict) -> None:
     if any(d.values()):
         con.print(f"debris: {d['tmp_files']} orphaned temp files ({human_bytes(d['tmp_bytes'])}), "
                   f"{d['orphan_objects']} objects without metadata ({human_bytes(d['orphan_bytes'])}), "
-                  f"{d['quarantined_files']} quarantined files ({human_bytes(d['quarantined_bytes'])}); "
+                  f"{d['quarantined_files']} quarantined files ({human_bytes(d['quarantined_bytes'])}), "
+                  f"{d.get('scratch_files', 0)} temp files of killed links "
+                  f"({human_bytes(d.get('scratch_bytes', 0))}); "
                   f"`quack cache clean` removes them", markup=False)
     planted = info.get("planted") or []
     if planted:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from quack.cache import fsutil, keys
-from quack.cache.store import LAYOUT
+from quack.cache.store import LAYOUT, SCRATCH
 
 _TMP_RE = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 _SUFFIXES = (".so.json", ".json", ".o", ".so", ".lock")  # longest first
@@ -194,6 +194,29 @@ def planted(root: Path) -> list[tuple[Path, str]]:
     return out
 
 
+SCRATCH_MAX_AGE = 600.0  # a link takes about a second: a scratch file this old is a killed link's
+
+
+def scratch_files(root: Path) -> list[tuple[Path, int, float]]:
+    """Regular files in ``<root>/tmp`` (the linker's temp files), not following links."""
+    out = []
+    d = Path(root) / SCRATCH
+    if os.path.islink(d):
+        return out
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((Path(e.path), st.st_size, st.st_mtime))
+    except OSError:
+        pass
+    return out
+
+
 def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
     out = []
     try:
@@ -245,6 +268,9 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
             if ".o" in kf.sizes and ".json" not in kf.sizes:
                 debris["orphan_objects"] += 1
                 debris["orphan_bytes"] += kf.sizes[".o"]
+    old_scratch = [x for x in scratch_files(root) if now - x[2] > SCRATCH_MAX_AGE]
+    debris["scratch_files"] = len(old_scratch)
+    debris["scratch_bytes"] = sum(x[1] for x in old_scratch)
     q = quarantine_files(root)
     debris["quarantined_files"] = len(q)
     debris["quarantined_bytes"] = sum(x[1] for x in q)
@@ -498,6 +524,9 @@ def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all
             else:
                 kept.append((d, kf))
     c.quarantine()
+    for path, size, mtime in scratch_files(root):
+        if now - mtime > SCRATCH_MAX_AGE:
+            c._unlink(path, size, "temp file of a killed link")
     logs = Path(root) / "logs"
     if logs.is_dir():
         for e in os.scandir(logs):

@@ -96,3 +96,41 @@ def test_world_writable_root_refused_by_stats_and_clean(tmp_path, obj, cmd):
     assert rc == 1 and "writable by group or others" in out and "chmod 700" in out, out
     assert "0 entries" not in out
     assert len(list((proj / "cache").rglob("*.o"))) == n == 2
+
+
+def test_linker_temp_files_go_to_the_cache_and_clean_sweeps_them(tmp_path, obj):
+    """The linker runs with TMPDIR=<root>/tmp (a killed link leaves its cc* files in the
+    cache, not in /tmp); `quack cache clean` removes scratch files older than a link
+    could take, and leaves a fresh one (a link may be running)."""
+    import shutil
+    import subprocess
+    import sys
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no C compiler: the .so path is not used")
+    rec = tmp_path / "tmpdirs"
+    cc = tmp_path / "cc-wrapper"
+    cc.write_text(f'#!/bin/sh\nprintf "%s\\n" "$TMPDIR" >> "{rec}"\nexec "{gcc}" "$@"\n')
+    cc.chmod(0o755)
+    proj = _project(tmp_path / "proj")
+    root = proj / "cache"
+    code = ("import relkernels, sys\nfrom quack import registry\nfrom quack.compile import builder\n"
+            "from quack.cache.store import DiskStore\nspec = registry.get('rel_copy')\n"
+            "e, c = builder.build(spec, spec.bind((), {'i': 3}), 'sm_90a', DiskStore(sys.argv[1]))\n"
+            "print(bool(e.so_path))\n")
+    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=180,
+                       env=env(QUACK_TEST_OBJ=obj, CC=str(cc)))
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
+    assert rec.read_text().split() == [str(root / "tmp")]
+    assert (root / "tmp").is_dir() and ((root / "tmp").stat().st_mode & 0o777) == 0o700
+
+    old, fresh = root / "tmp" / "ccAbCdEf.res", root / "tmp" / "ccGhIjKl.o"
+    old.write_text("x")
+    fresh.write_text("y")
+    os.utime(old, (1, 1))
+    rc, out = _q(["cache", "stats"], proj, obj)
+    assert rc == 0 and "1 temp files of killed links" in out, out
+    rc, out = _q(["cache", "clean"], proj, obj)
+    assert rc == 0 and "temp file of a killed link" in out, out
+    assert not old.exists() and fresh.exists()

@@ -27,6 +27,7 @@ from quack.cache.contract import CORRUPT, MISSING, OK, Inspection, Store
 from quack.errors import CacheError, CacheWarning, CacheWriteError, LockTimeout, ParamError
 
 LAYOUT = "v1"
+SCRATCH = "tmp"  # <root>/tmp: helper tools' temp files (see DiskStore.scratch_dir)
 META_FORMAT = 1
 
 
@@ -359,6 +360,19 @@ class DiskStore:
         side = {"o_sha256": entry.meta["sha256"], "sha256": hashlib.sha256(data).hexdigest()}
         fsutil.write_atomic(p["so_meta"], json.dumps(side).encode(), fsync=False)
         return p["so"]
+
+    def scratch_dir(self) -> Path:
+        """``<root>/tmp`` (0700, no symlinked component): where helper tools write their
+        temp files (the linker's ``cc*.o``, ``cc*.res``), so one killed mid-way leaves its
+        debris inside the cache, swept by ``quack cache clean``, never in /tmp.
+        Raises CacheError (unsafe root, planted link) or CacheWriteError."""
+        self.check_root()
+        try:
+            return fsutil.ensure_dir(self.root / SCRATCH, self.root)
+        except CacheError:
+            raise
+        except OSError as e:
+            raise write_error(e, self.root, f"creating {self.root / SCRATCH}") from None
 
     def sweep_debris(self, *, grace: float = orphans.GRACE, dry_run: bool = False) -> list[Path]:
         """Remove what interrupted writers left, by the one rule of
