@@ -8,7 +8,7 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 import math
 
 from quack import jit_cache
-from quack.params import Dtype, Int
+from quack.params import Dtype, Int, Rule
 
 from ._plan import N_MAX, N_MIN
 
@@ -91,10 +91,23 @@ def stream_grid(cfg: dict, m: int, device) -> int:
     return max(1, min(slots, -(-groups // cfg["groups"])))
 
 
+def _stream_vector_compiles(p: dict) -> bool:
+    """The streaming forward copies each row in cp.async vectors of gcd(n, 16 bytes);
+    CuTe accepts only 16-byte ones with cache=global ('cp_size only supports (128)'), so
+    e.g. bfloat16 n=668 (8-byte vectors) fails inside the compiler. Odd 16-bit rows
+    take the register path and compile. (Issue 14 makes every n compile; then this
+    rule goes.)"""
+    cfg = stream_cfg(p["dtype"], p["n"])
+    return cfg is None or cfg["vec"] * (32 if p["dtype"] == "float32" else 16) == 128
+
+
 @jit_cache(
     "cross_entropy_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
     reference=f"{__name__}:_verify_cross_entropy_fwd",
+    rules=[Rule("n", "n must be a multiple of 8 for float16/bfloat16 (or odd), a multiple of 4 for "
+                     "float32: the forward copies rows in 16-byte vectors (until issue 14)",
+                _stream_vector_compiles)],
 )
 def compile_cross_entropy_fwd(dtype: str, n: int):
     """Runtime signature: fn(logits, target(int64, M), loss(fp32, M), lse(fp32, M), ignore_index)."""

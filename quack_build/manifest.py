@@ -379,14 +379,23 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         ctx.err(where, f"the cross product is empty: all {len(combos)} combinations are excluded")
         return []
     out = []
+    refused: list[str] = []
     for combo in kept:
         try:
             bound = spec.bind((), combo)
-        except ParamError as e:  # pragma: no cover - values were checked one by one
-            ctx.err(where, str(e))
-            return []
+        except ParamError as e:  # the kernel's rules across parameters (quack.params.Rule)
+            refused.append(f"{e}; drop it from the lists or exclude it: exclude = "
+                           f"[{{ {', '.join(f'{k} = {_show(v)}' for k, v in combo.items())} }}]")
+            continue
         for arch in archs:
             out.append(BuildConfig(name, bound, arch, spec.key(bound, arch), f"{ctx.path}:{label}", spec))
+    if refused:
+        for msg in refused[:_SHOW_BAD]:
+            ctx.err(where, msg)
+        if len(refused) > _SHOW_BAD:
+            ctx.err(where, f"{len(refused) - _SHOW_BAD} more of its {len(kept)} combinations are refused "
+                    f"by the kernel's rules (not listed)")
+        return []
     budget.used += len(out)
     return out
 

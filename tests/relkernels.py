@@ -9,7 +9,7 @@ import os
 import time
 
 from quack import jit_cache
-from quack.params import Int
+from quack.params import Int, Rule
 
 
 class _Exported:
@@ -53,4 +53,15 @@ def rel_fail(i: int = 0):
             f.write(f"{os.getpid()} {i}\n")
     if str(i) in os.environ.get("QUACK_TEST_FAIL", "").split(","):
         raise ValueError(f"rel_fail: configuration i={i} does not compile")
+    return rel_copy.raw(i)
+
+
+def _even_when_big(p: dict) -> bool:
+    return p["i"] < 1000 or p["i"] % 2 == 0
+
+
+@jit_cache("rel_ruled", params={"i": Int(min=0, max=100000)},
+           rules=[Rule("i", "i must be even from 1000 on (a test rule)", _even_when_big)])
+def rel_ruled(i: int = 0):
+    """rel_copy behind a cross-parameter rule: refused configurations never compile."""
     return rel_copy.raw(i)

@@ -308,11 +308,14 @@ class JitKernel:
 
 
 def jit_cache(name: str, params: dict[str, Param], *, version: int = 0,
-              reference: str | None = None) -> Callable[[Callable], JitKernel]:
-    """Register a tensor-free compile function as kernel ``name`` and cache it."""
+              reference: str | None = None, rules=()) -> Callable[[Callable], JitKernel]:
+    """Register a tensor-free compile function as kernel ``name`` and cache it.
+    ``rules``: quack.params.Rule constraints across parameters, checked (with each
+    parameter's own check) by manifests and on every call, before anything compiles."""
 
     def deco(fn: Callable) -> JitKernel:
-        return JitKernel(registry.register(name, fn, params, version=version, reference=reference))
+        return JitKernel(registry.register(name, fn, params, version=version, reference=reference,
+                                           rules=rules))
 
     return deco
 
