@@ -121,3 +121,17 @@ def test_failure_line_is_the_compilers_error_without_ansi(tmp_path):
     assert len(logs) == 1
     log = logs[0].read_text()
     assert "CUTE_DSL_SHOW_STACKTRACE" in log and "Traceback" in log and "\x1b" not in log
+
+
+def test_missing_tvm_ffi_option_is_named(tmp_path):
+    """A compile function that forgot options="--enable-tvm-ffi": the build says so,
+    instead of export_to_c's 'unexpected keyword argument' TypeError."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "quack.toml").write_text('[build]\nkernel_packages = ["toykernels"]\n')
+    (proj / "m.toml").write_text('[[kernel]]\nname = "toy_noffi"\n')
+    r = run_quack(["build", "--jobs", "1", "--cache-dir", tmp_path / "cache", "m.toml"], cwd=proj)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1, out
+    failed = [ln for ln in out.splitlines() if "FAILED" in ln]
+    assert len(failed) == 1 and 'pass options="--enable-tvm-ffi" to cute.compile' in failed[0], out

@@ -68,3 +68,22 @@ def toy_badcopy(dtype: str = "bfloat16"):
     y = make_fake_tensor(dt, (4,), stride=(1,))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(launch, x, y, stream, options="--enable-tvm-ffi")
+
+
+@jit_cache("toy_noffi", params={"block": Int(min=32, max=1024)})
+def toy_noffi(block: int = 128):
+    """toy_scale's kernel compiled without options="--enable-tvm-ffi" (a common slip)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    @cute.kernel
+    def k(gx: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        gx[tidx] = gx[tidx] * cutlass.Float32(2.0)
+
+    @cute.jit
+    def launch(x: cute.Tensor):
+        k(x).launch(grid=(1, 1, 1), block=(block, 1, 1))
+
+    return cute.compile(launch, make_fake_tensor(cutlass.Float32, (block,), stride=(1,)))
