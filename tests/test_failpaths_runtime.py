@@ -168,3 +168,24 @@ def test_stampede_counts_one_compile_and_the_waits(tmp_path, tmp_path_factory):
     j = json.loads(r.stdout)["journal"]
     assert j["kernels"]["rel_copy"]["compiles"] == 1 and j["kernels"]["rel_copy"]["waits"] == 7
     assert len(j["slowest"]) == 1
+
+
+def test_prebuilt_miss_after_an_edit_names_the_older_build(quack_settings, tmp_path_factory, counter):
+    """The key was built for an older source of the kernel: the refusal says so, and
+    that quack build / prewarm rebuilds it."""
+    from pathlib import Path
+
+    from quack.cache.store import DiskStore, EntryRef
+    from reliability_support import copy_publish, session_objects
+
+    obj = Path(session_objects(tmp_path_factory)["float32"]["path"])
+    spec = relkernels.rel_copy.spec
+    key = spec.key(spec.bind((), {"i": 21}), "sm_90a")
+    old = EntryRef("rel_copy", key, "sm_90a", "0123456789abcdef")
+    copy_publish(DiskStore(quack_settings.cache_dir), old, obj)
+    use_settings(mode="prebuilt")
+    err, _ = _call_prebuilt(21)
+    assert "built for an older source of the kernel (fingerprint 0123456789abcdef" in str(err)
+    assert "quack build" in err.reason and "quack prewarm" in err.reason
+    err2, _ = _call_prebuilt(22)  # a plain miss says nothing of the kind
+    assert err2.reason == "" and counter() == 0

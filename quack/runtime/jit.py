@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import functools
 import logging
 import threading
@@ -158,7 +159,7 @@ class JitKernel:
         if loaded is not None:
             return loaded
         if s.mode == "prebuilt":
-            self._not_prebuilt(params, key, s, unusable)
+            self._not_prebuilt(params, key, s, unusable or self._stale_entry(store, ref))
         if store is None:  # cache disabled or unusable
             return self._compile_in_process(params, key, arch)
         if not store.writable():
@@ -205,6 +206,25 @@ class JitKernel:
         log.debug("%s %s %s (%.3f s)", "compiled" if compiled else "waited for", self.spec.name, key[:16],
                   elapsed)
         return loaded
+
+    @staticmethod
+    def _stale_entry(store, ref) -> str:
+        """Why a prebuilt miss is not a plain one: the key was built, but for an older
+        source of the kernel (an edit since the build moved it to a new fingerprint)."""
+        if store is None:
+            return ""
+        d = store.entry_dir(ref)
+        try:
+            with os.scandir(d.parent) as it:
+                old = sorted(e.name for e in it if e.name != d.name and e.is_dir(follow_symlinks=False)
+                             and os.path.isfile(os.path.join(e.path, ref.key + ".json")))
+        except OSError:
+            return ""
+        if not old:
+            return ""
+        return (f"it was built for an older source of the kernel (fingerprint {old[-1]}; now "
+                f"{ref.srcfp}): the kernel's source changed since, so `quack build` (or `quack "
+                f"prewarm`) must rebuild it")
 
     def _not_prebuilt(self, params, key, s, reason: str):
         plain = self.spec.plain(params)
