@@ -83,6 +83,11 @@ def prewarm(s, store, *, since_s: float | None, top: int | None, emit_manifest: 
     for m in skipped:
         console.print(f"skipped: {m}", markup=False)
     if emit_manifest:
+        if not configs:  # `kernel = []` is no manifest: nothing written, and say why
+            console.print(f"prewarm: nothing to emit: the usage journal of {s.cache_dir} has no "
+                          f"configuration used" + (" in that period (--since)" if since_s else "")
+                          + f" ({len(records)} records); {emit_manifest} was not written", markup=False)
+            return 1
         emit(emit_manifest, configs)
         console.print(f"wrote {len(configs)} configurations to {emit_manifest}", markup=False)
     tasks = scheduler.plan(configs, store)

@@ -133,3 +133,10 @@ def test_bad_values_one_error_per_problem(tmp_path):
     assert "3 problems" not in out and "missing parameter" not in out, out
     assert out.count("is not allowed for kernel toy_scale") == 4  # dtype + 3 of the blocks
     assert "params.block: 4997 more of its 5000 values are not allowed either" in out
+
+
+def test_prewarm_emit_manifest_with_empty_journal_exits_1(tmp_path):
+    write_toy_project(tmp_path)
+    out_m = tmp_path / "used.toml"
+    rc, out = _cli(["prewarm", "--emit-manifest", str(out_m)], tmp_path)
+    assert rc == 1 and "nothing to emit" in out and not out_m.exists(), out
