@@ -119,16 +119,27 @@ def all_specs() -> dict[str, KernelSpec]:
     return dict(_REGISTRY)
 
 
+SCANNED = ("every module of each [build] kernel_packages package and of its subpackages, "
+           "except modules and subpackages whose name starts with '_' (helpers; a kernel "
+           "registered there is found when a scanned module imports it)")
+
+
 def load_packages(packages) -> None:
-    """Import every module of the kernel packages so their kernels register.
-    Cheap: kernel modules import cutlass and torch only inside functions."""
+    """Import what SCANNED says so the kernels register (a package may also be a single
+    module). Cheap: kernel modules import cutlass and torch only inside functions."""
     import pkgutil
 
     for pkg in packages:
         mod = importlib.import_module(pkg)
-        for info in pkgutil.iter_modules(getattr(mod, "__path__", []), prefix=pkg + "."):
-            if not info.name.rsplit(".", 1)[-1].startswith("_"):
-                importlib.import_module(info.name)
+        todo = [mod]
+        while todo:  # subpackages too, depth first
+            m = todo.pop()
+            for info in pkgutil.iter_modules(getattr(m, "__path__", []), prefix=m.__name__ + "."):
+                if info.name.rsplit(".", 1)[-1].startswith("_"):
+                    continue
+                sub = importlib.import_module(info.name)
+                if info.ispkg:
+                    todo.append(sub)
 
 
 def import_spec(module: str, name: str) -> KernelSpec:

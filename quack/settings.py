@@ -119,6 +119,7 @@ class Settings:
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
+    # Without any quack.toml: quack's bundled kernels; with one: what it lists, else none.
     kernel_packages: tuple[str, ...] = ("quack_kernels",)
     signing_key: str | None = None
     trusted_keys: tuple[str, ...] = ()
@@ -245,6 +246,10 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
         if sources.get("trusted_keys") == str(config):
             keys = [k if k.is_absolute() else key_base / k for k in keys]
         values["trusted_keys"] = [str(k) for k in keys]
+    if config is not None and "kernel_packages" not in values:
+        # A project with its own quack.toml gets the kernels it lists, not quack's bundled
+        # demo kernels (quack_kernels is installed, so importable from anywhere).
+        values["kernel_packages"] = ()
     for k in ("manifests", "archs", "kernel_packages", "trusted_keys"):
         if k in values:
             values[k] = tuple(values[k])

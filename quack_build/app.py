@@ -103,7 +103,7 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     from quack_build import display, scheduler
 
     t0 = time.time()
-    s = _settings(cache_dir, jobs)
+    s = _settings(cache_dir, jobs, manifests)
     _load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
     con = _console(to_stderr=as_json)
@@ -260,7 +260,7 @@ def verify(
 def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> int:
     from quack_build import verify as v
 
-    s = _settings(cache_dir)
+    s = _settings(cache_dir, manifests=manifests)
     _load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
     con = _console(to_stderr=as_json)

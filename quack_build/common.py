@@ -30,12 +30,19 @@ class _Fail(Exception):
         self.code = code
 
 
-def _settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None):
+def _settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None, manifests=()):
+    """Resolve and install the settings. With manifests given, quack.toml is looked for
+    from the first manifest's directory up (its project), else from the working directory."""
     from quack import settings as qs
     from quack.errors import SettingsError
 
     try:
-        s = qs.resolve({"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs})
+        near = None
+        for m in list(manifests)[:1]:
+            d = Path(m).absolute().parent
+            if qs.find_config(d) is not None:
+                near = d
+        s = qs.resolve({"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs}, cwd=near)
     except SettingsError as e:
         raise _Fail(f"error: {e}") from None
     qs.set_current(s)

@@ -267,8 +267,13 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         known = list(e.known)
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
+        cur = _settings.get()
+        pk = ", ".join(cur.kernel_packages) or "none"
+        src = f"[build] kernel_packages in {cur.config_file}" if cur.config_file else \
+            "the default (no quack.toml found)"
         ctx.err(where, f"name = {_show(name)}: no kernel is registered under this name{hint}; "
-                f"registered kernels: {', '.join(known) or '(none: check [build] kernel_packages)'}")
+                f"registered kernels: {', '.join(known) or '(none)'}. Kernels are registered from "
+                f"{src}: {pk}; scanned: {registry.SCANNED}")
         return []
     used_defaults.add("\0resolved")
     ok = True
