@@ -40,22 +40,28 @@ def print_stats(con: Console, info: dict) -> None:
     kernels = sorted(set(info["kernels"]) | set(j.get("kernels", {})))
     if kernels:
         tb = Table(title="per kernel", header_style="bold")
-        for c in ("kernel", "current", "stale", "bytes", "hits", "misses", "compiles", "compile s"):
+        # Compiles counted where they happened: `quack build` and run time (a miss compiled
+        # by a worker for the calling process); "waited" = misses another process compiled.
+        for c in ("kernel", "current", "stale", "bytes", "hits", "misses", "compiles build/run",
+                  "compile s build/run", "waited"):
             tb.add_column(c, justify="left" if c == "kernel" else "right")
         for k in kernels:
             e = info["kernels"].get(k, {"current": 0, "stale": 0, "unknown": 0, "bytes": 0})
             u = j.get("kernels", {}).get(k, {})
+            bc, bs = u.get("build_compiles", 0), u.get("build_compile_s", 0.0)
             tb.add_row(k, str(e["current"] + e.get("unknown", 0)), str(e["stale"]), human_bytes(e["bytes"]),
-                       str(u.get("hits", 0)), str(u.get("misses", 0)), str(u.get("compiles", 0)),
-                       f"{u.get('compile_s', 0.0):.1f}")
+                       str(u.get("hits", 0)), str(u.get("misses", 0)),
+                       f"{bc}/{u.get('compiles', 0) - bc}", f"{bs:.1f}/{u.get('compile_s', 0.0) - bs:.1f}",
+                       str(u.get("waits", 0)))
         con.print(tb)
     if j.get("slowest"):
         tb = Table(title="slowest compiles (journal)", header_style="bold")
-        for c in ("kernel", "params", "arch", "seconds"):
+        for c in ("kernel", "params", "arch", "where", "seconds"):
             tb.add_column(c, justify="right" if c == "seconds" else "left")
         for r in j["slowest"]:
             params = " ".join(f"{a}={b}" for a, b in (r.get("params") or {}).items())
-            tb.add_row(str(r["kernel"]), params, str(r.get("arch")), f"{r['compile_s']:.2f}")
+            tb.add_row(str(r["kernel"]), params, str(r.get("arch")), str(r.get("where", "run")),
+                       f"{r['compile_s']:.2f}")
         con.print(tb)
     d = info["debris"]
     if any(d.values()):

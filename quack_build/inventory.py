@@ -296,21 +296,28 @@ def journal_summary(records: list[dict], top: int = 10) -> dict:
     slow: list[dict] = []
     for r in records:
         k = per_kernel.setdefault(str(r.get("kernel")), {"hits": 0, "misses": 0, "compiles": 0,
-                                                         "compile_s": 0.0, "waits": 0, "keys": set()})
+                                                         "compile_s": 0.0, "waits": 0, "build_compiles": 0,
+                                                         "build_compile_s": 0.0, "keys": set()})
         for f in ("hits", "misses", "compiles", "waits"):
             v = r.get(f, 0)
             k[f] += v if isinstance(v, int) else 0
         cs = r.get("compile_s", 0.0)
         cs = cs if isinstance(cs, (int, float)) else 0.0
         k["compile_s"] += cs
+        where = "build" if r.get("where") == "build" else "run"  # older records: run time
+        if where == "build":
+            c = r.get("compiles", 0)
+            k["build_compiles"] += c if isinstance(c, int) else 0
+            k["build_compile_s"] += cs
         k["keys"].add(r.get("key"))
         if r.get("compiles") and cs > 0:
             slow.append({"kernel": r.get("kernel"), "params": r.get("params"), "arch": r.get("arch"),
-                         "compile_s": cs, "t": r.get("t")})
+                         "compile_s": cs, "t": r.get("t"), "where": where})
     slow.sort(key=lambda x: -x["compile_s"])
     for k in per_kernel.values():
         k["keys"] = len(k["keys"])
         k["compile_s"] = round(k["compile_s"], 3)
+        k["build_compile_s"] = round(k["build_compile_s"], 3)
     return {"records": len(records), "kernels": per_kernel, "slowest": slow[:top]}
 
 

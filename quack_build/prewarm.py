@@ -20,6 +20,8 @@ def usage(records: list[dict]) -> list[dict]:
         kernel, arch, params = r.get("kernel"), r.get("arch"), r.get("params")
         if not isinstance(kernel, str) or not isinstance(arch, str) or not isinstance(params, dict):
             continue
+        if r.get("where") == "build":
+            continue  # a `quack build` compile, not a use
         ident = (kernel, arch, repr(sorted(params.items())))
         a = agg.setdefault(ident, {"kernel": kernel, "arch": arch, "params": params, "uses": 0,
                                    "compiles": 0, "last": 0.0})

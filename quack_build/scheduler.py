@@ -352,8 +352,23 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
     res.wall_s = time.time() - t_begin
     if not res.interrupted:
         res.missing_after = _missing(tasks, store)
+    _journal_compiles(store.root, tasks)
     rep.close()
     return res
+
+
+def _journal_compiles(root, tasks: list[Task]) -> None:
+    """Record the build's compiles in the usage journal (where = "build"), so `quack cache
+    stats` counts them beside the run-time ones; they are not uses (prewarm skips them)."""
+    t = journal.now()
+    recs = [{"kernel": x.cfg.kernel, "key": x.cfg.key, "arch": x.cfg.arch, "params": x.cfg.plain_params,
+             "hits": 0, "misses": 0, "compiles": 1, "compile_s": round(x.compile_s, 4), "where": "build",
+             "t": t} for x in tasks if x.status == COMPILED]
+    if recs:
+        try:
+            journal.append(Path(root), recs)
+        except OSError:
+            pass  # the journal is best effort; the build's result stands
 
 
 def _first_line(err) -> str:

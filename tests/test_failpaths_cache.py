@@ -134,3 +134,19 @@ def test_linker_temp_files_go_to_the_cache_and_clean_sweeps_them(tmp_path, obj):
     rc, out = _q(["cache", "clean"], proj, obj)
     assert rc == 0 and "temp file of a killed link" in out, out
     assert not old.exists() and fresh.exists()
+
+
+def test_stats_counts_build_compiles_and_says_where(tmp_path, obj):
+    """Right after `quack build`, stats counts its compiles (at build, not run time);
+    prewarm does not mistake them for uses."""
+    proj = _built(tmp_path, obj)
+    rc, out = _q(["cache", "stats", "--json"], proj, obj)
+    assert rc == 0, out
+    k = json.loads(out)["journal"]["kernels"]["rel_copy"]
+    assert (k["compiles"], k["build_compiles"], k["hits"], k["misses"]) == (2, 2, 0, 0), k
+    assert all(s["where"] == "build" for s in json.loads(out)["journal"]["slowest"])
+    rc, out = _q(["cache", "stats"], proj, obj)
+    row = next(ln for ln in out.splitlines() if ln.lstrip("│ ").startswith("rel_copy"))
+    assert " 2/0 " in row, out
+    rc, out = _q(["prewarm", "--dry-run"], proj, obj)
+    assert rc == 0 and "0 configurations used" in out, out
