@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 from reliability_support import ROOT, env, run_quack
 
