@@ -62,6 +62,22 @@ def _mode(text: str) -> str:
     return text
 
 
+def _remote_url(text: str) -> str:
+    if not isinstance(text, str):
+        raise ValueError("expected a URL string")
+    scheme = text.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "s3", "file") or "://" not in text:
+        raise ValueError("expected redis://host:port/db, s3://bucket/prefix or file:///shared/path")
+    return text
+
+
+def _remote_timeout(text: str | float) -> float:
+    v = _pos_float(text)
+    if v > 5:
+        raise ValueError("expected seconds > 0 and <= 5 (a slow remote must not stall a build)")
+    return v
+
+
 def _path_list(v: Any) -> list[str]:
     """Paths: a ``:``-separated string (the environment, or quack.toml) or a list."""
     if isinstance(v, str):
@@ -99,6 +115,11 @@ _FIELDS: dict[str, _Field] = {
     "archs": _Field("build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)],
                     "a list of CUDA archs"),
     "kernel_packages": _Field("build", "kernel_packages", (), _str_list, "a list of package names"),
+    "remote_url": _Field("remote", "url", ("QUACK_REMOTE",), _remote_url,
+                         "redis://host:port/db, s3://bucket/prefix or file:///path"),
+    "remote_write": _Field("remote", "write", ("QUACK_REMOTE_WRITE",), _bool, "true or false"),
+    "remote_timeout": _Field("remote", "timeout", ("QUACK_REMOTE_TIMEOUT",), _remote_timeout,
+                             "seconds, > 0 and <= 5"),
     "signing_key": _Field("remote", "signing_key", ("QUACK_SIGNING_KEY",), str, "a private key file path"),
     "trusted_keys": _Field("remote", "trusted_keys", ("QUACK_TRUSTED_KEYS",), _path_list,
                            "public key files or directories (a list, or ':'-separated)"),
@@ -121,6 +142,9 @@ class Settings:
     archs: tuple[str, ...] = ()
     # Without any quack.toml: quack's bundled kernels; with one: what it lists, else none.
     kernel_packages: tuple[str, ...] = ("quack_kernels",)
+    remote_url: str | None = None
+    remote_write: bool = False
+    remote_timeout: float = 5.0  # per operation; connecting waits at most 0.5 s
     signing_key: str | None = None
     trusted_keys: tuple[str, ...] = ()
     config_file: Path | None = None

@@ -135,15 +135,19 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
                       f"{len(tasks) - len(todo)} cached, {len(todo)} to compile", markup=False)
         return 0
     rep = display.make_reporter(con, verbose=verbose)
+    remote = _remote(s)
     old_term = signal.getsignal(signal.SIGTERM)
     if old_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _term_to_interrupt)
     try:
         res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
-                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s)
+                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s, remote=remote)
     finally:
         if old_term in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if remote is not None:
+            remote.record(Path(s.cache_dir))
+            remote.close()
     if trace:
         scheduler.write_trace(trace, res, res.t0)
         res.trace_path = str(trace)
@@ -155,6 +159,16 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     if res.interrupted:
         return 130
     return 0 if res.ok else 1
+
+
+def _remote(s, *, strict: bool = False):
+    """The remote tier configured for this command, or None. In a build, a bad
+    remote configuration is one warning (the build goes on without it)."""
+    if not s.remote_url:
+        return None
+    from quack.remote import tier
+
+    return tier.from_settings(s, strict=strict)
 
 
 def _term_to_interrupt(signum, frame):  # noqa: ARG001
@@ -234,6 +248,73 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         for p, e in rep.errors:
             con.print(f"error: {p}: {e}", markup=False)
     return 1 if rep.errors else 0
+
+
+@cache_app.command("pull")
+def cache_pull(
+    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+    arch: List[str] = typer.Option(None, "--arch", help="For this arch instead of the manifests' (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+):
+    """Fetch the manifests' configurations missing locally from the remote cache (signatures verified)."""
+    _run(lambda: _sync("pull", manifests or [], arch or [], as_json, cache_dir, max_configs))
+
+
+@cache_app.command("push")
+def cache_push(
+    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+    arch: List[str] = typer.Option(None, "--arch", help="For this arch instead of the manifests' (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+):
+    """Sign and upload the manifests' configurations from the local cache to the remote (needs write = true and a signing key)."""
+    _run(lambda: _sync("push", manifests or [], arch or [], as_json, cache_dir, max_configs))
+
+
+def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
+    from quack.errors import KeyFileError
+    from quack_build import remote_sync
+
+    s = _settings(cache_dir)
+    if not s.remote_url:
+        raise _Fail("error: no remote cache configured: set QUACK_REMOTE or [remote] url in quack.toml "
+                    "(redis://host:port/db, s3://bucket/prefix, file:///path)")
+    if what == "push" and not (s.remote_write and s.signing_key):
+        raise _Fail("error: pushing needs write access and a signing key: set QUACK_REMOTE_WRITE=1 and "
+                    "QUACK_SIGNING_KEY=PATH.key ([remote] write = true, signing_key = ...); "
+                    "create a key with `quack keygen NAME`")
+    _load_kernels(s)
+    exp = _expand(s, manifests, arch, max_configs)
+    con = _console(to_stderr=as_json)
+    try:
+        remote = _remote(s, strict=True)
+    except (ValueError, KeyFileError, ImportError) as e:
+        raise _Fail(f"error: remote cache: {e}") from None
+    store = _store(s)
+    try:
+        fn = remote_sync.pull_configs if what == "pull" else remote_sync.push_configs
+        rep = fn(exp.configs, store, remote)
+    finally:
+        remote.record(Path(s.cache_dir))
+        remote.close()
+    if as_json:
+        _emit_json(rep.to_json())
+    else:
+        c = rep.counters
+        if what == "pull":
+            con.print(f"pulled {rep.pulled} of {rep.total} from {rep.url} ({rep.local} already local, "
+                      f"{rep.missing} not available; {c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
+                      markup=False)
+        else:
+            con.print(f"pushed {rep.pushed} of {rep.total} to {rep.url} ({rep.exists} already there, "
+                      f"{rep.missing} not in the local cache, {rep.failed} failed) in {rep.wall_s:.2f}s",
+                      markup=False)
+        if rep.offline:
+            con.print(f"error: the remote {rep.url} is unreachable", markup=False)
+    return 1 if rep.offline or rep.failed else 0
 
 
 # --- verify ----------------------------------------------------------------------

@@ -104,6 +104,10 @@ def stats(as_json, cache_dir, top) -> int:
     from quack.bundles import tier as _bundle_tier
 
     info["bundles"] = _bundle_tier.summary(s)
+    from quack.remote.stats import read_stats
+
+    info["remote"] = read_stats(s.cache_dir)
+    info["remote"]["configured"] = s.remote_url and _redact(s.remote_url)
     if as_json:
         _emit_json(info)
         return 0
@@ -111,6 +115,12 @@ def stats(as_json, cache_dir, top) -> int:
 
     print_stats(_console(), info)
     return 0
+
+
+def _redact(url: str) -> str:
+    from quack.remote.backend import redact
+
+    return redact(url)
 
 
 def stats_fast(as_json: bool) -> int:

@@ -43,6 +43,10 @@ CASES = [
      LookupError, ("reason",)),
     (E.CompileError("k", {"n": 4}, "sm_90a", "\x1b[91merror:\x1b[0m boom", transient=True), RuntimeError,
      ("detail", "transient")),
+    (E.RemoteError("down", url="redis://h/0", reason="timeout"), OSError, ("url", "reason")),
+    (E.ObjectRejected("refused", key="ab" * 32, reason="checksum", signer="ci-1"), ValueError,
+     ("key", "reason", "signer")),
+    (E.RemoteWarning("remote off"), UserWarning, ()),
 ]
 
 
