@@ -62,10 +62,10 @@ RUNTIME = r"""
 import json, sys, time
 from quack import settings
 from quack.runtime import jit
-from quack_build.common import _load_kernels
+from quack_build.common import load_kernels
 from quack_build.manifest import expand
 s = settings.get()
-_load_kernels(s)
+load_kernels(s)
 configs = expand({manifests!r}, archs=("sm_90a",)).configs[:{n} + 1]
 by_name = {{k.spec.name: k for k in jit._ALL}}
 def call(c):
@@ -186,10 +186,10 @@ def main() -> None:
                                          "remote_hit_median_ms": round(statistics.median(fresh) * 1e3, 3)}
         # 4. a down remote, over every configuration's pull (all local misses).
         from quack_build import remote_sync, scheduler
-        from quack_build.common import _load_kernels
+        from quack_build.common import load_kernels
         from quack_build.manifest import expand
 
-        _load_kernels(settings.resolve(env=env_for(td / "x")))
+        load_kernels(settings.resolve(env=env_for(td / "x")))
         configs = expand([ROOT / m for m in args.manifests], archs=("sm_90a",)).configs
         def pull_phase(u: str, where: str) -> float:
             tier.forget_offline()

@@ -256,6 +256,8 @@ class CompilePending(BaseException):
         super().__init__(kernel, key)
         self.kernel = kernel
         self.key = key
+        self.root: str | None = None  # the cache the compile publishes into
+        self.pool: object = None      # the CompilePool compiling it (the plugin polls it)
 
     def __str__(self) -> str:
         return f"kernel {self.kernel} (key {self.key[:16]}) is still compiling"

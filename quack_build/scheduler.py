@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Protocol
 
 from quack.compile import builder
-from quack.cache import journal
+from quack.cache import journal, orphans
 from quack.cache.store import DiskStore, LAYOUT
 from quack_build.manifest import BuildConfig
 
@@ -39,7 +39,7 @@ class Task:
     pushed: str = ""  # after a compile, with a remote: pushed / exists / failed / off
 
     def to_json(self) -> dict:
-        d = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
+        d: dict[str, object] = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
              "key": self.cfg.key, "status": self.status}
         if self.pushed:
             d["remote_push"] = self.pushed
@@ -187,10 +187,11 @@ def past_compile_times(root: Path, todo: list[Task]) -> dict[str, float]:
                         out[k] = max(out.get(k, 0.0), float(v))
     keyset = {t.cfg.key for t in todo}
     for r in journal.read(Path(root)):
-        k = r.get("key")
+        rk = r.get("key")
         v = r.get("compile_s")
-        if k in keyset and k not in out and r.get("compiles") and isinstance(v, (int, float)) and v > 0:
-            out[k] = float(v)
+        if isinstance(rk, str) and rk in keyset and rk not in out and r.get("compiles") \
+                and isinstance(v, (int, float)) and v > 0:
+            out[rk] = float(v)
     return out
 
 
@@ -218,41 +219,12 @@ def order_longest_first(todo: list[Task], known: dict[str, float]) -> list[Task]
 # --- running -------------------------------------------------------------------
 
 def _remove_partial(store: DiskStore, t: Task) -> None:
-    """After an interrupt: an object published without its metadata is removed, and the
-    killed worker's temp files (under the key's lock, not waiting: a key another process
-    is building is left alone)."""
-    from quack_build.inventory import _try_lock
-
+    """After an interrupt: what the killed worker left for this key (an object
+    published without metadata, its temp files), by the one rule of
+    quack.cache.orphans with no grace (we killed the writer and joined it). A
+    key whose lock another process holds is left alone."""
     ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
-    p = store.paths(ref)
-    d = p["obj"].parent
-    lk = _try_lock(p["lock"]) if p["lock"].exists() else None
-    if lk is None:
-        return
-    try:
-        if not p["meta"].exists():
-            for n in ("obj", "so", "so_meta"):
-                try:
-                    os.unlink(p[n])
-                except OSError:
-                    pass
-        if t.pid:
-            for n in os.listdir(d):
-                if n.startswith(ref.key) and f".tmp-{t.pid}-" in n:
-                    try:
-                        os.unlink(d / n)
-                    except OSError:
-                        pass
-    except OSError:
-        pass
-    finally:
-        lk.release()
-
-
-def _pool_task(pool, ident):
-    """The pool's record of a key (start time, worker pid); None if it has none."""
-    tasks = getattr(pool, "_tasks", None)
-    return tasks.get(ident) if isinstance(tasks, dict) else None
+    orphans.sweep_dir(store.paths(ref)["obj"].parent, stems={ref.key}, grace=0.0)
 
 
 def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | None = None,
@@ -321,7 +293,7 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
             for key, t in list(inflight.items()):
                 st, err = pool.poll(key, root)
                 if t.status == "queued":
-                    pt = _pool_task(pool, (root, key))
+                    pt = pool.task_info(key, root)
                     if pt is not None and pt.started is not None:
                         t.status = "running"
                         t.start = now_w - (now_m - pt.started)
@@ -365,7 +337,7 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
         for key, t in inflight.items():
             t.status = INTERRUPTED
             t.end = time.time()
-            pt = _pool_task(pool, (root, key))
+            pt = pool.task_info(key, root)
             if pt is not None and pt.pid:
                 t.pid = pt.pid
             _remove_partial(store, t)

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -19,7 +18,7 @@ import pytest
 from quack.runtime import loader
 from quack.cache.store import DiskStore, EntryRef
 from reliability_support import (PY, QUACK, TESTS, debris, env, session_objects,
-                                 toy_ref, write_toy_project)
+                                 write_toy_project)
 
 KILLS = int(os.environ.get("QUACK_TEST_KILLS", "60"))
 NKEYS = 6
@@ -102,9 +101,9 @@ def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
     # The kills must have landed in different places, or the test proves little.
     assert stats["debris_after_kill"] > 0 or stats["orphan_o_after_kill"] > 0, stats
 
-    # Sweep the debris with `quack cache clean`: it spares a dead writer's temp file for a
-    # minute (its pid may be reused, the file may be on a shared disk), an orphan .o for 5:
-    # make the debris look 400 s old.
+    # Sweep the debris with `quack cache clean`: it spares a gone writer's files for a
+    # minute (quack.cache.orphans: its pid may be reused, the file may be on a shared
+    # disk): make the debris look 400 s old.
     backdate(root, 400)
     r = subprocess.run([*QUACK, "cache", "clean", "--cache-dir", str(root)], env=env(),
                        capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
@@ -160,7 +159,7 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
     root = tmp_path / "cache"
     results = []
     rng = random.Random(7)
-    for attempt in range(3):
+    for _attempt in range(3):
         p = subprocess.Popen([*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(tmp_path),
                              start_new_session=True)

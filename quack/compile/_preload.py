@@ -5,15 +5,23 @@ torch is hidden while cutlass and tvm_ffi import (tvm_ffi imports torch when
 it can: ~3 s that a compile never needs; the .o is bit-identical), then
 unhidden so a compile function that does import torch still can."""
 import os
+import signal
 import sys
 
 
 def _preload() -> None:
+    # This runs in the forkserver, which shares the terminal's process group: a Ctrl-C
+    # must not kill it mid-import with a KeyboardInterrupt traceback on the user's
+    # terminal. The parent decides what happens to compiles (it exits, and the
+    # forkserver follows when its pipe closes); workers ignore SIGINT likewise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     try:
         from quack import settings
 
         s = settings.get()
+        if s.no_preload:  # QUACK_NO_PRELOAD: workers import lazily (tests of the cold path)
+            return
         os.environ.setdefault("CUTE_DSL_ARCH", s.arch)
         packages = s.kernel_packages
     except Exception:  # noqa: BLE001 - a bad quack.toml is reported by the caller, not here
@@ -40,5 +48,4 @@ def _preload() -> None:
         pass
 
 
-if os.environ.get("QUACK_NO_PRELOAD") != "1":
-    _preload()
+_preload()

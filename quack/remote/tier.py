@@ -26,6 +26,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 from quack.cache import fsutil
 from quack.cache.contract import Fetched
@@ -162,7 +163,9 @@ class RemoteTier:
         if hashlib.sha256(data).hexdigest() != entry.meta.get("sha256"):
             self._count(push_failed=1)  # changed under us: never sign what the store did not verify
             return "failed"
-        blob = objects.pack(ref, entry.meta.get("params") or {}, data, self.signer,
+        signer = self.signer
+        assert signer is not None  # self.write implies a signer (see __init__)
+        blob = objects.pack(ref, entry.meta.get("params") or {}, data, signer,
                             compile_s=entry.meta.get("compile_s"))
         try:
             stored = self.backend.put_if_absent(objects.object_name(ref), blob)
@@ -232,7 +235,7 @@ def from_settings(s, *, strict: bool = False) -> RemoteTier | None:
     return RemoteTier(backend, trusted=trusted, signer=signer, write=s.remote_write)
 
 
-_current: tuple[object, RemoteTier | None] | None = None
+_current: tuple[Any, RemoteTier | None] | None = None  # (Settings, its tier)
 _current_lock = threading.Lock()
 _atexit_armed = False
 
