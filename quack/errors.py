@@ -4,6 +4,10 @@ cleanly: they cross the boundary between compile workers and the caller.
 This module imports nothing from quack, so any module can import it."""
 from __future__ import annotations
 
+import re
+
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")  # colour codes in compiler output
+
 
 class QuackError(Exception):
     """Base of quack's ordinary errors."""
@@ -57,7 +61,7 @@ class KernelNotPrebuilt(QuackError, LookupError):
     """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
 
     def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str,
-                 manifest_line: str = "", bundles: tuple[str, ...] = ()):
+                 manifest_line: str = "", bundles: tuple[str, ...] = (), *, reason: str = ""):
         # manifest_line: the manifest entry that would build it (quack.manifest_line),
         # made by the raiser so that this module imports nothing from quack.
         self.kernel = kernel
@@ -67,6 +71,7 @@ class KernelNotPrebuilt(QuackError, LookupError):
         self.cache_dir = cache_dir
         self.manifest_line = manifest_line
         self.bundles = tuple(bundles)  # "name version (n entries for this toolchain)" per bundle searched
+        self.reason = reason  # why nothing could be loaded, when it is not a plain miss
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -74,7 +79,8 @@ class KernelNotPrebuilt(QuackError, LookupError):
         return (
             f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
             f"(key {self.key[:16]}, cache {self.cache_dir}; "
-            f"bundles searched: {'; '.join(self.bundles) or 'none installed'}).\n"
+            f"bundles searched: {'; '.join(self.bundles) or 'none installed'})"
+            + (f": {self.reason}" if self.reason else "") + ".\n"
             f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
             f"(or unset QUACK_MODE=prebuilt to compile on demand)"
@@ -94,14 +100,20 @@ class BundleError(QuackError, ValueError):
 class CompileError(QuackError, RuntimeError):
     """A kernel failed to compile; carries the compiler's traceback text."""
 
-    def __init__(self, kernel: str, params: dict, arch: str, detail: str, log_path: str = ""):
+    def __init__(self, kernel: str, params: dict, arch: str, detail: str, log_path: str = "", *,
+                 transient: bool = False):
+        # transient: the compile did not run to its end (worker killed, pool shut down,
+        # no worker could start): another attempt may succeed, so it is not remembered.
+        self.transient = transient
         self.kernel = kernel
         self.params = dict(params)
         self.arch = arch
-        self.detail = detail
+        # CuTe DSL colours its diagnostics; the text ends up in logs, pytest reports and
+        # JSON, never on a terminal as-is, so the codes go.
+        self.detail = _ANSI.sub("", detail)
         self.log_path = log_path
         super().__init__(
-            f"compiling {kernel} {self.params} for {arch} failed:\n{detail}"
+            f"compiling {kernel} {self.params} for {arch} failed:\n{self.detail}"
             + (f"\n(full log: {log_path})" if log_path else "")
         )
 
@@ -210,6 +222,20 @@ class LinkError(QuackError, RuntimeError):
     def __init__(self, message: str, obj: str = ""):
         super().__init__(message)
         self.obj = obj
+
+
+class TomlFileError(QuackError, ValueError):
+    """A TOML file (manifest, quack.toml) that can't be read or parsed: not a regular
+    file, too large, not UTF-8, nested too deeply, or a syntax error. ``line`` and
+    ``col`` are 1-based, 0 when unknown; str() is ``path:line:col: problem``."""
+
+    def __init__(self, path: str, problem: str, *, line: int = 0, col: int = 0):
+        self.path = str(path)
+        self.problem = problem
+        self.line = line
+        self.col = col
+        where = self.path + (f":{line}" if line else "") + (f":{col}" if line and col else "")
+        super().__init__(f"{where}: {problem}")
 
 
 class ManifestError(QuackError, ValueError):

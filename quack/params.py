@@ -237,3 +237,30 @@ def plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
     return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """A constraint across a kernel's parameters, declared at registration
+    (``@jit_cache(..., rules=[Rule(...)])``) and applied wherever parameters are bound:
+    manifest validation (``quack build``, ``verify``) and every run-time call, before
+    anything compiles. It refuses configurations each parameter alone would allow but
+    the kernel cannot compile (e.g. a row length its vector width does not divide).
+
+    ``check(params)`` gets the bound, canonical parameters (defaults applied) and
+    returns True when the combination is allowed; ``param`` is the parameter the
+    message names, ``allowed`` says what is allowed, in words. A refusal is a
+    ParamError: ``<kernel>: <param> = <value> is not allowed with <the others>:
+    <allowed>``."""
+
+    param: str
+    allowed: str
+    check: Any  # Callable[[dict[str, Any]], bool]
+
+    def apply(self, kernel: str, params: dict[str, Any]) -> None:
+        if self.check(params):
+            return
+        others = ", ".join(f"{n}={plain(v)!r}" for n, v in params.items() if n != self.param)
+        raise ParamError(f"{kernel}: {self.param} = {plain(params.get(self.param))!r} is not allowed"
+                         + (f" with {others}" if others else "") + f": {self.allowed}",
+                         kernel=kernel, param=self.param)

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 from quack.cache import keys
 from quack.errors import ParamError, UnknownKernel
-from quack.params import Param, plain
+from quack.params import Param, Rule, plain
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 _REGISTRY: dict[str, "KernelSpec"] = {}
@@ -25,6 +25,7 @@ class KernelSpec:
     qualname: str
     version: int = 0
     reference: str | None = None  # "module:function" for `quack verify --run`
+    rules: tuple[Rule, ...] = ()  # cross-parameter constraints (quack.params.Rule)
 
     def bind(self, args: tuple = (), kwargs: dict | None = None) -> dict[str, Any]:
         """Check and canonicalize a call's or a manifest's parameters, defaults applied,
@@ -55,6 +56,8 @@ class KernelSpec:
                 out[n] = p.check(n, v)
             except ParamError as e:
                 raise ParamError(f"{self.name}: {e}", kernel=self.name, param=n) from None
+        for rule in self.rules:  # after each value is valid alone: the combination
+            rule.apply(self.name, out)
         return out
 
     def encode(self, params: dict[str, Any]) -> dict:
@@ -78,7 +81,7 @@ class KernelSpec:
 
 
 def register(name: str, fn: Callable, params: dict[str, Param], *, version: int = 0,
-             reference: str | None = None) -> KernelSpec:
+             reference: str | None = None, rules=()) -> KernelSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
     for pn, p in params.items():
@@ -90,8 +93,14 @@ def register(name: str, fn: Callable, params: dict[str, Param], *, version: int 
     if sorted(sig_names) != sorted(params):
         raise TypeError(f"kernel {name}: compile function parameters {sig_names} "
                         f"don't match declared params {list(params)}")
+    rules = tuple(rules)
+    for r in rules:
+        if not isinstance(r, Rule) or r.param not in params or not callable(r.check):
+            raise TypeError(f"kernel {name}: rules must be quack.params.Rule(param, allowed, check) "
+                            f"naming one of its parameters {list(params)}, got {r!r}")
     defaults = {n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty}
-    spec = KernelSpec(name, fn, dict(params), defaults, fn.__module__, fn.__qualname__, version, reference)
+    spec = KernelSpec(name, fn, dict(params), defaults, fn.__module__, fn.__qualname__, version, reference,
+                      rules)
     old = _REGISTRY.get(name)
     if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):
         raise ValueError(f"kernel name {name!r} already registered by {old.module}.{old.qualname}")
@@ -110,16 +119,27 @@ def all_specs() -> dict[str, KernelSpec]:
     return dict(_REGISTRY)
 
 
+SCANNED = ("every module of each [build] kernel_packages package and of its subpackages, "
+           "except modules and subpackages whose name starts with '_' (helpers; a kernel "
+           "registered there is found when a scanned module imports it)")
+
+
 def load_packages(packages) -> None:
-    """Import every module of the kernel packages so their kernels register.
-    Cheap: kernel modules import cutlass and torch only inside functions."""
+    """Import what SCANNED says so the kernels register (a package may also be a single
+    module). Cheap: kernel modules import cutlass and torch only inside functions."""
     import pkgutil
 
     for pkg in packages:
         mod = importlib.import_module(pkg)
-        for info in pkgutil.iter_modules(getattr(mod, "__path__", []), prefix=pkg + "."):
-            if not info.name.rsplit(".", 1)[-1].startswith("_"):
-                importlib.import_module(info.name)
+        todo = [mod]
+        while todo:  # subpackages too, depth first
+            m = todo.pop()
+            for info in pkgutil.iter_modules(getattr(m, "__path__", []), prefix=m.__name__ + "."):
+                if info.name.rsplit(".", 1)[-1].startswith("_"):
+                    continue
+                sub = importlib.import_module(info.name)
+                if info.ispkg:
+                    todo.append(sub)
 
 
 def import_spec(module: str, name: str) -> KernelSpec:

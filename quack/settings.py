@@ -8,17 +8,11 @@ import dataclasses
 import logging
 import os
 import re
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
-from quack.errors import SettingsError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+from quack.errors import SettingsError, TomlFileError
 
 CONFIG_NAME = "quack.toml"
 MODES = ("jit", "prebuilt")
@@ -200,6 +194,7 @@ class Settings:
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
+    # Without any quack.toml: quack's bundled kernels; with one: what it lists, else none.
     kernel_packages: tuple[str, ...] = ("quack_kernels",)
     remote_url: str | None = None
     remote_write: bool = False
@@ -235,21 +230,21 @@ def find_config(start: Path | None = None) -> Path | None:
     d = (start or Path.cwd()).resolve()
     for p in (d, *d.parents):
         c = p / CONFIG_NAME
-        if c.is_file():
+        # Anything but a directory counts: a FIFO or device named quack.toml is refused
+        # by read_config with a clear message instead of being silently skipped.
+        if os.path.lexists(c) and not c.is_dir():
             return c
     return None
 
 
 def read_config(path: Path) -> dict[str, Any]:
     """Parse quack.toml into {field: value}; errors name the file and key."""
+    from quack.tomlfile import load
+
     try:
-        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise SettingsError(f"{path}: not UTF-8 text ({e})", source=str(path)) from None
-    except tomllib.TOMLDecodeError as e:
-        raise SettingsError(f"{path}: TOML syntax error: {e}", source=str(path)) from None
-    except OSError as e:
-        raise SettingsError(f"{path}: cannot read ({e.strerror})", source=str(path)) from None
+        raw = load(path, "settings file")
+    except TomlFileError as e:  # not a regular file, too large, too deep, syntax: file:line
+        raise SettingsError(str(e), source=str(path)) from None
     out: dict[str, Any] = {}
     by_loc = {(f.section, f.key): name for name, f in _FIELDS.items()}
     for section, table in raw.items():
@@ -331,6 +326,10 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
         if sources.get("trusted_keys") == str(config):
             keys = [k if k.is_absolute() else key_base / k for k in keys]
         values["trusted_keys"] = [str(k) for k in keys]
+    if config is not None and "kernel_packages" not in values:
+        # A project with its own quack.toml gets the kernels it lists, not quack's bundled
+        # demo kernels (quack_kernels is installed, so importable from anywhere).
+        values["kernel_packages"] = ()
     for k in ("manifests", "archs", "kernel_packages", "trusted_keys"):
         if k in values:
             values[k] = tuple(values[k])

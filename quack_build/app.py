@@ -102,7 +102,7 @@ def build(
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout (progress on stderr)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON file."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit on the configurations after expansion, over all manifests given."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also list cached and started keys."),
     executor: Optional[str] = typer.Option(
         None, "--executor", callback=_check_executor,
@@ -121,7 +121,7 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     from quack_build import display, executors, scheduler
 
     t0 = time.time()
-    s = cli_settings(cache_dir, jobs, executor)
+    s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
     con = console(to_stderr=as_json)
@@ -240,6 +240,7 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
     s = cli_settings(cache_dir)
+    _common.check_root(s.cache_dir)
     load_kernels(s, required=False)
     con = console(to_stderr=as_json)
     if not Path(s.cache_dir).is_dir():
@@ -355,7 +356,7 @@ def verify(
     no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit on the configurations after expansion, over all manifests given."),
     bundles: bool = typer.Option(False, "--bundles", help="Check the installed bundles instead of the cache."),
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
@@ -369,11 +370,16 @@ def verify(
 def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> int:
     from quack_build import verify as v
 
-    s = cli_settings(cache_dir)
+    s = cli_settings(cache_dir, manifests=manifests)
     load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
     con = console(to_stderr=as_json)
-    res = v.verify(exp.configs, _store(s), load=not no_load, run=run, console=None if as_json else con)
+    from quack.errors import CacheError
+
+    try:
+        res = v.verify(exp.configs, _store(s), load=not no_load, run=run, console=None if as_json else con)
+    except CacheError as e:  # an unsafe root: refused like build, stats and clean do
+        raise Fail(f"error: {e}") from None
     if as_json:
         emit_json(res)
     else:

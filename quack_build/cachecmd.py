@@ -40,30 +40,46 @@ def print_stats(con: Console, info: dict) -> None:
     kernels = sorted(set(info["kernels"]) | set(j.get("kernels", {})))
     if kernels:
         tb = Table(title="per kernel", header_style="bold")
-        for c in ("kernel", "current", "stale", "bytes", "hits", "misses", "compiles", "compile s"):
+        # Compiles counted where they happened: `quack build` and run time (a miss compiled
+        # by a worker for the calling process); "waited" = misses another process compiled.
+        for c in ("kernel", "current", "stale", "bytes", "hits", "misses", "compiles build/run",
+                  "compile s build/run", "waited"):
             tb.add_column(c, justify="left" if c == "kernel" else "right")
         for k in kernels:
             e = info["kernels"].get(k, {"current": 0, "stale": 0, "unknown": 0, "bytes": 0})
             u = j.get("kernels", {}).get(k, {})
+            bc, bs = u.get("build_compiles", 0), u.get("build_compile_s", 0.0)
             tb.add_row(k, str(e["current"] + e.get("unknown", 0)), str(e["stale"]), human_bytes(e["bytes"]),
-                       str(u.get("hits", 0)), str(u.get("misses", 0)), str(u.get("compiles", 0)),
-                       f"{u.get('compile_s', 0.0):.1f}")
+                       str(u.get("hits", 0)), str(u.get("misses", 0)),
+                       f"{bc}/{u.get('compiles', 0) - bc}", f"{bs:.1f}/{u.get('compile_s', 0.0) - bs:.1f}",
+                       str(u.get("waits", 0)))
         con.print(tb)
     if j.get("slowest"):
         tb = Table(title="slowest compiles (journal)", header_style="bold")
-        for c in ("kernel", "params", "arch", "seconds"):
+        for c in ("kernel", "params", "arch", "where", "seconds"):
             tb.add_column(c, justify="right" if c == "seconds" else "left")
         for r in j["slowest"]:
             params = " ".join(f"{a}={b}" for a, b in (r.get("params") or {}).items())
-            tb.add_row(str(r["kernel"]), params, str(r.get("arch")), f"{r['compile_s']:.2f}")
+            tb.add_row(str(r["kernel"]), params, str(r.get("arch")), str(r.get("where", "run")),
+                       f"{r['compile_s']:.2f}")
         con.print(tb)
     _print_remote(con, info.get("remote") or {})
     d = info["debris"]
     if any(d.values()):
         con.print(f"debris: {d['tmp_files']} orphaned temp files ({human_bytes(d['tmp_bytes'])}), "
                   f"{d['orphan_objects']} objects without metadata ({human_bytes(d['orphan_bytes'])}), "
-                  f"{d['quarantined_files']} quarantined files ({human_bytes(d['quarantined_bytes'])}); "
+                  f"{d['quarantined_files']} quarantined files ({human_bytes(d['quarantined_bytes'])}), "
+                  f"{d.get('scratch_files', 0)} temp files of killed links "
+                  f"({human_bytes(d.get('scratch_bytes', 0))}); "
                   f"`quack cache clean` removes them", markup=False)
+    planted = info.get("planted") or []
+    if planted:
+        con.print(f"planted in the cache ({len(planted)}; quack never follows or uses them, "
+                  f"`quack cache clean` removes them):", markup=False)
+        for x in planted[:20]:
+            con.print(f"  {x['what']}: {x['path']}", markup=False, soft_wrap=True)
+        if len(planted) > 20:
+            con.print(f"  ... and {len(planted) - 20} more", markup=False)
     if t["stale_entries"]:
         con.print(f"{t['stale_entries']} stale entries ({human_bytes(t['stale_bytes'])}): "
                   f"`quack cache clean` removes them", markup=False)

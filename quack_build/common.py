@@ -30,13 +30,21 @@ class Fail(Exception):
         self.code = code
 
 
-def cli_settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None, executor: Optional[str] = None):
+def cli_settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None,
+                 executor: Optional[str] = None, manifests=()):
+    """Resolve and install the settings. With manifests given, quack.toml is looked for
+    from the first manifest's directory up (its project), else from the working directory."""
     from quack import settings as qs
     from quack.errors import SettingsError
 
     try:
+        near = None
+        for m in list(manifests)[:1]:
+            d = Path(m).absolute().parent
+            if qs.find_config(d) is not None:
+                near = d
         s = qs.resolve({"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs,
-                        "executor": executor})
+                        "executor": executor}, cwd=near)
     except SettingsError as e:
         raise Fail(f"error: {e}") from None
     qs.set_current(s)
@@ -69,6 +77,19 @@ def current_srcfps() -> dict:
     return out
 
 
+def check_root(root: Path) -> None:
+    """Refuse an unsafe cache root (a symlink, not ours, group/other-writable) the way
+    ``quack build`` does: stats and clean must not report on, or delete in, a directory
+    someone else can plant files in."""
+    from quack.cache import fsutil
+    from quack.errors import CacheError
+
+    try:
+        fsutil.check_root(Path(root))
+    except CacheError as e:
+        raise Fail(f"error: {e}") from None
+
+
 def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
     sys.stdout.flush()
@@ -78,6 +99,7 @@ def stats(as_json, cache_dir, top) -> int:
     from quack.cache import journal
 
     s = cli_settings(cache_dir)
+    check_root(s.cache_dir)
     load_kernels(s, required=False)
     info = inventory.summarize(s.cache_dir, current_srcfps())
     info["journal"] = inventory.journal_summary(journal.read(s.cache_dir), top=top)

@@ -18,8 +18,7 @@ from quack_build.scheduler import (CACHED, COMPILED, FAILED, INTERRUPTED, REMOTE
 
 
 def _err_line(t: Task) -> str:
-    lines = [ln for ln in (t.detail or t.error).strip().splitlines() if ln.strip()]
-    return lines[-1].strip() if lines else t.error
+    return t.error or "failed"  # the compiler's first error line (scheduler._first_line)
 
 
 def _fmt_s(s: float | None) -> str:
@@ -223,6 +222,15 @@ def print_summary(console: Console, res: BuildResult) -> None:
             console.print(f"  ... and {len(failed) - 20} more")
         if res.log_path:
             console.print(f"full compiler output: {escape(res.log_path)}", highlight=False)
+    skipped = [t for t in res.tasks if t.status == SKIPPED]
+    if skipped and not res.interrupted:
+        console.print(f"[yellow bold]{len(skipped)} configuration{'s' if len(skipped) != 1 else ''} not built[/]"
+                      + (" (the build stopped at the first failure; --keep-going builds the rest):"
+                         if failed else ":"))
+        for t in skipped[:20]:
+            console.print(f"  [yellow]-[/] {escape(t.cfg.label())}  (key {t.cfg.key[:16]})", highlight=False)
+        if len(skipped) > 20:
+            console.print(f"  ... and {len(skipped) - 20} more")
     if res.interrupted:
         console.print(f"[yellow]interrupted[/]: {res.count(COMPILED)} compiled before the stop; "
                       f"{res.count(INTERRUPTED)} not built (no partial entries were left)")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from quack.cache import keys, orphans
-from quack.cache.store import LAYOUT
+from quack.cache.store import LAYOUT, SCRATCH
 
 _TMP_RE = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 _SUFFIXES = (".so.json", ".json", ".o", ".so", ".lock")  # longest first
@@ -121,6 +121,8 @@ def _scan(d: FpDir) -> FpDir:
     with it:
         for e in it:
             name = e.name
+            if e.is_symlink():
+                continue  # planted: reported by planted(), removed by clean, never counted
             if ".tmp-" in name:
                 m = _TMP_RE.match(name)
                 if m:
@@ -161,6 +163,62 @@ def _scan(d: FpDir) -> FpDir:
             kf.sizes[suf] = st.st_size
             kf.mtimes[suf] = st.st_mtime
     return d
+
+
+def planted(root: Path) -> list[tuple[Path, str]]:
+    """Things someone planted in the cache's layout, never followed: symbolic links
+    anywhere in ``v1/`` (in place of a stamp, kernel or fingerprint directory, or of
+    an entry or lock file) and non-directories where the layout has directories; and
+    ``v1/``, ``quarantine/``, ``logs/``, ``tmp/`` themselves as links. Each is
+    (path, what it is). The store refuses to use them; ``quack cache clean`` removes
+    them (the link itself, with unlink: its target is never touched)."""
+    out: list[tuple[Path, str]] = []
+    root = Path(root)
+    for name in (LAYOUT, "quarantine", "logs", "tmp"):
+        if os.path.islink(root / name):
+            out.append((root / name, "symbolic link"))
+
+    def scan(d: str, depth: int) -> None:  # depth 0: stamps, 1: kernels, 2: fingerprints, 3: files
+        try:
+            it = os.scandir(d)
+        except OSError:
+            return
+        with it:
+            for e in sorted(it, key=lambda e: e.name):
+                if e.is_symlink():
+                    out.append((Path(e.path), "symbolic link"))
+                elif depth < 3:
+                    if e.is_dir(follow_symlinks=False):
+                        scan(e.path, depth + 1)
+                    else:
+                        out.append((Path(e.path), "not a directory"))
+
+    if not os.path.islink(root / LAYOUT):
+        scan(str(root / LAYOUT), 0)
+    return out
+
+
+SCRATCH_MAX_AGE = 600.0  # a link takes about a second: a scratch file this old is a killed link's
+
+
+def scratch_files(root: Path) -> list[tuple[Path, int, float]]:
+    """Regular files in ``<root>/tmp`` (the linker's temp files), not following links."""
+    out: list[tuple[Path, int, float]] = []
+    d = Path(root) / SCRATCH
+    if os.path.islink(d):
+        return out
+    try:
+        with os.scandir(d) as it:
+            for e in it:
+                if e.is_file(follow_symlinks=False):
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    out.append((Path(e.path), st.st_size, st.st_mtime))
+    except OSError:
+        pass
+    return out
 
 
 def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
@@ -207,6 +265,9 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
             if ".o" in kf.sizes and ".json" not in kf.sizes:
                 debris["orphan_objects"] += 1
                 debris["orphan_bytes"] += kf.sizes[".o"]
+    old_scratch = [x for x in scratch_files(root) if now - x[2] > SCRATCH_MAX_AGE]
+    debris["scratch_files"] = len(old_scratch)
+    debris["scratch_bytes"] = sum(x[1] for x in old_scratch)
     q = quarantine_files(root)
     debris["quarantined_files"] = len(q)
     debris["quarantined_bytes"] = sum(x[1] for x in q)
@@ -219,7 +280,8 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
         s["bytes"] += f["bytes"]
         s["fingerprints"] += 1
     return {"root": str(root), "totals": totals, "stamps": list(per_stamp.values()),
-            "fingerprints": fps, "kernels": kernels, "debris": debris}
+            "fingerprints": fps, "kernels": kernels, "debris": debris,
+            "planted": [{"path": str(p), "what": w} for p, w in planted(root)]}
 
 
 def journal_summary(records: list[dict], top: int = 10) -> dict:
@@ -227,21 +289,28 @@ def journal_summary(records: list[dict], top: int = 10) -> dict:
     slow: list[dict] = []
     for r in records:
         k = per_kernel.setdefault(str(r.get("kernel")), {"hits": 0, "misses": 0, "compiles": 0,
-                                                         "compile_s": 0.0, "keys": set()})
-        for f in ("hits", "misses", "compiles"):
+                                                         "compile_s": 0.0, "waits": 0, "build_compiles": 0,
+                                                         "build_compile_s": 0.0, "keys": set()})
+        for f in ("hits", "misses", "compiles", "waits"):
             v = r.get(f, 0)
             k[f] += v if isinstance(v, int) else 0
         cs = r.get("compile_s", 0.0)
         cs = cs if isinstance(cs, (int, float)) else 0.0
         k["compile_s"] += cs
+        where = "build" if r.get("where") == "build" else "run"  # older records: run time
+        if where == "build":
+            c = r.get("compiles", 0)
+            k["build_compiles"] += c if isinstance(c, int) else 0
+            k["build_compile_s"] += cs
         k["keys"].add(r.get("key"))
         if r.get("compiles") and cs > 0:
             slow.append({"kernel": r.get("kernel"), "params": r.get("params"), "arch": r.get("arch"),
-                         "compile_s": cs, "t": r.get("t")})
+                         "compile_s": cs, "t": r.get("t"), "where": where})
     slow.sort(key=lambda x: -x["compile_s"])
     for k in per_kernel.values():
         k["keys"] = len(k["keys"])
         k["compile_s"] = round(k["compile_s"], 3)
+        k["build_compile_s"] = round(k["build_compile_s"], 3)
     return {"records": len(records), "kernels": per_kernel, "slowest": slow[:top]}
 
 
@@ -412,6 +481,15 @@ def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all
     ``max_size`` least recently used entries until the cache fits."""
     c = Cleaner(root, dry_run=dry_run, log=log)
     now = time.time()
+    # Planted links and files first (what the store refuses and its messages tell the
+    # user to clean): unlinked, never followed; a planted directory is left (and reported).
+    for path, what in planted(root):
+        try:
+            size = 0 if what == "symbolic link" else os.lstat(path).st_size
+        except OSError:
+            continue
+        if what == "symbolic link" or not os.path.isdir(path):
+            c._unlink(path, size, f"planted {what} (never followed)")
     kept: list[tuple[FpDir, KeyFiles]] = []
     for d in walk(root, current_srcfp):
         if d.status == "stale":
@@ -430,6 +508,9 @@ def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all
             else:
                 kept.append((d, kf))
     c.quarantine()
+    for path, size, mtime in scratch_files(root):
+        if now - mtime > SCRATCH_MAX_AGE:
+            c._unlink(path, size, "temp file of a killed link")
     logs = Path(root) / "logs"
     if logs.is_dir():
         for e in os.scandir(logs):

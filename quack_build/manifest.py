@@ -25,18 +25,13 @@ import difflib
 import itertools
 import math
 import re
-import sys
 from pathlib import Path
 from typing import Any, Iterable
 
 from quack import registry, settings as _settings
-from quack.errors import ManifestError, ParamError, UnknownKernel
+from quack.errors import ManifestError, ParamError, TomlFileError, UnknownKernel
 from quack.params import Config as ConfigParam
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
+from quack.tomlfile import escape
 
 DEFAULT_MAX_CONFIGS = 10_000
 TOP_KEYS = ("defaults", "kernel")
@@ -79,7 +74,7 @@ def _show(v: Any) -> str:
     if isinstance(v, bool):
         s = "true" if v else "false"
     elif isinstance(v, str):
-        s = '"' + v + '"'
+        s = '"' + escape(v) + '"'  # a NUL or ESC in a value is shown, never printed raw
     else:
         s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
@@ -95,42 +90,23 @@ def _tname(v: Any) -> str:
     return {str: "string", int: "integer", float: "float"}.get(type(v), type(v).__name__)
 
 
-_TOML_POS = re.compile(r"\(at line (\d+), column (\d+)\)")
-
-
 def read_document(path: Path) -> dict:
-    """Parse one manifest; a syntax error names file, line and column."""
+    """Parse one manifest (quack.tomlfile: a regular file of at most 16 MiB, nesting
+    bounded); any problem is a ManifestError naming file, line and column."""
+    from quack.tomlfile import load
+
     try:
-        text = path.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise ManifestError([f"{path}: no such manifest file"]) from None
-    except IsADirectoryError:
-        raise ManifestError([f"{path}: is a directory, not a manifest file"]) from None
-    except UnicodeDecodeError as e:
-        raise ManifestError([f"{path}: not UTF-8 text ({e})"]) from None
-    except OSError as e:
-        raise ManifestError([f"{path}: cannot read ({e.strerror})"]) from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        msg = str(e)
-        m = _TOML_POS.search(msg)
-        line = getattr(e, "lineno", None) or (int(m.group(1)) if m else None)
-        col = getattr(e, "colno", None) or (int(m.group(2)) if m else None)
-        bare = _TOML_POS.sub("", getattr(e, "msg", msg)).strip()
-        where = f"{path}:{line}:{col}" if line else str(path)
-        snippet = ""
-        if line:
-            lines = text.splitlines()
-            if 0 < line <= len(lines):
-                snippet = f"\n    {lines[line - 1]}\n    {' ' * max(0, (col or 1) - 1)}^"
-        raise ManifestError([f"{where}: TOML syntax error: {bare}{snippet}"]) from None
+        return load(path, "manifest file")
+    except TomlFileError as e:
+        raise ManifestError([str(e)]) from None
 
 
 def _kernel_header_lines(path: Path) -> list[int]:
+    from quack.tomlfile import read_bytes
+
     try:
-        lines = path.read_text("utf-8").splitlines()
-    except (OSError, UnicodeDecodeError):
+        lines = read_bytes(path, "manifest file").decode("utf-8").splitlines()
+    except (TomlFileError, UnicodeDecodeError):
         return []
     return [i + 1 for i, ln in enumerate(lines) if re.match(r"^\s*\[\[\s*kernel\s*\]\]", ln)]
 
@@ -177,6 +153,9 @@ def _check_archs(ctx: _Ctx, where: str, value: Any) -> list[str] | None:
     return out if ok else None
 
 
+_SHOW_BAD = 3
+
+
 def _values(ctx: _Ctx, where: str, spec, pname: str, raw: Any) -> list | None:
     """Check one params entry (scalar or list) against the kernel's parameter."""
     p = spec.params[pname]
@@ -189,21 +168,26 @@ def _values(ctx: _Ctx, where: str, spec, pname: str, raw: Any) -> list | None:
     else:
         items = [raw]
     out = []
-    ok = True
+    bad: list[str] = []
     for v in items:
         if isinstance(v, list) or (isinstance(v, dict) and not is_config) or not isinstance(
                 v, (*_SCALARS, dict)):
             tn = _tname(v)
-            ctx.err(where, f"params.{pname} = {_show(v)}: {'an' if tn[0] in 'aeiou' else 'a'} {tn} is not allowed here; "
-                    f"expected {p.describe()} (or a list of them)")
-            ok = False
+            bad.append(f"params.{pname} = {_show(v)}: {'an' if tn[0] in 'aeiou' else 'a'} {tn} is not allowed here; "
+                       f"expected {p.describe()} (or a list of them)")
             continue
         try:
             out.append(p.check(pname, v))
         except ParamError as e:
-            ok = False
-            ctx.err(where, f"params.{pname} = {_show(v)} ({_tname(v)}) is not allowed for kernel "
-                    f"{spec.name}; expected {p.describe()}" + _extra(e))
+            bad.append(f"params.{pname} = {_show(v)} ({_tname(v)}) is not allowed for kernel "
+                       f"{spec.name}; expected {p.describe()}" + _extra(e))
+    ok = not bad
+    # A long list of bad values is one problem: the first few, then a count.
+    for msg in bad[:_SHOW_BAD]:
+        ctx.err(where, msg)
+    if len(bad) > _SHOW_BAD:
+        ctx.err(where, f"params.{pname}: {len(bad) - _SHOW_BAD} more of its {len(items)} values are not "
+                f"allowed either (not listed)")
     if ok and len(set(map(repr, out))) != len(out):
         ctx.warnings.append(f"{where}: params.{pname} lists a value twice (ignored)")
         seen, uniq = set(), []
@@ -254,8 +238,17 @@ def _matches(combo: dict, matcher: dict) -> bool:
     return all(combo[k] in vals for k, vals in matcher.items())
 
 
+@dataclasses.dataclass
+class Budget:
+    """The limit on configurations after expansion, over every table of every manifest
+    given at once (a per-table limit alone is bypassed by many tables)."""
+    limit: int = DEFAULT_MAX_CONFIGS
+    used: int = 0
+    exceeded: bool = False
+
+
 def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_archs: list[str],
-                   arch_override: list[str] | None, max_configs: int, used_defaults: set) -> list:
+                   arch_override: list[str] | None, budget: Budget, used_defaults: set) -> list:
     label = f"[[kernel]] #{idx + 1}"
     if not isinstance(table, dict):
         ctx.err(ctx.where(label, idx), f"must be a table, got {_show(table)}")
@@ -267,15 +260,20 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
     if not isinstance(name, str):
         ctx.err(ctx.where(label, idx), f"name = {_show(name)} must be a string")
         return []
-    where = ctx.where(f"{label} ({name})", idx)
+    where = ctx.where(f"{label} ({escape(name)[:80]})", idx)
     try:
         spec = registry.get(name)
     except UnknownKernel as e:
         known = list(e.known)
         close = difflib.get_close_matches(name, known, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
+        cur = _settings.get()
+        pk = ", ".join(cur.kernel_packages) or "none"
+        src = f"[build] kernel_packages in {cur.config_file}" if cur.config_file else \
+            "the default (no quack.toml found)"
         ctx.err(where, f"name = {_show(name)}: no kernel is registered under this name{hint}; "
-                f"registered kernels: {', '.join(known) or '(none: check [build] kernel_packages)'}")
+                f"registered kernels: {', '.join(known) or '(none)'}. Kernels are registered from "
+                f"{src}: {pk}; scanned: {registry.SCANNED}")
         return []
     used_defaults.add("\0resolved")
     ok = True
@@ -308,6 +306,7 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
                 return []
             table[k] = params.pop(k)
     given: dict[str, list] = {}
+    invalid: set[str] = set()  # given, but with a bad value: reported once, not also "missing"
     for k, v in params.items():
         if k not in spec.params:
             _unknown_param(ctx, where, spec, k)
@@ -316,6 +315,7 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         vals = _values(ctx, where, spec, k, v)
         if vals is None:
             ok = False
+            invalid.add(k)
         else:
             given[k] = vals
     for k, v in defaults.items():
@@ -324,12 +324,13 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
             vals = _values(ctx, f"{ctx.where('[defaults]')} (for {label} {name})", spec, k, v)
             if vals is None:
                 ok = False
+                invalid.add(k)
             else:
                 given[k] = vals
         elif k in spec.params:
             used_defaults.add(k)
     for n, p in spec.params.items():
-        if n not in given and n not in spec.defaults:
+        if n not in given and n not in invalid and n not in spec.defaults:
             ok = False
             ctx.err(where, f"missing parameter {n!r} (no default in {spec.qualname}); "
                     f"expected {p.describe()}")
@@ -350,10 +351,15 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
     names = list(spec.params)
     axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
     total = math.prod(len(a) for a in axes) * len(archs)
-    if total > max_configs:
+    if budget.exceeded:
+        return []  # reported once, at the table that crossed the limit
+    if budget.used + total > budget.limit:
+        budget.exceeded = True
         dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
-        ctx.err(where, f"the cross product has {total} configurations ({dims} x archs {len(archs)}), "
-                f"over the limit of {max_configs}; narrow the lists or raise the limit with --max-configs")
+        before = (f"; the tables before it already expand to {budget.used}" if budget.used else "")
+        ctx.err(where, f"the cross product has {total} configurations ({dims} x archs {len(archs)}){before}: "
+                f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
+                f"the limit with --max-configs")
         return []
     combos = [dict(zip(names, c)) for c in itertools.product(*axes)]
     kept = [c for c in combos if not any(_matches(c, m) for m in excludes)]
@@ -379,20 +385,33 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         ctx.err(where, f"the cross product is empty: all {len(combos)} combinations are excluded")
         return []
     out = []
+    refused: list[str] = []
     for combo in kept:
         try:
             bound = spec.bind((), combo)
-        except ParamError as e:  # pragma: no cover - values were checked one by one
-            ctx.err(where, str(e))
-            return []
+        except ParamError as e:  # the kernel's rules across parameters (quack.params.Rule)
+            refused.append(f"{e}; drop it from the lists or exclude it: exclude = "
+                           f"[{{ {', '.join(f'{k} = {_show(v)}' for k, v in combo.items())} }}]")
+            continue
         for arch in archs:
             out.append(BuildConfig(name, bound, arch, spec.key(bound, arch), f"{ctx.path}:{label}", spec))
+    if refused:
+        for msg in refused[:_SHOW_BAD]:
+            ctx.err(where, msg)
+        if len(refused) > _SHOW_BAD:
+            ctx.err(where, f"{len(refused) - _SHOW_BAD} more of its {len(kept)} combinations are refused "
+                    f"by the kernel's rules (not listed)")
+        return []
+    budget.used += len(out)
     return out
 
 
 def expand_document(path: Path, doc: dict, *, archs: Iterable[str] = (), arch_override=None,
-                    max_configs: int = DEFAULT_MAX_CONFIGS) -> tuple[list[BuildConfig], list[str], list[str]]:
-    """(configs, problems, warnings) for one parsed manifest."""
+                    max_configs: int = DEFAULT_MAX_CONFIGS, budget: Budget | None = None
+                    ) -> tuple[list[BuildConfig], list[str], list[str]]:
+    """(configs, problems, warnings) for one parsed manifest. ``budget`` (shared by the
+    manifests of one build) caps the total; without one, ``max_configs`` caps this file."""
+    budget = budget if budget is not None else Budget(max_configs)
     kernels = doc.get("kernel", [])
     ctx = _Ctx(path, len(kernels) if isinstance(kernels, list) else 0)
     for k in doc:
@@ -426,7 +445,7 @@ def expand_document(path: Path, doc: dict, *, archs: Iterable[str] = (), arch_ov
     out: list[BuildConfig] = []
     used: set = set()
     for i, t in enumerate(kernels):
-        out.extend(_expand_kernel(ctx, i, t, dparams, default_archs, arch_override, max_configs, used))
+        out.extend(_expand_kernel(ctx, i, t, dparams, default_archs, arch_override, budget, used))
     for k in dparams:
         if k not in used and "\0resolved" in used:
             ctx.err(ctx.where("[defaults]"), f"params.{k}: no kernel in this manifest has a parameter {k!r}")
@@ -448,6 +467,7 @@ def expand(paths: Iterable[Path | str], *, archs: Iterable[str] = (), arch_overr
     warns: list[str] = []
     configs: list[BuildConfig] = []
     files = []
+    budget = Budget(max_configs)
     if arch_override:
         bad = [a for a in arch_override if a not in _settings.KNOWN_ARCHS]
         if bad:
@@ -461,8 +481,7 @@ def expand(paths: Iterable[Path | str], *, archs: Iterable[str] = (), arch_overr
         except ManifestError as e:
             problems.extend(e.problems)
             continue
-        got, pr, w = expand_document(path, doc, archs=archs, arch_override=arch_override,
-                                     max_configs=max_configs)
+        got, pr, w = expand_document(path, doc, archs=archs, arch_override=arch_override, budget=budget)
         configs.extend(got)
         problems.extend(pr)
         warns.extend(w)

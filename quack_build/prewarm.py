@@ -20,6 +20,8 @@ def usage(records: list[dict]) -> list[dict]:
         kernel, arch, params = r.get("kernel"), r.get("arch"), r.get("params")
         if not isinstance(kernel, str) or not isinstance(arch, str) or not isinstance(params, dict):
             continue
+        if r.get("where") == "build":
+            continue  # a `quack build` compile, not a use
         ident = (kernel, arch, repr(sorted(params.items())))
         a = agg.setdefault(ident, {"kernel": kernel, "arch": arch, "params": params, "uses": 0,
                                    "compiles": 0, "last": 0.0})
@@ -83,6 +85,11 @@ def prewarm(s, store, *, since_s: float | None, top: int | None, emit_manifest: 
     for m in skipped:
         console.print(f"skipped: {m}", markup=False)
     if emit_manifest:
+        if not configs:  # `kernel = []` is no manifest: nothing written, and say why
+            console.print(f"prewarm: nothing to emit: the usage journal of {s.cache_dir} has no "
+                          f"configuration used" + (" in that period (--since)" if since_s else "")
+                          + f" ({len(records)} records); {emit_manifest} was not written", markup=False)
+            return 1
         emit(emit_manifest, configs)
         console.print(f"wrote {len(configs)} configurations to {emit_manifest}", markup=False)
     tasks = scheduler.plan(configs, store)

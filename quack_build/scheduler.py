@@ -298,6 +298,8 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
     t_compile = t_start
     window = jobs + 2
     try:
+        # After a failure without --keep-going (stop) nothing more is submitted: the loop
+        # ends when the in-flight keys have, and what is left queued is reported not built.
         while inflight or (queue and not stop):
             while queue and not stop and len(inflight) < window:
                 t = queue.pop()
@@ -388,9 +390,24 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
     res.wall_s = time.time() - t_begin
     if not res.interrupted:
         res.missing_after = _missing(tasks, store)
+    _journal_compiles(store.root, tasks)
     _remote_done(res, remote)
     rep.close()
     return res
+
+
+def _journal_compiles(root, tasks: list[Task]) -> None:
+    """Record the build's compiles in the usage journal (where = "build"), so `quack cache
+    stats` counts them beside the run-time ones; they are not uses (prewarm skips them)."""
+    t = journal.now()
+    recs = [{"kernel": x.cfg.kernel, "key": x.cfg.key, "arch": x.cfg.arch, "params": x.cfg.plain_params,
+             "hits": 0, "misses": 0, "compiles": 1, "compile_s": round(x.compile_s, 4), "where": "build",
+             "t": t} for x in tasks if x.status == COMPILED]
+    if recs:
+        try:
+            journal.append(Path(root), recs)
+        except OSError:
+            pass  # the journal is best effort; the build's result stands
 
 
 def _remote_done(res: BuildResult, remote) -> None:
@@ -400,14 +417,16 @@ def _remote_done(res: BuildResult, remote) -> None:
 
 
 def _first_line(err) -> str:
+    """The failure's one line: the compiler's own first error (not CuTe's closing advice,
+    no ANSI codes); the full text goes to the build log."""
+    from quack.compile.diagnostics import first_error_line
+
     if err is None:
         return "failed"
     detail = getattr(err, "detail", None)
     if detail:
-        lines = [ln.strip() for ln in str(detail).strip().splitlines() if ln.strip()]
-        if lines:
-            return lines[-1][:300]
-    return f"{type(err).__name__}: {str(err).splitlines()[0][:300] if str(err) else ''}"
+        return first_error_line(str(detail))
+    return first_error_line(f"{type(err).__name__}: {err}")
 
 
 def _missing(tasks: list[Task], store: DiskStore) -> list[str]:

@@ -13,12 +13,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from quack.compile import builder
 from quack.cache import fsutil
 from quack_build.cubin import arch_matches, gpu_codes
 from quack.cache.contract import MISSING
 from quack.cache.store import DiskStore
+from quack.errors import CacheError
 
 LOAD_TIMEOUT = 300.0
 
@@ -110,8 +112,17 @@ def load_fresh(reqs: list[dict], *, run: bool = False, progress=None) -> tuple[l
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
     """Presence, checksum and arch of one configuration, without touching the cache."""
     ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
-    found = store.inspect(ref)
-    info: dict = {"obj": str(found.obj), "so": None, "gpu_code": []}
+    info: dict = {"obj": str(store.paths(ref)["obj"]), "so": None, "gpu_code": []}
+    try:
+        found = store.inspect(ref)
+    except CacheError as e:  # a planted link or file on the entry's path: name it
+        if e.path and Path(e.path) != Path(store.root):
+            return [f"planted in the cache: {e}"], info
+        raise
+    lock = store.paths(ref)["lock"]
+    if os.path.islink(lock):
+        return [f"planted in the cache: the lock file {lock} is a symbolic link (never followed); "
+                f"quack build refuses the key; quack cache clean removes it"], info
     if found.status == MISSING:
         other = _elsewhere(store, ref)
         return [("missing: not built for the current fingerprint"

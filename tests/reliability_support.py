@@ -10,11 +10,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 PY = sys.executable
+# The CLI as this interpreter runs it: works whether or not the venv's bin/ is on PATH.
+QUACK = [PY, "-m", "quack_build"]
 
 
 def env(**extra) -> dict:
@@ -30,6 +31,33 @@ def run_py(code: str, *, timeout: float = 300, check: bool = True, **envextra) -
                        timeout=timeout, cwd=str(TESTS))
     if check and r.returncode != 0:
         raise AssertionError(f"subprocess failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
+    return r
+
+
+def run_quack(args, *, timeout: float = 240, cwd=None, env_=None, check_rc=None) -> subprocess.CompletedProcess:
+    """``quack ARGS`` as a subprocess of this interpreter, bounded: past ``timeout`` the
+    whole process group (the build, its forkserver and workers) is killed and the test
+    fails, so a build that never ends cannot stall the suite."""
+    import signal
+
+    p = subprocess.Popen([*QUACK, *map(str, args)], cwd=None if cwd is None else str(cwd),
+                         env=env_ if env_ is not None else env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate(timeout=30)
+        raise AssertionError(f"`quack {' '.join(map(str, args))}` did not end within {timeout} s:\n"
+                             f"{out[-2000:]}\n{err[-4000:]}") from None
+    finally:
+        try:  # nothing of it outlives the call (workers of a killed or finished build)
+            os.killpg(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    if check_rc is not None and r.returncode != check_rc:
+        raise AssertionError(f"exit {r.returncode} (expected {check_rc}):\n{out}\n{err}")
     return r
 
 
@@ -93,31 +121,6 @@ def tree(root: Path) -> list[Path]:
 
 def debris(root: Path) -> list[Path]:
     return [p for p in tree(root) if ".tmp-" in p.name]
-
-
-def cli_available() -> bool:
-    return shutil.which("quack") is not None and _cli_module_ok()
-
-
-def _cli_module_ok() -> bool:
-    try:
-        import quack_build.cli  # noqa: F401
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-def cli_has(*words: str) -> bool:
-    """Does `quack <words> --help` exist (the CLI lands in parallel with this suite)?"""
-    if not cli_available():
-        return False
-    r = subprocess.run(["quack", *words, "--help"], capture_output=True, text=True, env=env(), timeout=60)
-    return r.returncode == 0
-
-
-def needs_cli(*words: str):
-    return pytest.mark.skipif(not cli_has(*words), reason=f"`quack {' '.join(words)}` is not available "
-                              f"in this checkout (the CLI is built in parallel, issue 3)")
 
 
 def can_mount() -> bool:

@@ -9,7 +9,7 @@ import os
 import time
 
 from quack import jit_cache
-from quack.params import Int
+from quack.params import Int, Rule
 
 
 class _Exported:
@@ -41,3 +41,27 @@ def rel_copy(i: int = 0):
             os.close(fd)
     time.sleep(float(os.environ.get("QUACK_TEST_COMPILE_SLEEP", "0")))
     return _Exported(i)
+
+
+@jit_cache("rel_fail", params={"i": Int(min=0, max=100000)})
+def rel_fail(i: int = 0):
+    """rel_copy, except that the configurations listed in QUACK_TEST_FAIL (comma-separated
+    ``i`` values) raise inside the compile function, like a kernel the compiler rejects."""
+    counter = os.environ.get("QUACK_TEST_FAIL_COUNTER")
+    if counter:  # one line per compile attempt, failed or not
+        with open(counter, "a") as f:
+            f.write(f"{os.getpid()} {i}\n")
+    if str(i) in os.environ.get("QUACK_TEST_FAIL", "").split(","):
+        raise ValueError(f"rel_fail: configuration i={i} does not compile")
+    return rel_copy.raw(i)
+
+
+def _even_when_big(p: dict) -> bool:
+    return p["i"] < 1000 or p["i"] % 2 == 0
+
+
+@jit_cache("rel_ruled", params={"i": Int(min=0, max=100000)},
+           rules=[Rule("i", "i must be even from 1000 on (a test rule)", _even_when_big)])
+def rel_ruled(i: int = 0):
+    """rel_copy behind a cross-parameter rule: refused configurations never compile."""
+    return rel_copy.raw(i)

@@ -84,9 +84,12 @@ def test_compile_error_reraised_once_with_worker_traceback(pool):
             poolkernels.pool_fault("raise", tag)
         text = str(ce.value)
         assert "deliberate compile failure" in text and "Traceback" in text and "poolkernels.py" in text
-        # Reported once: the next call submits again.
-        with pytest.raises(CompilePending):
+        # Remembered in this process (issue 9): the next call raises the same error at
+        # once, without submitting the key again.
+        submitted = pool.stats()["submitted"]
+        with pytest.raises(CompileError) as again:
             poolkernels.pool_fault("raise", tag)
+        assert again.value is ce.value and pool.stats()["submitted"] == submitted
     assert pool.stats()["failed"] >= 1
 
 

@@ -17,7 +17,7 @@ import relkernels  # noqa: F401 - registers rel_copy
 from quack.compile import builder
 from quack import registry
 from quack.cache.store import DiskStore
-from reliability_support import PY, TESTS, env, needs_cli, session_objects
+from reliability_support import PY, QUACK, TESTS, env, session_objects
 
 
 @pytest.fixture
@@ -312,7 +312,6 @@ print(json.dumps(stats))
 """
 
 
-@needs_cli("cache", "clean")
 def test_clean_while_eight_processes_load_and_build(objs, tmp_path):
     proj = tmp_path / "proj"
     proj.mkdir()
@@ -338,7 +337,7 @@ def test_clean_while_eight_processes_load_and_build(objs, tmp_path):
         rng = random.Random(3)
         while time.time() < until:
             args = rng.choice([[], ["--max-size", "100KiB"], ["--max-size", "0"], ["--older-than", "0s"]])
-            r = subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root), *args], env=env(),
+            r = subprocess.run([*QUACK, "cache", "clean", "--cache-dir", str(root), *args], env=env(),
                                capture_output=True, text=True, timeout=120, cwd=str(proj))
             cleans.append((args, r.returncode))
             assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr

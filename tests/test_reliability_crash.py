@@ -17,7 +17,7 @@ import pytest
 
 from quack.runtime import loader
 from quack.cache.store import DiskStore, EntryRef
-from reliability_support import (PY, TESTS, cli_has, debris, env, needs_cli, session_objects,
+from reliability_support import (PY, QUACK, TESTS, debris, env, session_objects,
                                  write_toy_project)
 
 KILLS = int(os.environ.get("QUACK_TEST_KILLS", "60"))
@@ -101,17 +101,14 @@ def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
     # The kills must have landed in different places, or the test proves little.
     assert stats["debris_after_kill"] > 0 or stats["orphan_o_after_kill"] > 0, stats
 
-    # Sweep the debris: `quack cache clean` where it exists, else the store's sweep.
-    # clean spares a gone writer's files for a minute (quack.cache.orphans: its pid may
-    # be reused, the file may be on a shared disk): make the debris look 400 s old.
+    # Sweep the debris with `quack cache clean`: it spares a gone writer's files for a
+    # minute (quack.cache.orphans: its pid may be reused, the file may be on a shared
+    # disk): make the debris look 400 s old.
     backdate(root, 400)
-    if cli_has("cache", "clean"):
-        r = subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root)], env=env(),
-                           capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-        assert r.returncode == 0, r.stdout + r.stderr
-        assert "Traceback" not in r.stdout + r.stderr
-    else:
-        store.sweep_debris(grace=0)
+    r = subprocess.run([*QUACK, "cache", "clean", "--cache-dir", str(root)], env=env(),
+                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
     assert debris(root) == [], debris(root)
     for ref in _refs(info["srcfp"]):
         paths = store.paths(ref)
@@ -150,7 +147,6 @@ def test_sweep_spares_live_writers_and_held_locks(tmp_path):
     assert live.exists() and p["lock"].exists()
 
 
-@needs_cli("build")
 def test_ctrl_c_of_quack_build(tmp_path):
     """SIGINT to `quack build` mid-compile: it stops (non-zero, no traceback), leaves no
     published partial entry, its debris is swept, and a rebuild completes."""
@@ -164,7 +160,7 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
     results = []
     rng = random.Random(7)
     for _attempt in range(3):
-        p = subprocess.Popen(["quack", "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
+        p = subprocess.Popen([*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(tmp_path),
                              start_new_session=True)
         time.sleep(rng.uniform(1.5, 4.0))
@@ -188,10 +184,10 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
                 obj = meta.with_suffix(".o")
                 assert hashlib.sha256(obj.read_bytes()).hexdigest() == m["sha256"], meta
     backdate(root, 400)
-    subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root)], env=env(),
+    subprocess.run([*QUACK, "cache", "clean", "--cache-dir", str(root)], env=env(),
                    capture_output=True, timeout=300, cwd=str(tmp_path))
     assert debris(root) == []
-    r = subprocess.run(["quack", "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
+    r = subprocess.run([*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
                        capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert any(rc != 0 for rc in results), "an interrupted build must exit non-zero"

@@ -16,7 +16,7 @@ from quack.runtime import loader
 from quack import registry, settings
 from quack.errors import CacheWriteError
 from quack.cache.store import DiskStore
-from reliability_support import (can_mount, copy_publish, env, needs_cli, run_py, session_objects,
+from reliability_support import (QUACK, can_mount, copy_publish, env, run_py, session_objects,
                                  toy_ref, write_toy_project)
 
 
@@ -226,7 +226,6 @@ def test_read_only_cache_build_fails_clearly(read_only_cache):
     assert DiskStore(root).writable() is False
 
 
-@needs_cli("build")
 def test_read_only_cache_quack_build_fails_clearly(read_only_cache, tmp_path):
     root, before = read_only_cache
     write_toy_project(tmp_path / "proj", """
@@ -234,7 +233,7 @@ def test_read_only_cache_quack_build_fails_clearly(read_only_cache, tmp_path):
 name = "toy_scale"
 params = { dtype = ["bfloat16"], block = [32] }
 """)
-    r = subprocess.run(["quack", "build", "--cache-dir", str(root)], env=env(), capture_output=True,
+    r = subprocess.run([*QUACK, "build", "--cache-dir", str(root)], env=env(), capture_output=True,
                        text=True, timeout=300, cwd=str(tmp_path / "proj"))
     out = r.stdout + r.stderr
     assert r.returncode != 0 and r.returncode != 2, out

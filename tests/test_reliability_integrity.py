@@ -17,7 +17,7 @@ from conftest import use_settings
 from quack.runtime import loader
 from quack.errors import CacheWarning
 from quack.cache.store import DiskStore
-from reliability_support import (copy_publish, env, needs_cli, session_objects, toy_ref,
+from reliability_support import (QUACK, copy_publish, env, session_objects, toy_ref,
                                  write_toy_project)
 
 @pytest.fixture
@@ -175,7 +175,6 @@ def test_damaged_derived_so_is_relinked_not_loaded(toy_objects, tmp_path):
     assert so2.read_bytes() == good and store.lookup(ref).so_path == so2
 
 
-@needs_cli("verify")
 @pytest.mark.parametrize("how", ["flip", "zero", "half"])
 def test_verify_names_a_damaged_entry(how, toy_objects, tmp_path):
     """`quack verify` exits non-zero and names the damaged entry."""
@@ -184,11 +183,11 @@ def test_verify_names_a_damaged_entry(how, toy_objects, tmp_path):
     store = DiskStore(cache)
     ref = toy_ref(toy_objects["float32"])
     copy_publish(store, ref, Path(toy_objects["float32"]["path"]))
-    r = subprocess.run(["quack", "verify", "--no-load"], env=env(QUACK_CACHE_DIR=cache),
+    r = subprocess.run([*QUACK, "verify", "--no-load"], env=env(QUACK_CACHE_DIR=cache),
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     damage(store.paths(ref)["obj"], how)
-    r = subprocess.run(["quack", "verify", "--no-load"], env=env(QUACK_CACHE_DIR=cache),
+    r = subprocess.run([*QUACK, "verify", "--no-load"], env=env(QUACK_CACHE_DIR=cache),
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out

@@ -11,7 +11,7 @@ import pytest
 
 from quack import settings
 from quack.errors import SettingsError
-from reliability_support import TESTS, env, needs_cli, write_toy_project
+from reliability_support import QUACK, TESTS, env, write_toy_project
 
 CONFIGS = sorted((TESTS / "data" / "config").glob("*.toml"))
 MANIFESTS = sorted((TESTS / "data" / "manifests").glob("*.toml"))
@@ -45,12 +45,11 @@ def test_bad_config_names_file_and_problem(path, tmp_path):
 
 def _cli(args, cwd, timeout=60):
     t = time.perf_counter()
-    r = subprocess.run(["quack", *args], env=env(QUACK_CACHE_DIR=cwd / "cache"), capture_output=True,
+    r = subprocess.run([*QUACK, *args], env=env(QUACK_CACHE_DIR=cwd / "cache"), capture_output=True,
                        text=True, errors="replace", timeout=timeout, cwd=str(cwd))
     return r, time.perf_counter() - t, r.stdout + r.stderr
 
 
-@needs_cli("build")
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_bad_config_through_cli(path, tmp_path):
     shutil.copyfile(path, tmp_path / "quack.toml")
@@ -77,7 +76,6 @@ _GENERATED = {
 }
 
 
-@needs_cli("build")
 @pytest.mark.parametrize("path", MANIFESTS + sorted(_GENERATED), ids=lambda p: getattr(p, "stem", p))
 def test_bad_manifest_through_cli(path, tmp_path):
     """The manifest corpus (tests/data/manifests, plus generated ones) end to end through
@@ -110,7 +108,6 @@ USAGE = [
 ]
 
 
-@needs_cli("build")
 @pytest.mark.parametrize("args", USAGE, ids=lambda a: " ".join(a) if isinstance(a, list) else None)
 def test_malformed_usage_exits_2(args, tmp_path):
     write_toy_project(tmp_path)

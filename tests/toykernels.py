@@ -43,3 +43,47 @@ def toy_fail(boom: bool = True):
     if boom:
         raise ValueError("toy_fail: boom requested")
     return toy_scale.raw("float32", 32, False)
+
+
+@jit_cache("toy_badcopy", params={"dtype": Dtype()})
+def toy_badcopy(dtype: str = "bfloat16"):
+    """A real compiler error: an async global->shared copy atom aimed at global memory
+    (CuTe's IR verifier rejects it, with ANSI-coloured diagnostics and generic advice)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    dt = {"float32": cutlass.Float32, "float16": cutlass.Float16, "bfloat16": cutlass.BFloat16}[dtype]
+
+    @cute.kernel
+    def k(gx: cute.Tensor, gy: cute.Tensor):
+        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dt, num_bits_per_copy=64)
+        cute.copy(atom, gx, gy)
+
+    @cute.jit
+    def launch(x: cute.Tensor, y: cute.Tensor, stream):
+        k(x, y).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+
+    x = make_fake_tensor(dt, (4,), stride=(1,))
+    y = make_fake_tensor(dt, (4,), stride=(1,))
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch, x, y, stream, options="--enable-tvm-ffi")
+
+
+@jit_cache("toy_noffi", params={"block": Int(min=32, max=1024)})
+def toy_noffi(block: int = 128):
+    """toy_scale's kernel compiled without options="--enable-tvm-ffi" (a common slip)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    @cute.kernel
+    def k(gx: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        gx[tidx] = gx[tidx] * cutlass.Float32(2.0)
+
+    @cute.jit
+    def launch(x: cute.Tensor):
+        k(x).launch(grid=(1, 1, 1), block=(block, 1, 1))
+
+    return cute.compile(launch, make_fake_tensor(cutlass.Float32, (block,), stride=(1,)))

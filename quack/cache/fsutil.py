@@ -75,11 +75,12 @@ def check_tree(path: Path, root: Path) -> bool:
         except FileNotFoundError:
             return False
         if stat.S_ISLNK(st.st_mode):
-            raise CacheError(f"{cur} in the cache is a symbolic link; quack refuses to follow it. "
-                             f"Remove it (rm {cur}) or run quack cache clean.", path=str(cur))
+            # The remedy before the (long) path: a one-line summary cut at its end keeps it.
+            raise CacheError(f"a symbolic link in the cache (planted; quack refuses to follow it: run "
+                             f"quack cache clean, or rm it): {cur}", path=str(cur))
         if not stat.S_ISDIR(st.st_mode):
-            raise CacheError(f"{cur} in the cache is not a directory; refusing to use it. "
-                             f"Remove it (rm {cur}) or run quack cache clean.", path=str(cur))
+            raise CacheError(f"not a directory where the cache needs one (planted; refusing to use it: "
+                             f"run quack cache clean, or rm it): {cur}", path=str(cur))
     return True
 
 

@@ -27,6 +27,7 @@ from quack.cache.contract import CORRUPT, MISSING, OK, Inspection, Store
 from quack.errors import CacheError, CacheWarning, CacheWriteError, LockTimeout, ParamError
 
 LAYOUT = "v1"
+SCRATCH = "tmp"  # <root>/tmp: helper tools' temp files (see DiskStore.scratch_dir)
 META_FORMAT = 1
 
 
@@ -304,8 +305,10 @@ class DiskStore:
         except FileNotFoundError:
             st = None
         if st is not None and not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"lock file {path} is a symbolic link or not a regular file; quack refuses "
-                             f"to follow it. Remove it (rm {path}).", path=str(path))
+            # The remedy before the (long) path: a one-line summary cut at its end keeps it.
+            raise CacheError(f"lock file is a symbolic link or not a regular file (planted; quack "
+                             f"refuses to follow it: run quack cache clean, or rm it): {path}",
+                             path=str(path))
         lk = filelock.FileLock(str(path), timeout=t, mode=0o600)
         try:
             lk.acquire()
@@ -313,8 +316,8 @@ class DiskStore:
             raise LockTimeout(str(path), t) from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise CacheError(f"lock file {path} is a symbolic link; quack refuses to follow it. "
-                                 f"Remove it (rm {path}).", path=str(path)) from None
+                raise CacheError(f"lock file is a symbolic link (planted; quack refuses to follow it: "
+                                 f"run quack cache clean, or rm it): {path}", path=str(path)) from None
             raise write_error(e, self.root, f"creating the lock {path}") from None
         try:
             yield
@@ -374,6 +377,19 @@ class DiskStore:
         side = {"o_sha256": entry.meta["sha256"], "sha256": hashlib.sha256(data).hexdigest()}
         fsutil.write_atomic(p["so_meta"], json.dumps(side).encode(), fsync=False)
         return p["so"]
+
+    def scratch_dir(self) -> Path:
+        """``<root>/tmp`` (0700, no symlinked component): where helper tools write their
+        temp files (the linker's ``cc*.o``, ``cc*.res``), so one killed mid-way leaves its
+        debris inside the cache, swept by ``quack cache clean``, never in /tmp.
+        Raises CacheError (unsafe root, planted link) or CacheWriteError."""
+        self.check_root()
+        try:
+            return fsutil.ensure_dir(self.root / SCRATCH, self.root)
+        except CacheError:
+            raise
+        except OSError as e:
+            raise write_error(e, self.root, f"creating {self.root / SCRATCH}") from None
 
     def sweep_debris(self, *, grace: float = orphans.GRACE, dry_run: bool = False) -> list[Path]:
         """Remove what interrupted writers left, by the one rule of

@@ -54,6 +54,12 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
         raise
     except Exception as e:  # noqa: BLE001 - the exporter's own errors: the kernel's CompileError
         detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        if isinstance(e, TypeError) and "object_file_path" in str(e):
+            # CuTe's export without tvm-ffi has another signature: say what is missing
+            # (an "error:" line, so it is the one line a build shows).
+            detail = (f"error: {spec.module}.{spec.qualname} compiled without tvm-ffi: pass "
+                      f"options=\"--enable-tvm-ffi\" to cute.compile (quack exports and loads "
+                      f"kernels through tvm-ffi; docs/writing-kernels.md)\n\n{detail}")
         raise CompileError(spec.name, spec.plain(params), arch, detail) from None
     return time.perf_counter() - t0
 

@@ -93,7 +93,7 @@ def _worker_died_error(task: "_Task", exitcode) -> CompileError:
         how = f"exited with status {exitcode}"
     return CompileError(task.kernel, task.params, task.arch,
                         f"compile worker pid {task.pid} {how} while compiling key {task.key[:16]} "
-                        f"(crash, out of memory, or killed); the pool replaced it")
+                        f"(crash, out of memory, or killed); the pool replaced it", transient=True)
 
 
 # -- worker side ---------------------------------------------------------------------------
@@ -325,7 +325,8 @@ class CompilePool:
                 if self._state.get(t.ident) == PENDING:
                     self._state[t.ident] = FAILED
                     self._errors[t.ident] = CompileError(t.kernel, t.params, t.arch,
-                                                         "compile cancelled (pool shut down)")
+                                                         "compile cancelled (pool shut down)",
+                                                         transient=True)
             self._queue.clear()
             self._external.clear()
             self._bump()
@@ -562,7 +563,8 @@ class CompilePool:
                     with self._lock:
                         for t in self._queue:
                             self._finish(t, False, CompileError(t.kernel, t.params, t.arch,
-                                                                f"cannot start a compile worker: {e!r}"))
+                                                                f"cannot start a compile worker: {e!r}",
+                                                                transient=True))
                         self._queue.clear()
                         self._want_workers = 0
                     continue

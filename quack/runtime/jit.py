@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 import functools
 import logging
 import threading
@@ -28,13 +29,16 @@ class Loaded:
     """One loaded kernel in this process, with its usage counters."""
 
     __slots__ = ("fn", "module", "key", "params", "arch", "hits", "misses", "compiles",
-                 "load_s", "compile_s", "how", "tier")
+                 "load_s", "compile_s", "how", "tier", "waits", "wait_s")
 
     def __init__(self, fn, module, key, params, arch, how, tier="cache"):
         self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
         self.tier = tier  # where it came from: "cache", "bundle:<name>" or "compile"
         self.hits = self.misses = self.compiles = 0
         self.load_s = self.compile_s = 0.0
+        # A miss another process (or worker) was already compiling: waited for, not compiled.
+        self.waits = 0
+        self.wait_s = 0.0
 
 
 class JitKernel:
@@ -45,6 +49,7 @@ class JitKernel:
         self.raw = spec.fn
         self._memo: dict = {}
         self._by_key: dict[str, Loaded] = {}
+        self._failed: dict[str, tuple[str, CompileError]] = {}  # key -> (source fingerprint, error)
         self._gen = _generation.value
         self._lock = threading.RLock()
         self._warned_local = False
@@ -74,13 +79,20 @@ class JitKernel:
             if self._gen != _generation.value:
                 self._memo.clear()
                 self._by_key.clear()
+                self._failed.clear()
                 self._gen = _generation.value
             s = _settings.get()
             params = self.spec.bind(args, kwargs)
             key = self.spec.key(params, s.arch)
             loaded = self._by_key.get(key)
             if loaded is None:
-                loaded = self._resolve(params, key, s)
+                self._raise_if_failed(key)
+                try:
+                    loaded = self._resolve(params, key, s)
+                except CompileError as e:
+                    if not e.transient:
+                        self._remember_failure(key, e)
+                    raise
                 self._by_key[key] = loaded
             else:
                 loaded.hits += 1
@@ -91,6 +103,23 @@ class JitKernel:
                 pass  # unhashable argument spelling: still correct, just the slow path
             return loaded.fn
 
+    # A configuration that failed to compile fails the same way until its source changes:
+    # compiling it again on every call (minutes for a large kernel) tells nothing new.
+    def _raise_if_failed(self, key: str) -> None:
+        hit = self._failed.get(key)
+        if hit is None:
+            return
+        fp, err = hit
+        if fp == self.spec.source_fingerprint():
+            raise err
+        del self._failed[key]  # the kernel was edited: compile it again
+
+    def _remember_failure(self, key: str, err: CompileError) -> None:
+        if key not in self._failed and hasattr(err, "add_note"):  # Python 3.11+
+            err.add_note(f"quack: {self.spec.name} key {key[:16]} will not be compiled again in this "
+                         f"process until its source changes")
+        self._failed[key] = (self.spec.source_fingerprint(), err)
+
     def _resolve(self, params: dict, key: str, s) -> Loaded:
         """The tiers after memory: local cache -> read-only tiers (installed bundles,
         remote, ...) -> compile (quack.runtime.tiers; docs/architecture.md)."""
@@ -99,14 +128,23 @@ class JitKernel:
         arch = s.arch
         ref = builder.entry_ref(self.spec, params, arch)
         store = None
+        # Prebuilt mode never compiles, whatever the cache's state: every path below that
+        # would compile raises KernelNotPrebuilt instead, saying why when it is not a
+        # plain miss (a disabled or unusable cache).
+        unusable = ""
         if s.cache_enabled:
             store = local_store(s)
             try:
                 entry = store.lookup(ref)
             except (CacheError, OSError) as e:
-                warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
-                              f"{self.spec.name} (a compile runs in this process, unstored)",
-                              CacheWarning, stacklevel=4)
+                if s.mode == "prebuilt":
+                    warn_once(f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})",
+                              stacklevel=5)
+                else:
+                    warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
+                                  f"{self.spec.name} (a compile runs in this process, unstored)",
+                                  CacheWarning, stacklevel=4)
+                unusable = f"the cache is unusable ({e})"
                 store, entry = None, None
             if entry is not None:
                 try:
@@ -115,18 +153,13 @@ class JitKernel:
                     return loaded
                 except EntryVanished:
                     entry = None  # cleaned between lookup and load: a plain miss
-        fetched = self._from_tiers(ref, store, params, key, arch, s)
-        if fetched is not None:
-            return fetched
+        else:
+            unusable = "the cache is disabled (QUACK_CACHE_ENABLED=0 or [cache] enabled = false)"
+        tiered = self._from_tiers(ref, store, params, key, arch, s)
+        if tiered is not None:
+            return tiered
         if s.mode == "prebuilt":
-            plain = self.spec.plain(params)
-            err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),
-                                    manifest_line(self.spec.name, plain, arch),
-                                    bundles=next((t.searched() for t in tiers.read_tiers(s)
-                                                  if t.name == "bundles" and isinstance(t, ListsSearched)),
-                                                 ()))
-            _pool.note_not_prebuilt(err, s)
-            raise err
+            self._not_prebuilt(params, key, s, unusable or self._stale_entry(store, ref))
         if store is None:  # cache disabled or unusable
             return self._compile_in_process(params, key, arch)
         if not store.writable():
@@ -145,24 +178,66 @@ class JitKernel:
                               f"compiling it in this process", CacheWarning, stacklevel=4)
                 self._warned_local = True
             try:
-                entry, _ = builder.build(self.spec, params, arch, store)
+                entry, compiled = builder.build(self.spec, params, arch, store)
+                compile_s = float(entry.meta.get("compile_s") or 0.0) if compiled else 0.0
             except (OSError, LockTimeout) as e:
                 warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({e}); "
                               f"running it uncached", CacheWarning, stacklevel=4)
                 return self._compile_in_process(params, key, arch)
         else:
-            entry = self._compile_in_worker(store, ref, params, key, arch)
+            entry, report = self._compile_in_worker(store, ref, params, key, arch)
             if entry is None:
                 log.info("fallback: compiling %s %s in this process", self.spec.name, key[:16])
                 return self._compile_in_process(params, key, arch)
+            compiled = bool(report and report.get("compiled"))
+            compile_s = float((report or {}).get("compile_s") or 0.0)
         try:
             loaded = self._load(store, entry, params, key, arch, miss=True)
         except EntryVanished:  # evicted right after its compile: run it uncached
             return self._compile_in_process(params, key, arch)
-        loaded.compiles = 1
-        loaded.tier = "compile"
-        loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
+        # Count a compile once, where it happened: when another process (or an earlier
+        # submission) built the key, this call waited for it (stats would otherwise count
+        # one compile per waiting process, each with the whole wait as its compile time).
+        elapsed = time.perf_counter() - t0 - loaded.load_s
+        if compiled:
+            loaded.compiles = 1
+            loaded.tier = "compile"
+            loaded.compile_s = compile_s or elapsed
+        else:
+            loaded.waits = 1
+            loaded.wait_s = elapsed
+        log.debug("%s %s %s (%.3f s)", "compiled" if compiled else "waited for", self.spec.name, key[:16],
+                  elapsed)
         return loaded
+
+    @staticmethod
+    def _stale_entry(store, ref) -> str:
+        """Why a prebuilt miss is not a plain one: the key was built, but for an older
+        source of the kernel (an edit since the build moved it to a new fingerprint)."""
+        if store is None:
+            return ""
+        d = store.entry_dir(ref)
+        try:
+            with os.scandir(d.parent) as it:
+                old = sorted(e.name for e in it if e.name != d.name and e.is_dir(follow_symlinks=False)
+                             and os.path.isfile(os.path.join(e.path, ref.key + ".json")))
+        except OSError:
+            return ""
+        if not old:
+            return ""
+        return (f"it was built for an older source of the kernel (fingerprint {old[-1]}; now "
+                f"{ref.srcfp}): the kernel's source changed since, so `quack build` (or `quack "
+                f"prewarm`) must rebuild it")
+
+    def _not_prebuilt(self, params, key, s, reason: str):
+        plain = self.spec.plain(params)
+        err = KernelNotPrebuilt(self.spec.name, plain, s.arch, key, str(s.cache_dir),
+                                manifest_line(self.spec.name, plain, s.arch),
+                                bundles=next((t.searched() for t in tiers.read_tiers(s)
+                                              if t.name == "bundles" and isinstance(t, ListsSearched)),
+                                             ()), reason=reason)
+        _pool.note_not_prebuilt(err, s)
+        raise err
 
     def _compile_in_worker(self, store, ref, params, key, arch):
         """A miss, compiled by the pool. Inside a pool_scope: submit and raise
@@ -170,7 +245,8 @@ class JitKernel:
         failed key is raised once as CompileError (the worker's traceback text) and
         then forgotten, so a later call compiles it again; a key past its time-out
         (wedged worker, or a lock held elsewhere that never publishes) returns None:
-        the caller compiles in this process."""
+        the caller compiles in this process. Returns (entry, the pool's report of the
+        key: ``compiled`` False when another process built it) or (None, None)."""
         s = _settings.get()
         pool = _pool.active_pool(s.cache_dir)
         scoped = pool is not None
@@ -194,23 +270,23 @@ class JitKernel:
                 if isinstance(err, CompileTimeout):
                     warnings.warn(f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this "
                                   f"process", CacheWarning, stacklevel=5)
-                    return None
+                    return None, None
                 if isinstance(err, (CacheError, LockTimeout)):
-                    return self._store_failed(err, key)  # the cache (full, read-only), not the kernel
+                    return self._store_failed(err, key), None  # the cache (full, read-only), not the kernel
                 if isinstance(err, CompileError):
                     raise err
                 raise CompileError(self.spec.name, self.spec.plain(params), arch, str(err))
             if st == _pool.DONE:
                 entry = store.lookup(ref)
                 if entry is not None:
-                    return entry
+                    return entry, pool.report(key, root)
                 # Done, yet no valid entry (cleaned, or quarantined as corrupt): build again.
                 pool.forget(key, root)
                 if pool.state(key, root) != _pool.NEW:
                     break
         warnings.warn(f"quack: the pool reported {self.spec.name} key {key[:16]} done but the cache "
                       f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
-        return None
+        return None, None
 
     def _from_tiers(self, ref, store, params, key, arch, s) -> Loaded | None:
         """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
@@ -266,6 +342,9 @@ class JitKernel:
         """No usable cache: compile here and keep the JIT function in memory."""
         from quack.compile import builder
 
+        s = _settings.get()
+        if s.mode == "prebuilt":  # the last guard: no path may compile in prebuilt mode
+            self._not_prebuilt(params, key, s, "")
         builder.pin_arch(arch)
         t0 = time.perf_counter()
         try:
@@ -286,16 +365,20 @@ class JitKernel:
             out.append({"kernel": self.spec.name, "key": ld.key, "arch": ld.arch,
                         "params": self.spec.plain(ld.params), "hits": ld.hits, "misses": ld.misses,
                         "compiles": ld.compiles, "load_s": round(ld.load_s, 6),
-                        "compile_s": round(ld.compile_s, 4), "how": ld.how, "tier": ld.tier})
+                        "compile_s": round(ld.compile_s, 4), "how": ld.how, "tier": ld.tier,
+                        "waits": ld.waits, "wait_s": round(ld.wait_s, 4)})
         return out
 
 
 def jit_cache(name: str, params: dict[str, Param], *, version: int = 0,
-              reference: str | None = None) -> Callable[[Callable], JitKernel]:
-    """Register a tensor-free compile function as kernel ``name`` and cache it."""
+              reference: str | None = None, rules=()) -> Callable[[Callable], JitKernel]:
+    """Register a tensor-free compile function as kernel ``name`` and cache it.
+    ``rules``: quack.params.Rule constraints across parameters, checked (with each
+    parameter's own check) by manifests and on every call, before anything compiles."""
 
     def deco(fn: Callable) -> JitKernel:
-        return JitKernel(registry.register(name, fn, params, version=version, reference=reference))
+        return JitKernel(registry.register(name, fn, params, version=version, reference=reference,
+                                           rules=rules))
 
     return deco
 

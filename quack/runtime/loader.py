@@ -60,8 +60,10 @@ def can_link() -> bool:
     return runtime_libdirs() is not None and shutil.which(os.environ.get("CC", "gcc")) is not None
 
 
-def link(obj: Path, out: Path) -> None:
-    """Link ``obj`` into the shared object ``out`` (no rpath)."""
+def link(obj: Path, out: Path, tmpdir: Path | None = None) -> None:
+    """Link ``obj`` into the shared object ``out`` (no rpath). The compiler driver's
+    temp files go to ``tmpdir`` (the cache's scratch directory): a link killed mid-way
+    leaves them there, for ``quack cache clean``, not in /tmp."""
     dirs = runtime_libdirs()
     cc = shutil.which(os.environ.get("CC", "gcc"))
     if dirs is None or cc is None:
@@ -69,7 +71,8 @@ def link(obj: Path, out: Path) -> None:
     cdir, tdir = dirs
     cmd = [cc, "-shared", "-o", str(out), str(obj), f"-L{cdir}", "-lcute_dsl_runtime",
            f"-L{tdir}", "-ltvm_ffi", os.path.join(cdir, "libcuda_dialect_runtime_static.a")]
-    r = subprocess.run(cmd, capture_output=True, text=True)
+    env = None if tmpdir is None else dict(os.environ, TMPDIR=str(tmpdir))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise LinkError(f"linking {obj} failed: {r.stderr.strip()[-2000:]}", str(obj))
 
@@ -98,13 +101,15 @@ def link_entry(store: Store, entry: Entry, obj: Path | None = None) -> Path | No
     writable = store.writable()
     try:
         if writable:
+            scratch = store.scratch_dir() if hasattr(store, "scratch_dir") else None
             tmp = fsutil.reserve_tmp(store.paths(entry.ref)["so"])
         else:
             tmp = fsutil.reserve_tmp(_private_so_dir() / f"{entry.ref.key}.so")
+            scratch = _private_so_dir()
     except OSError:
         return None
     try:
-        link(obj or entry.obj_path, tmp)
+        link(obj or entry.obj_path, tmp, scratch)
         if writable:
             return store.write_so(entry, tmp)
         private = tmp.with_name(f"{entry.ref.key}.so")
