@@ -74,7 +74,9 @@ class KernelSpec:
     def source_fingerprint(self) -> str:
         if self.module == "__main__":
             return "main"
-        return keys.source_fingerprint(self.module)
+        from quack.cache import fpmemo
+
+        return keys.source_fingerprint(self.module, memo=fpmemo.current())
 
 
 def register(name: str, fn: Callable, params: dict[str, Param], *, version: int = 0,
