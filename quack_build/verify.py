@@ -17,6 +17,7 @@ import time
 from quack.compile import builder
 from quack.cache import fsutil
 from quack_build.cubin import arch_matches, gpu_codes
+from quack.cache.contract import MISSING
 from quack.cache.store import DiskStore
 
 LOAD_TIMEOUT = 300.0
@@ -75,21 +76,16 @@ class _Child:
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
     """Presence, checksum and arch of one configuration, without touching the cache."""
     ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
-    p = store.paths(ref)
-    info = {"obj": str(p["obj"]), "so": None, "gpu_code": []}
-    try:
-        meta_bytes = fsutil.read_nofollow(p["meta"])
-    except FileNotFoundError:
+    found = store.inspect(ref)
+    info: dict = {"obj": str(found.obj), "so": None, "gpu_code": []}
+    if found.status == MISSING:
         other = _elsewhere(store, ref)
         return [("missing: not built for the current fingerprint"
                  + (f" (a stale build exists: {other})" if other else "")
                  + "; run quack build")], info
-    except OSError as e:
-        return [f"metadata unreadable: {e}"], info
-    problem, meta = store._check(ref, meta_bytes, p["obj"])
-    if problem:
-        return [problem], info
-    data = fsutil.read_nofollow(p["obj"])
+    if not found.ok:
+        return [found.problem], info
+    data = fsutil.read_nofollow(found.obj)
     codes = gpu_codes(data)
     info["gpu_code"] = [c.arch for c in codes]
     problems = []
@@ -97,8 +93,7 @@ def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
         problems.append("no embedded GPU code found in the object")
     elif not arch_matches(cfg.arch, codes):
         problems.append(f"built for {', '.join(c.arch for c in codes)}, expected {cfg.arch}")
-    so = store._verified_so(p, meta)
-    info["so"] = str(so) if so else None
+    info["so"] = str(found.so) if found.so else None
     return problems, info
 
 

@@ -166,7 +166,7 @@ def test_killed_lock_holder_next_waiter_proceeds_at_once(objs, tmp_path):
     assert len(counted(counter)) == 1
     store = DiskStore(root)
     assert store.lookup(rel_ref(9)) is not None
-    store.sweep_debris(min_age=0)  # the killed holder's half-written temp
+    store.sweep_debris(grace=0)  # the killed holder's half-written temp
     assert not [p for p in root.rglob("*") if ".tmp-" in p.name]
 
 

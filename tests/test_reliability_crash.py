@@ -112,7 +112,7 @@ def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
         assert r.returncode == 0, r.stdout + r.stderr
         assert "Traceback" not in r.stdout + r.stderr
     else:
-        store.sweep_debris(min_age=0)
+        store.sweep_debris(grace=0)
     assert debris(root) == [], debris(root)
     for ref in _refs(info["srcfp"]):
         paths = store.paths(ref)
@@ -144,9 +144,9 @@ def test_sweep_spares_live_writers_and_held_locks(tmp_path):
     p = store.paths(ref)
     p["obj"].write_bytes(b"orphan")
     with store.lock(ref):
-        removed = store.sweep_debris(min_age=3600)
+        removed = store.sweep_debris(grace=0)
         assert dead in removed and live not in removed and p["obj"].exists()
-    removed = store.sweep_debris(min_age=3600)
+    removed = store.sweep_debris(grace=0)
     assert p["obj"] in removed and not p["obj"].exists()
     assert live.exists() and p["lock"].exists()
 

@@ -20,9 +20,10 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Protocol
+from typing import Iterator
 
-from quack.cache import fsutil, keys
+from quack.cache import fsutil, keys, orphans
+from quack.cache.contract import CORRUPT, MISSING, OK, Inspection, Store
 from quack.errors import CacheError, CacheWarning, CacheWriteError, LockTimeout, ParamError
 
 LAYOUT = "v1"
@@ -99,22 +100,13 @@ class Entry:
     so_path: Path | None  # verified .so, if there is one
 
 
-class Store(Protocol):
-    """What the runtime and the builder need of a cache.
-
-    lookup: a verified entry or None; corrupt entries are quarantined with a
-      CacheWarning, never raised. May raise CacheError (unsafe root).
-    lock: context manager; raises LockTimeout.
-    publish: raises OSError (e.g. ENOSPC) after removing its temp files.
-    """
-
-    def lookup(self, ref: EntryRef) -> Entry | None: ...
-    def lock(self, ref: EntryRef, timeout: float | None = None): ...
-    def tmp_obj(self, ref: EntryRef) -> Path: ...
-    def publish(self, ref: EntryRef, tmp_obj: Path, meta: dict) -> Entry: ...
+__all__ = ["DiskStore", "Entry", "EntryRef", "Inspection", "Store", "LAYOUT", "warn_once",
+           "write_error"]
 
 
 class DiskStore:
+    """The local cache on disk; implements quack.cache.contract.Store."""
+
     def __init__(self, root: Path, *, fsync: bool = True, lock_timeout: float = 600.0):
         root = Path(os.path.abspath(os.fspath(root)))
         if "\0" in os.fspath(root):
@@ -201,6 +193,24 @@ class DiskStore:
                               CacheWarning, stacklevel=3)
                 return None
         return Entry(ref, meta, p["obj"], self._verified_so(p, meta))
+
+    def inspect(self, ref: EntryRef) -> Inspection:
+        """Check one entry without changing anything (``quack verify``): no
+        quarantine, no lock, no touch. Raises CacheError for an unsafe root."""
+        self.check_root()
+        p = self.paths(ref)
+        if not fsutil.check_tree(p["obj"].parent, self.root):
+            return Inspection(MISSING, "", {}, p["obj"])
+        try:
+            meta_bytes = fsutil.read_nofollow(p["meta"])
+        except FileNotFoundError:
+            return Inspection(MISSING, "", {}, p["obj"])
+        except OSError as e:
+            return Inspection(CORRUPT, f"metadata unreadable: {e}", {}, p["obj"])
+        problem, meta = self._check(ref, meta_bytes, p["obj"])
+        if problem:
+            return Inspection(CORRUPT, problem, meta, p["obj"])
+        return Inspection(OK, "", meta, p["obj"], self._verified_so(p, meta))
 
     def _check(self, ref: EntryRef, meta_bytes: bytes, obj: Path) -> tuple[str, dict]:
         try:
@@ -348,65 +358,22 @@ class DiskStore:
         fsutil.write_atomic(p["so_meta"], json.dumps(side).encode(), fsync=False)
         return p["so"]
 
-    def sweep_debris(self, *, min_age: float = 3600.0, dry_run: bool = False) -> list[Path]:
-        """Remove what interrupted writers left: temp files whose writer is dead (or
-        older than ``min_age`` s) and ``.o`` files without metadata (checked under
-        the key's lock, taken without waiting). Never removes lock files, never
-        follows a symlink. Returns the removed (or, dry run, removable) paths."""
+    def sweep_debris(self, *, grace: float = orphans.GRACE, dry_run: bool = False) -> list[Path]:
+        """Remove what interrupted writers left, by the one rule of
+        quack.cache.orphans (temps of dead writers or over an hour old; objects
+        without metadata whose key lock is free; all at least ``grace`` s old).
+        Never removes lock files, never follows a symlink. Returns the removed
+        (or, dry run, removable) paths."""
         base = self.root / LAYOUT
         removed: list[Path] = []
         if not fsutil.check_tree(self.root, self.root) or not os.path.lexists(base):
             return removed
         fsutil.check_tree(base, self.root)
         now = time.time()
-        for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
-            d = Path(dirpath)
-            for name in filenames:
-                path = d / name
-                try:
-                    st = os.lstat(path)
-                except FileNotFoundError:
-                    continue
-                if stat.S_ISLNK(st.st_mode):
-                    continue  # never ours; `quack verify` reports it, we never follow it
-                pid = fsutil.tmp_owner_pid(name)
-                if pid is not None:
-                    stale = now - st.st_mtime > min_age or not fsutil.pid_alive(pid)
-                    if stale:
-                        removed.append(path)
-                        if not dry_run:
-                            _unlink_quiet(path)
-                elif name.endswith(".o") and not os.path.lexists(d / (name[:-2] + ".json")):
-                    if self._remove_orphan(d, name[:-2], dry_run):
-                        removed.append(path)
+        for dirpath, _dirnames, _filenames in os.walk(base, followlinks=False):
+            removed += [p for p, _, _ in orphans.sweep_dir(Path(dirpath), grace=grace, now=now,
+                                                          dry_run=dry_run)]
         return removed
-
-    def _remove_orphan(self, d: Path, stem: str, dry_run: bool) -> bool:
-        """A .o without metadata: interrupted publish. Remove it (and a derived .so)
-        only if no one holds the key's lock (a publish may be between its renames)."""
-        import filelock
-
-        lock = d / f"{stem}.lock"
-        try:
-            st = os.lstat(lock)
-            if not stat.S_ISREG(st.st_mode):
-                return False
-        except FileNotFoundError:
-            pass
-        lk = filelock.FileLock(str(lock), timeout=0, mode=0o600)
-        try:
-            lk.acquire()
-        except (filelock.Timeout, OSError):
-            return False
-        try:
-            if os.path.lexists(d / f"{stem}.json"):
-                return False
-            if not dry_run:
-                for suffix in (".o", ".so.json", ".so"):
-                    _unlink_quiet(d / f"{stem}{suffix}")
-            return True
-        finally:
-            lk.release()
 
     def touch(self, entry: Entry) -> None:
         """Record use (LRU for ``quack cache clean --max-size``): the metadata's mtime."""
@@ -414,13 +381,6 @@ class DiskStore:
             os.utime(self.paths(entry.ref)["meta"], follow_symlinks=False)
         except OSError:
             pass  # read-only cache: use still works, LRU order just ages
-
-
-def _unlink_quiet(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def _read_only_fs(path: Path) -> bool:

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from quack.runtime import _generation, loader
+from quack.runtime import _generation, loader, tiers
 from quack.cache import journal
 from quack.compile import pool as _pool
 from quack import registry, settings as _settings
@@ -19,6 +20,7 @@ from quack.params import Param
 from quack.cache.store import DiskStore, warn_once
 
 _ALL: list["JitKernel"] = []
+log = logging.getLogger("quack.jit")
 
 
 class Loaded:
@@ -103,9 +105,18 @@ class JitKernel:
             return self._compile_in_process(params, key, arch)
         if entry is not None:
             try:
-                return self._load(store, entry, params, key, arch, miss=False)
+                loaded = self._load(store, entry, params, key, arch, miss=False)
+                log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
+                return loaded
             except EntryVanished:
                 entry = None  # cleaned between lookup and load: a plain miss
+        # The read-only tiers (quack.runtime.tiers): a hit is published locally, then loaded.
+        entry, tier = tiers.fetch_into(store, ref, tiers.read_tiers(s))
+        if entry is not None:
+            try:
+                return self._load(store, entry, params, key, arch, miss=True)
+            except EntryVanished:
+                log.info("tier %s: %s %s vanished before loading", tier, self.spec.name, key[:16])
         if s.mode == "prebuilt":
             plain = self.spec.plain(params)
             err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),

@@ -1,0 +1,138 @@
+"""The contracts every cache tier is written against.
+
+Two kinds of tier:
+
+* ``Store``: the local, writable cache (``DiskStore``). jit, the compile pool,
+  the builder, the loader, ``quack verify`` and the CLI use only what is
+  declared here. Exactly one per process (the settings' cache directory).
+* ``ReadTier``: a read-only source of verified objects consulted after the local
+  store misses and before anything compiles (installed bundles, a remote cache,
+  a shared read-only directory). ``fetch(ref)`` returns a ``Fetched`` object or
+  None and never raises for a cache problem. A hit is published into the local
+  ``Store`` through its one atomic ``publish`` (quack.runtime.tiers), so every
+  later lookup in any process is a local hit.
+
+Error policy (house rule): a cache problem (corrupt, tampered, unreachable)
+becomes a miss plus ONE warning, never a crash, never a wrong load. Only the
+local store's *writes* raise, with ``CacheWriteError`` naming the cache.
+
+This module imports nothing that imports quack.compile, quack.runtime or
+quack.testing (import-linter checks it)."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from quack.cache.store import Entry, EntryRef
+
+#: ``Inspection.status`` values.
+OK, MISSING, CORRUPT = "ok", "missing", "corrupt"
+
+
+@dataclasses.dataclass(frozen=True)
+class Inspection:
+    """What ``Store.inspect`` found for one key, without changing anything.
+
+    status: ``"ok"`` (metadata names this key, the .o has the recorded size and
+    SHA-256), ``"missing"`` (no metadata) or ``"corrupt"`` (``problem`` says why).
+    ``so`` is the derived shared object if its sidecar ties it to this very .o."""
+
+    status: Literal["ok", "missing", "corrupt"]
+    problem: str
+    meta: dict[str, Any]
+    obj: Path
+    so: Path | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == OK
+
+
+@runtime_checkable
+class Store(Protocol):
+    """The local cache: verified reads, per-key locks, atomic publishes.
+
+    Raises, by method (every error is a quack.errors class; CacheError and
+    CacheWriteError are OSErrors too):
+
+    - ``root``: the cache directory (absolute).
+    - ``paths(ref)``: {"obj", "meta", "so", "so_meta", "lock"} -> Path, nothing
+      created. Raises CacheError if a path would leave the root.
+    - ``writable()``: can this process publish here? Never raises.
+    - ``lookup(ref)``: a verified Entry or None. A corrupt entry is quarantined
+      with one CacheWarning and is a miss. Raises CacheError only for an unsafe
+      root (symlinked, foreign-owned, world-writable).
+    - ``inspect(ref)``: an Inspection; read-only (never quarantines, never
+      takes a lock). Raises CacheError for an unsafe root, like lookup.
+    - ``lock(ref, timeout)``: a context manager holding the key's lock. Raises
+      LockTimeout (held elsewhere past ``timeout``), CacheError (planted
+      symlink), CacheWriteError (cannot create it).
+    - ``tmp_obj(ref)``: a fresh private temp file next to the entry. Raises
+      CacheWriteError.
+    - ``publish(ref, tmp_obj, meta)``: moves the temp .o into place, metadata
+      last (caller holds the lock); returns the Entry. Raises CacheWriteError
+      after removing what it wrote.
+    - ``write_so(entry, tmp_so)``: the derived .so, sidecar last. Raises OSError.
+    - ``touch(entry)``: record use (LRU). Never raises.
+    """
+
+    @property
+    def root(self) -> Path: ...
+
+    def paths(self, ref: EntryRef) -> dict[str, Path]: ...
+
+    def writable(self) -> bool: ...
+
+    def lookup(self, ref: EntryRef) -> Entry | None: ...
+
+    def inspect(self, ref: EntryRef) -> Inspection: ...
+
+    def lock(self, ref: EntryRef, timeout: float | None = None) -> AbstractContextManager[None]: ...
+
+    def tmp_obj(self, ref: EntryRef) -> Path: ...
+
+    def publish(self, ref: EntryRef, tmp_obj: Path, meta: dict[str, Any]) -> Entry: ...
+
+    def write_so(self, entry: Entry, tmp_so: Path) -> Path: ...
+
+    def touch(self, entry: Entry) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class Fetched:
+    """A verified object from a read-only tier.
+
+    ``data`` are the .o's bytes, already checked against the tier's own record
+    (``sha256``); ``meta`` is the metadata to publish with it (params,
+    compile_s, ...: the local store recomputes size, sha256 and the identity
+    fields). ``source`` names where it came from, for the log."""
+
+    ref: EntryRef
+    data: bytes
+    meta: dict[str, Any]
+    source: str
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+@runtime_checkable
+class ReadTier(Protocol):
+    """A read-only tier between the local store and the compiler.
+
+    - ``name``: short, stable, shown in logs ("bundles", "remote", ...).
+    - ``fetch(ref)``: a Fetched whose bytes the tier has verified, or None.
+      Never raises for a cache problem (unreachable server, missing, corrupt or
+      tampered object, bad signature): that is None plus at most one
+      CacheWarning per problem (``quack.cache.store.warn_once``). May raise
+      only for a programming error (a bug), which the chain reports.
+    """
+
+    name: str
+
+    def fetch(self, ref: EntryRef) -> Fetched | None: ...
