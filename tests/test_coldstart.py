@@ -307,7 +307,7 @@ def test_edit_between_two_fresh_processes_is_a_miss_never_a_wrong_load(tmp_path)
     # 1: a miss, compiled by a worker; the fingerprint is computed and memoized at exit.
     a = _child(env)
     assert a["loaded"] == "Function" and a["memo"] == [0, 1] and a["fp"] == a["truth"]
-    assert len(list((cache / "srcfp").glob("*.json"))) == 1
+    assert len(list((cache / "srcfp").glob("*.memo"))) == 1
     # 2: prebuilt, a fresh process: the fingerprint comes from the memo; no compiler.
     pre = dict(env, QUACK_MODE="prebuilt")
     b = _child(pre)

@@ -14,7 +14,7 @@ Racy edits: a file changed within RACY_NS of the computation could have changed
 while it was read, in the same timestamp tick; such a result is used by this
 process but not recorded, so the next process computes it again.
 
-File: <root>/srcfp/<toolchain tag>.json, written atomically at exit (one write
+File: <root>/srcfp/<toolchain tag>.memo (JSON), written atomically at exit (one write
 per process, merged with what other processes wrote meanwhile). A damaged file is
 a miss plus one warning and is rewritten; one that can't be written costs only
 time. Trust: the memo lives in the cache directory, which already holds the
@@ -75,7 +75,8 @@ class DiskFingerprintMemo:
 
     def __init__(self, root: Path):
         self.root = Path(root)
-        self.path = self.root / DIRNAME / f"{keys.safe_component(keys.toolchain_tag())}.json"
+        # Not .json: tools take every *.json outside logs/ for entry metadata.
+        self.path = self.root / DIRNAME / f"{keys.safe_component(keys.toolchain_tag())}.memo"
         self._lock = threading.Lock()
         self._records: dict[str, dict] | None = None  # read on first lookup
         self._dirty: dict[str, dict] = {}

@@ -9,6 +9,25 @@ import sys
 
 
 def _preload() -> None:
+    # The forkserver ignores Ctrl-C ("protect the process from ^C"), but only once its
+    # preload is done; a Ctrl-C to the terminal's process group during these imports
+    # would print a KeyboardInterrupt traceback from it. The owner of the pool stops
+    # the server. So SIGINT is ignored during the preload and put back after it, so the
+    # workers forked later get the handler they had before.
+    import signal
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: not the forkserver either
+        _preload_body()
+        return
+    try:
+        _preload_body()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _preload_body() -> None:
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     try:
         from quack import settings
