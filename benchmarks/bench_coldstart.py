@@ -19,6 +19,12 @@ runs with its own ``quack``/``quack_build`` on PYTHONPATH and its ``kernels/`` a
 ``quack_kernels``, in the same interpreter. Byte-compiled files go to a private
 PYTHONPYCACHEPREFIX (warmed by one unmeasured run) as in an installed package;
 ``--no-bytecode`` measures with PYTHONDONTWRITEBYTECODE=1 instead. Writes JSON to ``--out``.
+
+On the GPU machine (no git there), extract the baseline into an ignored folder and carry
+it: ``mkdir -p .device/coldstart-base && git archive main | tar -x -C .device/coldstart-base``,
+then run (carry ``.device/coldstart-base``; about 1 MB)
+``python benchmarks/bench_coldstart.py --launch --baseline .device/coldstart-base --out $OUT/coldstart.json``.
+With git, ``--baseline-ref main`` does the extraction itself.
 """
 from __future__ import annotations
 
@@ -83,6 +89,8 @@ t_torch = pc()
 launch = {launch!r}
 kernels = {kernels!r}
 if launch:
+    if not torch.cuda.is_available():
+        sys.exit("--launch needs a CUDA GPU: torch.cuda.is_available() is False")
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     M, N = 4096, 4096
@@ -158,9 +166,12 @@ class Checkout:
         self.cache = self.dir / "cache"
         self.cwd = self.dir / "cwd"  # no quack.toml above it: settings from env only
         self.cwd.mkdir()
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("QUACK_", "PYTHONPATH"))}
-        env.update(PYTHONPATH=os.pathsep.join([str(shim), str(self.src)]), QUACK_CACHE_DIR=str(self.cache),
-                   QUACK_ARCH=a.arch, QUACK_MODE="prebuilt")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QUACK_")}
+        # This checkout first; what the caller's PYTHONPATH holds (staged site packages on
+        # the GPU machine) after it.
+        env.update(PYTHONPATH=os.pathsep.join(p for p in (str(shim), str(self.src), env.get("PYTHONPATH"))
+                                              if p),
+                   QUACK_CACHE_DIR=str(self.cache), QUACK_ARCH=a.arch, QUACK_MODE="prebuilt")
         if a.no_bytecode:
             env["PYTHONDONTWRITEBYTECODE"] = "1"
         else:
@@ -245,9 +256,26 @@ LAUNCH_ROWS = [
 ]
 
 
+def extract_ref(ref: str, dest: Path) -> Path:
+    import io
+    import tarfile
+
+    r = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True,
+                       timeout=300)
+    if r.returncode != 0:
+        sys.exit(f"git archive {ref} failed: {r.stderr.decode(errors='replace').strip()}")
+    dest.mkdir(parents=True)
+    with tarfile.open(fileobj=io.BytesIO(r.stdout)) as tf:
+        kw = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python >= 3.11.4
+        tf.extractall(dest, **kw)
+    return dest
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout (a copy of main)")
+    ap.add_argument("--baseline-ref", default=None,
+                    help="or a git ref of this repository (needs git): extracted with git archive")
     ap.add_argument("--n", type=int, default=15, help="fresh processes per checkout (median)")
     ap.add_argument("--launch", action="store_true", help="GPU: time the first RESULT (launch + sync)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
@@ -264,6 +292,8 @@ def main() -> None:
         manifest = work / "coldstart.toml"
         manifest.write_text(MANIFEST.format(arch=a.arch))
         cos = [Checkout("ours", ROOT, work, a)]
+        if a.baseline_ref is not None:
+            a.baseline = extract_ref(a.baseline_ref, work / "baseline-src")
         if a.baseline is not None:
             cos.append(Checkout("baseline", a.baseline, work, a))
         for co in cos:
