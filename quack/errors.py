@@ -57,7 +57,7 @@ class KernelNotPrebuilt(QuackError, LookupError):
     """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
 
     def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str,
-                 manifest_line: str = ""):
+                 manifest_line: str = "", bundles: tuple[str, ...] = ()):
         # manifest_line: the manifest entry that would build it (quack.manifest_line),
         # made by the raiser so that this module imports nothing from quack.
         self.kernel = kernel
@@ -66,17 +66,29 @@ class KernelNotPrebuilt(QuackError, LookupError):
         self.key = key
         self.cache_dir = cache_dir
         self.manifest_line = manifest_line
+        self.bundles = tuple(bundles)  # "name version (n entries for this toolchain)" per bundle searched
         super().__init__(self._message())
 
     def _message(self) -> str:
         line = self.manifest_line
         return (
             f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
-            f"(key {self.key[:16]}, cache {self.cache_dir}).\n"
+            f"(key {self.key[:16]}, cache {self.cache_dir}; "
+            f"bundles searched: {'; '.join(self.bundles) or 'none installed'}).\n"
             f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
             f"(or unset QUACK_MODE=prebuilt to compile on demand)"
         )
+
+
+class BundleError(QuackError, ValueError):
+    """A deployment bundle (or its wheel) is malformed, damaged, or not signed by a
+    trusted key. ``bundle`` names it, ``path`` the file at fault."""
+
+    def __init__(self, message: str, *, bundle: str = "", path: str = ""):
+        super().__init__(message)
+        self.bundle = bundle
+        self.path = path
 
 
 class CompileError(QuackError, RuntimeError):
@@ -100,6 +112,25 @@ class CacheError(QuackError, OSError):
     def __init__(self, message: str, *, path: str = ""):
         super().__init__(message)
         self.path = path
+
+
+class SignatureError(QuackError, ValueError):
+    """A signed object is refused: its signer is not trusted (``reason``
+    ``untrusted``) or its signature does not verify (``bad-signature``)."""
+
+    def __init__(self, message: str, *, signer: str = "", reason: str = ""):
+        super().__init__(message)
+        self.signer = signer
+        self.reason = reason
+
+
+class KeyFileError(QuackError, ValueError):
+    """A signing or trusted key file is missing, unreadable or malformed."""
+
+    def __init__(self, message: str, *, path: str = "", reason: str = ""):
+        super().__init__(message)
+        self.path = path
+        self.reason = reason
 
 
 class CacheWriteError(CacheError):

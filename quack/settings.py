@@ -72,6 +72,13 @@ def _mode(text: str) -> str:
     return text
 
 
+def _path_list(v: Any) -> list[str]:
+    """Paths: a ``:``-separated string (the environment, or quack.toml) or a list."""
+    if isinstance(v, str):
+        return [x for x in v.split(":") if x.strip()]
+    return _str_list(v)
+
+
 def _str_list(v: Any) -> list[str]:
     if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
         raise ValueError("expected a list of strings")
@@ -102,6 +109,9 @@ _FIELDS: dict[str, _Field] = {
     "archs": _Field("build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)],
                     "a list of CUDA archs"),
     "kernel_packages": _Field("build", "kernel_packages", (), _str_list, "a list of package names"),
+    "signing_key": _Field("remote", "signing_key", ("QUACK_SIGNING_KEY",), str, "a private key file path"),
+    "trusted_keys": _Field("remote", "trusted_keys", ("QUACK_TRUSTED_KEYS",), _path_list,
+                           "public key files or directories (a list, or ':'-separated)"),
 }
 _SECTIONS = sorted({f.section for f in _FIELDS.values()})
 
@@ -120,6 +130,8 @@ class Settings:
     jobs: int = 0
     archs: tuple[str, ...] = ()
     kernel_packages: tuple[str, ...] = ("quack_kernels",)
+    signing_key: str | None = None
+    trusted_keys: tuple[str, ...] = ()
     config_file: Path | None = None
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
@@ -231,7 +243,20 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
         if not cache_path.is_absolute():
             base = config.parent if sources.get("cache_dir") == str(config) else Path.cwd()
             cache_path = base / cache_path
-    for k in ("manifests", "archs", "kernel_packages"):
+    # Key paths in quack.toml are relative to it, as cache_dir is; from the
+    # environment or the CLI, relative to the current directory.
+    key_base = config.parent if config is not None else Path.cwd()
+    if "signing_key" in values:
+        p = Path(os.path.expanduser(values["signing_key"]))
+        if not p.is_absolute() and sources.get("signing_key") == str(config):
+            p = key_base / p
+        values["signing_key"] = str(p)
+    if "trusted_keys" in values:
+        keys = [Path(os.path.expanduser(x)) for x in values["trusted_keys"]]
+        if sources.get("trusted_keys") == str(config):
+            keys = [k if k.is_absolute() else key_base / k for k in keys]
+        values["trusted_keys"] = [str(k) for k in keys]
+    for k in ("manifests", "archs", "kernel_packages", "trusted_keys"):
         if k in values:
             values[k] = tuple(values[k])
     return Settings(cache_dir=cache_path, config_file=config, sources=sources, **values)

@@ -246,8 +246,13 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
     max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    bundles: bool = typer.Option(False, "--bundles", help="Check the installed bundles instead of the cache."),
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
+    if bundles:
+        from quack_build import bundlecmd
+
+        _run(lambda: bundlecmd.run_verify_bundles(as_json, cache_dir, no_load, run))
     _run(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))
 
 
@@ -264,6 +269,36 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> i
     else:
         v.print_report(con, res)
     return 0 if res["ok"] else 1
+
+
+# --- keygen ----------------------------------------------------------------------
+
+@app.command()
+def keygen(
+    name: str = typer.Argument(..., help="Key name, e.g. ci-1 (travels with every signature; use a new one to rotate)."),
+    out_dir: Path = typer.Option(Path("."), "--out-dir", "-o", help="Directory for NAME.key and NAME.pub."),
+):
+    """Create an Ed25519 signing key pair: NAME.key (private, mode 0600) and NAME.pub (give to readers)."""
+    _run(lambda: _keygen(name, out_dir))
+
+
+def _keygen(name: str, out_dir: Path) -> int:
+    from quack import signing
+
+    try:
+        signing.check_name(name)
+    except ValueError as e:
+        raise _Fail(f"error: {e}", code=2) from None
+    try:
+        key_path, pub_path = signing.write_keypair(name, out_dir)
+    except FileExistsError as e:
+        raise _Fail(f"error: {e}") from None
+    except OSError as e:
+        raise _Fail(f"error: cannot write the key pair in {out_dir}: {e.strerror or e}") from None
+    typer.echo(f"private key: {key_path} (mode 600; writers: QUACK_SIGNING_KEY={key_path})")
+    typer.echo(f"public key:  {pub_path} (readers: QUACK_TRUSTED_KEYS={pub_path})")
+    typer.echo(pub_path.read_text().strip())
+    return 0
 
 
 # --- prewarm ---------------------------------------------------------------------
@@ -299,3 +334,10 @@ def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> in
                       emit_json=_emit_json)
 
 
+
+
+# --- bundle ------------------------------------------------------------------------
+
+from quack_build import bundlecmd as _bundlecmd  # noqa: E402 - registers on the app defined above
+
+_bundlecmd.register(app, _run, _build, _expand, _store)

@@ -21,6 +21,21 @@ def print_stats(con: Console, info: dict) -> None:
                 f["status"], f"[dim]{f['status']}[/]")
             tb.add_row(f["stamp"], f["kernel"], f["srcfp"], st, str(f["entries"]), human_bytes(f["bytes"]))
         con.print(tb)
+    if info.get("bundles"):
+        tb = Table(title="installed bundles (read-only tier after this cache)", header_style="bold")
+        for c in ("bundle", "version", "entries", "bytes", "stamps", "status"):
+            tb.add_column(c, justify="right" if c in ("entries", "bytes") else "left")
+        for b in info["bundles"]:
+            if b["problem"]:
+                st = f"[red]refused[/] ({b['problem']})"
+            elif b["current"]:
+                st = "[green]current[/]" + (f" ({b['current_entries']} for this toolchain and arch)"
+                                            if b["current_entries"] != b["entries"] else "")
+            else:
+                st = "[yellow]not for this toolchain or arch[/] (ignored)"
+            tb.add_row(b["name"], b["version"], str(b["entries"]), human_bytes(b["bytes"]),
+                       ", ".join(b["stamps"]), st)
+        con.print(tb)
     j = info.get("journal", {})
     kernels = sorted(set(info["kernels"]) | set(j.get("kernels", {})))
     if kernels:

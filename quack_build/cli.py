@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> None:
         from quack_build.common import stats_fast
 
         sys.exit(stats_fast("--json" in args[2:]))
+    if args[:2] == ["bundle", "inspect"]:
+        # `quack bundle` takes manifests, so `inspect` can't be a click subcommand of it.
+        args = ["bundle-inspect", *args[2:]]
     from quack_build.app import app
 
     app(args)

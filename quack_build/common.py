@@ -80,6 +80,9 @@ def stats(as_json, cache_dir, top) -> int:
     _load_kernels(s, required=False)
     info = inventory.summarize(s.cache_dir, _current_srcfps())
     info["journal"] = inventory.journal_summary(journal.read(s.cache_dir), top=top)
+    from quack.bundles import tier as _bundle_tier
+
+    info["bundles"] = _bundle_tier.summary(s)
     if as_json:
         _emit_json(info)
         return 0

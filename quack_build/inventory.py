@@ -37,6 +37,11 @@ class KeyFiles:
         return ".o" in self.sizes and ".json" in self.sizes
 
     @property
+    def bundle_so(self) -> bool:
+        """A .so linked from an installed bundle's object (the object stays in the bundle)."""
+        return ".so" in self.sizes and ".o" not in self.sizes and ".json" not in self.sizes
+
+    @property
     def bytes(self) -> int:
         return sum(v for k, v in self.sizes.items() if k != ".lock")
 
@@ -355,8 +360,8 @@ class Cleaner:
             if tmp_is_debris(pid, mtime, now):
                 self._unlink(path, size, "orphaned temp file")
         for kf in list(d.keys.values()):
-            if kf.complete:
-                continue
+            if kf.complete or kf.bundle_so:
+                continue  # a bundle's derived .so is kept like an entry (see clean)
             data = [s for s in kf.sizes if s != ".lock"]
             if not data:
                 if drop_locks:
@@ -444,6 +449,8 @@ def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all
             continue
         c.debris(d, drop_locks=False)
         for kf in d.keys.values():
+            if kf.bundle_so and (remove_all or older_than is not None and now - kf.last_use > older_than):
+                c.remove_key(d, kf, "derived .so of a bundle entry (relinked on next use)", drop_lock=False)
             if not kf.complete:
                 continue
             if remove_all:

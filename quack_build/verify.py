@@ -73,6 +73,37 @@ class _Child:
         self.err.close()
 
 
+def load_fresh(reqs: list[dict], *, run: bool = False, progress=None) -> tuple[list[dict], str]:
+    """Load each request's object (``_verify_child``'s request format) in a fresh process,
+    restarted after a crash so the crash is blamed on its entry. Returns (one answer per
+    request, a note when ``run`` was asked for and no GPU is visible). ``progress(n)``
+    is called after each answer."""
+    answers: list[dict] = []
+    note = ""
+    child = _Child(gpu=run)
+    try:
+        if run:
+            a = child.ask({"op": "gpu"}, timeout=120)
+            if not a or not a.get("gpu"):
+                note = "--run needs a CUDA GPU and none is visible; kernels were not run"
+                run = False
+        for req in reqs:
+            a = child.ask(dict(req, run=run and req.get("run", True)))
+            if a is None:
+                a = {"ok": False, "error": child.death()}
+                child.close()
+                child = _Child(gpu=run)
+            elif child.p.poll() is not None:
+                child.close()
+                child = _Child(gpu=run)
+            answers.append(a)
+            if progress is not None:
+                progress(len(answers))
+    finally:
+        child.close()
+    return answers, note
+
+
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
     """Presence, checksum and arch of one configuration, without touching the cache."""
     ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
@@ -118,36 +149,23 @@ def verify(configs, store: DiskStore, *, load: bool = True, run: bool = False, c
     note = ""
     if (load or run) and rows:
         todo = [r for r in rows if not r["problems"]]
-        child = _Child(gpu=run)
-        if run:
-            a = child.ask({"op": "gpu"}, timeout=120)
-            if not a or not a.get("gpu"):
-                note = "--run needs a CUDA GPU and none is visible; kernels were not run"
-                run = False
-        i = 0
-        while i < len(todo):
-            r = todo[i]
-            c = r["_cfg"]
-            req = {"key": c.key, "obj": r["_info"]["obj"], "so": r["_info"]["so"], "kernel": c.kernel,
-                   "module": c.spec.module, "params": c.plain_params, "run": run}
-            a = child.ask(req)
-            if a is None:
-                r["problems"].append(child.death())
-                child.close()
-                child = _Child(gpu=run)
-            else:
-                if not a.get("ok"):
-                    r["problems"].append(a.get("error", "load failed"))
-                r["loaded"] = a.get("how", "")
-                if "run" in a:
-                    r["run"] = a["run"]
-                if child.p.poll() is not None:
-                    child.close()
-                    child = _Child(gpu=run)
-            if console is not None and len(todo) > 20 and (i + 1) % 50 == 0:
-                console.print(f"  loaded {i + 1}/{len(todo)}", markup=False)
-            i += 1
-        child.close()
+        reqs = [{"key": r["_cfg"].key, "obj": r["_info"]["obj"], "so": r["_info"]["so"],
+                 "kernel": r["_cfg"].kernel, "module": r["_cfg"].spec.module,
+                 "params": r["_cfg"].plain_params} for r in todo]
+
+        def progress(i: int) -> None:
+            if console is not None and len(todo) > 20 and i % 50 == 0:
+                console.print(f"  loaded {i}/{len(todo)}", markup=False)
+
+        answers, note = load_fresh(reqs, run=run, progress=progress)
+        run = run and not note
+        for r, a in zip(todo, answers):
+            if not a.get("ok"):
+                r["problems"].append(a.get("error", "load failed"))
+            if "how" in a:
+                r["loaded"] = a["how"]
+            if "run" in a:
+                r["run"] = a["run"]
     bad = [r for r in rows if r["problems"]]
     for r in rows:
         r.pop("_cfg")

@@ -32,6 +32,11 @@ CASES = [
     (E.EntryVanished("/c/x.o vanished"), LookupError, ()),
     (E.LinkError("cc failed", "/c/x.o"), RuntimeError, ("obj",)),
     (E.ManifestError(["m.toml: a", "m.toml: b"]), ValueError, ("problems",)),
+    (E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", bundles=("b 1.0 (2 of 2 entries)",)),
+     LookupError, ("bundles", "manifest_line")),
+    (E.BundleError("refused", bundle="b", path="/site/b/index.json"), ValueError, ("bundle", "path")),
+    (E.SignatureError("bad", signer="ci-1", reason="bad-signature"), ValueError, ("signer", "reason")),
+    (E.KeyFileError("missing", path="/k.pub", reason="missing"), ValueError, ("path", "reason")),
 ]
 
 

@@ -126,7 +126,7 @@ def test_registry_order_factories_and_broken_factory(quack_settings):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         order = tiers.lookup_order(settings.get())
-    assert order == ["memory", "local", "memtier", "second", "compile"]
+    assert order == ["memory", "local", "bundles", "memtier", "second", "compile"]  # bundles: built in
     assert any("no such bucket" in str(x.message) for x in w)
 
 

@@ -77,6 +77,9 @@ class Store(Protocol):
       last (caller holds the lock); returns the Entry. Raises CacheWriteError
       after removing what it wrote.
     - ``write_so(entry, tmp_so)``: the derived .so, sidecar last. Raises OSError.
+    - ``derived_so(ref, o_sha256)``: a verified .so at ``ref``'s place whose sidecar ties
+      it to an object with that digest (an in-place tier's object, which stays in its
+      tier), or None. Never raises.
     - ``touch(entry)``: record use (LRU). Never raises.
     """
 
@@ -98,6 +101,8 @@ class Store(Protocol):
     def publish(self, ref: EntryRef, tmp_obj: Path, meta: dict[str, Any]) -> Entry: ...
 
     def write_so(self, entry: Entry, tmp_so: Path) -> Path: ...
+
+    def derived_so(self, ref: EntryRef, o_sha256: str) -> Path | None: ...
 
     def touch(self, entry: Entry) -> None: ...
 
@@ -136,3 +141,25 @@ class ReadTier(Protocol):
     name: str
 
     def fetch(self, ref: EntryRef) -> Fetched | None: ...
+
+
+@runtime_checkable
+class InPlaceTier(Protocol):
+    """A read-only tier whose objects already lie on this machine, immutable (installed
+    bundles): the chain verifies and loads them where they are instead of publishing a
+    copy, so it serves a read-only or disabled local cache too.
+
+    - ``name``: as ReadTier's.
+    - ``open(ref)``: an Entry whose ``obj_path`` (and ``so_path``, if any) lie in the
+      tier, their bytes just checked against the tier's signed or checksummed record;
+      ``meta`` has ``sha256`` and ``source`` (e.g. ``"bundle:NAME"``). None for a miss.
+      Never raises for a cache problem (None plus at most one CacheWarning).
+
+    The chain loads what ``open`` returns with ``quack.runtime.loader.load_in_place``
+    (the entry's own .so, else one derived into the local store or a private temp
+    directory).
+    """
+
+    name: str
+
+    def open(self, ref: EntryRef) -> Entry | None: ...

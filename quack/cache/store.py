@@ -212,6 +212,17 @@ class DiskStore:
             return Inspection(CORRUPT, problem, meta, p["obj"])
         return Inspection(OK, "", meta, p["obj"], self._verified_so(p, meta))
 
+    def derived_so(self, ref: EntryRef, o_sha256: str) -> Path | None:
+        """A verified .so at ``ref``'s place linked from an object with digest ``o_sha256``
+        (an installed bundle's object: the .so is kept here, the object stays in the
+        bundle). None if absent, stale or damaged; never raises."""
+        try:
+            if not fsutil.check_tree(self.entry_dir(ref), self.root):
+                return None
+        except (CacheError, OSError):
+            return None
+        return self._verified_so(self.paths(ref), {"sha256": o_sha256})
+
     def _check(self, ref: EntryRef, meta_bytes: bytes, obj: Path) -> tuple[str, dict]:
         try:
             meta = json.loads(meta_bytes)

@@ -10,6 +10,7 @@ import warnings
 from typing import Any, Callable
 
 from quack.runtime import _generation, loader, tiers
+from quack.cache.contract import InPlaceTier
 from quack.cache import journal
 from quack.compile import pool as _pool
 from quack import registry, settings as _settings
@@ -27,10 +28,11 @@ class Loaded:
     """One loaded kernel in this process, with its usage counters."""
 
     __slots__ = ("fn", "module", "key", "params", "arch", "hits", "misses", "compiles",
-                 "load_s", "compile_s", "how")
+                 "load_s", "compile_s", "how", "tier")
 
-    def __init__(self, fn, module, key, params, arch, how):
+    def __init__(self, fn, module, key, params, arch, how, tier="cache"):
         self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
+        self.tier = tier  # where it came from: "cache", "bundle:<name>" or "compile"
         self.hits = self.misses = self.compiles = 0
         self.load_s = self.compile_s = 0.0
 
@@ -90,39 +92,42 @@ class JitKernel:
             return loaded.fn
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
+        """The tiers after memory: local cache -> read-only tiers (installed bundles,
+        remote, ...) -> compile (quack.runtime.tiers; docs/architecture.md)."""
         from quack.compile import builder
 
         arch = s.arch
-        if not s.cache_enabled:
-            return self._compile_in_process(params, key, arch)
-        store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
         ref = builder.entry_ref(self.spec, params, arch)
-        try:
-            entry = store.lookup(ref)
-        except (CacheError, OSError) as e:
-            warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); compiling {self.spec.name} "
-                          f"in this process without storing it", CacheWarning, stacklevel=4)
-            return self._compile_in_process(params, key, arch)
-        if entry is not None:
+        store = None
+        if s.cache_enabled:
+            store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
             try:
-                loaded = self._load(store, entry, params, key, arch, miss=False)
-                log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
-                return loaded
-            except EntryVanished:
-                entry = None  # cleaned between lookup and load: a plain miss
-        # The read-only tiers (quack.runtime.tiers): a hit is published locally, then loaded.
-        entry, tier = tiers.fetch_into(store, ref, tiers.read_tiers(s))
-        if entry is not None:
-            try:
-                return self._load(store, entry, params, key, arch, miss=True)
-            except EntryVanished:
-                log.info("tier %s: %s %s vanished before loading", tier, self.spec.name, key[:16])
+                entry = store.lookup(ref)
+            except (CacheError, OSError) as e:
+                warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
+                              f"{self.spec.name} (a compile runs in this process, unstored)",
+                              CacheWarning, stacklevel=4)
+                store, entry = None, None
+            if entry is not None:
+                try:
+                    loaded = self._load(store, entry, params, key, arch, miss=False)
+                    log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
+                    return loaded
+                except EntryVanished:
+                    entry = None  # cleaned between lookup and load: a plain miss
+        loaded = self._from_tiers(ref, store, params, key, arch, s)
+        if loaded is not None:
+            return loaded
         if s.mode == "prebuilt":
             plain = self.spec.plain(params)
             err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),
-                                    manifest_line(self.spec.name, plain, arch))
+                                    manifest_line(self.spec.name, plain, arch),
+                                    bundles=next((t.searched() for t in tiers.read_tiers(s)
+                                                  if t.name == "bundles"), ()))
             _pool.note_not_prebuilt(err, s)
             raise err
+        if store is None:  # cache disabled or unusable
+            return self._compile_in_process(params, key, arch)
         if not store.writable():
             # Read-only cache: hits still load from it; misses run uncached, one warning.
             warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
@@ -151,6 +156,7 @@ class JitKernel:
         except EntryVanished:  # evicted right after its compile: run it uncached
             return self._compile_in_process(params, key, arch)
         loaded.compiles = 1
+        loaded.tier = "compile"
         loaded.compile_s = time.perf_counter() - t0 - loaded.load_s
         return loaded
 
@@ -202,6 +208,39 @@ class JitKernel:
                       f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
         return None
 
+    def _from_tiers(self, ref, store, params, key, arch, s) -> Loaded | None:
+        """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
+        (installed bundles: already on this machine, verified where it lies) is loaded
+        where it is, so it serves a read-only or disabled cache too; any other tier's hit
+        is published into the local store, then loaded from there."""
+        for tier in tiers.read_tiers(s):
+            if isinstance(tier, InPlaceTier):
+                entry = tier.open(ref)
+                if entry is None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    fn, module, how = loader.load_in_place(entry, store)
+                except EntryVanished:  # uninstalled meanwhile: a miss here
+                    log.info("tier %s: %s %s vanished before loading", tier.name, self.spec.name, key[:16])
+                    continue
+                loaded = Loaded(fn, module, key, params, arch, how, tier=entry.meta.get("source", tier.name))
+                loaded.load_s = time.perf_counter() - t0
+                loaded.hits = 1
+                log.debug("tier %s: hit %s %s (%s)", loaded.tier, self.spec.name, key[:16], how)
+                return loaded
+            if store is None:
+                continue  # nowhere to publish a fetched copy
+            entry, name = tiers.fetch_into(store, ref, (tier,))
+            if entry is not None:
+                try:
+                    loaded = self._load(store, entry, params, key, arch, miss=True)
+                    loaded.tier = name
+                    return loaded
+                except EntryVanished:
+                    log.info("tier %s: %s %s vanished before loading", name, self.spec.name, key[:16])
+        return None
+
     def _store_failed(self, err, key):
         warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
                       f"compiling it in this process, uncached", CacheWarning, stacklevel=6)
@@ -232,7 +271,7 @@ class JitKernel:
 
             raise CompileError(self.spec.name, self.spec.plain(params), arch,
                                "".join(traceback.format_exception(type(e), e, e.__traceback__))) from None
-        loaded = Loaded(fn, None, key, params, arch, "jit")
+        loaded = Loaded(fn, None, key, params, arch, "jit", tier="compile")
         loaded.misses = loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0
         return loaded
@@ -243,7 +282,7 @@ class JitKernel:
             out.append({"kernel": self.spec.name, "key": ld.key, "arch": ld.arch,
                         "params": self.spec.plain(ld.params), "hits": ld.hits, "misses": ld.misses,
                         "compiles": ld.compiles, "load_s": round(ld.load_s, 6),
-                        "compile_s": round(ld.compile_s, 4), "how": ld.how})
+                        "compile_s": round(ld.compile_s, 4), "how": ld.how, "tier": ld.tier})
         return out
 
 
@@ -255,6 +294,16 @@ def jit_cache(name: str, params: dict[str, Param], *, version: int = 0,
         return JitKernel(registry.register(name, fn, params, version=version, reference=reference))
 
     return deco
+
+
+def kernel(name: str) -> JitKernel:
+    """The ``@jit_cache``d kernel registered as ``name`` (its module must be imported)."""
+    for k in _ALL:
+        if k.spec.name == name:
+            return k
+    from quack.errors import UnknownKernel
+
+    raise UnknownKernel(name, tuple(sorted(registry.all_specs())))
 
 
 def cache_stats() -> dict[str, Any]:

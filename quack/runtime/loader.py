@@ -14,6 +14,8 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import dataclasses
+import logging
 import subprocess
 from pathlib import Path
 
@@ -186,3 +188,44 @@ def load_entry(store, entry):
             os.unlink(snap)
         except OSError:
             pass
+
+
+class _NoCache:
+    """A cache that can't take a derived .so (read-only or disabled): link_entry links
+    into this process's private temp directory instead."""
+
+    def writable(self) -> bool:
+        return False
+
+
+def load_in_place(entry, store=None):
+    """(callable, module, how) for an entry that lives outside the local store, in an
+    in-place tier (an installed bundle; quack.cache.contract.InPlaceTier), verified
+    there: its own .so if it has one, else a .so derived from its .o and kept in the
+    local ``store`` where the entry would live (tied to the object's digest by the
+    sidecar), or in a private temp directory when ``store`` is None (disabled or
+    unusable) or read-only. Raises EntryVanished."""
+    if entry.so_path is not None:
+        try:
+            fn, mod = load_so(entry.so_path)
+            return fn, mod, "so"
+        except Exception as e:  # noqa: BLE001 - a .so that won't load: link the .o ourselves
+            logging.getLogger("quack.loader").info(
+                "shipped .so of %s key %s did not load (%s); linking its object",
+                entry.ref.kernel, entry.ref.key[:16], e)
+    target = _NoCache()
+    if store is not None:
+        so = store.derived_so(entry.ref, entry.meta["sha256"])
+        if so is not None:
+            try:
+                fn, mod = load_so(so)
+                return fn, mod, "so"
+            except Exception:  # noqa: BLE001 - relinked below
+                pass
+        if store.writable():
+            try:
+                fsutil.ensure_dir(store.paths(entry.ref)["so"].parent, store.root)
+                target = store
+            except OSError:
+                pass
+    return load_entry(target, dataclasses.replace(entry, so_path=None))

@@ -151,3 +151,14 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
         log.warning("tier %s: could not publish %s %s into %s: %s", got.source, ref.kernel,
                     ref.key[:16], store.root, e)
         return None
+
+
+def _installed_bundles(settings: Settings) -> ReadTier:
+    """Installed bundles (quack.bundles), an InPlaceTier: the factory only makes the view;
+    the entry points are read at the view's first lookup, once per process."""
+    from quack.bundles.tier import view
+
+    return view(settings)
+
+
+register_tier("bundles", _installed_bundles, order=BUNDLES)

@@ -1,0 +1,255 @@
+"""``quack bundle``: prebuilt cache entries -> a pip-installable wheel (build time only).
+
+The wheel holds one package, ``quack_bundle_<name>``, with the entries' files in the
+store's layout (docs/cache-layout.md), an index (quack.bundles.index), optionally its
+Ed25519 signature, and a ``quack.bundles`` entry point naming the package. The wheel
+format (RECORD with every file's hash, the dist-info directory) is written by the
+``wheel`` project's WheelFile; only METADATA, WHEEL and entry_points.txt are ours."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from quack import __version__ as QUACK_VERSION
+from quack.cache import fsutil, keys
+from quack.runtime import loader
+from quack.bundles import index as _index
+from quack.bundles.index import Index, IndexEntry
+from quack.errors import BundleError, LinkError
+
+GENERATOR = f"quack-cache {QUACK_VERSION}"
+
+
+@dataclasses.dataclass
+class BundleFile:
+    """One entry to ship: its index record and its bytes."""
+
+    entry: IndexEntry
+    obj: bytes
+    meta: dict
+    so: bytes | None = None
+
+
+def platform_tag() -> str:
+    """This machine's wheel platform tag (``linux_x86_64``): the objects are host code."""
+    return sysconfig.get_platform().replace("-", "_").replace(".", "_")
+
+
+def check_version(version: str) -> str:
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return str(Version(version))
+    except InvalidVersion:
+        raise ValueError(f"bundle version {version!r} is not a valid version (PEP 440), e.g. 1.0 "
+                         f"or 2026.12.1") from None
+
+
+def wheel_name(name: str, version: str) -> str:
+    return f"{_index.dist_name(name)}-{check_version(version)}-py3-none-{platform_tag()}.whl"
+
+
+def collect(configs, store) -> tuple[list[BundleFile], list[str]]:
+    """The store's verified entries for ``configs`` (BuildConfig), each with a .so (the
+    store's, or linked now when it has none and a C compiler is here). Returns
+    (files, problems); a configuration missing from the store is a problem."""
+    from quack.compile import builder
+
+    files: list[BundleFile] = []
+    problems: list[str] = []
+    seen = set()
+    for c in configs:
+        ref = builder.entry_ref(c.spec, c.params, c.arch)
+        if ref.key in seen:
+            continue
+        seen.add(ref.key)
+        entry = store.lookup(ref)
+        if entry is None:
+            problems.append(f"{c.label()}: not in the cache {store.root} (build it first)")
+            continue
+        obj = fsutil.read_nofollow(entry.obj_path)
+        if hashlib.sha256(obj).hexdigest() != entry.meta["sha256"]:
+            problems.append(f"{c.label()}: the cache entry changed while it was read; run again")
+            continue
+        so = fsutil.read_nofollow(entry.so_path) if entry.so_path is not None else None
+        if so is None and loader.can_link():
+            so = _link(entry.obj_path)
+        ie = IndexEntry(ref.key, ref.kernel, ref.arch, ref.stamp, ref.srcfp, c.spec.plain(c.params),
+                        entry.meta["sha256"], len(obj),
+                        hashlib.sha256(so).hexdigest() if so is not None else None,
+                        len(so) if so is not None else None)
+        files.append(BundleFile(ie, obj, entry.meta, so))
+    return files, problems
+
+
+def _link(obj: Path) -> bytes | None:
+    with tempfile.TemporaryDirectory(prefix="quack-bundle-") as d:
+        out = Path(d) / "k.so"
+        try:
+            loader.link(obj, out)
+        except (LinkError, OSError):
+            return None
+        return out.read_bytes()
+
+
+def _metadata(name: str, version: str, idx: Index) -> str:
+    stamps = ", ".join(idx.stamps) or "none"
+    return (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+            f"Summary: quack kernel bundle: {len(idx.entries)} prebuilt kernels ({stamps})\n"
+            f"Requires-Dist: quack-cache\n\n"
+            f"Prebuilt CuTe DSL kernels for quack's runtime, written by `quack bundle`.\n"
+            f"Installed, they are found through the `{_index.ENTRY_POINT_GROUP}` entry point group.\n")
+
+
+def _init_py(name: str, version: str) -> str:
+    return (f'"""quack deployment bundle {name} {version}, written by `quack bundle`.\n\n'
+            f'Data only: quack finds index.json through the {_index.ENTRY_POINT_GROUP} entry point and\n'
+            f'never imports this package."""\nfrom pathlib import Path\n\n'
+            f'INDEX = Path(__file__).with_name("{_index.INDEX_NAME}")\n')
+
+
+def _wheelfile():
+    try:
+        from wheel.wheelfile import WheelError, WheelFile
+    except ImportError:
+        raise BundleError("quack bundle needs the 'wheel' package: pip install 'quack-cache[bundle]'") from None
+    return WheelFile, WheelError
+
+
+def write_wheel(files: list[BundleFile], *, name: str, version: str, out_dir: Path,
+                signing_key=None, created: float | None = None) -> tuple[Path, Index]:
+    """Write ``out_dir/<name>-<version>-py3-none-<platform>.whl`` atomically (a temp
+    directory beside it, then a rename). ``signing_key``: a quack.signing.SigningKey."""
+    WheelFile, _ = _wheelfile()
+
+    _index.check_name(name)
+    version = check_version(version)
+    pkg = _index.package_name(name)
+    if created is None:
+        # SOURCE_DATE_EPOCH (reproducible builds): WheelFile dates the members by it too,
+        # so the same entries give a byte-identical wheel.
+        sde = os.environ.get("SOURCE_DATE_EPOCH", "")
+        created = float(sde) if sde.isdigit() else time.time()
+    idx = Index(name, version, created, QUACK_VERSION,
+                tuple(f.entry for f in files))
+    index_bytes = idx.to_bytes()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fname = wheel_name(name, version)
+    distinfo = f"{_index.dist_name(name)}-{version}.dist-info"
+    with tempfile.TemporaryDirectory(prefix=".quack-bundle-", dir=out_dir) as tmpd:
+        tmp = Path(tmpd) / fname
+        with WheelFile(tmp, "w") as wf:
+            wf.writestr(f"{pkg}/__init__.py", _init_py(name, version))
+            for f in files:
+                e = f.entry
+                wf.writestr(f"{pkg}/{e.rel_obj}", f.obj)
+                wf.writestr(f"{pkg}/{e.rel_meta}", json.dumps(f.meta, sort_keys=True, indent=1))
+                if f.so is not None:
+                    wf.writestr(f"{pkg}/{e.rel_so}", f.so)
+                    wf.writestr(f"{pkg}/{e.rel_so_meta}", json.dumps(
+                        {"o_sha256": e.sha256, "sha256": e.so_sha256}))
+            wf.writestr(f"{pkg}/{_index.INDEX_NAME}", index_bytes)
+            if signing_key is not None:
+                from quack.bundles import trust
+
+                wf.writestr(f"{pkg}/{_index.SIG_NAME}", trust.signature_bytes(index_bytes, signing_key))
+            wf.writestr(f"{distinfo}/METADATA", _metadata(name, version, idx))
+            wf.writestr(f"{distinfo}/WHEEL", f"Wheel-Version: 1.0\nGenerator: {GENERATOR}\n"
+                                             f"Root-Is-Purelib: false\nTag: py3-none-{platform_tag()}\n")
+            wf.writestr(f"{distinfo}/entry_points.txt",
+                        f"[{_index.ENTRY_POINT_GROUP}]\n{name} = {pkg}\n")
+        os.replace(tmp, out_dir / fname)
+    return out_dir / fname, idx
+
+
+# --- inspect ---------------------------------------------------------------------
+
+def inspect_wheel(path: Path, trusted=None) -> dict:
+    """What a bundle wheel holds, checked without installing it: the wheel's RECORD
+    hashes (WheelFile verifies each member as it is read), the index, each entry's
+    files against the index, the signature (verified when ``trusted`` keys are given).
+    Raises BundleError when it is not a readable bundle wheel at all."""
+    WheelFile, WheelError = _wheelfile()
+
+    try:
+        wf = WheelFile(path, "r")
+    except (OSError, WheelError, ValueError) as e:
+        raise BundleError(f"{path}: not a readable wheel ({e})", path=str(path)) from None
+    problems: list[str] = []
+    with wf:
+        names = set(wf.namelist())
+
+        def read(member: str) -> bytes | None:
+            try:
+                return wf.read(member)
+            except WheelError as e:  # RECORD hash or size mismatch
+                problems.append(f"{member}: {e}")
+            except KeyError:
+                problems.append(f"{member}: missing from the wheel")
+            return None
+
+        eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
+        pkg = name = None
+        if eps:
+            text = (read(eps[0]) or b"").decode("utf-8", "replace")
+            section = None
+            for line in text.splitlines():
+                line = line.strip()
+                if line.startswith("["):
+                    section = line.strip("[]")
+                elif section == _index.ENTRY_POINT_GROUP and "=" in line:
+                    name, _, pkg = (x.strip() for x in line.partition("="))
+        if pkg is None:
+            raise BundleError(f"{path}: no {_index.ENTRY_POINT_GROUP} entry point: not a quack bundle",
+                              path=str(path))
+        data = read(f"{pkg}/{_index.INDEX_NAME}")
+        if data is None:
+            raise BundleError(f"{path}: {pkg}/{_index.INDEX_NAME} unreadable: " + "; ".join(problems),
+                              path=str(path))
+        idx = _index.parse(data)
+        signer, signed = "", f"{pkg}/{_index.SIG_NAME}" in names
+        if signed:
+            from quack.bundles import trust
+
+            sig = read(f"{pkg}/{_index.SIG_NAME}") or b""
+            try:
+                signer, raw = trust.parse_signature(sig, _index.SIG_NAME)
+                if trusted is not None:
+                    trusted.verify(signer, data, raw)
+            except Exception as e:  # noqa: BLE001 - BundleError / SignatureError: reported
+                problems.append(f"signature: {e}")
+        elif trusted is not None:
+            problems.append("not signed, and trusted keys are configured")
+        rows = []
+        for e in idx.entries:
+            bad = []
+            obj = read(f"{pkg}/{e.rel_obj}")
+            if obj is not None and (len(obj) != e.size or hashlib.sha256(obj).hexdigest() != e.sha256):
+                bad.append("object does not match the index")
+            if e.so_sha256 is not None:
+                so = read(f"{pkg}/{e.rel_so}")
+                if so is not None and hashlib.sha256(so).hexdigest() != e.so_sha256:
+                    bad.append("shared object does not match the index")
+            cur = keys.toolchain_stamp(e.arch) == e.stamp
+            rows.append({"kernel": e.kernel, "params": e.params, "arch": e.arch, "key": e.key,
+                         "stamp": e.stamp, "current_stamp": cur, "size": e.size,
+                         "so_size": e.so_size, "problems": bad})
+            problems.extend(f"{e.kernel} key {e.key[:16]}: {b}" for b in bad)
+        # Members whose RECORD hash is wrong but that no entry names (e.g. __init__.py).
+        for n in sorted(names):
+            if n.endswith("/RECORD") or any(n == f"{pkg}/{x}" for x in (_index.INDEX_NAME, _index.SIG_NAME)):
+                continue
+            if n.startswith(f"{pkg}/v1/"):
+                continue
+            read(n)
+    return {"wheel": str(path), "name": idx.name, "version": idx.version, "package": pkg,
+            "entry_point": name, "created": idx.created, "quack": idx.quack, "signed": signed,
+            "signer": signer, "entries": rows, "stamps": idx.stamps, "bytes": idx.bytes,
+            "wheel_bytes": os.path.getsize(path), "problems": problems, "ok": not problems}

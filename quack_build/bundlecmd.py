@@ -1,0 +1,278 @@
+"""``quack bundle``, ``quack bundle inspect`` and ``quack verify --bundles``.
+
+Registered on the typer app by quack_build.app (``register``). ``quack bundle
+inspect WHEEL`` is routed by quack_build.cli to the hidden ``bundle-inspect``
+command, since a command can't both take manifests and have subcommands."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from quack_build.common import _console, _emit_json, _Fail, _load_kernels, _settings
+
+
+def register(app: typer.Typer, run, build, expand, store_of) -> None:
+    """Add the bundle commands. ``run``/``build``/``expand``/``store_of``: the app's
+    own runner, build step, manifest expansion and store factory."""
+
+    @app.command("bundle")
+    def bundle(
+        manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+        name: str = typer.Option(..., "--name", help="Bundle (distribution) name, e.g. myapp-kernels."),
+        version: str = typer.Option("0.1.0", "--version", help="Bundle version (PEP 440)."),
+        arch: List[str] = typer.Option(None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."),
+        out: Path = typer.Option(Path("dist"), "--out", "-o", help="Directory for the wheel."),
+        sign: bool = typer.Option(False, "--sign", help="Sign the index (Ed25519) with the signing key."),
+        signing_key: Optional[Path] = typer.Option(None, "--signing-key", help="Private key file (default: QUACK_SIGNING_KEY / [remote] signing_key)."),
+        jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers for what is missing."),
+        as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
+        cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+        max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    ):
+        """Build what is missing, then write a wheel of the manifests' prebuilt kernels.
+        (`quack bundle inspect WHEEL` shows a wheel's contents without installing it.)"""
+        run(lambda: _bundle(manifests or [], name, version, arch or [], out, sign, signing_key, jobs,
+                            as_json, cache_dir, max_configs, build, expand, store_of))
+
+    @app.command("bundle-inspect", hidden=True)
+    def bundle_inspect(
+        wheel: Path = typer.Argument(..., help="A bundle wheel."),
+        as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    ):
+        """Print a bundle wheel's contents and check them, without installing it."""
+        run(lambda: _inspect(wheel, as_json))
+
+
+def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_json, cache_dir, max_configs,
+            build, expand, store_of) -> int:
+    from quack.bundles import index as _index
+    from quack_build import bundle as bw
+
+    try:
+        _index.check_name(name)
+        bw.check_version(version)
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2)
+    key = None
+    if sign or signing_key:
+        from quack import signing
+        from quack.errors import KeyFileError
+
+        s0 = _settings(cache_dir, jobs)
+        try:
+            key = (signing.load_signing_key(signing_key) if signing_key
+                   else signing.signing_key_from_settings(s0))
+        except KeyFileError as e:
+            raise _Fail(f"error: {e}") from None
+        if key is None:
+            raise _Fail("error: --sign needs a signing key: --signing-key FILE, QUACK_SIGNING_KEY or "
+                        "[remote] signing_key in quack.toml (create one with `quack keygen NAME`)")
+    t0 = time.time()
+    import contextlib
+    import sys
+
+    # With --json, stdout carries only the bundle's result: the build step reports on stderr.
+    with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
+        rc = build(manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False)
+    if rc:
+        raise _Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
+    build_s = time.time() - t0
+    s = _settings(cache_dir, jobs)
+    _load_kernels(s)
+    exp = expand(s, manifests, arch, max_configs)
+    from quack.errors import BundleError
+
+    files, problems = bw.collect(exp.configs, store_of(s))
+    if problems:
+        raise _Fail("error: " + "\n".join(problems) + "\nno bundle written")
+    try:
+        path, idx = bw.write_wheel(files, name=name, version=version, out_dir=out, signing_key=key)
+    except BundleError as e:
+        raise _Fail(f"error: {e}") from None
+    except OSError as e:
+        raise _Fail(f"error: cannot write the wheel into {out}: {e.strerror or e}") from None
+    res = {"wheel": str(path), "name": name, "version": idx.version, "entries": len(idx.entries),
+           "with_so": sum(1 for f in files if f.so is not None), "bytes": idx.bytes,
+           "wheel_bytes": path.stat().st_size, "stamps": idx.stamps, "signed_by": key.name if key else "",
+           "build_s": round(build_s, 3), "seconds": round(time.time() - t0, 3)}
+    if as_json:
+        _emit_json(res)
+    else:
+        from quack_build.inventory import human_bytes
+
+        _console().print(f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
+                         f"{human_bytes(res['wheel_bytes'])}, {', '.join(res['stamps'])}"
+                         + (f", signed by {key.name}" if key else "")
+                         + f"\ninstall it with: pip install {path}", markup=False, soft_wrap=True)
+    return 0
+
+
+def _inspect(wheel: Path, as_json: bool) -> int:
+    from quack.bundles import trust
+    from quack.errors import BundleError, KeyFileError
+    from quack_build import bundle as bw
+
+    s = _settings(None)
+    try:
+        trusted = trust.trusted_keys(s)
+    except KeyFileError as e:
+        raise _Fail(f"error: {e}") from None
+    try:
+        info = bw.inspect_wheel(wheel, trusted)
+    except BundleError as e:
+        raise _Fail(f"error: {e}") from None
+    if as_json:
+        _emit_json(info)
+        return 0 if info["ok"] else 1
+    from rich.table import Table
+
+    from quack_build.inventory import human_bytes
+    from quack_build.manifest import format_params
+
+    con = _console()
+    sig = (f"signed by {info['signer']}" + (" (verified)" if trusted is not None and info["ok"] else "")
+           if info["signed"] else "unsigned")
+    con.print(f"{info['wheel']}: bundle {info['name']} {info['version']} (package {info['package']}), "
+              f"{len(info['entries'])} entries, {human_bytes(info['bytes'])} of objects, "
+              f"{human_bytes(info['wheel_bytes'])} wheel, {sig}", markup=False, soft_wrap=True)
+    tb = Table(header_style="bold")
+    for c in ("kernel", "params", "arch", "key", "stamp", "object", ".so", "ok"):
+        tb.add_column(c)
+    for r in info["entries"]:
+        tb.add_row(r["kernel"], format_params(r["params"]), r["arch"], r["key"][:12],
+                   r["stamp"] + ("" if r["current_stamp"] else " (not this toolchain)"),
+                   human_bytes(r["size"]), human_bytes(r["so_size"]) if r["so_size"] else "-",
+                   "yes" if not r["problems"] else "; ".join(r["problems"]))
+    con.print(tb)
+    for p in info["problems"]:
+        con.print(f"problem: {p}", markup=False, soft_wrap=True)
+    return 0 if info["ok"] else 1
+
+
+# --- verify --bundles ------------------------------------------------------------
+
+def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
+    """Every installed bundle: refused or not, each entry's checksums, arch (from the
+    embedded cubin), toolchain stamp (which names the arch) and kernel source against
+    this process's, and a load in a fresh process. A bundle none of whose entries this
+    toolchain and target arch can use is a problem; entries for other toolchains or
+    archs in a bundle that has some for this one are listed, not counted as problems."""
+    from quack import registry
+    from quack.cache import fsutil, keys
+    from quack.bundles import tier as bt
+    from quack_build.cubin import arch_matches, gpu_codes
+    from quack_build import verify as v
+
+    t0 = time.time()
+    bundles = bt.discover(s)
+    srcfps = {}
+    for kname, spec in registry.all_specs().items():
+        try:
+            srcfps[kname] = spec.source_fingerprint()
+        except Exception:  # noqa: BLE001
+            pass
+    out, rows, loads = [], [], []
+    for b in bundles:
+        info = {"name": b.name, "version": b.version, "dist": b.dist, "path": str(b.path),
+                "signer": b.signer, "problems": [b.problem] if b.problem else [], "entries": 0,
+                "current": 0, "other_toolchain": 0}
+        out.append(info)
+        if b.index is None or b.problem:
+            continue
+        for e in b.index.entries:
+            info["entries"] += 1
+            r = {"bundle": b.name, "kernel": e.kernel, "params": e.params, "arch": e.arch, "key": e.key,
+                 "stamp": e.stamp, "problems": [], "note": ""}
+            if keys.toolchain_stamp(s.arch) != e.stamp:
+                info["other_toolchain"] += 1
+                r["note"] = (f"not used: built for {e.stamp}, this toolchain and arch are "
+                             f"{keys.toolchain_stamp(s.arch)}")
+                rows.append(r)
+                continue
+            info["current"] += 1
+            problem, so = bt.check_files(b, e)
+            if problem:
+                r["problems"].append(problem)
+            else:
+                codes = gpu_codes(fsutil.read_nofollow(b.path / e.rel_obj))
+                if not arch_matches(e.arch, codes):
+                    r["problems"].append(f"built for {', '.join(c.arch for c in codes) or 'no GPU code'}, "
+                                         f"the index says {e.arch}")
+            if e.kernel in srcfps and srcfps[e.kernel] != e.srcfp:
+                r["problems"].append(f"kernel source differs from this project's ({e.srcfp} vs "
+                                     f"{srcfps[e.kernel]}): not used")
+            elif e.kernel not in srcfps:
+                r["note"] = "kernel not registered in this project"
+            if not r["problems"] and (load or run):
+                spec = registry.all_specs().get(e.kernel)
+                loads.append((r, {"key": e.key, "obj": str(b.path / e.rel_obj),
+                                  "so": str(so) if so else None, "kernel": e.kernel,
+                                  "module": spec.module if spec else "", "params": e.params,
+                                  "run": run and spec is not None}))
+            rows.append(r)
+        if info["current"] == 0 and info["entries"]:
+            info["problems"].append("none of its entries is for this toolchain and arch "
+                                    f"({', '.join(b.index.stamps)}; this one: {keys.toolchain_stamp(s.arch)})")
+    note = ""
+    if loads:
+        answers, note = v.load_fresh([req for _, req in loads], run=run)
+        for (r, _), a in zip(loads, answers):
+            if not a.get("ok"):
+                r["problems"].append(a.get("error", "load failed"))
+            r["loaded"] = a.get("how", "")
+            if "run" in a:
+                r["run"] = a["run"]
+    bad = sum(1 for r in rows if r["problems"]) + sum(1 for b in out if b["problems"])
+    if not bundles:
+        # A deployment check that finds nothing to check must not pass quietly.
+        note = "no quack bundles are installed (entry point group quack.bundles); pip install one"
+    return {"ok": bad == 0 and not note, "bundles": out, "entries": rows, "problems": bad,
+            "note": note, "loaded": load, "seconds": round(time.time() - t0, 3)}
+
+
+def print_bundle_report(con, res: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from quack_build.manifest import format_params
+
+    if not res["bundles"]:
+        con.print(f"[red]{escape(res['note'])}[/]")
+        return
+    tb = Table(title="installed bundles", header_style="bold")
+    for c in ("bundle", "version", "entries", "this toolchain+arch", "other toolchains/archs", "signed by", "problem"):
+        tb.add_column(c)
+    for b in res["bundles"]:
+        tb.add_row(b["name"], b["version"], str(b["entries"]), str(b["current"]), str(b["other_toolchain"]),
+                   b["signer"] or "-", escape("; ".join(b["problems"])) or "-")
+    con.print(tb)
+    bad = [r for r in res["entries"] if r["problems"]]
+    if bad:
+        tb = Table(title="bundle entries with problems", header_style="bold")
+        for c in ("bundle", "kernel", "params", "arch", "key", "problem"):
+            tb.add_column(c)
+        for r in bad:
+            tb.add_row(r["bundle"], r["kernel"], format_params(r["params"]), r["arch"], r["key"][:12],
+                       escape("; ".join(r["problems"])))
+        con.print(tb)
+    if res["note"]:
+        con.print(f"[yellow]{escape(res['note'])}[/]")
+    n = len(res["entries"])
+    con.print(f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
+              + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
+              + f" in {res['seconds']:.1f}s")
+
+
+def run_verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool) -> int:
+    s = _settings(cache_dir)
+    _load_kernels(s, required=False)
+    res = verify_bundles(s, load=not no_load, run=run)
+    if as_json:
+        _emit_json(res)
+    else:
+        print_bundle_report(_console(), res)
+    return 0 if res["ok"] else 1
