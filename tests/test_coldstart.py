@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -323,3 +324,44 @@ def test_edit_between_two_fresh_processes_is_a_miss_never_a_wrong_load(tmp_path)
     assert c["fp"] == c["truth"] != a["fp"]
     assert "not_prebuilt" in c and "loaded" not in c, "the old object must not load for new source"
     assert c["cutlass_imported"] is False
+
+
+# --- the CLI: `quack build` and `quack cache stats` see an edit through the memo ------
+
+def _quack(args, cwd, env):
+    r = subprocess.run([sys.executable, "-m", "quack_build", *args], cwd=cwd, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def test_cli_build_and_stats_see_an_edit_through_the_memo(tmp_path):
+    proj = tmp_path / "proj"
+    (proj / "cskern").mkdir(parents=True)
+    (proj / "cskern" / "__init__.py").write_text("")
+    toy = proj / "cskern" / "toy.py"
+    toy.write_text(KERNEL)
+    (proj / "quack.toml").write_text('[build]\nkernel_packages = ["cskern"]\nmanifests = ["m.toml"]\n')
+    (proj / "m.toml").write_text('[[kernel]]\nname = "cs_toy"\n[kernel.params]\ndtype = "float16"\n'
+                                 'block = 64\n')
+    cache = tmp_path / "cache"
+    env = dict({k: v for k, v in os.environ.items() if not k.startswith("QUACK_")},
+               QUACK_CACHE_DIR=str(cache), QUACK_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([str(proj), os.environ.get("PYTHONPATH", "")]))
+    time.sleep(fpmemo.RACY_NS / 1e9 + 0.1)  # older than the racy window: the memo records them
+
+    def stats():
+        t = json.loads(_quack(["cache", "stats", "--json"], proj, env).stdout)["totals"]
+        return t["current_entries"], t["stale_entries"]
+
+    _quack(["build", "-j", "1"], proj, env)
+    memo = list((cache / "srcfp").glob("*.memo"))
+    assert len(memo) == 1 and "cskern.toy@" in memo[0].read_text()
+    assert stats() == (1, 0) and stats() == (1, 0)  # the second from the memo alone
+    assert re.search(r'"cached":1\b', _quack(["build", "--json"], proj, env).stdout.replace(" ", ""))
+    st = toy.stat()
+    toy.write_text(KERNEL.replace("scale = 2.0  # pad: aaaa", "scale = 3.0  # pad: bbbb"))
+    os.utime(toy, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert stats() == (0, 1)
+    out = _quack(["build", "--json"], proj, env).stdout.replace(" ", "")
+    assert re.search(r'"compiled":1\b', out) and re.search(r'"cached":0\b', out)
