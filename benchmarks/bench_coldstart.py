@@ -304,8 +304,8 @@ def main() -> None:
         for co in cos:  # one unmeasured run: byte-compile, first-run-after-build work
             measure(co, a.launch)
         runs: dict[str, list[dict]] = {co.label: [] for co in cos}
-        for i in range(a.n):  # alternate, so machine load hits both alike
-            for co in cos:
+        for i in range(a.n):  # alternate (and swap who goes first), so load hits both alike
+            for co in (cos if i % 2 == 0 else cos[::-1]):
                 runs[co.label].append(measure(co, a.launch))
         report(cos, runs, a, work)
     finally:
