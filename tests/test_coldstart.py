@@ -365,3 +365,14 @@ def test_cli_build_and_stats_see_an_edit_through_the_memo(tmp_path):
     assert stats() == (0, 1)
     out = _quack(["build", "--json"], proj, env).stdout.replace(" ", "")
     assert re.search(r'"compiled":1\b', out) and re.search(r'"cached":0\b', out)
+
+
+def test_toolchain_versions_read_from_the_header_match_importlib_metadata():
+    """The stamp reads Version: directly (no email parse); it must name what md.version
+    names, or every cache entry would move to another stamp directory."""
+    import importlib.metadata as md
+
+    t = keys.toolchain()
+    assert t["cutlass_dsl"] == md.version("nvidia-cutlass-dsl")
+    assert t["tvm_ffi"] == md.version("apache-tvm-ffi")
+    assert md.version(f"nvidia-cutlass-dsl-libs-{t['libs']}")
