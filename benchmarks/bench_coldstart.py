@@ -18,7 +18,8 @@ load on the machine hits both alike, and prints medians side by side:
 runs with its own ``quack``/``quack_build`` on PYTHONPATH and its ``kernels/`` as
 ``quack_kernels``, in the same interpreter. Byte-compiled files go to a private
 PYTHONPYCACHEPREFIX (warmed by one unmeasured run) as in an installed package;
-``--no-bytecode`` measures with PYTHONDONTWRITEBYTECODE=1 instead. Writes JSON to ``--out``.
+``--no-bytecode`` adds PYTHONDONTWRITEBYTECODE=1, so nothing is byte-compiled and every
+import (torch and site-packages too) compiles its source. Writes JSON to ``--out``.
 
 On the GPU machine (no git there), extract the baseline into an ignored folder and carry
 it: ``mkdir -p .device/coldstart-base && git archive main | tar -x -C .device/coldstart-base``,
@@ -172,11 +173,12 @@ class Checkout:
         env.update(PYTHONPATH=os.pathsep.join(p for p in (str(shim), str(self.src), env.get("PYTHONPATH"))
                                               if p),
                    QUACK_CACHE_DIR=str(self.cache), QUACK_ARCH=a.arch, QUACK_MODE="prebuilt")
+        # A private pycache either way: __pycache__ folders lying in a checkout are never read.
+        env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
         if a.no_bytecode:
             env["PYTHONDONTWRITEBYTECODE"] = "1"
         else:
             env.pop("PYTHONDONTWRITEBYTECODE", None)
-            env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
         self.env = env
 
     def run(self, args: list[str], timeout: float = 600.0) -> subprocess.CompletedProcess:
@@ -282,7 +284,7 @@ def main() -> None:
     ap.add_argument("--arch", default=os.environ.get("QUACK_ARCH", "sm_90a"))
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     ap.add_argument("--no-bytecode", action="store_true",
-                    help="PYTHONDONTWRITEBYTECODE=1: every import compiles its source")
+                    help="PYTHONDONTWRITEBYTECODE=1 with an empty pycache: every import compiles its source")
     ap.add_argument("--keep", action="store_true", help="keep the work directory (caches)")
     a = ap.parse_args()
     if a.n < 1:
