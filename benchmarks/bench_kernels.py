@@ -40,7 +40,7 @@ def bench(fn, reps=30, warmup=3):
 def make_ops(dt):
     from quack_kernels.rmsnorm import rmsnorm_fwd, rmsnorm_bwd
     from quack_kernels.softmax import softmax_fwd, softmax_bwd
-    from quack_kernels.layernorm import layernorm_fwd
+    from quack_kernels.layernorm import layernorm_bwd, layernorm_fwd
     from quack_kernels.cross_entropy import cross_entropy_fwd, cross_entropy_bwd
 
     es = torch.empty((), dtype=dt).element_size()
@@ -61,8 +61,38 @@ def make_ops(dt):
         p.scatter_add_(1, t[:, None], -dl[:, None])
         return p.to(x.dtype)
 
+    def ln_bwd_ref(x, w, b, dy, mean, rstd):
+        return torch.ops.aten.native_layer_norm_backward(
+            dy, x, (x.shape[-1],), mean[:, None], rstd[:, None], w, b, [True, True, True])
+
+    def ln_bwd_setup(m, n, wdt):
+        x, w, b = rnd(m, n, dt), rnd(1, n, wdt)[0], rnd(1, n, wdt)[0]
+        _, mean, rstd = layernorm_fwd(x, w, b)
+        return x, w, b, rnd(m, n, dt), mean, rstd
+
+    w32 = torch.float32
     # name -> (setup(M, N) -> args, ours, eager, bytes(M, N))
     return {
+        # mixed precision: fp32 weight / bias with `dt` activations (the AMP setup); the
+        # eager / compile columns run the same math
+        "rmsnorm_fwd_w32": (lambda m, n: (rnd(m, n, dt), rnd(1, n, w32)[0]),
+                            lambda x, w: rmsnorm_fwd(x, w), rms_ref,
+                            lambda m, n: 2 * m * n * es + n * 4 + 4 * m),
+        "rmsnorm_bwd_w32": (lambda m, n: (lambda x, w: (x, w, rnd(m, n, dt), rmsnorm_fwd(x, w)[1]))(
+                                rnd(m, n, dt), rnd(1, n, w32)[0]),
+                            lambda x, w, dy, rstd: rmsnorm_bwd(x, w, dy, rstd), rms_bwd_ref,
+                            lambda m, n: 3 * m * n * es + 2 * n * 4 + 4 * m),
+        "layernorm_fwd_w32": (lambda m, n: (rnd(m, n, dt), rnd(1, n, w32)[0], rnd(1, n, w32)[0]),
+                              lambda x, w, b: layernorm_fwd(x, w, b),
+                              lambda x, w, b: F.layer_norm(x.float(), (x.shape[-1],), w, b, 1e-5).to(x.dtype),
+                              lambda m, n: 2 * m * n * es + 2 * n * 4 + 8 * m),
+        "layernorm_bwd": (lambda m, n: ln_bwd_setup(m, n, dt),
+                          lambda x, w, b, dy, mean, rstd: layernorm_bwd(x, w, dy, mean, rstd, b),
+                          ln_bwd_ref, lambda m, n: 3 * m * n * es + 4 * n * es + 8 * m),
+        "layernorm_bwd_w32": (lambda m, n: ln_bwd_setup(m, n, w32),
+                              lambda x, w, b, dy, mean, rstd: layernorm_bwd(x, w, dy, mean, rstd, b),
+                              lambda x, w, b, dy, mean, rstd: ln_bwd_ref(x, w.to(x.dtype), b.to(x.dtype), dy, mean, rstd),
+                              lambda m, n: 3 * m * n * es + 4 * n * 4 + 8 * m),
         "rmsnorm_fwd": (lambda m, n: (rnd(m, n, dt), rnd(1, n, dt)[0]),
                         lambda x, w: rmsnorm_fwd(x, w), rms_ref,
                         lambda m, n: 2 * m * n * es + n * es + 4 * m),
@@ -102,7 +132,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", default=",".join(f"{m}x{n}" for m, n in DEFAULT_SHAPES))
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
-    ap.add_argument("--compile-ops", default="rmsnorm_fwd,softmax_fwd,cross_entropy_fwd,layernorm_fwd,rmsnorm_bwd",
+    ap.add_argument("--compile-ops", default="rmsnorm_fwd,softmax_fwd,cross_entropy_fwd,layernorm_fwd,rmsnorm_bwd,layernorm_bwd",
                     help="ops that get a torch.compile column")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default=None)

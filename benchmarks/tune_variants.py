@@ -39,7 +39,7 @@ def run(name, mod, raw, tunes, setup, call, check, nbytes):
 def rmsnorm_bwd_variants(shapes, variants):
     """RMSNorm backward: variants are (tune dict, grid clusters or None = the wrapper's)."""
     from quack_kernels._plan import plan_rows
-    
+
     dt = torch.bfloat16
     for m, n in shapes:
         x = torch.randn(m, n, device="cuda", dtype=dt)
@@ -63,13 +63,13 @@ def rmsnorm_bwd_variants(shapes, variants):
             rmsnorm._TUNE.update(tune)
             gr = rmsnorm._bwd_grid(m, plan, 16, x.device) if grid is None else grid
             try:
-                fn = rmsnorm.compile_rmsnorm_bwd.raw("bfloat16", n, True)
+                fn = rmsnorm.compile_rmsnorm_bwd.raw("bfloat16", n, True, False, "same")
                 st = rmsnorm.bwd_smem_stages(plan, 16)
 
                 def call():
                     dx = torch.empty_like(x)
                     part = torch.empty(gr * plan.rows_per_cta, n, dtype=torch.float32, device="cuda")
-                    fn(x, w, dy, rstd, dx, part, gr)
+                    fn(x, w, dy, None, rstd, dx, part, None, gr)
                     return dx, part.sum(0)
                 dx, dw = call()
                 torch.cuda.synchronize()
@@ -253,9 +253,47 @@ def ce_fwd_variants(variants=None, shapes=None, check_names=None):
           + "".join(f"\n  BAD {c}" for c in bad))
 
 
+def ce_bwd_variants(shapes=((32768, 4096), (32768, 16384), (32768, 65536), (4096, 262144)),
+                    budgets=(64, 32, 16)):
+    """Cross-entropy backward: elements per thread (``_TUNE["bwd_budget"]``); the row is
+    split over CTAs without a cluster (no reduction in the backward)."""
+    dt = torch.bfloat16
+    for m, n in shapes:
+        x = torch.randn(m, n, device="cuda", dtype=dt)
+        t = torch.randint(0, n, (m,), device="cuda")
+        dl = torch.rand(m, device="cuda")
+        lse = torch.logsumexp(x.float(), -1)
+        k = 256
+        p = torch.softmax(x[:k].float(), -1) * dl[:k, None]
+        p[torch.arange(k, device="cuda"), t[:k]] -= dl[:k]
+        for b in budgets:
+            cross_entropy._TUNE.clear()
+            cross_entropy._TUNE.update(bwd_budget=b)
+            try:
+                fn = cross_entropy.compile_cross_entropy_bwd.raw("bfloat16", n)
+
+                def call():
+                    dx = torch.empty_like(x)
+                    fn(x, t, dl, lse, dx, -100)
+                    return dx
+                ok = bool(torch.allclose(call()[:k].float(), p, atol=1e-2, rtol=1e-2))
+                us = bench(call, reps=20)
+                print(f"cross_entropy_bwd {m}x{n:<7} budget={b:<3} {us:8.0f} us "
+                      f"{(2 * m * n * 2 + 12 * m) / us / 1e6:5.2f} TB/s ok={ok}", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"cross_entropy_bwd {m}x{n} budget={b} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+        cross_entropy._TUNE.clear()
+        del x
+        torch.cuda.empty_cache()
+
+
 def main():
     dt = torch.bfloat16
     only = sys.argv[1].split(",") if len(sys.argv) > 1 else None
+    if only is not None and "cross_entropy_bwd" in only:
+        ce_bwd_variants()
+        if only == ["cross_entropy_bwd"]:
+            return
     if only is not None and "cross_entropy_fwd" in only:
         ce_fwd_variants()
         if only == ["cross_entropy_fwd"]:
@@ -268,7 +306,7 @@ def main():
             ({}, None), (dict(stages=3), None), (dict(stages=2), None), (old, None)])
         rmsnorm_bwd_variants([(4096, 262144)], [({}, None), (dict(smem_kb=192), None), (old, None)])
         rmsnorm_bwd_variants([(32768, 16384), (32768, 4096)], [({}, None), (old, None)])
-    if only is not None and "fwd" not in only:
+    if only is not None and "fwd" not in only and "rmsnorm_fwd" not in only:
         return
 
     def rnd(*s):
@@ -292,8 +330,9 @@ def main():
         ref = F.layer_norm(x[:k].float(), (x.shape[1],), w.float(), b.float(), 1e-5)
         return bool(torch.allclose(y[:k].float(), ref, atol=6e-2, rtol=2e-2))
 
+    ln_variants = [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)]
     run("layernorm_fwd", layernorm, lambda n: layernorm.compile_layernorm_fwd.raw("bfloat16", n, True, True),
-        [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)],
+        ln_variants if only is None or "fwd" in only else [],
         ln_setup, ln_call, ln_check, lambda m, n: 2 * m * n * 2 + 4 * n + 8 * m)
 
     # RMSNorm forward
@@ -304,7 +343,9 @@ def main():
         x, w = a
         y = torch.empty_like(x)
         rstd = torch.empty(x.shape[0], device="cuda")
-        fn(x, w, None, None, y, None, rstd, 1e-6)
+        fn(x, w, None, None, y, None, rstd, 1e-6,
+           rmsnorm.fwd_grid(x.shape[0], "bfloat16", x.shape[1],
+                            rmsnorm.fwd_persist_cfg("bfloat16", x.shape[1], True, False, "same"), x.device))
         return y
 
     def rms_check(a, y):
@@ -315,7 +356,7 @@ def main():
         return bool(torch.allclose(y[:k].float(), ref, atol=6e-2, rtol=2e-2))
 
     run("rmsnorm_fwd", rmsnorm, lambda n: rmsnorm.compile_rmsnorm_fwd.raw("bfloat16", n, True, False, False),
-        [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)],
+        [dict(persist=False), dict(persist=True), dict(persist=True, persist_ctas=2)],
         rms_setup, rms_call, rms_check, lambda m, n: 2 * m * n * 2 + 2 * n + 4 * m)
 
     # Cross-entropy forward
@@ -336,7 +377,7 @@ def main():
         return bool(torch.allclose(loss[:k], ref, atol=1e-3, rtol=1e-3))
 
     run("cross_entropy_fwd", cross_entropy, lambda n: cross_entropy.compile_cross_entropy_fwd.raw("bfloat16", n),
-        [dict(min_blocks=0), dict(min_blocks=4)],
+        [dict(min_blocks=0), dict(min_blocks=4)] if only is None or "fwd" in only else [],
         ce_setup, ce_call, ce_check, lambda m, n: m * n * 2 + 16 * m)
 
 

@@ -10,7 +10,7 @@ Strategy by N (16-bit dtypes; 32-bit ones use the same element budget):
 =================  ===============  ===========  =========
 N                  threads / row    CTA threads  cluster
 =================  ===============  ===========  =========
-<= 64·vec          8 / 16 (sub-warp, several rows per warp)
+<= 64·vec          8 / 16 (sub-warp, several rows per warp; N = 1 .. 255 too)
 <= 3072            32 (one warp)    128          1
 <= 6144            64               128          1
 <= 8192            128              128          1
@@ -23,9 +23,37 @@ from __future__ import annotations
 import dataclasses
 import math
 
-N_MIN = 256
+from quack.params import Dtype
+
+N_MIN = 1
 N_MAX = 262144
 WIDTHS = {"float32": 32, "float16": 16, "bfloat16": 16}
+
+
+def io_width(*dtypes) -> int:
+    """Bits of the widest of ``dtypes`` (names; None and "same" are skipped): the plan's
+    vector width when every tensor of the row tiling must move in <= 128-bit vectors
+    (cross-entropy's fp32 class weights). The norms size their plan by the rows' dtype
+    alone: a wider weight is read element-wise (``RowTiles.load_bcast``)."""
+    return max(WIDTHS[d] for d in dtypes if d not in (None, "same"))
+
+
+class WeightDtype(Dtype):
+    """The weight / bias dtype of a norm kernel: ``"same"`` (the input's dtype, the
+    default) or one of float32 / float16 / bfloat16. The torch wrappers pass "same"
+    when the weight's dtype equals the input's, so one configuration has one key."""
+
+    def check(self, name, value):
+        if value is None or value == "same":
+            return "same"
+        return super().check(name, value)
+
+    def describe(self):
+        return '"same" (the input dtype) or ' + super().describe()
+
+
+def resolve_weight_dtype(dtype: str, weight_dtype: str) -> str:
+    return dtype if weight_dtype in (None, "same") else weight_dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +128,7 @@ def smem_bcast_ok(plan: RowPlan, width: int, count: int, max_bytes: int = 72 * 1
     memory with cp.async? Only for one row per CTA split over a cluster (the large-N
     paths), vector accesses of >= 4 bytes (cp.async sizes), and a shared-memory tile
     small enough to keep 2+ CTAs per SM."""
-    return (plan.cluster_n > 1 and plan.rows_per_cta == 1 and plan.vec * width >= 32
+    return (plan.cluster_n > 1 and plan.rows_per_cta == 1 and 32 <= plan.vec * width <= 128
             and count * plan.tile_n * width // 8 <= max_bytes)
 
 

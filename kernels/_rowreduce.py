@@ -4,7 +4,7 @@ only from inside compile functions: importing this module imports cutlass.
 The building blocks:
 - ``RowTiles``: a CTA's view of its rows — per-thread fragments of the row
   (128-bit vector accesses through a tiled copy), a column predicate, the
-  thread's row index, and the launch shape from ``kernels._plan.RowPlan``.
+  thread's row index, and the launch shape from ``quack_kernels._plan.RowPlan``.
 - ``row_allreduce``: warp shuffle -> shared memory across the warps of a row ->
   distributed shared memory across the CTAs of a cluster (st.async with an
   mbarrier transaction count), every thread of the row gets the result.
@@ -35,6 +35,20 @@ def make_tiled_copy(dtype, plan: RowPlan):
     thr_layout = cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0))
     val_layout = cute.make_layout((1, plan.vec))
     return cute.make_tiled_copy_tv(atom, thr_layout, val_layout)
+
+
+def cp_async_atom(dtype, num_bits: int, bypass_l1: bool = True):
+    """A cp.async (global -> shared) copy atom of ``num_bits`` (32, 64 or 128) per thread.
+    Streams bypass L1 (``.cg``) on 16-byte copies; PTX allows ``cp.async.cg`` with a
+    16-byte size only, so 4- and 8-byte copies (rows whose N is not a multiple of the
+    16-byte vector) use ``.ca`` (an MLIR verification error otherwise). Broadcast
+    vectors (weight / bias, re-read by every CTA) pass ``bypass_l1=False``: co-resident
+    CTAs share them through L1 (measured on the H200: .cg there cost RMSNorm / LayerNorm
+    fwd 6-22 % at N = 65536 / 262144)."""
+    mode = (cute.nvgpu.cpasync.LoadCacheMode.GLOBAL if num_bits == 128 and bypass_l1
+            else cute.nvgpu.cpasync.LoadCacheMode.ALWAYS)
+    return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), dtype,
+                               num_bits_per_copy=num_bits)
 
 
 def tiler(plan: RowPlan):
@@ -188,6 +202,7 @@ def row_allreduce_pair(
     """All-reduce a pair over the threads (and CTAs) sharing a row in ONE round trip.
 
     kind "lse":     (max, sum of exp(x - max))  -> row max, row sum of exp(x - row max)
+    kind "sum2":    (a, b)                      -> (row sum of a, row sum of b)
     kind "welford": (mean, M2 = sum (x - mean)^2) of ``count`` elements per thread (the
                     same count for every thread) -> row mean, row M2 (Chan's formula)
     """
@@ -197,6 +212,9 @@ def row_allreduce_pair(
             off = const_expr(g >> (i + 1))
             a, b = _lse_combine(a, b, cute.arch.shuffle_sync_bfly(a, offset=off, mask=-1, mask_and_clamp=31),
                                 cute.arch.shuffle_sync_bfly(b, offset=off, mask=-1, mask_and_clamp=31))
+    elif const_expr(kind == "sum2"):
+        a = cute.arch.warp_reduction(a, operator.add, threads_in_group=g)
+        b = cute.arch.warp_reduction(b, operator.add, threads_in_group=g)
     else:
         ma = cute.arch.warp_reduction(a, operator.add, threads_in_group=g) * (1.0 / g)
         d = a - ma
@@ -238,6 +256,16 @@ def row_allreduce_pair(
                 va, vb = _lse_combine(va, vb, cute.arch.shuffle_sync_bfly(va, offset=off2, mask=-1, mask_and_clamp=31),
                                       cute.arch.shuffle_sync_bfly(vb, offset=off2, mask=-1, mask_and_clamp=31))
             a, b = va, vb
+        elif const_expr(kind == "sum2"):
+            sa = Float32(0.0)
+            sb = Float32(0.0)
+            for i in cutlass.range_constexpr((total + 31) // 32):
+                idx = lane + i * 32
+                if idx < total:
+                    sa = sa + buf_a[row, idx]
+                    sb = sb + buf_b[row, idx]
+            a = cute.arch.warp_reduction(sa, operator.add)
+            b = cute.arch.warp_reduction(sb, operator.add)
         else:
             sa = Float32(0.0)
             for i in cutlass.range_constexpr((total + 31) // 32):
@@ -350,8 +378,11 @@ class RowTiles:
 
     def __init__(self, plan: RowPlan, dtype, m, tidx, bidx, cluster_y):
         self.plan = plan
+        self.dtype = dtype
+        self.tidx = tidx
         self.tiled_copy = make_tiled_copy(dtype, plan)
         self.thr = self.tiled_copy.get_slice(tidx)
+        self._copies = {dtype: self.tiled_copy}
         self.coord = (bidx, cluster_y)
         self.m = m
         ident = cute.make_identity_tensor((m, plan.n))
@@ -359,6 +390,14 @@ class RowTiles:
         self.tXcX = self.thr.partition_S(cX)
         self.row = self.tXcX[(0, 0), 0, 0][0]
         self.pred = None if const_expr(plan.even) else column_predicate(self.tXcX, plan.n)
+
+    def copy_for(self, dtype):
+        """The tiled copy for tensors of ``dtype`` (same thread / value layout: the plan's
+        ``vec`` elements per access, <= 128 bits since the plan is sized for the widest
+        dtype). A weight may have another dtype than the rows."""
+        if dtype not in self._copies:
+            self._copies[dtype] = make_tiled_copy(dtype, self.plan)
+        return self._copies[dtype]
 
     def part(self, mT: cute.Tensor):
         """This thread's fragment view (vec, 1, nvec) of a (M, N) tensor."""
@@ -383,11 +422,25 @@ class RowTiles:
 
     @cute.jit
     def load_bcast(self, gT: cute.Tensor):
-        """Load a (N,)-broadcast fragment (no row predicate)."""
+        """Load a (N,)-broadcast fragment (no row predicate). A vector wider than the rows'
+        (an fp32 weight beside bf16 activations: ``vec`` elements > 128 bits) is read
+        element by element into the same fragment layout, so the rows keep their 16-byte
+        accesses; a weight is read once per CTA (persistent kernels) or after the row's
+        reduction, from L2."""
         r = cute.make_rmem_tensor_like(gT)
         if const_expr(not self.plan.even):
             r.fill(0.0)
-        cute.copy(self.tiled_copy, gT, r, pred=self.pred)
+        if const_expr(gT.element_type.width * self.plan.vec > 128):
+            for k in cutlass.range_constexpr(cute.size(gT, mode=[2])):
+                if const_expr(self.plan.even):
+                    for v in cutlass.range_constexpr(self.plan.vec):
+                        r[(v, 0), 0, k] = gT[(v, 0), 0, k]
+                else:
+                    if self.pred[0, 0, k]:
+                        for v in cutlass.range_constexpr(self.plan.vec):
+                            r[(v, 0), 0, k] = gT[(v, 0), 0, k]
+        else:
+            cute.copy(self.copy_for(gT.element_type), gT, r, pred=self.pred)
         return r
 
     @cute.jit
@@ -408,7 +461,8 @@ class RowTiles:
 
     def stage_bcast(self, smem, dtype, *vectors):
         """``alloc_smem_bcast`` + ``prefetch_bcast`` for each vector given; an absent
-        (None) vector stays None. Returns the shared-memory tiles in order."""
+        (None) vector stays None. Returns the shared-memory tiles in order. ``dtype`` is
+        the vectors' element type (the weight dtype, which may differ from the rows')."""
         tiles = []
         for v in vectors:
             sv = None
@@ -419,11 +473,26 @@ class RowTiles:
         return tiles
 
     @cute.jit
+    def stage_bcast_own(self, mV: cute.Tensor, sV: cute.Tensor):
+        """Copy this thread's own elements of a (N,) vector into ``sV`` (element-wise
+        loads, for vectors wider than 128 bits a fragment vector: an fp32 weight beside
+        16-bit rows); the same thread reads them back, so no barrier is needed."""
+        g = self.part_bcast(mV)
+        d = self.thr.partition_S(sV)
+        for k in cutlass.range_constexpr(cute.size(g, mode=[2])):
+            if const_expr(self.plan.even):
+                for v in cutlass.range_constexpr(self.plan.vec):
+                    d[(v, 0), 0, k] = g[(v, 0), 0, k]
+            else:
+                if self.pred[0, 0, k]:
+                    for v in cutlass.range_constexpr(self.plan.vec):
+                        d[(v, 0), 0, k] = g[(v, 0), 0, k]
+
+    @cute.jit
     def prefetch_bcast(self, mV: cute.Tensor, sV: cute.Tensor):
         """cp.async this CTA's slice of a (N,) vector into ``sV``; commit one group."""
         dtype = mV.element_type
-        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), dtype,
-                                   num_bits_per_copy=self.plan.vec * dtype.width)
+        atom = cp_async_atom(dtype, self.plan.vec * dtype.width, bypass_l1=False)
         thr_layout = cute.make_ordered_layout((self.plan.rows_per_cta, self.plan.threads_per_row),
                                               order=(1, 0))
         tc = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.plan.vec)))
@@ -444,7 +513,7 @@ class RowTiles:
         r = cute.make_rmem_tensor_like(self.part_bcast(mV))
         if const_expr(not self.plan.even):
             r.fill(0.0)
-        cute.copy(self.tiled_copy, src, r, pred=self.pred)
+        cute.copy(self.copy_for(sV.element_type), src, r, pred=self.pred)
         return r
 
     @cute.jit
@@ -466,6 +535,32 @@ class RowTiles:
             if const_expr(sB is not None):
                 yk = yk + tB[None, 0, k].load().to(Float32)
             r[None, 0, k].store(yk.to(gT.element_type))
+        if self.row < self.m:
+            cute.copy(self.tiled_copy, r, gT, pred=self.pred)
+
+    @cute.jit
+    def store_affine(self, y_ssa, gT: cute.Tensor, gW, gB):
+        """Store ``y * w + b`` (fp32 fragment ``y_ssa``) with w / b (``part_bcast`` views or
+        None) read from global memory element-wise one vector at a time: for weights wider
+        than the rows (fp32 beside 16-bit x), keeping one vector of them live."""
+        yf = cute.make_rmem_tensor(y_ssa.shape, Float32)
+        yf.store(y_ssa)
+        r = cute.make_rmem_tensor_like(gT)
+        for k in cutlass.range_constexpr(cute.size(yf, mode=[2])):
+            for v in cutlass.range_constexpr(self.plan.vec):
+                yv = yf[(v, 0), 0, k]
+                if const_expr(self.plan.even):
+                    if const_expr(gW is not None):
+                        yv = yv * Float32(gW[(v, 0), 0, k])
+                    if const_expr(gB is not None):
+                        yv = yv + Float32(gB[(v, 0), 0, k])
+                else:
+                    if self.pred[0, 0, k]:
+                        if const_expr(gW is not None):
+                            yv = yv * Float32(gW[(v, 0), 0, k])
+                        if const_expr(gB is not None):
+                            yv = yv + Float32(gB[(v, 0), 0, k])
+                r[(v, 0), 0, k] = yv.to(gT.element_type)
         if self.row < self.m:
             cute.copy(self.tiled_copy, r, gT, pred=self.pred)
 

@@ -5,6 +5,7 @@ import torch
 from ._plan import N_MAX, N_MIN
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
 
 
 def _tensor(t, name):
@@ -90,3 +91,23 @@ def per_row(t, name, m, ref, dtype=torch.float32):
 
 def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def affine(weight, bias, n, x):
+    """Validate a norm's weight and bias: (N,) vectors on x's device, of one float dtype
+    (any of float32 / float16 / bfloat16, independent of x's: the mixed-precision case).
+    Returns (weight, bias, weight_dtype) with weight_dtype "same" when it equals x's
+    dtype (one configuration, one compile key)."""
+    ref = weight if weight is not None else bias
+    if ref is None:
+        return None, None, "same"
+    _tensor(ref, "weight" if weight is not None else "bias")
+    wname = dtype_name(ref, "weight" if weight is not None else "bias")
+    if weight is not None and bias is not None:
+        _tensor(bias, "bias")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"bias has dtype {bias.dtype} but weight has {weight.dtype}: "
+                            "weight and bias must share one dtype")
+    w = vector(weight, "weight", n, x, dtype=ref.dtype)
+    b = vector(bias, "bias", n, x, dtype=ref.dtype)
+    return w, b, ("same" if wname == dtype_name(x, "x") else wname)

@@ -1,14 +1,22 @@
 """Cross-entropy over the last dim (logits (M, N), integer targets), in CuTe DSL.
 
-forward:  lse = logsumexp(x);  loss = lse - x[target]   (0 where target == ignore_index)
+forward:  lse = logsumexp(x);  nll = lse - x[target]   (0 where target == ignore_index)
 backward: dlogits = (softmax(x) - onehot(target)) * dloss  (0 rows where ignored)
+
+Class weights w and label smoothing eps (torch's semantics, C = N classes):
+  loss = (1 - eps) * w[t] * nll + eps / C * sum_c w_c * (lse - x_c)
+  dlogits = a * softmax(x) - b * onehot(t) - c * w      per row, with
+  a = dloss * ((1 - eps) * w[t] + eps * sum(w) / C),  b = dloss * (1 - eps) * w[t],
+  c = dloss * eps / C  (w = 1 without weights).
+The kernels compute the row reductions (lse, x[t], and with smoothing sum_c w_c x_c);
+the per-row scalars (w[t], a, b, c) are formed by the torch wrapper (O(M) work).
 
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
 import math
 
 from quack import jit_cache
-from quack.params import Dtype, Int
+from quack.params import Choice, Dtype, Int
 
 from ._plan import N_MAX, N_MIN
 
@@ -35,7 +43,12 @@ def _default_tune(n: int) -> dict:
     return dict(stream=True, stages=3, ctas_per_sm=8)
 
 
-def stream_cfg(dtype: str, n: int):
+# label_smoothing compile variants: "none"; "uniform" (the forward also sums x over the
+# row, the backward subtracts a per-row constant); "weighted" (sum_c w_c x_c; w_c per column)
+SMOOTHING = ("none", "uniform", "weighted")
+
+
+def stream_cfg(dtype: str, n: int, smoothing: str = "none"):
     """Launch shape of the streaming forward, or None for the register path (the default).
 
     A row group (one warp when ``tpr`` = 32, else one CTA / cluster) walks its rows
@@ -44,7 +57,7 @@ def stream_cfg(dtype: str, n: int):
     chunks ahead across row boundaries, and folds each chunk into an online (max, sum exp).
     Nothing is stored after the row's reduction, so the loads never stop."""
     tune = _TUNE or _default_tune(n)   # _TUNE: an explicit variant (tune_variants.py)
-    if not tune.get("stream", False):
+    if not tune.get("stream", False) or smoothing != "none":
         return None
     width = 32 if dtype == "float32" else 16
     vec = math.gcd(n, 128 // width)
@@ -93,29 +106,34 @@ def stream_grid(cfg: dict, m: int, device) -> int:
 
 @jit_cache(
     "cross_entropy_fwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
     reference=f"{__name__}:_verify_cross_entropy_fwd",
 )
-def compile_cross_entropy_fwd(dtype: str, n: int):
-    """Runtime signature: fn(logits, target(int64, M), loss(fp32, M), lse(fp32, M), ignore_index)."""
+def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
+    """Runtime signature: fn(logits, target(int64, M), loss(fp32, M), lse(fp32, M), ignore_index)
+    (+ num_blocks for the streaming variant, ``stream_cfg``); with smoothing "uniform" /
+    "weighted": fn(logits, target, loss, lse, ignore_index, weight(fp32, N)|None, sx(fp32, M))
+    where sx = sum_c x_c (* w_c)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
     from . import _rowreduce as rr
-    from ._plan import plan_rows
+    from ._plan import io_width, plan_rows
 
     dt = rr.cutlass_dtype(dtype)
-    cfg = stream_cfg(dtype, n)
+    cfg = stream_cfg(dtype, n, smoothing)
     if cfg is not None:
         return _compile_ce_fwd_stream(dtype, n, cfg)
-    plan = plan_rows(n, dt.width, budget=64)
+    smooth = smoothing != "none"
+    weighted = smoothing == "weighted"
+    plan = plan_rows(n, io_width(dtype, "float32" if weighted else None), budget=64)
     min_blocks = _TUNE.get("min_blocks", 0) if plan.cluster_n > 1 else 0
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
-               ignore_index: Int32):
-        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
+               ignore_index: Int32, mW, mSx):
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=3)
         x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         # The target logit: one scalar load per row, by the row's first thread of rank 0.
         tgt = Int64(ignore_index)
@@ -140,6 +158,16 @@ def compile_cross_entropy_fwd(dtype: str, n: int):
             cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
         mx, s = red.reduce_pair(mloc, sloc, "lse")
         lse = mx + cute.math.log2(s, fastmath=True) * LN_2
+        if const_expr(smooth):
+            # sum_c x_c (* w_c): columns past N were loaded as -inf, weights past N as 0
+            xs = x
+            if const_expr(not plan.even):
+                xs = t.mask_cols(x)
+            if const_expr(weighted):
+                xs = xs * t.load_bcast(t.part_bcast(mW)).load()
+            sx = red.reduce(xs.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                            "sum", 2)
+            t.write_row_scalar(mSx, sx)
         if t.row < m:
             if lead:
                 mLse[t.row] = lse
@@ -148,17 +176,29 @@ def compile_cross_entropy_fwd(dtype: str, n: int):
                     loss = lse - xt
                 mLoss[t.row] = loss
 
-    @cute.jit
-    def launch(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
-               ignore_index: Int32, stream):
-        kernel(mX, mT, mLoss, mLse, ignore_index).launch(
-            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks))
-
     x, m = rr.fake_rows(dt, n, plan.vec)
     tg = rr.fake_vec(Int64, m, align=8)
     loss = rr.fake_vec(Float32, m, align=4)
     lse = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if smooth:
+        @cute.jit
+        def launch_smooth(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
+                          ignore_index: Int32, mW, mSx: cute.Tensor, stream):
+            kernel(mX, mT, mLoss, mLse, ignore_index, mW, mSx).launch(
+                **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks))
+
+        w = rr.fake_vec(Float32, n) if weighted else None
+        sx = rr.fake_vec(Float32, m, align=4)
+        return cute.compile(launch_smooth, x, tg, loss, lse, Int32(-100), w, sx, stream,
+                            options="--enable-tvm-ffi")
+
+    @cute.jit
+    def launch(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
+               ignore_index: Int32, stream):
+        kernel(mX, mT, mLoss, mLse, ignore_index, None, None).launch(
+            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks))
+
     return cute.compile(launch, x, tg, loss, lse, Int32(-100), stream, options="--enable-tvm-ffi")
 
 
@@ -211,8 +251,7 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
             g = bidx
             G = gdim
             sbase = 0
-        atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(
-            cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), dt, num_bits_per_copy=vec * dt.width)
+        atom = rr.cp_async_atom(dt, vec * dt.width)
         thr_layout = cute.make_ordered_layout((1, T), order=(1, 0))
         tc = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, vec)))
         thr = tc.get_slice(ltid)
@@ -347,52 +386,70 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
 
 @jit_cache(
     "cross_entropy_bwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
     reference=f"{__name__}:_verify_cross_entropy_bwd",
 )
-def compile_cross_entropy_bwd(dtype: str, n: int):
-    """Runtime signature: fn(logits, target(int64, M), dloss(fp32, M), lse(fp32, M), dlogits,
-    ignore_index)."""
+def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
+    """Runtime signature: fn(logits, target(int64, M), a(fp32, M), lse(fp32, M), dlogits,
+    ignore_index, b(fp32, M)|None, c(fp32, M)|None, weight(fp32, N)|None):
+    dlogits = a * softmax(x) - b * onehot(target) - c * w  (0 rows where ignored). With
+    smoothing "none", b and c are None and b = a (a = dloss * w[target])."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64, const_expr
 
     from . import _rowreduce as rr
-    from ._plan import plan_rows
+    from ._plan import io_width, plan_rows
 
     dt = rr.cutlass_dtype(dtype)
-    plan = plan_rows(n, dt.width, budget=64)
+    smooth = smoothing != "none"
+    weighted = smoothing == "weighted"
+    # No reduction in the backward (lse is given): a row may span several CTAs without a
+    # cluster; the element budget per thread sets registers, hence occupancy. Measured on
+    # the H200 (bf16, `tune_variants.py cross_entropy_bwd`, us for budget 64 / 32 / 16):
+    # 4096: 145 / 134 / 141; 16384: 654 / 538 / 548; 65536: 2134 / 2174 / 2356;
+    # 262144: 1100 / 1100 / 1101.
+    plan = plan_rows(n, io_width(dtype, "float32" if weighted else None),
+                     budget=_TUNE.get("bwd_budget", 32 if n <= 32768 else 64))
+
+    def launch_kwargs(m, stream):
+        kw = rr.launch_kwargs(plan, m, stream)
+        kw["cluster"] = None
+        return kw
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
-               mdX: cute.Tensor, ignore_index: Int32):
+               mdX: cute.Tensor, ignore_index: Int32, mB, mC, mW):
         tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
         t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
         x = t.load(t.part(mX)).load().to(Float32)
         tgt = Int32(-1)
         g = Float32(0.0)
+        gb = Float32(0.0)
+        gc = Float32(0.0)
         lse = Float32(0.0)
         if t.row < m:
             t64 = Int64(mT[t.row])
             if t64 != Int64(ignore_index):
                 g = Float32(mdLoss[t.row])
+                gb = g
+                if const_expr(smooth):
+                    gb = Float32(mB[t.row])
+                    gc = Float32(mC[t.row])
                 lse = Float32(mLse[t.row])
                 tgt = Int32(t64)
         p = cute.math.exp2(x * LOG2_E - lse * LOG2_E, fastmath=True) * g
+        if const_expr(weighted):
+            p = p - t.load_bcast(t.part_bcast(mW)).load() * gc
+        elif const_expr(smooth):
+            p = p - gc
         r = cute.make_rmem_tensor(p.shape, Float32)
         r.store(p)
         for i in cutlass.range_constexpr(cute.size(r)):
             if t.tXcX[i][1] == tgt:
-                r[i] = r[i] - g
+                r[i] = r[i] - gb
         t.store(r.load(), t.part(mdX))
-
-    @cute.jit
-    def launch(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
-               mdX: cute.Tensor, ignore_index: Int32, stream):
-        m = cute.size(mX, mode=[0])
-        kw = rr.launch_kwargs(plan, m, stream)
-        kernel(mX, mT, mdLoss, mLse, mdX, ignore_index).launch(**kw)
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     dx, _ = rr.fake_rows(dt, n, plan.vec, m)
@@ -400,6 +457,26 @@ def compile_cross_entropy_bwd(dtype: str, n: int):
     dloss = rr.fake_vec(Float32, m, align=4)
     lse = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    if smooth:
+        @cute.jit
+        def launch_smooth(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
+                          mdX: cute.Tensor, ignore_index: Int32, mB: cute.Tensor, mC: cute.Tensor,
+                          mW, stream):
+            kernel(mX, mT, mdLoss, mLse, mdX, ignore_index, mB, mC, mW).launch(
+                **launch_kwargs(cute.size(mX, mode=[0]), stream))
+
+        b = rr.fake_vec(Float32, m, align=4)
+        c = rr.fake_vec(Float32, m, align=4)
+        w = rr.fake_vec(Float32, n) if weighted else None
+        return cute.compile(launch_smooth, x, tg, dloss, lse, dx, Int32(-100), b, c, w, stream,
+                            options="--enable-tvm-ffi")
+
+    @cute.jit
+    def launch(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
+               mdX: cute.Tensor, ignore_index: Int32, stream):
+        kernel(mX, mT, mdLoss, mLse, mdX, ignore_index, None, None, None).launch(
+            **launch_kwargs(cute.size(mX, mode=[0]), stream))
+
     return cute.compile(launch, x, tg, dloss, lse, dx, Int32(-100), stream,
                         options="--enable-tvm-ffi")
 
@@ -421,8 +498,47 @@ def _targets(target, m, x):
     return target.reshape(m).to(torch.int64).contiguous()
 
 
-def cross_entropy_fwd(logits, target, ignore_index: int = -100):
-    """Per-row cross-entropy. Returns ``(loss, lse)``, float32 of shape logits.shape[:-1];
+def _class_weight(weight, n, x):
+    """Validate class weights: a float (N,) tensor on the logits' device; fp32 copy."""
+    if weight is None:
+        return None
+    from . import _torch as kt
+
+    kt._tensor(weight, "weight")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device} but logits is on {x.device}")
+    kt.dtype_name(weight, "weight")
+    if weight.dim() != 1 or weight.shape[0] != n:
+        raise ValueError(f"weight must have shape ({n},) (one per class), got {tuple(weight.shape)}")
+    return weight.float().contiguous()
+
+
+def _smoothing(label_smoothing) -> float:
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
+            or not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    return float(label_smoothing)
+
+
+def _variant(weight, eps: float) -> str:
+    if eps == 0.0:
+        return "none"
+    return "weighted" if weight is not None else "uniform"
+
+
+def _row_weights(t, w, n, ignore_index):
+    """(valid, w[t]) per row: valid = target != ignore_index; w[t] is 1 without class
+    weights and 0 on ignored rows (fp32)."""
+    valid = t != ignore_index
+    if w is None:
+        return valid, valid.float()
+    return valid, w[t.clamp(0, n - 1)] * valid
+
+
+def cross_entropy_fwd(logits, target, ignore_index: int = -100, weight=None,
+                      label_smoothing: float = 0.0):
+    """Per-row cross-entropy (torch's ``reduction="none"``, with class ``weight`` and
+    ``label_smoothing``). Returns ``(loss, lse)``, float32 of shape logits.shape[:-1];
     rows whose target is ``ignore_index`` get loss 0."""
     from . import _torch as kt
     import torch
@@ -432,22 +548,39 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100):
     t = _targets(target, m, logits)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    w = _class_weight(weight, n, logits)
+    eps = _smoothing(label_smoothing)
+    variant = _variant(w, eps)
     loss = torch.empty(m, dtype=torch.float32, device=x2.device)
     lse = torch.empty(m, dtype=torch.float32, device=x2.device)
-    if m > 0:
-        dtn = kt.dtype_name(x2, "logits")
-        fn = compile_cross_entropy_fwd(dtn, n)
-        cfg = stream_cfg(dtn, n)
-        if cfg is not None:
-            fn(x2, t, loss, lse, ignore_index, stream_grid(cfg, m, x2.device))
-        else:
-            fn(x2, t, loss, lse, ignore_index)
     shape = logits.shape[:-1]
+    if m == 0:
+        return loss.view(shape), lse.view(shape)
+    dtn = kt.dtype_name(x2, "logits")
+    fn = compile_cross_entropy_fwd(dtn, n, variant)
+    if variant != "none":
+        sx = torch.empty(m, dtype=torch.float32, device=x2.device)
+        fn(x2, t, loss, lse, ignore_index, w, sx)
+        valid, wt = _row_weights(t, w, n, ignore_index)
+        wsum = w.sum() if w is not None else float(n)
+        # loss holds nll = lse - x[t] (0 on ignored rows)
+        loss = (1.0 - eps) * wt * loss + (eps / n) * torch.where(valid, wsum * lse - sx, 0.0)
+        return loss.view(shape), lse.view(shape)
+    cfg = stream_cfg(dtn, n)
+    if cfg is not None:
+        fn(x2, t, loss, lse, ignore_index, stream_grid(cfg, m, x2.device))
+    else:
+        fn(x2, t, loss, lse, ignore_index)
+    if w is not None:
+        loss = loss * _row_weights(t, w, n, ignore_index)[1]
     return loss.view(shape), lse.view(shape)
 
 
-def cross_entropy_bwd(logits, target, dloss, lse, ignore_index: int = -100):
-    """dlogits = (softmax(logits) - onehot(target)) * dloss[:, None], 0 for ignored rows."""
+def cross_entropy_bwd(logits, target, dloss, lse, ignore_index: int = -100, weight=None,
+                      label_smoothing: float = 0.0):
+    """d(loss)/d(logits) of ``cross_entropy_fwd`` times ``dloss`` (per row):
+    (softmax(logits) - onehot(target)) * dloss[:, None] without weight / smoothing;
+    0 for ignored rows."""
     from . import _torch as kt
     import torch
 
@@ -456,45 +589,35 @@ def cross_entropy_bwd(logits, target, dloss, lse, ignore_index: int = -100):
     t = _targets(target, m, logits)
     dl = kt.per_row(dloss, "dloss", m, x2)
     ls = kt.per_row(lse, "lse", m, x2)
+    w = _class_weight(weight, n, logits)
+    eps = _smoothing(label_smoothing)
+    variant = _variant(w, eps)
     dx = torch.empty_like(x2)
     if m > 0:
-        compile_cross_entropy_bwd(kt.dtype_name(x2, "logits"), n)(x2, t, dl, ls, dx, ignore_index)
+        fn = compile_cross_entropy_bwd(kt.dtype_name(x2, "logits"), n, variant)
+        if variant == "none":
+            if w is not None:
+                dl = dl * _row_weights(t, w, n, ignore_index)[1]
+            fn(x2, t, dl, ls, dx, ignore_index)
+        else:
+            _, wt = _row_weights(t, w, n, ignore_index)
+            wsum = w.sum() if w is not None else float(n)
+            b = (dl * (1.0 - eps) * wt).contiguous()
+            a = (b + dl * (eps * wsum / n)).contiguous()
+            c = (dl * (eps / n)).contiguous()
+            fn(x2, t, a, ls, dx, ignore_index, b, c, w)
     return dx.view(logits.shape)
 
 
-_FN = {}
+def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean",
+                  weight=None, label_smoothing: float = 0.0):
+    """Differentiable cross-entropy with torch's semantics (the
+    ``quack_kernels::cross_entropy_fwd`` custom op with its registered autograd; works
+    under ``torch.compile(fullgraph=True)``). reduction 'none', 'sum' or 'mean' (divided
+    by the summed class weights of the non-ignored targets: their count without weights)."""
+    from . import _ops
 
-
-def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean"):
-    """Differentiable cross-entropy (``torch.autograd.Function``); reduction 'none',
-    'sum' or 'mean' (over non-ignored rows, like torch)."""
-    import torch
-
-    if reduction not in ("none", "sum", "mean"):
-        raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
-    if "fn" not in _FN:
-        class CrossEntropyFunction(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, logits, target, ignore_index):
-                loss, lse = cross_entropy_fwd(logits, target, ignore_index)
-                ctx.save_for_backward(logits, target, lse)
-                ctx.ignore_index = ignore_index
-                return loss
-
-            @staticmethod
-            def backward(ctx, dloss):
-                logits, target, lse = ctx.saved_tensors
-                dx = cross_entropy_bwd(logits, target, dloss.float().contiguous(), lse,
-                                       ctx.ignore_index)
-                return dx, None, None
-
-        _FN["fn"] = CrossEntropyFunction
-    loss = _FN["fn"].apply(logits, target, ignore_index)
-    if reduction == "none":
-        return loss
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / (target != ignore_index).sum().clamp(min=1)
+    return _ops.cross_entropy(logits, target, ignore_index, reduction, weight, label_smoothing)
 
 
 # --------------------------------------------------------------------------- verify
@@ -511,12 +634,25 @@ def _inputs(params, device):
     return x, t.to(device)
 
 
+def _ce_kwargs(params, n, device):
+    """weight / label_smoothing for a smoothing variant's reference check."""
+    import torch
+
+    v = params.get("smoothing", "none")
+    if v == "none":
+        return {}
+    g = torch.Generator(device="cpu").manual_seed(1)
+    w = torch.rand(n, generator=g).to(device) if v == "weighted" else None
+    return dict(weight=w, label_smoothing=0.1)
+
+
 def _verify_cross_entropy_fwd(params: dict, device) -> None:
     import torch
 
     x, t = _inputs(params, device)
-    loss, lse = cross_entropy_fwd(x, t)
-    ref = torch.nn.functional.cross_entropy(x.float(), t, reduction="none", ignore_index=-100)
+    kw = _ce_kwargs(params, x.shape[1], device)
+    loss, lse = cross_entropy_fwd(x, t, -100, **kw)
+    ref = torch.nn.functional.cross_entropy(x.float(), t, reduction="none", ignore_index=-100, **kw)
     torch.testing.assert_close(loss, ref, atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(lse, torch.logsumexp(x.float(), -1), atol=1e-3, rtol=1e-3)
 
@@ -525,9 +661,10 @@ def _verify_cross_entropy_bwd(params: dict, device) -> None:
     import torch
 
     x, t = _inputs(params, device)
+    kw = _ce_kwargs(params, x.shape[1], device)
     xr = x.float().requires_grad_()
-    torch.nn.functional.cross_entropy(xr, t, reduction="sum", ignore_index=-100).backward()
+    torch.nn.functional.cross_entropy(xr, t, reduction="sum", ignore_index=-100, **kw).backward()
     lse = torch.logsumexp(x.float(), -1)
-    dx = cross_entropy_bwd(x, t, torch.ones(x.shape[0], device=device), lse)
+    dx = cross_entropy_bwd(x, t, torch.ones(x.shape[0], device=device), lse, -100, **kw)
     tol = 1e-5 if x.dtype == torch.float32 else 1e-2
     torch.testing.assert_close(dx.float(), xr.grad, atol=tol, rtol=tol * 4)

@@ -1,14 +1,15 @@
-"""LayerNorm forward in CuTe DSL.
+"""LayerNorm forward and backward in CuTe DSL.
 
 mean = mean(x);  rstd = 1 / sqrt(mean((x - mean)^2) + eps);  y = (x - mean) * rstd * w + b
-(two-pass variance over the row kept in registers; fp32 math)
+(two-pass variance over the row kept in registers; fp32 math). The backward (dx, dw, db)
+is the persistent norm backward of ``quack_kernels._norm_bwd``.
 
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
-from ._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN, WeightDtype
 
 
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
@@ -18,21 +19,24 @@ _TUNE: dict = {}
 @jit_cache(
     "layernorm_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
-            "has_bias": Bool()},
+            "has_bias": Bool(), "weight_dtype": WeightDtype()},
     reference=f"{__name__}:_verify_layernorm_fwd",
 )
-def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True):
-    """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps)."""
+def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True,
+                          weight_dtype: str = "same"):
+    """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps); w / b of
+    ``weight_dtype`` ("same": ``dtype``)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
     from . import _rowreduce as rr
-    from ._plan import plan_rows, smem_bcast_ok
+    from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
+    wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
     plan = plan_rows(n, dt.width, budget=64)
-    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, dt.width,
+    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width,
                                                              int(has_weight) + int(has_bias))
     min_blocks = _TUNE.get("min_blocks", 0) if stage_wb else 0
 
@@ -45,7 +49,7 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         sB = None
         if const_expr(stage_wb):
             # weight / bias: cp.async into shared memory now, read after the reduction
-            sW, sB = t.stage_bcast(smem, dt, mW, mB)
+            sW, sB = t.stage_bcast(smem, wdt, mW, mB)
         red.wait_cluster()
         if const_expr(plan.even):
             # One round trip: per-thread (mean, M2) of its elements (exact two-pass in
@@ -69,6 +73,11 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         rstd = cute.math.rsqrt(var + eps, fastmath=True)
         if const_expr(stage_wb):
             t.store_affine_smem(xc * rstd, t.part(mY), sW, sB, mW, mB)
+        elif const_expr(wdt.width > dt.width):
+            # a weight wider than the rows (fp32 beside 16-bit x): element-wise, one
+            # vector at a time (the rows keep their 16-byte accesses)
+            t.store_affine(xc * rstd, t.part(mY), t.part_bcast(mW) if const_expr(mW is not None) else None,
+                           t.part_bcast(mB) if const_expr(mB is not None) else None)
         else:
             # weight / bias loaded after the reductions (L2-resident, shared by all rows):
             # fewer live registers while the row is reduced.
@@ -93,8 +102,8 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)
-    w = rr.fake_vec(dt, n) if has_weight else None
-    b = rr.fake_vec(dt, n) if has_bias else None
+    w = rr.fake_vec(wdt, n) if has_weight else None
+    b = rr.fake_vec(wdt, n) if has_bias else None
     mean = rr.fake_vec(Float32, m, align=4)
     rstd = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
@@ -102,30 +111,66 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
                         options="--enable-tvm-ffi")
 
 
+@jit_cache(
+    "layernorm_bwd",
+    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
+            "has_bias": Bool(), "weight_dtype": WeightDtype()},
+    reference=f"{__name__}:_verify_layernorm_bwd",
+)
+def compile_layernorm_bwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True,
+                          weight_dtype: str = "same"):
+    """Compile LayerNorm backward (persistent, like RMSNorm's; ``quack_kernels._norm_bwd``).
+    Runtime signature: fn(x, w|None, dy, mean, rstd, dx, dw_partial|None, db_partial|None,
+    num_blocks), partials (num_blocks * rows_per_cta, n) fp32 summed by the caller."""
+    from ._norm_bwd import compile_norm_bwd
+
+    return compile_norm_bwd("layer", dtype, n, has_weight, has_bias, weight_dtype, _BWD_TUNE)
+
+
+# Backward tuning knobs (see ``quack_kernels._norm_bwd.bwd_smem_stages``).
+_BWD_TUNE: dict = {}
+
+
 def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
     """LayerNorm over the last dim. Returns ``(y, mean, rstd)`` (mean, rstd float32,
-    shape x.shape[:-1])."""
+    shape x.shape[:-1]). weight / bias may have another float dtype than x."""
     from . import _torch as kt
     import torch
 
     x2 = kt.rows(x, "x")
     m, n = x2.shape
-    w = kt.vector(weight, "weight", n, x)
-    b = kt.vector(bias, "bias", n, x)
+    w, b, wdt = kt.affine(weight, bias, n, x)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     y = torch.empty_like(x2)
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0:
-        fn = compile_layernorm_fwd(kt.dtype_name(x2, "x"), n, w is not None, b is not None)
+        fn = compile_layernorm_fwd(kt.dtype_name(x2, "x"), n, w is not None, b is not None, wdt)
         fn(x2, w, b, y, mean, rstd, float(eps))
     return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
 
 
+def layernorm_bwd(x, weight, dy, mean, rstd, bias=None):
+    """Gradients of y = LayerNorm(x) * weight + bias, given mean / rstd of the forward.
+    Returns ``(dx, dweight, dbias)``: dweight None without weight, dbias None without
+    ``bias`` (only its dtype is used); dweight / dbias in the weight's / bias's dtype,
+    summed in fp32."""
+    from ._norm_bwd import run_norm_bwd
+
+    def compile_fn(dt, n, has_w, has_b, wdt):
+        return compile_layernorm_bwd(dt, n, has_w, has_b, wdt)
+
+    return run_norm_bwd("layer", compile_fn, x, weight, dy, mean, rstd,
+                        bias.dtype if bias is not None else None, _BWD_TUNE)
+
+
 def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
-    """LayerNorm forward (inference); returns y."""
-    return layernorm_fwd(x, weight, bias, eps)[0]
+    """Differentiable LayerNorm (the ``quack_kernels::layernorm_fwd`` custom op with its
+    registered autograd; works under ``torch.compile(fullgraph=True)``); returns y."""
+    from . import _ops
+
+    return _ops.layernorm(x, weight, bias, eps)
 
 
 def _verify_layernorm_fwd(params: dict, device) -> None:
@@ -134,12 +179,42 @@ def _verify_layernorm_fwd(params: dict, device) -> None:
     dt = getattr(torch, params["dtype"])
     n = params["n"]
     g = torch.Generator(device="cpu").manual_seed(0)
+    wname = params.get("weight_dtype", "same")
+    wdt = getattr(torch, params["dtype"] if wname in (None, "same") else wname)
     x = (torch.randn(37, n, generator=g) + 0.5).to(device=device, dtype=dt)
-    w = torch.randn(n, generator=g).to(device=device, dtype=dt) if params.get("has_weight", True) else None
-    b = torch.randn(n, generator=g).to(device=device, dtype=dt) if params.get("has_bias", True) else None
+    w = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_weight", True) else None
+    b = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_bias", True) else None
     y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
     ref = torch.nn.functional.layer_norm(x.float(), (n,), w.float() if w is not None else None,
                                          b.float() if b is not None else None, 1e-5)
     tol = 1e-4 if dt == torch.float32 else (2e-2 if dt == torch.bfloat16 else 5e-3)
     torch.testing.assert_close(mean, x.float().mean(-1), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(y.float(), ref, atol=tol * 4, rtol=tol)
+
+
+def _verify_layernorm_bwd(params: dict, device) -> None:
+    import torch
+
+    dt = getattr(torch, params["dtype"])
+    n = params["n"]
+    wname = params.get("weight_dtype", "same")
+    wdt = getattr(torch, params["dtype"] if wname in (None, "same") else wname)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = (torch.randn(37, n, generator=g) + 0.5).to(device=device, dtype=dt)
+    dy = torch.randn(37, n, generator=g).to(device=device, dtype=dt)
+    w = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_weight", True) else None
+    b = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_bias", True) else None
+    xr = x.float().requires_grad_()
+    wr = w.float().requires_grad_() if w is not None else None
+    br = b.float().requires_grad_() if b is not None else None
+    torch.nn.functional.layer_norm(xr, (n,), wr, br, 1e-5).backward(dy.float())
+    mean = x.float().mean(-1)
+    rstd = torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-5)
+    dx, dw, db = layernorm_bwd(x, w, dy, mean, rstd, b)
+    tol = 1e-3 if dt == torch.float32 else 3e-2
+    torch.testing.assert_close(dx.float(), xr.grad, atol=tol, rtol=tol)
+    if w is not None:
+        assert dw.dtype == wdt
+        torch.testing.assert_close(dw.float(), wr.grad, atol=tol * 10, rtol=tol)
+    if b is not None:
+        torch.testing.assert_close(db.float(), br.grad, atol=tol * 10, rtol=tol)

@@ -120,28 +120,12 @@ def softmax_bwd(dy, y):
     return dx.view(y.shape)
 
 
-_FN = {}
-
-
 def softmax(x):
-    """Differentiable softmax over the last dim (``torch.autograd.Function``)."""
-    if "fn" not in _FN:
-        import torch
+    """Differentiable softmax over the last dim (the ``quack_kernels::softmax_fwd`` custom
+    op with its registered autograd; works under ``torch.compile(fullgraph=True)``)."""
+    from . import _ops
 
-        class SoftmaxFunction(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, x):
-                y = softmax_fwd(x)
-                ctx.save_for_backward(y)
-                return y
-
-            @staticmethod
-            def backward(ctx, dy):
-                (y,) = ctx.saved_tensors
-                return softmax_bwd(dy.contiguous(), y)
-
-        _FN["fn"] = SoftmaxFunction
-    return _FN["fn"].apply(x)
+    return _ops.softmax(x)
 
 
 # --------------------------------------------------------------------------- verify

@@ -133,6 +133,34 @@ class KeyFileError(QuackError, ValueError):
         self.reason = reason
 
 
+class RemoteError(QuackError, OSError):
+    """A remote cache operation failed. ``reason``: ``unreachable`` (refused,
+    DNS, reset), ``timeout``, ``full`` (out of memory or quota), ``denied``
+    (credentials, permissions), ``protocol`` (an answer that makes no sense).
+    ``unreachable`` and ``timeout`` switch the remote off for the process."""
+
+    def __init__(self, message: str, *, url: str = "", reason: str = ""):
+        super().__init__(message)
+        self.url = url
+        self.reason = reason
+
+    @property
+    def offline(self) -> bool:
+        return self.reason in ("unreachable", "timeout")
+
+
+class ObjectRejected(QuackError, ValueError):
+    """A remote object failed verification (unsigned, untrusted or bad
+    signature, another key's object, wrong toolchain or source, truncated or
+    altered bytes). It is a miss: never loaded, never stored locally."""
+
+    def __init__(self, message: str, *, key: str = "", reason: str = "", signer: str = ""):
+        super().__init__(message)
+        self.key = key
+        self.reason = reason
+        self.signer = signer
+
+
 class CacheWriteError(CacheError):
     """Writing to the cache failed (disk full, read-only, permission): nothing was
     published and the temp files are gone. ``reason`` is a short label."""
@@ -145,6 +173,10 @@ class CacheWriteError(CacheError):
 
 class CacheWarning(QuackError, UserWarning):
     """A cache problem quack recovered from (the entry is rebuilt)."""
+
+
+class RemoteWarning(CacheWarning):
+    """A remote cache problem quack recovered from (a miss, a skipped push)."""
 
 
 class LockTimeout(QuackError, TimeoutError):
@@ -198,6 +230,8 @@ class CompilePending(BaseException):
         super().__init__(kernel, key)
         self.kernel = kernel
         self.key = key
+        self.root: str | None = None  # the cache the compile publishes into
+        self.pool: object = None      # the CompilePool compiling it (the plugin polls it)
 
     def __str__(self) -> str:
         return f"kernel {self.kernel} (key {self.key[:16]}) is still compiling"

@@ -181,7 +181,8 @@ class Config(Param):
     kind = "config"
 
     def __post_init__(self):
-        if not (dataclasses.is_dataclass(self.cls) and self.cls.__dataclass_params__.frozen):
+        if not (dataclasses.is_dataclass(self.cls)
+                and self.cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
             raise TypeError(f"Config needs a frozen dataclass, got {self.cls!r}")
 
     def check(self, name, value):
@@ -196,7 +197,7 @@ class Config(Param):
                 raise self._fail(name, value, f" ({e})") from None
         if type(value) is not self.cls:
             raise self._fail(name, value)
-        for f in dataclasses.fields(value):
+        for f in dataclasses.fields(value):  # type: ignore[arg-type]  # checked: an instance of cls
             v = getattr(value, f.name)
             if v is not None and not isinstance(v, (bool, int, float, str)):
                 raise self._fail(name, value, f" (field {f.name!r} must be a bool, int, float or str)")

@@ -5,11 +5,13 @@ module may import it without an import-order hazard."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import sys
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Mapping
 
 from quack.errors import SettingsError
 
@@ -72,6 +74,46 @@ def _mode(text: str) -> str:
     return text
 
 
+START_METHODS = ("forkserver", "spawn", "fork")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _start_method(text: str) -> str:
+    if text not in START_METHODS:
+        raise ValueError("expected one of " + ", ".join(START_METHODS))
+    return text
+
+
+def _log_level(text: str) -> str:
+    t = text.strip().lower() if isinstance(text, str) else text
+    if t not in LOG_LEVELS:
+        raise ValueError("expected one of " + ", ".join(LOG_LEVELS))
+    return t
+
+
+def _auto_bool(text: str | bool) -> bool | None:
+    """true/false, or 'auto' (None: decide from the situation)."""
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return None
+    return _bool(text)
+
+
+def _remote_url(text: str) -> str:
+    if not isinstance(text, str):
+        raise ValueError("expected a URL string")
+    scheme = text.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "s3", "file") or "://" not in text:
+        raise ValueError("expected redis://host:port/db, s3://bucket/prefix or file:///shared/path")
+    return text
+
+
+def _remote_timeout(text: str | float) -> float:
+    v = _pos_float(text)
+    if v > 5:
+        raise ValueError("expected seconds > 0 and <= 5 (a slow remote must not stall a build)")
+    return v
+
+
 def _path_list(v: Any) -> list[str]:
     """Paths: a ``:``-separated string (the environment, or quack.toml) or a list."""
     if isinstance(v, str):
@@ -104,11 +146,23 @@ _FIELDS: dict[str, _Field] = {
     "compile_jobs": _Field("runtime", "compile_jobs", ("QUACK_COMPILE_JOBS",), _pos_int, "an integer >= 0"),
     "compile_timeout": _Field("runtime", "compile_timeout", ("QUACK_COMPILE_TIMEOUT",), _pos_float,
                               "seconds > 0"),
+    "pool_start": _Field("runtime", "pool_start", ("QUACK_POOL_START",), _start_method,
+                         "'forkserver', 'spawn' or 'fork'"),
+    "no_preload": _Field("runtime", "no_preload", ("QUACK_NO_PRELOAD",), _bool, "true or false"),
+    "log": _Field("runtime", "log", ("QUACK_LOG",), _log_level,
+                  "a log level: debug, info, warning or error"),
+    "pytest_gpu_pin": _Field("pytest", "gpu_pin", ("QUACK_PYTEST_GPU_PIN",), _auto_bool,
+                             "true, false or 'auto'"),
     "manifests": _Field("build", "manifests", (), _str_list, "a list of manifest paths"),
     "jobs": _Field("build", "jobs", (), _pos_int, "an integer >= 0 (0 = one per CPU)"),
     "archs": _Field("build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)],
                     "a list of CUDA archs"),
     "kernel_packages": _Field("build", "kernel_packages", (), _str_list, "a list of package names"),
+    "remote_url": _Field("remote", "url", ("QUACK_REMOTE",), _remote_url,
+                         "redis://host:port/db, s3://bucket/prefix or file:///path"),
+    "remote_write": _Field("remote", "write", ("QUACK_REMOTE_WRITE",), _bool, "true or false"),
+    "remote_timeout": _Field("remote", "timeout", ("QUACK_REMOTE_TIMEOUT",), _remote_timeout,
+                             "seconds, > 0 and <= 5"),
     "signing_key": _Field("remote", "signing_key", ("QUACK_SIGNING_KEY",), str, "a private key file path"),
     "trusted_keys": _Field("remote", "trusted_keys", ("QUACK_TRUSTED_KEYS",), _path_list,
                            "public key files or directories (a list, or ':'-separated)"),
@@ -126,10 +180,17 @@ class Settings:
     arch: str = "sm_90a"
     compile_jobs: int = 0
     compile_timeout: float = 900.0
+    pool_start: str = "forkserver"       # how compile workers start (QUACK_POOL_START)
+    no_preload: bool = False             # skip the forkserver's warm imports (QUACK_NO_PRELOAD)
+    log: str = ""                        # level of the "quack" logger; "" = silent (QUACK_LOG)
+    pytest_gpu_pin: bool | None = None   # pin xdist workers to GPUs; None = auto (QUACK_PYTEST_GPU_PIN)
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
     kernel_packages: tuple[str, ...] = ("quack_kernels",)
+    remote_url: str | None = None
+    remote_write: bool = False
+    remote_timeout: float = 5.0  # per operation; connecting waits at most 0.5 s
     signing_key: str | None = None
     trusted_keys: tuple[str, ...] = ()
     config_file: Path | None = None
@@ -208,7 +269,7 @@ def read_config(path: Path) -> dict[str, Any]:
 def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
             cwd: Path | None = None) -> Settings:
     """Resolve all settings. ``overrides`` are CLI values (None = not given)."""
-    env = os.environ if env is None else env
+    environ: Mapping[str, str] = os.environ if env is None else env
     config = find_config(cwd)
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
@@ -218,7 +279,7 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
             sources[k] = str(config)
     for name, f in _FIELDS.items():
         for var in f.env:
-            text = env.get(var)
+            text = environ.get(var)
             if text is None or text == "":
                 continue
             try:
@@ -241,7 +302,8 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
     else:
         cache_path = Path(os.path.expanduser(str(cache_dir)))
         if not cache_path.is_absolute():
-            base = config.parent if sources.get("cache_dir") == str(config) else Path.cwd()
+            base = config.parent if config is not None and sources.get("cache_dir") == str(config) \
+                else Path.cwd()
             cache_path = base / cache_path
     # Key paths in quack.toml are relative to it, as cache_dir is; from the
     # environment or the CLI, relative to the current directory.
@@ -270,6 +332,7 @@ def get() -> Settings:
     global _current
     if _current is None:
         _current = resolve()
+        configure_logging(_current)
     return _current
 
 
@@ -281,3 +344,73 @@ def set_current(s: Settings | None) -> None:
     from quack.runtime import _generation
 
     _generation.bump()
+    if s is not None:
+        configure_logging(s)
+
+
+def installed() -> Settings | None:
+    """The settings installed for this process, or None if none are (the next
+    ``get`` resolves them). Unlike ``get``, never resolves."""
+    return _current
+
+
+def _parse_override(name: str, value: Any) -> Any:
+    f = _FIELDS.get(name)
+    if f is None:
+        if name == "config_file":
+            return value
+        raise SettingsError(f"unknown setting {name!r}", source="override", key=name)
+    if name == "cache_dir":
+        return Path(os.path.expanduser(os.fspath(value))).absolute()
+    try:
+        v = f.parse(value)
+    except (ValueError, TypeError) as e:
+        raise SettingsError(f"setting {name}={value!r} is invalid: {e} ({f.form})",
+                            source="override", key=name) from None
+    return tuple(v) if isinstance(v, list) else v
+
+
+@contextmanager
+def override(**changes: Any) -> Iterator[Settings]:
+    """Install the current settings with ``changes`` for the block, then put back
+    exactly what was installed before (or nothing), like Triton's
+    ``knobs.scope()``. Values are checked like quack.toml's; raises SettingsError.
+
+        with settings.override(cache_dir=tmp, mode="prebuilt") as s: ...
+    """
+    saved = _current
+    base = get()
+    parsed = {k: _parse_override(k, v) for k, v in changes.items()}
+    srcs = dict(base.sources, **{k: "override" for k in parsed})
+    s = dataclasses.replace(base, sources=srcs, **parsed)
+    set_current(s)
+    try:
+        yield s
+    finally:
+        set_current(saved)
+
+
+# -- the "quack" logger ---------------------------------------------------------------------
+# A library's logger: a NullHandler so nothing reaches Python's last-resort
+# stderr handler unless QUACK_LOG (or the application's logging config) asks.
+logging.getLogger("quack").addHandler(logging.NullHandler())
+_log_handler: logging.Handler | None = None
+
+
+def configure_logging(s: Settings) -> None:
+    """Level of ``logging.getLogger("quack")`` from ``s.log`` (QUACK_LOG). Silent by
+    default: no handler, no level, so an application's own logging config decides;
+    with QUACK_LOG set, quack's records go to stderr at that level."""
+    global _log_handler
+    logger = logging.getLogger("quack")
+    if not s.log:
+        if _log_handler is not None:
+            logger.removeHandler(_log_handler)
+            _log_handler = None
+            logger.setLevel(logging.NOTSET)
+        return
+    logger.setLevel(getattr(logging, s.log.upper()))
+    if _log_handler is None:
+        _log_handler = logging.StreamHandler()
+        _log_handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(_log_handler)

@@ -20,9 +20,9 @@ app = typer.Typer(name="quack", add_completion=False, no_args_is_help=True,
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect and clean the kernel cache.")
 app.add_typer(cache_app, name="cache")
 
-from quack_build.common import (_console, _current_srcfps, _emit_json, _Fail, _load_kernels,  # noqa: F401
-                                  _settings)
-from quack_build import common as _common
+from quack_build import common as _common  # noqa: E402 - after the typer apps, as before
+from quack_build.common import (Fail, cli_settings, console, current_srcfps, emit_json,  # noqa: E402,F401
+                                load_kernels)
 
 
 def _manifests(s, given: List[Path]) -> list:
@@ -30,7 +30,7 @@ def _manifests(s, given: List[Path]) -> list:
         return list(given)
     paths = s.manifest_paths()
     if not paths:
-        raise _Fail("error: no manifest given and none listed in quack.toml ([build] manifests = [...])",
+        raise Fail("error: no manifest given and none listed in quack.toml ([build] manifests = [...])",
                     code=2)
     return paths
 
@@ -44,14 +44,14 @@ def _expand(s, manifests, arch, max_configs):
                       max_configs=max_configs)
     except ManifestError as e:
         n = len(e.problems)
-        raise _Fail("\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; "
+        raise Fail("\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; "
                     "nothing was built") from None
 
 
 def _store(s):
-    from quack.cache.store import DiskStore
+    from quack.cache.store import local_store
 
-    return DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
+    return local_store(s)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
@@ -65,12 +65,12 @@ def _run(fn):
     warnings.showwarning = _show_warning
     try:
         code = fn()
-    except _Fail as e:
+    except Fail as e:
         typer.echo(str(e), err=True)
-        raise typer.Exit(e.code)
+        raise typer.Exit(e.code) from None
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     finally:
         warnings.showwarning = saved
     raise typer.Exit(code or 0)
@@ -103,24 +103,24 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     from quack_build import display, scheduler
 
     t0 = time.time()
-    s = _settings(cache_dir, jobs)
-    _load_kernels(s)
+    s = cli_settings(cache_dir, jobs)
+    load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
-    con = _console(to_stderr=as_json)
+    con = console(to_stderr=as_json)
     for w in exp.warnings:
         con.print(f"warning: {w}", markup=False)
     store = _store(s)
     try:
         tasks = scheduler.plan(exp.configs, store, force=force)
     except (CacheError, OSError) as e:
-        raise _Fail(f"error: cache {s.cache_dir}: {e}") from None
+        raise Fail(f"error: cache {s.cache_dir}: {e}") from None
     plan_s = time.time() - t0
     n_jobs = s.effective_jobs(jobs)
     if dry_run:
         todo = [t for t in tasks if t.status != scheduler.CACHED]
         todo = scheduler.order_longest_first(todo, scheduler.past_compile_times(store.root, todo)) if todo else []
         if as_json:
-            _emit_json({"dry_run": True, "total": len(tasks), "cached": len(tasks) - len(todo),
+            emit_json({"dry_run": True, "total": len(tasks), "cached": len(tasks) - len(todo),
                         "to_compile": len(todo), "duplicates": exp.duplicates,
                         "keys": [t.to_json() for t in todo] + [t.to_json() for t in tasks
                                                                if t.status == scheduler.CACHED]})
@@ -135,15 +135,19 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
                       f"{len(tasks) - len(todo)} cached, {len(todo)} to compile", markup=False)
         return 0
     rep = display.make_reporter(con, verbose=verbose)
+    remote = _remote(s)
     old_term = signal.getsignal(signal.SIGTERM)
     if old_term in (signal.SIG_DFL, None):
         signal.signal(signal.SIGTERM, _term_to_interrupt)
     try:
         res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
-                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s)
+                            log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s, remote=remote)
     finally:
         if old_term in (signal.SIG_DFL, None):
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if remote is not None:
+            remote.record(Path(s.cache_dir))
+            remote.close()
     if trace:
         scheduler.write_trace(trace, res, res.t0)
         res.trace_path = str(trace)
@@ -151,10 +155,20 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     if trace:
         con.print(f"trace: {trace} (open in ui.perfetto.dev)", markup=False)
     if as_json:
-        _emit_json(res.to_json())
+        emit_json(res.to_json())
     if res.interrupted:
         return 130
     return 0 if res.ok else 1
+
+
+def _remote(s, *, strict: bool = False):
+    """The remote tier configured for this command, or None. In a build, a bad
+    remote configuration is one warning (the build goes on without it)."""
+    if not s.remote_url:
+        return None
+    from quack.remote import tier
+
+    return tier.from_settings(s, strict=strict)
 
 
 def _term_to_interrupt(signum, frame):  # noqa: ARG001
@@ -195,13 +209,13 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         age = inventory.parse_age(older_than) if older_than is not None else None
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
-    s = _settings(cache_dir)
-    _load_kernels(s, required=False)
-    con = _console(to_stderr=as_json)
+        raise typer.Exit(2) from None
+    s = cli_settings(cache_dir)
+    load_kernels(s, required=False)
+    con = console(to_stderr=as_json)
     if not Path(s.cache_dir).is_dir():
         if as_json:
-            _emit_json({"removed": 0, "freed_bytes": 0, "busy": 0, "dry_run": dry_run})
+            emit_json({"removed": 0, "freed_bytes": 0, "busy": 0, "dry_run": dry_run})
         else:
             con.print(f"cache {s.cache_dir} does not exist: nothing to clean", markup=False)
         return 0
@@ -211,7 +225,7 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
             con.print(f"{'would remove' if dry_run else 'removed'} {r.path} ({r.why})", markup=False,
                       soft_wrap=True)
 
-    rep = inventory.clean(s.cache_dir, _current_srcfps(), remove_all=remove_all, max_size=ms,
+    rep = inventory.clean(s.cache_dir, current_srcfps(), remove_all=remove_all, max_size=ms,
                           older_than=age, dry_run=dry_run, log=log)
     by_why: dict = {}
     for r in rep.removed:
@@ -219,7 +233,7 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         d[0] += 1
         d[1] += r.bytes
     if as_json:
-        _emit_json({"dry_run": dry_run, "removed": len(rep.removed), "freed_bytes": rep.freed,
+        emit_json({"dry_run": dry_run, "removed": len(rep.removed), "freed_bytes": rep.freed,
                     "by_reason": {k: {"files": v[0], "bytes": v[1]} for k, v in by_why.items()},
                     "busy": [str(p) for p, _ in rep.busy], "errors": [f"{p}: {e}" for p, e in rep.errors]})
     else:
@@ -230,9 +244,76 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
                   markup=False)
         if rep.busy:
             con.print(f"skipped {len(rep.busy)} in use by other processes", markup=False)
-        for p, e in rep.errors:
-            con.print(f"error: {p}: {e}", markup=False)
+        for p, err in rep.errors:
+            con.print(f"error: {p}: {err}", markup=False)
     return 1 if rep.errors else 0
+
+
+@cache_app.command("pull")
+def cache_pull(
+    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+    arch: List[str] = typer.Option(None, "--arch", help="For this arch instead of the manifests' (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+):
+    """Fetch the manifests' configurations missing locally from the remote cache (signatures verified)."""
+    _run(lambda: _sync("pull", manifests or [], arch or [], as_json, cache_dir, max_configs))
+
+
+@cache_app.command("push")
+def cache_push(
+    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+    arch: List[str] = typer.Option(None, "--arch", help="For this arch instead of the manifests' (repeatable)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+):
+    """Sign and upload the manifests' configurations from the local cache to the remote (needs write = true and a signing key)."""
+    _run(lambda: _sync("push", manifests or [], arch or [], as_json, cache_dir, max_configs))
+
+
+def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
+    from quack.errors import KeyFileError
+    from quack_build import remote_sync
+
+    s = cli_settings(cache_dir)
+    if not s.remote_url:
+        raise Fail("error: no remote cache configured: set QUACK_REMOTE or [remote] url in quack.toml "
+                    "(redis://host:port/db, s3://bucket/prefix, file:///path)")
+    if what == "push" and not (s.remote_write and s.signing_key):
+        raise Fail("error: pushing needs write access and a signing key: set QUACK_REMOTE_WRITE=1 and "
+                    "QUACK_SIGNING_KEY=PATH.key ([remote] write = true, signing_key = ...); "
+                    "create a key with `quack keygen NAME`")
+    load_kernels(s)
+    exp = _expand(s, manifests, arch, max_configs)
+    con = console(to_stderr=as_json)
+    try:
+        remote = _remote(s, strict=True)
+    except (ValueError, KeyFileError, ImportError) as e:
+        raise Fail(f"error: remote cache: {e}") from None
+    store = _store(s)
+    try:
+        fn = remote_sync.pull_configs if what == "pull" else remote_sync.push_configs
+        rep = fn(exp.configs, store, remote)
+    finally:
+        remote.record(Path(s.cache_dir))
+        remote.close()
+    if as_json:
+        emit_json(rep.to_json())
+    else:
+        c = rep.counters
+        if what == "pull":
+            con.print(f"pulled {rep.pulled} of {rep.total} from {rep.url} ({rep.local} already local, "
+                      f"{rep.missing} not available; {c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
+                      markup=False)
+        else:
+            con.print(f"pushed {rep.pushed} of {rep.total} to {rep.url} ({rep.exists} already there, "
+                      f"{rep.missing} not in the local cache, {rep.failed} failed) in {rep.wall_s:.2f}s",
+                      markup=False)
+        if rep.offline:
+            con.print(f"error: the remote {rep.url} is unreachable", markup=False)
+    return 1 if rep.offline or rep.failed else 0
 
 
 # --- verify ----------------------------------------------------------------------
@@ -259,13 +340,13 @@ def verify(
 def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> int:
     from quack_build import verify as v
 
-    s = _settings(cache_dir)
-    _load_kernels(s)
+    s = cli_settings(cache_dir)
+    load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
-    con = _console(to_stderr=as_json)
+    con = console(to_stderr=as_json)
     res = v.verify(exp.configs, _store(s), load=not no_load, run=run, console=None if as_json else con)
     if as_json:
-        _emit_json(res)
+        emit_json(res)
     else:
         v.print_report(con, res)
     return 0 if res["ok"] else 1
@@ -288,13 +369,13 @@ def _keygen(name: str, out_dir: Path) -> int:
     try:
         signing.check_name(name)
     except ValueError as e:
-        raise _Fail(f"error: {e}", code=2) from None
+        raise Fail(f"error: {e}", code=2) from None
     try:
         key_path, pub_path = signing.write_keypair(name, out_dir)
     except FileExistsError as e:
-        raise _Fail(f"error: {e}") from None
+        raise Fail(f"error: {e}") from None
     except OSError as e:
-        raise _Fail(f"error: cannot write the key pair in {out_dir}: {e.strerror or e}") from None
+        raise Fail(f"error: cannot write the key pair in {out_dir}: {e.strerror or e}") from None
     typer.echo(f"private key: {key_path} (mode 600; writers: QUACK_SIGNING_KEY={key_path})")
     typer.echo(f"public key:  {pub_path} (readers: QUACK_TRUSTED_KEYS={pub_path})")
     typer.echo(pub_path.read_text().strip())
@@ -325,13 +406,13 @@ def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> in
         age = inventory.parse_age(since) if since not in ("0", "all") else None
     except ValueError as e:
         typer.echo(f"error: --since: {e}", err=True)
-        raise typer.Exit(2)
-    s = _settings(cache_dir, jobs)
-    _load_kernels(s)
-    con = _console(to_stderr=as_json)
+        raise typer.Exit(2) from None
+    s = cli_settings(cache_dir, jobs)
+    load_kernels(s)
+    con = console(to_stderr=as_json)
     return pw.prewarm(s, _store(s), since_s=age, top=top, emit_manifest=emit_manifest,
                       jobs=s.effective_jobs(jobs), dry_run=dry_run, as_json=as_json, console=con,
-                      emit_json=_emit_json)
+                      emit_json=emit_json)
 
 
 

@@ -228,20 +228,20 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
         elif trusted is not None:
             problems.append("not signed, and trusted keys are configured")
         rows = []
-        for e in idx.entries:
+        for ent in idx.entries:
             bad = []
-            obj = read(f"{pkg}/{e.rel_obj}")
-            if obj is not None and (len(obj) != e.size or hashlib.sha256(obj).hexdigest() != e.sha256):
+            obj = read(f"{pkg}/{ent.rel_obj}")
+            if obj is not None and (len(obj) != ent.size or hashlib.sha256(obj).hexdigest() != ent.sha256):
                 bad.append("object does not match the index")
-            if e.so_sha256 is not None:
-                so = read(f"{pkg}/{e.rel_so}")
-                if so is not None and hashlib.sha256(so).hexdigest() != e.so_sha256:
+            if ent.so_sha256 is not None:
+                so = read(f"{pkg}/{ent.rel_so}")
+                if so is not None and hashlib.sha256(so).hexdigest() != ent.so_sha256:
                     bad.append("shared object does not match the index")
-            cur = keys.toolchain_stamp(e.arch) == e.stamp
-            rows.append({"kernel": e.kernel, "params": e.params, "arch": e.arch, "key": e.key,
-                         "stamp": e.stamp, "current_stamp": cur, "size": e.size,
-                         "so_size": e.so_size, "problems": bad})
-            problems.extend(f"{e.kernel} key {e.key[:16]}: {b}" for b in bad)
+            cur = keys.toolchain_stamp(ent.arch) == ent.stamp
+            rows.append({"kernel": ent.kernel, "params": ent.params, "arch": ent.arch, "key": ent.key,
+                         "stamp": ent.stamp, "current_stamp": cur, "size": ent.size,
+                         "so_size": ent.so_size, "problems": bad})
+            problems.extend(f"{ent.kernel} key {ent.key[:16]}: {b}" for b in bad)
         # Members whose RECORD hash is wrong but that no entry names (e.g. __init__.py).
         for n in sorted(names):
             if n.endswith("/RECORD") or any(n == f"{pkg}/{x}" for x in (_index.INDEX_NAME, _index.SIG_NAME)):

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
-from quack_build.common import _console, _emit_json, _Fail, _load_kernels, _settings
+from quack_build.common import Fail, cli_settings, console, emit_json, load_kernels
 
 
 def register(app: typer.Typer, run, build, expand, store_of) -> None:
@@ -56,20 +56,20 @@ def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_jso
         bw.check_version(version)
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2)
+        raise typer.Exit(2) from None
     key = None
     if sign or signing_key:
         from quack import signing
         from quack.errors import KeyFileError
 
-        s0 = _settings(cache_dir, jobs)
+        s0 = cli_settings(cache_dir, jobs)
         try:
             key = (signing.load_signing_key(signing_key) if signing_key
                    else signing.signing_key_from_settings(s0))
         except KeyFileError as e:
-            raise _Fail(f"error: {e}") from None
+            raise Fail(f"error: {e}") from None
         if key is None:
-            raise _Fail("error: --sign needs a signing key: --signing-key FILE, QUACK_SIGNING_KEY or "
+            raise Fail("error: --sign needs a signing key: --signing-key FILE, QUACK_SIGNING_KEY or "
                         "[remote] signing_key in quack.toml (create one with `quack keygen NAME`)")
     t0 = time.time()
     import contextlib
@@ -79,32 +79,32 @@ def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_jso
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         rc = build(manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False)
     if rc:
-        raise _Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
+        raise Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
     build_s = time.time() - t0
-    s = _settings(cache_dir, jobs)
-    _load_kernels(s)
+    s = cli_settings(cache_dir, jobs)
+    load_kernels(s)
     exp = expand(s, manifests, arch, max_configs)
     from quack.errors import BundleError
 
     files, problems = bw.collect(exp.configs, store_of(s))
     if problems:
-        raise _Fail("error: " + "\n".join(problems) + "\nno bundle written")
+        raise Fail("error: " + "\n".join(problems) + "\nno bundle written")
     try:
         path, idx = bw.write_wheel(files, name=name, version=version, out_dir=out, signing_key=key)
     except BundleError as e:
-        raise _Fail(f"error: {e}") from None
+        raise Fail(f"error: {e}") from None
     except OSError as e:
-        raise _Fail(f"error: cannot write the wheel into {out}: {e.strerror or e}") from None
+        raise Fail(f"error: cannot write the wheel into {out}: {e.strerror or e}") from None
     res = {"wheel": str(path), "name": name, "version": idx.version, "entries": len(idx.entries),
            "with_so": sum(1 for f in files if f.so is not None), "bytes": idx.bytes,
            "wheel_bytes": path.stat().st_size, "stamps": idx.stamps, "signed_by": key.name if key else "",
            "build_s": round(build_s, 3), "seconds": round(time.time() - t0, 3)}
     if as_json:
-        _emit_json(res)
+        emit_json(res)
     else:
         from quack_build.inventory import human_bytes
 
-        _console().print(f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
+        console().print(f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
                          f"{human_bytes(res['wheel_bytes'])}, {', '.join(res['stamps'])}"
                          + (f", signed by {key.name}" if key else "")
                          + f"\ninstall it with: pip install {path}", markup=False, soft_wrap=True)
@@ -116,24 +116,24 @@ def _inspect(wheel: Path, as_json: bool) -> int:
     from quack.errors import BundleError, KeyFileError
     from quack_build import bundle as bw
 
-    s = _settings(None)
+    s = cli_settings(None)
     try:
         trusted = trust.trusted_keys(s)
     except KeyFileError as e:
-        raise _Fail(f"error: {e}") from None
+        raise Fail(f"error: {e}") from None
     try:
         info = bw.inspect_wheel(wheel, trusted)
     except BundleError as e:
-        raise _Fail(f"error: {e}") from None
+        raise Fail(f"error: {e}") from None
     if as_json:
-        _emit_json(info)
+        emit_json(info)
         return 0 if info["ok"] else 1
     from rich.table import Table
 
     from quack_build.inventory import human_bytes
     from quack_build.manifest import format_params
 
-    con = _console()
+    con = console()
     sig = (f"signed by {info['signer']}" + (" (verified)" if trusted is not None and info["ok"] else "")
            if info["signed"] else "unsigned")
     con.print(f"{info['wheel']}: bundle {info['name']} {info['version']} (package {info['package']}), "
@@ -177,15 +177,15 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             pass
     out, rows, loads = [], [], []
     for b in bundles:
-        info = {"name": b.name, "version": b.version, "dist": b.dist, "path": str(b.path),
+        info: dict[str, Any] = {"name": b.name, "version": b.version, "dist": b.dist, "path": str(b.path),
                 "signer": b.signer, "problems": [b.problem] if b.problem else [], "entries": 0,
                 "current": 0, "other_toolchain": 0}
         out.append(info)
-        if b.index is None or b.problem:
+        if b.index is None or b.problem or b.path is None:
             continue
         for e in b.index.entries:
             info["entries"] += 1
-            r = {"bundle": b.name, "kernel": e.kernel, "params": e.params, "arch": e.arch, "key": e.key,
+            r: dict[str, Any] = {"bundle": b.name, "kernel": e.kernel, "params": e.params, "arch": e.arch, "key": e.key,
                  "stamp": e.stamp, "problems": [], "note": ""}
             if keys.toolchain_stamp(s.arch) != e.stamp:
                 info["other_toolchain"] += 1
@@ -208,11 +208,11 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             elif e.kernel not in srcfps:
                 r["note"] = "kernel not registered in this project"
             if not r["problems"] and (load or run):
-                spec = registry.all_specs().get(e.kernel)
+                kspec = registry.all_specs().get(e.kernel)
                 loads.append((r, {"key": e.key, "obj": str(b.path / e.rel_obj),
                                   "so": str(so) if so else None, "kernel": e.kernel,
-                                  "module": spec.module if spec else "", "params": e.params,
-                                  "run": run and spec is not None}))
+                                  "module": kspec.module if kspec else "", "params": e.params,
+                                  "run": run and kspec is not None}))
             rows.append(r)
         if info["current"] == 0 and info["entries"]:
             info["problems"].append("none of its entries is for this toolchain and arch "
@@ -268,11 +268,11 @@ def print_bundle_report(con, res: dict) -> None:
 
 
 def run_verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool) -> int:
-    s = _settings(cache_dir)
-    _load_kernels(s, required=False)
+    s = cli_settings(cache_dir)
+    load_kernels(s, required=False)
     res = verify_bundles(s, load=not no_load, run=run)
     if as_json:
-        _emit_json(res)
+        emit_json(res)
     else:
-        print_bundle_report(_console(), res)
+        print_bundle_report(console(), res)
     return 0 if res["ok"] else 1

@@ -57,6 +57,7 @@ def print_stats(con: Console, info: dict) -> None:
             params = " ".join(f"{a}={b}" for a, b in (r.get("params") or {}).items())
             tb.add_row(str(r["kernel"]), params, str(r.get("arch")), f"{r['compile_s']:.2f}")
         con.print(tb)
+    _print_remote(con, info.get("remote") or {})
     d = info["debris"]
     if any(d.values()):
         con.print(f"debris: {d['tmp_files']} orphaned temp files ({human_bytes(d['tmp_bytes'])}), "
@@ -66,3 +67,23 @@ def print_stats(con: Console, info: dict) -> None:
     if t["stale_entries"]:
         con.print(f"{t['stale_entries']} stale entries ({human_bytes(t['stale_bytes'])}): "
                   f"`quack cache clean` removes them", markup=False)
+
+
+def _print_remote(con: Console, r: dict) -> None:
+    per_url = r.get("per_url") or {}
+    if not per_url and not r.get("configured"):
+        return
+    tb = Table(title="remote cache (all processes that used one)", header_style="bold")
+    cols = ("remote", "hits", "misses", "errors", "rejected", "pushed", "push failed", "down", "up")
+    for c in cols:
+        tb.add_column(c, justify="left" if c == "remote" else "right")
+    rows = list(per_url.items())
+    if r.get("configured") and r["configured"] not in per_url:
+        rows.append((r["configured"], {}))
+    for url, c in rows:
+        rej = c.get("rejected", 0)
+        why = ", ".join(f"{k} {v}" for k, v in sorted((c.get("rejected_by_reason") or {}).items()))
+        tb.add_row(url, str(c.get("hits", 0)), str(c.get("misses", 0)), str(c.get("errors", 0)),
+                   f"{rej} ({why})" if rej else "0", str(c.get("pushed", 0)), str(c.get("push_failed", 0)),
+                   human_bytes(c.get("bytes_down", 0)), human_bytes(c.get("bytes_up", 0)))
+    con.print(tb)

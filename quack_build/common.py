@@ -12,7 +12,7 @@ from typing import Optional
 console_factory = None
 
 
-def _console(to_stderr: bool = False):
+def console(to_stderr: bool = False):
     if console_factory is not None:
         return console_factory(to_stderr)
     from rich.console import Console
@@ -24,25 +24,25 @@ def _console(to_stderr: bool = False):
     return Console(file=file, width=width, highlight=False)
 
 
-class _Fail(Exception):
+class Fail(Exception):
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
         self.code = code
 
 
-def _settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None):
+def cli_settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None):
     from quack import settings as qs
     from quack.errors import SettingsError
 
     try:
         s = qs.resolve({"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs})
     except SettingsError as e:
-        raise _Fail(f"error: {e}") from None
+        raise Fail(f"error: {e}") from None
     qs.set_current(s)
     return s
 
 
-def _load_kernels(s, *, required: bool = True) -> None:
+def load_kernels(s, *, required: bool = True) -> None:
     from quack import registry
 
     root = str(s.project_root)
@@ -52,11 +52,11 @@ def _load_kernels(s, *, required: bool = True) -> None:
         registry.load_packages(s.kernel_packages)
     except Exception as e:  # noqa: BLE001
         if required:
-            raise _Fail(f"error: importing the kernel packages {list(s.kernel_packages)} "
+            raise Fail(f"error: importing the kernel packages {list(s.kernel_packages)} "
                         f"([build] kernel_packages) failed: {type(e).__name__}: {e}") from None
 
 
-def _current_srcfps() -> dict:
+def current_srcfps() -> dict:
     from quack import registry
 
     out = {}
@@ -68,7 +68,7 @@ def _current_srcfps() -> dict:
     return out
 
 
-def _emit_json(obj) -> None:
+def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
     sys.stdout.flush()
 
@@ -76,26 +76,36 @@ def stats(as_json, cache_dir, top) -> int:
     from quack_build import inventory
     from quack.cache import journal
 
-    s = _settings(cache_dir)
-    _load_kernels(s, required=False)
-    info = inventory.summarize(s.cache_dir, _current_srcfps())
+    s = cli_settings(cache_dir)
+    load_kernels(s, required=False)
+    info = inventory.summarize(s.cache_dir, current_srcfps())
     info["journal"] = inventory.journal_summary(journal.read(s.cache_dir), top=top)
     from quack.bundles import tier as _bundle_tier
 
     info["bundles"] = _bundle_tier.summary(s)
+    from quack.remote.stats import read_stats
+
+    info["remote"] = read_stats(s.cache_dir)
+    info["remote"]["configured"] = s.remote_url and _redact(s.remote_url)
     if as_json:
-        _emit_json(info)
+        emit_json(info)
         return 0
     from quack_build.cachecmd import print_stats
 
-    print_stats(_console(), info)
+    print_stats(console(), info)
     return 0
+
+
+def _redact(url: str) -> str:
+    from quack.remote.backend import redact
+
+    return redact(url)
 
 
 def stats_fast(as_json: bool) -> int:
     """``quack cache stats [--json]`` without typer (whose import costs 0.1-0.2 s)."""
     try:
         return stats(as_json, None, 10) or 0
-    except _Fail as e:
+    except Fail as e:
         sys.stderr.write(f"{e}\n")
         return e.code

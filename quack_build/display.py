@@ -13,8 +13,8 @@ from rich.table import Table
 from rich.text import Text
 
 from quack_build.inventory import human_bytes  # noqa: F401  (re-exported for the CLI)
-from quack_build.scheduler import (CACHED, COMPILED, FAILED, INTERRUPTED, SHARED, SKIPPED, BuildResult,
-                                   Task)
+from quack_build.scheduler import (CACHED, COMPILED, FAILED, INTERRUPTED, REMOTE, SHARED, SKIPPED,
+                                   BuildResult, Task)
 
 
 def _err_line(t: Task) -> str:
@@ -183,6 +183,20 @@ def summary_table(res: BuildResult) -> Table:
     tbl.add_row("failed", f"[red]{failed}[/]" if failed else "0")
     if not_built:
         tbl.add_row("not built", f"[yellow]{not_built}[/]")
+    if res.remote_url:
+        r = res.remote
+        tbl.add_row("remote", escape(res.remote_url) + (" [yellow](off: unreachable)[/]" if res.remote_offline
+                                                        else ""))
+        tbl.add_row("  remote hits", str(res.count(REMOTE)))
+        tbl.add_row("  remote pushed", str(r.get("pushed", 0)) + (f" ({r['push_exists']} already there)"
+                                                                  if r.get("push_exists") else ""))
+        rej = r.get("rejected", 0)
+        reasons = ", ".join(f"{k} {v}" for k, v in sorted((r.get("rejected_by_reason") or {}).items()))
+        tbl.add_row("  remote rejected", f"[red]{rej}[/] ({reasons})" if rej else "0")
+        if r.get("push_failed"):
+            tbl.add_row("  remote push failed", f"[yellow]{r['push_failed']}[/]")
+        if r.get("errors"):
+            tbl.add_row("  remote errors", f"[yellow]{r['errors']}[/]")
     tbl.add_row("compile time (sum)", f"{res.compile_s:.1f} s")
     tbl.add_row("wall time", f"{res.wall_s:.1f} s")
     if compiled and res.compile_wall_s > 0:

@@ -14,14 +14,13 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from quack.cache import fsutil, keys
+from quack.cache import keys, orphans
 from quack.cache.store import LAYOUT
 
 _TMP_RE = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
 _SUFFIXES = (".so.json", ".json", ".o", ".so", ".lock")  # longest first
-TMP_MAX_AGE = 3600.0          # a temp file this old is debris whoever wrote it
-TMP_DEAD_MIN_AGE = 60.0       # a dead writer's temp file: gone after a minute
-ORPHAN_MIN_AGE = 300.0        # an .o without metadata older than this: an interrupted publish
+# What counts as debris (temps of dead writers, objects without metadata) is
+# decided by the one rule in quack.cache.orphans.
 
 
 @dataclasses.dataclass
@@ -179,13 +178,6 @@ def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
     return out
 
 
-def tmp_is_debris(pid: int, mtime: float, now: float) -> bool:
-    age = now - mtime
-    if age > TMP_MAX_AGE:
-        return True
-    return age > TMP_DEAD_MIN_AGE and not fsutil.pid_alive(pid)
-
-
 # --- stats ---------------------------------------------------------------------
 
 def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
@@ -208,7 +200,7 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
         k[d.status] += n
         k["bytes"] += b
         for t in d.tmps:
-            if tmp_is_debris(t[1], t[3], now):
+            if orphans.tmp_is_orphan(t[1], t[3], now):
                 debris["tmp_files"] += 1
                 debris["tmp_bytes"] += t[2]
         for kf in d.keys.values():
@@ -220,7 +212,8 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
     debris["quarantined_bytes"] = sum(x[1] for x in q)
     per_stamp: dict[str, dict] = {}
     for f in fps:
-        s = per_stamp.setdefault(f["stamp"], {"stamp": f["stamp"], "current": stamp_is_current(f["stamp"]),
+        stamp = str(f["stamp"])
+        s = per_stamp.setdefault(stamp, {"stamp": stamp, "current": stamp_is_current(stamp),
                                              "entries": 0, "bytes": 0, "fingerprints": 0})
         s["entries"] += f["entries"]
         s["bytes"] += f["bytes"]
@@ -272,20 +265,6 @@ class CleanReport:
         return sum(r.bytes for r in self.removed)
 
 
-def _try_lock(lock_path: Path):
-    """A held filelock on ``lock_path`` or None if another process holds it."""
-    import filelock
-
-    lk = filelock.FileLock(str(lock_path), timeout=0, mode=0o600)
-    try:
-        lk.acquire()
-    except filelock.Timeout:
-        return None
-    except OSError:
-        return None
-    return lk
-
-
 class Cleaner:
     """Removes cache files safely while other processes use the cache.
 
@@ -294,8 +273,8 @@ class Cleaner:
       anyway (an unlinked file stays readable through open descriptors).
     - Lock files are unlinked only in stale directories (a current
       fingerprint's lock may be waited on by a process about to compile).
-    - Temp files are removed only when older than an hour or their writer's
-      pid is dead (and they are over a minute old)."""
+    - Debris (temps of dead writers, objects without metadata) goes by the one
+      rule of quack.cache.orphans."""
 
     def __init__(self, root: Path, *, dry_run: bool = False,
                  log: Callable[[Removal], None] | None = None):
@@ -322,7 +301,7 @@ class Cleaner:
         lock_path = d.path / f"{kf.key}.lock"
         lk = None
         if not self.dry_run:
-            lk = _try_lock(lock_path)
+            lk = orphans.try_lock(lock_path)
             if lk is None:
                 self.report.busy.append((d.path / f"{kf.key}.o", "locked by another process"))
                 return False
@@ -345,7 +324,7 @@ class Cleaner:
         for kf in d.keys.values():
             all_done &= self.remove_key(d, kf, why, drop_lock=True)
         for path, pid, size, mtime in d.tmps:
-            if tmp_is_debris(pid, mtime, now):
+            if orphans.tmp_is_orphan(pid, mtime, now):
                 self._unlink(path, size, "orphaned temp file")
             else:
                 all_done = False
@@ -354,23 +333,14 @@ class Cleaner:
             _rmdirs(d.path, self.root)
 
     def debris(self, d: FpDir, *, drop_locks: bool) -> None:
-        """Temp files of dead writers, interrupted publishes, derived files without an object."""
-        now = time.time()
-        for path, pid, size, mtime in d.tmps:
-            if tmp_is_debris(pid, mtime, now):
-                self._unlink(path, size, "orphaned temp file")
+        """Temp files of dead writers, interrupted publishes (quack.cache.orphans),
+        and with ``drop_locks`` lock files of keys that have no other file."""
+        orphans.sweep_dir(d.path, remove=self._unlink)  # _unlink itself honours dry_run
+        if not drop_locks:
+            return
         for kf in list(d.keys.values()):
-            if kf.complete or kf.bundle_so:
-                continue  # a bundle's derived .so is kept like an entry (see clean)
-            data = [s for s in kf.sizes if s != ".lock"]
-            if not data:
-                if drop_locks:
-                    self._unlink(d.path / f"{kf.key}.lock", 0, "orphaned lock file")
-                continue
-            newest = max(kf.mtimes[s] for s in data)
-            if now - newest < ORPHAN_MIN_AGE:
-                continue  # may be a publish in progress
-            self.remove_key(d, kf, "interrupted publish (object without metadata)", drop_lock=drop_locks)
+            if not [s for s in kf.sizes if s != ".lock"]:  # (a bundle's derived .so has data: kept)
+                self._unlink(d.path / f"{kf.key}.lock", 0, "orphaned lock file")
 
     def quarantine(self) -> None:
         for path, size, _ in quarantine_files(self.root):
@@ -474,6 +444,6 @@ def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all
         for d, kf in sorted(kept, key=lambda x: x[1].last_use):
             if total <= max_size:
                 break
-            if c.remove_key(d, kf, f"--max-size (least recently used)", drop_lock=False):
+            if c.remove_key(d, kf, "--max-size (least recently used)", drop_lock=False):
                 total -= kf.bytes
     return c.report

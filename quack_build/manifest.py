@@ -287,7 +287,7 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
                         f"params = {{ {k} = {_show(table[k])} }}")
             else:
                 ctx.err(where, f"unknown key {k!r}; allowed keys: {', '.join(KERNEL_KEYS)}")
-    archs = default_archs
+    archs: list[str] | None = default_archs
     if "archs" in table:
         archs = _check_archs(ctx, where, table["archs"])
         ok = ok and archs is not None
@@ -333,7 +333,8 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
             ok = False
             ctx.err(where, f"missing parameter {n!r} (no default in {spec.qualname}); "
                     f"expected {p.describe()}")
-    excludes, includes = [], []
+    excludes: list = []
+    includes: list = []
     for what, dest in (("exclude", excludes), ("include", includes)):
         raw = table.get(what, [])
         if not isinstance(raw, list):
@@ -344,7 +345,7 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
                 ok = False
             else:
                 dest.append(m)
-    if not ok:
+    if not ok or archs is None:
         return []
     names = list(spec.params)
     axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
@@ -460,9 +461,9 @@ def expand(paths: Iterable[Path | str], *, archs: Iterable[str] = (), arch_overr
         except ManifestError as e:
             problems.extend(e.problems)
             continue
-        c, pr, w = expand_document(path, doc, archs=archs, arch_override=arch_override,
-                                   max_configs=max_configs)
-        configs.extend(c)
+        got, pr, w = expand_document(path, doc, archs=archs, arch_override=arch_override,
+                                     max_configs=max_configs)
+        configs.extend(got)
         problems.extend(pr)
         warns.extend(w)
     if problems:

@@ -100,8 +100,19 @@ def prewarm(s, store, *, since_s: float | None, top: int | None, emit_manifest: 
                           + (" (dry run)" if dry_run and todo else ""), markup=False)
         return 0
     rep = display.make_reporter(console)
-    res = scheduler.run(tasks, store, jobs=jobs, reporter=rep, keep_going=True,
-                        log_dir=Path(s.cache_dir) / "logs", plan_s=time.time() - t0, order="given", settings=s)
+    remote = None
+    if s.remote_url:  # what CI already built for the new fingerprint is pulled, not rebuilt
+        from quack.remote import tier
+
+        remote = tier.from_settings(s)
+    try:
+        res = scheduler.run(tasks, store, jobs=jobs, reporter=rep, keep_going=True,
+                            log_dir=Path(s.cache_dir) / "logs", plan_s=time.time() - t0, order="given",
+                            settings=s, remote=remote)
+    finally:
+        if remote is not None:
+            remote.record(Path(s.cache_dir))
+            remote.close()
     display.print_summary(console, res)
     if as_json:
         out = res.to_json()

@@ -14,12 +14,13 @@ from pathlib import Path
 from typing import Protocol
 
 from quack.compile import builder
-from quack.cache import journal
+from quack.cache import journal, orphans
 from quack.cache.store import DiskStore, LAYOUT
 from quack_build.manifest import BuildConfig
 
 CACHED, COMPILED, SHARED, FAILED, SKIPPED, INTERRUPTED = (
     "cached", "compiled", "cached-by-other", "failed", "not-built", "interrupted")
+REMOTE = "remote"  # pulled from the remote cache, verified, published locally (quack_build.remote_sync)
 
 
 @dataclasses.dataclass
@@ -35,10 +36,13 @@ class Task:
     slot: int = -1
     error: str = ""
     detail: str = ""
+    pushed: str = ""  # after a compile, with a remote: pushed / exists / failed / off
 
     def to_json(self) -> dict:
-        d = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
+        d: dict[str, object] = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
              "key": self.cfg.key, "status": self.status}
+        if self.pushed:
+            d["remote_push"] = self.pushed
         if self.status in (COMPILED, SHARED, FAILED):
             d.update(compile_s=round(self.compile_s, 4), wall_s=round(self.wall_s, 4), worker=self.pid)
         if self.est_s is not None and self.status not in (CACHED,):
@@ -79,6 +83,9 @@ class BuildResult:
     log_path: str = ""
     trace_path: str = ""
     missing_after: list = dataclasses.field(default_factory=list)
+    remote_url: str = ""  # empty: no remote configured
+    remote: dict = dataclasses.field(default_factory=dict)  # the tier's counters for this build
+    remote_offline: bool = False
 
     def count(self, status: str) -> int:
         return sum(1 for t in self.tasks if t.status == status)
@@ -127,6 +134,11 @@ class BuildResult:
             "missing_after": self.missing_after,
             "log": self.log_path or None,
             "trace": self.trace_path or None,
+            "remote_hits": self.count(REMOTE),
+            "remote_pushed": int(self.remote.get("pushed", 0)),
+            "remote_rejected": int(self.remote.get("rejected", 0)),
+            "remote": ({"url": self.remote_url, "offline": self.remote_offline, **self.remote}
+                       if self.remote_url else None),
             "keys": [t.to_json() for t in self.tasks],
         }
 
@@ -175,10 +187,11 @@ def past_compile_times(root: Path, todo: list[Task]) -> dict[str, float]:
                         out[k] = max(out.get(k, 0.0), float(v))
     keyset = {t.cfg.key for t in todo}
     for r in journal.read(Path(root)):
-        k = r.get("key")
+        rk = r.get("key")
         v = r.get("compile_s")
-        if k in keyset and k not in out and r.get("compiles") and isinstance(v, (int, float)) and v > 0:
-            out[k] = float(v)
+        if isinstance(rk, str) and rk in keyset and rk not in out and r.get("compiles") \
+                and isinstance(v, (int, float)) and v > 0:
+            out[rk] = float(v)
     return out
 
 
@@ -206,65 +219,54 @@ def order_longest_first(todo: list[Task], known: dict[str, float]) -> list[Task]
 # --- running -------------------------------------------------------------------
 
 def _remove_partial(store: DiskStore, t: Task) -> None:
-    """After an interrupt: an object published without its metadata is removed, and the
-    killed worker's temp files (under the key's lock, not waiting: a key another process
-    is building is left alone)."""
-    from quack_build.inventory import _try_lock
-
+    """After an interrupt: what the killed worker left for this key (an object
+    published without metadata, its temp files), by the one rule of
+    quack.cache.orphans with no grace (we killed the writer and joined it). A
+    key whose lock another process holds is left alone."""
     ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
-    p = store.paths(ref)
-    d = p["obj"].parent
-    lk = _try_lock(p["lock"]) if p["lock"].exists() else None
-    if lk is None:
-        return
-    try:
-        if not p["meta"].exists():
-            for n in ("obj", "so", "so_meta"):
-                try:
-                    os.unlink(p[n])
-                except OSError:
-                    pass
-        if t.pid:
-            for n in os.listdir(d):
-                if n.startswith(ref.key) and f".tmp-{t.pid}-" in n:
-                    try:
-                        os.unlink(d / n)
-                    except OSError:
-                        pass
-    except OSError:
-        pass
-    finally:
-        lk.release()
-
-
-def _pool_task(pool, ident):
-    """The pool's record of a key (start time, worker pid); None if it has none."""
-    tasks = getattr(pool, "_tasks", None)
-    return tasks.get(ident) if isinstance(tasks, dict) else None
+    orphans.sweep_dir(store.paths(ref)["obj"].parent, stems={ref.key}, grace=0.0)
 
 
 def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | None = None,
         keep_going: bool = False, force: bool = False, log_dir: Path | None = None,
-        plan_s: float = 0.0, order: str = "longest", settings=None) -> BuildResult:
+        plan_s: float = 0.0, order: str = "longest", settings=None, remote=None,
+        on_pulled=None) -> BuildResult:
     """Compile every task not cached in a quack.compile.pool.CompilePool; returns the result
     (check ``.ok``). The pool runs the keys in the order given (longest first by
     default); at most ``jobs`` + 2 are queued at once, so fail-fast and Ctrl-C stop
-    promptly and progress polling stays O(jobs)."""
+    promptly and progress polling stays O(jobs).
+
+    With ``remote`` (a quack.remote.tier.RemoteTier): the keys missing locally are
+    pulled first (``on_pulled(task)`` after each), and what is compiled here is
+    pushed when the tier may write. Neither ever fails the build."""
     from quack.compile import pool as qpool
     from quack import settings as qs
 
     s = settings or qs.get()
     rep = reporter or NullReporter()
     t_begin = time.time() - plan_s
-    todo = [t for t in tasks if t.status != CACHED]
+    if remote is not None and not force:
+        from quack_build.remote_sync import pull
+
+        try:
+            pull(tasks, store, remote, on_pulled=on_pulled)
+        except KeyboardInterrupt:
+            pass  # what was pulled is published; the rest is reported not built below
+    todo = [t for t in tasks if t.status not in (CACHED, REMOTE)]
     if todo and order == "longest":
         todo = order_longest_first(todo, past_compile_times(store.root, todo))
     jobs = max(1, min(jobs, len(todo))) if todo else max(1, jobs)
     res = BuildResult(tasks, jobs, plan_s=plan_s, t0=t_begin)
     rep.planned(tasks, todo, jobs)
+    if remote is not None:
+        res.remote_url = remote.url
+        n = res.count(REMOTE)
+        if n:
+            rep.note(f"{n} pulled from the remote cache {remote.url} (signatures verified)")
     if not todo:
         res.wall_s = time.time() - t_begin
         res.missing_after = _missing(tasks, store)
+        _remote_done(res, remote)
         rep.close()
         return res
     log_path = None
@@ -289,7 +291,7 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
             for key, t in list(inflight.items()):
                 st, err = pool.poll(key, root)
                 if t.status == "queued":
-                    pt = _pool_task(pool, (root, key))
+                    pt = pool.task_info(key, root)
                     if pt is not None and pt.started is not None:
                         t.status = "running"
                         t.start = now_w - (now_m - pt.started)
@@ -310,6 +312,10 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
                     t.pid = r.get("pid", t.pid) or t.pid
                     t.wall_s = float(r.get("wall_s") or (now_w - t.start))
                     t.end = t.start + t.wall_s if r.get("wall_s") else now_w
+                    if remote is not None and t.status == COMPILED:
+                        from quack_build.remote_sync import push_task
+
+                        t.pushed = push_task(t, store, remote)
                 else:
                     t.status = FAILED
                     t.end = now_w
@@ -329,7 +335,7 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
         for key, t in inflight.items():
             t.status = INTERRUPTED
             t.end = time.time()
-            pt = _pool_task(pool, (root, key))
+            pt = pool.task_info(key, root)
             if pt is not None and pt.pid:
                 t.pid = pt.pid
             _remove_partial(store, t)
@@ -350,8 +356,15 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
     res.wall_s = time.time() - t_begin
     if not res.interrupted:
         res.missing_after = _missing(tasks, store)
+    _remote_done(res, remote)
     rep.close()
     return res
+
+
+def _remote_done(res: BuildResult, remote) -> None:
+    if remote is not None:
+        res.remote = remote.counters.to_json()
+        res.remote_offline = remote.offline
 
 
 def _first_line(err) -> str:

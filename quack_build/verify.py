@@ -34,18 +34,21 @@ class _Child:
         self.err = tempfile.TemporaryFile()
         self.p = subprocess.Popen([sys.executable, "-m", "quack_build._verify_child"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=self.err, env=env)
+        # PIPE: both exist (typed Optional by Popen).
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.stdin, self.stdout = self.p.stdin, self.p.stdout
 
     def ask(self, req: dict, timeout: float = LOAD_TIMEOUT) -> dict | None:
         try:
-            self.p.stdin.write((json.dumps(req) + "\n").encode())
-            self.p.stdin.flush()
+            self.stdin.write((json.dumps(req) + "\n").encode())
+            self.stdin.flush()
         except (BrokenPipeError, OSError):
             return None
-        r, _, _ = select.select([self.p.stdout], [], [], timeout)
+        r, _, _ = select.select([self.stdout], [], [], timeout)
         if not r:
             self.p.kill()
             return {"ok": False, "error": f"loading took over {timeout:.0f} s (killed)"}
-        line = self.p.stdout.readline()
+        line = self.stdout.readline()
         if not line:
             return None
         try:
@@ -66,7 +69,7 @@ class _Child:
 
     def close(self) -> None:
         try:
-            self.p.stdin.close()
+            self.stdin.close()
             self.p.wait(10)
         except Exception:  # noqa: BLE001
             self.p.kill()

@@ -38,7 +38,7 @@ def cache_dir(tmp_path) -> Path:
 @pytest.fixture
 def quack_settings(cache_dir):
     """Settings pointing at a private cache, arch sm_90a, jit mode; restored after."""
-    saved = settings._current
+    saved = settings.installed()
     s = settings.resolve({"cache_dir": str(cache_dir), "arch": "sm_90a", "mode": "jit"})
     settings.set_current(s)
     yield s
@@ -56,3 +56,7 @@ def use_settings(**overrides):
 
 
 sys.path.insert(0, str(TESTS))
+
+
+# Issue 16: per-worker GPU records and the session-end pinning check (tests/gpupin.py).
+from gpupin import pytest_sessionfinish, pytest_terminal_summary, pytest_testnodedown  # noqa: E402,F401

@@ -54,7 +54,7 @@ def project(tmp_path, monkeypatch):
     d = write_project(tmp_path / "proj")
     monkeypatch.chdir(d)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
-    saved = settings._current
+    saved = settings.installed()
     yield d
     settings.set_current(saved)
 
@@ -174,7 +174,7 @@ params = { dtype = ["float16", "bfloat16"], block = [64, 128] }
     procs = [subprocess.Popen(cmd, cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
-    for p, (o, e) in zip(procs, outs):
+    for p, (_o, e) in zip(procs, outs):
         assert p.returncode == 0, e
     res = [json.loads(o) for o, _ in outs]
     assert sum(r["compiled"] for r in res) == 4

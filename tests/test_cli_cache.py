@@ -52,7 +52,7 @@ def cache(tmp_path, monkeypatch):
     (proj / "quack.toml").write_text('[build]\nkernel_packages = ["toykernels"]\n')
     monkeypatch.chdir(proj)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(root))
-    saved = settings._current
+    saved = settings.installed()
     cur_fp = registry.get("toy_scale").source_fingerprint()
     cur = root / "v1" / keys.toolchain_stamp("sm_90a") / "toy_scale" / cur_fp
     stale_fp = root / "v1" / keys.toolchain_stamp("sm_90a") / "toy_scale" / "0000000000000000"
@@ -98,7 +98,7 @@ def test_stats_imports_neither_cutlass_nor_torch(cache, entry):
     call = ("from quack_build.cli import main\nmain(['cache', 'stats', '--json'])" if entry == "main" else
             "from quack_build.cli import app\napp(['cache', 'stats', '--json'])")
     heavy = "('torch', 'cutlass', 'tvm_ffi', 'typer')" if entry == "main" else "('torch', 'cutlass', 'tvm_ffi')"
-    code = (f"import sys\ntry:\n    " + call.replace("\n", "\n    ") + "\nexcept SystemExit as e:\n"
+    code = ("import sys\ntry:\n    " + call.replace("\n", "\n    ") + "\nexcept SystemExit as e:\n"
             f"    assert not e.code, e.code\nbad = [m for m in {heavy} if m in sys.modules]\n"
             "assert not bad, bad\n")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))

@@ -44,7 +44,7 @@ def _project(d: Path, cache: Path, monkeypatch) -> Path:
 def built(tmp_path_factory):
     mp = pytest.MonkeyPatch()
     base = tmp_path_factory.mktemp("verify")
-    saved = settings._current
+    saved = settings.installed()
     try:
         _project(base / "proj", base / "cache", mp)
         r = runner.invoke(app, ["build", "-j", "2", "--json"])
@@ -61,7 +61,7 @@ def proj(built, tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     shutil.copytree(built, cache)
     d = _project(tmp_path / "proj", cache, monkeypatch)
-    saved = settings._current
+    saved = settings.installed()
     yield {"dir": d, "cache": cache}
     settings.set_current(saved)
 

@@ -37,6 +37,10 @@ CASES = [
     (E.BundleError("refused", bundle="b", path="/site/b/index.json"), ValueError, ("bundle", "path")),
     (E.SignatureError("bad", signer="ci-1", reason="bad-signature"), ValueError, ("signer", "reason")),
     (E.KeyFileError("missing", path="/k.pub", reason="missing"), ValueError, ("path", "reason")),
+    (E.RemoteError("down", url="redis://h/0", reason="timeout"), OSError, ("url", "reason")),
+    (E.ObjectRejected("refused", key="ab" * 32, reason="checksum", signer="ci-1"), ValueError,
+     ("key", "reason", "signer")),
+    (E.RemoteWarning("remote off"), UserWarning, ()),
 ]
 
 

@@ -66,14 +66,18 @@ def test_parse_size_and_age():
 
 
 def test_tmp_debris_rules():
+    """The one age rule (quack.cache.orphans), as ``quack cache clean`` applies it."""
+    from quack.cache.orphans import tmp_is_orphan
+
     now = time.time()
     p = subprocess.Popen([sys.executable, "-c", "pass"])
     p.wait()
     dead = p.pid
-    assert inventory.tmp_is_debris(os.getpid(), now - 2 * 3600, now)  # old: whoever wrote it
-    assert not inventory.tmp_is_debris(os.getpid(), now - 120, now)   # young, writer alive
-    assert inventory.tmp_is_debris(dead, now - 120, now)              # writer dead
-    assert not inventory.tmp_is_debris(dead, now - 5, now)            # too young to judge
+    assert tmp_is_orphan(os.getpid(), now - 2 * 3600, now)  # old: whoever wrote it
+    assert not tmp_is_orphan(os.getpid(), now - 120, now)   # young, writer alive
+    assert tmp_is_orphan(dead, now - 120, now)              # writer dead
+    assert not tmp_is_orphan(dead, now - 5, now)            # too young to judge
+    assert tmp_is_orphan(dead, now - 5, now, grace=0)       # the caller knows it killed it
 
 
 def test_human_bytes():

@@ -9,7 +9,7 @@ import warnings
 import pytest
 
 import toykernels
-from quack import jit_cache, settings
+from quack import jit_cache
 from quack.errors import CompileError, KernelNotPrebuilt
 from quack.params import Int
 from quack.errors import CacheWarning

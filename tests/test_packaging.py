@@ -91,3 +91,6 @@ def test_non_editable_install_next_to_huggingface_kernels(tmp_path):
     # The Hugging Face package's files are its own, none of ours mixed in.
     ours = {p.name for p in (ROOT / "kernels").glob("*.py")} - {"__init__.py"}
     assert not ours & {p.name for p in (Path(site) / "kernels").glob("*.py")}
+    # PEP 561: the type markers are installed with the packages.
+    assert (Path(site) / "quack" / "py.typed").is_file() and (Path(site) / "quack_build" / "py.typed").is_file()
+

@@ -10,7 +10,7 @@ import pytest
 from quack.cache import keys
 from quack.errors import ParamError
 from quack.params import Bool, Choice, Config, Dtype, Float, Int
-from quack.registry import KernelSpec, register
+from quack.registry import register
 
 
 @dataclasses.dataclass(frozen=True)

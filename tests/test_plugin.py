@@ -1,7 +1,6 @@
 """The pytest plugin, end to end in pytester subprocesses with real CPU compiles
 of the toy kernels: --async-compile single-process and under xdist (load and
 worksteal), the fault cases, OOM retry, strict prebuilt mode, the integrity check."""
-import os
 import re
 
 import pytest
@@ -107,7 +106,7 @@ def test_warm_rerun_defers_nothing(pytester, run_env):
         def test_a():
             assert callable(toykernels.toy_scale("float32", 320, False))
         def test_own_cache_waits_instead_of_deferring(tmp_path):
-            saved = settings._current
+            saved = settings.installed()
             settings.set_current(settings.resolve({"cache_dir": str(tmp_path / "c"), "mode": "jit"}))
             try:
                 assert callable(toykernels.toy_scale("float32", 352, False))
@@ -141,7 +140,7 @@ def test_swallowed_miss_still_fails():
         pass
 
 def test_own_settings_unaffected(tmp_path):
-    saved = settings._current
+    saved = settings.installed()
     settings.set_current(settings.resolve({"cache_dir": str(tmp_path / "c"), "mode": "jit"}))
     try:
         assert callable(toykernels.toy_scale("float32", 544, False))
@@ -180,12 +179,12 @@ def test_prebuilt_strict_mode(pytester, run_env, quack_settings, cache_dir, monk
 
 def test_integrity_check_fails_a_run_with_a_lost_report(pytester, run_env):
     pytester.makeconftest("""
-        import quack.testing.plugin as qp
-        _orig = qp._Runner._log
+        import quack.testing.runner as qp
+        _orig = qp.Runner._log
         def _lossy(self, item, reports):
             if "lost" not in item.nodeid:
                 _orig(self, item, reports)
-        qp._Runner._log = _lossy
+        qp.Runner._log = _lossy
     """)
     pytester.makepyfile(test_x="""
         def test_fine():

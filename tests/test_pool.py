@@ -6,7 +6,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 import warnings
 

@@ -7,7 +7,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -17,7 +16,6 @@ import pytest
 import relkernels  # noqa: F401 - registers rel_copy
 from quack.compile import builder
 from quack import registry
-from quack.errors import LockTimeout
 from quack.cache.store import DiskStore
 from reliability_support import PY, TESTS, env, needs_cli, session_objects
 

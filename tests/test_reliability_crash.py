@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 import warnings
@@ -20,7 +19,7 @@ import pytest
 from quack.runtime import loader
 from quack.cache.store import DiskStore, EntryRef
 from reliability_support import (PY, TESTS, cli_has, debris, env, needs_cli, session_objects,
-                                 toy_ref, write_toy_project)
+                                 write_toy_project)
 
 KILLS = int(os.environ.get("QUACK_TEST_KILLS", "60"))
 NKEYS = 6
@@ -104,8 +103,8 @@ def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
     assert stats["debris_after_kill"] > 0 or stats["orphan_o_after_kill"] > 0, stats
 
     # Sweep the debris: `quack cache clean` where it exists, else the store's sweep.
-    # clean spares a dead writer's temp file for a minute (its pid may be reused, the
-    # file may be on a shared disk), an orphan .o for 5: make the debris look 400 s old.
+    # clean spares a gone writer's files for a minute (quack.cache.orphans: its pid may
+    # be reused, the file may be on a shared disk): make the debris look 400 s old.
     backdate(root, 400)
     if cli_has("cache", "clean"):
         r = subprocess.run(["quack", "cache", "clean", "--cache-dir", str(root)], env=env(),
@@ -165,7 +164,7 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
     root = tmp_path / "cache"
     results = []
     rng = random.Random(7)
-    for attempt in range(3):
+    for _attempt in range(3):
         p = subprocess.Popen(["quack", "build", "--jobs", "2", "--cache-dir", str(root)],
                              env=env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, cwd=str(tmp_path), start_new_session=True)

@@ -5,7 +5,6 @@ import errno
 import json
 import os
 import subprocess
-import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import toykernels  # noqa: F401 - registers toy_scale
 from quack.compile import builder
 from quack.runtime import loader
 from quack import registry, settings
-from quack.errors import CacheWarning, CacheWriteError
+from quack.errors import CacheWriteError
 from quack.cache.store import DiskStore
 from reliability_support import (can_mount, copy_publish, env, needs_cli, run_py, session_objects,
                                  toy_ref, write_toy_project)

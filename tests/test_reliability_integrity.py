@@ -16,7 +16,7 @@ import toykernels
 from conftest import use_settings
 from quack.runtime import loader
 from quack.errors import CacheWarning
-from quack.cache.store import DiskStore, EntryRef
+from quack.cache.store import DiskStore
 from reliability_support import (copy_publish, env, needs_cli, session_objects, toy_ref,
                                  write_toy_project)
 

@@ -14,7 +14,7 @@ import toykernels  # noqa: F401 - registers toy_scale
 from quack.compile import builder
 from quack.cache import keys
 from quack import registry
-from quack.errors import KernelNotPrebuilt, ParamError
+from quack.errors import ParamError
 from quack.errors import CacheWarning
 from quack.cache.store import DiskStore
 from reliability_support import PY, TESTS, copy_publish, env, session_objects, toy_ref

@@ -11,7 +11,6 @@ import re
 import shutil
 import stat
 import subprocess
-import warnings
 from pathlib import Path
 
 import pytest
@@ -258,7 +257,7 @@ def canary(tmp_path):
 @pytest.mark.parametrize("bad", HOSTILE, ids=lambda s: repr(s)[:20])
 def test_hostile_names_refused_and_stay_under_root(bad, canary, tmp_path, objs):
     root = tmp_path / "cache"
-    store = DiskStore(root)
+    DiskStore(root)
     good = toy_ref(objs["float32"])
     with pytest.raises(ValueError, match="must match"):
         registry.register(bad, lambda dtype: None, {})

@@ -153,11 +153,11 @@ def _entry(i: int, raw) -> IndexEntry:
     params = raw.get("params", {})
     if not isinstance(params, dict):
         raise BundleError(f"{where}.params is not an object")
-    e = IndexEntry(key, kernel, arch, stamp, srcfp, params, sha, size, so_sha, so_size)
-    if raw.get("file") != e.rel_obj or (so is not None and so.get("file") != e.rel_so):
+    ent = IndexEntry(key, kernel, arch, stamp, srcfp, params, sha, size, so_sha, so_size)
+    if raw.get("file") != ent.rel_obj or (so is not None and so.get("file") != ent.rel_so):
         raise BundleError(f"{where}.file = {raw.get('file')!r} does not match the store layout "
-                          f"({e.rel_obj})")
-    return e
+                          f"({ent.rel_obj})")
+    return ent
 
 
 def parse(data: bytes) -> Index:

@@ -92,8 +92,8 @@ def open_bundle(name: str, dist: str, version: str, path: Path | None, trusted, 
         except BundleError as e:
             b.problem = str(e)
             return b
-    for e in b.index.entries:
-        b.by_key.setdefault(e.key, []).append(e)
+    for ent in b.index.entries:
+        b.by_key.setdefault(ent.key, []).append(ent)
     return b
 
 
@@ -133,12 +133,14 @@ def discover(settings) -> list[Bundle]:
                       f"{b.problem}; none of its kernels will be used", stacklevel=6)
         else:
             log.debug("quack: bundle %s %s at %s: %d entries", b.name, b.version, b.path,
-                      len(b.index.entries))
+                      len(b.index.entries) if b.index is not None else 0)
     return out
 
 
 def check_files(b: Bundle, e: IndexEntry) -> tuple[str, Path | None]:
     """('' or the problem, verified .so path or None) for one entry's files."""
+    if b.path is None:
+        return "the bundle's package directory was not found", None
     obj = b.path / e.rel_obj
     try:
         data = fsutil.read_nofollow(obj)

@@ -30,7 +30,10 @@ if TYPE_CHECKING:
     from quack.cache.store import Entry, EntryRef
 
 #: ``Inspection.status`` values.
-OK, MISSING, CORRUPT = "ok", "missing", "corrupt"
+Status = Literal["ok", "missing", "corrupt"]
+OK: Status = "ok"
+MISSING: Status = "missing"
+CORRUPT: Status = "corrupt"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,7 +44,7 @@ class Inspection:
     SHA-256), ``"missing"`` (no metadata) or ``"corrupt"`` (``problem`` says why).
     ``so`` is the derived shared object if its sidecar ties it to this very .o."""
 
-    status: Literal["ok", "missing", "corrupt"]
+    status: Status
     problem: str
     meta: dict[str, Any]
     obj: Path
@@ -124,6 +127,13 @@ class Fetched:
     @property
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
+
+
+@runtime_checkable
+class ListsSearched(Protocol):
+    """A tier that can say what it searched (KernelNotPrebuilt lists it)."""
+
+    def searched(self) -> tuple[str, ...]: ...
 
 
 @runtime_checkable

@@ -67,7 +67,7 @@ def check_tree(path: Path, root: Path) -> bool:
     if one is a symlink or not a directory (someone planted it: refuse)."""
     parts = () if path == root else Path(under_root(path, root)).relative_to(root).parts
     cur = root
-    for i, part in enumerate((None, *parts)):
+    for part in (None, *parts):
         if part is not None:
             cur = cur / part
         try:

@@ -141,7 +141,7 @@ _FP_CACHE: dict[str, tuple[dict, tuple, str]] = {}
 
 
 def _stat_sig(files: dict[str, Path]) -> tuple:
-    sig = []
+    sig: list[tuple] = []
     for name, path in sorted(files.items()):
         try:
             st = path.stat()

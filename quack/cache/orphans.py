@@ -84,9 +84,11 @@ def sweep_dir(d: Path, *, stems: Collection[str] | None = None, grace: float = G
         if pid is not None:
             if tmp_is_orphan(pid, st.st_mtime, now, grace):
                 drop(path, st.st_size, "orphaned temp file")
-        elif (name.endswith((".o", ".so", ".so.json")) and f"{stem}.json" not in present
+        elif (name.endswith(".o") and f"{stem}.json" not in present
               and stem not in seen and now - st.st_mtime >= grace):
-            seen.add(stem)  # an object (or derived file) without metadata
+            # An object without metadata. (A .so without either is an installed
+            # bundle's derived .so, linked into the cache: not debris.)
+            seen.add(stem)
             _remove_orphan_object(d, stem, drop)
     return out
 

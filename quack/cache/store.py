@@ -100,8 +100,14 @@ class Entry:
     so_path: Path | None  # verified .so, if there is one
 
 
-__all__ = ["DiskStore", "Entry", "EntryRef", "Inspection", "Store", "LAYOUT", "warn_once",
+__all__ = ["DiskStore", "Entry", "EntryRef", "Inspection", "Store", "LAYOUT", "local_store", "warn_once",
            "write_error"]
+
+
+def local_store(s) -> "DiskStore":
+    """The local store of settings ``s`` (``quack.settings.Settings``): the one
+    writable Store of a process; jit, the pool and the CLI open it here."""
+    return DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
 
 
 class DiskStore:
@@ -257,7 +263,7 @@ class DiskStore:
             return None  # stale or damaged derived file: relinked from the verified .o
         return p["so"]
 
-    def _bad(self, ref: EntryRef, reason: str) -> None:
+    def _bad(self, ref: EntryRef, reason: str) -> Entry | None:
         try:
             where = f"moved to {self.quarantine(ref, reason)}"
         except OSError as e:  # read-only cache: can't move it, but never load it either

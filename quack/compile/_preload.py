@@ -5,34 +5,23 @@ torch is hidden while cutlass and tvm_ffi import (tvm_ffi imports torch when
 it can: ~3 s that a compile never needs; the .o is bit-identical), then
 unhidden so a compile function that does import torch still can."""
 import os
+import signal
 import sys
 
 
 def _preload() -> None:
-    # The forkserver ignores Ctrl-C ("protect the process from ^C"), but only once its
-    # preload is done; a Ctrl-C to the terminal's process group during these imports
-    # would print a KeyboardInterrupt traceback from it. The owner of the pool stops
-    # the server. So SIGINT is ignored during the preload and put back after it, so the
-    # workers forked later get the handler they had before.
-    import signal
-
-    try:
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: not the forkserver either
-        _preload_body()
-        return
-    try:
-        _preload_body()
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _preload_body() -> None:
+    # This runs in the forkserver, which shares the terminal's process group: a Ctrl-C
+    # must not kill it mid-import with a KeyboardInterrupt traceback on the user's
+    # terminal. The parent decides what happens to compiles (it exits, and the
+    # forkserver follows when its pipe closes); workers ignore SIGINT likewise.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     try:
         from quack import settings
 
         s = settings.get()
+        if s.no_preload:  # QUACK_NO_PRELOAD: workers import lazily (tests of the cold path)
+            return
         os.environ.setdefault("CUTE_DSL_ARCH", s.arch)
         packages = s.kernel_packages
     except Exception:  # noqa: BLE001 - a bad quack.toml is reported by the caller, not here
@@ -59,5 +48,4 @@ def _preload_body() -> None:
         pass
 
 
-if os.environ.get("QUACK_NO_PRELOAD") != "1":
-    _preload()
+_preload()

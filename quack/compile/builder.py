@@ -14,7 +14,8 @@ import traceback
 from quack.runtime import loader
 from quack.errors import CacheError, CompileError
 from quack.registry import KernelSpec
-from quack.cache.store import DiskStore, Entry, EntryRef, write_error
+from quack.cache.contract import Store
+from quack.cache.store import Entry, EntryRef, write_error
 
 
 def entry_ref(spec: KernelSpec, params: dict, arch: str) -> EntryRef:
@@ -44,20 +45,20 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
         if not hasattr(compiled, "export_to_c"):
             raise TypeError(f"compile function {spec.module}.{spec.qualname} returned "
                             f"{type(compiled).__name__}, not a cute.compile(...) result")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
         detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         raise CompileError(spec.name, spec.plain(params), arch, detail) from None
     try:
         compiled.export_to_c(object_file_path=str(out_path), function_name=loader.FUNCTION_NAME)
     except OSError:
         raise
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - the exporter's own errors: the kernel's CompileError
         detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         raise CompileError(spec.name, spec.plain(params), arch, detail) from None
     return time.perf_counter() - t0
 
 
-def build(spec: KernelSpec, params: dict, arch: str, store: DiskStore, *, force: bool = False,
+def build(spec: KernelSpec, params: dict, arch: str, store: Store, *, force: bool = False,
           lock_timeout: float | None = None) -> tuple[Entry, bool]:
     """Make sure the entry exists; returns (entry, compiled_here). Check, lock, check again:
     a key another process is compiling is awaited on its lock, not compiled twice.

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import signal
@@ -46,6 +48,39 @@ from quack.errors import CacheError, CompileError, CompileTimeout, LockTimeout
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
 EXTERNAL_POLL_S = 0.1
+log = logging.getLogger("quack.pool")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRequest:
+    """One compile task as sent to a worker (pickled over its pipe): what to
+    import, which configuration, and the cache to publish into."""
+
+    module: str
+    kernel: str
+    params: dict
+    arch: str
+    root: str
+    fsync: bool
+    lock_timeout: float
+    force: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+    """The pool's public view of one key's task (``CompilePool.task_info``).
+
+    ``started``: time.monotonic() when a worker took it (or, for a key another
+    process is compiling, when the pool began awaiting it); None while queued.
+    ``pid``: the worker's pid once started; None for queued or external keys."""
+
+    kernel: str
+    key: str
+    arch: str
+    submitted: float
+    started: float | None
+    pid: int | None
+    external: bool
 
 
 def _worker_died_error(task: "_Task", exitcode) -> CompileError:
@@ -66,18 +101,17 @@ def _noop() -> int:
     return os.getpid()
 
 
-def worker_build(module: str, kernel: str, params: dict, arch: str, root: str, fsync: bool,
-                 lock_timeout: float, force: bool) -> dict:
+def worker_build(req: WorkerRequest) -> dict:
     """Task run in a worker: import, compile, publish. Returns a small report."""
     from quack.compile import builder
     from quack import registry
     from quack.cache.store import DiskStore
 
-    spec = registry.import_spec(module, kernel)
-    bound = spec.bind((), params)
-    store = DiskStore(Path(root), fsync=fsync, lock_timeout=lock_timeout)
+    spec = registry.import_spec(req.module, req.kernel)
+    bound = spec.bind((), req.params)
+    store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
-    entry, compiled = builder.build(spec, bound, arch, store, force=force)
+    entry, compiled = builder.build(spec, bound, req.arch, store, force=req.force)
     return {"key": entry.ref.key, "compiled": compiled, "pid": os.getpid(),
             "compile_s": entry.meta.get("compile_s", 0.0) if compiled else 0.0,
             "wall_s": time.perf_counter() - t0, "obj": str(entry.obj_path)}
@@ -96,17 +130,17 @@ def _worker_main(conn) -> None:
             return
         if msg is None:
             return
-        fn, args = msg
+        fn, req = msg
         try:
-            result = ("ok", fn(*args))
+            result = ("ok", fn(req))
         except CompileError as e:
             result = ("err", e)
         except (CacheError, LockTimeout) as e:  # the cache's problem: the caller runs uncached
             result = ("err", e)
         except BaseException as e:  # noqa: BLE001 - everything goes back as text
             detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            kernel, params, arch = (args[1], args[2], args[3]) if len(args) >= 4 else ("?", {}, "?")
-            result = ("err", CompileError(kernel, params, arch, detail))
+            result = ("err", CompileError(getattr(req, "kernel", "?"), getattr(req, "params", {}),
+                                          getattr(req, "arch", "?"), detail))
         try:
             conn.send(result)
         except Exception:  # noqa: BLE001 - unpicklable result: send text instead
@@ -150,7 +184,7 @@ def _install_prep_filter() -> None:
                 d.pop(k, None)
         return d
 
-    get_preparation_data._quack_filter = True
+    get_preparation_data._quack_filter = True  # type: ignore[attr-defined]
     spawn.get_preparation_data = get_preparation_data
 
 
@@ -166,26 +200,41 @@ def _context(start_method: str):
     return ctx
 
 
+def _block_sigint_for_children() -> None:
+    """Block SIGINT in the dispatcher thread (never the main thread): processes it
+    starts (the forkserver, workers) inherit the mask, so a terminal's Ctrl-C, sent to
+    the whole process group, cannot interrupt them mid-start with a traceback; the
+    main thread still receives it. multiprocessing's resource tracker unblocks SIGINT
+    in the calling thread when it starts, so it is started first."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
 # -- the pool --------------------------------------------------------------------------------
 class _Task:
-    __slots__ = ("ident", "key", "root", "kernel", "params", "arch", "args", "timeout", "submitted",
+    __slots__ = ("ident", "key", "root", "kernel", "params", "arch", "request", "timeout", "submitted",
                  "started", "pid", "external_lock", "obj_meta")
 
-    def __init__(self, ident, key, root, kernel, params, arch, args, timeout):
+    def __init__(self, ident, key, root, kernel, params, arch, request: WorkerRequest, timeout):
         self.ident, self.key, self.root = ident, key, root
-        self.kernel, self.params, self.arch, self.args, self.timeout = kernel, params, arch, args, timeout
+        self.kernel, self.params, self.arch, self.request, self.timeout = kernel, params, arch, request, timeout
         self.submitted = time.monotonic()
-        self.started = None
-        self.pid = None
-        self.external_lock = None  # lock path, for a key another process is compiling
-        self.obj_meta = None       # its metadata path (written last by a publish)
+        self.started: float | None = None
+        self.pid: int | None = None
+        self.external_lock: str | None = None  # lock path, for a key another process is compiling
+        self.obj_meta: str | None = None       # its metadata path (written last by a publish)
 
 
 class _Worker:
     __slots__ = ("proc", "conn", "task")
 
     def __init__(self, proc, conn):
-        self.proc, self.conn, self.task = proc, conn, None
+        self.proc, self.conn = proc, conn
+        self.task: _Task | None = None
 
 
 def lock_held(path) -> bool:
@@ -216,7 +265,7 @@ class CompilePool:
 
         self.settings = settings or _settings.get()
         self.jobs = jobs or self.settings.compile_jobs or min(os.cpu_count() or 1, 16)
-        self.start_method = start_method or os.environ.get("QUACK_POOL_START", "forkserver")
+        self.start_method = start_method or self.settings.pool_start
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._state: dict[tuple, str] = {}
@@ -228,7 +277,8 @@ class CompilePool:
         self._workers: list[_Worker] = []
         self._want_workers = 0
         self._thread: threading.Thread | None = None
-        self._wake_r, self._wake_w = None, None
+        self._wake_r: int = -1
+        self._wake_w: int | None = None
         self._closed = False
         self.generation = 0  # bumped on every state change (see wait_change)
         self.counts = {"submitted": 0, "done": 0, "failed": 0, "compiled": 0, "compile_s": 0.0,
@@ -326,7 +376,8 @@ class CompilePool:
             if st in (PENDING, DONE):
                 return st
             plain = spec.plain(params)
-            args = (spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync, s.lock_timeout, force)
+            args = WorkerRequest(spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync,
+                                 s.lock_timeout, force)
             task = _Task(ident, key, s.cache_dir, spec.name, plain, arch, args,
                          timeout if timeout is not None else s.compile_timeout)
             self._errors.pop(ident, None)
@@ -340,12 +391,15 @@ class CompilePool:
                     task.started = time.monotonic()
                     self._external[ident] = task
                     self.counts["awaited_external"] += 1
+                    log.info("pool: %s %s is being compiled by another process; awaiting it",
+                             spec.name, key[:16])
                     self._ensure_thread()
                     self._bump()
                     self._wake()
                     return PENDING
             self._queue.append(task)
             self.counts["submitted"] += 1
+            log.debug("pool: submitted %s %s", spec.name, key[:16])
             self._ensure_thread()
             self._bump()
             self._wake()
@@ -355,9 +409,9 @@ class CompilePool:
     def _external_paths(spec, params, arch, s):
         try:
             from quack.compile import builder
-            from quack.cache.store import DiskStore
+            from quack.cache.store import local_store
 
-            p = DiskStore(s.cache_dir).paths(builder.entry_ref(spec, params, arch))
+            p = local_store(s).paths(builder.entry_ref(spec, params, arch))
             return str(p["lock"]), str(p["meta"])
         except Exception:  # noqa: BLE001 - an unusable cache is the worker's to report
             return None
@@ -391,6 +445,15 @@ class CompilePool:
             self._tasks.pop(ident, None)
             self._reports.pop(ident, None)
 
+    def task_info(self, key: str, root=None) -> TaskInfo | None:
+        """The pool's record of a key's current task (None if it has none)."""
+        with self._lock:
+            t = self._tasks.get(self._ident(key, root))
+            if t is None:
+                return None
+            return TaskInfo(t.kernel, t.key, t.arch, t.submitted, t.started, t.pid,
+                            t.external_lock is not None)
+
     def pending_for(self, key: str, root=None) -> float:
         with self._lock:
             t = self._tasks.get(self._ident(key, root))
@@ -418,8 +481,8 @@ class CompilePool:
 
     def stats(self) -> dict:
         with self._lock:
-            d = dict(self.counts)
-            d["compile_s"] = round(d["compile_s"], 3)
+            d: dict[str, object] = dict(self.counts)
+            d["compile_s"] = round(self.counts["compile_s"], 3)
             d["pending"] = sum(1 for s in self._state.values() if s == PENDING)
             d["queued"] = len(self._queue)
             d["running"] = sum(1 for w in self._workers if w.task is not None)
@@ -444,9 +507,12 @@ class CompilePool:
             self._state[ident] = FAILED
             self._errors[ident] = payload
             self.counts["failed"] += 1
+            log.info("pool: %s %s failed: %s", task.kernel, task.key[:16],
+                     str(payload).strip().splitlines()[-1][:200] if str(payload).strip() else "")
         self._bump()
 
-    def _spawn(self) -> _Worker | None:
+    def _spawn(self) -> _Worker:
+        _block_sigint_for_children()
         ctx = _context(self.start_method)
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="quack-compile")
@@ -459,6 +525,7 @@ class CompilePool:
             child.close()
         with self._lock:
             self.counts["workers_started"] += 1
+        log.debug("pool: started worker pid %s (%s)", proc.pid, self.start_method)
         return _Worker(proc, parent)
 
     def _run(self) -> None:
@@ -475,7 +542,7 @@ class CompilePool:
                     w = idle.pop()
                     t = self._queue.pop(0)
                     try:
-                        w.conn.send((worker_build, t.args))
+                        w.conn.send((worker_build, t.request))
                     except (OSError, ValueError):
                         self._queue.insert(0, t)
                         continue  # a dead worker; its sentinel reports it below
@@ -525,9 +592,9 @@ class CompilePool:
                         except (EOFError, OSError):
                             self._reap(w)  # died mid-task: its key fails
                             continue
-                        t, w.task = w.task, None
-                        if t is not None:
-                            self._finish(t, status == "ok", payload)
+                        done, w.task = w.task, None
+                        if done is not None:
+                            self._finish(done, status == "ok", payload)
                     if w.proc.sentinel in ready:
                         self._reap(w)
 
@@ -548,6 +615,8 @@ class CompilePool:
         t, w.task = w.task, None
         if t is not None:
             self.counts["worker_deaths"] += 1
+            log.warning("pool: worker pid %s died (exit %s) compiling %s %s; replaced",
+                        w.proc.pid, w.proc.exitcode, t.kernel, t.key[:16])
             self._finish(t, False, _worker_died_error(t, w.proc.exitcode))
 
     def _check_deadlines(self, now: float) -> None:
@@ -561,10 +630,13 @@ class CompilePool:
                 w.task = None
                 self._reap(w)
                 self.counts["timeouts"] += 1
+                log.warning("pool: %s %s ran past %.0f s; worker killed", t.kernel, t.key[:16], t.timeout)
                 self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started))
 
     def _check_external(self, now: float) -> None:
         for ident, t in list(self._external.items()):
+            # submit sets all three for every external task
+            assert t.obj_meta is not None and t.external_lock is not None and t.started is not None
             if os.path.exists(t.obj_meta):
                 del self._external[ident]
                 self._finish(t, True, {"key": t.key, "compiled": False, "external": True})
@@ -584,7 +656,8 @@ class CompilePool:
                 self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, external=True))
 
     def _next_timeout(self, now: float) -> float | None:
-        cands = [t.started + t.timeout - now for w in self._workers if (t := w.task) is not None]
+        cands = [t.started + t.timeout - now for w in self._workers
+                 if (t := w.task) is not None and t.started is not None]
         if self._external:
             cands.append(EXTERNAL_POLL_S)
         return max(0.0, min(cands)) + 0.01 if cands else None
@@ -626,6 +699,30 @@ def configure_default(jobs: int | None = None) -> CompilePool:
 # swallowed it with ``except BaseException``), and prebuilt-mode misses.
 _pending_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_pending_log", default=None)
 _miss_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_miss_log", default=None)
+
+
+@contextlib.contextmanager
+def recording_pending():
+    """Collect, in the yielded list, every CompilePending raised in this block
+    (even one a test swallowed). Enter it inside ``pool_scope``, which starts
+    each scope with no recording."""
+    log: list = []
+    token = _pending_log.set(log)
+    try:
+        yield log
+    finally:
+        _pending_log.reset(token)
+
+
+@contextlib.contextmanager
+def recording_not_prebuilt():
+    """Collect (KernelNotPrebuilt, settings) for every prebuilt-mode miss in this block."""
+    log: list = []
+    token = _miss_log.set(log)
+    try:
+        yield log
+    finally:
+        _miss_log.reset(token)
 
 
 def note_pending(exc) -> None:

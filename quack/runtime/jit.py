@@ -10,7 +10,7 @@ import warnings
 from typing import Any, Callable
 
 from quack.runtime import _generation, loader, tiers
-from quack.cache.contract import InPlaceTier
+from quack.cache.contract import InPlaceTier, ListsSearched
 from quack.cache import journal
 from quack.compile import pool as _pool
 from quack import registry, settings as _settings
@@ -18,7 +18,7 @@ from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending
                           EntryVanished, KernelNotPrebuilt, LockTimeout)
 from quack.manifest_line import manifest_line
 from quack.params import Param
-from quack.cache.store import DiskStore, warn_once
+from quack.cache.store import local_store, warn_once
 
 _ALL: list["JitKernel"] = []
 log = logging.getLogger("quack.jit")
@@ -100,7 +100,7 @@ class JitKernel:
         ref = builder.entry_ref(self.spec, params, arch)
         store = None
         if s.cache_enabled:
-            store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
+            store = local_store(s)
             try:
                 entry = store.lookup(ref)
             except (CacheError, OSError) as e:
@@ -115,20 +115,23 @@ class JitKernel:
                     return loaded
                 except EntryVanished:
                     entry = None  # cleaned between lookup and load: a plain miss
-        loaded = self._from_tiers(ref, store, params, key, arch, s)
-        if loaded is not None:
-            return loaded
+        fetched = self._from_tiers(ref, store, params, key, arch, s)
+        if fetched is not None:
+            return fetched
         if s.mode == "prebuilt":
             plain = self.spec.plain(params)
             err = KernelNotPrebuilt(self.spec.name, plain, arch, key, str(s.cache_dir),
                                     manifest_line(self.spec.name, plain, arch),
                                     bundles=next((t.searched() for t in tiers.read_tiers(s)
-                                                  if t.name == "bundles"), ()))
+                                                  if t.name == "bundles" and isinstance(t, ListsSearched)),
+                                                 ()))
             _pool.note_not_prebuilt(err, s)
             raise err
         if store is None:  # cache disabled or unusable
             return self._compile_in_process(params, key, arch)
         if not store.writable():
+            log.info("%s is not writable: compiling %s %s in this process", s.cache_dir,
+                     self.spec.name, key[:16])
             # Read-only cache: hits still load from it; misses run uncached, one warning.
             warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
                       f"kernels missing from it are compiled in this process and not stored",
@@ -150,6 +153,7 @@ class JitKernel:
         else:
             entry = self._compile_in_worker(store, ref, params, key, arch)
             if entry is None:
+                log.info("fallback: compiling %s %s in this process", self.spec.name, key[:16])
                 return self._compile_in_process(params, key, arch)
         try:
             loaded = self._load(store, entry, params, key, arch, miss=True)
@@ -180,7 +184,7 @@ class JitKernel:
             if st == _pool.PENDING:
                 if scoped:
                     exc = CompilePending(self.spec.name, key)
-                    exc.root = root
+                    exc.root = str(root)
                     exc.pool = pool
                     _pool.note_pending(exc)
                     raise exc
@@ -266,7 +270,7 @@ class JitKernel:
         t0 = time.perf_counter()
         try:
             fn = self.spec.fn(**params)
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
             import traceback
 
             raise CompileError(self.spec.name, self.spec.plain(params), arch,

@@ -18,9 +18,14 @@ import dataclasses
 import logging
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from quack.cache import fsutil
 from quack.errors import EntryVanished, LinkError
+
+if TYPE_CHECKING:
+    from quack.cache.contract import Store
+    from quack.cache.store import Entry
 
 FUNCTION_NAME = "func"
 
@@ -49,6 +54,8 @@ def runtime_libdirs() -> tuple[str, str] | None:
                 break
         if cdir:
             break
+    if tspec.origin is None:
+        return None
     tdir = Path(tspec.origin).parent / "lib"
     if cdir is None or not (tdir / "libtvm_ffi.so").is_file():
         return None
@@ -88,13 +95,13 @@ def _private_so_dir() -> Path:
     return Path(_private_dir)
 
 
-def link_entry(store, entry, obj: Path | None = None) -> Path | None:
+def link_entry(store: Store, entry: Entry, obj: Path | None = None) -> Path | None:
     """Give a verified entry its .so (temp + rename, sidecar last). None if we can't link.
     A read-only cache gets the .so in a private temp directory instead (not shared).
     ``obj``: link this verified copy of the .o instead of the entry's path."""
     if not can_link():
         return None
-    writable = getattr(store, "writable", lambda: True)()
+    writable = store.writable()
     try:
         if writable:
             tmp = fsutil.reserve_tmp(store.paths(entry.ref)["so"])
@@ -162,7 +169,7 @@ def snapshot_object(entry) -> Path:
     return snap
 
 
-def load_entry(store, entry):
+def load_entry(store: Store, entry: Entry):
     """(callable, module, how) for a verified entry: its verified .so if there is one,
     else a .so linked from a verified snapshot of the .o, else the snapshot through
     CuTe DSL. Raises EntryVanished if the entry went away since its lookup (a miss)."""
@@ -228,4 +235,5 @@ def load_in_place(entry, store=None):
                 target = store
             except OSError:
                 pass
-    return load_entry(target, dataclasses.replace(entry, so_path=None))
+    # _NoCache answers only writable() (False), all link_entry asks of such a cache.
+    return load_entry(cast("Store", target), dataclasses.replace(entry, so_path=None))

@@ -162,3 +162,16 @@ def _installed_bundles(settings: Settings) -> ReadTier:
 
 
 register_tier("bundles", _installed_bundles, order=BUNDLES)
+
+
+def _remote(settings: Settings) -> ReadTier | None:
+    """The shared remote cache (quack.remote), when ``[remote] url`` / QUACK_REMOTE is
+    set. Imported only then: no redis, boto3 or cryptography import otherwise."""
+    if not settings.remote_url:
+        return None
+    from quack.remote.tier import current
+
+    return current(settings)
+
+
+register_tier("remote", _remote, order=REMOTE)

@@ -15,6 +15,7 @@ VARIANTS = {
     "softmax_fwd": [dict()],
     "softmax_bwd": [dict()],
     "layernorm_fwd": [dict(has_weight=True, has_bias=True)],
+    "layernorm_bwd": [dict(has_weight=True, has_bias=True)],
     "cross_entropy_fwd": [dict()],
     "cross_entropy_bwd": [dict()],
 }
@@ -25,6 +26,7 @@ COMPILE_FNS = {
     "softmax_fwd": ("quack_kernels.softmax", "compile_softmax_fwd"),
     "softmax_bwd": ("quack_kernels.softmax", "compile_softmax_bwd"),
     "layernorm_fwd": ("quack_kernels.layernorm", "compile_layernorm_fwd"),
+    "layernorm_bwd": ("quack_kernels.layernorm", "compile_layernorm_bwd"),
     "cross_entropy_fwd": ("quack_kernels.cross_entropy", "compile_cross_entropy_fwd"),
     "cross_entropy_bwd": ("quack_kernels.cross_entropy", "compile_cross_entropy_bwd"),
 }

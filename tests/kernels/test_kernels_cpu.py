@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from _fixtures import kernel_cache  # noqa: F401  (a fixture, used by name)
 from _cases import COMPILE_FNS, CPU_NS, DTYPES, VARIANTS
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -18,27 +19,10 @@ def _fn(kernel):
     return getattr(importlib.import_module(mod), name)
 
 
-@pytest.fixture(scope="module")
-def kernel_cache():
-    """The session's cache (QUACK_CACHE_DIR, quack.toml): `quack build manifests/tests.toml`
-    fills it, so under `pytest --quack-prebuilt` (CI) these tests prove every prebuilt
-    entry loads, and without it they compile what is missing in the workers.
-    QUACK_TEST_KERNEL_CACHE points them at another cache instead."""
-    from quack import settings
-
-    d = os.environ.get("QUACK_TEST_KERNEL_CACHE")
-    if not d:
-        yield str(settings.get().cache_dir)
-        return
-    saved = settings._current
-    settings.set_current(settings.resolve({"cache_dir": d, "arch": "sm_90a", "mode": "jit"}))
-    yield d
-    settings.set_current(saved)
-
-
+@pytest.mark.usefixtures("kernel_cache")
 @pytest.mark.parametrize("kernel,dtype,n,variant", CASES,
                          ids=[f"{k}-{dt}-{n}" for k, dt, n, _ in CASES])
-def test_compile_export_load(kernel_cache, kernel, dtype, n, variant):
+def test_compile_export_load(kernel, dtype, n, variant):
     fn = _fn(kernel)(dtype=dtype, n=n, **variant)
     assert callable(fn)
 
@@ -84,7 +68,9 @@ def test_bad_n_param():
     from quack_kernels.rmsnorm import compile_rmsnorm_fwd
 
     with pytest.raises(ParamError):
-        compile_rmsnorm_fwd(dtype="bfloat16", n=128)
+        compile_rmsnorm_fwd(dtype="bfloat16", n=0)
+    with pytest.raises(ParamError):
+        compile_rmsnorm_fwd(dtype="bfloat16", n=262145)
     with pytest.raises(ParamError):
         compile_rmsnorm_fwd(dtype="int8", n=1024)
 

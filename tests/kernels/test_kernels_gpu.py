@@ -169,8 +169,8 @@ def test_cross_entropy_bwd(dt, m, n):
     x, t = _ce_inputs(dt, m, n)
     xr = x.float().requires_grad_()
     dloss = torch.rand(m, device="cuda")
-    l = torch.nn.functional.cross_entropy(xr, t, reduction="none", ignore_index=-100)
-    l.backward(dloss)
+    loss = torch.nn.functional.cross_entropy(xr, t, reduction="none", ignore_index=-100)
+    loss.backward(dloss)
     lse = torch.logsumexp(x.float(), -1)
     dx = cross_entropy_bwd(x, t, dloss, lse, -100)
     _close(dx, xr.grad, dt, scale=0.1)
@@ -209,13 +209,15 @@ def test_bad_inputs():
 
     x = _rand(8, 1024, "bfloat16")
     with pytest.raises(TypeError, match="weight"):
-        rmsnorm_fwd(x, torch.ones(1024, device="cuda", dtype=torch.float16))
+        rmsnorm_fwd(x, torch.ones(1024, device="cuda", dtype=torch.int32))
+    with pytest.raises(TypeError, match="bias"):
+        rmsnorm_fwd(x, torch.ones(1024, device="cuda"), torch.ones(1024, device="cuda", dtype=torch.float16))
     with pytest.raises(ValueError, match="weight"):
         rmsnorm_fwd(x, torch.ones(512, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="last dim"):
         rmsnorm_fwd(_rand(1024, 8, "bfloat16").t())
     with pytest.raises(ValueError, match="out of range"):
-        rmsnorm_fwd(_rand(8, 128, "bfloat16"))
+        rmsnorm_fwd(torch.empty(8, 0, device="cuda", dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="dy"):
         softmax_bwd(_rand(8, 512, "bfloat16"), x)
     with pytest.raises(TypeError, match="x has dtype"):

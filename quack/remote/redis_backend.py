@@ -1,0 +1,94 @@
+"""``redis://host:port/db`` (and ``rediss://``): one Redis string per object.
+
+``SET NX`` makes the first writer win atomically; readers never write. The
+client never retries on its own (redis-py's default retries with back-off
+would turn one dead host into seconds of waiting): a failure is reported at
+once and the tier switches the remote off."""
+from __future__ import annotations
+
+from quack.errors import RemoteError
+from quack.remote.backend import CONNECT_TIMEOUT, OP_TIMEOUT, redact, unreachable
+
+
+class RedisBackend:
+    def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT, op_timeout: float = OP_TIMEOUT):
+        import threading
+
+        import redis
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.url = url
+        kw = dict(socket_connect_timeout=connect_timeout, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
+                  health_check_interval=0)
+        try:
+            self._r = redis.Redis.from_url(url, socket_timeout=op_timeout, **kw)
+            # First contact is a PING that must answer within the connect time-out:
+            # a server that accepts connections but never replies (hung, or a
+            # firewall black hole behind a proxy) then costs 0.5 s, not a whole
+            # operation time-out. Later operations get op_timeout (large objects).
+            self._probe_client = redis.Redis.from_url(url, socket_timeout=connect_timeout, **kw)
+        except ValueError as e:
+            raise ValueError(f"remote URL {redact(url)!r}: {e} (expected redis://host:port/db)") from None
+        self._probed = False
+        self._probe_lock = threading.Lock()
+
+    def _probe(self) -> None:
+        with self._probe_lock:
+            if self._probed:
+                return
+            try:
+                self._call(self._probe_client.ping)
+            finally:
+                self._probe_client.close()
+            self._probed = True
+
+    def _call(self, fn, *args, **kw):
+        import redis.exceptions as rx
+
+        try:
+            return fn(*args, **kw)
+        except rx.TimeoutError as e:
+            raise unreachable(self.url, e, "timeout") from None
+        except rx.ConnectionError as e:  # refused, reset, DNS, closed mid-reply
+            if isinstance(e, rx.AuthenticationError):
+                raise RemoteError(f"remote cache {redact(self.url)}: authentication failed ({e})",
+                                  url=redact(self.url), reason="denied") from None
+            raise unreachable(self.url, e) from None
+        except rx.OutOfMemoryError as e:
+            raise RemoteError(f"remote cache {redact(self.url)} is full ({e}); raise its maxmemory or "
+                              "let it evict (maxmemory-policy allkeys-lru)", url=redact(self.url),
+                              reason="full") from None
+        except (rx.NoPermissionError, rx.AuthenticationError, rx.AuthorizationError) as e:
+            raise RemoteError(f"remote cache {redact(self.url)}: permission denied ({e})",
+                              url=redact(self.url), reason="denied") from None
+        except rx.RedisError as e:
+            raise RemoteError(f"remote cache {redact(self.url)}: {type(e).__name__}: {e}",
+                              url=redact(self.url), reason="protocol") from None
+        except OSError as e:
+            raise unreachable(self.url, e) from None
+
+    def get(self, name: str) -> bytes | None:
+        if not self._probed:
+            self._probe()
+        v = self._call(self._r.get, name)
+        if v is not None and not isinstance(v, bytes):
+            raise RemoteError(f"remote cache {redact(self.url)}: GET {name} gave {type(v).__name__}",
+                              url=redact(self.url), reason="protocol")
+        return v
+
+    def put_if_absent(self, name: str, data: bytes) -> bool:
+        if not self._probed:
+            self._probe()
+        return bool(self._call(self._r.set, name, bytes(data), nx=True))
+
+    def exists(self, name: str) -> bool:
+        if not self._probed:
+            self._probe()
+        return bool(self._call(self._r.exists, name))
+
+    def close(self) -> None:
+        try:
+            self._r.close()
+        except Exception:  # noqa: BLE001 - closing a broken connection must not raise
+            pass

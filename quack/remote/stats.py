@@ -1,0 +1,62 @@
+"""Remote-tier counters: one process's, and the totals ``quack cache stats``
+reads from ``<cache>/remote-stats.jsonl`` (one line appended per process that
+used a remote). Light on purpose: no network or crypto imports, so stats stay
+fast."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+
+STATS_FILE = "remote-stats.jsonl"
+
+
+@dataclasses.dataclass
+class Counters:
+    hits: int = 0
+    misses: int = 0
+    errors: int = 0
+    rejected: int = 0
+    pushed: int = 0
+    push_exists: int = 0
+    push_failed: int = 0
+    bytes_down: int = 0
+    bytes_up: int = 0
+    rejected_by_reason: Counter = dataclasses.field(default_factory=Counter)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["rejected_by_reason"] = dict(self.rejected_by_reason)
+        return d
+
+    def any(self) -> bool:
+        return any(v for k, v in self.to_json().items() if k != "rejected_by_reason")
+
+
+def read_stats(root: Path) -> dict:
+    """Totals of ``remote-stats.jsonl``: per URL and overall."""
+    total = Counters()
+    per_url: dict[str, Counters] = {}
+    try:
+        with open(Path(root) / STATS_FILE, "rb") as f:
+            lines = f.readlines()
+    except OSError:
+        lines = []
+    fields = [f.name for f in dataclasses.fields(Counters) if f.name != "rejected_by_reason"]
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # a torn line
+        if not isinstance(r, dict):
+            continue
+        for c in (total, per_url.setdefault(str(r.get("url")), Counters())):
+            for k in fields:
+                v = r.get(k)
+                if isinstance(v, int):
+                    setattr(c, k, getattr(c, k) + v)
+            reasons = r.get("rejected_by_reason")
+            if isinstance(reasons, dict):
+                c.rejected_by_reason.update({str(k): v for k, v in reasons.items() if isinstance(v, int)})
+    return {"total": total.to_json(), "per_url": {u: c.to_json() for u, c in per_url.items()}}

@@ -1,0 +1,273 @@
+"""The remote tier: between the local disk store and a compile.
+
+    memory -> local disk -> bundles -> remote (this) -> compile
+
+A ``ReadTier`` (quack.cache.contract), registered in the runtime's lookup chain
+(quack.runtime.tiers, order REMOTE). ``fetch`` returns a verified object
+(quack.remote.objects checks signature, key, stamp, source, size, SHA-256); the
+chain publishes it into the local store with its normal atomic publish (lock,
+check again, temp file, metadata last) and loads it from there. Nothing
+unverified is ever written locally or loaded.
+
+``push`` signs a local entry and stores it if the remote has none (first writer
+wins). Only with ``write = true`` and a signing key; a reader needs no secret.
+
+Failures never propagate: every problem is a miss (or a failed push, counted),
+with one warning per kind per process. A connection error or a time-out
+switches the remote off for the rest of the process (one warning), so a dead
+host costs one connect time-out, not one per kernel."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+from quack.cache import fsutil
+from quack.cache.contract import Fetched
+from quack.cache.store import Entry, EntryRef
+from quack.errors import KeyFileError, ObjectRejected, RemoteError, RemoteWarning
+from quack.remote import objects
+from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
+from quack.remote.stats import STATS_FILE, Counters
+from quack.signing import SigningKey, TrustedKeys
+
+log = logging.getLogger("quack.remote")
+
+
+# Per process, across tier instances (settings may be re-resolved): which URLs
+# are switched off, and which warnings were given.
+_offline: dict[str, str] = {}
+_warned: set[tuple[str, str]] = set()
+_state_lock = threading.Lock()
+
+
+def _warn_once(url: str, kind: str, message: str) -> None:
+    with _state_lock:
+        if (url, kind) in _warned:
+            return
+        _warned.add((url, kind))
+    warnings.warn(message, RemoteWarning, stacklevel=4)
+
+
+class RemoteTier:
+    """One remote cache as seen by this process: a ReadTier (``fetch``) that can
+    also ``push``. Thread-safe."""
+
+    name = "remote"
+
+    def __init__(self, backend: Backend, *, trusted: TrustedKeys, signer: SigningKey | None = None,
+                 write: bool = False):
+        self.backend = backend
+        self.url = redact(backend.url)
+        self.trusted = trusted
+        self.signer = signer
+        self.write = bool(write and signer is not None)
+        self.counters = Counters()
+        self._lock = threading.Lock()
+        self._push_off = ""
+
+    # -- state -----------------------------------------------------------------------
+    @property
+    def offline(self) -> bool:
+        return self.url in _offline
+
+    def _count(self, **kw) -> None:
+        with self._lock:
+            for k, v in kw.items():
+                setattr(self.counters, k, getattr(self.counters, k) + v)
+
+    def _failed(self, e: RemoteError, op: str) -> None:
+        self._count(errors=1)
+        why = str(e).rstrip(".")
+        if e.offline or (op == "get" and e.reason == "denied"):
+            # Every later call would fail the same way (and a time-out would cost
+            # OP_TIMEOUT each): off for the process.
+            with _state_lock:
+                first = self.url not in _offline
+                _offline.setdefault(self.url, str(e))
+            if first:
+                log.info("remote %s off for this process: %s", self.url, e)
+                _warn_once(self.url, "offline", f"quack: {why}; the remote cache is off for the rest of this "
+                           "process (kernels come from the local cache or are compiled)")
+        elif op == "put" and e.reason in ("full", "denied"):
+            self._push_off = str(e)
+            _warn_once(self.url, "push-" + e.reason, f"quack: {why}; not pushing to it for the rest of this "
+                       "process (reads continue)")
+        else:
+            _warn_once(self.url, "error-" + op, f"quack: {why}; treated as a miss")
+
+    # -- reading (the ReadTier contract, quack.cache.contract) -------------------------
+    def fetch(self, ref: EntryRef) -> Fetched | None:
+        """The verified object for ``ref``, or None. Never raises for a remote or
+        verification problem (a miss, counted, one warning per kind). The caller
+        publishes it into the local store (quack.runtime.tiers.publish_fetched)."""
+        if self.offline or not len(self.trusted):
+            return None
+        name = objects.object_name(ref)
+        try:
+            blob = self.backend.get(name)
+        except RemoteError as e:
+            self._failed(e, "get")
+            return None
+        if blob is None:
+            self._count(misses=1)
+            log.debug("remote miss %s key %s", ref.kernel, ref.key[:16])
+            return None
+        self._count(bytes_down=len(blob))
+        try:
+            data, header = objects.unpack(blob, ref, self.trusted)
+        except ObjectRejected as e:
+            with self._lock:
+                self.counters.rejected += 1
+                self.counters.rejected_by_reason[e.reason] += 1
+            log.info("remote object refused: %s", e)
+            _warn_once(self.url, "rejected", f"quack: {e}. Refused objects are never loaded nor stored; "
+                       "the kernel is compiled locally (rejections are counted in `quack cache stats` "
+                       "and the build summary)")
+            return None
+        self._count(hits=1)
+        log.info("remote hit %s key %s (%d bytes, signed by %s)", ref.kernel, ref.key[:16], len(data),
+                 header.get("signer"))
+        meta = {"params": header.get("params"), "compile_s": header.get("compile_s"), "created": time.time()}
+        return Fetched(ref, data, meta, f"remote:{self.url}")
+
+    def has(self, ref: EntryRef) -> bool | None:
+        """Whether the remote holds an object for ``ref`` (None: unknown, remote off)."""
+        if self.offline:
+            return None
+        try:
+            return self.backend.exists(objects.object_name(ref))
+        except RemoteError as e:
+            self._failed(e, "get")
+            return None
+
+    # -- writing ---------------------------------------------------------------------
+    def push(self, store, entry: Entry) -> str:
+        """Sign and store a local entry unless the remote has it. Returns
+        ``pushed``, ``exists``, ``failed``, or ``off`` (read-only, remote off)."""
+        if not self.write or self.offline or self._push_off:
+            return "off"
+        ref = entry.ref
+        try:
+            data = fsutil.read_nofollow(entry.obj_path)
+        except OSError as e:
+            self._count(push_failed=1)
+            _warn_once(self.url, "push-read", f"quack: can't read {entry.obj_path} to push it ({e})")
+            return "failed"
+        if hashlib.sha256(data).hexdigest() != entry.meta.get("sha256"):
+            self._count(push_failed=1)  # changed under us: never sign what the store did not verify
+            return "failed"
+        signer = self.signer
+        assert signer is not None  # self.write implies a signer (see __init__)
+        blob = objects.pack(ref, entry.meta.get("params") or {}, data, signer,
+                            compile_s=entry.meta.get("compile_s"))
+        try:
+            stored = self.backend.put_if_absent(objects.object_name(ref), blob)
+        except RemoteError as e:
+            self._count(push_failed=1)
+            self._failed(e, "put")
+            return "failed"
+        if stored:
+            self._count(pushed=1, bytes_up=len(blob))
+            log.info("pushed %s key %s (%d bytes)", ref.kernel, ref.key[:16], len(blob))
+            return "pushed"
+        self._count(push_exists=1)
+        return "exists"
+
+    # -- statistics ------------------------------------------------------------------
+    def record(self, root: Path) -> None:
+        """Append this process's counters to ``<cache>/remote-stats.jsonl`` (for
+        ``quack cache stats``); never raises."""
+        with self._lock:  # hand over the counters: recording twice never counts twice
+            counters, self.counters = self.counters, Counters()
+        if not counters.any():
+            return
+        c = counters.to_json()
+        line = json.dumps({"t": time.time(), "url": self.url, **c}, sort_keys=True) + "\n"
+        try:
+            if not Path(root).is_dir():
+                return
+            fd = os.open(Path(root) / STATS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                os.write(fd, line.encode())
+            finally:
+                os.close(fd)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.backend.close()
+
+
+# --- from settings ----------------------------------------------------------------------
+
+def from_settings(s, *, strict: bool = False) -> RemoteTier | None:
+    """The tier configured by ``s`` (None without ``remote_url``). A bad URL or key
+    file is warned about once and leaves the remote off, unless ``strict`` (the
+    explicit ``quack cache push|pull``), where it raises ValueError/KeyFileError."""
+    if not s.remote_url:
+        return None
+    from quack import signing
+
+    url = redact(s.remote_url)
+    try:
+        backend = open_backend(s.remote_url, connect_timeout=min(CONNECT_TIMEOUT, s.remote_timeout),
+                               op_timeout=s.remote_timeout)
+        trusted = signing.trusted_keys_from_settings(s)
+        signer = signing.signing_key_from_settings(s) if s.remote_write else None
+    except (ValueError, KeyFileError, ImportError) as e:
+        if strict:
+            raise
+        _warn_once(url, "config", f"quack: remote cache {url} not used: {e}")
+        return None
+    if s.remote_write and signer is None:
+        _warn_once(url, "no-key", f"quack: remote cache {url}: write = true but no signing key "
+                   "(QUACK_SIGNING_KEY / [remote] signing_key); reading only")
+    if not len(trusted):
+        _warn_once(url, "no-trust", f"quack: remote cache {url}: no trusted keys (QUACK_TRUSTED_KEYS / "
+                   "[remote] trusted_keys), so nothing from it can be accepted; not reading from it")
+    return RemoteTier(backend, trusted=trusted, signer=signer, write=s.remote_write)
+
+
+_current: tuple[Any, RemoteTier | None] | None = None  # (Settings, its tier)
+_current_lock = threading.Lock()
+_atexit_armed = False
+
+
+def current(s) -> RemoteTier | None:
+    """The process's tier for settings ``s`` (made once per settings object; its
+    counters are appended to the stats file when replaced and at exit)."""
+    global _current, _atexit_armed
+    with _current_lock:
+        if _current is not None and _current[0] is s:
+            return _current[1]
+        old = _current
+        tier = from_settings(s)
+        _current = (s, tier)
+        if not _atexit_armed:
+            import atexit
+
+            atexit.register(_record_current)
+            _atexit_armed = True
+    if old is not None and old[1] is not None:
+        old[1].record(Path(old[0].cache_dir))
+    return tier
+
+
+def _record_current() -> None:
+    cur = _current
+    if cur is not None and cur[1] is not None:
+        cur[1].record(Path(cur[0].cache_dir))
+
+
+def forget_offline() -> None:
+    """Tests: switch every remote back on and re-arm the once-only warnings."""
+    with _state_lock:
+        _offline.clear()
+        _warned.clear()

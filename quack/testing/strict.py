@@ -1,0 +1,68 @@
+"""Strict (prebuilt) mode: any kernel miss fails the test with the
+KernelNotPrebuilt message, even if the test caught the error.
+
+On with ``--quack-prebuilt``, or when the settings say ``mode = "prebuilt"``
+(QUACK_MODE, or ``[runtime] mode`` in quack.toml). The plugin installs the
+process's *default* settings with mode=prebuilt and re-installs them whenever a
+test leaves none installed. A test that installs its own Settings (a private
+tmp cache in jit mode, as the project's cache tests do) runs under those."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import pytest
+
+PREFIX = "quack --quack-prebuilt: the test asked for a kernel that is not prebuilt (and caught the error):\n"
+
+
+def requested(option: bool) -> bool:
+    """--quack-prebuilt, or the resolved settings' mode (environment or quack.toml).
+    A malformed quack.toml is reported when strict mode is installed, not here."""
+    if option:
+        return True
+    from quack import settings
+    from quack.errors import SettingsError
+
+    try:
+        return settings.resolve().mode == "prebuilt"
+    except SettingsError:
+        return False
+
+
+class StrictMode:
+    def __init__(self) -> None:
+        from quack import settings
+        from quack.errors import SettingsError
+
+        try:
+            self.settings = settings.resolve({"mode": "prebuilt"})
+        except SettingsError as e:
+            raise pytest.UsageError(f"quack: {e}") from None
+        settings.set_current(self.settings)
+
+    def ensure(self) -> None:
+        """Re-install the strict settings if a test left none installed."""
+        from quack import settings
+
+        if settings.installed() is None:
+            settings.set_current(self.settings)
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[list]:
+        """Around one test attempt: records the prebuilt-mode misses."""
+        from quack.compile import pool
+
+        self.ensure()
+        with pool.recording_not_prebuilt() as misses:
+            yield misses
+
+    def check(self, rep: Any, misses: list) -> bool:
+        """Fail a passed call report if the test hit (and swallowed) a miss under
+        the strict settings. Returns True if it did."""
+        hit = [e for e, s in misses if s is self.settings]
+        if not hit or not rep.passed:
+            return False
+        rep.outcome = "failed"
+        rep.longrepr = PREFIX + str(hit[0])
+        return True

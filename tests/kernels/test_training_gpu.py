@@ -1,0 +1,297 @@
+"""GPU tier for the training features (issue 14): every op through its differentiable
+wrapper (the torch.library custom ops), forward AND backward, against float32 torch
+references, over M in {1, 7, large odd} x N from 1 to 262,144 (many not a multiple of 8)
+x every (input, weight) dtype pair; then the same ops under torch.compile(fullgraph=True).
+
+Tolerances (relative and absolute) by the compared tensor's dtype: bf16 1e-2, fp16 1e-3,
+fp32 1e-4; gradients reduced over the M rows (dweight, dbias) scale atol by sqrt(M).
+Outputs are poisoned with NaN first, so an unwritten element fails."""
+import math
+
+import pytest
+
+from _cases import DTYPES
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+NS = (1, 3, 8, 100, 192, 668, 1000, 4100, 16385, 65536, 131074, 262144)
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
+TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+PAIRS = [(x, w) for x in DTYPES for w in DTYPES]
+
+
+def large_m(n: int) -> int:
+    """A large odd batch: more row tiles than the persistent backward's grid for small N,
+    at most ~32M elements."""
+    return min(40001, max(257, (2 ** 25 // n))) | 1
+
+
+def _ms(n):
+    return (1, 7, large_m(n))
+
+
+def _grid(pairs):
+    return [pytest.param(x, w, m, n, id=f"{x}-{w}-{m}x{n}") for x, w in pairs for n in NS for m in _ms(n)]
+
+
+@pytest.fixture(autouse=True)
+def _poison_allocations(monkeypatch):
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def empty(*a, **k):
+        t = real_empty(*a, **k)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    def empty_like(*a, **k):
+        t = real_empty_like(*a, **k)
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", empty)
+    monkeypatch.setattr(torch, "empty_like", empty_like)
+    yield
+    torch.cuda.empty_cache()
+
+
+def _rand(shape, dt, seed, scale=1.0, shift=0.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, device="cuda", generator=g) * scale + shift).to(dt)
+
+
+def close(got, ref, what, m_rows=1):
+    """got (any dtype) vs the fp32 reference with the tolerance of got's dtype."""
+    assert got is not None, what
+    assert not torch.isnan(got).any(), f"{what}: NaN (unwritten element?)"
+    tol = TOL[got.dtype]
+    torch.testing.assert_close(got.float(), ref.float(), atol=tol * math.sqrt(m_rows), rtol=tol,
+                               msg=lambda s: f"{what}: {s}")
+
+
+def leaf(t):
+    return t.detach().clone().requires_grad_()
+
+
+# ------------------------------------------------------------------------- RMSNorm
+
+def rms_ref(x, w, b, r, eps):
+    h = x + r if r is not None else x
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if w is not None:
+        y = y * w
+    if b is not None:
+        y = y + b
+    return y, h
+
+
+@pytest.mark.parametrize("xdt,wdt,m,n", _grid(PAIRS))
+def test_rmsnorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
+    from quack_kernels.rmsnorm import rmsnorm
+
+    x, w = _rand((m, n), TD[xdt], 0), _rand((n,), TD[wdt], 1)
+    dy = _rand((m, n), TD[xdt], 2)
+    xs, ws = leaf(x), leaf(w)
+    y = rmsnorm(xs, ws, eps=1e-6)
+    assert y.dtype == x.dtype
+    y.backward(dy)
+    xr, wr = leaf(x.float()), leaf(w.float())
+    yr, _ = rms_ref(xr, wr, None, None, 1e-6)
+    yr.backward(dy.float())
+    close(y, yr, "y")
+    close(xs.grad, xr.grad, "dx")
+    assert ws.grad.dtype == w.dtype
+    close(ws.grad, wr.grad, "dweight", m)
+
+
+@pytest.mark.parametrize("xdt,wdt,m,n", _grid([(d, d) for d in DTYPES]))
+def test_rmsnorm_bias_residual_fwd_bwd(xdt, wdt, m, n):
+    from quack_kernels.rmsnorm import rmsnorm
+
+    x, r, b = _rand((m, n), TD[xdt], 0), _rand((m, n), TD[xdt], 3), _rand((n,), TD[wdt], 4)
+    dy, dh = _rand((m, n), TD[xdt], 2), _rand((m, n), TD[xdt], 5)
+    xs, rs, bs = leaf(x), leaf(r), leaf(b)
+    y, h = rmsnorm(xs, None, bs, rs, 1e-6)
+    torch.autograd.backward([y, h], [dy, dh])
+    br = leaf(b.float())
+    close(h, x.float() + r.float(), "residual_out")
+    # The kernels normalize and differentiate at the stored residual h (x's dtype): the
+    # fp32 reference does the same (at N = 1, where y = h / |h|, dx ~ eps / |h|^3 is
+    # ill-conditioned in h, so the unrounded sum would differ).
+    hq = leaf(h.detach().float())
+    yq = rms_ref(hq, None, br, None, 1e-6)[0]
+    close(y, yq, "y")
+    yq.backward(dy.float())
+    dh_ref = hq.grad + dh.float()
+    close(xs.grad, dh_ref, "dx")
+    close(rs.grad, dh_ref, "dresidual")
+    close(bs.grad, br.grad, "dbias", m)
+
+
+# ------------------------------------------------------------------------- LayerNorm
+
+@pytest.mark.parametrize("xdt,wdt,m,n", _grid(PAIRS))
+def test_layernorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
+    from quack_kernels.layernorm import layernorm
+
+    x = _rand((m, n), TD[xdt], 0, shift=0.5)
+    w, b = _rand((n,), TD[wdt], 1), _rand((n,), TD[wdt], 2)
+    dy = _rand((m, n), TD[xdt], 3)
+    xs, ws, bs = leaf(x), leaf(w), leaf(b)
+    y = layernorm(xs, ws, bs, 1e-5)
+    y.backward(dy)
+    xr, wr, br = leaf(x.float()), leaf(w.float()), leaf(b.float())
+    yr = torch.nn.functional.layer_norm(xr, (n,), wr, br, 1e-5)
+    yr.backward(dy.float())
+    close(y, yr, "y")
+    close(xs.grad, xr.grad, "dx")
+    assert ws.grad.dtype == w.dtype and bs.grad.dtype == b.dtype
+    close(ws.grad, wr.grad, "dweight", m)
+    close(bs.grad, br.grad, "dbias", m)
+
+
+@pytest.mark.parametrize("n", (1, 668, 16385, 262144))
+def test_layernorm_bwd_without_affine(n):
+    from quack_kernels.layernorm import layernorm_bwd, layernorm_fwd
+
+    m = 33
+    x, dy = _rand((m, n), torch.bfloat16, 0), _rand((m, n), torch.bfloat16, 1)
+    _, mean, rstd = layernorm_fwd(x)
+    dx, dw, db = layernorm_bwd(x, None, dy, mean, rstd)
+    assert dw is None and db is None
+    xr = leaf(x.float())
+    torch.nn.functional.layer_norm(xr, (n,), eps=1e-5).backward(dy.float())
+    close(dx, xr.grad, "dx")
+
+
+# ------------------------------------------------------------------------- softmax
+
+@pytest.mark.parametrize("xdt,_w,m,n", _grid([(d, d) for d in DTYPES]))
+def test_softmax_fwd_bwd(xdt, _w, m, n):
+    from quack_kernels.softmax import softmax
+
+    x, dy = _rand((m, n), TD[xdt], 0, scale=3), _rand((m, n), TD[xdt], 1)
+    xs = leaf(x)
+    y = softmax(xs)
+    y.backward(dy)
+    xr = leaf(x.float())
+    yr = torch.softmax(xr, -1)
+    # the backward uses the stored (rounded) y: reference from the same y
+    yq = y.detach().float()
+    dxr = yq * (dy.float() - (yq * dy.float()).sum(-1, keepdim=True))
+    close(y, yr, "y")
+    close(xs.grad, dxr, "dx")
+
+
+# ------------------------------------------------------------------------- cross-entropy
+
+CE_VARIANTS = {
+    "plain": dict(reduction="none"),
+    "weighted-smooth": dict(reduction="mean", weight=True, label_smoothing=0.1),
+    "smooth": dict(reduction="sum", label_smoothing=0.25),
+    "weighted": dict(reduction="mean", weight=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(CE_VARIANTS))
+@pytest.mark.parametrize("xdt,_w,m,n", _grid([(d, d) for d in DTYPES]))
+def test_cross_entropy_fwd_bwd(variant, xdt, _w, m, n):
+    from quack_kernels.cross_entropy import cross_entropy
+
+    kw = dict(CE_VARIANTS[variant])
+    x = _rand((m, n), TD[xdt], 0, scale=2)
+    g = torch.Generator(device="cuda").manual_seed(5)
+    t = torch.randint(0, n, (m,), device="cuda", generator=g)
+    t[1::3] = -100
+    if kw.pop("weight", False):
+        kw["weight"] = torch.rand(n, device="cuda", generator=g) + 0.1
+    xs = leaf(x)
+    loss = cross_entropy(xs, t, -100, **kw)
+    up = torch.rand(loss.shape, device="cuda", generator=g) if loss.dim() else torch.tensor(0.7, device="cuda")
+    loss.backward(up)
+    xr = leaf(x.float())
+    ref = torch.nn.functional.cross_entropy(xr, t, ignore_index=-100, **kw)
+    ref.backward(up)
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, atol=TOL[TD[xdt]], rtol=TOL[TD[xdt]])
+    close(xs.grad, xr.grad, "dlogits")
+
+
+# ------------------------------------------------------------------------- torch.compile
+
+COMPILE_NS = ((1, 1), (7, 668), (257, 4100), (33, 65536))
+
+
+def _compiled(fn):
+    torch._dynamo.reset()
+    return torch.compile(fn, fullgraph=True, dynamic=True)
+
+
+@pytest.mark.parametrize("xdt,wdt", [("bfloat16", "float32"), ("float16", "float16"), ("float32", "bfloat16")])
+def test_compile_fullgraph_norms(xdt, wdt):
+    from quack_kernels.layernorm import layernorm
+    from quack_kernels.rmsnorm import rmsnorm
+
+    def f(x, r, w, b):
+        y, h = rmsnorm(x, w, None, r)
+        return layernorm(y, w, b) * 2 + h
+
+    cf = _compiled(f)
+    for m, n in COMPILE_NS:
+        args = [_rand((m, n), TD[xdt], 0), _rand((m, n), TD[xdt], 1), _rand((n,), TD[wdt], 2),
+                _rand((n,), TD[wdt], 3)]
+        dy = _rand((m, n), TD[xdt], 4)
+        a1, a2 = [leaf(a) for a in args], [leaf(a) for a in args]
+        out_c = cf(*a1)
+        out_c.backward(dy)
+        out_e = f(*a2)
+        out_e.backward(dy)
+        # compiled == eager (same kernels; the glue ops may be fused by inductor)
+        close(out_c, out_e, f"compiled y {m}x{n}")
+        for i, (g1, g2) in enumerate(zip(a1, a2)):
+            close(g1.grad, g2.grad, f"compiled grad {i} {m}x{n}", m if i >= 2 else 1)
+
+
+@pytest.mark.parametrize("xdt", DTYPES)
+def test_compile_fullgraph_softmax_cross_entropy(xdt):
+    from quack_kernels.cross_entropy import cross_entropy
+    from quack_kernels.softmax import softmax
+
+    def f(x, t, w):
+        return (softmax(x) * 3).sum() + cross_entropy(x, t, weight=w, label_smoothing=0.1) \
+            + cross_entropy(x, t, reduction="sum")
+
+    cf = _compiled(f)
+    for m, n in COMPILE_NS:
+        x = _rand((m, n), TD[xdt], 0, scale=2)
+        t = torch.randint(0, n, (m,), device="cuda")
+        w = torch.rand(n, device="cuda") + 0.1
+        x1, x2 = leaf(x), leaf(x)
+        lc = cf(x1, t, w)
+        lc.backward()
+        le = f(x2, t, w)
+        le.backward()
+        torch.testing.assert_close(lc, le, atol=TOL[TD[xdt]] * 10, rtol=TOL[TD[xdt]])
+        close(x1.grad, x2.grad, f"compiled dlogits {m}x{n}")
+        xr = leaf(x.float())
+        ref = (torch.softmax(xr, -1) * 3).sum() + torch.nn.functional.cross_entropy(
+            xr, t, weight=w, label_smoothing=0.1) + torch.nn.functional.cross_entropy(xr, t, reduction="sum")
+        torch.testing.assert_close(lc, ref, atol=TOL[TD[xdt]] * math.sqrt(m * n), rtol=TOL[TD[xdt]])
+
+
+def test_opcheck_on_gpu():
+    """torch's opcheck with the real CUDA implementations."""
+    from quack_kernels import _ops  # noqa: F401
+
+    q = torch.ops.quack_kernels
+    x = _rand((7, 668), torch.bfloat16, 0).requires_grad_()
+    w = _rand((668,), torch.float32, 1).requires_grad_()
+    t = torch.randint(0, 668, (7,), device="cuda")
+    for op, args in [(q.rmsnorm_fwd.default, (x, w, None, None, 1e-6)),
+                     (q.layernorm_fwd.default, (x, w, w, 1e-5)),
+                     (q.softmax_fwd.default, (x,)),
+                     (q.cross_entropy_fwd.default, (x, t, w.detach(), -100, 0.1))]:
+        res = torch.library.opcheck(op, args)
+        assert all(v == "SUCCESS" for v in res.values()), (op, res)

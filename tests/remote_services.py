@@ -1,0 +1,155 @@
+"""Real services for the remote-cache tests: a redis-server on a free loopback
+port with its own data directory, moto's S3 server, and a listening socket
+that never answers. Every start waits a bounded time; every stop is bounded.
+
+Without redis-server the Redis tests skip with an install hint, unless
+QUACK_TEST_REQUIRE_SERVICES=1 (CI), where they fail."""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+INSTALL_HINT = ("redis-server is not installed: apt-get install -y redis-server (Debian/Ubuntu) or "
+                "brew install redis; CI sets QUACK_TEST_REQUIRE_SERVICES=1 so it fails instead of skipping")
+
+
+def require_services() -> bool:
+    return os.environ.get("QUACK_TEST_REQUIRE_SERVICES", "") == "1"
+
+
+def require_modules(*names: str) -> None:
+    """Skip the module (fail under QUACK_TEST_REQUIRE_SERVICES=1) without the client libraries."""
+    import importlib.util
+
+    missing = [n for n in names if importlib.util.find_spec(n) is None]
+    if missing:
+        msg = (f"missing {', '.join(missing)}: pip install -e '.[remote,remote-test]'")
+        if require_services():
+            pytest.fail(msg, pytrace=False)
+        pytest.skip(msg, allow_module_level=True)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RedisServer:
+    """One redis-server process. ``url`` is redis://127.0.0.1:PORT/0."""
+
+    def __init__(self, data_dir: Path, *, maxmemory: str | None = None):
+        exe = shutil.which("redis-server")
+        if exe is None:
+            if require_services():
+                pytest.fail(INSTALL_HINT)
+            pytest.skip(INSTALL_HINT)
+        self.exe = exe
+        self.data_dir = Path(data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.maxmemory = maxmemory
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        for _ in range(5):  # the free port may be taken between probe and bind: try another
+            self.port = free_port()
+            args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
+                    "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
+                    "--logfile", str(self.data_dir / "redis.log")]
+            if self.maxmemory:
+                args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                if self.ping():
+                    return self
+                time.sleep(0.05)
+            self.stop()
+        raise RuntimeError(f"redis-server did not start; see {self.data_dir / 'redis.log'}")
+
+    def client(self, db: int = 0):
+        import redis
+
+        return redis.Redis(host="127.0.0.1", port=self.port, db=db, socket_timeout=5, socket_connect_timeout=1)
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.client().ping())
+        except Exception:  # noqa: BLE001 - not up yet
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.proc = None
+
+    def keys(self) -> list[bytes]:
+        return sorted(self.client().keys("*"))
+
+
+@contextlib.contextmanager
+def redis_server(data_dir: Path, **kw):
+    srv = RedisServer(data_dir, **kw).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
+def silent_socket():
+    """A loopback port that accepts TCP connections (the kernel's backlog) and
+    never reads or answers: the 'hung server' case."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+@contextlib.contextmanager
+def moto_s3(bucket: str = "quack-cache"):
+    """moto's S3 server on loopback, a bucket made, and the AWS_* environment
+    pointing boto3 at it (restored after)."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                            "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN", "AWS_PROFILE")}
+    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    os.environ.pop("AWS_SESSION_TOKEN", None)
+    os.environ.pop("AWS_PROFILE", None)
+    try:
+        import boto3
+
+        boto3.session.Session().client("s3").create_bucket(Bucket=bucket)
+        yield f"s3://{bucket}/team-cache"
+    finally:
+        server.stop()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
