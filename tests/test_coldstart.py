@@ -278,7 +278,8 @@ try:
     out["how"] = toy.cs_toy.usage()[0]["how"]
 except KernelNotPrebuilt as e:
     out["not_prebuilt"] = e.key
-m = fpmemo.current()
+from quack import settings
+m = fpmemo.for_root(settings.get().cache_dir)  # the memo the registry uses
 out["fp"] = registry.get("cs_toy").source_fingerprint()
 out["memo"] = [m.hits, m.misses]
 keys.source_fingerprint.cache_clear()

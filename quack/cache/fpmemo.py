@@ -39,7 +39,7 @@ DIRNAME = "srcfp"
 RACY_NS = 1_000_000_000
 MAX_RECORDS = 1024  # oldest dropped first: one per (kernel module, checkout) in use
 
-log = logging.getLogger("quack")
+log = logging.getLogger("quack.fpmemo")
 
 
 def _sig(path: str) -> list[int] | None:
@@ -97,7 +97,7 @@ class DiskFingerprintMemo:
         except FileNotFoundError:
             return {}
         except CacheError as e:  # a planted symlink: the store refuses the cache too
-            log.debug("quack: fingerprint memo not used: %s", e)
+            log.debug("fingerprint memo not used: %s", e)
             return {}
         except (OSError, ValueError) as e:
             self._damaged(f"unreadable ({e})")
@@ -130,27 +130,31 @@ class DiskFingerprintMemo:
                     self._records = self._read()
                 rec = self._records.get(self._id(module, origin))
             if rec is None:
-                return self._miss(module, "no record")
+                self._miss(module, "no record")
+                return None
             files: dict[str, Path] = {}
             for name, path, *sig in rec["files"]:
                 if _sig(path) != sig:
-                    return self._miss(module, f"{path} changed")
+                    self._miss(module, f"{path} changed")
+                    return None
                 files[name] = Path(path)
             for path, *sig in rec["dirs"]:
                 if _sig(path) != sig:
-                    return self._miss(module, f"directory {path} changed")
+                    self._miss(module, f"directory {path} changed")
+                    return None
             if files.get(module) != Path(origin):
-                return self._miss(module, "record names another file")
+                self._miss(module, "record names another file")
+                return None
             self.hits += 1
-            log.debug("quack: source fingerprint of %s from the memo", module)
+            log.debug("source fingerprint of %s from the memo", module)
             return files, rec["fp"]
         except Exception as e:  # noqa: BLE001 - a memo problem must only cost the recompute
-            return self._miss(module, f"memo error {type(e).__name__}: {e}")
+            self._miss(module, f"memo error {type(e).__name__}: {e}")
+            return None
 
     def _miss(self, module: str, why: str) -> None:
         self.misses += 1
-        log.debug("quack: source fingerprint of %s computed (%s)", module, why)
-        return None
+        log.debug("source fingerprint of %s computed (%s)", module, why)
 
     def record(self, module: str, files: dict[str, Path], fp: str, started_ns: int) -> None:
         try:
@@ -180,7 +184,7 @@ class DiskFingerprintMemo:
                 self._dirty[k] = rec
             _register_flush()
         except Exception as e:  # noqa: BLE001
-            log.debug("quack: not memoizing the fingerprint of %s: %s", module, e)
+            log.debug("not memoizing the fingerprint of %s: %s", module, e)
 
     def flush(self) -> bool:
         """Merge this process's records into the file (atomic replace). True if written."""
@@ -205,7 +209,7 @@ class DiskFingerprintMemo:
             fsutil.write_atomic(self.path, json.dumps(doc, separators=(",", ":")).encode(), fsync=False)
             return True
         except (OSError, ValueError) as e:  # read-only / full cache: the memo only saves time
-            log.debug("quack: fingerprint memo %s not written: %s", self.path, e)
+            log.debug("fingerprint memo %s not written: %s", self.path, e)
             return False
 
 
@@ -220,17 +224,6 @@ def for_root(root: Path) -> DiskFingerprintMemo:
     if m is None:
         m = _memos.setdefault(k, DiskFingerprintMemo(Path(k)))
     return m
-
-
-def current() -> DiskFingerprintMemo | None:
-    """The memo of this process's cache, or None (cache disabled, settings invalid)."""
-    from quack import settings
-
-    try:
-        s = settings.get()
-    except Exception:  # noqa: BLE001 - the caller reports bad settings where they matter
-        return None
-    return for_root(s.cache_dir) if s.cache_enabled else None
 
 
 def _register_flush() -> None:

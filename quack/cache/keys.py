@@ -184,7 +184,7 @@ def source_fingerprint(module: str, memo: FingerprintMemo | None = None) -> str:
     if hit is not None and _stat_sig(hit[0]) == hit[1]:
         return hit[2]
     origin = _module_file(module) if memo is not None else None
-    if origin is not None:
+    if memo is not None and origin is not None:
         got = memo.lookup(module, origin)
         if got is not None:
             files, fp = got
@@ -195,7 +195,7 @@ def source_fingerprint(module: str, memo: FingerprintMemo | None = None) -> str:
     sig = _stat_sig(files)
     fp = _hash_files(files)
     _FP_CACHE[module] = (files, sig, fp)
-    if origin is not None:
+    if memo is not None and origin is not None:
         memo.record(module, files, fp, started)
     return fp
 
