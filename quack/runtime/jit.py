@@ -12,7 +12,6 @@ from typing import Any, Callable
 from quack.runtime import _generation, loader, tiers
 from quack.cache.contract import InPlaceTier, ListsSearched
 from quack.cache import journal
-from quack.compile import pool as _pool
 from quack import registry, settings as _settings
 from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending, CompileTimeout,
                           EntryVanished, KernelNotPrebuilt, LockTimeout)
@@ -125,6 +124,8 @@ class JitKernel:
                                     bundles=next((t.searched() for t in tiers.read_tiers(s)
                                                   if t.name == "bundles" and isinstance(t, ListsSearched)),
                                                  ()))
+            from quack.compile import pool as _pool  # on a miss only: a hit never needs the pool
+
             _pool.note_not_prebuilt(err, s)
             raise err
         if store is None:  # cache disabled or unusable
@@ -171,6 +172,8 @@ class JitKernel:
         then forgotten, so a later call compiles it again; a key past its time-out
         (wedged worker, or a lock held elsewhere that never publishes) returns None:
         the caller compiles in this process."""
+        from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
+
         s = _settings.get()
         pool = _pool.active_pool(s.cache_dir)
         scoped = pool is not None
