@@ -77,7 +77,20 @@ class KernelSpec:
     def source_fingerprint(self) -> str:
         if self.module == "__main__":
             return "main"
-        return keys.source_fingerprint(self.module)
+        return keys.source_fingerprint(self.module, memo=_fingerprint_memo())
+
+
+def _fingerprint_memo():
+    """The source-fingerprint memo of this process's cache (quack.cache.fpmemo), or None
+    (cache disabled; settings invalid, which the caller's own settings.get() reports)."""
+    from quack import settings
+    from quack.cache import fpmemo
+
+    try:
+        s = settings.get()
+    except Exception:  # noqa: BLE001
+        return None
+    return fpmemo.for_root(s.cache_dir) if s.cache_enabled else None
 
 
 def register(name: str, fn: Callable, params: dict[str, Param], *, version: int = 0,

@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -160,18 +161,34 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
     results = []
     rng = random.Random(7)
     for _attempt in range(3):
-        p = subprocess.Popen([*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=str(tmp_path),
-                             start_new_session=True)
-        time.sleep(rng.uniform(1.5, 4.0))
+        p = subprocess.Popen([*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)],
+                             env=env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, cwd=str(tmp_path), start_new_session=True)
+        # Mid-compile, whatever the machine's speed: shortly after the first key lands
+        # (a fixed sleep let a fast build finish first), or after 120 s regardless.
+        lines: list[bytes] = []
+        compiling = threading.Event()
+
+        def read(out=p.stdout, lines=lines, compiling=compiling):
+            for line in out:
+                lines.append(line)
+                if b"compiled" in line:
+                    compiling.set()
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        compiling.wait(timeout=120)
+        time.sleep(rng.uniform(0.0, 0.4))
         os.killpg(p.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends: the whole group
         try:
-            out, _ = p.communicate(timeout=60)
+            p.wait(timeout=60)
         except subprocess.TimeoutExpired:
             os.killpg(p.pid, signal.SIGKILL)
-            out, _ = p.communicate()
-            pytest.fail(f"quack build did not stop within 60 s of SIGINT:\n{out.decode()[-3000:]}")
-        text = out.decode(errors="replace")
+            p.wait(timeout=60)
+            reader.join(timeout=10)
+            pytest.fail(f"quack build did not stop within 60 s of SIGINT:\n{b''.join(lines).decode()[-3000:]}")
+        reader.join(timeout=30)
+        text = b"".join(lines).decode(errors="replace")
         results.append(p.returncode)
         assert "Traceback" not in text, text[-3000:]
         # Everything published is whole.

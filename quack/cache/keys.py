@@ -13,7 +13,9 @@ import importlib.util
 import json
 import re
 import sys
+import time
 from pathlib import Path
+from typing import Protocol
 
 KEY_FORMAT = 1
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
@@ -34,9 +36,18 @@ def make_key(kernel: str, encoded_params: dict, arch: str, version: int = 0) -> 
 
 def _dist_version(name: str) -> str | None:
     try:
-        return md.version(name)
+        dist = md.distribution(name)
     except md.PackageNotFoundError:
         return None
+    # The Version header, read directly: md.version parses the whole METADATA with the
+    # email package (~3 ms for cutlass-dsl's, on every fresh process's first load).
+    text = dist.read_text("METADATA") or dist.read_text("PKG-INFO") or ""
+    for line in text.splitlines():
+        if not line.strip():
+            break  # end of the headers
+        if line.startswith("Version:"):
+            return line[len("Version:"):].strip()
+    return dist.version
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,9 +69,13 @@ def toolchain() -> dict:
 
 def toolchain_stamp(arch: str) -> str:
     """Readable directory name, e.g. ``py3.11-cutlass4.8.1-cu12-tvmffi0.1.15-sm_90a``."""
+    return _SAFE.sub("_", f"{toolchain_tag()}-{arch}")
+
+
+def toolchain_tag() -> str:
+    """The toolchain part of the stamp, without the arch: ``py3.11-cutlass4.8.1-cu12-tvmffi0.1.15``."""
     t = toolchain()
-    raw = f"py{t['python']}-cutlass{t['cutlass_dsl']}-{t['libs']}-tvmffi{t['tvm_ffi']}-{arch}"
-    return _SAFE.sub("_", raw)
+    return _SAFE.sub("_", f"py{t['python']}-cutlass{t['cutlass_dsl']}-{t['libs']}-tvmffi{t['tvm_ffi']}")
 
 
 # --- source fingerprints -------------------------------------------------------
@@ -136,23 +151,52 @@ def _stat_sig(files: dict[str, Path]) -> tuple:
     return tuple(sig)
 
 
-def source_fingerprint(module: str) -> str:
+class FingerprintMemo(Protocol):
+    """A store of fingerprints that outlives the process (quack.cache.fpmemo).
+
+    lookup: the fingerprint and files recorded for ``module`` whose file is ``origin``,
+      or None when there is none or any recorded file or directory changed since (a
+      miss; a damaged memo is a miss plus one warning). Never raises.
+    record: remember a fingerprint computed from reading the files after ``started_ns``
+      (time.time_ns()); skipped when a file may have changed since then. Never raises.
+    """
+
+    def lookup(self, module: str, origin: Path) -> tuple[dict[str, Path], str] | None: ...
+    def record(self, module: str, files: dict[str, Path], fp: str, started_ns: int) -> None: ...
+
+
+def _hash_files(files: dict[str, Path]) -> str:
+    h = hashlib.sha256()
+    for name, path in sorted(files.items()):
+        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def source_fingerprint(module: str, memo: FingerprintMemo | None = None) -> str:
     """SHA-256 (first 16 hex digits) over the names and bytes of source_files(module).
 
     Memoized per process but re-checked against the files' stat signature: a
     long-lived process (a notebook, a compile worker) whose kernel source is
     edited must see the new fingerprint, or it would look for (and a worker
-    would publish) entries under different directories."""
+    would publish) entries under different directories. ``memo`` carries it
+    across processes (same stat check), so a fresh process parses nothing."""
     hit = _FP_CACHE.get(module)
     if hit is not None and _stat_sig(hit[0]) == hit[1]:
         return hit[2]
+    origin = _module_file(module) if memo is not None else None
+    if memo is not None and origin is not None:
+        got = memo.lookup(module, origin)
+        if got is not None:
+            files, fp = got
+            _FP_CACHE[module] = (files, _stat_sig(files), fp)
+            return fp
+    started = time.time_ns()  # before any read: an edit from here on is never memoized
     files = source_files(module)
     sig = _stat_sig(files)
-    h = hashlib.sha256()
-    for name, path in sorted(files.items()):
-        h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
-    fp = h.hexdigest()[:16]
+    fp = _hash_files(files)
     _FP_CACHE[module] = (files, sig, fp)
+    if memo is not None and origin is not None:
+        memo.record(module, files, fp, started)
     return fp
 
 

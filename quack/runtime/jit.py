@@ -13,7 +13,6 @@ from typing import Any, Callable
 from quack.runtime import _generation, loader, tiers
 from quack.cache.contract import InPlaceTier, ListsSearched
 from quack.cache import journal
-from quack.compile import pool as _pool
 from quack import registry, settings as _settings
 from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending, CompileTimeout,
                           EntryVanished, KernelNotPrebuilt, LockTimeout)
@@ -236,6 +235,8 @@ class JitKernel:
                                 bundles=next((t.searched() for t in tiers.read_tiers(s)
                                               if t.name == "bundles" and isinstance(t, ListsSearched)),
                                              ()), reason=reason)
+        from quack.compile import pool as _pool  # on a miss only: a hit never needs the pool
+
         _pool.note_not_prebuilt(err, s)
         raise err
 
@@ -247,6 +248,8 @@ class JitKernel:
         (wedged worker, or a lock held elsewhere that never publishes) returns None:
         the caller compiles in this process. Returns (entry, the pool's report of the
         key: ``compiled`` False when another process built it) or (None, None)."""
+        from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
+
         s = _settings.get()
         pool = _pool.active_pool(s.cache_dir)
         scoped = pool is not None
