@@ -13,6 +13,7 @@ Measures, each in a fresh cache and a fresh `quack build` process:
 3. `quack cache stats` wall time (whole process) on a synthetic cache of
    --stats-entries entries.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,15 +47,21 @@ def _env(cache: Path) -> dict:
 def _project(d: Path, packages: list[str], manifest: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     pk = ", ".join(f'"{p}"' for p in packages)
-    (d / "quack.toml").write_text(f'[build]\nkernel_packages = [{pk}]\nmanifests = ["{manifest}"]\n'
-                                  f'[runtime]\narch = "sm_90a"\n')
+    (d / "quack.toml").write_text(
+        f'[build]\nkernel_packages = [{pk}]\nmanifests = ["{manifest}"]\n[runtime]\narch = "sm_90a"\n'
+    )
     return d
 
 
 def _quack(args: list[str], proj: Path, cache: Path) -> tuple[dict, float, str]:
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "quack_build.cli", *args], cwd=proj, env=_env(cache),
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "quack_build.cli", *args],
+        cwd=proj,
+        env=_env(cache),
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if r.returncode != 0:
         sys.exit(f"quack {' '.join(args)} failed ({r.returncode}):\n{r.stderr[-3000:]}\n{r.stdout[-2000:]}")
@@ -66,20 +73,31 @@ def bench_jobs(proj: Path, work: Path, jobs_list: list[int]) -> list[dict]:
     for j in jobs_list:
         cache = work / f"cache-j{j}"
         res, wall, _ = _quack(["build", "--jobs", str(j), "--json"], proj, cache)
-        rows.append({"jobs": j, "keys": res["compiled"], "process_s": wall, "pool_start_s": res["pool_start_s"],
-                     "compile_wall_s": res["compile_wall_s"], "compile_s": res["compile_s"],
-                     "keys_per_s": res["keys_per_s"] or 0.0, "busy_eff": res["efficiency"] or 0.0})
+        rows.append(
+            {
+                "jobs": j,
+                "keys": res["compiled"],
+                "process_s": wall,
+                "pool_start_s": res["pool_start_s"],
+                "compile_wall_s": res["compile_wall_s"],
+                "compile_s": res["compile_s"],
+                "keys_per_s": res["keys_per_s"] or 0.0,
+                "busy_eff": res["efficiency"] or 0.0,
+            }
+        )
     base = next((r for r in rows if r["jobs"] == 1), None)
     for r in rows:
-        r["eff_vs_serial"] = (r["keys_per_s"] / (r["jobs"] * base["keys_per_s"])) if base and base["keys_per_s"] else None
+        r["eff_vs_serial"] = (
+            (r["keys_per_s"] / (r["jobs"] * base["keys_per_s"])) if base and base["keys_per_s"] else None
+        )
     return rows
 
 
 def _fake_entries(cache: Path, configs, rng_size: int = 12000) -> None:
     """Valid-looking entries (metadata names the key, size and SHA-256 match) for configs."""
     for c in configs:
-        from quack.compile import builder
         from quack.cache.store import DiskStore
+        from quack.compile import builder
 
         store = DiskStore(cache, fsync=False)
         ref = builder.entry_ref(c.spec, c.params, c.arch)
@@ -87,9 +105,19 @@ def _fake_entries(cache: Path, configs, rng_size: int = 12000) -> None:
         p["obj"].parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         data = hashlib.sha256(c.key.encode()).digest() * (rng_size // 32)
         p["obj"].write_bytes(data)
-        meta = {"format": 1, "key": c.key, "kernel": c.kernel, "arch": c.arch, "stamp": ref.stamp,
-                "srcfp": ref.srcfp, "params": c.plain_params, "size": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(), "compile_s": 0.3, "created": time.time()}
+        meta = {
+            "format": 1,
+            "key": c.key,
+            "kernel": c.kernel,
+            "arch": c.arch,
+            "stamp": ref.stamp,
+            "srcfp": ref.srcfp,
+            "params": c.plain_params,
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "compile_s": 0.3,
+            "created": time.time(),
+        }
         p["meta"].write_text(json.dumps(meta, sort_keys=True, indent=1))
 
 
@@ -97,6 +125,7 @@ def bench_overhead(work: Path, n_keys: int) -> dict:
     """An all-cached build of n_keys toy_scale configurations: scheduler cost per key."""
     sys.path[:0] = [str(ROOT), str(TESTS)]
     import toykernels  # noqa: F401
+
     from quack_build.manifest import expand
 
     n_blocks = max(1, min(993, -(-n_keys // 6)))
@@ -111,20 +140,28 @@ def bench_overhead(work: Path, n_keys: int) -> dict:
     assert res["cached"] == len(configs), res
     # The same process with nothing to do but start up (an empty-ish manifest: 1 key).
     one = work / "one.toml"
-    one.write_text(TOY_MANIFEST.format(blocks=[32]).replace('["float32", "float16", "bfloat16"]', '"float32"')
-                   .replace("[true, false]", "false"))
+    one.write_text(
+        TOY_MANIFEST.format(blocks=[32])
+        .replace('["float32", "float16", "bfloat16"]', '"float32"')
+        .replace("[true, false]", "false")
+    )
     res1, wall1, _ = _quack(["build", "--json", str(one)], proj, cache)
-    return {"keys": len(configs), "process_s": wall, "internal_s": res["wall_s"],
-            "per_key_ms": 1000 * res["wall_s"] / len(configs),
-            "per_key_ms_process": 1000 * (wall - wall1) / max(1, len(configs) - 1),
-            "startup_s": wall1}
+    return {
+        "keys": len(configs),
+        "process_s": wall,
+        "internal_s": res["wall_s"],
+        "per_key_ms": 1000 * res["wall_s"] / len(configs),
+        "per_key_ms_process": 1000 * (wall - wall1) / max(1, len(configs) - 1),
+        "startup_s": wall1,
+    }
 
 
 def bench_stats(work: Path, n: int) -> dict:
     sys.path[:0] = [str(ROOT), str(TESTS)]
     import toykernels  # noqa: F401
-    from quack.cache import keys
+
     from quack import registry
+    from quack.cache import keys
 
     cache = work / "cache-stats"
     fp = registry.get("toy_scale").source_fingerprint()
@@ -159,11 +196,19 @@ def bench_stats(work: Path, n: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2], help="job counts (include 1 for efficiency)")
+    ap.add_argument(
+        "--jobs", type=int, nargs="+", default=[1, 2], help="job counts (include 1 for efficiency)"
+    )
     ap.add_argument("--manifest", type=Path, help="manifest to build (default: toy_scale keys)")
-    ap.add_argument("--packages", nargs="+", default=None, help="kernel packages (default: toykernels, or "
-                    "kernels when --manifest is given)")
-    ap.add_argument("--toy-keys", type=int, default=24, help="toy_scale keys when no --manifest (multiple of 6)")
+    ap.add_argument(
+        "--packages",
+        nargs="+",
+        default=None,
+        help="kernel packages (default: toykernels, or kernels when --manifest is given)",
+    )
+    ap.add_argument(
+        "--toy-keys", type=int, default=24, help="toy_scale keys when no --manifest (multiple of 6)"
+    )
     ap.add_argument("--overhead-keys", type=int, default=3000)
     ap.add_argument("--stats-entries", type=int, default=10000)
     ap.add_argument("--skip", nargs="*", default=[], choices=["jobs", "overhead", "stats"])
@@ -186,23 +231,31 @@ def main() -> None:
             rows = bench_jobs(proj, work, a.jobs)
             out["jobs"] = rows
             print(f"\nbuild throughput ({man.name}, {rows[0]['keys']} keys, {os.cpu_count()} CPUs)")
-            print(f"{'jobs':>5} {'keys':>5} {'start s':>8} {'compile s':>10} {'keys/s':>8} {'eff vs serial':>14} "
-                  f"{'busy eff':>9} {'process s':>10}")
+            print(
+                f"{'jobs':>5} {'keys':>5} {'start s':>8} {'compile s':>10} {'keys/s':>8} {'eff vs serial':>14} "
+                f"{'busy eff':>9} {'process s':>10}"
+            )
             for r in rows:
                 e = f"{r['eff_vs_serial'] * 100:.0f}%" if r["eff_vs_serial"] is not None else "-"
-                print(f"{r['jobs']:>5} {r['keys']:>5} {r['pool_start_s']:>8.2f} {r['compile_wall_s']:>10.2f} "
-                      f"{r['keys_per_s']:>8.2f} {e:>14} {r['busy_eff'] * 100:>8.0f}% {r['process_s']:>10.2f}")
+                print(
+                    f"{r['jobs']:>5} {r['keys']:>5} {r['pool_start_s']:>8.2f} {r['compile_wall_s']:>10.2f} "
+                    f"{r['keys_per_s']:>8.2f} {e:>14} {r['busy_eff'] * 100:>8.0f}% {r['process_s']:>10.2f}"
+                )
         if "overhead" not in a.skip:
             o = bench_overhead(work, a.overhead_keys)
             out["overhead"] = o
-            print(f"\nscheduler overhead: all-cached build of {o['keys']} keys: {o['internal_s']:.3f} s inside "
-                  f"quack build = {o['per_key_ms']:.3f} ms/key (process {o['process_s']:.2f} s, of which start-up "
-                  f"{o['startup_s']:.2f} s; {o['per_key_ms_process']:.3f} ms/key by difference)")
+            print(
+                f"\nscheduler overhead: all-cached build of {o['keys']} keys: {o['internal_s']:.3f} s inside "
+                f"quack build = {o['per_key_ms']:.3f} ms/key (process {o['process_s']:.2f} s, of which start-up "
+                f"{o['startup_s']:.2f} s; {o['per_key_ms_process']:.3f} ms/key by difference)"
+            )
         if "stats" not in a.skip:
             s = bench_stats(work, a.stats_entries)
             out["stats"] = s
-            print(f"\nquack cache stats on {s['entries']} entries: {s['process_s']:.3f} s whole process "
-                  f"(directory walk {s['walk_s']:.3f} s; bare python start-up {s['python_startup_s']:.3f} s)")
+            print(
+                f"\nquack cache stats on {s['entries']} entries: {s['process_s']:.3f} s whole process "
+                f"(directory walk {s['walk_s']:.3f} s; bare python start-up {s['python_startup_s']:.3f} s)"
+            )
     if a.json:
         print(json.dumps(out, indent=1))
 

@@ -14,6 +14,7 @@ prints JSON:
     a bundle installed; and the cost of discovery itself, paid once at the first lookup
     that reaches the bundle tier
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,13 +48,16 @@ print(json.dumps({"first_kernel_s": t1 - t0, "load_s": u["load_s"], "tier": u["t
 
 # The same, with the libraries every loaded kernel needs (tvm_ffi, cutlass-dsl's runtime
 # .so) already loaded: what is left is the tier's own cost (lookup, checksum, dlopen).
-_FIRST_WARM = r"""
+_FIRST_WARM = (
+    r"""
 import ctypes, os, sys, time
 import tvm_ffi
 from quack.runtime import loader
 d = loader.runtime_libdirs()
 ctypes.CDLL(os.path.join(d[0], "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
-""" + _FIRST
+"""
+    + _FIRST
+)
 
 # Per kernel, in one process with the runtime loaded: local lookup + load of key i
 # (the project's cache) vs bundle open + in-place load of key i (the installed bundle),
@@ -111,8 +115,14 @@ print(json.dumps({"import_s": t1 - t0, "discovery_calls_before_any_lookup": n_ca
 
 def cli(*args, env=None):
     t0 = time.perf_counter()
-    r = subprocess.run([sys.executable, "-m", "quack_build", *map(str, args)], capture_output=True, text=True,
-                       cwd=ROOT, env=env or os.environ.copy(), timeout=3600)
+    r = subprocess.run(
+        [sys.executable, "-m", "quack_build", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env or os.environ.copy(),
+        timeout=3600,
+    )
     if r.returncode != 0:
         sys.exit(f"quack {' '.join(map(str, args))} failed:\n{r.stderr[-3000:]}")
     return r, time.perf_counter() - t0
@@ -121,10 +131,16 @@ def cli(*args, env=None):
 def fresh_venv(d: Path) -> Path:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(d)], check=True, timeout=600)
     py = d / "bin" / "python"
-    site_dir = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True, timeout=600).stdout.strip()
+    site_dir = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    ).stdout.strip()
     Path(site_dir, "_parent.pth").write_text(
-        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+        f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n"
+    )
     return py
 
 
@@ -146,18 +162,47 @@ def main() -> None:
     work = Path(a.out or tempfile.mkdtemp(prefix="quack-bench-bundles-"))
     work.mkdir(parents=True, exist_ok=True)
     res: dict = {"cache": str(cache)}
-    for label, mans in (("default", ["manifests/default.toml"]),
-                        ("default+tests", ["manifests/default.toml", "manifests/tests.toml"])):
-        r, wall = cli("bundle", *mans, "--name", f"bench-{label.replace('+', '-')}", "-o", work / "dist",
-                      "--cache-dir", cache, "--json")
+    for label, mans in (
+        ("default", ["manifests/default.toml"]),
+        ("default+tests", ["manifests/default.toml", "manifests/tests.toml"]),
+    ):
+        r, wall = cli(
+            "bundle",
+            *mans,
+            "--name",
+            f"bench-{label.replace('+', '-')}",
+            "-o",
+            work / "dist",
+            "--cache-dir",
+            cache,
+            "--json",
+        )
         info = json.loads(r.stdout)
-        res[f"bundle_{label}"] = {"entries": info["entries"], "objects_bytes": info["bytes"],
-                                  "wheel_bytes": info["wheel_bytes"], "quack_bundle_wall_s": round(wall, 2),
-                                  "build_step_s": info["build_s"]}
+        res[f"bundle_{label}"] = {
+            "entries": info["entries"],
+            "objects_bytes": info["bytes"],
+            "wheel_bytes": info["wheel_bytes"],
+            "quack_bundle_wall_s": round(wall, 2),
+            "build_step_s": info["build_s"],
+        }
     wheel = next((work / "dist").glob("bench_default-*.whl"))
     with_b = fresh_venv(work / "with-bundle")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(with_b), "install", "-q", "--no-deps",
-                    "--no-index", str(wheel)], check=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(with_b),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        check=True,
+        timeout=600,
+    )
     without = fresh_venv(work / "no-bundle")
     base = dict(os.environ, QUACK_MODE="prebuilt", QUACK_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
     runs: dict = {"bundle": [], "local": []}
@@ -176,26 +221,39 @@ def main() -> None:
         runs["local"].append(loc["first_kernel_s"])
         loads["local"].append(loc["load_s"])
         empty.mkdir(mode=0o700)
-        warm["bundle"].append(run_json(with_b, _FIRST_WARM, dict(base, QUACK_CACHE_DIR=str(empty)))["first_kernel_s"])
+        warm["bundle"].append(
+            run_json(with_b, _FIRST_WARM, dict(base, QUACK_CACHE_DIR=str(empty)))["first_kernel_s"]
+        )
         shutil.rmtree(empty)
-        warm["local"].append(run_json(without, _FIRST_WARM, dict(base, QUACK_CACHE_DIR=str(cache)))["first_kernel_s"])
+        warm["local"].append(
+            run_json(without, _FIRST_WARM, dict(base, QUACK_CACHE_DIR=str(cache)))["first_kernel_s"]
+        )
     med = {k: statistics.median(v) for k, v in runs.items()}
     res["first_kernel_fresh_interpreter_ms"] = {
-        "bundle_median": round(med["bundle"] * 1e3, 1), "local_cache_median": round(med["local"] * 1e3, 1),
-        "difference": round((med["bundle"] - med["local"]) * 1e3, 1), "repeat": a.repeat,
-        "paired_difference_median": round(statistics.median(
-            b - lo for b, lo in zip(runs["bundle"], runs["local"])) * 1e3, 1),
-        "bundle_min": round(min(runs["bundle"]) * 1e3, 1), "local_cache_min": round(min(runs["local"]) * 1e3, 1),
+        "bundle_median": round(med["bundle"] * 1e3, 1),
+        "local_cache_median": round(med["local"] * 1e3, 1),
+        "difference": round((med["bundle"] - med["local"]) * 1e3, 1),
+        "repeat": a.repeat,
+        "paired_difference_median": round(
+            statistics.median(b - lo for b, lo in zip(runs["bundle"], runs["local"])) * 1e3, 1
+        ),
+        "bundle_min": round(min(runs["bundle"]) * 1e3, 1),
+        "local_cache_min": round(min(runs["local"]) * 1e3, 1),
         "runtime_preloaded_bundle_median": round(statistics.median(warm["bundle"]) * 1e3, 2),
         "runtime_preloaded_local_median": round(statistics.median(warm["local"]) * 1e3, 2),
         "tier_load_ms_bundle_median": round(statistics.median(loads["bundle"]) * 1e3, 2),
         "tier_load_ms_local_median": round(statistics.median(loads["local"]) * 1e3, 2),
         "bundle_all": [round(x * 1e3, 1) for x in runs["bundle"]],
-        "local_all": [round(x * 1e3, 1) for x in runs["local"]]}
-    pk = run_json(with_b, _PER_KEY.replace("sys.argv[1]", repr(str(ROOT / "manifests" / "default.toml"))),
-                  dict(base, QUACK_CACHE_DIR=str(cache)))
-    res["per_kernel_load_runtime_loaded_ms"] = {k: (round(v, 3) if isinstance(v, float) else v)
-                                                for k, v in pk.items()}
+        "local_all": [round(x * 1e3, 1) for x in runs["local"]],
+    }
+    pk = run_json(
+        with_b,
+        _PER_KEY.replace("sys.argv[1]", repr(str(ROOT / "manifests" / "default.toml"))),
+        dict(base, QUACK_CACHE_DIR=str(cache)),
+    )
+    res["per_kernel_load_runtime_loaded_ms"] = {
+        k: (round(v, 3) if isinstance(v, float) else v) for k, v in pk.items()
+    }
     idle = {"with": [], "without": []}
     for _ in range(a.repeat):
         idle["with"].append(run_json(with_b, _IDLE, dict(base, QUACK_CACHE_DIR=str(cache))))
@@ -205,9 +263,12 @@ def main() -> None:
         "import_ms_with_bundle": round(statistics.median(x["import_s"] for x in idle["with"]) * 1e3, 1),
         "import_ms_without_bundle": round(statistics.median(x["import_s"] for x in idle["without"]) * 1e3, 1),
         "discovery_ms_at_first_bundle_lookup": round(
-            statistics.median(x["discover_s"] for x in idle["with"]) * 1e3, 2),
+            statistics.median(x["discover_s"] for x in idle["with"]) * 1e3, 2
+        ),
         "discovery_ms_no_bundle_installed": round(
-            statistics.median(x["discover_s"] for x in idle["without"]) * 1e3, 2)}
+            statistics.median(x["discover_s"] for x in idle["without"]) * 1e3, 2
+        ),
+    }
     print(json.dumps(res, indent=1))
     if a.out is None:
         shutil.rmtree(work, ignore_errors=True)

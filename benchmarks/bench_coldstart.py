@@ -27,6 +27,7 @@ then run (carry ``.device/coldstart-base``; about 1 MB)
 ``python benchmarks/bench_coldstart.py --launch --baseline .device/coldstart-base --out $OUT/coldstart.json``.
 With git, ``--baseline-ref main`` does the extraction itself.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -170,9 +171,12 @@ class Checkout:
         env = {k: v for k, v in os.environ.items() if not k.startswith("QUACK_")}
         # This checkout first; what the caller's PYTHONPATH holds (staged site packages on
         # the GPU machine) after it.
-        env.update(PYTHONPATH=os.pathsep.join(p for p in (str(shim), str(self.src), env.get("PYTHONPATH"))
-                                              if p),
-                   QUACK_CACHE_DIR=str(self.cache), QUACK_ARCH=a.arch, QUACK_MODE="prebuilt")
+        env.update(
+            PYTHONPATH=os.pathsep.join(p for p in (str(shim), str(self.src), env.get("PYTHONPATH")) if p),
+            QUACK_CACHE_DIR=str(self.cache),
+            QUACK_ARCH=a.arch,
+            QUACK_MODE="prebuilt",
+        )
         # A private pycache either way: __pycache__ folders lying in a checkout are never read.
         env["PYTHONPYCACHEPREFIX"] = str(work / "pycache")
         if a.no_bytecode:
@@ -182,13 +186,25 @@ class Checkout:
         self.env = env
 
     def run(self, args: list[str], timeout: float = 600.0) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, *args], env=self.env, cwd=self.cwd, capture_output=True,
-                              text=True, timeout=timeout)
+        return subprocess.run(
+            [sys.executable, *args],
+            env=self.env,
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def build(self, manifest: Path, jobs: int) -> None:
         env = dict(self.env, QUACK_MODE="jit")
-        r = subprocess.run([sys.executable, "-m", "quack_build", "build", str(manifest), "-j", str(jobs)],
-                           env=env, cwd=self.cwd, capture_output=True, text=True, timeout=1800)
+        r = subprocess.run(
+            [sys.executable, "-m", "quack_build", "build", str(manifest), "-j", str(jobs)],
+            env=env,
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
         if r.returncode != 0:
             sys.exit(f"{self.label}: quack build failed:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
 
@@ -213,8 +229,11 @@ def measure(co: Checkout, launch: bool) -> dict:
         sys.exit(f"{co.label}: the compiler (cutlass) was imported in prebuilt mode")
     if len(r["how"]) != len(KERNELS):
         sys.exit(f"{co.label}: expected {len(KERNELS)} loaded kernels, got {r['how']}")
-    out = {"import_kernels": r["import_kernels"], "first_kernel": r["first"][0],
-           "import_plus_first": r["import_kernels"] + r["first"][0]}
+    out = {
+        "import_kernels": r["import_kernels"],
+        "first_kernel": r["first"][0],
+        "import_plus_first": r["import_kernels"] + r["first"][0],
+    }
     for (fam, _, _), t, lt in zip(KERNELS[1:], r["first"][1:], (r["later"] or [0.0] * 9)[1:]):
         out[f"further:{fam}"] = t - lt  # load only: lt == 0
     out["further_median"] = statistics.median(out[f"further:{f}"] for f, _, _ in KERNELS[1:])
@@ -262,8 +281,9 @@ def extract_ref(ref: str, dest: Path) -> Path:
     import io
     import tarfile
 
-    r = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True,
-                       timeout=300)
+    r = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True, timeout=300
+    )
     if r.returncode != 0:
         sys.exit(f"git archive {ref} failed: {r.stderr.decode(errors='replace').strip()}")
     dest.mkdir(parents=True)
@@ -276,15 +296,21 @@ def extract_ref(ref: str, dest: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--baseline", type=Path, default=None, help="another checkout (a copy of main)")
-    ap.add_argument("--baseline-ref", default=None,
-                    help="or a git ref of this repository (needs git): extracted with git archive")
+    ap.add_argument(
+        "--baseline-ref",
+        default=None,
+        help="or a git ref of this repository (needs git): extracted with git archive",
+    )
     ap.add_argument("--n", type=int, default=15, help="fresh processes per checkout (median)")
     ap.add_argument("--launch", action="store_true", help="GPU: time the first RESULT (launch + sync)")
     ap.add_argument("--out", type=Path, default=None, help="write the figures as JSON here")
     ap.add_argument("--arch", default=os.environ.get("QUACK_ARCH", "sm_90a"))
     ap.add_argument("--jobs", type=int, default=max(1, min(4, os.cpu_count() or 1)))
-    ap.add_argument("--no-bytecode", action="store_true",
-                    help="PYTHONDONTWRITEBYTECODE=1 with an empty pycache: every import compiles its source")
+    ap.add_argument(
+        "--no-bytecode",
+        action="store_true",
+        help="PYTHONDONTWRITEBYTECODE=1 with an empty pycache: every import compiles its source",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the work directory (caches)")
     a = ap.parse_args()
     if a.n < 1:
@@ -301,13 +327,16 @@ def main() -> None:
         for co in cos:
             t = time.perf_counter()
             co.build(manifest, a.jobs)
-            print(f"# {co.label}: built {len(KERNELS)} kernels into {co.cache} in "
-                  f"{time.perf_counter() - t:.1f} s", flush=True)
+            print(
+                f"# {co.label}: built {len(KERNELS)} kernels into {co.cache} in "
+                f"{time.perf_counter() - t:.1f} s",
+                flush=True,
+            )
         for co in cos:  # one unmeasured run: byte-compile, first-run-after-build work
             measure(co, a.launch)
         runs: dict[str, list[dict]] = {co.label: [] for co in cos}
         for i in range(a.n):  # alternate (and swap who goes first), so load hits both alike
-            for co in (cos if i % 2 == 0 else cos[::-1]):
+            for co in cos if i % 2 == 0 else cos[::-1]:
                 runs[co.label].append(measure(co, a.launch))
         report(cos, runs, a, work)
     finally:
@@ -323,10 +352,16 @@ def report(cos, runs, a, work) -> None:
     rows = LAUNCH_ROWS if a.launch else ROWS
     base = "baseline" in med
     mode = "launch (GPU)" if a.launch else "load only"
-    print(f"\ncold start, {mode}, median of {a.n} fresh processes, ms after `import torch`"
-          + (" (bytecode off)" if a.no_bytecode else ""))
-    head = (f"{'measure':38s} {'ours':>9s}" + (f" {'baseline':>9s} {'ratio':>7s}" if base else "")
-            + f" {'goal':>7s}   {'min: ours':>9s}" + (f" {'baseline':>9s}" if base else ""))
+    print(
+        f"\ncold start, {mode}, median of {a.n} fresh processes, ms after `import torch`"
+        + (" (bytecode off)" if a.no_bytecode else "")
+    )
+    head = (
+        f"{'measure':38s} {'ours':>9s}"
+        + (f" {'baseline':>9s} {'ratio':>7s}" if base else "")
+        + f" {'goal':>7s}   {'min: ours':>9s}"
+        + (f" {'baseline':>9s}" if base else "")
+    )
     print(head)
     print("-" * len(head))
     for key, name, goal in rows:
@@ -341,11 +376,19 @@ def report(cos, runs, a, work) -> None:
         if base:
             line += f" {low['baseline'][key] * 1e3:9.2f}"
         print(line)
-    doc = {"mode": mode, "n": a.n, "arch": a.arch, "bytecode": not a.no_bytecode,
-           "python": sys.version.split()[0], "host": os.uname().nodename,
-           "kernels": [{"family": f, "compile_fn": fn, "args": list(args)} for f, fn, args in KERNELS],
-           "checkouts": {co.label: str(co.src) for co in cos},
-           "median_s": med, "min_s": low, "runs": runs}
+    doc = {
+        "mode": mode,
+        "n": a.n,
+        "arch": a.arch,
+        "bytecode": not a.no_bytecode,
+        "python": sys.version.split()[0],
+        "host": os.uname().nodename,
+        "kernels": [{"family": f, "compile_fn": fn, "args": list(args)} for f, fn, args in KERNELS],
+        "checkouts": {co.label: str(co.src) for co in cos},
+        "median_s": med,
+        "min_s": low,
+        "runs": runs,
+    }
     if a.out is not None:
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(doc, indent=1))

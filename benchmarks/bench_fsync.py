@@ -9,6 +9,7 @@ beside the default cache, i.e. the same file system) with fsync on and off, inte
 and prints the per-publish cost next to the kernel's compile time. Settings:
 QUACK_FSYNC=0 or ``[cache] fsync = false`` in quack.toml turn it off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 def compile_obj(dest: Path) -> tuple[Path, float]:
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import toykernels  # noqa: F401
-    from quack.compile import builder
+
     from quack import registry
+    from quack.compile import builder
 
     spec = registry.get("toy_scale")
     params = spec.bind((), {"dtype": "float32", "block": 128, "bias": False})
@@ -46,8 +48,9 @@ def publish_many(root: Path, data: bytes, n: int, fsync: bool, offset: int) -> l
     store = DiskStore(root, fsync=fsync)
     out = []
     for i in range(n):
-        ref = EntryRef("toy_scale", hashlib.sha256(b"bench%d" % (i + offset)).hexdigest(), "sm_90a",
-                       "0123456789abcdef")
+        ref = EntryRef(
+            "toy_scale", hashlib.sha256(b"bench%d" % (i + offset)).hexdigest(), "sm_90a", "0123456789abcdef"
+        )
         t = time.perf_counter()
         with store.lock(ref):
             tmp = store.tmp_obj(ref)
@@ -83,17 +86,25 @@ def main() -> None:
         med_on, med_off = statistics.median(on), statistics.median(off)
         p90_on = sorted(on)[int(len(on) * 0.9)]
         fs = os.popen(f"df -T {work} | tail -1").read().split()
-        print(f"file system: {fs[1] if len(fs) > 1 else '?'} at {work}  object: {len(data)} bytes  "
-              f"publishes: {len(on)} + {len(off)}")
+        print(
+            f"file system: {fs[1] if len(fs) > 1 else '?'} at {work}  object: {len(data)} bytes  "
+            f"publishes: {len(on)} + {len(off)}"
+        )
         print(f"{'':24}{'median ms':>10}{'p90 ms':>10}{'mean ms':>10}")
-        print(f"{'publish, fsync on':24}{med_on * 1e3:10.3f}{p90_on * 1e3:10.3f}{statistics.mean(on) * 1e3:10.3f}")
-        print(f"{'publish, fsync off':24}{med_off * 1e3:10.3f}{sorted(off)[int(len(off) * 0.9)] * 1e3:10.3f}"
-              f"{statistics.mean(off) * 1e3:10.3f}")
+        print(
+            f"{'publish, fsync on':24}{med_on * 1e3:10.3f}{p90_on * 1e3:10.3f}{statistics.mean(on) * 1e3:10.3f}"
+        )
+        print(
+            f"{'publish, fsync off':24}{med_off * 1e3:10.3f}{sorted(off)[int(len(off) * 0.9)] * 1e3:10.3f}"
+            f"{statistics.mean(off) * 1e3:10.3f}"
+        )
         delta = statistics.mean(on) - statistics.mean(off)
         print(f"fsync adds {delta * 1e3:.3f} ms per published entry (mean)")
         if compile_s:
-            print(f"toy_scale compile (warm, sm_90a): {compile_s * 1e3:.0f} ms -> fsync is "
-                  f"{100 * delta / compile_s:.2f} % of one of the cheapest compiles")
+            print(
+                f"toy_scale compile (warm, sm_90a): {compile_s * 1e3:.0f} ms -> fsync is "
+                f"{100 * delta / compile_s:.2f} % of one of the cheapest compiles"
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

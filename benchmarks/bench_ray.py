@@ -15,6 +15,7 @@ script starts (``ray.cluster_utils.Cluster``, 127.0.0.1 only). Reports:
 * objects bit-identical between the two builds (SHA-256);
 * a projection of a 5,000-configuration build on 1, 4 and 16 nodes of 16 cores.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,11 @@ def _build(executor_name: str, manifests, jobs: int, cache: Path, address: str =
     exp = expand([Path(m) for m in manifests], archs=s.build_archs())
     store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
     tasks = scheduler.plan(exp.configs, store)
-    ex = (LocalExecutor(jobs, settings=s) if executor_name == "local"
-          else RayExecutor(address, jobs=jobs, settings=s, store=store))
+    ex = (
+        LocalExecutor(jobs, settings=s)
+        if executor_name == "local"
+        else RayExecutor(address, jobs=jobs, settings=s, store=store)
+    )
     cpu0, t0 = time.process_time(), time.perf_counter()
     res = scheduler.run(tasks, store, jobs=jobs, settings=s, executor=ex)
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
@@ -64,20 +68,26 @@ def _digests(cache: Path) -> dict:
 def _phase_local(manifests, jobs: int, tmp: Path) -> dict:
     res_l, ex_l, wall_l, cpu_l = _build("local", manifests, jobs, tmp / "local")
     n = res_l.count("compiled")
-    return {"keys": n, "wall_s": round(wall_l, 2), "start_s": round(res_l.pool_start_s, 2),
-            "compile_wall_s": round(res_l.compile_wall_s, 2),
-            "keys_per_s": round(n / res_l.compile_wall_s, 3),
-            "coordinator_cpu_ms_per_key": round(1000 * cpu_l / n, 2),
-            "mean_compile_s": round(res_l.compile_s / n, 3)}
+    return {
+        "keys": n,
+        "wall_s": round(wall_l, 2),
+        "start_s": round(res_l.pool_start_s, 2),
+        "compile_wall_s": round(res_l.compile_wall_s, 2),
+        "keys_per_s": round(n / res_l.compile_wall_s, 3),
+        "coordinator_cpu_ms_per_key": round(1000 * cpu_l / n, 2),
+        "mean_compile_s": round(res_l.compile_s / n, 3),
+    }
 
 
 def _phase_ray(manifests, jobs: int, tmp: Path) -> dict:
     from ray.cluster_utils import Cluster
 
     t0 = time.perf_counter()
-    cluster = Cluster(initialize_head=True, connect=False,
-                      head_node_args={"num_cpus": jobs, "node_ip_address": "127.0.0.1",
-                                      "include_dashboard": False})
+    cluster = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={"num_cpus": jobs, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
     cluster_up = time.perf_counter() - t0
     try:
         res_r, ex_r, wall_r, cpu_r = _build("ray", manifests, jobs, tmp / "ray", cluster.address)
@@ -88,19 +98,24 @@ def _phase_ray(manifests, jobs: int, tmp: Path) -> dict:
     transport = (st["roundtrip_s"] - st["actor_compile_wall_s"]) / nr
     publish = st["publish_s"] / nr
     cpu_phase = st.get("coordinator_cpu_s") or cpu_r
-    return {"keys": nr, "wall_s": round(wall_r, 2), "cluster_start_s": round(cluster_up, 2),
-            "executor_start_s": st["start_s"], "actor_warm_s": st["warm_s"],
-            "compile_wall_s": round(res_r.compile_wall_s, 2),
-            "keys_per_s": round(nr / res_r.compile_wall_s, 3),
-            # on an actor's critical path: dispatch -> result back, minus its compile
-            "overhead_ms_per_key": round(1000 * transport, 2),
-            # off it (publisher threads): verify, lock, write, fsync, .so
-            "publish_ms_per_key": round(1000 * publish, 2),
-            "publish_threads": st["publish_threads"],
-            "coordinator_cpu_ms_per_key": round(1000 * cpu_phase / nr, 2),
-            "coordinator_cpu_ms_per_key_incl_start": round(1000 * cpu_r / nr, 2),
-            "mean_compile_s": round(res_r.compile_s / nr, 3),
-            "retries": st["retries"]}
+    return {
+        "keys": nr,
+        "wall_s": round(wall_r, 2),
+        "cluster_start_s": round(cluster_up, 2),
+        "executor_start_s": st["start_s"],
+        "actor_warm_s": st["warm_s"],
+        "compile_wall_s": round(res_r.compile_wall_s, 2),
+        "keys_per_s": round(nr / res_r.compile_wall_s, 3),
+        # on an actor's critical path: dispatch -> result back, minus its compile
+        "overhead_ms_per_key": round(1000 * transport, 2),
+        # off it (publisher threads): verify, lock, write, fsync, .so
+        "publish_ms_per_key": round(1000 * publish, 2),
+        "publish_threads": st["publish_threads"],
+        "coordinator_cpu_ms_per_key": round(1000 * cpu_phase / nr, 2),
+        "coordinator_cpu_ms_per_key_incl_start": round(1000 * cpu_r / nr, 2),
+        "mean_compile_s": round(res_r.compile_s / nr, 3),
+        "retries": st["retries"],
+    }
 
 
 def main() -> int:
@@ -117,7 +132,7 @@ def main() -> int:
         tmp = Path(tmp)
         # The machine may be shared: each phase records the load average around it, and
         # --ray-first swaps the order (to see whether a difference follows the order).
-        for phase in (("ray", "local") if a.ray_first else ("local", "ray")):
+        for phase in ("ray", "local") if a.ray_first else ("local", "ray"):
             load0 = os.getloadavg()[0]
             out[phase] = (_phase_local if phase == "local" else _phase_ray)(manifests, a.jobs, tmp)
             out[phase]["load_avg_before_after"] = [round(load0, 1), round(os.getloadavg()[0], 1)]
@@ -148,9 +163,12 @@ def project(out: dict, n_keys: int = 5000, cores: int = 16, compile_s: float | N
         workers = nodes * cores
         t_workers = n_keys * per_key / workers
         t_coord = n_keys * coord
-        rows[f"{nodes}x{cores}"] = {"workers": workers, "compile_phase_s": round(max(t_workers, t_coord), 1),
-                                    "total_s": round(start + max(t_workers, t_coord), 1),
-                                    "bound_by": "workers" if t_workers >= t_coord else "coordinator"}
+        rows[f"{nodes}x{cores}"] = {
+            "workers": workers,
+            "compile_phase_s": round(max(t_workers, t_coord), 1),
+            "total_s": round(start + max(t_workers, t_coord), 1),
+            "bound_by": "workers" if t_workers >= t_coord else "coordinator",
+        }
     rows["coordinator_limit_keys_per_s"] = round(1 / coord, 1) if coord > 0 else None
     return rows
 

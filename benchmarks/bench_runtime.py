@@ -9,6 +9,7 @@ the compile workers), then measures in fresh processes, side by side:
     (quack's .so path vs CuTe DSL's cute.runtime.load_module on the same .o)
   - fresh interpreter -> loaded prebuilt kernel (import torch included, as in a real run)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -89,8 +90,12 @@ def main() -> None:
     a = ap.parse_args()
     cache = a.cache or Path(tempfile.mkdtemp(prefix="quack-bench-")) / "cache"
     blocks = BLOCKS[: a.keys]
-    env = dict(os.environ, QUACK_CACHE_DIR=str(cache), QUACK_ARCH=os.environ.get("QUACK_ARCH", "sm_90a"),
-               PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        QUACK_CACHE_DIR=str(cache),
+        QUACK_ARCH=os.environ.get("QUACK_ARCH", "sm_90a"),
+        PYTHONPATH=os.pathsep.join([str(ROOT / "tests"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
     t = time.perf_counter()
     from quack import settings
 
@@ -102,8 +107,10 @@ def main() -> None:
     print(f"# filled {len(blocks)} keys in {time.perf_counter() - t:.1f} s into {cache}")
     env_pre = dict(env, QUACK_MODE="prebuilt")
     q = [run(_MEASURE.format(tests=str(ROOT / "tests"), blocks=blocks), env_pre) for _ in range(a.repeat)]
-    c = [run(_CUTE_LOAD.format(pattern=str(cache / "v1" / "**" / "toy_scale" / "*" / "*.o")), env)
-         for _ in range(a.repeat)]
+    c = [
+        run(_CUTE_LOAD.format(pattern=str(cache / "v1" / "**" / "toy_scale" / "*" / "*.o")), env)
+        for _ in range(a.repeat)
+    ]
     med = statistics.median
 
     def ms(x):

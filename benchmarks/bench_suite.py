@@ -13,6 +13,7 @@
 
 Default pytest args: tests --ignore=tests/test_plugin.py (the plugin's own tests
 start pytest subprocesses with private caches: a constant, not the suite)."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PROBE = '''
+PROBE = """
 import json, os, time
 _T = {}
 def pytest_runtest_logstart(nodeid, location):
@@ -39,28 +40,42 @@ def pytest_unconfigure(config):
     if p and not hasattr(config, "workerinput"):
         with open(p, "w") as f:
             json.dump(_T, f)
-'''
+"""
 
 
 def run(args, cache: Path, probe_dir: Path, extra_env=None) -> dict:
     probe = probe_dir / f"probe-{time.time_ns()}.json"
-    env = dict(os.environ, QUACK_CACHE_DIR=str(cache), QUACK_BENCH_PROBE=str(probe),
-               PYTHONPATH=os.pathsep.join([str(probe_dir), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        QUACK_CACHE_DIR=str(cache),
+        QUACK_BENCH_PROBE=str(probe),
+        PYTHONPATH=os.pathsep.join([str(probe_dir), os.environ.get("PYTHONPATH", "")]),
+    )
     env.update(extra_env or {})
     t0 = time.time()
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-p", "quack_bench_probe", *args], cwd=ROOT, env=env, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "quack_bench_probe", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     wall = time.time() - t0
-    tail = (r.stdout.strip().splitlines() or [""])
+    tail = r.stdout.strip().splitlines() or [""]
     summary = next((l for l in reversed(tail) if " in " in l and ("passed" in l or "failed" in l)), tail[-1])
     qline = next((l for l in tail if l.startswith("quack: ")), "")
     try:
         t = json.loads(probe.read_text())
     except (OSError, ValueError):
         t = {}
-    return {"wall": wall, "rc": r.returncode, "summary": summary.strip("= "), "quack": qline,
-            "first_start": t.get("first_start", t0) - t0 if t else None,
-            "first_done": t.get("first_done", t0) - t0 if t else None}
+    return {
+        "wall": wall,
+        "rc": r.returncode,
+        "summary": summary.strip("= "),
+        "quack": qline,
+        "first_start": t.get("first_start", t0) - t0 if t else None,
+        "first_done": t.get("first_done", t0) - t0 if t else None,
+    }
 
 
 def main() -> None:
@@ -82,7 +97,11 @@ def main() -> None:
 
     def add(name, res):
         rows.append((name, res))
-        print(f"  {name:<28} {res['wall']:8.1f} s  rc={res['rc']}  {res['summary']}", file=sys.stderr, flush=True)
+        print(
+            f"  {name:<28} {res['wall']:8.1f} s  rc={res['rc']}  {res['summary']}",
+            file=sys.stderr,
+            flush=True,
+        )
 
     add("cold serial", run(targs, fresh(), work))
     add("cold --async-compile", run(targs + ["--async-compile"], fresh(), work))
@@ -91,8 +110,11 @@ def main() -> None:
         add(f"cold async -n {a.xdist}", run(targs + ["--async-compile", "-n", str(a.xdist)], fresh(), work))
     warm = fresh()
     run(targs, warm, work)  # fill
-    variants = {"warm, -p no:quack": ["-p", "no:quack"], "warm, plugin": [],
-                "warm, --async-compile": ["--async-compile"]}
+    variants = {
+        "warm, -p no:quack": ["-p", "no:quack"],
+        "warm, plugin": [],
+        "warm, --async-compile": ["--async-compile"],
+    }
     best = {}
     for _ in range(a.repeat):
         for name, extra in variants.items():
@@ -116,9 +138,11 @@ def main() -> None:
         if r["quack"]:
             print(f"{'':<36}{r['quack']}")
     cold_s, cold_a = rows[0][1]["wall"], rows[1][1]["wall"]
-    print(f"\ncold speed-up (--async-compile): {cold_s / cold_a:.2f}x; "
-          f"warm vs cold serial: {cold_s / best['warm, --async-compile']['wall']:.1f}x; "
-          f"plugin overhead on a warm run: {(best['warm, --async-compile']['wall'] / base - 1) * 100:+.2f}%")
+    print(
+        f"\ncold speed-up (--async-compile): {cold_s / cold_a:.2f}x; "
+        f"warm vs cold serial: {cold_s / best['warm, --async-compile']['wall']:.1f}x; "
+        f"plugin overhead on a warm run: {(best['warm, --async-compile']['wall'] / base - 1) * 100:+.2f}%"
+    )
     if a.json:
         print(json.dumps({n: r for n, r in rows}, indent=1))
     shutil.rmtree(work, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Compare compile-time variants (module ``_TUNE`` knobs) of the large-N forward kernels
 on the GPU: each variant is compiled through the undecorated compile function (``.raw``),
 checked against torch, and timed like bench_kernels.py (bf16, L2 flushed)."""
+
 import os
 import sys
 
@@ -8,9 +9,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from quack_kernels import cross_entropy, layernorm, rmsnorm  # noqa: E402
 
 from benchmarks.bench_kernels import bench  # noqa: E402
-from quack_kernels import cross_entropy, layernorm, rmsnorm  # noqa: E402
 
 SHAPES = [(32768, 65536), (4096, 262144)]
 
@@ -27,10 +28,15 @@ def run(name, mod, raw, tunes, setup, call, check, nbytes):
                 torch.cuda.synchronize()
                 ok = check(a, out)
                 us = bench(lambda: call(fn, a), reps=20)
-                print(f"{name:<18} {m}x{n:<7} {str(tune):<40} {us:8.0f} us {nbytes(m, n) / us / 1e6:5.2f} TB/s ok={ok}",
-                      flush=True)
+                print(
+                    f"{name:<18} {m}x{n:<7} {str(tune):<40} {us:8.0f} us {nbytes(m, n) / us / 1e6:5.2f} TB/s ok={ok}",
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001
-                print(f"{name:<18} {m}x{n:<7} {str(tune):<40} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(
+                    f"{name:<18} {m}x{n:<7} {str(tune):<40} FAILED {type(e).__name__}: {str(e)[:300]}",
+                    flush=True,
+                )
         mod._TUNE.clear()
         del a
         torch.cuda.empty_cache()
@@ -54,7 +60,7 @@ def rmsnorm_bwd_variants(shapes, variants):
         dx_ref = (g - xhat * (g * xhat).mean(-1, keepdim=True)) * rstd[:k, None]
         dw_ref = torch.zeros(n, device="cuda")
         for i in range(0, m, 2048):
-            dw_ref += (dy[i:i + 2048].float() * x[i:i + 2048].float() * rstd[i:i + 2048, None]).sum(0)
+            dw_ref += (dy[i : i + 2048].float() * x[i : i + 2048].float() * rstd[i : i + 2048, None]).sum(0)
         del xf, dyf, xhat, g
         plan = plan_rows(n, 16, budget=32)
         nbytes = 3 * m * n * 2 + 2 * n * 2 + 4 * m
@@ -71,16 +77,23 @@ def rmsnorm_bwd_variants(shapes, variants):
                     part = torch.empty(gr * plan.rows_per_cta, n, dtype=torch.float32, device="cuda")
                     fn(x, w, dy, None, rstd, dx, part, None, gr)
                     return dx, part.sum(0)
+
                 dx, dw = call()
                 torch.cuda.synchronize()
-                ok = bool(torch.allclose(dx[:k].float(), dx_ref, atol=6e-2, rtol=2e-2)) and \
-                    bool(torch.allclose(dw, dw_ref, atol=1e-2 * (dw_ref.abs().max().item() + 1), rtol=1e-3))
+                ok = bool(torch.allclose(dx[:k].float(), dx_ref, atol=6e-2, rtol=2e-2)) and bool(
+                    torch.allclose(dw, dw_ref, atol=1e-2 * (dw_ref.abs().max().item() + 1), rtol=1e-3)
+                )
                 us = bench(call, reps=20)
-                print(f"rmsnorm_bwd {m}x{n:<7} {str(tune):<34} stages={st} grid={gr:<4} {us:8.0f} us "
-                      f"{nbytes / us / 1e6:5.2f} TB/s ok={ok}", flush=True)
+                print(
+                    f"rmsnorm_bwd {m}x{n:<7} {str(tune):<34} stages={st} grid={gr:<4} {us:8.0f} us "
+                    f"{nbytes / us / 1e6:5.2f} TB/s ok={ok}",
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001
-                print(f"rmsnorm_bwd {m}x{n:<7} {str(tune):<34} grid={gr} FAILED {type(e).__name__}: {str(e)[:300]}",
-                      flush=True)
+                print(
+                    f"rmsnorm_bwd {m}x{n:<7} {str(tune):<34} grid={gr} FAILED {type(e).__name__}: {str(e)[:300]}",
+                    flush=True,
+                )
         rmsnorm._TUNE.clear()
         del x, dy, w, rstd
         torch.cuda.empty_cache()
@@ -90,12 +103,12 @@ def rmsnorm_bwd_variants(shapes, variants):
 # variants (cross_entropy.stream_cfg). Names are short labels for the final table.
 CE_FWD_VARIANTS = [
     ("reg", dict(stream=False)),
-    ("w32k4s4", dict(stream=True)),                                   # 6 CTAs/SM x 4 warps
-    ("w32k4s3c8", dict(stream=True, stages=3, ctas_per_sm=8)),        # 8 CTAs/SM x 4 warps
+    ("w32k4s4", dict(stream=True)),  # 6 CTAs/SM x 4 warps
+    ("w32k4s3c8", dict(stream=True, stages=3, ctas_per_sm=8)),  # 8 CTAs/SM x 4 warps
     ("w32k2s4c8", dict(stream=True, k=2, ctas_per_sm=8)),
-    ("w32k8s3", dict(stream=True, k=8, stages=3)),                    # 4 CTAs/SM
-    ("w32t256s3", dict(stream=True, threads=256, stages=3)),          # 8 warps / CTA, 4 CTAs/SM
-    ("cta256", dict(stream=True, tpr=256)),                           # one row per CTA, 3 CTAs/SM
+    ("w32k8s3", dict(stream=True, k=8, stages=3)),  # 4 CTAs/SM
+    ("w32t256s3", dict(stream=True, threads=256, stages=3)),  # 8 warps / CTA, 4 CTAs/SM
+    ("cta256", dict(stream=True, tpr=256)),  # one row per CTA, 3 CTAs/SM
     ("cta256s3c4", dict(stream=True, tpr=256, stages=3, ctas_per_sm=4)),
     ("cl2", dict(stream=True, tpr=256, cluster=2)),
     ("cl4", dict(stream=True, tpr=256, cluster=4)),
@@ -115,7 +128,7 @@ def ce_fwd_variants(variants=None, shapes=None, check_names=None):
     import time
 
     variants = variants or CE_FWD_VARIANTS
-    if os.environ.get("CE_VARIANTS"):       # e.g. CE_VARIANTS=reg,w32k4s3c8
+    if os.environ.get("CE_VARIANTS"):  # e.g. CE_VARIANTS=reg,w32k4s3c8
         keep = os.environ["CE_VARIANTS"].split(",")
         variants = [v for v in variants if v[0] in keep]
     shapes = shapes or CE_SHAPES
@@ -139,7 +152,7 @@ def ce_fwd_variants(variants=None, shapes=None, check_names=None):
     def reference(x, t):
         lse = torch.empty(x.shape[0], device="cuda")
         for i in range(0, x.shape[0], 1024):
-            lse[i:i + 1024] = torch.logsumexp(x[i:i + 1024].float(), -1)
+            lse[i : i + 1024] = torch.logsumexp(x[i : i + 1024].float(), -1)
         # ignored rows: loss 0; out-of-range targets: x[t] taken as 0 (loss = lse)
         valid = (t >= 0) & (t < x.shape[1])
         xt = torch.zeros(x.shape[0], device="cuda")
@@ -159,6 +172,7 @@ def ce_fwd_variants(variants=None, shapes=None, check_names=None):
             else:
                 fn(x, t, loss, lse, -100, grid)
             return loss, lse
+
         return call, grid
 
     def close(out, ref, tol):
@@ -189,8 +203,11 @@ def ce_fwd_variants(variants=None, shapes=None, check_names=None):
                     ok = close(out, ref, 2e-3)
                     us = bench(call, reps=20)
                     rec.update(us=us, tbs=nbytes / us / 1e6, ok=ok, grid=grid, cfg=cfg, compile_s=ct)
-                    print(f"cross_entropy_fwd {m}x{n:<7} {name:<11} {us:8.1f} us {nbytes / us / 1e6:5.2f} TB/s "
-                          f"ok={ok} grid={grid} compile={ct:.1f}s {tune}", flush=True)
+                    print(
+                        f"cross_entropy_fwd {m}x{n:<7} {name:<11} {us:8.1f} us {nbytes / us / 1e6:5.2f} TB/s "
+                        f"ok={ok} grid={grid} compile={ct:.1f}s {tune}",
+                        flush=True,
+                    )
                 except Exception as e:  # noqa: BLE001
                     rec.update(error=f"{type(e).__name__}: {str(e)[:500]}")
                     print(f"cross_entropy_fwd {m}x{n:<7} {name:<11} FAILED {rec['error'][:300]}", flush=True)
@@ -208,7 +225,7 @@ def ce_fwd_variants(variants=None, shapes=None, check_names=None):
                 x = (torch.randn(m, n, generator=g) * 3).to(device="cuda", dtype=getattr(torch, dtype))
                 t = torch.randint(0, n, (m,), generator=g)
                 t[::5] = -100
-                t[3::11] = n + 5          # out of range: loss = lse (like the register path)
+                t[3::11] = n + 5  # out of range: loss = lse (like the register path)
                 t = t.to("cuda")
                 ref = reference(x, t)
                 for name in names:
@@ -249,12 +266,15 @@ def ce_fwd_variants(variants=None, shapes=None, check_names=None):
             row += f"{cell:>18}"
         print(row)
     bad = [c for c in checks if c["ok"] is not True]
-    print(f"fp32/fp16 correctness: {len(checks) - len(bad)}/{len(checks)} ok"
-          + "".join(f"\n  BAD {c}" for c in bad))
+    print(
+        f"fp32/fp16 correctness: {len(checks) - len(bad)}/{len(checks)} ok"
+        + "".join(f"\n  BAD {c}" for c in bad)
+    )
 
 
-def ce_bwd_variants(shapes=((32768, 4096), (32768, 16384), (32768, 65536), (4096, 262144)),
-                    budgets=(64, 32, 16)):
+def ce_bwd_variants(
+    shapes=((32768, 4096), (32768, 16384), (32768, 65536), (4096, 262144)), budgets=(64, 32, 16)
+):
     """Cross-entropy backward: elements per thread (``_TUNE["bwd_budget"]``); the row is
     split over CTAs without a cluster (no reduction in the backward)."""
     dt = torch.bfloat16
@@ -276,12 +296,19 @@ def ce_bwd_variants(shapes=((32768, 4096), (32768, 16384), (32768, 65536), (4096
                     dx = torch.empty_like(x)
                     fn(x, t, dl, lse, dx, -100)
                     return dx
+
                 ok = bool(torch.allclose(call()[:k].float(), p, atol=1e-2, rtol=1e-2))
                 us = bench(call, reps=20)
-                print(f"cross_entropy_bwd {m}x{n:<7} budget={b:<3} {us:8.0f} us "
-                      f"{(2 * m * n * 2 + 12 * m) / us / 1e6:5.2f} TB/s ok={ok}", flush=True)
+                print(
+                    f"cross_entropy_bwd {m}x{n:<7} budget={b:<3} {us:8.0f} us "
+                    f"{(2 * m * n * 2 + 12 * m) / us / 1e6:5.2f} TB/s ok={ok}",
+                    flush=True,
+                )
             except Exception as e:  # noqa: BLE001
-                print(f"cross_entropy_bwd {m}x{n} budget={b} FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
+                print(
+                    f"cross_entropy_bwd {m}x{n} budget={b} FAILED {type(e).__name__}: {str(e)[:300]}",
+                    flush=True,
+                )
         cross_entropy._TUNE.clear()
         del x
         torch.cuda.empty_cache()
@@ -302,8 +329,9 @@ def main():
         # grid None = the wrapper's (_bwd_grid); measured on the H200: one cluster of 8 / 16
         # less than SMs / cluster size (16 clusters of 8: 5720 us vs 15: 3383 us at 65536)
         old = dict(smem=False)
-        rmsnorm_bwd_variants([(32768, 65536)], [
-            ({}, None), (dict(stages=3), None), (dict(stages=2), None), (old, None)])
+        rmsnorm_bwd_variants(
+            [(32768, 65536)], [({}, None), (dict(stages=3), None), (dict(stages=2), None), (old, None)]
+        )
         rmsnorm_bwd_variants([(4096, 262144)], [({}, None), (dict(smem_kb=192), None), (old, None)])
         rmsnorm_bwd_variants([(32768, 16384), (32768, 4096)], [({}, None), (old, None)])
     if only is not None and "fwd" not in only and "rmsnorm_fwd" not in only:
@@ -331,9 +359,16 @@ def main():
         return bool(torch.allclose(y[:k].float(), ref, atol=6e-2, rtol=2e-2))
 
     ln_variants = [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)]
-    run("layernorm_fwd", layernorm, lambda n: layernorm.compile_layernorm_fwd.raw("bfloat16", n, True, True),
+    run(
+        "layernorm_fwd",
+        layernorm,
+        lambda n: layernorm.compile_layernorm_fwd.raw("bfloat16", n, True, True),
         ln_variants if only is None or "fwd" in only else [],
-        ln_setup, ln_call, ln_check, lambda m, n: 2 * m * n * 2 + 4 * n + 8 * m)
+        ln_setup,
+        ln_call,
+        ln_check,
+        lambda m, n: 2 * m * n * 2 + 4 * n + 8 * m,
+    )
 
     # RMSNorm forward
     def rms_setup(m, n):
@@ -343,9 +378,23 @@ def main():
         x, w = a
         y = torch.empty_like(x)
         rstd = torch.empty(x.shape[0], device="cuda")
-        fn(x, w, None, None, y, None, rstd, 1e-6,
-           rmsnorm.fwd_grid(x.shape[0], "bfloat16", x.shape[1],
-                            rmsnorm.fwd_persist_cfg("bfloat16", x.shape[1], True, False, "same"), x.device))
+        fn(
+            x,
+            w,
+            None,
+            None,
+            y,
+            None,
+            rstd,
+            1e-6,
+            rmsnorm.fwd_grid(
+                x.shape[0],
+                "bfloat16",
+                x.shape[1],
+                rmsnorm.fwd_persist_cfg("bfloat16", x.shape[1], True, False, "same"),
+                x.device,
+            ),
+        )
         return y
 
     def rms_check(a, y):
@@ -355,9 +404,16 @@ def main():
         ref = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
         return bool(torch.allclose(y[:k].float(), ref, atol=6e-2, rtol=2e-2))
 
-    run("rmsnorm_fwd", rmsnorm, lambda n: rmsnorm.compile_rmsnorm_fwd.raw("bfloat16", n, True, False, False),
+    run(
+        "rmsnorm_fwd",
+        rmsnorm,
+        lambda n: rmsnorm.compile_rmsnorm_fwd.raw("bfloat16", n, True, False, False),
         [dict(persist=False), dict(persist=True), dict(persist=True, persist_ctas=2)],
-        rms_setup, rms_call, rms_check, lambda m, n: 2 * m * n * 2 + 2 * n + 4 * m)
+        rms_setup,
+        rms_call,
+        rms_check,
+        lambda m, n: 2 * m * n * 2 + 2 * n + 4 * m,
+    )
 
     # Cross-entropy forward
     def ce_setup(m, n):
@@ -376,9 +432,16 @@ def main():
         ref = F.cross_entropy(x[:k].float(), t[:k], reduction="none")
         return bool(torch.allclose(loss[:k], ref, atol=1e-3, rtol=1e-3))
 
-    run("cross_entropy_fwd", cross_entropy, lambda n: cross_entropy.compile_cross_entropy_fwd.raw("bfloat16", n),
+    run(
+        "cross_entropy_fwd",
+        cross_entropy,
+        lambda n: cross_entropy.compile_cross_entropy_fwd.raw("bfloat16", n),
         [dict(min_blocks=0), dict(min_blocks=4)] if only is None or "fwd" in only else [],
-        ce_setup, ce_call, ce_check, lambda m, n: m * n * 2 + 16 * m)
+        ce_setup,
+        ce_call,
+        ce_check,
+        lambda m, n: m * n * 2 + 16 * m,
+    )
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ the top level: the builder imports them inside).
 
 from ._plan import io_width, plan_rows, resolve_weight_dtype
 
-BWD_BUDGET = 32   # row elements per thread kept in registers (two rows: x and dy)
+BWD_BUDGET = 32  # row elements per thread kept in registers (two rows: x and dy)
 
 
 def bwd_plan(dtype: str, n: int, weight_dtype: str = "same", has_weight: bool = True):
@@ -64,8 +64,9 @@ def bwd_grid(m: int, plan, width: int, device, tune: dict | None = None) -> int:
     return max(1, min(tiles, clusters))
 
 
-def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: bool,
-                     weight_dtype: str, tune: dict):
+def compile_norm_bwd(
+    kind: str, dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str, tune: dict
+):
     """Build the backward of ``kind`` ("rms" or "layer"). Runtime signature:
     fn(x, w|None, dy, mean|None, rstd, dx, dw_partial|None, db_partial|None, num_blocks)
     with the partials (num_blocks * rows_per_cta, n) fp32. ``mean`` only for "layer",
@@ -89,15 +90,17 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
         mb = (rmbar + j) if const_expr(plan.cluster_n > 1) else None
         ba = rbuf[None, None, 2 * j] if const_expr(rbuf is not None) else None
         bb = rbuf[None, None, 2 * j + 1] if const_expr(rbuf is not None) else None
-        return rr.row_allreduce_pair(Float32(a), Float32(b), "sum2", plan.threads_per_row,
-                                     plan.cluster_n, 1, ba, bb, mb, (it // 2) % 2)
+        return rr.row_allreduce_pair(
+            Float32(a), Float32(b), "sum2", plan.threads_per_row, plan.cluster_n, 1, ba, bb, mb, (it // 2) % 2
+        )
 
     def row_sum(v):
         return v.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
 
     @cute.kernel
-    def kernel_smem(mX: cute.Tensor, mW, mdY: cute.Tensor, mMean, mRstd: cute.Tensor,
-                    mdX: cute.Tensor, mdW, mdB):
+    def kernel_smem(
+        mX: cute.Tensor, mW, mdY: cute.Tensor, mMean, mRstd: cute.Tensor, mdX: cute.Tensor, mdW, mdB
+    ):
         # Large rows (one row per CTA of a cluster): x and dy of the next ``stages - 1``
         # row tiles stream into shared memory with per-thread cp.async while the current
         # tile is reduced, so loads stay in flight across the cluster round trip.
@@ -115,7 +118,8 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
         tc = cute.make_tiled_copy_tv(
             rr.cp_async_atom(dt, plan.vec * dt.width),
             cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
-            cute.make_layout((1, plan.vec)))
+            cute.make_layout((1, plan.vec)),
+        )
         thr = tc.get_slice(tidx)
         num_tiles = m
         grid_m = cute.arch.grid_dim()[0]
@@ -123,10 +127,18 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
         for s in cutlass.range_constexpr(stages - 1):
             ts = bidx + s * grid_m
             if ts < num_tiles:
-                cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
-                          thr.partition_D(sX[None, None, s]), pred=t0.pred)
-                cute.copy(tc, thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (ts, cluster_y))),
-                          thr.partition_D(sdY[None, None, s]), pred=t0.pred)
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
+                    thr.partition_D(sX[None, None, s]),
+                    pred=t0.pred,
+                )
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (ts, cluster_y))),
+                    thr.partition_D(sdY[None, None, s]),
+                    pred=t0.pred,
+                )
             cute.arch.cp_async_commit_group()
         if const_expr(mW is not None):
             rW = t0.load_bcast(t0.part_bcast(mW))
@@ -155,10 +167,18 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
             tn = tile + (stages - 1) * grid_m
             sn = (it + stages - 1) % stages
             if tn < num_tiles:
-                cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
-                          thr.partition_D(sX[None, None, sn]), pred=t.pred)
-                cute.copy(tc, thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (tn, cluster_y))),
-                          thr.partition_D(sdY[None, None, sn]), pred=t.pred)
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
+                    thr.partition_D(sX[None, None, sn]),
+                    pred=t.pred,
+                )
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (tn, cluster_y))),
+                    thr.partition_D(sdY[None, None, sn]),
+                    pred=t.pred,
+                )
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(stages - 1)
             sc = it % stages
@@ -216,8 +236,7 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
         store_partials(tidx, bidx, cluster_y, dw_acc, db_acc, mdW, mdB)
 
     @cute.kernel
-    def kernel(mX: cute.Tensor, mW, mdY: cute.Tensor, mMean, mRstd: cute.Tensor,
-               mdX: cute.Tensor, mdW, mdB):
+    def kernel(mX: cute.Tensor, mW, mdY: cute.Tensor, mMean, mRstd: cute.Tensor, mdX: cute.Tensor, mdW, mdB):
         tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
         smem = cutlass.utils.SmemAllocator()
@@ -276,8 +295,18 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
     bwd_kernel = kernel_smem if stages >= 2 else kernel
 
     @cute.jit
-    def launch(mX: cute.Tensor, mW, mdY: cute.Tensor, mMean, mRstd: cute.Tensor,
-               mdX: cute.Tensor, mdW, mdB, num_blocks: Int32, stream):
+    def launch(
+        mX: cute.Tensor,
+        mW,
+        mdY: cute.Tensor,
+        mMean,
+        mRstd: cute.Tensor,
+        mdX: cute.Tensor,
+        mdW,
+        mdB,
+        num_blocks: Int32,
+        stream,
+    ):
         bwd_kernel(mX, mW, mdY, mMean, mRstd, mdX, mdW, mdB).launch(
             grid=[num_blocks, plan.cluster_n, 1],
             block=[plan.num_threads, 1, 1],
@@ -294,16 +323,18 @@ def compile_norm_bwd(kind: str, dtype: str, n: int, has_weight: bool, has_bias: 
     dw = rr.fake_rows(Float32, n, plan.vec)[0] if has_weight else None
     db = rr.fake_rows(Float32, n, plan.vec)[0] if has_bias else None
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(launch, x, w, dy, mean, rstd, dx, dw, db, Int32(1), stream,
-                        options="--enable-tvm-ffi")
+    return cute.compile(
+        launch, x, w, dy, mean, rstd, dx, dw, db, Int32(1), stream, options="--enable-tvm-ffi"
+    )
 
 
 def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, tune: dict):
     """The torch side of both backwards: validate, size the persistent grid, launch,
     sum the partials (fp32). Returns (dx, dweight|None, dbias|None): dweight in the
     weight's dtype, dbias in ``bias_dtype`` (None: no bias, no dbias)."""
-    from . import _torch as kt
     import torch
+
+    from . import _torch as kt
 
     x2 = kt.rows(x, "x")
     m, n = x2.shape

@@ -13,6 +13,7 @@ implementations run.
 An absent optional output (rmsnorm's residual_out, a norm's dweight / dbias) is an empty
 tensor, since a custom op cannot return None.
 """
+
 from typing import Optional
 
 import torch
@@ -41,9 +42,11 @@ def _empty(x: Tensor) -> Tensor:
 
 # --------------------------------------------------------------------------- RMSNorm
 
+
 @torch.library.custom_op(f"{NS}::rmsnorm_fwd", mutates_args=())
-def rmsnorm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                residual: Optional[Tensor], eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def rmsnorm_fwd(
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], residual: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     y, rstd, ro = _rms.rmsnorm_fwd(x, weight, bias, residual, eps)
     return y, rstd, (ro if ro is not None else _empty(x))
 
@@ -55,8 +58,9 @@ def _(x, weight, bias, residual, eps):
 
 
 @torch.library.custom_op(f"{NS}::rmsnorm_bwd", mutates_args=())
-def rmsnorm_bwd(x: Tensor, weight: Optional[Tensor], dy: Tensor, rstd: Tensor,
-                bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def rmsnorm_bwd(
+    x: Tensor, weight: Optional[Tensor], dy: Tensor, rstd: Tensor, bias: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
     out = _rms.rmsnorm_bwd(x, weight, dy, rstd, bias)
     dx, dw = out[0], out[1]
     db = out[2] if bias is not None else None
@@ -85,8 +89,13 @@ def _rms_backward(ctx, dy, drstd, dro):
     dh, dw, db = rmsnorm_bwd(h, weight, dy.contiguous(), rstd, bias)
     if ctx.has_residual and dro is not None and dro.numel() > 0:
         dh = dh + dro
-    return (dh, dw if ctx.needs[0] else None, db if ctx.needs[1] else None,
-            dh if ctx.has_residual else None, None)
+    return (
+        dh,
+        dw if ctx.needs[0] else None,
+        db if ctx.needs[1] else None,
+        dh if ctx.has_residual else None,
+        None,
+    )
 
 
 torch.library.register_autograd(f"{NS}::rmsnorm_fwd", _rms_backward, setup_context=_rms_setup)
@@ -99,9 +108,11 @@ def rmsnorm(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
 
 # --------------------------------------------------------------------------- LayerNorm
 
+
 @torch.library.custom_op(f"{NS}::layernorm_fwd", mutates_args=())
-def layernorm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
-                  eps: float) -> tuple[Tensor, Tensor, Tensor]:
+def layernorm_fwd(
+    x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float
+) -> tuple[Tensor, Tensor, Tensor]:
     return _ln.layernorm_fwd(x, weight, bias, eps)
 
 
@@ -112,8 +123,9 @@ def _(x, weight, bias, eps):
 
 
 @torch.library.custom_op(f"{NS}::layernorm_bwd", mutates_args=())
-def layernorm_bwd(x: Tensor, weight: Optional[Tensor], dy: Tensor, mean: Tensor, rstd: Tensor,
-                  bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+def layernorm_bwd(
+    x: Tensor, weight: Optional[Tensor], dy: Tensor, mean: Tensor, rstd: Tensor, bias: Optional[Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
     dx, dw, db = _ln.layernorm_bwd(x, weight, dy, mean, rstd, bias)
     return (dx, dw if dw is not None else _empty(x), db if db is not None else _empty(x))
 
@@ -147,6 +159,7 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
 
 
 # --------------------------------------------------------------------------- softmax
+
 
 @torch.library.custom_op(f"{NS}::softmax_fwd", mutates_args=())
 def softmax_fwd(x: Tensor) -> Tensor:
@@ -186,9 +199,11 @@ def softmax(x):
 
 # --------------------------------------------------------------------------- cross-entropy
 
+
 @torch.library.custom_op(f"{NS}::cross_entropy_fwd", mutates_args=())
-def cross_entropy_fwd(logits: Tensor, target: Tensor, weight: Optional[Tensor],
-                      ignore_index: int, label_smoothing: float) -> tuple[Tensor, Tensor]:
+def cross_entropy_fwd(
+    logits: Tensor, target: Tensor, weight: Optional[Tensor], ignore_index: int, label_smoothing: float
+) -> tuple[Tensor, Tensor]:
     return _ce.cross_entropy_fwd(logits, target, ignore_index, weight, label_smoothing)
 
 
@@ -199,11 +214,16 @@ def _(logits, target, weight, ignore_index, label_smoothing):
 
 
 @torch.library.custom_op(f"{NS}::cross_entropy_bwd", mutates_args=())
-def cross_entropy_bwd(logits: Tensor, target: Tensor, dloss: Tensor, lse: Tensor,
-                      weight: Optional[Tensor], ignore_index: int,
-                      label_smoothing: float) -> Tensor:
-    return _ce.cross_entropy_bwd(logits, target, dloss, lse, ignore_index, weight,
-                                 label_smoothing)
+def cross_entropy_bwd(
+    logits: Tensor,
+    target: Tensor,
+    dloss: Tensor,
+    lse: Tensor,
+    weight: Optional[Tensor],
+    ignore_index: int,
+    label_smoothing: float,
+) -> Tensor:
+    return _ce.cross_entropy_bwd(logits, target, dloss, lse, ignore_index, weight, label_smoothing)
 
 
 @cross_entropy_bwd.register_fake
@@ -227,8 +247,14 @@ def _ce_backward(ctx, dloss, dlse):
 torch.library.register_autograd(f"{NS}::cross_entropy_fwd", _ce_backward, setup_context=_ce_setup)
 
 
-def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean",
-                  weight=None, label_smoothing: float = 0.0):
+def cross_entropy(
+    logits,
+    target,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    weight=None,
+    label_smoothing: float = 0.0,
+):
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     loss, _ = cross_entropy_fwd(logits, target, weight, int(ignore_index), float(label_smoothing))

@@ -18,6 +18,7 @@ N                  threads / row    CTA threads  cluster
 > 16384            256              256          2 .. 16 (DSMEM reduction)
 =================  ===============  ===========  =========
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -58,12 +59,12 @@ def resolve_weight_dtype(dtype: str, weight_dtype: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class RowPlan:
-    n: int                 # row length (static)
-    vec: int               # elements per vector access (<= 128 bits of the widest dtype)
-    threads_per_row: int   # threads of one CTA sharing a row
-    num_threads: int       # threads per CTA
-    cluster_n: int         # CTAs sharing a row (1 = no cluster)
-    nvec: int              # vector accesses per thread per row
+    n: int  # row length (static)
+    vec: int  # elements per vector access (<= 128 bits of the widest dtype)
+    threads_per_row: int  # threads of one CTA sharing a row
+    num_threads: int  # threads per CTA
+    cluster_n: int  # CTAs sharing a row (1 = no cluster)
+    nvec: int  # vector accesses per thread per row
 
     @property
     def rows_per_cta(self) -> int:
@@ -119,8 +120,7 @@ def plan_rows(n: int, width: int, *, budget: int = 64, max_cluster: int = 16) ->
     while cluster_n > 1 and (cluster_n - 1) * tpr * nvec * vec >= n:
         cluster_n //= 2
         nvec = -(-nvecs // (tpr * cluster_n))
-    return RowPlan(n=n, vec=vec, threads_per_row=tpr, num_threads=num_threads,
-                   cluster_n=cluster_n, nvec=nvec)
+    return RowPlan(n=n, vec=vec, threads_per_row=tpr, num_threads=num_threads, cluster_n=cluster_n, nvec=nvec)
 
 
 def smem_bcast_ok(plan: RowPlan, width: int, count: int, max_bytes: int = 72 * 1024) -> bool:
@@ -128,8 +128,12 @@ def smem_bcast_ok(plan: RowPlan, width: int, count: int, max_bytes: int = 72 * 1
     memory with cp.async? Only for one row per CTA split over a cluster (the large-N
     paths), vector accesses of >= 4 bytes (cp.async sizes), and a shared-memory tile
     small enough to keep 2+ CTAs per SM."""
-    return (plan.cluster_n > 1 and plan.rows_per_cta == 1 and 32 <= plan.vec * width <= 128
-            and count * plan.tile_n * width // 8 <= max_bytes)
+    return (
+        plan.cluster_n > 1
+        and plan.rows_per_cta == 1
+        and 32 <= plan.vec * width <= 128
+        and count * plan.tile_n * width // 8 <= max_bytes
+    )
 
 
 def check_n(n) -> int:

@@ -14,7 +14,7 @@ import operator
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Boolean, const_expr
+from cutlass import Boolean, Float32, Int32, Int64, const_expr
 
 from ._plan import RowPlan
 
@@ -30,8 +30,7 @@ def cutlass_dtype(name: str):
 
 
 def make_tiled_copy(dtype, plan: RowPlan):
-    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype,
-                               num_bits_per_copy=plan.vec * dtype.width)
+    atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=plan.vec * dtype.width)
     thr_layout = cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0))
     val_layout = cute.make_layout((1, plan.vec))
     return cute.make_tiled_copy_tv(atom, thr_layout, val_layout)
@@ -45,10 +44,14 @@ def cp_async_atom(dtype, num_bits: int, bypass_l1: bool = True):
     vectors (weight / bias, re-read by every CTA) pass ``bypass_l1=False``: co-resident
     CTAs share them through L1 (measured on the H200: .cg there cost RMSNorm / LayerNorm
     fwd 6-22 % at N = 65536 / 262144)."""
-    mode = (cute.nvgpu.cpasync.LoadCacheMode.GLOBAL if num_bits == 128 and bypass_l1
-            else cute.nvgpu.cpasync.LoadCacheMode.ALWAYS)
-    return cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), dtype,
-                               num_bits_per_copy=num_bits)
+    mode = (
+        cute.nvgpu.cpasync.LoadCacheMode.GLOBAL
+        if num_bits == 128 and bypass_l1
+        else cute.nvgpu.cpasync.LoadCacheMode.ALWAYS
+    )
+    return cute.make_copy_atom(
+        cute.nvgpu.cpasync.CopyG2SOp(cache_mode=mode), dtype, num_bits_per_copy=num_bits
+    )
 
 
 def tiler(plan: RowPlan):
@@ -94,8 +97,10 @@ def broadcast_rows(vec_tensor: cute.Tensor, rows: int) -> cute.Tensor:
 def column_predicate(tXcX: cute.Tensor, n: cutlass.Constexpr[int]) -> cute.Tensor:
     """Per-vector predicate (1, 1, nvec): the vector's first column is < n (vec divides n)."""
     pred = cute.make_rmem_tensor(
-        cute.make_layout((1, cute.size(tXcX, mode=[1]), cute.size(tXcX, mode=[2])),
-                         stride=(cute.size(tXcX, mode=[2]), 0, 1)),
+        cute.make_layout(
+            (1, cute.size(tXcX, mode=[1]), cute.size(tXcX, mode=[2])),
+            stride=(cute.size(tXcX, mode=[2]), 0, 1),
+        ),
         Boolean,
     )
     for k in cutlass.range_constexpr(cute.size(tXcX, mode=[2])):
@@ -127,8 +132,8 @@ def row_allreduce(
     kind: cutlass.Constexpr[str],
     threads_per_row: cutlass.Constexpr[int],
     cluster_n: cutlass.Constexpr[int],
-    buf: cute.Tensor,       # smem (rows_per_cta, warps_per_row * cluster_n) fp32, one per stage
-    mbar: cute.Pointer,     # smem mbarrier of this stage (cluster only), or None
+    buf: cute.Tensor,  # smem (rows_per_cta, warps_per_row * cluster_n) fp32, one per stage
+    mbar: cute.Pointer,  # smem mbarrier of this stage (cluster only), or None
     phase=0,
 ):
     """All-reduce ``val`` over the threads (and CTAs) sharing a row."""
@@ -155,7 +160,8 @@ def row_allreduce(
             if warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(
-                        mbar, rows_per_cta * warps_per_row * cluster_n * 4)
+                        mbar, rows_per_cta * warps_per_row * cluster_n * 4
+                    )
             if lane < cluster_n:
                 slot = buf.iterator + cute.crd2idx((row, rank * warps_per_row + col), buf.layout)
                 store_remote_f32(val, slot, mbar, lane)
@@ -210,8 +216,12 @@ def row_allreduce_pair(
     if const_expr(kind == "lse"):
         for i in cutlass.range_constexpr(g.bit_length() - 1):
             off = const_expr(g >> (i + 1))
-            a, b = _lse_combine(a, b, cute.arch.shuffle_sync_bfly(a, offset=off, mask=-1, mask_and_clamp=31),
-                                cute.arch.shuffle_sync_bfly(b, offset=off, mask=-1, mask_and_clamp=31))
+            a, b = _lse_combine(
+                a,
+                b,
+                cute.arch.shuffle_sync_bfly(a, offset=off, mask=-1, mask_and_clamp=31),
+                cute.arch.shuffle_sync_bfly(b, offset=off, mask=-1, mask_and_clamp=31),
+            )
     elif const_expr(kind == "sum2"):
         a = cute.arch.warp_reduction(a, operator.add, threads_in_group=g)
         b = cute.arch.warp_reduction(b, operator.add, threads_in_group=g)
@@ -237,7 +247,8 @@ def row_allreduce_pair(
             if warp == 0:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(
-                        mbar, rows_per_cta * warps_per_row * cluster_n * 8)
+                        mbar, rows_per_cta * warps_per_row * cluster_n * 8
+                    )
             if lane < cluster_n:
                 ci = (row, rank * warps_per_row + col)
                 store_remote_f32(a, buf_a.iterator + cute.crd2idx(ci, buf_a.layout), mbar, lane)
@@ -253,8 +264,12 @@ def row_allreduce_pair(
                     va, vb = _lse_combine(va, vb, buf_a[row, idx], buf_b[row, idx])
             for i in cutlass.range_constexpr(5):
                 off2 = const_expr(16 >> i)
-                va, vb = _lse_combine(va, vb, cute.arch.shuffle_sync_bfly(va, offset=off2, mask=-1, mask_and_clamp=31),
-                                      cute.arch.shuffle_sync_bfly(vb, offset=off2, mask=-1, mask_and_clamp=31))
+                va, vb = _lse_combine(
+                    va,
+                    vb,
+                    cute.arch.shuffle_sync_bfly(va, offset=off2, mask=-1, mask_and_clamp=31),
+                    cute.arch.shuffle_sync_bfly(vb, offset=off2, mask=-1, mask_and_clamp=31),
+                )
             a, b = va, vb
         elif const_expr(kind == "sum2"):
             sa = Float32(0.0)
@@ -304,7 +319,8 @@ class Reducer:
             self.buf = smem.allocate_tensor(
                 Float32,
                 cute.make_ordered_layout(
-                    (p.rows_per_cta, p.warps_per_row * p.cluster_n, self.stages), order=(1, 0, 2)),
+                    (p.rows_per_cta, p.warps_per_row * p.cluster_n, self.stages), order=(1, 0, 2)
+                ),
                 byte_alignment=16,
             )
         if p.cluster_n > 1:
@@ -340,8 +356,9 @@ def reduce_pair_stage(a, b, kind: str, plan: RowPlan, buf, mbar, count: int, pha
     first stages of the buffer (a, b) and the first mbarrier."""
     ba = buf[None, None, 0] if const_expr(buf is not None) else None
     bb = buf[None, None, 1] if const_expr(buf is not None) else None
-    return row_allreduce_pair(Float32(a), Float32(b), kind, plan.threads_per_row, plan.cluster_n,
-                              count, ba, bb, mbar, phase)
+    return row_allreduce_pair(
+        Float32(a), Float32(b), kind, plan.threads_per_row, plan.cluster_n, count, ba, bb, mbar, phase
+    )
 
 
 def reduce_stage(val, kind: str, plan: RowPlan, buf, mbar, stage, phase=0):
@@ -456,8 +473,9 @@ class RowTiles:
 
     def alloc_smem_bcast(self, smem, dtype):
         """A (1, tile_n) shared-memory tile for one broadcast vector (rows_per_cta == 1)."""
-        return smem.allocate_tensor(dtype, cute.make_layout((1, self.plan.tile_n), stride=(self.plan.tile_n, 1)),
-                                    byte_alignment=16)
+        return smem.allocate_tensor(
+            dtype, cute.make_layout((1, self.plan.tile_n), stride=(self.plan.tile_n, 1)), byte_alignment=16
+        )
 
     def stage_bcast(self, smem, dtype, *vectors):
         """``alloc_smem_bcast`` + ``prefetch_bcast`` for each vector given; an absent
@@ -493,8 +511,9 @@ class RowTiles:
         """cp.async this CTA's slice of a (N,) vector into ``sV``; commit one group."""
         dtype = mV.element_type
         atom = cp_async_atom(dtype, self.plan.vec * dtype.width, bypass_l1=False)
-        thr_layout = cute.make_ordered_layout((self.plan.rows_per_cta, self.plan.threads_per_row),
-                                              order=(1, 0))
+        thr_layout = cute.make_ordered_layout(
+            (self.plan.rows_per_cta, self.plan.threads_per_row), order=(1, 0)
+        )
         tc = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, self.plan.vec)))
         tidx, _, _ = cute.arch.thread_idx()
         thr = tc.get_slice(tidx)

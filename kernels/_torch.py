@@ -1,5 +1,6 @@
 """Input validation and small torch helpers for the torch-facing kernel functions.
 Import this only from inside functions (it imports torch)."""
+
 import torch
 
 from ._plan import N_MAX, N_MIN
@@ -55,8 +56,9 @@ def like_rows(t, name, ref, ref_name="x", dtype=None):
     if t.dtype != want:
         raise TypeError(f"{name} has dtype {t.dtype}, expected {want} (same as {ref_name})")
     if tuple(t.shape) != tuple(ref.shape):
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} "
-                         f"(same as {ref_name})")
+        raise ValueError(
+            f"{name} has shape {tuple(t.shape)}, expected {tuple(ref.shape)} (same as {ref_name})"
+        )
     return rows(t, name)
 
 
@@ -106,8 +108,10 @@ def affine(weight, bias, n, x):
     if weight is not None and bias is not None:
         _tensor(bias, "bias")
         if bias.dtype != weight.dtype:
-            raise TypeError(f"bias has dtype {bias.dtype} but weight has {weight.dtype}: "
-                            "weight and bias must share one dtype")
+            raise TypeError(
+                f"bias has dtype {bias.dtype} but weight has {weight.dtype}: "
+                "weight and bias must share one dtype"
+            )
     w = vector(weight, "weight", n, x, dtype=ref.dtype)
     b = vector(bias, "bias", n, x, dtype=ref.dtype)
     return w, b, ("same" if wname == dtype_name(x, "x") else wname)

@@ -13,6 +13,7 @@ the per-row scalars (w[t], a, b, c) are formed by the torch wrapper (O(M) work).
 
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
+
 import math
 
 from quack import jit_cache
@@ -56,12 +57,12 @@ def stream_cfg(dtype: str, n: int, smoothing: str = "none"):
     chunk into its own slots of a ``stages``-deep shared-memory ring, ``stages - 1``
     chunks ahead across row boundaries, and folds each chunk into an online (max, sum exp).
     Nothing is stored after the row's reduction, so the loads never stop."""
-    tune = _TUNE or _default_tune(n)   # _TUNE: an explicit variant (tune_variants.py)
+    tune = _TUNE or _default_tune(n)  # _TUNE: an explicit variant (tune_variants.py)
     if not tune.get("stream", False) or smoothing != "none":
         return None
     width = 32 if dtype == "float32" else 16
     vec = math.gcd(n, 128 // width)
-    if vec * width < 32 or n < tune.get("min_n", 0):   # cp.async moves 4, 8 or 16 bytes
+    if vec * width < 32 or n < tune.get("min_n", 0):  # cp.async moves 4, 8 or 16 bytes
         return None
     tpr = tune.get("tpr", 32)
     threads = tune.get("threads", 128 if tpr == 32 else tpr)
@@ -70,22 +71,33 @@ def stream_cfg(dtype: str, n: int, smoothing: str = "none"):
     stages = tune.get("stages", 4)
     assert tpr == 32 or tpr == threads, "tpr is 32 (warp per row) or the CTA size"
     assert stages >= 2 and threads % 32 == 0 and threads <= 1024
-    k = max(1, min(k, -(-(n // vec) // (tpr * cluster))))   # no chunk wider than the row slice
+    k = max(1, min(k, -(-(n // vec) // (tpr * cluster))))  # no chunk wider than the row slice
     chunk = tpr * vec * k
-    nc = -(-n // chunk)                      # chunks per row
+    nc = -(-n // chunk)  # chunks per row
     while cluster > 1 and (cluster - 1) * -(-nc // cluster) >= nc:
-        cluster //= 2                        # no rank without a chunk
-    nch = -(-nc // cluster)                  # chunks per CTA of the cluster
-    groups = threads // tpr                  # row groups per CTA
+        cluster //= 2  # no rank without a chunk
+    nch = -(-nc // cluster)  # chunks per CTA of the cluster
+    groups = threads // tpr  # row groups per CTA
     smem = stages * groups * chunk * width // 8
-    if tpr > 32:                             # reduction buffers + mbarriers
+    if tpr > 32:  # reduction buffers + mbarriers
         smem += 4 * (tpr // 32) * cluster * 4 + 32
-    by_smem = (227 * 1024) // (smem + 128 + 1024)   # + alignment + the per-CTA reserve
+    by_smem = (227 * 1024) // (smem + 128 + 1024)  # + alignment + the per-CTA reserve
     # default: at most 1024 threads per SM (>= 64 registers per thread)
     ctas = tune.get("ctas_per_sm") or min(1024 // threads, by_smem, 32)
-    return dict(vec=vec, tpr=tpr, threads=threads, cluster=cluster, k=k, stages=stages,
-                chunk=chunk, nch=nch, groups=groups, even=(n % chunk == 0 and nc == nch * cluster),
-                smem=smem, ctas_per_sm=max(1, ctas))
+    return dict(
+        vec=vec,
+        tpr=tpr,
+        threads=threads,
+        cluster=cluster,
+        k=k,
+        stages=stages,
+        chunk=chunk,
+        nch=nch,
+        groups=groups,
+        even=(n % chunk == 0 and nc == nch * cluster),
+        smem=smem,
+        ctas_per_sm=max(1, ctas),
+    )
 
 
 def stream_grid(cfg: dict, m: int, device) -> int:
@@ -94,7 +106,7 @@ def stream_grid(cfg: dict, m: int, device) -> int:
 
     slots = kt.sm_count(device) * cfg["ctas_per_sm"] // cfg["cluster"]
     if cfg["cluster"] >= 4:
-        slots -= 1      # GPC granularity (see rmsnorm._bwd_grid)
+        slots -= 1  # GPC granularity (see rmsnorm._bwd_grid)
     slots = max(1, slots)
     # rows are dealt round-robin to the row groups: take the fewest rounds the resident
     # groups allow, then the fewest groups that still need only that many rounds, so
@@ -131,8 +143,9 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
     min_blocks = _TUNE.get("min_blocks", 0) if plan.cluster_n > 1 else 0
 
     @cute.kernel
-    def kernel(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
-               ignore_index: Int32, mW, mSx):
+    def kernel(
+        mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor, ignore_index: Int32, mW, mSx
+    ):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=3)
         x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         # The target logit: one scalar load per row, by the row's first thread of rank 0.
@@ -155,7 +168,8 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
         if mloc == -Float32.inf:
             msafe = Float32(0.0)
         sloc = cute.math.exp2(x * LOG2_E - msafe * LOG2_E, fastmath=True).reduce(
-            cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+            cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0
+        )
         mx, s = red.reduce_pair(mloc, sloc, "lse")
         lse = mx + cute.math.log2(s, fastmath=True) * LN_2
         if const_expr(smooth):
@@ -165,8 +179,7 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
                 xs = t.mask_cols(x)
             if const_expr(weighted):
                 xs = xs * t.load_bcast(t.part_bcast(mW)).load()
-            sx = red.reduce(xs.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                            "sum", 2)
+            sx = red.reduce(xs.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 2)
             t.write_row_scalar(mSx, sx)
         if t.row < m:
             if lead:
@@ -182,22 +195,35 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
     lse = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if smooth:
+
         @cute.jit
-        def launch_smooth(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
-                          ignore_index: Int32, mW, mSx: cute.Tensor, stream):
+        def launch_smooth(
+            mX: cute.Tensor,
+            mT: cute.Tensor,
+            mLoss: cute.Tensor,
+            mLse: cute.Tensor,
+            ignore_index: Int32,
+            mW,
+            mSx: cute.Tensor,
+            stream,
+        ):
             kernel(mX, mT, mLoss, mLse, ignore_index, mW, mSx).launch(
-                **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks))
+                **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks)
+            )
 
         w = rr.fake_vec(Float32, n) if weighted else None
         sx = rr.fake_vec(Float32, m, align=4)
-        return cute.compile(launch_smooth, x, tg, loss, lse, Int32(-100), w, sx, stream,
-                            options="--enable-tvm-ffi")
+        return cute.compile(
+            launch_smooth, x, tg, loss, lse, Int32(-100), w, sx, stream, options="--enable-tvm-ffi"
+        )
 
     @cute.jit
-    def launch(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
-               ignore_index: Int32, stream):
+    def launch(
+        mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor, ignore_index: Int32, stream
+    ):
         kernel(mX, mT, mLoss, mLse, ignore_index, None, None).launch(
-            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks))
+            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks)
+        )
 
     return cute.compile(launch, x, tg, loss, lse, Int32(-100), stream, options="--enable-tvm-ffi")
 
@@ -227,8 +253,7 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
         return cute.make_tensor(mX.iterator + off, cute.make_layout((1, n), stride=(n, 1)))
 
     @cute.kernel
-    def kernel(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
-               ignore_index: Int32):
+    def kernel(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor, ignore_index: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, cy, _ = cute.arch.block_idx()
         gdim = cute.arch.grid_dim()[0]
@@ -237,8 +262,9 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
         smem = cutlass.utils.SmemAllocator()
         red = rr.Reducer(rplan, stages=4)
         red.allocate(smem)
-        sX = smem.allocate_tensor(dt, cute.make_layout((1, chunk, S * W), stride=(chunk, 1, chunk)),
-                                  byte_alignment=128)
+        sX = smem.allocate_tensor(
+            dt, cute.make_layout((1, chunk, S * W), stride=(chunk, 1, chunk)), byte_alignment=128
+        )
         red.init_cluster(tidx)
         if const_expr(T == 32):
             warp = tidx // 32
@@ -275,7 +301,8 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
                     cute.copy(tc, thr.partition_S(gx), thr.partition_D(sX[None, None, sbase + p]))
                 else:
                     pr = rr.column_predicate(
-                        thr.partition_S(cute.local_tile(ident, (1, chunk), (g + it * G, cg))), n)
+                        thr.partition_S(cute.local_tile(ident, (1, chunk), (g + it * G, cg))), n
+                    )
                     cute.copy(tc, thr.partition_S(gx), thr.partition_D(sX[None, None, sbase + p]), pred=pr)
             cute.arch.cp_async_commit_group()
 
@@ -311,7 +338,8 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
                     cute.copy(tc, thr.partition_S(gx), thr.partition_D(dst))
                 else:
                     pr = rr.column_predicate(
-                        thr.partition_S(cute.local_tile(ident, (1, chunk), (g + it * G, cg))), n)
+                        thr.partition_S(cute.local_tile(ident, (1, chunk), (g + it * G, cg))), n
+                    )
                     cute.copy(tc, thr.partition_S(gx), thr.partition_D(dst), pred=pr)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(S - 1)
@@ -322,18 +350,20 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
             else:
                 rx.fill(-math.inf)
                 pc = rr.column_predicate(
-                    rthr.partition_S(cute.local_tile(ident, (1, chunk), (g + r * G, rank * nch + c))), n)
+                    rthr.partition_S(cute.local_tile(ident, (1, chunk), (g + r * G, rank * nch + c))), n
+                )
                 cute.copy(rtc, src, rx, pred=pc)
             x = rx.load().to(Float32)
-            mnew = cute.arch.fmax(mrun, x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf,
-                                                 reduction_profile=0))
+            mnew = cute.arch.fmax(
+                mrun, x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0)
+            )
             msafe = mnew
             if mnew == -Float32.inf:
                 msafe = Float32(0.0)
             ms2 = msafe * LOG2E
             srun = srun * cute.math.exp2(mrun * LOG2E - ms2, fastmath=True) + cute.math.exp2(
-                x * LOG2E - ms2, fastmath=True).reduce(cute.ReductionOp.ADD, init_val=0.0,
-                                                       reduction_profile=0)
+                x * LOG2E - ms2, fastmath=True
+            ).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
             mrun = mnew
             if c == nch - 1:
                 # end of the row: all-reduce (max, sum) over the row group, one round trip
@@ -343,8 +373,17 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
                     j = r % 2
                     mb = (rmbar + j) if const_expr(C > 1) else None
                     mx, ssum = rr.row_allreduce_pair(
-                        mrun, srun, "lse", T, C, 1, rbuf[None, None, 2 * j], rbuf[None, None, 2 * j + 1],
-                        mb, (r // 2) % 2)
+                        mrun,
+                        srun,
+                        "lse",
+                        T,
+                        C,
+                        1,
+                        rbuf[None, None, 2 * j],
+                        rbuf[None, None, 2 * j + 1],
+                        mb,
+                        (r // 2) % 2,
+                    )
                 row = g + r * G
                 if lead:
                     lse = mx + cute.math.log2(ssum, fastmath=True) * LN_2
@@ -368,20 +407,30 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
-    def launch(mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor,
-               ignore_index: Int32, num_blocks: Int32, stream):
+    def launch(
+        mX: cute.Tensor,
+        mT: cute.Tensor,
+        mLoss: cute.Tensor,
+        mLse: cute.Tensor,
+        ignore_index: Int32,
+        num_blocks: Int32,
+        stream,
+    ):
         kernel(mX, mT, mLoss, mLse, ignore_index).launch(
-            grid=[num_blocks, C, 1], block=[nthr, 1, 1],
+            grid=[num_blocks, C, 1],
+            block=[nthr, 1, 1],
             cluster=[1, C, 1] if const_expr(C > 1) else None,
-            min_blocks_per_mp=cfg["ctas_per_sm"], preferred_smem_carveout=100, stream=stream)
+            min_blocks_per_mp=cfg["ctas_per_sm"],
+            preferred_smem_carveout=100,
+            stream=stream,
+        )
 
     x, m = rr.fake_rows(dt, n, vec)
     tg = rr.fake_vec(Int64, m, align=8)
     loss = rr.fake_vec(Float32, m, align=4)
     lse = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(launch, x, tg, loss, lse, Int32(-100), Int32(1), stream,
-                        options="--enable-tvm-ffi")
+    return cute.compile(launch, x, tg, loss, lse, Int32(-100), Int32(1), stream, options="--enable-tvm-ffi")
 
 
 @jit_cache(
@@ -409,8 +458,11 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     # the H200 (bf16, `tune_variants.py cross_entropy_bwd`, us for budget 64 / 32 / 16):
     # 4096: 145 / 134 / 141; 16384: 654 / 538 / 548; 65536: 2134 / 2174 / 2356;
     # 262144: 1100 / 1100 / 1101.
-    plan = plan_rows(n, io_width(dtype, "float32" if weighted else None),
-                     budget=_TUNE.get("bwd_budget", 32 if n <= 32768 else 64))
+    plan = plan_rows(
+        n,
+        io_width(dtype, "float32" if weighted else None),
+        budget=_TUNE.get("bwd_budget", 32 if n <= 32768 else 64),
+    )
 
     def launch_kwargs(m, stream):
         kw = rr.launch_kwargs(plan, m, stream)
@@ -418,8 +470,17 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
         return kw
 
     @cute.kernel
-    def kernel(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
-               mdX: cute.Tensor, ignore_index: Int32, mB, mC, mW):
+    def kernel(
+        mX: cute.Tensor,
+        mT: cute.Tensor,
+        mdLoss: cute.Tensor,
+        mLse: cute.Tensor,
+        mdX: cute.Tensor,
+        ignore_index: Int32,
+        mB,
+        mC,
+        mW,
+    ):
         tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
         t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
@@ -458,34 +519,55 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     lse = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     if smooth:
+
         @cute.jit
-        def launch_smooth(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
-                          mdX: cute.Tensor, ignore_index: Int32, mB: cute.Tensor, mC: cute.Tensor,
-                          mW, stream):
+        def launch_smooth(
+            mX: cute.Tensor,
+            mT: cute.Tensor,
+            mdLoss: cute.Tensor,
+            mLse: cute.Tensor,
+            mdX: cute.Tensor,
+            ignore_index: Int32,
+            mB: cute.Tensor,
+            mC: cute.Tensor,
+            mW,
+            stream,
+        ):
             kernel(mX, mT, mdLoss, mLse, mdX, ignore_index, mB, mC, mW).launch(
-                **launch_kwargs(cute.size(mX, mode=[0]), stream))
+                **launch_kwargs(cute.size(mX, mode=[0]), stream)
+            )
 
         b = rr.fake_vec(Float32, m, align=4)
         c = rr.fake_vec(Float32, m, align=4)
         w = rr.fake_vec(Float32, n) if weighted else None
-        return cute.compile(launch_smooth, x, tg, dloss, lse, dx, Int32(-100), b, c, w, stream,
-                            options="--enable-tvm-ffi")
+        return cute.compile(
+            launch_smooth, x, tg, dloss, lse, dx, Int32(-100), b, c, w, stream, options="--enable-tvm-ffi"
+        )
 
     @cute.jit
-    def launch(mX: cute.Tensor, mT: cute.Tensor, mdLoss: cute.Tensor, mLse: cute.Tensor,
-               mdX: cute.Tensor, ignore_index: Int32, stream):
+    def launch(
+        mX: cute.Tensor,
+        mT: cute.Tensor,
+        mdLoss: cute.Tensor,
+        mLse: cute.Tensor,
+        mdX: cute.Tensor,
+        ignore_index: Int32,
+        stream,
+    ):
         kernel(mX, mT, mdLoss, mLse, mdX, ignore_index, None, None, None).launch(
-            **launch_kwargs(cute.size(mX, mode=[0]), stream))
+            **launch_kwargs(cute.size(mX, mode=[0]), stream)
+        )
 
-    return cute.compile(launch, x, tg, dloss, lse, dx, Int32(-100), stream,
-                        options="--enable-tvm-ffi")
+    return cute.compile(launch, x, tg, dloss, lse, dx, Int32(-100), stream, options="--enable-tvm-ffi")
 
 
 # --------------------------------------------------------------------------- torch-facing
 
+
 def _targets(target, m, x):
-    from . import _torch as kt  # noqa: F401
     import torch
+
+    from . import _torch as kt  # noqa: F401
 
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
@@ -514,8 +596,11 @@ def _class_weight(weight, n, x):
 
 
 def _smoothing(label_smoothing) -> float:
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)) \
-            or not 0.0 <= label_smoothing <= 1.0:
+    if (
+        isinstance(label_smoothing, bool)
+        or not isinstance(label_smoothing, (int, float))
+        or not 0.0 <= label_smoothing <= 1.0
+    ):
         raise ValueError(f"label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
     return float(label_smoothing)
 
@@ -535,13 +620,13 @@ def _row_weights(t, w, n, ignore_index):
     return valid, w[t.clamp(0, n - 1)] * valid
 
 
-def cross_entropy_fwd(logits, target, ignore_index: int = -100, weight=None,
-                      label_smoothing: float = 0.0):
+def cross_entropy_fwd(logits, target, ignore_index: int = -100, weight=None, label_smoothing: float = 0.0):
     """Per-row cross-entropy (torch's ``reduction="none"``, with class ``weight`` and
     ``label_smoothing``). Returns ``(loss, lse)``, float32 of shape logits.shape[:-1];
     rows whose target is ``ignore_index`` get loss 0."""
-    from . import _torch as kt
     import torch
+
+    from . import _torch as kt
 
     x2 = kt.rows(logits, "logits")
     m, n = x2.shape
@@ -576,13 +661,15 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, weight=None,
     return loss.view(shape), lse.view(shape)
 
 
-def cross_entropy_bwd(logits, target, dloss, lse, ignore_index: int = -100, weight=None,
-                      label_smoothing: float = 0.0):
+def cross_entropy_bwd(
+    logits, target, dloss, lse, ignore_index: int = -100, weight=None, label_smoothing: float = 0.0
+):
     """d(loss)/d(logits) of ``cross_entropy_fwd`` times ``dloss`` (per row):
     (softmax(logits) - onehot(target)) * dloss[:, None] without weight / smoothing;
     0 for ignored rows."""
-    from . import _torch as kt
     import torch
+
+    from . import _torch as kt
 
     x2 = kt.rows(logits, "logits")
     m, n = x2.shape
@@ -609,8 +696,14 @@ def cross_entropy_bwd(logits, target, dloss, lse, ignore_index: int = -100, weig
     return dx.view(logits.shape)
 
 
-def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "mean",
-                  weight=None, label_smoothing: float = 0.0):
+def cross_entropy(
+    logits,
+    target,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    weight=None,
+    label_smoothing: float = 0.0,
+):
     """Differentiable cross-entropy with torch's semantics (the
     ``quack_kernels::cross_entropy_fwd`` custom op with its registered autograd; works
     under ``torch.compile(fullgraph=True)``). reduction 'none', 'sum' or 'mean' (divided
@@ -621,6 +714,7 @@ def cross_entropy(logits, target, ignore_index: int = -100, reduction: str = "me
 
 
 # --------------------------------------------------------------------------- verify
+
 
 def _inputs(params, device):
     import torch

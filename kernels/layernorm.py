@@ -6,11 +6,11 @@ is the persistent norm backward of ``quack_kernels._norm_bwd``.
 
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
+
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
 from ._plan import N_MAX, N_MIN, WeightDtype
-
 
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
 _TUNE: dict = {}
@@ -18,12 +18,18 @@ _TUNE: dict = {}
 
 @jit_cache(
     "layernorm_fwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
-            "has_bias": Bool(), "weight_dtype": WeightDtype()},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "has_weight": Bool(),
+        "has_bias": Bool(),
+        "weight_dtype": WeightDtype(),
+    },
     reference=f"{__name__}:_verify_layernorm_fwd",
 )
-def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True,
-                          weight_dtype: str = "same"):
+def compile_layernorm_fwd(
+    dtype: str, n: int, has_weight: bool = True, has_bias: bool = True, weight_dtype: str = "same"
+):
     """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps); w / b of
     ``weight_dtype`` ("same": ``dtype``)."""
     import cutlass
@@ -36,13 +42,13 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
     plan = plan_rows(n, dt.width, budget=64)
-    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width,
-                                                             int(has_weight) + int(has_bias))
+    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
     min_blocks = _TUNE.get("min_blocks", 0) if stage_wb else 0
 
     @cute.kernel
-    def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor,
-               mRstd: cute.Tensor, eps: Float32):
+    def kernel(
+        mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, eps: Float32
+    ):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
         x = t.load(t.part(mX)).load().to(Float32)
         sW = None
@@ -62,22 +68,28 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
             var = m2 * (1.0 / plan.n)
             xc = x - mean
         else:
-            mean = red.reduce(x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                              "sum", 0) * (1.0 / plan.n)
+            mean = red.reduce(x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0) * (
+                1.0 / plan.n
+            )
             xc = x - mean
             sq = xc * xc
             # columns past N were loaded as 0 and now hold -mean: mask them out
             sq = t.mask_cols(sq)
-            var = red.reduce(sq.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                             "sum", 1) * (1.0 / plan.n)
+            var = red.reduce(sq.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 1) * (
+                1.0 / plan.n
+            )
         rstd = cute.math.rsqrt(var + eps, fastmath=True)
         if const_expr(stage_wb):
             t.store_affine_smem(xc * rstd, t.part(mY), sW, sB, mW, mB)
         elif const_expr(wdt.width > dt.width):
             # a weight wider than the rows (fp32 beside 16-bit x): element-wise, one
             # vector at a time (the rows keep their 16-byte accesses)
-            t.store_affine(xc * rstd, t.part(mY), t.part_bcast(mW) if const_expr(mW is not None) else None,
-                           t.part_bcast(mB) if const_expr(mB is not None) else None)
+            t.store_affine(
+                xc * rstd,
+                t.part(mY),
+                t.part_bcast(mW) if const_expr(mW is not None) else None,
+                t.part_bcast(mB) if const_expr(mB is not None) else None,
+            )
         else:
             # weight / bias loaded after the reductions (L2-resident, shared by all rows):
             # fewer live registers while the row is reduced.
@@ -95,10 +107,12 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
         t.write_row_scalar(mRstd, rstd)
 
     @cute.jit
-    def launch(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor,
-               eps: Float32, stream):
+    def launch(
+        mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, eps: Float32, stream
+    ):
         kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks))
+            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks)
+        )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)
@@ -107,18 +121,23 @@ def compile_layernorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias:
     mean = rr.fake_vec(Float32, m, align=4)
     rstd = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(launch, x, w, b, y, mean, rstd, Float32(1e-5), stream,
-                        options="--enable-tvm-ffi")
+    return cute.compile(launch, x, w, b, y, mean, rstd, Float32(1e-5), stream, options="--enable-tvm-ffi")
 
 
 @jit_cache(
     "layernorm_bwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
-            "has_bias": Bool(), "weight_dtype": WeightDtype()},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "has_weight": Bool(),
+        "has_bias": Bool(),
+        "weight_dtype": WeightDtype(),
+    },
     reference=f"{__name__}:_verify_layernorm_bwd",
 )
-def compile_layernorm_bwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = True,
-                          weight_dtype: str = "same"):
+def compile_layernorm_bwd(
+    dtype: str, n: int, has_weight: bool = True, has_bias: bool = True, weight_dtype: str = "same"
+):
     """Compile LayerNorm backward (persistent, like RMSNorm's; ``quack_kernels._norm_bwd``).
     Runtime signature: fn(x, w|None, dy, mean, rstd, dx, dw_partial|None, db_partial|None,
     num_blocks), partials (num_blocks * rows_per_cta, n) fp32 summed by the caller."""
@@ -134,8 +153,9 @@ _BWD_TUNE: dict = {}
 def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
     """LayerNorm over the last dim. Returns ``(y, mean, rstd)`` (mean, rstd float32,
     shape x.shape[:-1]). weight / bias may have another float dtype than x."""
-    from . import _torch as kt
     import torch
+
+    from . import _torch as kt
 
     x2 = kt.rows(x, "x")
     m, n = x2.shape
@@ -161,8 +181,9 @@ def layernorm_bwd(x, weight, dy, mean, rstd, bias=None):
     def compile_fn(dt, n, has_w, has_b, wdt):
         return compile_layernorm_bwd(dt, n, has_w, has_b, wdt)
 
-    return run_norm_bwd("layer", compile_fn, x, weight, dy, mean, rstd,
-                        bias.dtype if bias is not None else None, _BWD_TUNE)
+    return run_norm_bwd(
+        "layer", compile_fn, x, weight, dy, mean, rstd, bias.dtype if bias is not None else None, _BWD_TUNE
+    )
 
 
 def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
@@ -185,8 +206,9 @@ def _verify_layernorm_fwd(params: dict, device) -> None:
     w = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_weight", True) else None
     b = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_bias", True) else None
     y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
-    ref = torch.nn.functional.layer_norm(x.float(), (n,), w.float() if w is not None else None,
-                                         b.float() if b is not None else None, 1e-5)
+    ref = torch.nn.functional.layer_norm(
+        x.float(), (n,), w.float() if w is not None else None, b.float() if b is not None else None, 1e-5
+    )
     tol = 1e-4 if dt == torch.float32 else (2e-2 if dt == torch.bfloat16 else 5e-3)
     torch.testing.assert_close(mean, x.float().mean(-1), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(y.float(), ref, atol=tol * 4, rtol=tol)

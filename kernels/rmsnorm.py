@@ -11,20 +11,32 @@ from quack.params import Bool, Dtype, Int
 
 from ._plan import N_MAX, N_MIN, WeightDtype
 
-
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
 _TUNE: dict = {}
 
 # --------------------------------------------------------------------------- forward
 
+
 @jit_cache(
     "rmsnorm_fwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
-            "has_bias": Bool(), "has_residual": Bool(), "weight_dtype": WeightDtype()},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "has_weight": Bool(),
+        "has_bias": Bool(),
+        "has_residual": Bool(),
+        "weight_dtype": WeightDtype(),
+    },
     reference=f"{__name__}:_verify_rmsnorm_fwd",
 )
-def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = False,
-                        has_residual: bool = False, weight_dtype: str = "same"):
+def compile_rmsnorm_fwd(
+    dtype: str,
+    n: int,
+    has_weight: bool = True,
+    has_bias: bool = False,
+    has_residual: bool = False,
+    weight_dtype: str = "same",
+):
     """Compile RMSNorm forward for rows of ``n`` elements of ``dtype`` (any batch size),
     weight / bias of ``weight_dtype`` ("same": ``dtype``).
     Runtime signature: fn(x, w|None, b|None, residual|None, y, residual_out|None, rstd, eps,
@@ -43,8 +55,7 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     # a weight wider than the rows (fp32 beside 16-bit x) is read after the reduction,
     # element-wise: early, it would hold 2x the registers through the reduction
     late_wb = wdt.width > dt.width
-    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width,
-                                                             int(has_weight) + int(has_bias))
+    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
     # 3 CTAs/SM (80 registers) on the staged path; the late, element-wise fp32 weight
     # path would spill there (ptxas: 52 bytes at N = 65536), so it keeps 128 registers
     min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else _TUNE.get("late_min_blocks", 0)
@@ -53,8 +64,7 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         min_blocks = pcfg["ctas_per_sm"]
 
     @cute.kernel
-    def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
-               eps: Float32):
+    def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor, eps: Float32):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=1)
         rX = t.load(t.part(mX))
         if const_expr(mR is not None):
@@ -79,14 +89,17 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
                 h = h.to(dt).to(Float32)
             t.store(h, t.part(mRo))
         red.wait_cluster()
-        ss = red.reduce((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                        "sum", 0)
+        ss = red.reduce((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0)
         rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
         if const_expr(stage_wb):
             t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
         elif const_expr(late_wb):
-            t.store_affine(h * rstd, t.part(mY), t.part_bcast(mW) if const_expr(mW is not None) else None,
-                           t.part_bcast(mB) if const_expr(mB is not None) else None)
+            t.store_affine(
+                h * rstd,
+                t.part(mY),
+                t.part_bcast(mW) if const_expr(mW is not None) else None,
+                t.part_bcast(mB) if const_expr(mB is not None) else None,
+            )
         else:
             y = h * rstd
             if const_expr(mW is not None):
@@ -97,8 +110,7 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
         t.write_row_scalar(mRstd, rstd)
 
     @cute.kernel
-    def kernel_persist(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
-                       eps: Float32):
+    def kernel_persist(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor, eps: Float32):
         # One row per CTA of a cluster, persistent over rows (grid = co-resident clusters):
         # the weight / bias slice is staged in shared memory ONCE per CTA instead of once
         # per row (at N = 262144 a per-row reload doubles, with fp32 weights triples, the
@@ -135,14 +147,30 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
                 t.store(h, t.part(mRo))
             ss = rr.reduce_stage(
                 (h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                "sum", plan, rbuf, rmbar, it % 2, (it // 2) % 2)
+                "sum",
+                plan,
+                rbuf,
+                rmbar,
+                it % 2,
+                (it // 2) % 2,
+            )
             rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
             t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
             t.write_row_scalar(mRstd, rstd)
 
     @cute.jit
-    def launch(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor,
-               eps: Float32, num_blocks: Int32, stream):
+    def launch(
+        mX: cute.Tensor,
+        mW,
+        mB,
+        mR,
+        mY: cute.Tensor,
+        mRo,
+        mRstd: cute.Tensor,
+        eps: Float32,
+        num_blocks: Int32,
+        stream,
+    ):
         m = cute.size(mX, mode=[0])
         if const_expr(pcfg is not None):
             kw = rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
@@ -150,7 +178,8 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
             kernel_persist(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(**kw)
         else:
             kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
-                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks))
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+            )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)
@@ -160,8 +189,9 @@ def compile_rmsnorm_fwd(dtype: str, n: int, has_weight: bool = True, has_bias: b
     ro = rr.fake_rows(dt, n, plan.vec, m)[0] if has_residual else None
     rstd = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(launch, x, w, b, r, y, ro, rstd, Float32(1e-6), Int32(1), stream,
-                        options="--enable-tvm-ffi")
+    return cute.compile(
+        launch, x, w, b, r, y, ro, rstd, Float32(1e-6), Int32(1), stream, options="--enable-tvm-ffi"
+    )
 
 
 def fwd_persist_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
@@ -207,14 +237,21 @@ def fwd_grid(m: int, dtype: str, n: int, pcfg, device) -> int:
 
 # --------------------------------------------------------------------------- backward
 
+
 @jit_cache(
     "rmsnorm_bwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "has_weight": Bool(),
-            "has_bias": Bool(), "weight_dtype": WeightDtype()},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "has_weight": Bool(),
+        "has_bias": Bool(),
+        "weight_dtype": WeightDtype(),
+    },
     reference=f"{__name__}:_verify_rmsnorm_bwd",
 )
-def compile_rmsnorm_bwd(dtype: str, n: int, has_weight: bool = True, has_bias: bool = False,
-                        weight_dtype: str = "same"):
+def compile_rmsnorm_bwd(
+    dtype: str, n: int, has_weight: bool = True, has_bias: bool = False, weight_dtype: str = "same"
+):
     """Compile RMSNorm backward (persistent; ``quack_kernels._norm_bwd``). Runtime signature:
     fn(x, w|None, dy, None, rstd, dx, dw_partial|None, db_partial|None, num_blocks) where
     the partials are (num_blocks * rows_per_cta, n) fp32, summed by the caller;
@@ -240,6 +277,7 @@ def _bwd_grid(m: int, plan, width: int, device) -> int:
 
 # --------------------------------------------------------------------------- torch-facing
 
+
 def _eps(eps):
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps must be a non-negative float, got {eps!r}")
@@ -250,8 +288,9 @@ def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     """RMSNorm over the last dim. Returns ``(y, rstd, residual_out)``: y like x,
     rstd float32 of shape x.shape[:-1], residual_out = x + residual (None without residual).
     weight / bias may have another float dtype than x (e.g. fp32 with bf16 x)."""
-    from . import _torch as kt
     import torch
+
+    from . import _torch as kt
 
     x2 = kt.rows(x, "x")
     m, n = x2.shape
@@ -280,8 +319,9 @@ def rmsnorm_bwd(x, weight, dy, rstd, bias=None):
     def compile_fn(dt, n, has_w, has_b, wdt):
         return compile_rmsnorm_bwd(dt, n, has_w, has_b, wdt)
 
-    dx, dw, db = run_norm_bwd("rms", compile_fn, x, weight, dy, None, rstd,
-                              bias.dtype if bias is not None else None, _TUNE)
+    dx, dw, db = run_norm_bwd(
+        "rms", compile_fn, x, weight, dy, None, rstd, bias.dtype if bias is not None else None, _TUNE
+    )
     return (dx, dw) if bias is None else (dx, dw, db)
 
 
@@ -295,6 +335,7 @@ def rmsnorm(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
 
 
 # --------------------------------------------------------------------------- verify
+
 
 def _verify_rmsnorm_fwd(params: dict, device) -> None:
     import torch

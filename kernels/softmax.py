@@ -5,6 +5,7 @@ backward: dx = y * (dy - sum(dy * y))
 
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
+
 import math
 
 from quack import jit_cache
@@ -37,8 +38,7 @@ def compile_softmax_fwd(dtype: str, n: int):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
         x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         red.wait_cluster()
-        mx = red.reduce(x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0),
-                        "max", 0)
+        mx = red.reduce(x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0), "max", 0)
         e = cute.math.exp2(x * LOG2_E - mx * LOG2_E, fastmath=True)
         s = red.reduce(e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 1)
         t.store(e * cute.arch.rcp_approx(s), t.part(mY))
@@ -76,8 +76,7 @@ def compile_softmax_bwd(dtype: str, n: int):
         dy = t.load(t.part(mdY)).load().to(Float32)
         y = t.load(t.part(mY)).load().to(Float32)
         red.wait_cluster()
-        dot = red.reduce((dy * y).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                         "sum", 0)
+        dot = red.reduce((dy * y).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0)
         t.store(y * (dy - dot), t.part(mdX))
 
     @cute.jit
@@ -93,10 +92,12 @@ def compile_softmax_bwd(dtype: str, n: int):
 
 # --------------------------------------------------------------------------- torch-facing
 
+
 def softmax_fwd(x):
     """Softmax over the last dim of a CUDA tensor (float32/float16/bfloat16)."""
-    from . import _torch as kt
     import torch
+
+    from . import _torch as kt
 
     x2 = kt.rows(x, "x")
     m, n = x2.shape
@@ -108,8 +109,9 @@ def softmax_fwd(x):
 
 def softmax_bwd(dy, y):
     """Gradient of softmax: dx = y * (dy - sum(dy * y, -1))."""
-    from . import _torch as kt
     import torch
+
+    from . import _torch as kt
 
     y2 = kt.rows(y, "y")
     m, n = y2.shape
@@ -129,6 +131,7 @@ def softmax(x):
 
 
 # --------------------------------------------------------------------------- verify
+
 
 def _tol(dt):
     import torch

@@ -1,6 +1,7 @@
 """quack: a precompile build system and zero-overhead runtime cache for CuTe DSL kernels.
 
 Importing quack is cheap (no torch, no cutlass); names resolve lazily."""
+
 from __future__ import annotations
 
 __version__ = "0.1.0"

@@ -2,6 +2,7 @@
 cleanly: they cross the boundary between compile workers and the caller.
 
 This module imports nothing from quack, so any module can import it."""
+
 from __future__ import annotations
 
 import re
@@ -60,8 +61,18 @@ class UnknownKernel(QuackError, KeyError):
 class KernelNotPrebuilt(QuackError, LookupError):
     """Prebuilt mode: the requested kernel is not in the cache, and nothing compiles."""
 
-    def __init__(self, kernel: str, params: dict, arch: str, key: str, cache_dir: str,
-                 manifest_line: str = "", bundles: tuple[str, ...] = (), *, reason: str = ""):
+    def __init__(
+        self,
+        kernel: str,
+        params: dict,
+        arch: str,
+        key: str,
+        cache_dir: str,
+        manifest_line: str = "",
+        bundles: tuple[str, ...] = (),
+        *,
+        reason: str = "",
+    ):
         # manifest_line: the manifest entry that would build it (quack.manifest_line),
         # made by the raiser so that this module imports nothing from quack.
         self.kernel = kernel
@@ -80,7 +91,8 @@ class KernelNotPrebuilt(QuackError, LookupError):
             f"kernel {self.kernel!r} with {self.params} for {self.arch} is not prebuilt "
             f"(key {self.key[:16]}, cache {self.cache_dir}; "
             f"bundles searched: {'; '.join(self.bundles) or 'none installed'})"
-            + (f": {self.reason}" if self.reason else "") + ".\n"
+            + (f": {self.reason}" if self.reason else "")
+            + ".\n"
             f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
             f"(or unset QUACK_MODE=prebuilt to compile on demand)"
@@ -100,8 +112,16 @@ class BundleError(QuackError, ValueError):
 class CompileError(QuackError, RuntimeError):
     """A kernel failed to compile; carries the compiler's traceback text."""
 
-    def __init__(self, kernel: str, params: dict, arch: str, detail: str, log_path: str = "", *,
-                 transient: bool = False):
+    def __init__(
+        self,
+        kernel: str,
+        params: dict,
+        arch: str,
+        detail: str,
+        log_path: str = "",
+        *,
+        transient: bool = False,
+    ):
         # transient: the compile did not run to its end (worker killed, pool shut down,
         # no worker could start): another attempt may succeed, so it is not remembered.
         self.transient = transient
@@ -206,8 +226,9 @@ class CompileTimeout(QuackError, TimeoutError):
 
     def __init__(self, kernel: str, key: str, seconds: float, external: bool = False):
         who = "another process holding its lock" if external else "its compile worker"
-        super().__init__(f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s "
-                         f"({who}; wedged?)")
+        super().__init__(
+            f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s ({who}; wedged?)"
+        )
         self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
 
 
@@ -257,7 +278,7 @@ class CompilePending(BaseException):
         self.kernel = kernel
         self.key = key
         self.root: str | None = None  # the cache the compile publishes into
-        self.pool: object = None      # the CompilePool compiling it (the plugin polls it)
+        self.pool: object = None  # the CompilePool compiling it (the plugin polls it)
 
     def __str__(self) -> str:
         return f"kernel {self.kernel} (key {self.key[:16]}) is still compiling"
@@ -279,8 +300,16 @@ class ToolchainMismatch(ExecutorError):
     tvm-ffi) differs from the coordinator's: its objects would not be the ones this
     cache key promises, so the worker is refused."""
 
-    def __init__(self, message: str, *, worker_stamp: str = "", coordinator_stamp: str = "",
-                 worker: str = "", executor: str = "", address: str = ""):
+    def __init__(
+        self,
+        message: str,
+        *,
+        worker_stamp: str = "",
+        coordinator_stamp: str = "",
+        worker: str = "",
+        executor: str = "",
+        address: str = "",
+    ):
         super().__init__(message, executor=executor, address=address)
         self.worker_stamp = worker_stamp
         self.coordinator_stamp = coordinator_stamp

@@ -3,6 +3,7 @@
 Each Param checks a value (from a runtime call or a TOML manifest), turns it
 into its canonical Python form, and encodes it as tagged JSON for the key.
 Tags keep ``True`` and ``1`` (and ``1`` and ``1.0``) apart."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,9 +16,15 @@ DTYPES = ("float32", "float16", "bfloat16")
 # Spellings accepted for a dtype, beside the canonical names: torch's and
 # cutlass's names, so callers can pass ``torch.bfloat16`` or ``cutlass.BFloat16``.
 _DTYPE_ALIASES = {
-    "float32": "float32", "fp32": "float32", "f32": "float32",
-    "float16": "float16", "fp16": "float16", "f16": "float16", "half": "float16",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float32": "float32",
+    "fp32": "float32",
+    "f32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 
@@ -53,7 +60,7 @@ def dtype_name(value: Any) -> str | None:
         s = getattr(value, "__name__", None) or str(value)
     s = s.strip().lower()
     if s.startswith("torch."):
-        s = s[len("torch."):]
+        s = s[len("torch.") :]
     return _DTYPE_ALIASES.get(s)
 
 
@@ -181,8 +188,7 @@ class Config(Param):
     kind = "config"
 
     def __post_init__(self):
-        if not (dataclasses.is_dataclass(self.cls)
-                and self.cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
+        if not (dataclasses.is_dataclass(self.cls) and self.cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
             raise TypeError(f"Config needs a frozen dataclass, got {self.cls!r}")
 
     def check(self, name, value):
@@ -261,6 +267,10 @@ class Rule:
         if self.check(params):
             return
         others = ", ".join(f"{n}={plain(v)!r}" for n, v in params.items() if n != self.param)
-        raise ParamError(f"{kernel}: {self.param} = {plain(params.get(self.param))!r} is not allowed"
-                         + (f" with {others}" if others else "") + f": {self.allowed}",
-                         kernel=kernel, param=self.param)
+        raise ParamError(
+            f"{kernel}: {self.param} = {plain(params.get(self.param))!r} is not allowed"
+            + (f" with {others}" if others else "")
+            + f": {self.allowed}",
+            kernel=kernel,
+            param=self.param,
+        )

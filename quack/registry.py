@@ -1,4 +1,5 @@
 """The kernel registry: name -> KernelSpec (compile function + typed params)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -33,16 +34,22 @@ class KernelSpec:
         kwargs = dict(kwargs or {})
         names = list(self.params)
         if len(args) > len(names):
-            raise ParamError(f"{self.name}: takes {len(names)} parameters ({', '.join(names)}), "
-                             f"got {len(args)} positional", kernel=self.name)
+            raise ParamError(
+                f"{self.name}: takes {len(names)} parameters ({', '.join(names)}), "
+                f"got {len(args)} positional",
+                kernel=self.name,
+            )
         for n, a in zip(names, args):
             if n in kwargs:
                 raise ParamError(f"{self.name}: parameter {n!r} given twice", kernel=self.name, param=n)
             kwargs[n] = a
         unknown = [k for k in kwargs if k not in self.params]
         if unknown:
-            raise ParamError(f"{self.name}: unknown parameter {unknown[0]!r}; parameters are "
-                             + ", ".join(names), kernel=self.name, param=str(unknown[0]))
+            raise ParamError(
+                f"{self.name}: unknown parameter {unknown[0]!r}; parameters are " + ", ".join(names),
+                kernel=self.name,
+                param=str(unknown[0]),
+            )
         out = {}
         for n, p in self.params.items():
             if n in kwargs:
@@ -50,8 +57,9 @@ class KernelSpec:
             elif n in self.defaults:
                 v = self.defaults[n]
             else:
-                raise ParamError(f"{self.name}: missing parameter {n!r} ({p.describe()})",
-                                 kernel=self.name, param=n)
+                raise ParamError(
+                    f"{self.name}: missing parameter {n!r} ({p.describe()})", kernel=self.name, param=n
+                )
             try:
                 out[n] = p.check(n, v)
             except ParamError as e:
@@ -93,27 +101,40 @@ def _fingerprint_memo():
     return fpmemo.for_root(s.cache_dir) if s.cache_enabled else None
 
 
-def register(name: str, fn: Callable, params: dict[str, Param], *, version: int = 0,
-             reference: str | None = None, rules=()) -> KernelSpec:
+def register(
+    name: str,
+    fn: Callable,
+    params: dict[str, Param],
+    *,
+    version: int = 0,
+    reference: str | None = None,
+    rules=(),
+) -> KernelSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
     for pn, p in params.items():
         if not isinstance(p, Param):
             raise TypeError(f"kernel {name}: parameter {pn!r} must be a quack.params.Param, got {p!r}")
     sig = inspect.signature(fn)
-    sig_names = [n for n, prm in sig.parameters.items()
-                 if prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY)]
+    sig_names = [
+        n for n, prm in sig.parameters.items() if prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY)
+    ]
     if sorted(sig_names) != sorted(params):
-        raise TypeError(f"kernel {name}: compile function parameters {sig_names} "
-                        f"don't match declared params {list(params)}")
+        raise TypeError(
+            f"kernel {name}: compile function parameters {sig_names} "
+            f"don't match declared params {list(params)}"
+        )
     rules = tuple(rules)
     for r in rules:
         if not isinstance(r, Rule) or r.param not in params or not callable(r.check):
-            raise TypeError(f"kernel {name}: rules must be quack.params.Rule(param, allowed, check) "
-                            f"naming one of its parameters {list(params)}, got {r!r}")
+            raise TypeError(
+                f"kernel {name}: rules must be quack.params.Rule(param, allowed, check) "
+                f"naming one of its parameters {list(params)}, got {r!r}"
+            )
     defaults = {n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty}
-    spec = KernelSpec(name, fn, dict(params), defaults, fn.__module__, fn.__qualname__, version, reference,
-                      rules)
+    spec = KernelSpec(
+        name, fn, dict(params), defaults, fn.__module__, fn.__qualname__, version, reference, rules
+    )
     old = _REGISTRY.get(name)
     if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):
         raise ValueError(f"kernel name {name!r} already registered by {old.module}.{old.qualname}")
@@ -132,9 +153,11 @@ def all_specs() -> dict[str, KernelSpec]:
     return dict(_REGISTRY)
 
 
-SCANNED = ("every module of each [build] kernel_packages package and of its subpackages, "
-           "except modules and subpackages whose name starts with '_' (helpers; a kernel "
-           "registered there is found when a scanned module imports it)")
+SCANNED = (
+    "every module of each [build] kernel_packages package and of its subpackages, "
+    "except modules and subpackages whose name starts with '_' (helpers; a kernel "
+    "registered there is found when a scanned module imports it)"
+)
 
 
 def load_packages(packages) -> None:

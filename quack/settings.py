@@ -2,6 +2,7 @@
 
 A leaf module: it imports nothing from quack except errors, so every other
 module may import it without an import-order hazard."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,8 +18,21 @@ from quack.errors import SettingsError, TomlFileError
 CONFIG_NAME = "quack.toml"
 MODES = ("jit", "prebuilt")
 ARCH_RE = re.compile(r"^sm_(\d{2,3})([af]?)$")
-KNOWN_ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a", "sm_100f",
-               "sm_103a", "sm_110a", "sm_120", "sm_120a", "sm_121a")
+KNOWN_ARCHS = (
+    "sm_80",
+    "sm_86",
+    "sm_89",
+    "sm_90",
+    "sm_90a",
+    "sm_100",
+    "sm_100a",
+    "sm_100f",
+    "sm_103a",
+    "sm_110a",
+    "sm_120",
+    "sm_120a",
+    "sm_121a",
+)
 
 
 def _bool(text: str | bool) -> bool:
@@ -148,30 +162,46 @@ _FIELDS: dict[str, _Field] = {
     "fsync": _Field("cache", "fsync", ("QUACK_FSYNC",), _bool, "true or false"),
     "lock_timeout": _Field("cache", "lock_timeout", ("QUACK_LOCK_TIMEOUT",), _pos_float, "seconds > 0"),
     "mode": _Field("runtime", "mode", ("QUACK_MODE",), _mode, "'jit' or 'prebuilt'"),
-    "arch": _Field("runtime", "arch", ("QUACK_ARCH", "CUTE_DSL_ARCH"), check_arch, "a CUDA arch like 'sm_90a'"),
+    "arch": _Field(
+        "runtime", "arch", ("QUACK_ARCH", "CUTE_DSL_ARCH"), check_arch, "a CUDA arch like 'sm_90a'"
+    ),
     "compile_jobs": _Field("runtime", "compile_jobs", ("QUACK_COMPILE_JOBS",), _pos_int, "an integer >= 0"),
-    "compile_timeout": _Field("runtime", "compile_timeout", ("QUACK_COMPILE_TIMEOUT",), _pos_float,
-                              "seconds > 0"),
-    "pool_start": _Field("runtime", "pool_start", ("QUACK_POOL_START",), _start_method,
-                         "'forkserver', 'spawn' or 'fork'"),
+    "compile_timeout": _Field(
+        "runtime", "compile_timeout", ("QUACK_COMPILE_TIMEOUT",), _pos_float, "seconds > 0"
+    ),
+    "pool_start": _Field(
+        "runtime", "pool_start", ("QUACK_POOL_START",), _start_method, "'forkserver', 'spawn' or 'fork'"
+    ),
     "no_preload": _Field("runtime", "no_preload", ("QUACK_NO_PRELOAD",), _bool, "true or false"),
-    "log": _Field("runtime", "log", ("QUACK_LOG",), _log_level,
-                  "a log level: debug, info, warning or error"),
-    "pytest_gpu_pin": _Field("pytest", "gpu_pin", ("QUACK_PYTEST_GPU_PIN",), _auto_bool,
-                             "true, false or 'auto'"),
+    "log": _Field("runtime", "log", ("QUACK_LOG",), _log_level, "a log level: debug, info, warning or error"),
+    "pytest_gpu_pin": _Field(
+        "pytest", "gpu_pin", ("QUACK_PYTEST_GPU_PIN",), _auto_bool, "true, false or 'auto'"
+    ),
     "manifests": _Field("build", "manifests", (), _str_list, "a list of manifest paths"),
     "jobs": _Field("build", "jobs", (), _pos_int, "an integer >= 0 (0 = one per CPU)"),
-    "archs": _Field("build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)],
-                    "a list of CUDA archs"),
+    "archs": _Field(
+        "build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)], "a list of CUDA archs"
+    ),
     "kernel_packages": _Field("build", "kernel_packages", (), _str_list, "a list of package names"),
-    "remote_url": _Field("remote", "url", ("QUACK_REMOTE",), _remote_url,
-                         "redis://host:port/db, s3://bucket/prefix or file:///path"),
+    "remote_url": _Field(
+        "remote",
+        "url",
+        ("QUACK_REMOTE",),
+        _remote_url,
+        "redis://host:port/db, s3://bucket/prefix or file:///path",
+    ),
     "remote_write": _Field("remote", "write", ("QUACK_REMOTE_WRITE",), _bool, "true or false"),
-    "remote_timeout": _Field("remote", "timeout", ("QUACK_REMOTE_TIMEOUT",), _remote_timeout,
-                             "seconds, > 0 and <= 5"),
+    "remote_timeout": _Field(
+        "remote", "timeout", ("QUACK_REMOTE_TIMEOUT",), _remote_timeout, "seconds, > 0 and <= 5"
+    ),
     "signing_key": _Field("remote", "signing_key", ("QUACK_SIGNING_KEY",), str, "a private key file path"),
-    "trusted_keys": _Field("remote", "trusted_keys", ("QUACK_TRUSTED_KEYS",), _path_list,
-                           "public key files or directories (a list, or ':'-separated)"),
+    "trusted_keys": _Field(
+        "remote",
+        "trusted_keys",
+        ("QUACK_TRUSTED_KEYS",),
+        _path_list,
+        "public key files or directories (a list, or ':'-separated)",
+    ),
     "executor": _Field("build", "executor", ("QUACK_BUILD_EXECUTOR",), check_executor, EXECUTOR_FORMS),
 }
 _SECTIONS = sorted({f.section for f in _FIELDS.values()})
@@ -187,10 +217,10 @@ class Settings:
     arch: str = "sm_90a"
     compile_jobs: int = 0
     compile_timeout: float = 900.0
-    pool_start: str = "forkserver"       # how compile workers start (QUACK_POOL_START)
-    no_preload: bool = False             # skip the forkserver's warm imports (QUACK_NO_PRELOAD)
-    log: str = ""                        # level of the "quack" logger; "" = silent (QUACK_LOG)
-    pytest_gpu_pin: bool | None = None   # pin xdist workers to GPUs; None = auto (QUACK_PYTEST_GPU_PIN)
+    pool_start: str = "forkserver"  # how compile workers start (QUACK_POOL_START)
+    no_preload: bool = False  # skip the forkserver's warm imports (QUACK_NO_PRELOAD)
+    log: str = ""  # level of the "quack" logger; "" = silent (QUACK_LOG)
+    pytest_gpu_pin: bool | None = None  # pin xdist workers to GPUs; None = auto (QUACK_PYTEST_GPU_PIN)
     manifests: tuple[str, ...] = ()
     jobs: int = 0
     archs: tuple[str, ...] = ()
@@ -249,18 +279,27 @@ def read_config(path: Path) -> dict[str, Any]:
     by_loc = {(f.section, f.key): name for name, f in _FIELDS.items()}
     for section, table in raw.items():
         if section in _SECTIONS and not isinstance(table, dict):
-            raise SettingsError(f"{path}: {section} = {table!r} must be a table: write [{section}] "
-                                f"and its keys below it", source=str(path), key=section)
+            raise SettingsError(
+                f"{path}: {section} = {table!r} must be a table: write [{section}] and its keys below it",
+                source=str(path),
+                key=section,
+            )
         if section not in _SECTIONS:
             raise SettingsError(
                 f"{path}: unknown section [{section}]; allowed sections: "
-                + ", ".join(f"[{s}]" for s in _SECTIONS), source=str(path), key=section)
+                + ", ".join(f"[{s}]" for s in _SECTIONS),
+                source=str(path),
+                key=section,
+            )
         for key, value in table.items():
             name = by_loc.get((section, key))
             if name is None:
                 allowed = ", ".join(f.key for f in _FIELDS.values() if f.section == section)
-                raise SettingsError(f"{path}: unknown key {section}.{key}; allowed in [{section}]: {allowed}",
-                                    source=str(path), key=f"{section}.{key}")
+                raise SettingsError(
+                    f"{path}: unknown key {section}.{key}; allowed in [{section}]: {allowed}",
+                    source=str(path),
+                    key=f"{section}.{key}",
+                )
             f = _FIELDS[name]
             try:
                 if f.parse is str and not isinstance(value, str):
@@ -269,13 +308,17 @@ def read_config(path: Path) -> dict[str, Any]:
                     raise ValueError("expected true or false")
                 out[name] = f.parse(value)
             except (ValueError, TypeError) as e:
-                raise SettingsError(f"{path}: {section}.{key} = {value!r} is invalid: {e} ({f.form})",
-                                    source=str(path), key=f"{section}.{key}") from None
+                raise SettingsError(
+                    f"{path}: {section}.{key} = {value!r} is invalid: {e} ({f.form})",
+                    source=str(path),
+                    key=f"{section}.{key}",
+                ) from None
     return out
 
 
-def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | None = None,
-            cwd: Path | None = None) -> Settings:
+def resolve(
+    overrides: dict[str, Any] | None = None, *, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Settings:
     """Resolve all settings. ``overrides`` are CLI values (None = not given)."""
     environ: Mapping[str, str] = os.environ if env is None else env
     config = find_config(cwd)
@@ -293,8 +336,9 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
             try:
                 values[name] = f.parse(text)
             except (ValueError, TypeError) as e:
-                raise SettingsError(f"environment variable {var}={text!r} is invalid: {e}",
-                                    source=var, key=var) from None
+                raise SettingsError(
+                    f"environment variable {var}={text!r} is invalid: {e}", source=var, key=var
+                ) from None
             sources[name] = var
             break
     for k, v in (overrides or {}).items():
@@ -310,8 +354,11 @@ def resolve(overrides: dict[str, Any] | None = None, *, env: dict[str, str] | No
     else:
         cache_path = Path(os.path.expanduser(str(cache_dir)))
         if not cache_path.is_absolute():
-            base = config.parent if config is not None and sources.get("cache_dir") == str(config) \
+            base = (
+                config.parent
+                if config is not None and sources.get("cache_dir") == str(config)
                 else Path.cwd()
+            )
             cache_path = base / cache_path
     # Key paths in quack.toml are relative to it, as cache_dir is; from the
     # environment or the CLI, relative to the current directory.
@@ -377,8 +424,9 @@ def _parse_override(name: str, value: Any) -> Any:
     try:
         v = f.parse(value)
     except (ValueError, TypeError) as e:
-        raise SettingsError(f"setting {name}={value!r} is invalid: {e} ({f.form})",
-                            source="override", key=name) from None
+        raise SettingsError(
+            f"setting {name}={value!r} is invalid: {e} ({f.form})", source="override", key=name
+        ) from None
     return tuple(v) if isinstance(v, list) else v
 
 

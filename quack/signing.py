@@ -20,6 +20,7 @@ Errors: :class:`quack.errors.KeyFileError` for a key file that is missing,
 unreadable or malformed (its path and the fix in the message);
 :class:`quack.errors.SignatureError` for an untrusted signer or a bad
 signature."""
+
 from __future__ import annotations
 
 import base64
@@ -50,8 +51,10 @@ _MAX_KEY_FILE = 4096
 def check_name(name: str) -> str:
     """A key name: 1-64 of letters, digits, ``. _ + -``, not starting with punctuation."""
     if not isinstance(name, str) or not NAME_RE.match(name):
-        raise ValueError(f"invalid key name {name!r}: use 1-64 letters, digits, '.', '_', '+', '-' "
-                         "(starting with a letter or digit), e.g. 'ci-1'")
+        raise ValueError(
+            f"invalid key name {name!r}: use 1-64 letters, digits, '.', '_', '+', '-' "
+            "(starting with a letter or digit), e.g. 'ci-1'"
+        )
     return name
 
 
@@ -75,9 +78,12 @@ class PublicKey:
         try:
             Ed25519PublicKey.from_public_bytes(self.raw).verify(bytes(signature), bytes(data))
         except InvalidSignature:
-            raise SignatureError(f"bad signature by key {self.name!r}: the data was altered or "
-                                 "signed by another key of that name", signer=self.name,
-                                 reason="bad-signature") from None
+            raise SignatureError(
+                f"bad signature by key {self.name!r}: the data was altered or "
+                "signed by another key of that name",
+                signer=self.name,
+                reason="bad-signature",
+            ) from None
 
 
 class SigningKey:
@@ -116,10 +122,13 @@ class TrustedKeys:
     def add(self, key: PublicKey, *, origin: str = "") -> None:
         old = self._keys.get(key.name)
         if old is not None and old.raw != key.raw:
-            raise KeyFileError(f"two different public keys are named {key.name!r}"
-                               + (f" ({origin})" if origin else "")
-                               + ": key names must be unique; rename one (e.g. ci-2)",
-                               path=origin, reason="duplicate-name")
+            raise KeyFileError(
+                f"two different public keys are named {key.name!r}"
+                + (f" ({origin})" if origin else "")
+                + ": key names must be unique; rename one (e.g. ci-2)",
+                path=origin,
+                reason="duplicate-name",
+            )
         self._keys[key.name] = key
 
     @property
@@ -139,12 +148,19 @@ class TrustedKeys:
         key = self._keys.get(signer)
         if key is None:
             trusted = ", ".join(self.names) or "none"
-            raise SignatureError(f"signer {signer!r} is not a trusted key (trusted: {trusted}); "
-                                 "add its .pub file to QUACK_TRUSTED_KEYS / [remote] trusted_keys "
-                                 "if you trust it", signer=signer, reason="untrusted")
+            raise SignatureError(
+                f"signer {signer!r} is not a trusted key (trusted: {trusted}); "
+                "add its .pub file to QUACK_TRUSTED_KEYS / [remote] trusted_keys "
+                "if you trust it",
+                signer=signer,
+                reason="untrusted",
+            )
         if len(signature) != SIGNATURE_BYTES:
-            raise SignatureError(f"bad signature by key {signer!r}: {len(signature)} bytes, "
-                                 f"expected {SIGNATURE_BYTES}", signer=signer, reason="bad-signature")
+            raise SignatureError(
+                f"bad signature by key {signer!r}: {len(signature)} bytes, expected {SIGNATURE_BYTES}",
+                signer=signer,
+                reason="bad-signature",
+            )
         key.verify(data, signature)
 
 
@@ -154,8 +170,11 @@ class TrustedKeys:
 def _parse_line(line: str, path: str) -> tuple[str, bytes]:
     name, sep, b64 = line.strip().partition(":")
     if not sep:
-        raise KeyFileError(f"{path}: not a key: expected one line NAME:BASE64 "
-                           "(as written by `quack keygen NAME`)", path=path, reason="format")
+        raise KeyFileError(
+            f"{path}: not a key: expected one line NAME:BASE64 (as written by `quack keygen NAME`)",
+            path=path,
+            reason="format",
+        )
     try:
         check_name(name)
     except ValueError as e:
@@ -163,8 +182,9 @@ def _parse_line(line: str, path: str) -> tuple[str, bytes]:
     try:
         raw = base64.b64decode(b64.strip(), validate=True)
     except (binascii.Error, ValueError):
-        raise KeyFileError(f"{path}: key {name!r}: the part after ':' is not valid base64",
-                           path=path, reason="format") from None
+        raise KeyFileError(
+            f"{path}: key {name!r}: the part after ':' is not valid base64", path=path, reason="format"
+        ) from None
     return name, raw
 
 
@@ -173,20 +193,31 @@ def _read_small(path: Path) -> str:
         with open(path, "rb") as f:
             data = f.read(_MAX_KEY_FILE + 1)
     except FileNotFoundError:
-        raise KeyFileError(f"{path}: no such key file (create one with `quack keygen NAME`)",
-                           path=str(path), reason="missing") from None
+        raise KeyFileError(
+            f"{path}: no such key file (create one with `quack keygen NAME`)",
+            path=str(path),
+            reason="missing",
+        ) from None
     except IsADirectoryError:
-        raise KeyFileError(f"{path}: is a directory, expected a key file", path=str(path),
-                           reason="format") from None
+        raise KeyFileError(
+            f"{path}: is a directory, expected a key file", path=str(path), reason="format"
+        ) from None
     except OSError as e:
-        raise KeyFileError(f"{path}: cannot read ({e.strerror})", path=str(path), reason="unreadable") from None
+        raise KeyFileError(
+            f"{path}: cannot read ({e.strerror})", path=str(path), reason="unreadable"
+        ) from None
     if len(data) > _MAX_KEY_FILE:
-        raise KeyFileError(f"{path}: too large for a key file ({_MAX_KEY_FILE} bytes at most)",
-                           path=str(path), reason="format")
+        raise KeyFileError(
+            f"{path}: too large for a key file ({_MAX_KEY_FILE} bytes at most)",
+            path=str(path),
+            reason="format",
+        )
     try:
         return data.decode("ascii")
     except UnicodeDecodeError:
-        raise KeyFileError(f"{path}: not a key file (not ASCII text)", path=str(path), reason="format") from None
+        raise KeyFileError(
+            f"{path}: not a key file (not ASCII text)", path=str(path), reason="format"
+        ) from None
 
 
 def _lines(text: str) -> list[str]:
@@ -196,26 +227,43 @@ def _lines(text: str) -> list[str]:
 def parse_public(text: str, origin: str = "<text>") -> PublicKey:
     name, raw = _parse_line(text, origin)
     if len(raw) == _SEED + _PUB:
-        raise KeyFileError(f"{origin}: this is a PRIVATE key ({name!r}); trust its .pub file instead, "
-                           "and keep the .key secret", path=origin, reason="private-as-public")
+        raise KeyFileError(
+            f"{origin}: this is a PRIVATE key ({name!r}); trust its .pub file instead, "
+            "and keep the .key secret",
+            path=origin,
+            reason="private-as-public",
+        )
     if len(raw) != _PUB:
-        raise KeyFileError(f"{origin}: key {name!r}: {len(raw)} bytes, an Ed25519 public key has {_PUB}",
-                           path=origin, reason="format")
+        raise KeyFileError(
+            f"{origin}: key {name!r}: {len(raw)} bytes, an Ed25519 public key has {_PUB}",
+            path=origin,
+            reason="format",
+        )
     return PublicKey(name, raw)
 
 
 def parse_private(text: str, origin: str = "<text>") -> SigningKey:
     name, raw = _parse_line(text, origin)
     if len(raw) == _PUB:
-        raise KeyFileError(f"{origin}: this is a PUBLIC key ({name!r}); signing needs the .key file "
-                           "written next to it by `quack keygen`", path=origin, reason="public-as-private")
+        raise KeyFileError(
+            f"{origin}: this is a PUBLIC key ({name!r}); signing needs the .key file "
+            "written next to it by `quack keygen`",
+            path=origin,
+            reason="public-as-private",
+        )
     if len(raw) != _SEED + _PUB:
-        raise KeyFileError(f"{origin}: key {name!r}: {len(raw)} bytes, a signing key has {_SEED + _PUB}",
-                           path=origin, reason="format")
+        raise KeyFileError(
+            f"{origin}: key {name!r}: {len(raw)} bytes, a signing key has {_SEED + _PUB}",
+            path=origin,
+            reason="format",
+        )
     key = SigningKey(name, Ed25519PrivateKey.from_private_bytes(raw[:_SEED]))
     if key.public.raw != raw[_SEED:]:
-        raise KeyFileError(f"{origin}: key {name!r} is damaged: its public half does not match its seed",
-                           path=origin, reason="format")
+        raise KeyFileError(
+            f"{origin}: key {name!r} is damaged: its public half does not match its seed",
+            path=origin,
+            reason="format",
+        )
     return key
 
 
@@ -226,16 +274,21 @@ def load_signing_key(path: str | os.PathLike) -> SigningKey:
     text = _read_small(p)
     lines = _lines(text)
     if len(lines) != 1:
-        raise KeyFileError(f"{p}: a signing key file holds exactly one key line, found {len(lines)}",
-                           path=str(p), reason="format")
+        raise KeyFileError(
+            f"{p}: a signing key file holds exactly one key line, found {len(lines)}",
+            path=str(p),
+            reason="format",
+        )
     key = parse_private(lines[0], str(p))
     try:
         mode = p.stat().st_mode
     except OSError:
         mode = 0
     if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        warnings.warn(f"signing key {p} is readable by other users (mode {stat.S_IMODE(mode):o}); "
-                      f"run: chmod 600 {p}", stacklevel=2)
+        warnings.warn(
+            f"signing key {p} is readable by other users (mode {stat.S_IMODE(mode):o}); run: chmod 600 {p}",
+            stacklevel=2,
+        )
     return key
 
 
@@ -325,4 +378,3 @@ def signing_key_from_settings(s) -> SigningKey | None:
 def trusted_keys_from_settings(s) -> TrustedKeys:
     """The reader's keys named by ``trusted_keys`` (``QUACK_TRUSTED_KEYS``); may be empty."""
     return load_trusted_keys(list(s.trusted_keys)) if s.trusted_keys else TrustedKeys()
-

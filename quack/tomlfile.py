@@ -6,6 +6,7 @@ byte-order mark, nested at most ``MAX_DEPTH`` arrays / inline tables deep (the
 parser recurses per level: 5,000 levels end in RecursionError). Every problem is
 a TomlFileError naming the file and, where known, the line and column, with an
 excerpt of the line cut to a readable length and its control characters escaped."""
+
 from __future__ import annotations
 
 import os
@@ -28,14 +29,22 @@ EXCERPT = 100  # characters of a line shown around an error column
 _POS = re.compile(r"\s*\(at line (\d+), column (\d+)\)")
 _CTRL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\u2028\u2029\ufeff]")
 _TOKEN = re.compile(r'"""|\'\'\'|"|\'|#|[\[\]{}]|\n')
-_STRINGS = {'"""': re.compile(r'"""(?:\\.|[^\\])*?"""', re.S), "'''": re.compile(r"'''.*?'''", re.S),
-            '"': re.compile(r'"(?:\\.|[^"\\\n])*"'), "'": re.compile(r"'[^'\n]*'")}
+_STRINGS = {
+    '"""': re.compile(r'"""(?:\\.|[^\\])*?"""', re.S),
+    "'''": re.compile(r"'''.*?'''", re.S),
+    '"': re.compile(r'"(?:\\.|[^"\\\n])*"'),
+    "'": re.compile(r"'[^'\n]*'"),
+}
 
 
 def _kind(mode: int) -> str:
-    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO (named pipe)"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
         if test(mode):
             return name
     return "not a regular file"
@@ -58,8 +67,11 @@ def read_bytes(path: Path | str, what: str = "file") -> bytes:
         if not stat.S_ISREG(st.st_mode):
             raise TomlFileError(p, f"is {_kind(st.st_mode)}, not a {what}: give a regular file")
         if st.st_size > MAX_BYTES:
-            raise TomlFileError(p, f"is {st.st_size} bytes; a {what} may be at most {MAX_BYTES} bytes "
-                                   f"(16 MiB): split it into several files")
+            raise TomlFileError(
+                p,
+                f"is {st.st_size} bytes; a {what} may be at most {MAX_BYTES} bytes "
+                f"(16 MiB): split it into several files",
+            )
         chunks, total = [], 0
         while True:  # bounded even if the file grows while we read it
             b = os.read(fd, min(1 << 20, MAX_BYTES + 1 - total))
@@ -78,8 +90,9 @@ def read_bytes(path: Path | str, what: str = "file") -> bytes:
 
 def escape(text: str) -> str:
     """Control characters (NUL, ESC, ...) as \\xNN: shown, never sent raw to a terminal."""
-    return _CTRL.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256
-                     else f"\\u{ord(m.group()):04x}", text)
+    return _CTRL.sub(
+        lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 256 else f"\\u{ord(m.group()):04x}", text
+    )
 
 
 def excerpt(line: str, col: int = 0) -> tuple[str, int]:
@@ -90,7 +103,7 @@ def excerpt(line: str, col: int = 0) -> tuple[str, int]:
     start = max(0, col - 1 - EXCERPT // 2) if len(line) > EXCERPT else 0
     head = "..." if start else ""
     tail = "..." if start + EXCERPT < len(line) else ""
-    return head + escape(line[start:start + EXCERPT]) + tail, len(head) + len(escape(line[start:col - 1]))
+    return head + escape(line[start : start + EXCERPT]) + tail, len(head) + len(escape(line[start : col - 1]))
 
 
 def _too_deep(text: str, limit: int) -> tuple[int, int] | None:
@@ -134,12 +147,18 @@ def loads(text: str, path: Path | str) -> dict:
     """Parse ``text`` (the contents of ``path``); TomlFileError on any problem."""
     p = str(path)
     if text.startswith("\ufeff"):
-        raise TomlFileError(p, "starts with a UTF-8 byte-order mark (BOM), which TOML does not allow: "
-                               "save the file as UTF-8 without BOM", line=1, col=1)
+        raise TomlFileError(
+            p,
+            "starts with a UTF-8 byte-order mark (BOM), which TOML does not allow: "
+            "save the file as UTF-8 without BOM",
+            line=1,
+            col=1,
+        )
     deep = _too_deep(text, MAX_DEPTH)
     if deep is not None:
-        raise TomlFileError(p, f"arrays / inline tables nested more than {MAX_DEPTH} deep",
-                            line=deep[0], col=deep[1])
+        raise TomlFileError(
+            p, f"arrays / inline tables nested more than {MAX_DEPTH} deep", line=deep[0], col=deep[1]
+        )
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
@@ -165,6 +184,7 @@ def load(path: Path | str, what: str = "TOML file") -> dict:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         line = data[: e.start].count(b"\n") + 1
-        raise TomlFileError(str(path), f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})",
-                            line=line) from None
+        raise TomlFileError(
+            str(path), f"not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start})", line=line
+        ) from None
     return loads(text, path)

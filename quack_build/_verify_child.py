@@ -3,6 +3,7 @@ one JSON answer per stdout line (so a crash is blamed on the entry in progress).
 
 Request: {"key", "obj", "so", "kernel", "module", "params", "run"}.
 Answer:  {"key", "ok", "how", "error"}."""
+
 from __future__ import annotations
 
 import json

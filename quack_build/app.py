@@ -5,6 +5,7 @@ Exit status: 0 success; 1 a problem (invalid manifest or settings, a failed
 compile, a missing or broken entry); 2 a usage error (typer's own); 130
 interrupted. Heavy modules load inside commands: ``quack cache stats`` never
 imports cutlass or torch."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,15 +17,19 @@ from typing import List, Optional
 
 import typer
 
-app = typer.Typer(name="quack", add_completion=False, no_args_is_help=True,
-                  help="quack: precompile CuTe DSL kernels into a versioned cache, and manage the cache.",
-                  pretty_exceptions_enable=False, rich_markup_mode=None)
+app = typer.Typer(
+    name="quack",
+    add_completion=False,
+    no_args_is_help=True,
+    help="quack: precompile CuTe DSL kernels into a versioned cache, and manage the cache.",
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
 cache_app = typer.Typer(no_args_is_help=True, help="Inspect and clean the kernel cache.")
 app.add_typer(cache_app, name="cache")
 
 from quack_build import common as _common  # noqa: E402 - after the typer apps, as before
-from quack_build.common import (Fail, cli_settings, console, current_srcfps, emit_json,  # noqa: E402,F401
-                                load_kernels)
+from quack_build.common import Fail, cli_settings, console, current_srcfps, emit_json, load_kernels  # noqa: E402,F401
 
 
 def _manifests(s, given: List[Path]) -> list:
@@ -32,8 +37,9 @@ def _manifests(s, given: List[Path]) -> list:
         return list(given)
     paths = s.manifest_paths()
     if not paths:
-        raise Fail("error: no manifest given and none listed in quack.toml ([build] manifests = [...])",
-                    code=2)
+        raise Fail(
+            "error: no manifest given and none listed in quack.toml ([build] manifests = [...])", code=2
+        )
     return paths
 
 
@@ -42,12 +48,18 @@ def _expand(s, manifests, arch, max_configs):
     from quack_build.manifest import expand
 
     try:
-        return expand(_manifests(s, manifests), archs=s.build_archs(), arch_override=arch or None,
-                      max_configs=max_configs)
+        return expand(
+            _manifests(s, manifests),
+            archs=s.build_archs(),
+            arch_override=arch or None,
+            max_configs=max_configs,
+        )
     except ManifestError as e:
         n = len(e.problems)
-        raise Fail("\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; "
-                    "nothing was built") from None
+        raise Fail(
+            "\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; "
+            "nothing was built"
+        ) from None
 
 
 def _store(s):
@@ -80,6 +92,7 @@ def _run(fn):
 
 # --- build ---------------------------------------------------------------------
 
+
 def _check_executor(value: Optional[str]) -> Optional[str]:
     if value is None:
         return None
@@ -93,30 +106,78 @@ def _check_executor(value: Optional[str]) -> Optional[str]:
 
 @app.command()
 def build(
-    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers, at least 1 (default: [build] jobs, else CPU count)."),
-    arch: List[str] = typer.Option(None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."),
-    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List what would compile and what is cached."),
+    manifests: List[Path] = typer.Argument(
+        None, help="Manifest files (default: [build] manifests in quack.toml)."
+    ),
+    jobs: Optional[int] = typer.Option(
+        None,
+        "--jobs",
+        "-j",
+        min=1,
+        help="Compile workers, at least 1 (default: [build] jobs, else CPU count).",
+    ),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", "-n", help="List what would compile and what is cached."
+    ),
     keep_going: bool = typer.Option(False, "--keep-going", "-k", help="Go on after a failed compile."),
     force: bool = typer.Option(False, "--force", help="Rebuild even what is cached."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout (progress on stderr)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON file."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit on the configurations after expansion, over all manifests given."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache directory (default: settings)."
+    ),
+    max_configs: int = typer.Option(
+        10_000,
+        "--max-configs",
+        min=1,
+        help="Limit on the configurations after expansion, over all manifests given.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also list cached and started keys."),
     executor: Optional[str] = typer.Option(
-        None, "--executor", callback=_check_executor,
+        None,
+        "--executor",
+        callback=_check_executor,
         help="Where to compile: local (default: this host's worker pool), ray (a Ray instance started "
-             "for the build), auto (the running Ray cluster, or RAY_ADDRESS), ray://HOST:PORT or "
-             "HOST:PORT (a Ray cluster). Default: [build] executor / QUACK_BUILD_EXECUTOR."),
+        "for the build), auto (the running Ray cluster, or RAY_ADDRESS), ray://HOST:PORT or "
+        "HOST:PORT (a Ray cluster). Default: [build] executor / QUACK_BUILD_EXECUTOR.",
+    ),
 ):
     """Compile the manifests' configurations into the cache, in parallel."""
-    _run(lambda: _build(manifests or [], jobs, arch or [], dry_run, keep_going, force, as_json, trace,
-                        cache_dir, max_configs, verbose, executor))
+    _run(
+        lambda: _build(
+            manifests or [],
+            jobs,
+            arch or [],
+            dry_run,
+            keep_going,
+            force,
+            as_json,
+            trace,
+            cache_dir,
+            max_configs,
+            verbose,
+            executor,
+        )
+    )
 
 
-def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, cache_dir, max_configs,
-           verbose, executor=None) -> int:
+def _build(
+    manifests,
+    jobs,
+    arch,
+    dry_run,
+    keep_going,
+    force,
+    as_json,
+    trace,
+    cache_dir,
+    max_configs,
+    verbose,
+    executor=None,
+) -> int:
     from quack.errors import CacheError, ExecutorError
     from quack_build import display, executors, scheduler
 
@@ -136,21 +197,37 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     n_jobs = s.effective_jobs(jobs)
     if dry_run:
         todo = [t for t in tasks if t.status != scheduler.CACHED]
-        todo = scheduler.order_longest_first(todo, scheduler.past_compile_times(store.root, todo)) if todo else []
+        todo = (
+            scheduler.order_longest_first(todo, scheduler.past_compile_times(store.root, todo))
+            if todo
+            else []
+        )
         if as_json:
-            emit_json({"dry_run": True, "total": len(tasks), "cached": len(tasks) - len(todo),
-                        "to_compile": len(todo), "duplicates": exp.duplicates,
-                        "keys": [t.to_json() for t in todo] + [t.to_json() for t in tasks
-                                                               if t.status == scheduler.CACHED]})
+            emit_json(
+                {
+                    "dry_run": True,
+                    "total": len(tasks),
+                    "cached": len(tasks) - len(todo),
+                    "to_compile": len(todo),
+                    "duplicates": exp.duplicates,
+                    "keys": [t.to_json() for t in todo]
+                    + [t.to_json() for t in tasks if t.status == scheduler.CACHED],
+                }
+            )
         else:
             for t in todo:
                 est = f"  ~{t.est_s:.2f}s" if t.est_s else ""
-                con.print(f"compile  {t.cfg.label()}  key {t.cfg.key[:16]}{est}", markup=False, soft_wrap=True)
+                con.print(
+                    f"compile  {t.cfg.label()}  key {t.cfg.key[:16]}{est}", markup=False, soft_wrap=True
+                )
             for t in tasks:
                 if t.status == scheduler.CACHED:
                     con.print(f"cached   {t.cfg.label()}  key {t.cfg.key[:16]}", markup=False, soft_wrap=True)
-            con.print(f"{len(tasks)} configurations ({exp.duplicates} duplicates dropped): "
-                      f"{len(tasks) - len(todo)} cached, {len(todo)} to compile", markup=False)
+            con.print(
+                f"{len(tasks)} configurations ({exp.duplicates} duplicates dropped): "
+                f"{len(tasks) - len(todo)} cached, {len(todo)} to compile",
+                markup=False,
+            )
         return 0
     try:
         ex = executors.create(s, jobs=jobs or s.jobs or None, store=store)
@@ -166,9 +243,19 @@ def _build(manifests, jobs, arch, dry_run, keep_going, force, as_json, trace, ca
     quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
     try:
         with quiet_stdout:
-            res = scheduler.run(tasks, store, jobs=n_jobs, reporter=rep, keep_going=keep_going, force=force,
-                                log_dir=Path(s.cache_dir) / "logs", plan_s=plan_s, settings=s, remote=remote,
-                                executor=ex)
+            res = scheduler.run(
+                tasks,
+                store,
+                jobs=n_jobs,
+                reporter=rep,
+                keep_going=keep_going,
+                force=force,
+                log_dir=Path(s.cache_dir) / "logs",
+                plan_s=plan_s,
+                settings=s,
+                remote=remote,
+                executor=ex,
+            )
     except ExecutorError as e:
         raise Fail(f"error: {e}") from None
     finally:
@@ -206,10 +293,13 @@ def _term_to_interrupt(signum, frame):  # noqa: ARG001
 
 # --- cache stats / clean -------------------------------------------------------
 
+
 @cache_app.command("stats")
 def cache_stats(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache directory (default: settings)."
+    ),
     top: int = typer.Option(10, "--top", min=0, help="How many of the slowest compiles to list."),
 ):
     """Entries and bytes per fingerprint (current vs stale) and kernel; usage from the journal."""
@@ -219,11 +309,17 @@ def cache_stats(
 @cache_app.command("clean")
 def cache_clean(
     remove_all: bool = typer.Option(False, "--all", help="Remove every entry (entries in use are skipped)."),
-    max_size: Optional[str] = typer.Option(None, "--max-size", help="Shrink to this size, least recently used first (e.g. 5G)."),
-    older_than: Optional[str] = typer.Option(None, "--older-than", help="Remove entries unused for this long (e.g. 30d, 12h)."),
+    max_size: Optional[str] = typer.Option(
+        None, "--max-size", help="Shrink to this size, least recently used first (e.g. 5G)."
+    ),
+    older_than: Optional[str] = typer.Option(
+        None, "--older-than", help="Remove entries unused for this long (e.g. 30d, 12h)."
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache directory (default: settings)."
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="List every file removed."),
 ):
     """Remove stale fingerprints, quarantined entries and debris (safe while the cache is in use)."""
@@ -252,26 +348,43 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
 
     def log(r):
         if verbose:
-            con.print(f"{'would remove' if dry_run else 'removed'} {r.path} ({r.why})", markup=False,
-                      soft_wrap=True)
+            con.print(
+                f"{'would remove' if dry_run else 'removed'} {r.path} ({r.why})", markup=False, soft_wrap=True
+            )
 
-    rep = inventory.clean(s.cache_dir, current_srcfps(), remove_all=remove_all, max_size=ms,
-                          older_than=age, dry_run=dry_run, log=log)
+    rep = inventory.clean(
+        s.cache_dir,
+        current_srcfps(),
+        remove_all=remove_all,
+        max_size=ms,
+        older_than=age,
+        dry_run=dry_run,
+        log=log,
+    )
     by_why: dict = {}
     for r in rep.removed:
         d = by_why.setdefault(r.why, [0, 0])
         d[0] += 1
         d[1] += r.bytes
     if as_json:
-        emit_json({"dry_run": dry_run, "removed": len(rep.removed), "freed_bytes": rep.freed,
-                    "by_reason": {k: {"files": v[0], "bytes": v[1]} for k, v in by_why.items()},
-                    "busy": [str(p) for p, _ in rep.busy], "errors": [f"{p}: {e}" for p, e in rep.errors]})
+        emit_json(
+            {
+                "dry_run": dry_run,
+                "removed": len(rep.removed),
+                "freed_bytes": rep.freed,
+                "by_reason": {k: {"files": v[0], "bytes": v[1]} for k, v in by_why.items()},
+                "busy": [str(p) for p, _ in rep.busy],
+                "errors": [f"{p}: {e}" for p, e in rep.errors],
+            }
+        )
     else:
         verb = "would free" if dry_run else "freed"
         for why, (n, b) in sorted(by_why.items()):
             con.print(f"  {n:>6} files  {inventory.human_bytes(b):>10}  {why}", markup=False)
-        con.print(f"{verb} {inventory.human_bytes(rep.freed)} ({len(rep.removed)} files) in {s.cache_dir}",
-                  markup=False)
+        con.print(
+            f"{verb} {inventory.human_bytes(rep.freed)} ({len(rep.removed)} files) in {s.cache_dir}",
+            markup=False,
+        )
         if rep.busy:
             con.print(f"skipped {len(rep.busy)} in use by other processes", markup=False)
         for p, err in rep.errors:
@@ -281,10 +394,16 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
 
 @cache_app.command("pull")
 def cache_pull(
-    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
-    arch: List[str] = typer.Option(None, "--arch", help="For this arch instead of the manifests' (repeatable)."),
+    manifests: List[Path] = typer.Argument(
+        None, help="Manifest files (default: [build] manifests in quack.toml)."
+    ),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="For this arch instead of the manifests' (repeatable)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache directory (default: settings)."
+    ),
     max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
 ):
     """Fetch the manifests' configurations missing locally from the remote cache (signatures verified)."""
@@ -293,10 +412,16 @@ def cache_pull(
 
 @cache_app.command("push")
 def cache_push(
-    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
-    arch: List[str] = typer.Option(None, "--arch", help="For this arch instead of the manifests' (repeatable)."),
+    manifests: List[Path] = typer.Argument(
+        None, help="Manifest files (default: [build] manifests in quack.toml)."
+    ),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="For this arch instead of the manifests' (repeatable)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache directory (default: settings)."
+    ),
     max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
 ):
     """Sign and upload the manifests' configurations from the local cache to the remote (needs write = true and a signing key)."""
@@ -309,12 +434,16 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
 
     s = cli_settings(cache_dir)
     if not s.remote_url:
-        raise Fail("error: no remote cache configured: set QUACK_REMOTE or [remote] url in quack.toml "
-                    "(redis://host:port/db, s3://bucket/prefix, file:///path)")
+        raise Fail(
+            "error: no remote cache configured: set QUACK_REMOTE or [remote] url in quack.toml "
+            "(redis://host:port/db, s3://bucket/prefix, file:///path)"
+        )
     if what == "push" and not (s.remote_write and s.signing_key):
-        raise Fail("error: pushing needs write access and a signing key: set QUACK_REMOTE_WRITE=1 and "
-                    "QUACK_SIGNING_KEY=PATH.key ([remote] write = true, signing_key = ...); "
-                    "create a key with `quack keygen NAME`")
+        raise Fail(
+            "error: pushing needs write access and a signing key: set QUACK_REMOTE_WRITE=1 and "
+            "QUACK_SIGNING_KEY=PATH.key ([remote] write = true, signing_key = ...); "
+            "create a key with `quack keygen NAME`"
+        )
     load_kernels(s)
     exp = _expand(s, manifests, arch, max_configs)
     con = console(to_stderr=as_json)
@@ -334,13 +463,17 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
     else:
         c = rep.counters
         if what == "pull":
-            con.print(f"pulled {rep.pulled} of {rep.total} from {rep.url} ({rep.local} already local, "
-                      f"{rep.missing} not available; {c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
-                      markup=False)
+            con.print(
+                f"pulled {rep.pulled} of {rep.total} from {rep.url} ({rep.local} already local, "
+                f"{rep.missing} not available; {c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
+                markup=False,
+            )
         else:
-            con.print(f"pushed {rep.pushed} of {rep.total} to {rep.url} ({rep.exists} already there, "
-                      f"{rep.missing} not in the local cache, {rep.failed} failed) in {rep.wall_s:.2f}s",
-                      markup=False)
+            con.print(
+                f"pushed {rep.pushed} of {rep.total} to {rep.url} ({rep.exists} already there, "
+                f"{rep.missing} not in the local cache, {rep.failed} failed) in {rep.wall_s:.2f}s",
+                markup=False,
+            )
         if rep.offline:
             con.print(f"error: the remote {rep.url} is unreachable", markup=False)
     return 1 if rep.offline or rep.failed else 0
@@ -348,16 +481,30 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
 
 # --- verify ----------------------------------------------------------------------
 
+
 @app.command()
 def verify(
-    manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
-    arch: List[str] = typer.Option(None, "--arch", help="Verify for this arch instead of the manifests' (repeatable)."),
+    manifests: List[Path] = typer.Argument(
+        None, help="Manifest files (default: [build] manifests in quack.toml)."
+    ),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="Verify for this arch instead of the manifests' (repeatable)."
+    ),
     run: bool = typer.Option(False, "--run", help="GPU only: run each kernel against its reference."),
     no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit on the configurations after expansion, over all manifests given."),
-    bundles: bool = typer.Option(False, "--bundles", help="Check the installed bundles instead of the cache."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache directory (default: settings)."
+    ),
+    max_configs: int = typer.Option(
+        10_000,
+        "--max-configs",
+        min=1,
+        help="Limit on the configurations after expansion, over all manifests given.",
+    ),
+    bundles: bool = typer.Option(
+        False, "--bundles", help="Check the installed bundles instead of the cache."
+    ),
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
     if bundles:
@@ -389,9 +536,12 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> i
 
 # --- keygen ----------------------------------------------------------------------
 
+
 @app.command()
 def keygen(
-    name: str = typer.Argument(..., help="Key name, e.g. ci-1 (travels with every signature; use a new one to rotate)."),
+    name: str = typer.Argument(
+        ..., help="Key name, e.g. ci-1 (travels with every signature; use a new one to rotate)."
+    ),
     out_dir: Path = typer.Option(Path("."), "--out-dir", "-o", help="Directory for NAME.key and NAME.pub."),
 ):
     """Create an Ed25519 signing key pair: NAME.key (private, mode 0600) and NAME.pub (give to readers)."""
@@ -419,15 +569,28 @@ def _keygen(name: str, out_dir: Path) -> int:
 
 # --- prewarm ---------------------------------------------------------------------
 
+
 @app.command()
 def prewarm(
-    since: str = typer.Option("7d", "--since", help="Use journal records this recent (e.g. 7d, 12h; 0 = all)."),
+    since: str = typer.Option(
+        "7d", "--since", help="Use journal records this recent (e.g. 7d, 12h; 0 = all)."
+    ),
     top: Optional[int] = typer.Option(None, "--top", min=1, help="Only the N most used configurations."),
-    emit_manifest: Optional[Path] = typer.Option(None, "--emit-manifest", help="Write them as a manifest (TOML)."),
-    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers, at least 1 (default: [build] jobs, else CPU count)."),
+    emit_manifest: Optional[Path] = typer.Option(
+        None, "--emit-manifest", help="Write them as a manifest (TOML)."
+    ),
+    jobs: Optional[int] = typer.Option(
+        None,
+        "--jobs",
+        "-j",
+        min=1,
+        help="Compile workers, at least 1 (default: [build] jobs, else CPU count).",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List, don't compile."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", help="Cache directory (default: settings)."
+    ),
 ):
     """Rebuild, for the current fingerprint, what the usage journal shows was used recently."""
     _run(lambda: _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir))
@@ -445,11 +608,18 @@ def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> in
     s = cli_settings(cache_dir, jobs)
     load_kernels(s)
     con = console(to_stderr=as_json)
-    return pw.prewarm(s, _store(s), since_s=age, top=top, emit_manifest=emit_manifest,
-                      jobs=s.effective_jobs(jobs), dry_run=dry_run, as_json=as_json, console=con,
-                      emit_json=emit_json)
-
-
+    return pw.prewarm(
+        s,
+        _store(s),
+        since_s=age,
+        top=top,
+        emit_manifest=emit_manifest,
+        jobs=s.effective_jobs(jobs),
+        dry_run=dry_run,
+        as_json=as_json,
+        console=con,
+        emit_json=emit_json,
+    )
 
 
 # --- bundle ------------------------------------------------------------------------

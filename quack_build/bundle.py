@@ -5,6 +5,7 @@ store's layout (docs/cache-layout.md), an index (quack.bundles.index), optionall
 Ed25519 signature, and a ``quack.bundles`` entry point naming the package. The wheel
 format (RECORD with every file's hash, the dist-info directory) is written by the
 ``wheel`` project's WheelFile; only METADATA, WHEEL and entry_points.txt are ours."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,11 +18,11 @@ import time
 from pathlib import Path
 
 from quack import __version__ as QUACK_VERSION
-from quack.cache import fsutil, keys
-from quack.runtime import loader
 from quack.bundles import index as _index
 from quack.bundles.index import Index, IndexEntry
+from quack.cache import fsutil, keys
 from quack.errors import BundleError, LinkError
+from quack.runtime import loader
 
 GENERATOR = f"quack-cache {QUACK_VERSION}"
 
@@ -47,8 +48,9 @@ def check_version(version: str) -> str:
     try:
         return str(Version(version))
     except InvalidVersion:
-        raise ValueError(f"bundle version {version!r} is not a valid version (PEP 440), e.g. 1.0 "
-                         f"or 2026.12.1") from None
+        raise ValueError(
+            f"bundle version {version!r} is not a valid version (PEP 440), e.g. 1.0 or 2026.12.1"
+        ) from None
 
 
 def wheel_name(name: str, version: str) -> str:
@@ -80,10 +82,18 @@ def collect(configs, store) -> tuple[list[BundleFile], list[str]]:
         so = fsutil.read_nofollow(entry.so_path) if entry.so_path is not None else None
         if so is None and loader.can_link():
             so = _link(entry.obj_path)
-        ie = IndexEntry(ref.key, ref.kernel, ref.arch, ref.stamp, ref.srcfp, c.spec.plain(c.params),
-                        entry.meta["sha256"], len(obj),
-                        hashlib.sha256(so).hexdigest() if so is not None else None,
-                        len(so) if so is not None else None)
+        ie = IndexEntry(
+            ref.key,
+            ref.kernel,
+            ref.arch,
+            ref.stamp,
+            ref.srcfp,
+            c.spec.plain(c.params),
+            entry.meta["sha256"],
+            len(obj),
+            hashlib.sha256(so).hexdigest() if so is not None else None,
+            len(so) if so is not None else None,
+        )
         files.append(BundleFile(ie, obj, entry.meta, so))
     return files, problems
 
@@ -100,30 +110,43 @@ def _link(obj: Path) -> bytes | None:
 
 def _metadata(name: str, version: str, idx: Index) -> str:
     stamps = ", ".join(idx.stamps) or "none"
-    return (f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-            f"Summary: quack kernel bundle: {len(idx.entries)} prebuilt kernels ({stamps})\n"
-            f"Requires-Dist: quack-cache\n\n"
-            f"Prebuilt CuTe DSL kernels for quack's runtime, written by `quack bundle`.\n"
-            f"Installed, they are found through the `{_index.ENTRY_POINT_GROUP}` entry point group.\n")
+    return (
+        f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        f"Summary: quack kernel bundle: {len(idx.entries)} prebuilt kernels ({stamps})\n"
+        f"Requires-Dist: quack-cache\n\n"
+        f"Prebuilt CuTe DSL kernels for quack's runtime, written by `quack bundle`.\n"
+        f"Installed, they are found through the `{_index.ENTRY_POINT_GROUP}` entry point group.\n"
+    )
 
 
 def _init_py(name: str, version: str) -> str:
-    return (f'"""quack deployment bundle {name} {version}, written by `quack bundle`.\n\n'
-            f'Data only: quack finds index.json through the {_index.ENTRY_POINT_GROUP} entry point and\n'
-            f'never imports this package."""\nfrom pathlib import Path\n\n'
-            f'INDEX = Path(__file__).with_name("{_index.INDEX_NAME}")\n')
+    return (
+        f'"""quack deployment bundle {name} {version}, written by `quack bundle`.\n\n'
+        f"Data only: quack finds index.json through the {_index.ENTRY_POINT_GROUP} entry point and\n"
+        f'never imports this package."""\nfrom pathlib import Path\n\n'
+        f'INDEX = Path(__file__).with_name("{_index.INDEX_NAME}")\n'
+    )
 
 
 def _wheelfile():
     try:
         from wheel.wheelfile import WheelError, WheelFile
     except ImportError:
-        raise BundleError("quack bundle needs the 'wheel' package: pip install 'quack-cache[bundle]'") from None
+        raise BundleError(
+            "quack bundle needs the 'wheel' package: pip install 'quack-cache[bundle]'"
+        ) from None
     return WheelFile, WheelError
 
 
-def write_wheel(files: list[BundleFile], *, name: str, version: str, out_dir: Path,
-                signing_key=None, created: float | None = None) -> tuple[Path, Index]:
+def write_wheel(
+    files: list[BundleFile],
+    *,
+    name: str,
+    version: str,
+    out_dir: Path,
+    signing_key=None,
+    created: float | None = None,
+) -> tuple[Path, Index]:
     """Write ``out_dir/<name>-<version>-py3-none-<platform>.whl`` atomically (a temp
     directory beside it, then a rename). ``signing_key``: a quack.signing.SigningKey."""
     WheelFile, _ = _wheelfile()
@@ -136,8 +159,7 @@ def write_wheel(files: list[BundleFile], *, name: str, version: str, out_dir: Pa
         # so the same entries give a byte-identical wheel.
         sde = os.environ.get("SOURCE_DATE_EPOCH", "")
         created = float(sde) if sde.isdigit() else time.time()
-    idx = Index(name, version, created, QUACK_VERSION,
-                tuple(f.entry for f in files))
+    idx = Index(name, version, created, QUACK_VERSION, tuple(f.entry for f in files))
     index_bytes = idx.to_bytes()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -153,23 +175,27 @@ def write_wheel(files: list[BundleFile], *, name: str, version: str, out_dir: Pa
                 wf.writestr(f"{pkg}/{e.rel_meta}", json.dumps(f.meta, sort_keys=True, indent=1))
                 if f.so is not None:
                     wf.writestr(f"{pkg}/{e.rel_so}", f.so)
-                    wf.writestr(f"{pkg}/{e.rel_so_meta}", json.dumps(
-                        {"o_sha256": e.sha256, "sha256": e.so_sha256}))
+                    wf.writestr(
+                        f"{pkg}/{e.rel_so_meta}", json.dumps({"o_sha256": e.sha256, "sha256": e.so_sha256})
+                    )
             wf.writestr(f"{pkg}/{_index.INDEX_NAME}", index_bytes)
             if signing_key is not None:
                 from quack.bundles import trust
 
                 wf.writestr(f"{pkg}/{_index.SIG_NAME}", trust.signature_bytes(index_bytes, signing_key))
             wf.writestr(f"{distinfo}/METADATA", _metadata(name, version, idx))
-            wf.writestr(f"{distinfo}/WHEEL", f"Wheel-Version: 1.0\nGenerator: {GENERATOR}\n"
-                                             f"Root-Is-Purelib: false\nTag: py3-none-{platform_tag()}\n")
-            wf.writestr(f"{distinfo}/entry_points.txt",
-                        f"[{_index.ENTRY_POINT_GROUP}]\n{name} = {pkg}\n")
+            wf.writestr(
+                f"{distinfo}/WHEEL",
+                f"Wheel-Version: 1.0\nGenerator: {GENERATOR}\n"
+                f"Root-Is-Purelib: false\nTag: py3-none-{platform_tag()}\n",
+            )
+            wf.writestr(f"{distinfo}/entry_points.txt", f"[{_index.ENTRY_POINT_GROUP}]\n{name} = {pkg}\n")
         os.replace(tmp, out_dir / fname)
     return out_dir / fname, idx
 
 
 # --- inspect ---------------------------------------------------------------------
+
 
 def inspect_wheel(path: Path, trusted=None) -> dict:
     """What a bundle wheel holds, checked without installing it: the wheel's RECORD
@@ -207,12 +233,14 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
                 elif section == _index.ENTRY_POINT_GROUP and "=" in line:
                     name, _, pkg = (x.strip() for x in line.partition("="))
         if pkg is None:
-            raise BundleError(f"{path}: no {_index.ENTRY_POINT_GROUP} entry point: not a quack bundle",
-                              path=str(path))
+            raise BundleError(
+                f"{path}: no {_index.ENTRY_POINT_GROUP} entry point: not a quack bundle", path=str(path)
+            )
         data = read(f"{pkg}/{_index.INDEX_NAME}")
         if data is None:
-            raise BundleError(f"{path}: {pkg}/{_index.INDEX_NAME} unreadable: " + "; ".join(problems),
-                              path=str(path))
+            raise BundleError(
+                f"{path}: {pkg}/{_index.INDEX_NAME} unreadable: " + "; ".join(problems), path=str(path)
+            )
         idx = _index.parse(data)
         signer, signed = "", f"{pkg}/{_index.SIG_NAME}" in names
         if signed:
@@ -238,9 +266,19 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
                 if so is not None and hashlib.sha256(so).hexdigest() != ent.so_sha256:
                     bad.append("shared object does not match the index")
             cur = keys.toolchain_stamp(ent.arch) == ent.stamp
-            rows.append({"kernel": ent.kernel, "params": ent.params, "arch": ent.arch, "key": ent.key,
-                         "stamp": ent.stamp, "current_stamp": cur, "size": ent.size,
-                         "so_size": ent.so_size, "problems": bad})
+            rows.append(
+                {
+                    "kernel": ent.kernel,
+                    "params": ent.params,
+                    "arch": ent.arch,
+                    "key": ent.key,
+                    "stamp": ent.stamp,
+                    "current_stamp": cur,
+                    "size": ent.size,
+                    "so_size": ent.so_size,
+                    "problems": bad,
+                }
+            )
             problems.extend(f"{ent.kernel} key {ent.key[:16]}: {b}" for b in bad)
         # Members whose RECORD hash is wrong but that no entry names (e.g. __init__.py).
         for n in sorted(names):
@@ -249,7 +287,20 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
             if n.startswith(f"{pkg}/v1/"):
                 continue
             read(n)
-    return {"wheel": str(path), "name": idx.name, "version": idx.version, "package": pkg,
-            "entry_point": name, "created": idx.created, "quack": idx.quack, "signed": signed,
-            "signer": signer, "entries": rows, "stamps": idx.stamps, "bytes": idx.bytes,
-            "wheel_bytes": os.path.getsize(path), "problems": problems, "ok": not problems}
+    return {
+        "wheel": str(path),
+        "name": idx.name,
+        "version": idx.version,
+        "package": pkg,
+        "entry_point": name,
+        "created": idx.created,
+        "quack": idx.quack,
+        "signed": signed,
+        "signer": signer,
+        "entries": rows,
+        "stamps": idx.stamps,
+        "bytes": idx.bytes,
+        "wheel_bytes": os.path.getsize(path),
+        "problems": problems,
+        "ok": not problems,
+    }

@@ -3,6 +3,7 @@
 Registered on the typer app by quack_build.app (``register``). ``quack bundle
 inspect WHEEL`` is routed by quack_build.cli to the hidden ``bundle-inspect``
 command, since a command can't both take manifests and have subcommands."""
+
 from __future__ import annotations
 
 import time
@@ -20,22 +21,50 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
 
     @app.command("bundle")
     def bundle(
-        manifests: List[Path] = typer.Argument(None, help="Manifest files (default: [build] manifests in quack.toml)."),
+        manifests: List[Path] = typer.Argument(
+            None, help="Manifest files (default: [build] manifests in quack.toml)."
+        ),
         name: str = typer.Option(..., "--name", help="Bundle (distribution) name, e.g. myapp-kernels."),
         version: str = typer.Option("0.1.0", "--version", help="Bundle version (PEP 440)."),
-        arch: List[str] = typer.Option(None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."),
+        arch: List[str] = typer.Option(
+            None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."
+        ),
         out: Path = typer.Option(Path("dist"), "--out", "-o", help="Directory for the wheel."),
         sign: bool = typer.Option(False, "--sign", help="Sign the index (Ed25519) with the signing key."),
-        signing_key: Optional[Path] = typer.Option(None, "--signing-key", help="Private key file (default: QUACK_SIGNING_KEY / [remote] signing_key)."),
-        jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers for what is missing."),
+        signing_key: Optional[Path] = typer.Option(
+            None,
+            "--signing-key",
+            help="Private key file (default: QUACK_SIGNING_KEY / [remote] signing_key).",
+        ),
+        jobs: Optional[int] = typer.Option(
+            None, "--jobs", "-j", min=1, help="Compile workers for what is missing."
+        ),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
-        cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Cache directory (default: settings)."),
+        cache_dir: Optional[Path] = typer.Option(
+            None, "--cache-dir", help="Cache directory (default: settings)."
+        ),
         max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
     ):
         """Build what is missing, then write a wheel of the manifests' prebuilt kernels.
         (`quack bundle inspect WHEEL` shows a wheel's contents without installing it.)"""
-        run(lambda: _bundle(manifests or [], name, version, arch or [], out, sign, signing_key, jobs,
-                            as_json, cache_dir, max_configs, build, expand, store_of))
+        run(
+            lambda: _bundle(
+                manifests or [],
+                name,
+                version,
+                arch or [],
+                out,
+                sign,
+                signing_key,
+                jobs,
+                as_json,
+                cache_dir,
+                max_configs,
+                build,
+                expand,
+                store_of,
+            )
+        )
 
     @app.command("bundle-inspect", hidden=True)
     def bundle_inspect(
@@ -46,8 +75,22 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
         run(lambda: _inspect(wheel, as_json))
 
 
-def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_json, cache_dir, max_configs,
-            build, expand, store_of) -> int:
+def _bundle(
+    manifests,
+    name,
+    version,
+    arch,
+    out,
+    sign,
+    signing_key,
+    jobs,
+    as_json,
+    cache_dir,
+    max_configs,
+    build,
+    expand,
+    store_of,
+) -> int:
     from quack.bundles import index as _index
     from quack_build import bundle as bw
 
@@ -64,13 +107,18 @@ def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_jso
 
         s0 = cli_settings(cache_dir, jobs)
         try:
-            key = (signing.load_signing_key(signing_key) if signing_key
-                   else signing.signing_key_from_settings(s0))
+            key = (
+                signing.load_signing_key(signing_key)
+                if signing_key
+                else signing.signing_key_from_settings(s0)
+            )
         except KeyFileError as e:
             raise Fail(f"error: {e}") from None
         if key is None:
-            raise Fail("error: --sign needs a signing key: --signing-key FILE, QUACK_SIGNING_KEY or "
-                        "[remote] signing_key in quack.toml (create one with `quack keygen NAME`)")
+            raise Fail(
+                "error: --sign needs a signing key: --signing-key FILE, QUACK_SIGNING_KEY or "
+                "[remote] signing_key in quack.toml (create one with `quack keygen NAME`)"
+            )
     t0 = time.time()
     import contextlib
     import sys
@@ -95,19 +143,32 @@ def _bundle(manifests, name, version, arch, out, sign, signing_key, jobs, as_jso
         raise Fail(f"error: {e}") from None
     except OSError as e:
         raise Fail(f"error: cannot write the wheel into {out}: {e.strerror or e}") from None
-    res = {"wheel": str(path), "name": name, "version": idx.version, "entries": len(idx.entries),
-           "with_so": sum(1 for f in files if f.so is not None), "bytes": idx.bytes,
-           "wheel_bytes": path.stat().st_size, "stamps": idx.stamps, "signed_by": key.name if key else "",
-           "build_s": round(build_s, 3), "seconds": round(time.time() - t0, 3)}
+    res = {
+        "wheel": str(path),
+        "name": name,
+        "version": idx.version,
+        "entries": len(idx.entries),
+        "with_so": sum(1 for f in files if f.so is not None),
+        "bytes": idx.bytes,
+        "wheel_bytes": path.stat().st_size,
+        "stamps": idx.stamps,
+        "signed_by": key.name if key else "",
+        "build_s": round(build_s, 3),
+        "seconds": round(time.time() - t0, 3),
+    }
     if as_json:
         emit_json(res)
     else:
         from quack_build.inventory import human_bytes
 
-        console().print(f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
-                         f"{human_bytes(res['wheel_bytes'])}, {', '.join(res['stamps'])}"
-                         + (f", signed by {key.name}" if key else "")
-                         + f"\ninstall it with: pip install {path}", markup=False, soft_wrap=True)
+        console().print(
+            f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
+            f"{human_bytes(res['wheel_bytes'])}, {', '.join(res['stamps'])}"
+            + (f", signed by {key.name}" if key else "")
+            + f"\ninstall it with: pip install {path}",
+            markup=False,
+            soft_wrap=True,
+        )
     return 0
 
 
@@ -134,19 +195,32 @@ def _inspect(wheel: Path, as_json: bool) -> int:
     from quack_build.manifest import format_params
 
     con = console()
-    sig = (f"signed by {info['signer']}" + (" (verified)" if trusted is not None and info["ok"] else "")
-           if info["signed"] else "unsigned")
-    con.print(f"{info['wheel']}: bundle {info['name']} {info['version']} (package {info['package']}), "
-              f"{len(info['entries'])} entries, {human_bytes(info['bytes'])} of objects, "
-              f"{human_bytes(info['wheel_bytes'])} wheel, {sig}", markup=False, soft_wrap=True)
+    sig = (
+        f"signed by {info['signer']}" + (" (verified)" if trusted is not None and info["ok"] else "")
+        if info["signed"]
+        else "unsigned"
+    )
+    con.print(
+        f"{info['wheel']}: bundle {info['name']} {info['version']} (package {info['package']}), "
+        f"{len(info['entries'])} entries, {human_bytes(info['bytes'])} of objects, "
+        f"{human_bytes(info['wheel_bytes'])} wheel, {sig}",
+        markup=False,
+        soft_wrap=True,
+    )
     tb = Table(header_style="bold")
     for c in ("kernel", "params", "arch", "key", "stamp", "object", ".so", "ok"):
         tb.add_column(c)
     for r in info["entries"]:
-        tb.add_row(r["kernel"], format_params(r["params"]), r["arch"], r["key"][:12],
-                   r["stamp"] + ("" if r["current_stamp"] else " (not this toolchain)"),
-                   human_bytes(r["size"]), human_bytes(r["so_size"]) if r["so_size"] else "-",
-                   "yes" if not r["problems"] else "; ".join(r["problems"]))
+        tb.add_row(
+            r["kernel"],
+            format_params(r["params"]),
+            r["arch"],
+            r["key"][:12],
+            r["stamp"] + ("" if r["current_stamp"] else " (not this toolchain)"),
+            human_bytes(r["size"]),
+            human_bytes(r["so_size"]) if r["so_size"] else "-",
+            "yes" if not r["problems"] else "; ".join(r["problems"]),
+        )
     con.print(tb)
     for p in info["problems"]:
         con.print(f"problem: {p}", markup=False, soft_wrap=True)
@@ -155,6 +229,7 @@ def _inspect(wheel: Path, as_json: bool) -> int:
 
 # --- verify --bundles ------------------------------------------------------------
 
+
 def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
     """Every installed bundle: refused or not, each entry's checksums, arch (from the
     embedded cubin), toolchain stamp (which names the arch) and kernel source against
@@ -162,10 +237,10 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
     toolchain and target arch can use is a problem; entries for other toolchains or
     archs in a bundle that has some for this one are listed, not counted as problems."""
     from quack import registry
-    from quack.cache import fsutil, keys
     from quack.bundles import tier as bt
-    from quack_build.cubin import arch_matches, gpu_codes
+    from quack.cache import fsutil, keys
     from quack_build import verify as v
+    from quack_build.cubin import arch_matches, gpu_codes
 
     t0 = time.time()
     bundles = bt.discover(s)
@@ -177,20 +252,38 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             pass
     out, rows, loads = [], [], []
     for b in bundles:
-        info: dict[str, Any] = {"name": b.name, "version": b.version, "dist": b.dist, "path": str(b.path),
-                "signer": b.signer, "problems": [b.problem] if b.problem else [], "entries": 0,
-                "current": 0, "other_toolchain": 0}
+        info: dict[str, Any] = {
+            "name": b.name,
+            "version": b.version,
+            "dist": b.dist,
+            "path": str(b.path),
+            "signer": b.signer,
+            "problems": [b.problem] if b.problem else [],
+            "entries": 0,
+            "current": 0,
+            "other_toolchain": 0,
+        }
         out.append(info)
         if b.index is None or b.problem or b.path is None:
             continue
         for e in b.index.entries:
             info["entries"] += 1
-            r: dict[str, Any] = {"bundle": b.name, "kernel": e.kernel, "params": e.params, "arch": e.arch, "key": e.key,
-                 "stamp": e.stamp, "problems": [], "note": ""}
+            r: dict[str, Any] = {
+                "bundle": b.name,
+                "kernel": e.kernel,
+                "params": e.params,
+                "arch": e.arch,
+                "key": e.key,
+                "stamp": e.stamp,
+                "problems": [],
+                "note": "",
+            }
             if keys.toolchain_stamp(s.arch) != e.stamp:
                 info["other_toolchain"] += 1
-                r["note"] = (f"not used: built for {e.stamp}, this toolchain and arch are "
-                             f"{keys.toolchain_stamp(s.arch)}")
+                r["note"] = (
+                    f"not used: built for {e.stamp}, this toolchain and arch are "
+                    f"{keys.toolchain_stamp(s.arch)}"
+                )
                 rows.append(r)
                 continue
             info["current"] += 1
@@ -200,23 +293,38 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             else:
                 codes = gpu_codes(fsutil.read_nofollow(b.path / e.rel_obj))
                 if not arch_matches(e.arch, codes):
-                    r["problems"].append(f"built for {', '.join(c.arch for c in codes) or 'no GPU code'}, "
-                                         f"the index says {e.arch}")
+                    r["problems"].append(
+                        f"built for {', '.join(c.arch for c in codes) or 'no GPU code'}, "
+                        f"the index says {e.arch}"
+                    )
             if e.kernel in srcfps and srcfps[e.kernel] != e.srcfp:
-                r["problems"].append(f"kernel source differs from this project's ({e.srcfp} vs "
-                                     f"{srcfps[e.kernel]}): not used")
+                r["problems"].append(
+                    f"kernel source differs from this project's ({e.srcfp} vs {srcfps[e.kernel]}): not used"
+                )
             elif e.kernel not in srcfps:
                 r["note"] = "kernel not registered in this project"
             if not r["problems"] and (load or run):
                 kspec = registry.all_specs().get(e.kernel)
-                loads.append((r, {"key": e.key, "obj": str(b.path / e.rel_obj),
-                                  "so": str(so) if so else None, "kernel": e.kernel,
-                                  "module": kspec.module if kspec else "", "params": e.params,
-                                  "run": run and kspec is not None}))
+                loads.append(
+                    (
+                        r,
+                        {
+                            "key": e.key,
+                            "obj": str(b.path / e.rel_obj),
+                            "so": str(so) if so else None,
+                            "kernel": e.kernel,
+                            "module": kspec.module if kspec else "",
+                            "params": e.params,
+                            "run": run and kspec is not None,
+                        },
+                    )
+                )
             rows.append(r)
         if info["current"] == 0 and info["entries"]:
-            info["problems"].append("none of its entries is for this toolchain and arch "
-                                    f"({', '.join(b.index.stamps)}; this one: {keys.toolchain_stamp(s.arch)})")
+            info["problems"].append(
+                "none of its entries is for this toolchain and arch "
+                f"({', '.join(b.index.stamps)}; this one: {keys.toolchain_stamp(s.arch)})"
+            )
     note = ""
     if loads:
         answers, note = v.load_fresh([req for _, req in loads], run=run)
@@ -230,8 +338,15 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
     if not bundles:
         # A deployment check that finds nothing to check must not pass quietly.
         note = "no quack bundles are installed (entry point group quack.bundles); pip install one"
-    return {"ok": bad == 0 and not note, "bundles": out, "entries": rows, "problems": bad,
-            "note": note, "loaded": load, "seconds": round(time.time() - t0, 3)}
+    return {
+        "ok": bad == 0 and not note,
+        "bundles": out,
+        "entries": rows,
+        "problems": bad,
+        "note": note,
+        "loaded": load,
+        "seconds": round(time.time() - t0, 3),
+    }
 
 
 def print_bundle_report(con, res: dict) -> None:
@@ -244,11 +359,26 @@ def print_bundle_report(con, res: dict) -> None:
         con.print(f"[red]{escape(res['note'])}[/]")
         return
     tb = Table(title="installed bundles", header_style="bold")
-    for c in ("bundle", "version", "entries", "this toolchain+arch", "other toolchains/archs", "signed by", "problem"):
+    for c in (
+        "bundle",
+        "version",
+        "entries",
+        "this toolchain+arch",
+        "other toolchains/archs",
+        "signed by",
+        "problem",
+    ):
         tb.add_column(c)
     for b in res["bundles"]:
-        tb.add_row(b["name"], b["version"], str(b["entries"]), str(b["current"]), str(b["other_toolchain"]),
-                   b["signer"] or "-", escape("; ".join(b["problems"])) or "-")
+        tb.add_row(
+            b["name"],
+            b["version"],
+            str(b["entries"]),
+            str(b["current"]),
+            str(b["other_toolchain"]),
+            b["signer"] or "-",
+            escape("; ".join(b["problems"])) or "-",
+        )
     con.print(tb)
     bad = [r for r in res["entries"] if r["problems"]]
     if bad:
@@ -256,15 +386,23 @@ def print_bundle_report(con, res: dict) -> None:
         for c in ("bundle", "kernel", "params", "arch", "key", "problem"):
             tb.add_column(c)
         for r in bad:
-            tb.add_row(r["bundle"], r["kernel"], format_params(r["params"]), r["arch"], r["key"][:12],
-                       escape("; ".join(r["problems"])))
+            tb.add_row(
+                r["bundle"],
+                r["kernel"],
+                format_params(r["params"]),
+                r["arch"],
+                r["key"][:12],
+                escape("; ".join(r["problems"])),
+            )
         con.print(tb)
     if res["note"]:
         con.print(f"[yellow]{escape(res['note'])}[/]")
     n = len(res["entries"])
-    con.print(f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
-              + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
-              + f" in {res['seconds']:.1f}s")
+    con.print(
+        f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
+        + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
+        + f" in {res['seconds']:.1f}s"
+    )
 
 
 def run_verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool) -> int:

@@ -7,6 +7,7 @@ compile, a missing or broken entry); 2 a usage error; 130 interrupted.
 (nor, like every command here, cutlass or torch): it is meant to be cheap
 enough to run from scripts and prompts. Everything else goes through the typer
 app in quack_build.app."""
+
 from __future__ import annotations
 
 import sys

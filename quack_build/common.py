@@ -1,5 +1,6 @@
 """Helpers shared by the typer app and the typer-free fast path of ``quack cache
 stats``: settings, kernel registration, consoles, JSON output."""
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ class Fail(Exception):
         self.code = code
 
 
-def cli_settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None,
-                 executor: Optional[str] = None, manifests=()):
+def cli_settings(
+    cache_dir: Optional[Path] = None, jobs: Optional[int] = None, executor: Optional[str] = None, manifests=()
+):
     """Resolve and install the settings. With manifests given, quack.toml is looked for
     from the first manifest's directory up (its project), else from the working directory."""
     from quack import settings as qs
@@ -43,8 +45,9 @@ def cli_settings(cache_dir: Optional[Path] = None, jobs: Optional[int] = None,
             d = Path(m).absolute().parent
             if qs.find_config(d) is not None:
                 near = d
-        s = qs.resolve({"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs,
-                        "executor": executor}, cwd=near)
+        s = qs.resolve(
+            {"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs, "executor": executor}, cwd=near
+        )
     except SettingsError as e:
         raise Fail(f"error: {e}") from None
     qs.set_current(s)
@@ -61,8 +64,10 @@ def load_kernels(s, *, required: bool = True) -> None:
         registry.load_packages(s.kernel_packages)
     except Exception as e:  # noqa: BLE001
         if required:
-            raise Fail(f"error: importing the kernel packages {list(s.kernel_packages)} "
-                        f"([build] kernel_packages) failed: {type(e).__name__}: {e}") from None
+            raise Fail(
+                f"error: importing the kernel packages {list(s.kernel_packages)} "
+                f"([build] kernel_packages) failed: {type(e).__name__}: {e}"
+            ) from None
 
 
 def current_srcfps() -> dict:
@@ -94,9 +99,10 @@ def emit_json(obj) -> None:
     sys.stdout.write(json.dumps(obj, indent=1, default=str) + "\n")
     sys.stdout.flush()
 
+
 def stats(as_json, cache_dir, top) -> int:
-    from quack_build import inventory
     from quack.cache import journal
+    from quack_build import inventory
 
     s = cli_settings(cache_dir)
     check_root(s.cache_dir)

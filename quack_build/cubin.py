@@ -13,6 +13,7 @@ size; u64 payload size; ...; u32 SM at offset 28). An ELF entry is a cubin
   builds leave it out, so the fatbin entry header's flags (u32 at offset 40:
   0x100000 "a", 0x200000 "f") decide the suffix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +25,9 @@ EM_CUDA = 190
 
 @dataclasses.dataclass(frozen=True)
 class GpuCode:
-    kind: str            # "cubin" or "ptx"
-    sm: int              # e.g. 90
-    arch: str            # e.g. "sm_90a" (cubin) or "compute_90" (ptx)
+    kind: str  # "cubin" or "ptx"
+    sm: int  # e.g. 90
+    arch: str  # e.g. "sm_90a" (cubin) or "compute_90" (ptx)
     e_flags: int | None = None
     compressed: bool = False
 
@@ -82,7 +83,7 @@ def gpu_codes(data: bytes) -> list[GpuCode]:
             if ehs < 24 or p + ehs > end:
                 break
             (sm_hdr,) = struct.unpack_from("<I", data, p + 28) if ehs >= 32 else (0,)
-            payload = data[p + ehs:p + ehs + psz]
+            payload = data[p + ehs : p + ehs + psz]
             (hflags,) = struct.unpack_from("<I", data, p + 40) if ehs >= 44 else (0,)
             if kind == 2:
                 cb = _cubin(payload)
@@ -90,7 +91,11 @@ def gpu_codes(data: bytes) -> list[GpuCode]:
                     sm, accel, flags = cb
                     out.append(GpuCode("cubin", sm, f"sm_{sm}{_suffix(hflags, accel)}", flags))
                 else:  # compressed or unreadable cubin: the entry header still names the SM
-                    out.append(GpuCode("cubin", sm_hdr, f"sm_{sm_hdr}{_suffix(hflags, False)}", None, compressed=True))
+                    out.append(
+                        GpuCode(
+                            "cubin", sm_hdr, f"sm_{sm_hdr}{_suffix(hflags, False)}", None, compressed=True
+                        )
+                    )
             elif kind == 1:
                 out.append(GpuCode("ptx", sm_hdr, f"compute_{sm_hdr}"))
             p += ehs + psz

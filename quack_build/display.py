@@ -2,6 +2,7 @@
 bar with done/total, keys/s and ETA, one line per running worker, failures as
 they happen), one plain line per key otherwise (CI logs). The Console is
 injected, so tests and ``--json`` runs choose where it goes."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,17 @@ from rich.table import Table
 from rich.text import Text
 
 from quack_build.inventory import human_bytes  # noqa: F401  (re-exported for the CLI)
-from quack_build.scheduler import (CACHED, COMPILED, FAILED, INTERRUPTED, REMOTE, SHARED, SKIPPED,
-                                   BuildResult, Task)
+from quack_build.scheduler import (
+    CACHED,
+    COMPILED,
+    FAILED,
+    INTERRUPTED,
+    REMOTE,
+    SHARED,
+    SKIPPED,
+    BuildResult,
+    Task,
+)
 
 
 def _err_line(t: Task) -> str:
@@ -74,8 +84,10 @@ class PlainReporter(_Base):
 
     def planned(self, tasks, todo, jobs):
         super().planned(tasks, todo, jobs)
-        self.note(f"quack build: {len(tasks)} configurations, {self.cached} cached, "
-                  f"{len(todo)} to compile with {jobs} worker{'s' if jobs != 1 else ''}")
+        self.note(
+            f"quack build: {len(tasks)} configurations, {self.cached} cached, "
+            f"{len(todo)} to compile with {jobs} worker{'s' if jobs != 1 else ''}"
+        )
         if self.verbose:
             for t in tasks:
                 if t.status == CACHED:
@@ -93,8 +105,10 @@ class PlainReporter(_Base):
             self.note(f"{n} FAILED    {t.cfg.label()}  {t.wall_s:.2f}s: {_err_line(t)}")
         else:
             word = "compiled " if t.status == COMPILED else "cached*  "
-            self.note(f"{n} {word} {t.cfg.label()}  {t.compile_s if t.status == COMPILED else t.wall_s:.2f}s "
-                      f"({t.lane or f'worker {t.pid}'})")
+            self.note(
+                f"{n} {word} {t.cfg.label()}  {t.compile_s if t.status == COMPILED else t.wall_s:.2f}s "
+                f"({t.lane or f'worker {t.pid}'})"
+            )
 
 
 class LiveReporter(_Base):
@@ -107,11 +121,14 @@ class LiveReporter(_Base):
 
     def planned(self, tasks, todo, jobs):
         super().planned(tasks, todo, jobs)
-        self.console.print(f"[bold]quack build[/]: {len(tasks)} configurations, [green]{self.cached} cached[/], "
-                           f"[cyan]{len(todo)} to compile[/] with {jobs} worker{'s' if jobs != 1 else ''}")
+        self.console.print(
+            f"[bold]quack build[/]: {len(tasks)} configurations, [green]{self.cached} cached[/], "
+            f"[cyan]{len(todo)} to compile[/] with {jobs} worker{'s' if jobs != 1 else ''}"
+        )
         if todo:
-            self.live = Live(get_renderable=self._render, console=self.console, refresh_per_second=8,
-                             transient=True)
+            self.live = Live(
+                get_renderable=self._render, console=self.console, refresh_per_second=8, transient=True
+            )
             self.live.start()
 
     def started(self, task):
@@ -132,19 +149,24 @@ class LiveReporter(_Base):
         filled = int(frac * width)
         bar = Text("━" * filled, style="green") + Text("━" * (width - filled), style="grey37")
         rate = self.rate()
-        head = Text.assemble(("compiling ", "bold"), bar,
-                             f" {self.done}/{self.ncompile}",
-                             f"  {rate:.2f} keys/s" if rate else "  -- keys/s",
-                             f"  elapsed {_fmt_s(time.time() - self.t0)}",
-                             f"  ETA {_fmt_s(self.eta())}",
-                             (f"  {len(self.failed)} failed", "red") if self.failed else "")
+        head = Text.assemble(
+            ("compiling ", "bold"),
+            bar,
+            f" {self.done}/{self.ncompile}",
+            f"  {rate:.2f} keys/s" if rate else "  -- keys/s",
+            f"  elapsed {_fmt_s(time.time() - self.t0)}",
+            f"  ETA {_fmt_s(self.eta())}",
+            (f"  {len(self.failed)} failed", "red") if self.failed else "",
+        )
         rows = Table.grid(padding=(0, 1))
         now = time.time()
         for slot in sorted(self.running):
             t = self.running[slot]
-            rows.add_row(Text(f"  worker {slot + 1:>2}", style="dim"), Text(t.cfg.label(), overflow="ellipsis",
-                                                                            no_wrap=True),
-                         Text(_fmt_s(now - t.start), style="cyan"))
+            rows.add_row(
+                Text(f"  worker {slot + 1:>2}", style="dim"),
+                Text(t.cfg.label(), overflow="ellipsis", no_wrap=True),
+                Text(_fmt_s(now - t.start), style="cyan"),
+            )
         return Group(head, rows)
 
     def tick(self):
@@ -177,18 +199,25 @@ def summary_table(res: BuildResult) -> Table:
     tbl.add_column(justify="right")
     tbl.add_row("configurations", str(len(res.tasks)))
     tbl.add_row("compiled", f"[green]{compiled}[/]" if compiled else "0")
-    tbl.add_row("cached", str(res.count(CACHED) + shared) + (f" ({shared} built by another process)"
-                                                              if shared else ""))
+    tbl.add_row(
+        "cached",
+        str(res.count(CACHED) + shared) + (f" ({shared} built by another process)" if shared else ""),
+    )
     tbl.add_row("failed", f"[red]{failed}[/]" if failed else "0")
     if not_built:
         tbl.add_row("not built", f"[yellow]{not_built}[/]")
     if res.remote_url:
         r = res.remote
-        tbl.add_row("remote", escape(res.remote_url) + (" [yellow](off: unreachable)[/]" if res.remote_offline
-                                                        else ""))
+        tbl.add_row(
+            "remote",
+            escape(res.remote_url) + (" [yellow](off: unreachable)[/]" if res.remote_offline else ""),
+        )
         tbl.add_row("  remote hits", str(res.count(REMOTE)))
-        tbl.add_row("  remote pushed", str(r.get("pushed", 0)) + (f" ({r['push_exists']} already there)"
-                                                                  if r.get("push_exists") else ""))
+        tbl.add_row(
+            "  remote pushed",
+            str(r.get("pushed", 0))
+            + (f" ({r['push_exists']} already there)" if r.get("push_exists") else ""),
+        )
         rej = r.get("rejected", 0)
         reasons = ", ".join(f"{k} {v}" for k, v in sorted((r.get("rejected_by_reason") or {}).items()))
         tbl.add_row("  remote rejected", f"[red]{rej}[/] ({reasons})" if rej else "0")
@@ -201,38 +230,51 @@ def summary_table(res: BuildResult) -> Table:
     if compiled and res.compile_wall_s > 0:
         tbl.add_row("throughput", f"{compiled / res.compile_wall_s:.2f} keys/s")
     if eff is not None:
-        tbl.add_row("parallel efficiency", f"{eff * 100:.0f}% of {res.jobs} worker{'s' if res.jobs != 1 else ''}")
+        tbl.add_row(
+            "parallel efficiency", f"{eff * 100:.0f}% of {res.jobs} worker{'s' if res.jobs != 1 else ''}"
+        )
     return tbl
 
 
 def print_summary(console: Console, res: BuildResult) -> None:
     console.print(summary_table(res))
     if res.pool_start_s:
-        what = ("Ray start-up (connect, ship code, actor import + warm-up compile)" if res.executor == "ray"
-                else "worker start-up (forkserver import + warm-up compile)")
-        console.print(f"{what}: {res.pool_start_s:.1f}s; "
-                      f"compile phase {res.compile_wall_s:.1f}s", markup=False)
+        what = (
+            "Ray start-up (connect, ship code, actor import + warm-up compile)"
+            if res.executor == "ray"
+            else "worker start-up (forkserver import + warm-up compile)"
+        )
+        console.print(
+            f"{what}: {res.pool_start_s:.1f}s; compile phase {res.compile_wall_s:.1f}s", markup=False
+        )
     failed = [t for t in res.tasks if t.status == FAILED]
     if failed:
-        console.print(f"[red bold]{len(failed)} configuration{'s' if len(failed) != 1 else ''} failed to compile:[/]")
+        console.print(
+            f"[red bold]{len(failed)} configuration{'s' if len(failed) != 1 else ''} failed to compile:[/]"
+        )
         for t in failed[:20]:
-            console.print(f"  [red]x[/] {escape(t.cfg.label())}  (key {t.cfg.key[:16]})\n"
-                          f"      {escape(_err_line(t))}", highlight=False)
+            console.print(
+                f"  [red]x[/] {escape(t.cfg.label())}  (key {t.cfg.key[:16]})\n      {escape(_err_line(t))}",
+                highlight=False,
+            )
         if len(failed) > 20:
             console.print(f"  ... and {len(failed) - 20} more")
         if res.log_path:
             console.print(f"full compiler output: {escape(res.log_path)}", highlight=False)
     skipped = [t for t in res.tasks if t.status == SKIPPED]
     if skipped and not res.interrupted:
-        console.print(f"[yellow bold]{len(skipped)} configuration{'s' if len(skipped) != 1 else ''} not built[/]"
-                      + (" (the build stopped at the first failure; --keep-going builds the rest):"
-                         if failed else ":"))
+        console.print(
+            f"[yellow bold]{len(skipped)} configuration{'s' if len(skipped) != 1 else ''} not built[/]"
+            + (" (the build stopped at the first failure; --keep-going builds the rest):" if failed else ":")
+        )
         for t in skipped[:20]:
             console.print(f"  [yellow]-[/] {escape(t.cfg.label())}  (key {t.cfg.key[:16]})", highlight=False)
         if len(skipped) > 20:
             console.print(f"  ... and {len(skipped) - 20} more")
     if res.interrupted:
-        console.print(f"[yellow]interrupted[/]: {res.count(COMPILED)} compiled before the stop; "
-                      f"{res.count(INTERRUPTED)} not built (no partial entries were left)")
+        console.print(
+            f"[yellow]interrupted[/]: {res.count(COMPILED)} compiled before the stop; "
+            f"{res.count(INTERRUPTED)} not built (no partial entries were left)"
+        )
     elif res.missing_after and not failed:
         console.print(f"[red]{len(res.missing_after)} configurations are not in the cache after the build[/]")

@@ -5,6 +5,7 @@ No cutlass, no torch: a directory walk with one lstat per file (10,000
 entries in well under 0.3 s). Current-ness is decided by the caller's
 ``current_srcfp`` map (kernel -> source fingerprint, from the registry) and
 the toolchain stamp of this interpreter."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,8 +29,8 @@ class KeyFiles:
     """The files of one key in one fingerprint directory."""
 
     key: str
-    sizes: dict = dataclasses.field(default_factory=dict)    # suffix -> bytes
-    mtimes: dict = dataclasses.field(default_factory=dict)   # suffix -> mtime
+    sizes: dict = dataclasses.field(default_factory=dict)  # suffix -> bytes
+    mtimes: dict = dataclasses.field(default_factory=dict)  # suffix -> mtime
 
     @property
     def complete(self) -> bool:
@@ -46,7 +47,9 @@ class KeyFiles:
 
     @property
     def last_use(self) -> float:
-        return self.mtimes.get(".json") or max((v for k, v in self.mtimes.items() if k != ".lock"), default=0.0)
+        return self.mtimes.get(".json") or max(
+            (v for k, v in self.mtimes.items() if k != ".lock"), default=0.0
+        )
 
 
 @dataclasses.dataclass
@@ -59,9 +62,9 @@ class FpDir:
     srcfp: str
     status: str  # "current" | "stale" | "unknown" (kernel not registered here)
     why: str
-    keys: dict = dataclasses.field(default_factory=dict)      # key -> KeyFiles
-    tmps: list = dataclasses.field(default_factory=list)      # (path, pid, size, mtime)
-    other: list = dataclasses.field(default_factory=list)     # (path, size) unrecognized files
+    keys: dict = dataclasses.field(default_factory=dict)  # key -> KeyFiles
+    tmps: list = dataclasses.field(default_factory=list)  # (path, pid, size, mtime)
+    other: list = dataclasses.field(default_factory=list)  # (path, size) unrecognized files
 
     @property
     def entries(self) -> int:
@@ -238,18 +241,36 @@ def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
 
 # --- stats ---------------------------------------------------------------------
 
+
 def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
     """Everything ``quack cache stats`` shows about the files (the journal is separate)."""
     now = time.time()
     fps = []
     kernels: dict[str, dict] = {}
-    totals = {"entries": 0, "bytes": 0, "current_entries": 0, "current_bytes": 0,
-              "stale_entries": 0, "stale_bytes": 0, "unknown_entries": 0, "unknown_bytes": 0}
+    totals = {
+        "entries": 0,
+        "bytes": 0,
+        "current_entries": 0,
+        "current_bytes": 0,
+        "stale_entries": 0,
+        "stale_bytes": 0,
+        "unknown_entries": 0,
+        "unknown_bytes": 0,
+    }
     debris = {"tmp_files": 0, "tmp_bytes": 0, "orphan_objects": 0, "orphan_bytes": 0}
     for d in walk(root, current_srcfp):
         n, b = d.entries, d.bytes
-        fps.append({"stamp": d.stamp, "kernel": d.kernel, "srcfp": d.srcfp, "status": d.status,
-                    "why": d.why, "entries": n, "bytes": b})
+        fps.append(
+            {
+                "stamp": d.stamp,
+                "kernel": d.kernel,
+                "srcfp": d.srcfp,
+                "status": d.status,
+                "why": d.why,
+                "entries": n,
+                "bytes": b,
+            }
+        )
         totals["entries"] += n
         totals["bytes"] += b
         totals[f"{d.status}_entries"] += n
@@ -274,23 +295,41 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
     per_stamp: dict[str, dict] = {}
     for f in fps:
         stamp = str(f["stamp"])
-        s = per_stamp.setdefault(stamp, {"stamp": stamp, "current": stamp_is_current(stamp),
-                                             "entries": 0, "bytes": 0, "fingerprints": 0})
+        s = per_stamp.setdefault(
+            stamp,
+            {"stamp": stamp, "current": stamp_is_current(stamp), "entries": 0, "bytes": 0, "fingerprints": 0},
+        )
         s["entries"] += f["entries"]
         s["bytes"] += f["bytes"]
         s["fingerprints"] += 1
-    return {"root": str(root), "totals": totals, "stamps": list(per_stamp.values()),
-            "fingerprints": fps, "kernels": kernels, "debris": debris,
-            "planted": [{"path": str(p), "what": w} for p, w in planted(root)]}
+    return {
+        "root": str(root),
+        "totals": totals,
+        "stamps": list(per_stamp.values()),
+        "fingerprints": fps,
+        "kernels": kernels,
+        "debris": debris,
+        "planted": [{"path": str(p), "what": w} for p, w in planted(root)],
+    }
 
 
 def journal_summary(records: list[dict], top: int = 10) -> dict:
     per_kernel: dict[str, dict] = {}
     slow: list[dict] = []
     for r in records:
-        k = per_kernel.setdefault(str(r.get("kernel")), {"hits": 0, "misses": 0, "compiles": 0,
-                                                         "compile_s": 0.0, "waits": 0, "build_compiles": 0,
-                                                         "build_compile_s": 0.0, "keys": set()})
+        k = per_kernel.setdefault(
+            str(r.get("kernel")),
+            {
+                "hits": 0,
+                "misses": 0,
+                "compiles": 0,
+                "compile_s": 0.0,
+                "waits": 0,
+                "build_compiles": 0,
+                "build_compile_s": 0.0,
+                "keys": set(),
+            },
+        )
         for f in ("hits", "misses", "compiles", "waits"):
             v = r.get(f, 0)
             k[f] += v if isinstance(v, int) else 0
@@ -304,8 +343,16 @@ def journal_summary(records: list[dict], top: int = 10) -> dict:
             k["build_compile_s"] += cs
         k["keys"].add(r.get("key"))
         if r.get("compiles") and cs > 0:
-            slow.append({"kernel": r.get("kernel"), "params": r.get("params"), "arch": r.get("arch"),
-                         "compile_s": cs, "t": r.get("t"), "where": where})
+            slow.append(
+                {
+                    "kernel": r.get("kernel"),
+                    "params": r.get("params"),
+                    "arch": r.get("arch"),
+                    "compile_s": cs,
+                    "t": r.get("t"),
+                    "where": where,
+                }
+            )
     slow.sort(key=lambda x: -x["compile_s"])
     for k in per_kernel.values():
         k["keys"] = len(k["keys"])
@@ -316,6 +363,7 @@ def journal_summary(records: list[dict], top: int = 10) -> dict:
 
 # --- clean ---------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class Removal:
     path: Path
@@ -325,9 +373,9 @@ class Removal:
 
 @dataclasses.dataclass
 class CleanReport:
-    removed: list = dataclasses.field(default_factory=list)    # Removal
-    busy: list = dataclasses.field(default_factory=list)       # (path, why) skipped: in use
-    errors: list = dataclasses.field(default_factory=list)     # (path, error)
+    removed: list = dataclasses.field(default_factory=list)  # Removal
+    busy: list = dataclasses.field(default_factory=list)  # (path, why) skipped: in use
+    errors: list = dataclasses.field(default_factory=list)  # (path, error)
 
     @property
     def freed(self) -> int:
@@ -345,8 +393,7 @@ class Cleaner:
     - Debris (temps of dead writers, objects without metadata) goes by the one
       rule of quack.cache.orphans."""
 
-    def __init__(self, root: Path, *, dry_run: bool = False,
-                 log: Callable[[Removal], None] | None = None):
+    def __init__(self, root: Path, *, dry_run: bool = False, log: Callable[[Removal], None] | None = None):
         self.root = Path(root)
         self.dry_run = dry_run
         self.report = CleanReport()
@@ -473,9 +520,16 @@ def disk_usage(root: Path) -> int:
 LOG_MAX_AGE = 7 * 86400.0
 
 
-def clean(root: Path, current_srcfp: dict[str, str] | None = None, *, remove_all: bool = False,
-          max_size: int | None = None, older_than: float | None = None, dry_run: bool = False,
-          log: Callable[[Removal], None] | None = None) -> CleanReport:
+def clean(
+    root: Path,
+    current_srcfp: dict[str, str] | None = None,
+    *,
+    remove_all: bool = False,
+    max_size: int | None = None,
+    older_than: float | None = None,
+    dry_run: bool = False,
+    log: Callable[[Removal], None] | None = None,
+) -> CleanReport:
     """``quack cache clean``: stale fingerprints, quarantine and debris by default;
     ``remove_all`` every entry; ``older_than`` entries unused for that many seconds;
     ``max_size`` least recently used entries until the cache fits."""

@@ -18,6 +18,7 @@ parameter takes an inline table. Everything is validated before anything
 compiles, and all problems are reported together, each naming the file (and
 line where it can be found), the table, the key, the value and what is allowed.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,8 @@ import re
 from pathlib import Path
 from typing import Any, Iterable
 
-from quack import registry, settings as _settings
+from quack import registry
+from quack import settings as _settings
 from quack.errors import ManifestError, ParamError, TomlFileError, UnknownKernel
 from quack.params import Config as ConfigParam
 from quack.tomlfile import escape
@@ -137,7 +139,7 @@ def _as_list(v: Any) -> list:
 def _check_archs(ctx: _Ctx, where: str, value: Any) -> list[str] | None:
     vals = _as_list(value)
     if not vals:
-        ctx.err(where, "archs = [] is empty; give at least one arch, e.g. archs = [\"sm_90a\"]")
+        ctx.err(where, 'archs = [] is empty; give at least one arch, e.g. archs = ["sm_90a"]')
         return None
     out = []
     ok = True
@@ -147,9 +149,12 @@ def _check_archs(ctx: _Ctx, where: str, value: Any) -> list[str] | None:
         except ValueError:
             ok = False
             close = difflib.get_close_matches(str(a), _settings.KNOWN_ARCHS, n=1)
-            hint = f" (did you mean \"{close[0]}\"?)" if close else ""
-            ctx.err(where, f"archs: {_show(a)} is not a CUDA arch cutlass-dsl knows{hint}; allowed: "
-                    + ", ".join(_settings.KNOWN_ARCHS))
+            hint = f' (did you mean "{close[0]}"?)' if close else ""
+            ctx.err(
+                where,
+                f"archs: {_show(a)} is not a CUDA arch cutlass-dsl knows{hint}; allowed: "
+                + ", ".join(_settings.KNOWN_ARCHS),
+            )
     return out if ok else None
 
 
@@ -170,24 +175,34 @@ def _values(ctx: _Ctx, where: str, spec, pname: str, raw: Any) -> list | None:
     out = []
     bad: list[str] = []
     for v in items:
-        if isinstance(v, list) or (isinstance(v, dict) and not is_config) or not isinstance(
-                v, (*_SCALARS, dict)):
+        if (
+            isinstance(v, list)
+            or (isinstance(v, dict) and not is_config)
+            or not isinstance(v, (*_SCALARS, dict))
+        ):
             tn = _tname(v)
-            bad.append(f"params.{pname} = {_show(v)}: {'an' if tn[0] in 'aeiou' else 'a'} {tn} is not allowed here; "
-                       f"expected {p.describe()} (or a list of them)")
+            bad.append(
+                f"params.{pname} = {_show(v)}: {'an' if tn[0] in 'aeiou' else 'a'} {tn} is not allowed here; "
+                f"expected {p.describe()} (or a list of them)"
+            )
             continue
         try:
             out.append(p.check(pname, v))
         except ParamError as e:
-            bad.append(f"params.{pname} = {_show(v)} ({_tname(v)}) is not allowed for kernel "
-                       f"{spec.name}; expected {p.describe()}" + _extra(e))
+            bad.append(
+                f"params.{pname} = {_show(v)} ({_tname(v)}) is not allowed for kernel "
+                f"{spec.name}; expected {p.describe()}" + _extra(e)
+            )
     ok = not bad
     # A long list of bad values is one problem: the first few, then a count.
     for msg in bad[:_SHOW_BAD]:
         ctx.err(where, msg)
     if len(bad) > _SHOW_BAD:
-        ctx.err(where, f"params.{pname}: {len(bad) - _SHOW_BAD} more of its {len(items)} values are not "
-                f"allowed either (not listed)")
+        ctx.err(
+            where,
+            f"params.{pname}: {len(bad) - _SHOW_BAD} more of its {len(items)} values are not "
+            f"allowed either (not listed)",
+        )
     if ok and len(set(map(repr, out))) != len(out):
         ctx.warnings.append(f"{where}: params.{pname} lists a value twice (ignored)")
         seen, uniq = set(), []
@@ -208,13 +223,15 @@ def _unknown_param(ctx: _Ctx, where: str, spec, pname: str, what: str = "params"
     allowed = ", ".join(f"{n} ({p.describe()})" for n, p in spec.params.items())
     close = difflib.get_close_matches(pname, list(spec.params), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
-    ctx.err(where, f"{what}.{pname}: kernel {spec.name} has no parameter {pname!r}{hint}; "
-            f"its parameters are: {allowed}")
+    ctx.err(
+        where,
+        f"{what}.{pname}: kernel {spec.name} has no parameter {pname!r}{hint}; its parameters are: {allowed}",
+    )
 
 
 def _matcher(ctx: _Ctx, where: str, spec, table: Any, what: str) -> dict | None:
     if not isinstance(table, dict):
-        ctx.err(where, f"{what} entries must be tables like {{ dtype = \"float32\" }}, got {_show(table)}")
+        ctx.err(where, f'{what} entries must be tables like {{ dtype = "float32" }}, got {_show(table)}')
         return None
     if not table:
         ctx.err(where, f"{what} entry {{}} is empty")
@@ -242,13 +259,22 @@ def _matches(combo: dict, matcher: dict) -> bool:
 class Budget:
     """The limit on configurations after expansion, over every table of every manifest
     given at once (a per-table limit alone is bypassed by many tables)."""
+
     limit: int = DEFAULT_MAX_CONFIGS
     used: int = 0
     exceeded: bool = False
 
 
-def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_archs: list[str],
-                   arch_override: list[str] | None, budget: Budget, used_defaults: set) -> list:
+def _expand_kernel(
+    ctx: _Ctx,
+    idx: int,
+    table: Any,
+    defaults: dict,
+    default_archs: list[str],
+    arch_override: list[str] | None,
+    budget: Budget,
+    used_defaults: set,
+) -> list:
     label = f"[[kernel]] #{idx + 1}"
     if not isinstance(table, dict):
         ctx.err(ctx.where(label, idx), f"must be a table, got {_show(table)}")
@@ -269,11 +295,17 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         cur = _settings.get()
         pk = ", ".join(cur.kernel_packages) or "none"
-        src = f"[build] kernel_packages in {cur.config_file}" if cur.config_file else \
-            "the default (no quack.toml found)"
-        ctx.err(where, f"name = {_show(name)}: no kernel is registered under this name{hint}; "
-                f"registered kernels: {', '.join(known) or '(none)'}. Kernels are registered from "
-                f"{src}: {pk}; scanned: {registry.SCANNED}")
+        src = (
+            f"[build] kernel_packages in {cur.config_file}"
+            if cur.config_file
+            else "the default (no quack.toml found)"
+        )
+        ctx.err(
+            where,
+            f"name = {_show(name)}: no kernel is registered under this name{hint}; "
+            f"registered kernels: {', '.join(known) or '(none)'}. Kernels are registered from "
+            f"{src}: {pk}; scanned: {registry.SCANNED}",
+        )
         return []
     used_defaults.add("\0resolved")
     ok = True
@@ -281,8 +313,11 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         if k not in KERNEL_KEYS:
             ok = False
             if k in spec.params:
-                ctx.err(where, f"unknown key {k!r}: parameters go under params, e.g. "
-                        f"params = {{ {k} = {_show(table[k])} }}")
+                ctx.err(
+                    where,
+                    f"unknown key {k!r}: parameters go under params, e.g. "
+                    f"params = {{ {k} = {_show(table[k])} }}",
+                )
             else:
                 ctx.err(where, f"unknown key {k!r}; allowed keys: {', '.join(KERNEL_KEYS)}")
     archs: list[str] | None = default_archs
@@ -332,8 +367,9 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
     for n, p in spec.params.items():
         if n not in given and n not in invalid and n not in spec.defaults:
             ok = False
-            ctx.err(where, f"missing parameter {n!r} (no default in {spec.qualname}); "
-                    f"expected {p.describe()}")
+            ctx.err(
+                where, f"missing parameter {n!r} (no default in {spec.qualname}); expected {p.describe()}"
+            )
     excludes: list = []
     includes: list = []
     for what, dest in (("exclude", excludes), ("include", includes)):
@@ -356,10 +392,13 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
     if budget.used + total > budget.limit:
         budget.exceeded = True
         dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
-        before = (f"; the tables before it already expand to {budget.used}" if budget.used else "")
-        ctx.err(where, f"the cross product has {total} configurations ({dims} x archs {len(archs)}){before}: "
-                f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
-                f"the limit with --max-configs")
+        before = f"; the tables before it already expand to {budget.used}" if budget.used else ""
+        ctx.err(
+            where,
+            f"the cross product has {total} configurations ({dims} x archs {len(archs)}){before}: "
+            f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
+            f"the limit with --max-configs",
+        )
         return []
     combos = [dict(zip(names, c)) for c in itertools.product(*axes)]
     kept = [c for c in combos if not any(_matches(c, m) for m in excludes)]
@@ -377,8 +416,11 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
             elif len(axes[names.index(n)]) == 1:
                 combo[n] = axes[names.index(n)][0]
             else:
-                ctx.err(f"{where}: include[{j}]", f"must give {n!r}: the kernel table lists several "
-                        f"values for it ({', '.join(map(_show, axes[names.index(n)]))})")
+                ctx.err(
+                    f"{where}: include[{j}]",
+                    f"must give {n!r}: the kernel table lists several "
+                    f"values for it ({', '.join(map(_show, axes[names.index(n)]))})",
+                )
                 return []
         kept.append(combo)
     if not kept:
@@ -390,8 +432,10 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         try:
             bound = spec.bind((), combo)
         except ParamError as e:  # the kernel's rules across parameters (quack.params.Rule)
-            refused.append(f"{e}; drop it from the lists or exclude it: exclude = "
-                           f"[{{ {', '.join(f'{k} = {_show(v)}' for k, v in combo.items())} }}]")
+            refused.append(
+                f"{e}; drop it from the lists or exclude it: exclude = "
+                f"[{{ {', '.join(f'{k} = {_show(v)}' for k, v in combo.items())} }}]"
+            )
             continue
         for arch in archs:
             out.append(BuildConfig(name, bound, arch, spec.key(bound, arch), f"{ctx.path}:{label}", spec))
@@ -399,16 +443,25 @@ def _expand_kernel(ctx: _Ctx, idx: int, table: Any, defaults: dict, default_arch
         for msg in refused[:_SHOW_BAD]:
             ctx.err(where, msg)
         if len(refused) > _SHOW_BAD:
-            ctx.err(where, f"{len(refused) - _SHOW_BAD} more of its {len(kept)} combinations are refused "
-                    f"by the kernel's rules (not listed)")
+            ctx.err(
+                where,
+                f"{len(refused) - _SHOW_BAD} more of its {len(kept)} combinations are refused "
+                f"by the kernel's rules (not listed)",
+            )
         return []
     budget.used += len(out)
     return out
 
 
-def expand_document(path: Path, doc: dict, *, archs: Iterable[str] = (), arch_override=None,
-                    max_configs: int = DEFAULT_MAX_CONFIGS, budget: Budget | None = None
-                    ) -> tuple[list[BuildConfig], list[str], list[str]]:
+def expand_document(
+    path: Path,
+    doc: dict,
+    *,
+    archs: Iterable[str] = (),
+    arch_override=None,
+    max_configs: int = DEFAULT_MAX_CONFIGS,
+    budget: Budget | None = None,
+) -> tuple[list[BuildConfig], list[str], list[str]]:
     """(configs, problems, warnings) for one parsed manifest. ``budget`` (shared by the
     manifests of one build) caps the total; without one, ``max_configs`` caps this file."""
     budget = budget if budget is not None else Budget(max_configs)
@@ -419,7 +472,9 @@ def expand_document(path: Path, doc: dict, *, archs: Iterable[str] = (), arch_ov
             hint = ""
             if k in ("kernels", "defaults_", "default"):
                 hint = " (did you mean [[kernel]] or [defaults]?)"
-            ctx.err(str(path), f"unknown top-level key {k!r}{hint}; allowed: [defaults] and [[kernel]] tables")
+            ctx.err(
+                str(path), f"unknown top-level key {k!r}{hint}; allowed: [defaults] and [[kernel]] tables"
+            )
     defaults = doc.get("defaults", {})
     default_archs = list(archs)
     dparams: dict = {}
@@ -428,7 +483,9 @@ def expand_document(path: Path, doc: dict, *, archs: Iterable[str] = (), arch_ov
     else:
         for k in defaults:
             if k not in DEFAULTS_KEYS:
-                ctx.err(ctx.where("[defaults]"), f"unknown key {k!r}; allowed keys: {', '.join(DEFAULTS_KEYS)}")
+                ctx.err(
+                    ctx.where("[defaults]"), f"unknown key {k!r}; allowed keys: {', '.join(DEFAULTS_KEYS)}"
+                )
         if "archs" in defaults:
             a = _check_archs(ctx, ctx.where("[defaults]"), defaults["archs"])
             if a is not None:
@@ -454,14 +511,19 @@ def expand_document(path: Path, doc: dict, *, archs: Iterable[str] = (), arch_ov
 
 @dataclasses.dataclass
 class Expansion:
-    configs: list[BuildConfig]     # unique by key, in manifest order
+    configs: list[BuildConfig]  # unique by key, in manifest order
     duplicates: int
     warnings: list[str]
     files: list[str]
 
 
-def expand(paths: Iterable[Path | str], *, archs: Iterable[str] = (), arch_override=None,
-           max_configs: int = DEFAULT_MAX_CONFIGS) -> Expansion:
+def expand(
+    paths: Iterable[Path | str],
+    *,
+    archs: Iterable[str] = (),
+    arch_override=None,
+    max_configs: int = DEFAULT_MAX_CONFIGS,
+) -> Expansion:
     """Read, validate and expand manifests; raises ManifestError with every problem."""
     problems: list[str] = []
     warns: list[str] = []
@@ -471,8 +533,12 @@ def expand(paths: Iterable[Path | str], *, archs: Iterable[str] = (), arch_overr
     if arch_override:
         bad = [a for a in arch_override if a not in _settings.KNOWN_ARCHS]
         if bad:
-            raise ManifestError([f"--arch {bad[0]!r} is not a CUDA arch cutlass-dsl knows; allowed: "
-                                 + ", ".join(_settings.KNOWN_ARCHS)])
+            raise ManifestError(
+                [
+                    f"--arch {bad[0]!r} is not a CUDA arch cutlass-dsl knows; allowed: "
+                    + ", ".join(_settings.KNOWN_ARCHS)
+                ]
+            )
     for p in paths:
         path = Path(p)
         files.append(str(path))

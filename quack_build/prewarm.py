@@ -1,13 +1,14 @@
 """``quack prewarm``: rebuild, for the current fingerprint, the configurations the
 usage journal shows were used recently (most used first), so the next run
 after an edit starts warm; optionally write them out as a manifest."""
+
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from quack.cache import fsutil, journal
 from quack import registry
+from quack.cache import fsutil, journal
 from quack.errors import ParamError, UnknownKernel
 from quack.settings import KNOWN_ARCHS
 from quack_build.manifest import BuildConfig
@@ -23,8 +24,9 @@ def usage(records: list[dict]) -> list[dict]:
         if r.get("where") == "build":
             continue  # a `quack build` compile, not a use
         ident = (kernel, arch, repr(sorted(params.items())))
-        a = agg.setdefault(ident, {"kernel": kernel, "arch": arch, "params": params, "uses": 0,
-                                   "compiles": 0, "last": 0.0})
+        a = agg.setdefault(
+            ident, {"kernel": kernel, "arch": arch, "params": params, "uses": 0, "compiles": 0, "last": 0.0}
+        )
         for f in ("hits", "misses"):
             v = r.get(f, 0)
             a["uses"] += v if isinstance(v, int) else 0
@@ -64,16 +66,29 @@ def emit(path: Path, configs: list[BuildConfig]) -> None:
     from quack.manifest_line import manifest_entries
 
     doc = manifest_entries((c.kernel, c.params, c.arch) for c in configs)
-    text = ("# Written by `quack prewarm --emit-manifest`: the configurations used recently,\n"
-            "# most used first. Build with: quack build " + str(path) + "\n" + tomli_w.dumps(doc))
+    text = (
+        "# Written by `quack prewarm --emit-manifest`: the configurations used recently,\n"
+        "# most used first. Build with: quack build " + str(path) + "\n" + tomli_w.dumps(doc)
+    )
     path = Path(path)
     if path.parent and not path.parent.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
     fsutil.write_atomic(path.absolute(), text.encode(), fsync=False)
 
 
-def prewarm(s, store, *, since_s: float | None, top: int | None, emit_manifest: Path | None, jobs: int,
-            dry_run: bool, as_json: bool, console, emit_json) -> int:
+def prewarm(
+    s,
+    store,
+    *,
+    since_s: float | None,
+    top: int | None,
+    emit_manifest: Path | None,
+    jobs: int,
+    dry_run: bool,
+    as_json: bool,
+    console,
+    emit_json,
+) -> int:
     from quack_build import display, scheduler
 
     t0 = time.time()
@@ -86,9 +101,13 @@ def prewarm(s, store, *, since_s: float | None, top: int | None, emit_manifest: 
         console.print(f"skipped: {m}", markup=False)
     if emit_manifest:
         if not configs:  # `kernel = []` is no manifest: nothing written, and say why
-            console.print(f"prewarm: nothing to emit: the usage journal of {s.cache_dir} has no "
-                          f"configuration used" + (" in that period (--since)" if since_s else "")
-                          + f" ({len(records)} records); {emit_manifest} was not written", markup=False)
+            console.print(
+                f"prewarm: nothing to emit: the usage journal of {s.cache_dir} has no "
+                f"configuration used"
+                + (" in that period (--since)" if since_s else "")
+                + f" ({len(records)} records); {emit_manifest} was not written",
+                markup=False,
+            )
             return 1
         emit(emit_manifest, configs)
         console.print(f"wrote {len(configs)} configurations to {emit_manifest}", markup=False)
@@ -96,15 +115,26 @@ def prewarm(s, store, *, since_s: float | None, top: int | None, emit_manifest: 
     todo = [t for t in tasks if t.status != scheduler.CACHED]
     if dry_run or not todo:
         if as_json:
-            emit_json({"dry_run": dry_run, "records": len(records), "configurations": len(configs),
-                       "cached": len(tasks) - len(todo), "to_compile": len(todo), "skipped": skipped,
-                       "keys": [t.to_json() for t in tasks]})
+            emit_json(
+                {
+                    "dry_run": dry_run,
+                    "records": len(records),
+                    "configurations": len(configs),
+                    "cached": len(tasks) - len(todo),
+                    "to_compile": len(todo),
+                    "skipped": skipped,
+                    "keys": [t.to_json() for t in tasks],
+                }
+            )
         else:
             for t in todo:
                 console.print(f"rebuild  {t.cfg.label()}", markup=False, soft_wrap=True)
-            console.print(f"prewarm: {len(records)} journal records, {len(configs)} configurations used, "
-                          f"{len(tasks) - len(todo)} cached, {len(todo)} to rebuild"
-                          + (" (dry run)" if dry_run and todo else ""), markup=False)
+            console.print(
+                f"prewarm: {len(records)} journal records, {len(configs)} configurations used, "
+                f"{len(tasks) - len(todo)} cached, {len(todo)} to rebuild"
+                + (" (dry run)" if dry_run and todo else ""),
+                markup=False,
+            )
         return 0
     rep = display.make_reporter(console)
     remote = None
@@ -113,9 +143,18 @@ def prewarm(s, store, *, since_s: float | None, top: int | None, emit_manifest: 
 
         remote = tier.from_settings(s)
     try:
-        res = scheduler.run(tasks, store, jobs=jobs, reporter=rep, keep_going=True,
-                            log_dir=Path(s.cache_dir) / "logs", plan_s=time.time() - t0, order="given",
-                            settings=s, remote=remote)
+        res = scheduler.run(
+            tasks,
+            store,
+            jobs=jobs,
+            reporter=rep,
+            keep_going=True,
+            log_dir=Path(s.cache_dir) / "logs",
+            plan_s=time.time() - t0,
+            order="given",
+            settings=s,
+            remote=remote,
+        )
     finally:
         if remote is not None:
             remote.record(Path(s.cache_dir))

@@ -4,6 +4,7 @@ explicit ``quack cache pull|push``.
 A build never fails because of the remote: every problem is a miss (the key
 is compiled) or a failed push (reported in the summary), and the tier switches
 itself off after a connection error or a time-out (quack.remote.tier)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,7 +71,9 @@ def pull(tasks, store, remote, *, on_pulled: Callable | None = None, threads: in
         return n
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(max_workers=max(1, min(threads, len(rest))), thread_name_prefix="quack-pull") as ex:
+    with ThreadPoolExecutor(
+        max_workers=max(1, min(threads, len(rest))), thread_name_prefix="quack-pull"
+    ) as ex:
         n += sum(ex.map(one, rest))
     return n
 

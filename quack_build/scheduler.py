@@ -4,6 +4,7 @@ a pool of warm workers, report progress, write a trace, summarize.
 The build process never imports torch or cutlass: workers fork from quack's
 forkserver (cutlass imported and one compile done there) and run
 ``quack.compile.pool.worker_build`` through ``quack_build.worker.task``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,13 +14,19 @@ import time
 from pathlib import Path
 from typing import Protocol
 
-from quack.compile import builder
 from quack.cache import journal, orphans
-from quack.cache.store import DiskStore, LAYOUT
+from quack.cache.store import LAYOUT, DiskStore
+from quack.compile import builder
 from quack_build.manifest import BuildConfig
 
 CACHED, COMPILED, SHARED, FAILED, SKIPPED, INTERRUPTED = (
-    "cached", "compiled", "cached-by-other", "failed", "not-built", "interrupted")
+    "cached",
+    "compiled",
+    "cached-by-other",
+    "failed",
+    "not-built",
+    "interrupted",
+)
 REMOTE = "remote"  # pulled from the remote cache, verified, published locally (quack_build.remote_sync)
 
 
@@ -40,8 +47,13 @@ class Task:
     pushed: str = ""  # after a compile, with a remote: pushed / exists / failed / off
 
     def to_json(self) -> dict:
-        d: dict[str, object] = {"kernel": self.cfg.kernel, "params": self.cfg.plain_params, "arch": self.cfg.arch,
-             "key": self.cfg.key, "status": self.status}
+        d: dict[str, object] = {
+            "kernel": self.cfg.kernel,
+            "params": self.cfg.plain_params,
+            "arch": self.cfg.arch,
+            "key": self.cfg.key,
+            "status": self.status,
+        }
         if self.pushed:
             d["remote_push"] = self.pushed
         if self.status in (COMPILED, SHARED, FAILED):
@@ -65,12 +77,23 @@ class Reporter(Protocol):
 
 
 class NullReporter:
-    def planned(self, tasks, todo, jobs): pass
-    def started(self, task): pass
-    def finished(self, task): pass
-    def note(self, text): pass
-    def tick(self): pass
-    def close(self): pass
+    def planned(self, tasks, todo, jobs):
+        pass
+
+    def started(self, task):
+        pass
+
+    def finished(self, task):
+        pass
+
+    def note(self, text):
+        pass
+
+    def tick(self):
+        pass
+
+    def close(self):
+        pass
 
 
 @dataclasses.dataclass
@@ -113,8 +136,12 @@ class BuildResult:
 
     @property
     def ok(self) -> bool:
-        return not self.interrupted and not self.missing_after and self.count(FAILED) == 0 \
+        return (
+            not self.interrupted
+            and not self.missing_after
+            and self.count(FAILED) == 0
             and self.count(SKIPPED) == 0
+        )
 
     def to_json(self) -> dict:
         eff = self.efficiency
@@ -144,13 +171,17 @@ class BuildResult:
             "remote_hits": self.count(REMOTE),
             "remote_pushed": int(self.remote.get("pushed", 0)),
             "remote_rejected": int(self.remote.get("rejected", 0)),
-            "remote": ({"url": self.remote_url, "offline": self.remote_offline, **self.remote}
-                       if self.remote_url else None),
+            "remote": (
+                {"url": self.remote_url, "offline": self.remote_offline, **self.remote}
+                if self.remote_url
+                else None
+            ),
             "keys": [t.to_json() for t in self.tasks],
         }
 
 
 # --- planning ------------------------------------------------------------------
+
 
 def plan(configs: list[BuildConfig], store: DiskStore, *, force: bool = False) -> list[Task]:
     """A Task per config; cached ones (a valid entry for the current fingerprint) marked so.
@@ -196,8 +227,14 @@ def past_compile_times(root: Path, todo: list[Task]) -> dict[str, float]:
     for r in journal.read(Path(root)):
         rk = r.get("key")
         v = r.get("compile_s")
-        if isinstance(rk, str) and rk in keyset and rk not in out and r.get("compiles") \
-                and isinstance(v, (int, float)) and v > 0:
+        if (
+            isinstance(rk, str)
+            and rk in keyset
+            and rk not in out
+            and r.get("compiles")
+            and isinstance(v, (int, float))
+            and v > 0
+        ):
             out[rk] = float(v)
     return out
 
@@ -225,6 +262,7 @@ def order_longest_first(todo: list[Task], known: dict[str, float]) -> list[Task]
 
 # --- running -------------------------------------------------------------------
 
+
 def _remove_partial(store: DiskStore, t: Task) -> None:
     """After an interrupt: what the killed worker left for this key (an object
     published without metadata, its temp files), by the one rule of
@@ -234,10 +272,22 @@ def _remove_partial(store: DiskStore, t: Task) -> None:
     orphans.sweep_dir(store.paths(ref)["obj"].parent, stems={ref.key}, grace=0.0)
 
 
-def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | None = None,
-        keep_going: bool = False, force: bool = False, log_dir: Path | None = None,
-        plan_s: float = 0.0, order: str = "longest", settings=None, remote=None,
-        on_pulled=None, executor=None) -> BuildResult:
+def run(
+    tasks: list[Task],
+    store: DiskStore,
+    *,
+    jobs: int,
+    reporter: Reporter | None = None,
+    keep_going: bool = False,
+    force: bool = False,
+    log_dir: Path | None = None,
+    plan_s: float = 0.0,
+    order: str = "longest",
+    settings=None,
+    remote=None,
+    on_pulled=None,
+    executor=None,
+) -> BuildResult:
     """Compile every task not cached through ``executor`` (default: the local pool of
     ``jobs`` workers; see quack_build.executors); returns the result (check ``.ok``).
     Keys go to the executor in the order given (longest first by default); at most
@@ -306,8 +356,18 @@ def run(tasks: list[Task], store: DiskStore, *, jobs: int, reporter: Reporter | 
                 t.status = "queued"
                 inflight[t.cfg.key] = t
                 c = t.cfg
-                ex.submit(qex.WorkItem(c.key, c.kernel, c.spec.module, c.plain_params, c.arch, force,
-                                       spec=c.spec, bound=c.params))
+                ex.submit(
+                    qex.WorkItem(
+                        c.key,
+                        c.kernel,
+                        c.spec.module,
+                        c.plain_params,
+                        c.arch,
+                        force,
+                        spec=c.spec,
+                        bound=c.params,
+                    )
+                )
             for ev in ex.poll(0.1):
                 if ev.kind == qex.NOTE:
                     rep.note(ev.text)
@@ -400,9 +460,22 @@ def _journal_compiles(root, tasks: list[Task]) -> None:
     """Record the build's compiles in the usage journal (where = "build"), so `quack cache
     stats` counts them beside the run-time ones; they are not uses (prewarm skips them)."""
     t = journal.now()
-    recs = [{"kernel": x.cfg.kernel, "key": x.cfg.key, "arch": x.cfg.arch, "params": x.cfg.plain_params,
-             "hits": 0, "misses": 0, "compiles": 1, "compile_s": round(x.compile_s, 4), "where": "build",
-             "t": t} for x in tasks if x.status == COMPILED]
+    recs = [
+        {
+            "kernel": x.cfg.kernel,
+            "key": x.cfg.key,
+            "arch": x.cfg.arch,
+            "params": x.cfg.plain_params,
+            "hits": 0,
+            "misses": 0,
+            "compiles": 1,
+            "compile_s": round(x.compile_s, 4),
+            "where": "build",
+            "t": t,
+        }
+        for x in tasks
+        if x.status == COMPILED
+    ]
     if recs:
         try:
             journal.append(Path(root), recs)
@@ -458,13 +531,25 @@ def _log_failure(log_dir: Path | None, log_path: Path | None, t: Task) -> Path |
 
 # --- trace ---------------------------------------------------------------------
 
+
 def write_trace(path: Path, res: BuildResult, t0: float) -> None:
     """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one row per worker."""
-    ev = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "quack build"}},
-          {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "scheduler"}}]
+    ev = [
+        {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "quack build"}},
+        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "scheduler"}},
+    ]
     if res.plan_s:
-        ev.append({"name": "plan (expand, look up cache)", "cat": "plan", "ph": "X", "pid": 1, "tid": 0,
-                   "ts": 0, "dur": int(res.plan_s * 1e6)})
+        ev.append(
+            {
+                "name": "plan (expand, look up cache)",
+                "cat": "plan",
+                "ph": "X",
+                "pid": 1,
+                "tid": 0,
+                "ts": 0,
+                "dur": int(res.plan_s * 1e6),
+            }
+        )
     # One row per worker: a local pool's by pid; a cluster's by its lane (an actor's
     # node and pid: pids of different nodes may coincide).
     lanes = sorted({(t.lane, t.pid) for t in res.tasks if t.pid or t.lane}, key=lambda x: (x[0], x[1]))
@@ -476,12 +561,31 @@ def write_trace(path: Path, res: BuildResult, t0: float) -> None:
     for t in res.tasks:
         if not (t.pid or t.lane) or t.end <= 0:
             continue
-        ev.append({"name": t.cfg.kernel, "cat": t.status, "ph": "X", "pid": 1, "tid": tids[(t.lane, t.pid)],
-                   "ts": int((t.start - t0) * 1e6), "dur": max(1, int((t.end - t.start) * 1e6)),
-                   "args": {"params": t.cfg.plain_params, "arch": t.cfg.arch, "key": t.cfg.key,
-                            "status": t.status, "compile_s": round(t.compile_s, 4),
-                            **({"error": t.error} if t.error else {})}})
-    doc = {"traceEvents": ev, "displayTimeUnit": "ms",
-           "otherData": {"tool": "quack build", "summary": {k: v for k, v in res.to_json().items()
-                                                             if k != "keys"}}}
+        ev.append(
+            {
+                "name": t.cfg.kernel,
+                "cat": t.status,
+                "ph": "X",
+                "pid": 1,
+                "tid": tids[(t.lane, t.pid)],
+                "ts": int((t.start - t0) * 1e6),
+                "dur": max(1, int((t.end - t.start) * 1e6)),
+                "args": {
+                    "params": t.cfg.plain_params,
+                    "arch": t.cfg.arch,
+                    "key": t.cfg.key,
+                    "status": t.status,
+                    "compile_s": round(t.compile_s, 4),
+                    **({"error": t.error} if t.error else {}),
+                },
+            }
+        )
+    doc = {
+        "traceEvents": ev,
+        "displayTimeUnit": "ms",
+        "otherData": {
+            "tool": "quack build",
+            "summary": {k: v for k, v in res.to_json().items() if k != "keys"},
+        },
+    }
     Path(path).write_text(json.dumps(doc, indent=None), encoding="utf-8")

@@ -4,6 +4,7 @@ from the cubin embedded in the .o) and loadable in a fresh process that finds
 the entry function; with ``--run`` (GPU) each kernel's reference hook runs.
 
 Read-only: a corrupt entry is reported, not quarantined."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from quack.compile import builder
 from quack.cache import fsutil
-from quack_build.cubin import arch_matches, gpu_codes
 from quack.cache.contract import MISSING
 from quack.cache.store import DiskStore
+from quack.compile import builder
 from quack.errors import CacheError
+from quack_build.cubin import arch_matches, gpu_codes
 
 LOAD_TIMEOUT = 300.0
 
@@ -34,8 +35,13 @@ class _Child:
         else:
             env["QUACK_MODE"] = "prebuilt"  # a reference run uses the prebuilt entries, never compiles
         self.err = tempfile.TemporaryFile()
-        self.p = subprocess.Popen([sys.executable, "-m", "quack_build._verify_child"], stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=self.err, env=env)
+        self.p = subprocess.Popen(
+            [sys.executable, "-m", "quack_build._verify_child"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            env=env,
+        )
         # PIPE: both exist (typed Optional by Popen).
         assert self.p.stdin is not None and self.p.stdout is not None
         self.stdin, self.stdout = self.p.stdin, self.p.stdout
@@ -121,13 +127,19 @@ def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
         raise
     lock = store.paths(ref)["lock"]
     if os.path.islink(lock):
-        return [f"planted in the cache: the lock file {lock} is a symbolic link (never followed); "
-                f"quack build refuses the key; quack cache clean removes it"], info
+        return [
+            f"planted in the cache: the lock file {lock} is a symbolic link (never followed); "
+            f"quack build refuses the key; quack cache clean removes it"
+        ], info
     if found.status == MISSING:
         other = _elsewhere(store, ref)
-        return [("missing: not built for the current fingerprint"
-                 + (f" (a stale build exists: {other})" if other else "")
-                 + "; run quack build")], info
+        return [
+            (
+                "missing: not built for the current fingerprint"
+                + (f" (a stale build exists: {other})" if other else "")
+                + "; run quack build"
+            )
+        ], info
     if not found.ok:
         return [found.problem], info
     data = fsutil.read_nofollow(found.obj)
@@ -158,14 +170,32 @@ def verify(configs, store: DiskStore, *, load: bool = True, run: bool = False, c
     rows = []
     for c in configs:
         problems, info = check_static(store, c)
-        rows.append({"kernel": c.kernel, "params": c.plain_params, "arch": c.arch, "key": c.key,
-                     "problems": problems, "gpu_code": info["gpu_code"], "_cfg": c, "_info": info})
+        rows.append(
+            {
+                "kernel": c.kernel,
+                "params": c.plain_params,
+                "arch": c.arch,
+                "key": c.key,
+                "problems": problems,
+                "gpu_code": info["gpu_code"],
+                "_cfg": c,
+                "_info": info,
+            }
+        )
     note = ""
     if (load or run) and rows:
         todo = [r for r in rows if not r["problems"]]
-        reqs = [{"key": r["_cfg"].key, "obj": r["_info"]["obj"], "so": r["_info"]["so"],
-                 "kernel": r["_cfg"].kernel, "module": r["_cfg"].spec.module,
-                 "params": r["_cfg"].plain_params} for r in todo]
+        reqs = [
+            {
+                "key": r["_cfg"].key,
+                "obj": r["_info"]["obj"],
+                "so": r["_info"]["so"],
+                "kernel": r["_cfg"].kernel,
+                "module": r["_cfg"].spec.module,
+                "params": r["_cfg"].plain_params,
+            }
+            for r in todo
+        ]
 
         def progress(i: int) -> None:
             if console is not None and len(todo) > 20 and i % 50 == 0:
@@ -185,8 +215,16 @@ def verify(configs, store: DiskStore, *, load: bool = True, run: bool = False, c
         r.pop("_cfg")
         r.pop("_info")
     ok = not bad and not note
-    return {"ok": ok, "total": len(rows), "problems": len(bad), "loaded": load, "ran": run,
-            "note": note, "seconds": round(time.time() - t0, 3), "entries": rows}
+    return {
+        "ok": ok,
+        "total": len(rows),
+        "problems": len(bad),
+        "loaded": load,
+        "ran": run,
+        "note": note,
+        "seconds": round(time.time() - t0, 3),
+        "entries": rows,
+    }
 
 
 def print_report(con, res: dict) -> None:
@@ -201,13 +239,23 @@ def print_report(con, res: dict) -> None:
         for col in ("kernel", "params", "arch", "key", "problem"):
             tb.add_column(col)
         for r in bad:
-            tb.add_row(r["kernel"], format_params(r["params"]), r["arch"], r["key"][:12],
-                       escape("; ".join(r["problems"])))
+            tb.add_row(
+                r["kernel"],
+                format_params(r["params"]),
+                r["arch"],
+                r["key"][:12],
+                escape("; ".join(r["problems"])),
+            )
         con.print(tb)
     if res["note"]:
         con.print(f"[yellow]{escape(res['note'])}[/]")
-    checks = "present, checksum, arch" + (", loads in a fresh process" if res["loaded"] else "") + (
-        ", reference run" if res["ran"] else "")
-    con.print(f"verified {res['total']} configurations ({checks}): "
-              + ("[green]all good[/]" if not bad else f"[red]{len(bad)} with problems[/]")
-              + f" in {res['seconds']:.1f}s")
+    checks = (
+        "present, checksum, arch"
+        + (", loads in a fresh process" if res["loaded"] else "")
+        + (", reference run" if res["ran"] else "")
+    )
+    con.print(
+        f"verified {res['total']} configurations ({checks}): "
+        + ("[green]all good[/]" if not bad else f"[red]{len(bad)} with problems[/]")
+        + f" in {res['seconds']:.1f}s"
+    )

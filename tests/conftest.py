@@ -1,4 +1,5 @@
 """Shared fixtures. Every test that touches a cache gets its own under tmp_path."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,8 @@ TESTS = Path(__file__).parent
 ROOT = TESTS.parent
 # Compile workers and fresh subprocesses import the toy kernels from here.
 os.environ["PYTHONPATH"] = os.pathsep.join(
-    p for p in (str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    p for p in (str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")) if p
+)
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
 

@@ -11,6 +11,7 @@ collects the records (xdist's workeroutput) and checks at session end:
 A violation fails the session (exit status 1) with the records printed. Nothing
 is checked (a no-op) without xdist, without pinning, or where no worker
 initialised CUDA. The hooks are imported into tests/conftest.py."""
+
 from __future__ import annotations
 
 import os
@@ -36,9 +37,14 @@ def record() -> dict | None:
         return None
     from quack.testing import gpus
 
-    return {"worker": wid, "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"), "uuid": uuid,
-            "pid": os.getpid(), "pinned": gpus.current is not None,
-            "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)}
+    return {
+        "worker": wid,
+        "cvd": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "uuid": uuid,
+        "pid": os.getpid(),
+        "pinned": gpus.current is not None,
+        "workers": int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1),
+    }
 
 
 def check(records: list[dict], n_gpus: int, n_workers: int) -> list[str]:
@@ -55,8 +61,10 @@ def check(records: list[dict], n_gpus: int, n_workers: int) -> list[str]:
             by_uuid.setdefault(r["uuid"], []).append(r["worker"])
         for uuid, ws in by_uuid.items():
             if len(ws) > 1:
-                problems.append(f"{len(ws)} workers share GPU {uuid} with {n_workers} workers on "
-                                f"{n_gpus} GPUs: {', '.join(sorted(ws))}")
+                problems.append(
+                    f"{len(ws)} workers share GPU {uuid} with {n_workers} workers on "
+                    f"{n_gpus} GPUs: {', '.join(sorted(ws))}"
+                )
         return problems
     # More workers than GPUs: workers i and j share a GPU exactly when i = j mod n_gpus.
     for a in recs:
@@ -66,8 +74,10 @@ def check(records: list[dict], n_gpus: int, n_workers: int) -> list[str]:
             same = a["uuid"] == b["uuid"]
             want = worker_index(a["worker"]) % n_gpus == worker_index(b["worker"]) % n_gpus
             if same != want:
-                problems.append(f"{a['worker']} and {b['worker']} are {'on' if same else 'not on'} "
-                                f"the same GPU; round-robin over {n_gpus} GPUs says otherwise")
+                problems.append(
+                    f"{a['worker']} and {b['worker']} are {'on' if same else 'not on'} "
+                    f"the same GPU; round-robin over {n_gpus} GPUs says otherwise"
+                )
     if len(recs) == n_workers:
         counts = Counter(r["uuid"] for r in recs)
         if len(counts) < n_gpus or max(counts.values()) - min(counts.values()) > 1:
@@ -108,9 +118,11 @@ def pytest_terminal_summary(terminalreporter):
     if not _collected:
         return
     tr = terminalreporter
-    tr.write_line(f"quack GPU pinning: {len(_collected)} workers on "
-                  f"{len({r['uuid'] for r in _collected})} GPUs"
-                  + ("" if not _problems else " -- PROBLEM"), red=bool(_problems))
+    tr.write_line(
+        f"quack GPU pinning: {len(_collected)} workers on "
+        f"{len({r['uuid'] for r in _collected})} GPUs" + ("" if not _problems else " -- PROBLEM"),
+        red=bool(_problems),
+    )
     for r in sorted(_collected, key=lambda r: r["worker"]):
         tr.write_line(f"  {r['worker']}: CUDA_VISIBLE_DEVICES={r['cvd']} uuid={r['uuid']} pid={r['pid']}")
     for p in _problems:

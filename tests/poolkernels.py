@@ -2,6 +2,7 @@
 
 In the calling process (not a multiprocessing child) every mode compiles
 normally, so the synchronous fall-back after a time-out succeeds."""
+
 import multiprocessing
 import os
 import signal

@@ -1,6 +1,7 @@
 """Shared helpers of the reliability / security suites (tests/test_reliability_*.py,
 tests/test_security_*.py): one real toy_scale .o compiled once per session and
 reused across fault cases by copying; subprocess runners; cache walkers."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -27,29 +27,40 @@ def env(**extra) -> dict:
 
 
 def run_py(code: str, *, timeout: float = 300, check: bool = True, **envextra) -> subprocess.CompletedProcess:
-    r = subprocess.run([PY, "-c", code], env=env(**envextra), capture_output=True, text=True,
-                       timeout=timeout, cwd=str(TESTS))
+    r = subprocess.run(
+        [PY, "-c", code], env=env(**envextra), capture_output=True, text=True, timeout=timeout, cwd=str(TESTS)
+    )
     if check and r.returncode != 0:
         raise AssertionError(f"subprocess failed ({r.returncode}):\n{r.stdout}\n{r.stderr}")
     return r
 
 
-def run_quack(args, *, timeout: float = 240, cwd=None, env_=None, check_rc=None) -> subprocess.CompletedProcess:
+def run_quack(
+    args, *, timeout: float = 240, cwd=None, env_=None, check_rc=None
+) -> subprocess.CompletedProcess:
     """``quack ARGS`` as a subprocess of this interpreter, bounded: past ``timeout`` the
     whole process group (the build, its forkserver and workers) is killed and the test
     fails, so a build that never ends cannot stall the suite."""
     import signal
 
-    p = subprocess.Popen([*QUACK, *map(str, args)], cwd=None if cwd is None else str(cwd),
-                         env=env_ if env_ is not None else env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [*QUACK, *map(str, args)],
+        cwd=None if cwd is None else str(cwd),
+        env=env_ if env_ is not None else env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
         out, err = p.communicate(timeout=30)
-        raise AssertionError(f"`quack {' '.join(map(str, args))}` did not end within {timeout} s:\n"
-                             f"{out[-2000:]}\n{err[-4000:]}") from None
+        raise AssertionError(
+            f"`quack {' '.join(map(str, args))}` did not end within {timeout} s:\n"
+            f"{out[-2000:]}\n{err[-4000:]}"
+        ) from None
     finally:
         try:  # nothing of it outlives the call (workers of a killed or finished build)
             os.killpg(p.pid, signal.SIGKILL)
@@ -85,8 +96,14 @@ print(json.dumps(out))
 def compile_objects(dest: Path) -> dict:
     """Two real toy_scale objects (float32/128 and float16/64) for sm_90a: 2 compiles."""
     dest.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([PY, "-c", _COMPILE_ONE, str(dest)], env=env(), capture_output=True,
-                       text=True, timeout=300, cwd=str(TESTS))
+    r = subprocess.run(
+        [PY, "-c", _COMPILE_ONE, str(dest)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(TESTS),
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -130,8 +147,12 @@ def can_mount() -> bool:
     probe = Path(f"/tmp/quack-mount-probe-{os.getpid()}")
     probe.mkdir(exist_ok=True)
     try:
-        ok = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(probe)],
-                            capture_output=True).returncode == 0
+        ok = (
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", "size=4k", "tmpfs", str(probe)], capture_output=True
+            ).returncode
+            == 0
+        )
         if ok:
             subprocess.run(["umount", str(probe)], capture_output=True)
         return ok
@@ -149,7 +170,8 @@ params = { dtype = ["float32"], block = [128], bias = [false] }
 def write_toy_project(d: Path, manifest: str = TOY_MANIFEST) -> Path:
     """A project dir whose quack.toml builds the toy kernel (tests/toykernels.py)."""
     d.mkdir(parents=True, exist_ok=True)
-    (d / "quack.toml").write_text('[runtime]\narch = "sm_90a"\n[build]\nkernel_packages = ["toykernels"]\n'
-                                  'manifests = ["toy.toml"]\n')
+    (d / "quack.toml").write_text(
+        '[runtime]\narch = "sm_90a"\n[build]\nkernel_packages = ["toykernels"]\nmanifests = ["toy.toml"]\n'
+    )
     (d / "toy.toml").write_text(manifest)
     return d / "toy.toml"

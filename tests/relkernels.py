@@ -5,6 +5,7 @@ appends one line per compile to QUACK_TEST_COUNTER (O_APPEND: safe across proces
 so tests can count compiles across many processes without paying for real ones.
 QUACK_TEST_COMPILE_SLEEP makes each compile take that long (to widen race windows);
 QUACK_TEST_EXPORT_ERRNO makes the export write half the file and fail with that errno."""
+
 import os
 import time
 
@@ -60,8 +61,11 @@ def _even_when_big(p: dict) -> bool:
     return p["i"] < 1000 or p["i"] % 2 == 0
 
 
-@jit_cache("rel_ruled", params={"i": Int(min=0, max=100000)},
-           rules=[Rule("i", "i must be even from 1000 on (a test rule)", _even_when_big)])
+@jit_cache(
+    "rel_ruled",
+    params={"i": Int(min=0, max=100000)},
+    rules=[Rule("i", "i must be even from 1000 on (a test rule)", _even_when_big)],
+)
 def rel_ruled(i: int = 0):
     """rel_copy behind a cross-parameter rule: refused configurations never compile."""
     return rel_copy.raw(i)

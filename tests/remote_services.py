@@ -4,6 +4,7 @@ that never answers. Every start waits a bounded time; every stop is bounded.
 
 Without redis-server the Redis tests skip with an install hint, unless
 QUACK_TEST_REQUIRE_SERVICES=1 (CI), where they fail."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,8 +17,10 @@ from pathlib import Path
 
 import pytest
 
-INSTALL_HINT = ("redis-server is not installed: apt-get install -y redis-server (Debian/Ubuntu) or "
-                "brew install redis; CI sets QUACK_TEST_REQUIRE_SERVICES=1 so it fails instead of skipping")
+INSTALL_HINT = (
+    "redis-server is not installed: apt-get install -y redis-server (Debian/Ubuntu) or "
+    "brew install redis; CI sets QUACK_TEST_REQUIRE_SERVICES=1 so it fails instead of skipping"
+)
 
 
 def require_services() -> bool:
@@ -30,7 +33,7 @@ def require_modules(*names: str) -> None:
 
     missing = [n for n in names if importlib.util.find_spec(n) is None]
     if missing:
-        msg = (f"missing {', '.join(missing)}: pip install -e '.[remote,remote-test]'")
+        msg = f"missing {', '.join(missing)}: pip install -e '.[remote,remote-test]'"
         if require_services():
             pytest.fail(msg, pytrace=False)
         pytest.skip(msg, allow_module_level=True)
@@ -65,9 +68,25 @@ class RedisServer:
     def start(self) -> "RedisServer":
         for _ in range(5):  # the free port may be taken between probe and bind: try another
             self.port = free_port()
-            args = [self.exe, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.data_dir),
-                    "--save", "", "--appendonly", "no", "--protected-mode", "yes", "--daemonize", "no",
-                    "--logfile", str(self.data_dir / "redis.log")]
+            args = [
+                self.exe,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--dir",
+                str(self.data_dir),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+                "--daemonize",
+                "no",
+                "--logfile",
+                str(self.data_dir / "redis.log"),
+            ]
             if self.maxmemory:
                 args += ["--maxmemory", self.maxmemory, "--maxmemory-policy", "noeviction"]
             self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -82,7 +101,9 @@ class RedisServer:
     def client(self, db: int = 0):
         import redis
 
-        return redis.Redis(host="127.0.0.1", port=self.port, db=db, socket_timeout=5, socket_connect_timeout=1)
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, db=db, socket_timeout=5, socket_connect_timeout=1
+        )
 
     def ping(self) -> bool:
         try:
@@ -135,10 +156,25 @@ def moto_s3(bucket: str = "quack-cache"):
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    saved = {k: os.environ.get(k) for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-                                            "AWS_DEFAULT_REGION", "AWS_SESSION_TOKEN", "AWS_PROFILE")}
-    os.environ.update({"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"})
+    saved = {
+        k: os.environ.get(k)
+        for k in (
+            "AWS_ENDPOINT_URL",
+            "AWS_ACCESS_KEY_ID",
+            "AWS_SECRET_ACCESS_KEY",
+            "AWS_DEFAULT_REGION",
+            "AWS_SESSION_TOKEN",
+            "AWS_PROFILE",
+        )
+    }
+    os.environ.update(
+        {
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }
+    )
     os.environ.pop("AWS_SESSION_TOKEN", None)
     os.environ.pop("AWS_PROFILE", None)
     try:

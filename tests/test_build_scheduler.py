@@ -1,12 +1,14 @@
 """Scheduler pieces without compiling: longest-first order from past compile times."""
+
 from __future__ import annotations
 
 import json
 import time
 
 import toykernels  # noqa: F401
-from quack.cache import journal
+
 from quack import registry
+from quack.cache import journal
 from quack.cache.store import DiskStore
 from quack_build import scheduler
 from quack_build.manifest import BuildConfig
@@ -27,8 +29,20 @@ def test_longest_first_from_metadata_of_any_fingerprint_and_journal(tmp_path):
     old.mkdir(parents=True)
     (old / f"{cfgs[1].key}.json").write_text(json.dumps({"compile_s": 5.0}))
     (old / f"{cfgs[3].key}.json").write_text(json.dumps({"compile_s": 1.0}))
-    journal.append(root, [{"kernel": "toy_scale", "key": cfgs[4].key, "compiles": 1, "compile_s": 9.0,
-                           "hits": 0, "misses": 1, "t": time.time()}])
+    journal.append(
+        root,
+        [
+            {
+                "kernel": "toy_scale",
+                "key": cfgs[4].key,
+                "compiles": 1,
+                "compile_s": 9.0,
+                "hits": 0,
+                "misses": 1,
+                "t": time.time(),
+            }
+        ],
+    )
     tasks = [scheduler.Task(c) for c in cfgs]
     known = scheduler.past_compile_times(root, tasks)
     assert known == {cfgs[1].key: 5.0, cfgs[3].key: 1.0, cfgs[4].key: 9.0}

@@ -4,6 +4,7 @@ virtual environments (the project reached through a .pth file), fresh interprete
 loading every configuration in prebuilt mode from an empty, a disabled and a
 read-only cache; tampering, two bundles, another toolchain's bundle, uninstalling,
 signatures; the CLI (inspect, verify --bundles, cache stats)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,8 +28,14 @@ T = 600  # every subprocess has this time-out (seconds)
 
 
 def quack_cli(*args, env=None, python=sys.executable, timeout=T):
-    return subprocess.run([str(python), "-m", "quack_build", *map(str, args)], capture_output=True, text=True,
-                          cwd=ROOT, env=env or os.environ.copy(), timeout=timeout)
+    return subprocess.run(
+        [str(python), "-m", "quack_build", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env or os.environ.copy(),
+        timeout=timeout,
+    )
 
 
 def project_cache() -> Path:
@@ -47,8 +54,19 @@ def default_configs() -> list[dict]:
 @pytest.fixture(scope="module")
 def default_wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    r = quack_cli("bundle", DEFAULT, "--name", "e2e-default", "--version", "1.0", "-o", out,
-                  "--cache-dir", project_cache(), "--json")
+    r = quack_cli(
+        "bundle",
+        DEFAULT,
+        "--name",
+        "e2e-default",
+        "--version",
+        "1.0",
+        "-o",
+        out,
+        "--cache-dir",
+        project_cache(),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["entries"] == len(default_configs()) == 51
@@ -60,17 +78,26 @@ def fresh_venv(d: Path) -> Path:
     cutlass) through a .pth file; its own site-packages come first."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(d)], check=True, timeout=T)
     py = d / "bin" / "python"
-    site_dir = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                              capture_output=True, text=True, check=True, timeout=T).stdout.strip()
+    site_dir = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=T,
+    ).stdout.strip()
     parent = sysconfig.get_paths()["purelib"]
     Path(site_dir, "_quack_test_parent.pth").write_text(f"import site; site.addsitedir({parent!r})\n")
     return py
 
 
 def pip(py: Path, *args):
-    r = subprocess.run([sys.executable, "-m", "pip", "--python", str(py), *map(str, args)],
-                       capture_output=True, text=True, timeout=T,
-                       env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"))
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(py), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=T,
+        env=dict(os.environ, PIP_DISABLE_PIP_VERSION_CHECK="1"),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
@@ -109,8 +136,14 @@ def load_all(py: Path, tmp: Path, cfgs: list[dict], **env_over) -> dict:
     (tmp / "cfgs.json").write_text(json.dumps(cfgs))
     env = dict(os.environ, QUACK_MODE="prebuilt", QUACK_ARCH="sm_90a", CUDA_VISIBLE_DEVICES="")
     env.update({k: str(v) for k, v in env_over.items()})
-    r = subprocess.run([str(py), "-c", _LOAD, str(tmp / "cfgs.json")], capture_output=True, text=True,
-                       cwd=tmp, env=env, timeout=T)
+    r = subprocess.run(
+        [str(py), "-c", _LOAD, str(tmp / "cfgs.json")],
+        capture_output=True,
+        text=True,
+        cwd=tmp,
+        env=env,
+        timeout=T,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -218,9 +251,20 @@ def test_tampered_wheel_entry_refused_and_verify_fails(default_wheel, tmp_path):
 
 def test_two_bundles_with_the_same_keys_both_checked(default_wheel, tmp_path):
     man = tmp_path / "one.toml"
-    man.write_text('[[kernel]]\nname = "softmax_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = [4096, 32768]\n')
-    r = quack_cli("bundle", man, "--name", "e2e-extra", "-o", tmp_path / "dist", "--cache-dir", project_cache(),
-                  "--json")
+    man.write_text(
+        '[[kernel]]\nname = "softmax_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = [4096, 32768]\n'
+    )
+    r = quack_cli(
+        "bundle",
+        man,
+        "--name",
+        "e2e-extra",
+        "-o",
+        tmp_path / "dist",
+        "--cache-dir",
+        project_cache(),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     extra = Path(json.loads(r.stdout)["wheel"])
     py = fresh_venv(tmp_path / "v")
@@ -233,8 +277,12 @@ def test_two_bundles_with_the_same_keys_both_checked(default_wheel, tmp_path):
     res = json.loads(r.stdout)
     assert sorted(b["name"] for b in res["bundles"]) == ["e2e-default", "e2e-extra"]
     assert len(res["entries"]) == 53 and all(e.get("loaded") == "so" for e in res["entries"])
-    r = quack_cli("cache", "stats", python=py, env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache"),
-                                                        COLUMNS="200"))
+    r = quack_cli(
+        "cache",
+        "stats",
+        python=py,
+        env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache"), COLUMNS="200"),
+    )
     assert r.returncode == 0 and "installed bundles" in r.stdout, r.stdout + r.stderr
     lines = [ln for ln in r.stdout.splitlines() if "e2e-" in ln]
     assert len(lines) == 2 and all("current" in ln for ln in lines), r.stdout
@@ -259,8 +307,9 @@ def test_other_toolchain_bundle_ignored_and_reported(tmp_path):
     out = load_all(py, tmp_path, c, QUACK_CACHE_DIR=empty_cache(tmp_path))
     assert out["loaded"] == [] and len(out["missing"]) == 2 and out["compiles"] == 0
     assert "e2e-old 0.9 (0 of 2 entries for this toolchain and sm_90a)" in out["message"]
-    r = quack_cli("cache", "stats", "--json", python=py,
-                  env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache")))
+    r = quack_cli(
+        "cache", "stats", "--json", python=py, env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache"))
+    )
     assert r.returncode == 0, r.stderr
     [b] = json.loads(r.stdout)["bundles"]
     assert b["name"] == "e2e-old" and b["current"] is False and b["entries"] == 2
@@ -279,7 +328,9 @@ def test_uninstalled_bundle_entries_disappear(default_wheel, tmp_path):
     out = load_all(py, tmp_path, cfgs, QUACK_CACHE_DIR=tmp_path / "cache")
     assert out["loaded"] == [] and len(out["missing"]) == 3 and out["compiles"] == 0
     assert "bundles searched: none installed" in out["message"]
-    r = quack_cli("cache", "stats", "--json", python=py, env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache")))
+    r = quack_cli(
+        "cache", "stats", "--json", python=py, env=dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache"))
+    )
     assert json.loads(r.stdout)["bundles"] == []
     r = quack_cli("verify", "--bundles", python=py)
     assert r.returncode == 1 and "no quack bundles are installed" in r.stdout, r.stdout + r.stderr
@@ -290,15 +341,39 @@ def test_signed_bundle_trusted_and_refused(tmp_path):
     assert quack_cli("keygen", "ci-1", "-o", keys).returncode == 0
     assert quack_cli("keygen", "stranger", "-o", keys).returncode == 0
     man = tmp_path / "one.toml"
-    man.write_text('[[kernel]]\nname = "rmsnorm_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = 4096\n'
-                   'has_weight = true\nhas_bias = false\nhas_residual = false\n')
-    r = quack_cli("bundle", man, "--name", "e2e-signed", "-o", tmp_path / "dist", "--sign",
-                  "--signing-key", keys / "ci-1.key", "--cache-dir", project_cache(), "--json")
+    man.write_text(
+        '[[kernel]]\nname = "rmsnorm_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = 4096\n'
+        "has_weight = true\nhas_bias = false\nhas_residual = false\n"
+    )
+    r = quack_cli(
+        "bundle",
+        man,
+        "--name",
+        "e2e-signed",
+        "-o",
+        tmp_path / "dist",
+        "--sign",
+        "--signing-key",
+        keys / "ci-1.key",
+        "--cache-dir",
+        project_cache(),
+        "--json",
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     whl = Path(json.loads(r.stdout)["wheel"])
     assert json.loads(r.stdout)["signed_by"] == "ci-1"
-    r = quack_cli("bundle", man, "--name", "x", "--sign", "-o", tmp_path / "d2", "--cache-dir", project_cache(),
-                  env={k: v for k, v in os.environ.items() if k != "QUACK_SIGNING_KEY"})
+    r = quack_cli(
+        "bundle",
+        man,
+        "--name",
+        "x",
+        "--sign",
+        "-o",
+        tmp_path / "d2",
+        "--cache-dir",
+        project_cache(),
+        env={k: v for k, v in os.environ.items() if k != "QUACK_SIGNING_KEY"},
+    )
     assert r.returncode == 1 and "--sign needs a signing key" in r.stderr
     py = fresh_venv(tmp_path / "v")
     pip(py, "install", "--no-deps", "--no-index", whl)
@@ -306,22 +381,32 @@ def test_signed_bundle_trusted_and_refused(tmp_path):
     from quack_build.manifest import expand
 
     registry.load_packages(["quack_kernels"])
-    cfgs = [{"kernel": c.kernel, "params": c.plain_params, "key": c.key} for c in expand([man], archs=("sm_90a",)).configs]
-    good = load_all(py, tmp_path, cfgs, QUACK_CACHE_DIR=empty_cache(tmp_path), QUACK_TRUSTED_KEYS=keys / "ci-1.pub")
+    cfgs = [
+        {"kernel": c.kernel, "params": c.plain_params, "key": c.key}
+        for c in expand([man], archs=("sm_90a",)).configs
+    ]
+    good = load_all(
+        py, tmp_path, cfgs, QUACK_CACHE_DIR=empty_cache(tmp_path), QUACK_TRUSTED_KEYS=keys / "ci-1.pub"
+    )
     assert_all_from_bundle(good, 1, "e2e-signed")
-    bad = load_all(py, tmp_path, cfgs, QUACK_CACHE_DIR=tmp_path / "cache",
-                   QUACK_TRUSTED_KEYS=keys / "stranger.pub")
+    bad = load_all(
+        py, tmp_path, cfgs, QUACK_CACHE_DIR=tmp_path / "cache", QUACK_TRUSTED_KEYS=keys / "stranger.pub"
+    )
     assert bad["loaded"] == [] and bad["compiles"] == 0
     assert len(bad["warnings"]) == 1 and "not a trusted key" in bad["warnings"][0], bad["warnings"]
-    r = quack_cli("verify", "--bundles", python=py,
-                  env=dict(os.environ, QUACK_TRUSTED_KEYS=str(keys / "stranger.pub")))
+    r = quack_cli(
+        "verify", "--bundles", python=py, env=dict(os.environ, QUACK_TRUSTED_KEYS=str(keys / "stranger.pub"))
+    )
     assert r.returncode == 1
-    r = quack_cli("bundle", "inspect", whl, "--json",
-                  env=dict(os.environ, QUACK_TRUSTED_KEYS=str(keys / "ci-1.pub")))
+    r = quack_cli(
+        "bundle", "inspect", whl, "--json", env=dict(os.environ, QUACK_TRUSTED_KEYS=str(keys / "ci-1.pub"))
+    )
     assert r.returncode == 0 and json.loads(r.stdout)["signer"] == "ci-1"
 
 
-needs_link = pytest.mark.skipif(not loader.can_link(), reason="needs a C compiler and cutlass-dsl's runtime libraries")
+needs_link = pytest.mark.skipif(
+    not loader.can_link(), reason="needs a C compiler and cutlass-dsl's runtime libraries"
+)
 
 
 @pytest.fixture(scope="module")
@@ -373,7 +458,10 @@ def test_bundle_without_so_links_into_the_local_cache_or_a_private_dir(noso, tmp
     assert len(list(cache.rglob("*.so"))) == 2
     r = quack_cli("cache", "clean", "--all", "--json", "--cache-dir", cache)
     assert r.returncode == 0 and not list(cache.rglob("*.so")) and not list(cache.rglob("*.so.json"))
-    assert json.loads(r.stdout)["by_reason"]["derived .so of a bundle entry (relinked on next use)"]["files"] == 4
+    assert (
+        json.loads(r.stdout)["by_reason"]["derived .so of a bundle entry (relinked on next use)"]["files"]
+        == 4
+    )
 
 
 @needs_link

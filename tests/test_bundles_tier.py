@@ -1,6 +1,7 @@
 """Issue 13, unit tier: the bundle runtime tier with bundles written by the real wheel
 writer and unpacked (as pip does) into a site directory on sys.path; the objects are
 placeholder bytes (lookups checksum them, nothing here loads them)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,14 +14,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-
 import toykernels
+
 from quack import settings
-from quack.compile import builder
 from quack.bundles import index as bindex
 from quack.bundles import tier as bt
-from quack.errors import BundleError, KernelNotPrebuilt
-from quack.errors import CacheWarning
+from quack.compile import builder
+from quack.errors import BundleError, CacheWarning, KernelNotPrebuilt
 from quack_build import bundle as bw
 
 PARAMS = {"dtype": "float32", "block": 128, "bias": False}
@@ -34,10 +34,18 @@ def ref_for(params=PARAMS, arch="sm_90a"):
 def bfile(ref, obj=b"placeholder object bytes", so=b"placeholder shared object", stamp=None):
     import hashlib
 
-    e = bindex.IndexEntry(ref.key, ref.kernel, ref.arch, stamp or ref.stamp, ref.srcfp, dict(PARAMS),
-                          hashlib.sha256(obj).hexdigest(), len(obj),
-                          hashlib.sha256(so).hexdigest() if so is not None else None,
-                          len(so) if so is not None else None)
+    e = bindex.IndexEntry(
+        ref.key,
+        ref.kernel,
+        ref.arch,
+        stamp or ref.stamp,
+        ref.srcfp,
+        dict(PARAMS),
+        hashlib.sha256(obj).hexdigest(),
+        len(obj),
+        hashlib.sha256(so).hexdigest() if so is not None else None,
+        len(so) if so is not None else None,
+    )
     return bw.BundleFile(e, obj, {"key": ref.key}, so)
 
 
@@ -53,8 +61,9 @@ def site(tmp_path, monkeypatch):
 
 
 def install(site: Path, files, name="demo", version="1.0", signing_key=None) -> Path:
-    whl, _ = bw.write_wheel(files, name=name, version=version, out_dir=site.parent / "dist",
-                            signing_key=signing_key)
+    whl, _ = bw.write_wheel(
+        files, name=name, version=version, out_dir=site.parent / "dist", signing_key=signing_key
+    )
     with zipfile.ZipFile(whl) as z:
         z.extractall(site)
     return site / bindex.package_name(name)
@@ -72,8 +81,11 @@ def test_hit_is_checksummed_and_comes_from_the_bundle(site, s):
     assert hit is not None
     entry, b = hit
     assert b.name == "demo" and b.version == "1.0"
-    assert entry.obj_path == pkg / bindex.IndexEntry(ref.key, ref.kernel, ref.arch, ref.stamp, ref.srcfp,
-                                                      {}, "0" * 64, 0).rel_obj
+    assert (
+        entry.obj_path
+        == pkg
+        / bindex.IndexEntry(ref.key, ref.kernel, ref.arch, ref.stamp, ref.srcfp, {}, "0" * 64, 0).rel_obj
+    )
     assert entry.so_path is not None and entry.so_path.read_bytes() == b"placeholder shared object"
     assert bt.tier().lookup(ref_for(dict(PARAMS, block=64)), s) is None  # another key: a miss
 
@@ -147,7 +159,9 @@ def test_other_source_fingerprint_is_not_used(site, s):
 def test_prebuilt_miss_lists_the_bundles_searched(site, cache_dir):
     install(site, [bfile(ref_for(dict(PARAMS, block=256)))], name="shipped", version="2.0")
     saved = settings._current
-    settings.set_current(settings.resolve({"cache_dir": str(cache_dir), "arch": "sm_90a", "mode": "prebuilt"}))
+    settings.set_current(
+        settings.resolve({"cache_dir": str(cache_dir), "arch": "sm_90a", "mode": "prebuilt"})
+    )
     try:
         n0 = len(toykernels.COMPILES)
         with pytest.raises(KernelNotPrebuilt) as ei:
@@ -195,13 +209,17 @@ def keys(tmp_path):
     d = tmp_path / "keys"
     signing.write_keypair("ci-1", d)
     signing.write_keypair("other", d)
-    return {"key": signing.load_signing_key(d / "ci-1.key"), "pub": d / "ci-1.pub",
-            "other_key": signing.load_signing_key(d / "other.key")}
+    return {
+        "key": signing.load_signing_key(d / "ci-1.key"),
+        "pub": d / "ci-1.pub",
+        "other_key": signing.load_signing_key(d / "other.key"),
+    }
 
 
 def _trusting(cache_dir, pub):
-    return settings.resolve({"cache_dir": str(cache_dir), "arch": "sm_90a", "mode": "jit",
-                             "trusted_keys": [str(pub)]})
+    return settings.resolve(
+        {"cache_dir": str(cache_dir), "arch": "sm_90a", "mode": "jit", "trusted_keys": [str(pub)]}
+    )
 
 
 def test_trusted_keys_accept_signed_refuse_unsigned_untrusted_and_altered(site, keys, cache_dir):

@@ -1,5 +1,6 @@
 """`quack build`: real compiles of the toy kernels for sm_90a on CPU, through typer's
 test runner and as real subprocesses. Counts are asserted, never durations."""
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ name = "toy_scale"
 params = { dtype = "float16", block = [64, 128, 256] }
 """
 
-SLOW_PKG = '''
+SLOW_PKG = """
 from quack import jit_cache
 from quack.params import Int
 
@@ -36,15 +37,16 @@ from quack.params import Int
 def qbt_slow(n: int):
     import time
     time.sleep(120)
-'''
+"""
 
 
 def write_project(d: Path, manifest: str = TOY3, packages=("toykernels",), manifests=("m.toml",)) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     pk = ", ".join(f'"{p}"' for p in packages)
     ms = ", ".join(f'"{m}"' for m in manifests)
-    (d / "quack.toml").write_text(f"[build]\nkernel_packages = [{pk}]\nmanifests = [{ms}]\n"
-                                  f"[runtime]\narch = \"sm_90a\"\n")
+    (d / "quack.toml").write_text(
+        f'[build]\nkernel_packages = [{pk}]\nmanifests = [{ms}]\n[runtime]\narch = "sm_90a"\n'
+    )
     (d / "m.toml").write_text(manifest)
     return d
 
@@ -62,21 +64,25 @@ def project(tmp_path, monkeypatch):
 def sub_env(cache: Path, extra_path: str = "") -> dict:
     env = dict(os.environ)
     env["QUACK_CACHE_DIR"] = str(cache)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (extra_path, str(TESTS), str(ROOT),
-                                                    env.get("PYTHONPATH", "")) if p)
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (extra_path, str(TESTS), str(ROOT), env.get("PYTHONPATH", "")) if p
+    )
     env.pop("COLUMNS", None)
     return env
 
 
 # Runs the CLI and reports whether torch / cutlass got imported into the build process.
-WRAP = ("import sys\nfrom quack_build.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n"
-        "    code = e.code\nprint('IMPORTED torch=%s cutlass=%s' % ('torch' in sys.modules, "
-        "'cutlass' in sys.modules), file=sys.stderr)\nsys.exit(code)\n")
+WRAP = (
+    "import sys\nfrom quack_build.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n"
+    "    code = e.code\nprint('IMPORTED torch=%s cutlass=%s' % ('torch' in sys.modules, "
+    "'cutlass' in sys.modules), file=sys.stderr)\nsys.exit(code)\n"
+)
 
 
 def quack_sub(args, cwd, env, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", WRAP, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, **kw)
+    return subprocess.run(
+        [sys.executable, "-c", WRAP, *args], cwd=cwd, env=env, capture_output=True, text=True, **kw
+    )
 
 
 def test_build_cached_rebuild_corrupt(project, tmp_path):
@@ -119,7 +125,7 @@ def test_usage_and_validation_errors(project, tmp_path):
     bad.write_text('[[kernel]]\nname = "toy_scale"\nparams = { dtype = "int8" }\n')
     r = runner.invoke(app, ["build", str(bad)])
     assert r.exit_code == 1
-    assert f"{bad}:1: [[kernel]] #1 (toy_scale): params.dtype = \"int8\"" in r.output
+    assert f'{bad}:1: [[kernel]] #1 (toy_scale): params.dtype = "int8"' in r.output
     assert "nothing was built" in r.output
     syn = tmp_path / "syn.toml"
     syn.write_text('[[kernel]]\nname = "toy_scale\n')
@@ -135,7 +141,9 @@ def test_usage_and_validation_errors(project, tmp_path):
 
 
 def test_failure_fail_fast_keep_going_and_log(tmp_path):
-    proj = write_project(tmp_path / "proj", """
+    proj = write_project(
+        tmp_path / "proj",
+        """
 [[kernel]]
 name = "toy_fail"
 params = { boom = true }
@@ -143,7 +151,8 @@ params = { boom = true }
 name = "toy_scale"
 archs = ["sm_90a"]
 params = { dtype = "float32", block = 32 }
-""")
+""",
+    )
     cache = tmp_path / "cache"
     env = sub_env(cache)
     r = quack_sub(["build", "-j", "1", "--json"], proj, env)
@@ -163,16 +172,21 @@ params = { dtype = "float32", block = 32 }
 
 
 def test_two_builds_at_once_compile_each_key_once(tmp_path):
-    proj = write_project(tmp_path / "proj", """
+    proj = write_project(
+        tmp_path / "proj",
+        """
 [[kernel]]
 name = "toy_scale"
 archs = ["sm_90a"]
 params = { dtype = ["float16", "bfloat16"], block = [64, 128] }
-""")
+""",
+    )
     env = sub_env(tmp_path / "cache")
     cmd = [sys.executable, "-m", "quack_build.cli", "build", "-j", "1", "--json"]
-    procs = [subprocess.Popen(cmd, cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(2)]
+    procs = [
+        subprocess.Popen(cmd, cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     for p, (_o, e) in zip(procs, outs):
         assert p.returncode == 0, e
@@ -180,7 +194,9 @@ params = { dtype = ["float16", "bfloat16"], block = [64, 128] }
     assert sum(r["compiled"] for r in res) == 4
     for r in res:
         assert r["compiled"] + r["cached"] + r["cached_by_other"] == 4
-    metas = [m for m in (tmp_path / "cache").glob("v1/*/toy_scale/*/*.json") if not m.name.endswith(".so.json")]
+    metas = [
+        m for m in (tmp_path / "cache").glob("v1/*/toy_scale/*/*.json") if not m.name.endswith(".so.json")
+    ]
     assert len(metas) == 4
 
 
@@ -189,16 +205,26 @@ def test_ctrl_c_stops_workers_and_leaves_no_partial_entry(tmp_path):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "slow.py").write_text(SLOW_PKG)
-    proj = write_project(tmp_path / "proj", """
+    proj = write_project(
+        tmp_path / "proj",
+        """
 [[kernel]]
 name = "qbt_slow"
 archs = ["sm_90a"]
 params = { n = [1, 2] }
-""", packages=("qbt_slowpkg",))
+""",
+        packages=("qbt_slowpkg",),
+    )
     cache = tmp_path / "cache"
     env = sub_env(cache, str(tmp_path / "pkgs"))
-    p = subprocess.Popen([sys.executable, "-m", "quack_build.cli", "build", "-j", "2", "-v"], cwd=proj, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "quack_build.cli", "build", "-j", "2", "-v"],
+        cwd=proj,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     lines = []
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:

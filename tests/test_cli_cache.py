@@ -1,4 +1,5 @@
 """`quack cache stats|clean` on synthetic caches (no compiles)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -10,11 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import toykernels  # noqa: F401
 from typer.testing import CliRunner
 
-import toykernels  # noqa: F401
-from quack.cache import journal, keys
 from quack import registry, settings
+from quack.cache import journal, keys
 from quack_build.cli import app
 
 TESTS = Path(__file__).parent
@@ -27,7 +28,13 @@ def fake_entry(d: Path, key: str, size: int = 1000, age: float = 0.0, so: bool =
     d.mkdir(parents=True, exist_ok=True, mode=0o700)
     data = os.urandom(size)
     (d / f"{key}.o").write_bytes(data)
-    meta = {"format": 1, "key": key, "size": size, "sha256": hashlib.sha256(data).hexdigest(), "compile_s": 0.3}
+    meta = {
+        "format": 1,
+        "key": key,
+        "size": size,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "compile_s": 0.3,
+    }
     (d / f"{key}.json").write_text(json.dumps(meta))
     (d / f"{key}.lock").write_bytes(b"")
     if so:
@@ -70,11 +77,33 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_stats_json(cache):
-    journal.append(cache["root"], [
-        {"kernel": "toy_scale", "key": _key(0), "arch": "sm_90a", "params": {"dtype": "float16"},
-         "hits": 7, "misses": 1, "compiles": 1, "compile_s": 2.5, "t": time.time()},
-        {"kernel": "toy_scale", "key": _key(1), "arch": "sm_90a", "params": {"dtype": "float32"},
-         "hits": 3, "misses": 0, "compiles": 0, "compile_s": 0.0, "t": time.time()}])
+    journal.append(
+        cache["root"],
+        [
+            {
+                "kernel": "toy_scale",
+                "key": _key(0),
+                "arch": "sm_90a",
+                "params": {"dtype": "float16"},
+                "hits": 7,
+                "misses": 1,
+                "compiles": 1,
+                "compile_s": 2.5,
+                "t": time.time(),
+            },
+            {
+                "kernel": "toy_scale",
+                "key": _key(1),
+                "arch": "sm_90a",
+                "params": {"dtype": "float32"},
+                "hits": 3,
+                "misses": 0,
+                "compiles": 0,
+                "compile_s": 0.0,
+                "t": time.time(),
+            },
+        ],
+    )
     r = runner.invoke(app, ["cache", "stats", "--json"])
     assert r.exit_code == 0, r.output
     info = json.loads(r.stdout)
@@ -83,8 +112,12 @@ def test_stats_json(cache):
     by = {(f["stamp"], f["srcfp"]): f for f in info["fingerprints"]}
     assert by[(STALE_STAMP, cache["stale_tc"].name)]["why"] == "toolchain changed"
     assert by[(keys.toolchain_stamp("sm_90a"), "0000000000000000")]["why"] == "kernel source changed"
-    assert info["kernels"]["toy_scale"] == {"current": 5, "stale": 5, "unknown": 0,
-                                            "bytes": info["kernels"]["toy_scale"]["bytes"]}
+    assert info["kernels"]["toy_scale"] == {
+        "current": 5,
+        "stale": 5,
+        "unknown": 0,
+        "bytes": info["kernels"]["toy_scale"]["bytes"],
+    }
     j = info["journal"]["kernels"]["toy_scale"]
     assert (j["hits"], j["misses"], j["compiles"], j["compile_s"]) == (10, 1, 1, 2.5)
     assert info["journal"]["slowest"][0]["compile_s"] == 2.5
@@ -95,12 +128,19 @@ def test_stats_json(cache):
 
 @pytest.mark.parametrize("entry", ["main", "typer"])
 def test_stats_imports_neither_cutlass_nor_torch(cache, entry):
-    call = ("from quack_build.cli import main\nmain(['cache', 'stats', '--json'])" if entry == "main" else
-            "from quack_build.cli import app\napp(['cache', 'stats', '--json'])")
-    heavy = "('torch', 'cutlass', 'tvm_ffi', 'typer')" if entry == "main" else "('torch', 'cutlass', 'tvm_ffi')"
-    code = ("import sys\ntry:\n    " + call.replace("\n", "\n    ") + "\nexcept SystemExit as e:\n"
-            f"    assert not e.code, e.code\nbad = [m for m in {heavy} if m in sys.modules]\n"
-            "assert not bad, bad\n")
+    call = (
+        "from quack_build.cli import main\nmain(['cache', 'stats', '--json'])"
+        if entry == "main"
+        else "from quack_build.cli import app\napp(['cache', 'stats', '--json'])"
+    )
+    heavy = (
+        "('torch', 'cutlass', 'tvm_ffi', 'typer')" if entry == "main" else "('torch', 'cutlass', 'tvm_ffi')"
+    )
+    code = (
+        "import sys\ntry:\n    " + call.replace("\n", "\n    ") + "\nexcept SystemExit as e:\n"
+        f"    assert not e.code, e.code\nbad = [m for m in {heavy} if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]))
     r = subprocess.run([sys.executable, "-c", code], cwd=os.getcwd(), env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -121,10 +161,10 @@ def test_clean_default_removes_stale_debris_quarantine(cache):
     os.utime(dead_tmp, (old, old))
     live_tmp = cur / f"{_key(1)}.o.tmp-{os.getpid()}-cafebabe"
     live_tmp.write_bytes(b"y" * 10)
-    orphan = cur / f"{_key(20)}.o"          # interrupted publish: object without metadata
+    orphan = cur / f"{_key(20)}.o"  # interrupted publish: object without metadata
     orphan.write_bytes(b"z" * 10)
     os.utime(orphan, (old, old))
-    young_orphan = cur / f"{_key(21)}.o"    # maybe being published right now
+    young_orphan = cur / f"{_key(21)}.o"  # maybe being published right now
     young_orphan.write_bytes(b"z" * 10)
 
     r = runner.invoke(app, ["cache", "clean", "--dry-run", "--json"])
@@ -142,7 +182,7 @@ def test_clean_default_removes_stale_debris_quarantine(cache):
     assert live_tmp.exists() and young_orphan.exists()
     assert len(list(cur.glob("*.json"))) == 5 + 1  # entries (+ one .so.json) kept
     assert all((cur / f"{_key(i)}.lock").exists() for i in range(5))  # current locks never unlinked
-    assert cache["unknown"].exists()                 # other projects' kernels: kept
+    assert cache["unknown"].exists()  # other projects' kernels: kept
     assert res["freed_bytes"] >= 5 * 1000
     r = runner.invoke(app, ["cache", "stats", "--json"])
     t = json.loads(r.stdout)["totals"]
@@ -151,9 +191,16 @@ def test_clean_default_removes_stale_debris_quarantine(cache):
 
 def test_clean_skips_entries_locked_by_another_process(cache):
     lock = cache["stale_fp"] / f"{_key(5)}.lock"
-    holder = subprocess.Popen([sys.executable, "-c",
-                               f"import filelock, sys, time\nl = filelock.FileLock({str(lock)!r})\nl.acquire()\n"
-                               "print('held', flush=True)\ntime.sleep(60)\n"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import filelock, sys, time\nl = filelock.FileLock({str(lock)!r})\nl.acquire()\n"
+            "print('held', flush=True)\ntime.sleep(60)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         r = runner.invoke(app, ["cache", "clean", "--json"])

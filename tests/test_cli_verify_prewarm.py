@@ -1,4 +1,5 @@
 """`quack verify` and `quack prewarm`, on entries really compiled for sm_90a / sm_80 on CPU."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,11 +9,11 @@ import time
 from pathlib import Path
 
 import pytest
+import toykernels  # noqa: F401
 from typer.testing import CliRunner
 
-import toykernels  # noqa: F401
-from quack.cache import journal
 from quack import registry, settings
+from quack.cache import journal
 from quack_build.cli import app
 from quack_build.manifest import expand
 
@@ -32,8 +33,9 @@ params = { dtype = "float16", block = 64 }
 
 def _project(d: Path, cache: Path, monkeypatch) -> Path:
     d.mkdir(parents=True, exist_ok=True)
-    (d / "quack.toml").write_text('[build]\nkernel_packages = ["toykernels"]\nmanifests = ["m.toml"]\n'
-                                  '[runtime]\narch = "sm_90a"\n')
+    (d / "quack.toml").write_text(
+        '[build]\nkernel_packages = ["toykernels"]\nmanifests = ["m.toml"]\n[runtime]\narch = "sm_90a"\n'
+    )
     (d / "m.toml").write_text(MANIFEST)
     monkeypatch.chdir(d)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(cache))
@@ -70,8 +72,13 @@ def _entry(cache: Path, arch: str, block: int) -> dict:
     spec = registry.get("toy_scale")
     key = spec.key(spec.bind((), {"dtype": "float16", "block": block}), arch)
     (o,) = cache.glob(f"v1/*-{arch}/toy_scale/*/{key}.o")
-    return {"o": o, "meta": o.with_suffix(".json"), "so": o.with_suffix(".so"),
-            "so_meta": o.with_name(o.name[:-2] + ".so.json"), "key": key}
+    return {
+        "o": o,
+        "meta": o.with_suffix(".json"),
+        "so": o.with_suffix(".so"),
+        "so_meta": o.with_name(o.name[:-2] + ".so.json"),
+        "key": key,
+    }
 
 
 def _rewrite(e: dict, data: bytes) -> None:
@@ -97,8 +104,8 @@ def test_verify_reports_problems_without_touching_the_cache(proj):
     a = _entry(cache, "sm_90a", 64)
     b = _entry(cache, "sm_90a", 128)
     c80 = _entry(cache, "sm_80", 64)
-    a["o"].write_bytes(a["o"].read_bytes()[:-10])            # truncated
-    _rewrite(b, c80["o"].read_bytes())                         # an sm_80 object under an sm_90a key
+    a["o"].write_bytes(a["o"].read_bytes()[:-10])  # truncated
+    _rewrite(b, c80["o"].read_bytes())  # an sm_80 object under an sm_90a key
     extra = proj["dir"] / "extra.toml"
     extra.write_text('[[kernel]]\nname = "toy_scale"\narchs = ["sm_90a"]\nparams = { dtype = "float32" }\n')
     r = runner.invoke(app, ["verify", "--json", "m.toml", str(extra)])
@@ -135,17 +142,28 @@ def test_prewarm_from_journal(proj):
     cache = proj["cache"]
     now = time.time()
     rec = lambda params, hits, t=now, kernel="toy_scale", arch="sm_90a": {  # noqa: E731
-        "kernel": kernel, "key": "x", "arch": arch, "params": params, "hits": hits, "misses": 1,
-        "compiles": 1, "compile_s": 0.4, "t": t}
-    journal.append(cache, [
-        rec({"dtype": "float16", "block": 64, "bias": False}, 50),        # cached already
-        rec({"dtype": "bfloat16", "block": 64, "bias": False}, 90),       # most used, missing
-        rec({"dtype": "float32", "block": 32, "bias": True}, 5),          # missing
-        rec({"dtype": "float32", "block": 32, "bias": True}, 5),          # same config again
-        rec({"dtype": "float16", "block": 512, "bias": False}, 99, t=now - 40 * 86400),  # too old
-        rec({"n": 3}, 7, kernel="gone_kernel"),                            # no longer registered
-        rec({"dtype": "float16", "block": 5000, "bias": False}, 3),       # no longer valid
-    ])
+        "kernel": kernel,
+        "key": "x",
+        "arch": arch,
+        "params": params,
+        "hits": hits,
+        "misses": 1,
+        "compiles": 1,
+        "compile_s": 0.4,
+        "t": t,
+    }
+    journal.append(
+        cache,
+        [
+            rec({"dtype": "float16", "block": 64, "bias": False}, 50),  # cached already
+            rec({"dtype": "bfloat16", "block": 64, "bias": False}, 90),  # most used, missing
+            rec({"dtype": "float32", "block": 32, "bias": True}, 5),  # missing
+            rec({"dtype": "float32", "block": 32, "bias": True}, 5),  # same config again
+            rec({"dtype": "float16", "block": 512, "bias": False}, 99, t=now - 40 * 86400),  # too old
+            rec({"n": 3}, 7, kernel="gone_kernel"),  # no longer registered
+            rec({"dtype": "float16", "block": 5000, "bias": False}, 3),  # no longer valid
+        ],
+    )
     out = proj["dir"] / "used.toml"
     r = runner.invoke(app, ["prewarm", "--since", "30d", "--dry-run", "--json", "--emit-manifest", str(out)])
     assert r.exit_code == 0, r.output

@@ -2,6 +2,7 @@
 nothing, and the safety it must keep: an edit is always seen, damage is a miss plus one
 warning, nothing is followed through a symlink. Unit tests on real files, then real
 fresh processes with a real compile."""
+
 from __future__ import annotations
 
 import importlib
@@ -27,12 +28,14 @@ def pkg(tmp_path, monkeypatch):
     p.mkdir(parents=True)
     (p / "__init__.py").write_text("")
     (p / "_common.py").write_text("X = 1\n")
-    (p / "softmax.py").write_text(textwrap.dedent("""
+    (p / "softmax.py").write_text(
+        textwrap.dedent("""
         from . import _common
         def compile_softmax():
             from csk import _later   # lazy import, as kernels do
             return _common.X
-    """))
+    """)
+    )
     (p / "_later.py").write_text("Z = 1  # pad: aaaa\n")
     monkeypatch.syspath_prepend(str(root))
     keys.source_fingerprint.cache_clear()
@@ -208,8 +211,9 @@ def test_a_read_only_cache_costs_only_time(pkg, root, no_racy_window):
         root.chmod(0o700)
 
 
-def test_another_checkout_of_the_same_module_gets_its_own_record(pkg, root, tmp_path, no_racy_window,
-                                                                 monkeypatch):
+def test_another_checkout_of_the_same_module_gets_its_own_record(
+    pkg, root, tmp_path, no_racy_window, monkeypatch
+):
     m1 = fpmemo.DiskFingerprintMemo(root)
     first = fresh_fp(m1)
     m1.flush()
@@ -231,7 +235,7 @@ def test_another_checkout_of_the_same_module_gets_its_own_record(pkg, root, tmp_
 
 # --- real fresh processes, a real compile ------------------------------------------
 
-KERNEL = '''
+KERNEL = """
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
@@ -263,7 +267,7 @@ def cs_toy(dtype: str, block: int = 128):
     y = make_fake_tensor(dt, (n,), stride=(1,))
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(launch, x, y, stream, options="--enable-tvm-ffi")
-'''
+"""
 
 CHILD = r"""
 import json, sys
@@ -290,8 +294,9 @@ print(json.dumps(out))
 
 
 def _child(env, timeout=600):
-    r = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True,
-                       timeout=timeout)
+    r = subprocess.run(
+        [sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -303,8 +308,13 @@ def test_edit_between_two_fresh_processes_is_a_miss_never_a_wrong_load(tmp_path)
     toy = src / "cskern" / "toy.py"
     toy.write_text(KERNEL)
     cache = tmp_path / "cache"
-    env = dict(os.environ, QUACK_CACHE_DIR=str(cache), QUACK_ARCH="sm_90a", QUACK_MODE="jit",
-               PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        QUACK_CACHE_DIR=str(cache),
+        QUACK_ARCH="sm_90a",
+        QUACK_MODE="jit",
+        PYTHONPATH=os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")]),
+    )
     time.sleep(fpmemo.RACY_NS / 1e9 + 0.1)  # the sources are older than the racy window
     # 1: a miss, compiled by a worker; the fingerprint is computed and memoized at exit.
     a = _child(env)
@@ -329,9 +339,16 @@ def test_edit_between_two_fresh_processes_is_a_miss_never_a_wrong_load(tmp_path)
 
 # --- the CLI: `quack build` and `quack cache stats` see an edit through the memo ------
 
+
 def _quack(args, cwd, env):
-    r = subprocess.run([sys.executable, "-m", "quack_build", *args], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "quack_build", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     return r
 
@@ -343,12 +360,16 @@ def test_cli_build_and_stats_see_an_edit_through_the_memo(tmp_path):
     toy = proj / "cskern" / "toy.py"
     toy.write_text(KERNEL)
     (proj / "quack.toml").write_text('[build]\nkernel_packages = ["cskern"]\nmanifests = ["m.toml"]\n')
-    (proj / "m.toml").write_text('[[kernel]]\nname = "cs_toy"\n[kernel.params]\ndtype = "float16"\n'
-                                 'block = 64\n')
+    (proj / "m.toml").write_text(
+        '[[kernel]]\nname = "cs_toy"\n[kernel.params]\ndtype = "float16"\nblock = 64\n'
+    )
     cache = tmp_path / "cache"
-    env = dict({k: v for k, v in os.environ.items() if not k.startswith("QUACK_")},
-               QUACK_CACHE_DIR=str(cache), QUACK_ARCH="sm_90a",
-               PYTHONPATH=os.pathsep.join([str(proj), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        {k: v for k, v in os.environ.items() if not k.startswith("QUACK_")},
+        QUACK_CACHE_DIR=str(cache),
+        QUACK_ARCH="sm_90a",
+        PYTHONPATH=os.pathsep.join([str(proj), os.environ.get("PYTHONPATH", "")]),
+    )
     time.sleep(fpmemo.RACY_NS / 1e9 + 0.1)  # older than the racy window: the memo records them
 
     def stats():

@@ -1,6 +1,7 @@
 """quack.errors: every exception is a QuackError with its standard base, keeps its fields
 through pickle (they cross from compile workers to the caller), and the module imports
 nothing from quack."""
+
 from __future__ import annotations
 
 import ast
@@ -18,39 +19,73 @@ CASES = [
     (E.SettingsError("bad", source="quack.toml", key="arch"), ValueError, ("source", "key")),
     (E.ParamError("bad n", kernel="k", param="n"), ValueError, ("kernel", "param")),
     (E.UnknownKernel("nope", ("a", "b")), KeyError, ("name", "known")),
-    (E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "[[kernel]]\nname = \"k\""),
-     LookupError, ("kernel", "params", "arch", "key", "cache_dir", "manifest_line")),
-    (E.CompileError("k", {"n": 4}, "sm_90a", "boom", "/log"), RuntimeError,
-     ("kernel", "params", "arch", "detail", "log_path")),
+    (
+        E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", '[[kernel]]\nname = "k"'),
+        LookupError,
+        ("kernel", "params", "arch", "key", "cache_dir", "manifest_line"),
+    ),
+    (
+        E.CompileError("k", {"n": 4}, "sm_90a", "boom", "/log"),
+        RuntimeError,
+        ("kernel", "params", "arch", "detail", "log_path"),
+    ),
     (E.CacheError("unusable", path="/c"), OSError, ("path",)),
-    (E.CacheWriteError("full", path="/c", reason="disk full", code=28), OSError,
-     ("path", "reason", "code")),
+    (E.CacheWriteError("full", path="/c", reason="disk full", code=28), OSError, ("path", "reason", "code")),
     (E.CacheWarning("recovered"), UserWarning, ()),
     (E.LockTimeout("/c/x.lock", 30.0), TimeoutError, ("path", "timeout")),
-    (E.CompileTimeout("k", "cd" * 32, 60.0, external=True), TimeoutError,
-     ("kernel", "key", "seconds", "external")),
+    (
+        E.CompileTimeout("k", "cd" * 32, 60.0, external=True),
+        TimeoutError,
+        ("kernel", "key", "seconds", "external"),
+    ),
     (E.EntryVanished("/c/x.o vanished"), LookupError, ()),
     (E.LinkError("cc failed", "/c/x.o"), RuntimeError, ("obj",)),
     (E.ManifestError(["m.toml: a", "m.toml: b"]), ValueError, ("problems",)),
-    (E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", bundles=("b 1.0 (2 of 2 entries)",)),
-     LookupError, ("bundles", "manifest_line")),
+    (
+        E.KernelNotPrebuilt(
+            "k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", bundles=("b 1.0 (2 of 2 entries)",)
+        ),
+        LookupError,
+        ("bundles", "manifest_line"),
+    ),
     (E.BundleError("refused", bundle="b", path="/site/b/index.json"), ValueError, ("bundle", "path")),
     (E.SignatureError("bad", signer="ci-1", reason="bad-signature"), ValueError, ("signer", "reason")),
     (E.KeyFileError("missing", path="/k.pub", reason="missing"), ValueError, ("path", "reason")),
-    (E.TomlFileError("/m.toml", "TOML syntax error", line=3, col=7), ValueError,
-     ("path", "problem", "line", "col")),
-    (E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", reason="the cache is disabled"),
-     LookupError, ("reason",)),
-    (E.CompileError("k", {"n": 4}, "sm_90a", "\x1b[91merror:\x1b[0m boom", transient=True), RuntimeError,
-     ("detail", "transient")),
+    (
+        E.TomlFileError("/m.toml", "TOML syntax error", line=3, col=7),
+        ValueError,
+        ("path", "problem", "line", "col"),
+    ),
+    (
+        E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", reason="the cache is disabled"),
+        LookupError,
+        ("reason",),
+    ),
+    (
+        E.CompileError("k", {"n": 4}, "sm_90a", "\x1b[91merror:\x1b[0m boom", transient=True),
+        RuntimeError,
+        ("detail", "transient"),
+    ),
     (E.RemoteError("down", url="redis://h/0", reason="timeout"), OSError, ("url", "reason")),
-    (E.ObjectRejected("refused", key="ab" * 32, reason="checksum", signer="ci-1"), ValueError,
-     ("key", "reason", "signer")),
+    (
+        E.ObjectRejected("refused", key="ab" * 32, reason="checksum", signer="ci-1"),
+        ValueError,
+        ("key", "reason", "signer"),
+    ),
     (E.RemoteWarning("remote off"), UserWarning, ()),
     (E.ExecutorError("no Ray", executor="ray", address="h:1"), RuntimeError, ("executor", "address")),
-    (E.ToolchainMismatch("refused", worker_stamp="a", coordinator_stamp="b", worker="actor 1",
-                         executor="ray", address="h:1"), RuntimeError,
-     ("worker_stamp", "coordinator_stamp", "worker", "executor", "address")),
+    (
+        E.ToolchainMismatch(
+            "refused",
+            worker_stamp="a",
+            coordinator_stamp="b",
+            worker="actor 1",
+            executor="ray",
+            address="h:1",
+        ),
+        RuntimeError,
+        ("worker_stamp", "coordinator_stamp", "worker", "executor", "address"),
+    ),
 ]
 
 
@@ -67,8 +102,11 @@ def test_quack_error_with_standard_base_pickles(err, base, fields):
 
 def test_every_exception_class_is_covered():
     """A new exception in errors.py must be added to CASES (CompilePending is control flow)."""
-    defined = {name for name, obj in vars(E).items()
-               if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == E.__name__}
+    defined = {
+        name
+        for name, obj in vars(E).items()
+        if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == E.__name__
+    }
     covered = {type(c[0]).__name__ for c in CASES} | {"QuackError", "CompilePending"}
     assert defined == covered
 
@@ -94,7 +132,15 @@ def test_errors_imports_nothing_from_quack():
             mods.add(node.module or "")
     assert not {m for m in mods if m.split(".")[0] in ("quack", "quack_build", "quack_kernels")}
     # And importing it alone loads no other quack module.
-    out = subprocess.run([sys.executable, "-c", "import sys, quack.errors; "
-                          "print(sorted(m for m in sys.modules if m.startswith('quack')))"],
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, quack.errors; print(sorted(m for m in sys.modules if m.startswith('quack')))",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     assert out.strip() == "['quack', 'quack.errors']"

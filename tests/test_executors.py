@@ -1,5 +1,6 @@
 """The executor contract as the scheduler drives it (a scripted executor: no compiles),
 the executor setting, and `--executor ray` without Ray installed."""
+
 from __future__ import annotations
 
 import json
@@ -7,16 +8,16 @@ import subprocess
 import sys
 
 import pytest
+import toykernels  # noqa: F401
+from test_cli_build import sub_env, write_project
 from typer.testing import CliRunner
 
-import toykernels  # noqa: F401
 from quack import registry, settings
-from quack.errors import CompileError, ExecutorError, SettingsError, ToolchainMismatch
 from quack.cache.store import DiskStore
+from quack.errors import CompileError, ExecutorError, SettingsError, ToolchainMismatch
 from quack_build import executors, scheduler
 from quack_build.executors import DONE, FAILED, NOTE, STARTED, Event
 from quack_build.manifest import BuildConfig
-from test_cli_build import sub_env, write_project
 
 
 def _cfg(block: int) -> BuildConfig:
@@ -72,12 +73,18 @@ class Recorder(scheduler.NullReporter):
 def test_scheduler_drives_an_executor_retry_note_lanes_failure_and_trace(tmp_path):
     a, b = _cfg(64), _cfg(128)
     k = {64: a.key, 128: b.key}
-    err = CompileError("toy_scale", {"block": 128}, "sm_90a", "Traceback ...\nValueError: the compiler says no")
+    err = CompileError(
+        "toy_scale", {"block": 128}, "sm_90a", "Traceback ...\nValueError: the compiler says no"
+    )
     script = [
-        [Event(STARTED, k[64], lane="actor 1 (n1 pid 11)", pid=11, t_start=1000.0),
-         Event(STARTED, k[128], lane="actor 2 (n2 pid 22)", pid=22, t_start=1000.0)],
-        [Event(NOTE, text="Ray actor 1 died while compiling; retrying on another actor (retry 1 of 2)"),
-         Event(STARTED, k[64], lane="actor 2 (n2 pid 22)", pid=22, t_start=1001.0)],
+        [
+            Event(STARTED, k[64], lane="actor 1 (n1 pid 11)", pid=11, t_start=1000.0),
+            Event(STARTED, k[128], lane="actor 2 (n2 pid 22)", pid=22, t_start=1000.0),
+        ],
+        [
+            Event(NOTE, text="Ray actor 1 died while compiling; retrying on another actor (retry 1 of 2)"),
+            Event(STARTED, k[64], lane="actor 2 (n2 pid 22)", pid=22, t_start=1001.0),
+        ],
         [Event(FAILED, k[128], lane="actor 2 (n2 pid 22)", pid=22, error=err)],
         [Event(DONE, k[64], lane="actor 2 (n2 pid 22)", pid=22, compiled=True, compile_s=0.5)],
     ]
@@ -85,15 +92,19 @@ def test_scheduler_drives_an_executor_retry_note_lanes_failure_and_trace(tmp_pat
     rep = Recorder()
     store = DiskStore(tmp_path / "cache", fsync=False)
     tasks = scheduler.plan([a, b], store)
-    res = scheduler.run(tasks, store, jobs=8, reporter=rep, keep_going=True, executor=ex,
-                        log_dir=tmp_path / "logs")
+    res = scheduler.run(
+        tasks, store, jobs=8, reporter=rep, keep_going=True, executor=ex, log_dir=tmp_path / "logs"
+    )
     assert ex.calls == ["start 2", "close"] and sorted(ex.submitted) == sorted(k.values())
     assert res.jobs == 2 and res.executor == "scripted" and res.executor_stats == {"retries": 1}
     assert res.count(scheduler.COMPILED) == 1 and res.count(scheduler.FAILED) == 1
     assert rep.notes == ["Ray actor 1 died while compiling; retrying on another actor (retry 1 of 2)"]
     # the retry moved the key to another lane and gave its slot back first
-    assert [lane for lane, _ in rep.started_lanes] == ["actor 1 (n1 pid 11)", "actor 2 (n2 pid 22)",
-                                                       "actor 2 (n2 pid 22)"]
+    assert [lane for lane, _ in rep.started_lanes] == [
+        "actor 1 (n1 pid 11)",
+        "actor 2 (n2 pid 22)",
+        "actor 2 (n2 pid 22)",
+    ]
     assert len({slot for _, slot in rep.started_lanes[1:]}) == 2
     failed = next(t for t in res.tasks if t.status == scheduler.FAILED)
     assert failed.error == "ValueError: the compiler says no"
@@ -102,7 +113,9 @@ def test_scheduler_drives_an_executor_retry_note_lanes_failure_and_trace(tmp_pat
     assert doc["executor"] == "scripted" and {kk.get("lane") for kk in doc["keys"]} == {"actor 2 (n2 pid 22)"}
     trace = tmp_path / "t.json"
     scheduler.write_trace(trace, res, res.t0)
-    names = [e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "thread_name"]
+    names = [
+        e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "thread_name"
+    ]
     assert names == ["scheduler", "actor 2 (n2 pid 22)"]
     # nothing was really published: the build is not ok
     assert not res.ok and set(res.missing_after) == set(k.values())
@@ -116,9 +129,14 @@ def test_fail_fast_stops_submitting_and_ends_with_keys_still_queued(tmp_path):
     err = CompileError("toy_scale", {}, "sm_90a", "boom")
     # jobs=1: a window of 3 submitted; the first fails, the two in flight finish, the
     # other three are never submitted, and the run ends (no spin on the unsent ones).
-    ex = ScriptedExecutor([[Event(STARTED, first, pid=1)], [Event(FAILED, first, error=err)],
-                           [Event(DONE, second, pid=1, compiled=True), Event(DONE, third, pid=1, compiled=True)]],
-                          jobs=1)
+    ex = ScriptedExecutor(
+        [
+            [Event(STARTED, first, pid=1)],
+            [Event(FAILED, first, error=err)],
+            [Event(DONE, second, pid=1, compiled=True), Event(DONE, third, pid=1, compiled=True)],
+        ],
+        jobs=1,
+    )
     res = scheduler.run(tasks, store, jobs=1, executor=ex)
     assert ex.submitted == [first, second, third] and not ex.script
     assert res.count(scheduler.FAILED) == 1 and res.count(scheduler.COMPILED) == 2
@@ -128,8 +146,11 @@ def test_fail_fast_stops_submitting_and_ends_with_keys_still_queued(tmp_path):
 def test_executor_start_failure_propagates_and_nothing_is_planned(tmp_path):
     class Refusing(ScriptedExecutor):
         def start(self, max_jobs):
-            raise ToolchainMismatch("refusing Ray actor 1: its toolchain stamp is 'x' but this coordinator's is 'y'",
-                                    worker_stamp="x", coordinator_stamp="y")
+            raise ToolchainMismatch(
+                "refusing Ray actor 1: its toolchain stamp is 'x' but this coordinator's is 'y'",
+                worker_stamp="x",
+                coordinator_stamp="y",
+            )
 
     store = DiskStore(tmp_path / "cache", fsync=False)
     with pytest.raises(ExecutorError) as ei:
@@ -143,6 +164,7 @@ def test_executor_start_failure_propagates_and_nothing_is_planned(tmp_path):
 
 
 # --- the setting ------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("value", ["local", "ray", "auto", "ray://head.example:10001", "10.0.0.5:6379"])
 def test_executor_setting_accepts_the_documented_forms(tmp_path, value):
@@ -185,8 +207,10 @@ def test_factory_local_is_the_default(tmp_path):
 
 # --- without Ray ------------------------------------------------------------------------------
 
-NO_RAY = ("import sys\nsys.modules['ray'] = None  # as if the [ray] extra were not installed\n"
-          "from quack_build.cli import main\nmain(sys.argv[1:])\n")
+NO_RAY = (
+    "import sys\nsys.modules['ray'] = None  # as if the [ray] extra were not installed\n"
+    "from quack_build.cli import main\nmain(sys.argv[1:])\n"
+)
 
 
 def test_executor_ray_without_ray_is_one_line_with_the_install_command(tmp_path):
@@ -195,8 +219,14 @@ def test_executor_ray_without_ray_is_one_line_with_the_install_command(tmp_path)
         env = sub_env(tmp_path / "cache")
         if not flag:
             env["QUACK_BUILD_EXECUTOR"] = "ray://127.0.0.1:1"
-        r = subprocess.run([sys.executable, "-c", NO_RAY, "build", *flag], cwd=proj, env=env,
-                           capture_output=True, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-c", NO_RAY, "build", *flag],
+            cwd=proj,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert r.returncode == 1, r.stderr
         assert r.stderr.strip() == "error: " + executors.RAY_INSTALL_HINT
         assert "pip install 'quack-cache[ray]'" in r.stderr
@@ -205,21 +235,39 @@ def test_executor_ray_without_ray_is_one_line_with_the_install_command(tmp_path)
 
 # --- publishing a remote worker's result (the coordinator is the only writer) -----------------
 
+
 def _remote_result(cfg: BuildConfig, data: bytes = b"\x7fELF not really an object" * 40, **over) -> dict:
     import hashlib
 
     from quack.cache import keys
 
-    res = {"key": cfg.key, "srcfp": cfg.spec.source_fingerprint(), "stamp": keys.toolchain_stamp(cfg.arch),
-           "obj": data, "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "so": None,
-           "compile_s": 0.25, "host": "node-7", "pid": 4242}
+    res = {
+        "key": cfg.key,
+        "srcfp": cfg.spec.source_fingerprint(),
+        "stamp": keys.toolchain_stamp(cfg.arch),
+        "obj": data,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "so": None,
+        "compile_s": 0.25,
+        "host": "node-7",
+        "pid": 4242,
+    }
     res.update(over)
     return res
 
 
 def _item(cfg: BuildConfig, force: bool = False) -> executors.WorkItem:
-    return executors.WorkItem(cfg.key, cfg.kernel, cfg.spec.module, cfg.plain_params, cfg.arch, force,
-                              spec=cfg.spec, bound=cfg.params)
+    return executors.WorkItem(
+        cfg.key,
+        cfg.kernel,
+        cfg.spec.module,
+        cfg.plain_params,
+        cfg.arch,
+        force,
+        spec=cfg.spec,
+        bound=cfg.params,
+    )
 
 
 def test_publish_result_verifies_and_publishes_once_with_metadata_last(tmp_path):
@@ -237,24 +285,35 @@ def test_publish_result_verifies_and_publishes_once_with_metadata_last(tmp_path)
     # already there: not published again (another process won); --force replaces it
     assert publish_result(store, _item(cfg), _remote_result(cfg, b"other" * 10), worker="w") is False
     assert store.lookup(e.ref).obj_path.read_bytes() == res["obj"]
-    assert publish_result(store, _item(cfg, force=True), _remote_result(cfg, b"other" * 10), worker="w") is True
+    assert (
+        publish_result(store, _item(cfg, force=True), _remote_result(cfg, b"other" * 10), worker="w") is True
+    )
     assert store.lookup(e.ref).obj_path.read_bytes() == b"other" * 10
 
 
-@pytest.mark.parametrize("field,value,says", [
-    ("key", "0" * 64, "it computed key 0000000000000000, the coordinator"),
-    ("srcfp", "feedfacefeedface", "it compiled sources with fingerprint feedfacefeedface, this checkout has"),
-    ("stamp", "py3.9-cutlass0.1-cu12-tvmffi0.1-sm_90a", "its toolchain stamp is 'py3.9-cutlass0.1"),
-    ("size", 3, "bytes, it sent 3 (truncated in transit)"),
-    ("sha256", "ab" * 32, "SHA-256 does not match what it sent (corrupted in transit)"),
-])
+@pytest.mark.parametrize(
+    "field,value,says",
+    [
+        ("key", "0" * 64, "it computed key 0000000000000000, the coordinator"),
+        (
+            "srcfp",
+            "feedfacefeedface",
+            "it compiled sources with fingerprint feedfacefeedface, this checkout has",
+        ),
+        ("stamp", "py3.9-cutlass0.1-cu12-tvmffi0.1-sm_90a", "its toolchain stamp is 'py3.9-cutlass0.1"),
+        ("size", 3, "bytes, it sent 3 (truncated in transit)"),
+        ("sha256", "ab" * 32, "SHA-256 does not match what it sent (corrupted in transit)"),
+    ],
+)
 def test_publish_result_refuses_a_mismatch_and_publishes_nothing(tmp_path, field, value, says):
     from quack_build.executors.publish import publish_result
 
     cfg = _cfg(512)
     store = DiskStore(tmp_path / "cache", fsync=False)
     with pytest.raises(ExecutorError) as ei:
-        publish_result(store, _item(cfg), _remote_result(cfg, **{field: value}), worker="Ray actor 3 (n pid 9)")
+        publish_result(
+            store, _item(cfg), _remote_result(cfg, **{field: value}), worker="Ray actor 3 (n pid 9)"
+        )
     assert says in str(ei.value) and "from Ray actor 3 (n pid 9)" in str(ei.value)
     assert "nothing was published" in str(ei.value)
     assert not list((tmp_path / "cache").glob("v1/*/*/*/*"))

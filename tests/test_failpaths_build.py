@@ -4,6 +4,7 @@ and two workers, for a kernel that raises, a full disk and a planted lock symlin
 
 Each build runs as a real subprocess under a time-out, so a regression (a build that
 never exits) fails here instead of stalling CI."""
+
 from __future__ import annotations
 
 import json
@@ -11,7 +12,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from reliability_support import can_mount, env, run_quack, session_objects
 
 N = 24  # more configurations than the submit window (jobs + 2) at one and two workers
@@ -20,8 +20,9 @@ FAIL = {0, 9}  # i=0 is first in the manifest: fail-fast stops right there
 
 def _project(d: Path, n: int = N) -> Path:
     d.mkdir(parents=True, exist_ok=True)
-    (d / "quack.toml").write_text('[runtime]\narch = "sm_90a"\n[build]\nkernel_packages = ["relkernels"]\n'
-                                  'manifests = ["m.toml"]\n')
+    (d / "quack.toml").write_text(
+        '[runtime]\narch = "sm_90a"\n[build]\nkernel_packages = ["relkernels"]\nmanifests = ["m.toml"]\n'
+    )
     (d / "m.toml").write_text(f'[[kernel]]\nname = "rel_fail"\nparams = {{ i = {list(range(n))} }}\n')
     return d
 
@@ -32,8 +33,12 @@ def obj(tmp_path_factory) -> str:
 
 
 def _build(proj: Path, cache: Path, obj: str, *args, fail=FAIL) -> subprocess.CompletedProcess:
-    return run_quack(["build", "--json", "--cache-dir", cache, *args], cwd=proj, timeout=180,
-                     env_=env(QUACK_TEST_OBJ=obj, QUACK_TEST_FAIL=",".join(map(str, sorted(fail)))))
+    return run_quack(
+        ["build", "--json", "--cache-dir", cache, *args],
+        cwd=proj,
+        timeout=180,
+        env_=env(QUACK_TEST_OBJ=obj, QUACK_TEST_FAIL=",".join(map(str, sorted(fail)))),
+    )
 
 
 @pytest.mark.parametrize("jobs", [1, 2])
@@ -84,8 +89,9 @@ def test_lock_symlink_build_ends(tmp_path, obj):
     first = json.loads(r.stdout)["keys"][0]
     target = tmp_path / "victim"
     target.write_text("do not touch\n")
-    from quack import registry  # noqa: PLC0415
     import relkernels  # noqa: F401, PLC0415
+
+    from quack import registry  # noqa: PLC0415
     from quack.cache.store import DiskStore  # noqa: PLC0415
     from quack.compile import builder  # noqa: PLC0415
 

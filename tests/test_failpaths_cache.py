@@ -2,6 +2,7 @@
 `quack cache clean` removes planted symlinks (never following them), `verify` and
 `stats` name them; a world-writable root is refused by stats and clean like build.
 Real CLI subprocesses on a real cache (rel_copy publishes a real toy .o)."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import os
 from pathlib import Path
 
 import pytest
-
 from reliability_support import env, run_quack, session_objects
 
 
@@ -51,7 +51,7 @@ def test_symlinked_kernel_dir_named_and_cleaned(tmp_path, obj):
     assert rc == 1 and "a symbolic link in the cache" in out and "quack cache clean" in out, out
     rc, out = _q(["verify", "--no-load", "--json"], proj, obj)
     assert rc == 1
-    res = json.loads(out[:out.rindex("}") + 1])
+    res = json.loads(out[: out.rindex("}") + 1])
     assert all(e["problems"][0].startswith("planted in the cache") for e in res["entries"]), res
     rc, out = _q(["cache", "stats"], proj, obj)
     assert rc == 0 and f"symbolic link: {kdir}" in out, out
@@ -86,8 +86,9 @@ def test_symlinked_lock_file_named_and_cleaned(tmp_path, obj):
     assert rc == 0, out
 
 
-@pytest.mark.parametrize("cmd", [["cache", "stats"], ["cache", "stats", "--json"], ["cache", "clean"],
-                                 ["cache", "clean", "--all"]])
+@pytest.mark.parametrize(
+    "cmd", [["cache", "stats"], ["cache", "stats", "--json"], ["cache", "clean"], ["cache", "clean", "--all"]]
+)
 def test_world_writable_root_refused_by_stats_and_clean(tmp_path, obj, cmd):
     proj = _built(tmp_path, obj)
     (proj / "cache").chmod(0o777)
@@ -115,12 +116,19 @@ def test_linker_temp_files_go_to_the_cache_and_clean_sweeps_them(tmp_path, obj):
     cc.chmod(0o755)
     proj = _project(tmp_path / "proj")
     root = proj / "cache"
-    code = ("import relkernels, sys\nfrom quack import registry\nfrom quack.compile import builder\n"
-            "from quack.cache.store import DiskStore\nspec = registry.get('rel_copy')\n"
-            "e, c = builder.build(spec, spec.bind((), {'i': 3}), 'sm_90a', DiskStore(sys.argv[1]))\n"
-            "print(bool(e.so_path))\n")
-    r = subprocess.run([sys.executable, "-c", code, str(root)], capture_output=True, text=True, timeout=180,
-                       env=env(QUACK_TEST_OBJ=obj, CC=str(cc)))
+    code = (
+        "import relkernels, sys\nfrom quack import registry\nfrom quack.compile import builder\n"
+        "from quack.cache.store import DiskStore\nspec = registry.get('rel_copy')\n"
+        "e, c = builder.build(spec, spec.bind((), {'i': 3}), 'sm_90a', DiskStore(sys.argv[1]))\n"
+        "print(bool(e.so_path))\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env(QUACK_TEST_OBJ=obj, CC=str(cc)),
+    )
     assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr
     assert rec.read_text().split() == [str(root / "tmp")]
     assert (root / "tmp").is_dir() and ((root / "tmp").stat().st_mode & 0o777) == 0o700

@@ -1,6 +1,7 @@
 """Third-party projects (issue 9, friction): quack.toml is found from the manifest's
 directory, the bundled demo kernels stay out of a project that doesn't ask for them,
 kernels in subpackages register, and 'no such kernel' says what was scanned."""
+
 from __future__ import annotations
 
 import json
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from reliability_support import env, run_quack
 
-KERNEL = '''
+KERNEL = """
 from quack import jit_cache
 from quack.params import Int
 
@@ -16,7 +17,7 @@ from quack.params import Int
 @jit_cache("{name}", params={{"n": Int(min=1, max=100)}})
 def {name}(n: int = 1):
     raise NotImplementedError  # never compiled here: --dry-run
-'''
+"""
 
 
 def _project(d: Path, packages: str | None = '["thirdk"]') -> Path:
@@ -26,8 +27,9 @@ def _project(d: Path, packages: str | None = '["thirdk"]') -> Path:
     (d / "thirdk" / "sub" / "__init__.py").write_text("")
     (d / "thirdk" / "sub" / "deep.py").write_text(KERNEL.format(name="third_deep"))
     (d / "thirdk" / "_hidden.py").write_text(KERNEL.format(name="third_hidden"))
-    (d / "quack.toml").write_text("[build]\n" + (f"kernel_packages = {packages}\n" if packages else "")
-                                  + "[runtime]\narch = \"sm_90a\"\n")
+    (d / "quack.toml").write_text(
+        "[build]\n" + (f"kernel_packages = {packages}\n" if packages else "") + '[runtime]\narch = "sm_90a"\n'
+    )
     (d / "m.toml").write_text('[[kernel]]\nname = "third_top"\n[[kernel]]\nname = "third_deep"\n')
     return d / "m.toml"
 

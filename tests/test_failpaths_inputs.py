@@ -2,15 +2,16 @@
 deep nesting, FIFOs, devices, oversized files, a BOM, a 5 MB line, a NUL. Every one
 ends at once with exit 1 and a file:line message; nothing hangs, nothing reads without
 limit, no traceback. Real CLI subprocesses, each under a time-out."""
+
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
 import pytest
+from reliability_support import env, run_quack, write_toy_project
 
 from quack import tomlfile
-from reliability_support import env, run_quack, write_toy_project
 
 NESTED = {
     "inline-tables": "x = " + "{a = " * 5000 + "1" + "}" * 5000 + "\n",
@@ -38,11 +39,21 @@ def test_deeply_nested_manifest(tmp_path, kind):
 
 @pytest.mark.parametrize("kind", sorted(NESTED))
 def test_deeply_nested_quack_toml_in_every_command(tmp_path, kind):
-    (tmp_path / "quack.toml").write_text("[build]\nmanifests = []\n" + NESTED[kind].replace("x =", "# x =")
-                                         + "[runtime]\n" + NESTED[kind].replace("x =", "arch ="))
+    (tmp_path / "quack.toml").write_text(
+        "[build]\nmanifests = []\n"
+        + NESTED[kind].replace("x =", "# x =")
+        + "[runtime]\n"
+        + NESTED[kind].replace("x =", "arch =")
+    )
     cfg = tmp_path / "quack.toml"
-    for cmd in (["cache", "stats"], ["cache", "stats", "--json"], ["cache", "clean"], ["build"],
-                ["verify"], ["prewarm", "--dry-run"]):
+    for cmd in (
+        ["cache", "stats"],
+        ["cache", "stats", "--json"],
+        ["cache", "clean"],
+        ["build"],
+        ["verify"],
+        ["prewarm", "--dry-run"],
+    ):
         rc, out = _cli(cmd, tmp_path)
         assert rc == 1, (cmd, out)
         assert f"{cfg}:5:" in out and "nested more than" in out, (cmd, out)
@@ -52,8 +63,11 @@ def test_fifo_and_devices_refused_at_once(tmp_path):
     write_toy_project(tmp_path)
     fifo = tmp_path / "m.fifo"
     os.mkfifo(fifo)
-    for path, kind in ((fifo, "a FIFO"), (Path("/dev/zero"), "a character device"),
-                       (tmp_path, "a directory")):
+    for path, kind in (
+        (fifo, "a FIFO"),
+        (Path("/dev/zero"), "a character device"),
+        (tmp_path, "a directory"),
+    ):
         rc, out = _cli(["build", "--dry-run", str(path)], tmp_path, timeout=30)
         assert rc == 1, out
         assert f"{path}: is {kind}" in out and "regular file" in out, out
@@ -77,7 +91,7 @@ def test_oversized_manifest_refused_without_reading_it(tmp_path):
 def test_bom_long_line_and_nul_reported_readably(tmp_path):
     write_toy_project(tmp_path)
     bom = tmp_path / "bom.toml"
-    bom.write_bytes(b"\xef\xbb\xbf[[kernel]]\nname = \"toy_scale\"\n")
+    bom.write_bytes(b'\xef\xbb\xbf[[kernel]]\nname = "toy_scale"\n')
     rc, out = _cli(["build", "--dry-run", str(bom)], tmp_path)
     assert rc == 1 and f"{bom}:1:1: starts with a UTF-8 byte-order mark (BOM)" in out, out
 
@@ -97,8 +111,12 @@ def _rel_project(d: Path, tables: int, per_table: int) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     (d / "quack.toml").write_text('[build]\nkernel_packages = ["relkernels"]\n')
     m = d / "m.toml"
-    m.write_text("".join(f'[[kernel]]\nname = "rel_copy"\nparams = {{ i = {list(range(per_table))} }}\n'
-                         for _ in range(tables)))
+    m.write_text(
+        "".join(
+            f'[[kernel]]\nname = "rel_copy"\nparams = {{ i = {list(range(per_table))} }}\n'
+            for _ in range(tables)
+        )
+    )
     return m
 
 
@@ -126,8 +144,9 @@ def test_bad_values_one_error_per_problem(tmp_path):
     a bad value is not also reported as a missing parameter."""
     write_toy_project(tmp_path)
     m = tmp_path / "bad.toml"
-    m.write_text('[[kernel]]\nname = "toy_scale"\nparams = { dtype = "int8", block = '
-                 f'{list(range(2000, 7000))} }}\n')
+    m.write_text(
+        f'[[kernel]]\nname = "toy_scale"\nparams = {{ dtype = "int8", block = {list(range(2000, 7000))} }}\n'
+    )
     rc, out = _cli(["build", "--dry-run", str(m)], tmp_path)
     assert rc == 1, out
     assert "3 problems" not in out and "missing parameter" not in out, out

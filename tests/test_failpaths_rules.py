@@ -1,17 +1,18 @@
 """Per-kernel parameter rules (quack.params.Rule, issue 9 bug 10): declared at
 registration, applied by manifest validation and at every call, before anything
 compiles, with a message naming the parameter, the value and what is allowed."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
 import relkernels
+from reliability_support import env, run_quack
+
 from quack import registry
 from quack.errors import ParamError
 from quack.params import Int, Rule
-from reliability_support import env, run_quack
 
 
 def test_rule_refuses_at_call_time_before_compiling(quack_settings, tmp_path, monkeypatch):
@@ -41,14 +42,22 @@ def test_manifest_refuses_by_rule_before_compiling(tmp_path, monkeypatch):
     is allowed and how to exclude it; one problem for many refused values; nothing built."""
     (tmp_path / "quack.toml").write_text('[build]\nkernel_packages = ["relkernels"]\n')
     m = tmp_path / "r.toml"
-    m.write_text('[[kernel]]\nname = "rel_ruled"\nparams = { i = [998, 999, 1000, 1001, 1003, 1005, 1007] }\n')
+    m.write_text(
+        '[[kernel]]\nname = "rel_ruled"\nparams = { i = [998, 999, 1000, 1001, 1003, 1005, 1007] }\n'
+    )
     counter = tmp_path / "compiles"
-    r = run_quack(["build", "--cache-dir", tmp_path / "cache", str(m)], cwd=tmp_path, timeout=120,
-                  env_=env(QUACK_TEST_COUNTER=counter, QUACK_TEST_OBJ="/nonexistent"))
+    r = run_quack(
+        ["build", "--cache-dir", tmp_path / "cache", str(m)],
+        cwd=tmp_path,
+        timeout=120,
+        env_=env(QUACK_TEST_COUNTER=counter, QUACK_TEST_OBJ="/nonexistent"),
+    )
     out = r.stdout + r.stderr
     assert r.returncode == 1, out
-    assert (f"{m}:1: [[kernel]] #1 (rel_ruled): rel_ruled: i = 1001 is not allowed: i must be even from "
-            f"1000 on (a test rule); drop it from the lists or exclude it: exclude = [{{ i = 1001 }}]") in out
+    assert (
+        f"{m}:1: [[kernel]] #1 (rel_ruled): rel_ruled: i = 1001 is not allowed: i must be even from "
+        f"1000 on (a test rule); drop it from the lists or exclude it: exclude = [{{ i = 1001 }}]"
+    ) in out
     assert "1 more of its 7 combinations are refused by the kernel's rules (not listed)" in out
     assert "4 problems in the manifests; nothing was built" in out
     assert not counter.exists() and "Traceback" not in out
@@ -61,9 +70,14 @@ def test_cross_entropy_n_668_now_builds(tmp_path):
 
     (tmp_path / "quack.toml").write_text('[build]\nkernel_packages = ["quack_kernels"]\n')
     m = tmp_path / "ce.toml"
-    m.write_text('[[kernel]]\nname = "cross_entropy_fwd"\nparams = { dtype = ["bfloat16", "float16"], n = 668 }\n')
-    r = run_quack(["build", "--jobs", "2", "--json", "--cache-dir", tmp_path / "cache", str(m)], cwd=tmp_path,
-                  timeout=400)
+    m.write_text(
+        '[[kernel]]\nname = "cross_entropy_fwd"\nparams = { dtype = ["bfloat16", "float16"], n = 668 }\n'
+    )
+    r = run_quack(
+        ["build", "--jobs", "2", "--json", "--cache-dir", tmp_path / "cache", str(m)],
+        cwd=tmp_path,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert json.loads(r.stdout)["compiled"] == 2
     reg.load_packages(["quack_kernels"])

@@ -1,5 +1,6 @@
 """Run-time failure paths: prebuilt mode never compiles, whatever the cache's state;
 a failed compile is remembered per process (bugs 2 and 4 of issue 9)."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,11 @@ import sys
 import warnings
 
 import pytest
-
 import relkernels
 from conftest import use_settings
-from quack.errors import KernelNotPrebuilt
-from quack.errors import CacheWarning
 from reliability_support import env
+
+from quack.errors import CacheWarning, KernelNotPrebuilt
 
 
 @pytest.fixture
@@ -73,9 +73,14 @@ def test_first_error_line_of_a_python_failure_and_compile_error_without_ansi():
         raise TypeError("export_to_c() got an unexpected keyword argument 'object_file_path'")
     except TypeError as e:
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-    assert first_error_line(text) == "TypeError: export_to_c() got an unexpected keyword argument " \
-                                     "'object_file_path'"
-    assert first_error_line("ValueError: a\x00b " + "x" * 1000, limit=40) == "ValueError: a\\x00b " + "x" * 18 + "..."
+    assert (
+        first_error_line(text) == "TypeError: export_to_c() got an unexpected keyword argument "
+        "'object_file_path'"
+    )
+    assert (
+        first_error_line("ValueError: a\x00b " + "x" * 1000, limit=40)
+        == "ValueError: a\\x00b " + "x" * 18 + "..."
+    )
     err = CompileError("k", {"n": 1}, "sm_90a", "\x1b[91merror:\x1b[0m bad\n")
     assert err.detail == "error: bad\n" and "\x1b" not in str(err)
     assert pickle.loads(pickle.dumps(err)).detail == "error: bad\n"
@@ -115,10 +120,20 @@ print(json.dumps(out))
 def test_failed_compile_is_remembered_until_the_source_changes(tmp_path):
     """Four calls of one failing key in one process: one compile (in a worker), the same
     CompileError four times; after an edit of the kernel's source it compiles again."""
-    r = subprocess.run([sys.executable, "-c", _REMEMBER, str(tmp_path)], capture_output=True, text=True,
-                       timeout=240, cwd=str(tmp_path),
-                       env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_TEST_FAIL="5",
-                               QUACK_TEST_FAIL_COUNTER=tmp_path / "attempts", QUACK_COMPILE_JOBS=1))
+    r = subprocess.run(
+        [sys.executable, "-c", _REMEMBER, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+        env=env(
+            QUACK_CACHE_DIR=tmp_path / "cache",
+            QUACK_MODE="jit",
+            QUACK_TEST_FAIL="5",
+            QUACK_TEST_FAIL_COUNTER=tmp_path / "attempts",
+            QUACK_COMPILE_JOBS=1,
+        ),
+    )
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert (out["errors"], out["same"], out["attempts"]) == (4, True, 1), out
@@ -146,10 +161,25 @@ def test_stampede_counts_one_compile_and_the_waits(tmp_path, tmp_path_factory):
 
     obj = session_objects(tmp_path_factory)["float32"]["path"]
     cache, counter, go = tmp_path / "cache", tmp_path / "compiles", tmp_path / "go"
-    e = env(QUACK_CACHE_DIR=cache, QUACK_MODE="jit", QUACK_TEST_OBJ=obj, QUACK_TEST_COUNTER=counter,
-            QUACK_TEST_COMPILE_SLEEP=1.0, QUACK_COMPILE_JOBS=1)
-    ps = [subprocess.Popen([sys.executable, "-c", _STAMPEDE, str(go)], env=e, cwd=str(tmp_path),
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
+    e = env(
+        QUACK_CACHE_DIR=cache,
+        QUACK_MODE="jit",
+        QUACK_TEST_OBJ=obj,
+        QUACK_TEST_COUNTER=counter,
+        QUACK_TEST_COMPILE_SLEEP=1.0,
+        QUACK_COMPILE_JOBS=1,
+    )
+    ps = [
+        subprocess.Popen(
+            [sys.executable, "-c", _STAMPEDE, str(go)],
+            env=e,
+            cwd=str(tmp_path),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(8)
+    ]
     try:
         go.touch()
         outs = [p.communicate(timeout=240) for p in ps]
@@ -162,8 +192,12 @@ def test_stampede_counts_one_compile_and_the_waits(tmp_path, tmp_path_factory):
     assert sum(r["compiles"] for r in rs) == 1 and sum(r["waits"] for r in rs) == 7, rs
     assert all(r["misses"] == 1 for r in rs)
 
-    r = run_quack(["cache", "stats", "--json", "--cache-dir", cache], cwd=tmp_path, timeout=120,
-                  env_=env(QUACK_CACHE_DIR=cache))
+    r = run_quack(
+        ["cache", "stats", "--json", "--cache-dir", cache],
+        cwd=tmp_path,
+        timeout=120,
+        env_=env(QUACK_CACHE_DIR=cache),
+    )
     assert r.returncode == 0, r.stderr
     j = json.loads(r.stdout)["journal"]
     assert j["kernels"]["rel_copy"]["compiles"] == 1 and j["kernels"]["rel_copy"]["waits"] == 7
@@ -175,8 +209,9 @@ def test_prebuilt_miss_after_an_edit_names_the_older_build(quack_settings, tmp_p
     that quack build / prewarm rebuilds it."""
     from pathlib import Path
 
-    from quack.cache.store import DiskStore, EntryRef
     from reliability_support import copy_publish, session_objects
+
+    from quack.cache.store import DiskStore, EntryRef
 
     obj = Path(session_objects(tmp_path_factory)["float32"]["path"])
     spec = relkernels.rel_copy.spec

@@ -1,4 +1,5 @@
 """Per-kernel source fingerprints: an edit invalidates only what depends on it."""
+
 import importlib
 import sys
 import textwrap
@@ -16,16 +17,20 @@ def pkg(tmp_path, monkeypatch):
     (p / "__init__.py").write_text("")
     (p / "_common.py").write_text("X = 1\n")
     (p / "_other.py").write_text("Y = 1\n")
-    (p / "softmax.py").write_text(textwrap.dedent("""
+    (p / "softmax.py").write_text(
+        textwrap.dedent("""
         def compile_softmax():
             from fpkern import _common   # lazy import, as kernels do
             return _common.X
-    """))
-    (p / "rmsnorm.py").write_text(textwrap.dedent("""
+    """)
+    )
+    (p / "rmsnorm.py").write_text(
+        textwrap.dedent("""
         from . import _other
         def compile_rmsnorm():
             return _other.Y
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(root))
     yield p
     for m in [m for m in sys.modules if m.startswith("fpkern")]:
@@ -69,8 +74,11 @@ def test_toolchain_stamp_names_versions():
 
 def test_toolchain_change_moves_every_entry(monkeypatch):
     before = keys.toolchain_stamp("sm_90a")
-    monkeypatch.setattr(keys, "toolchain", lambda: {"python": "3.11", "cutlass_dsl": "4.9.0",
-                                                    "libs": "cu12", "tvm_ffi": "0.1.15"})
+    monkeypatch.setattr(
+        keys,
+        "toolchain",
+        lambda: {"python": "3.11", "cutlass_dsl": "4.9.0", "libs": "cu12", "tvm_ffi": "0.1.15"},
+    )
     assert keys.toolchain_stamp("sm_90a") != before
 
 

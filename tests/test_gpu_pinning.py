@@ -1,14 +1,15 @@
 """GPU pinning of xdist workers (quack/testing/gpus.py) and issue 16's check
 (tests/gpupin.py): CPU tests with fake GPU counts, and a GPU test that runs on a
 real multi-GPU host under xdist (skipped where it cannot apply)."""
+
 import os
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 import gpupin
+import pytest
 from conftest import requires_gpu
+
 from quack.testing import gpus
 
 pytest_plugins = ["pytester"]
@@ -43,15 +44,23 @@ def test_pin_worker_rewrites_only_the_given_env():
         assert gpus.pin_worker(auto, enabled=None, project_uses_quack=False) is None
         assert gpus.pin_worker(auto, enabled=None, project_uses_quack=True) == gpus.Pin("6", False)
         assert gpus.pin_worker({"CUDA_VISIBLE_DEVICES": "1"}, enabled=True, project_uses_quack=True) is None
-        assert gpus.pin_worker({"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": ""},
-                               enabled=True, project_uses_quack=True) is None
+        assert (
+            gpus.pin_worker(
+                {"PYTEST_XDIST_WORKER": "gw0", "CUDA_VISIBLE_DEVICES": ""},
+                enabled=True,
+                project_uses_quack=True,
+            )
+            is None
+        )
     finally:
         gpus.current = saved
 
 
 def _recs(uuids):
-    return [{"worker": f"gw{i}", "cvd": str(i), "uuid": u, "pid": 100 + i, "pinned": True,
-             "workers": len(uuids)} for i, u in enumerate(uuids)]
+    return [
+        {"worker": f"gw{i}", "cvd": str(i), "uuid": u, "pid": 100 + i, "pinned": True, "workers": len(uuids)}
+        for i, u in enumerate(uuids)
+    ]
 
 
 def test_session_check_accepts_good_pinning():
@@ -59,17 +68,17 @@ def test_session_check_accepts_good_pinning():
     assert gpupin.check(_recs(["A", "B"]), 4, 2) == []
     assert gpupin.check(_recs(["A", "B", "A", "B"]), 2, 4) == []
     assert gpupin.check(_recs(["A", "B", "C", "A", "B"]), 3, 5) == []
-    assert gpupin.check(_recs(["A"]), 2, 1) == []                       # one worker: nothing to check
+    assert gpupin.check(_recs(["A"]), 2, 1) == []  # one worker: nothing to check
     assert gpupin.check([dict(r, pinned=False) for r in _recs(["A", "A"])], 2, 2) == []
 
 
 def test_session_check_finds_bad_pinning():
     (p,) = gpupin.check(_recs(["A", "A"]), 2, 2)
     assert "2 workers share GPU A" in p and "gw0, gw1" in p
-    assert gpupin.check(_recs(["A", "A", "A", "B"]), 2, 4)              # gw1 belongs on the other GPU
-    assert gpupin.check(_recs(["A", "A", "B", "B"]), 2, 4)              # not round-robin
+    assert gpupin.check(_recs(["A", "A", "A", "B"]), 2, 4)  # gw1 belongs on the other GPU
+    assert gpupin.check(_recs(["A", "A", "B", "B"]), 2, 4)  # not round-robin
     partial = [r for r in _recs(["A", "B", "B", "A"]) if r["worker"] in ("gw0", "gw3")]
-    assert gpupin.check(partial, 2, 4)                                  # gw0, gw3 differ mod 2 yet share
+    assert gpupin.check(partial, 2, 4)  # gw0, gw3 differ mod 2 yet share
 
 
 @requires_gpu
@@ -84,6 +93,7 @@ def test_this_worker_sees_its_own_gpu():
     assert torch.cuda.device_count() == 1
     torch.zeros(1, device="cuda")  # initialises CUDA here, so this worker records its GPU
     assert str(torch.cuda.get_device_properties(0).uuid)
+
 
 _CONFTEST = """
 import os
@@ -111,15 +121,18 @@ def test_session_end_check_through_xdist(pytester, monkeypatch, same, ok):
     (fake) GPUs to the controller; a wrong assignment fails the session."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     monkeypatch.setenv("QUACK_PYTEST_GPU_PIN", "1")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(Path(__file__).parent),
-                                                      os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    )
     pytester.makeconftest(_CONFTEST.replace("{same}", same))
-    pytester.makepyfile(test_a="""
+    pytester.makepyfile(
+        test_a="""
         import pytest
         @pytest.mark.parametrize("i", range(9))
         def test_x(i):
             pass
-    """)
+    """
+    )
     r = pytester.runpytest_subprocess("-n", "3", "-p", "no:cacheprovider", timeout=300)
     out = r.stdout.str()
     assert "quack GPU pinning: 3 workers on" in out, out

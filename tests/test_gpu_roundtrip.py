@@ -1,12 +1,12 @@
 """On a GPU: a kernel compiled by a worker, loaded from the cache in a fresh
 process, runs and matches torch. Skipped without a GPU."""
+
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
 import toykernels
 from conftest import requires_gpu
 

@@ -1,4 +1,5 @@
 """quack_build.inventory (cache walk, sizes, ages) and quack_build.cubin (arch of an object), no compiles."""
+
 from __future__ import annotations
 
 import os
@@ -22,14 +23,26 @@ def _cubin(e_flags: int, abi: int) -> bytes:
 def _fatbin(*entries: tuple[int, int, bytes]) -> bytes:
     body = b""
     for kind, sm, payload in entries:
-        eh = struct.pack("<HHIQ", kind, 0x101, 72, len(payload)) + struct.pack("<IIII", 0, 0, 0x10007, sm) + bytes(72 - 32)
+        eh = (
+            struct.pack("<HHIQ", kind, 0x101, 72, len(payload))
+            + struct.pack("<IIII", 0, 0, 0x10007, sm)
+            + bytes(72 - 32)
+        )
         body += eh + payload
     return b"\x50\xed\x55\xba" + struct.pack("<HHQ", 1, 16, len(body)) + body
 
 
-@pytest.mark.parametrize("flags,abi,arch", [
-    (0x5A0D5A, 7, "sm_90a"), (0x500550, 7, "sm_80"), (0x5A055A, 7, "sm_90"),
-    (0x600640A, 8, "sm_100a"), (0x600780A, 8, "sm_120a"), (0x6006402, 8, "sm_100")])
+@pytest.mark.parametrize(
+    "flags,abi,arch",
+    [
+        (0x5A0D5A, 7, "sm_90a"),
+        (0x500550, 7, "sm_80"),
+        (0x5A055A, 7, "sm_90"),
+        (0x600640A, 8, "sm_100a"),
+        (0x600780A, 8, "sm_120a"),
+        (0x6006402, 8, "sm_100"),
+    ],
+)
 def test_decode_arch_from_embedded_cubin(flags, abi, arch):
     sm, accel = decode_e_flags(flags, abi)
     assert f"sm_{sm}{'a' if accel else ''}" == arch
@@ -74,10 +87,10 @@ def test_tmp_debris_rules():
     p.wait()
     dead = p.pid
     assert tmp_is_orphan(os.getpid(), now - 2 * 3600, now)  # old: whoever wrote it
-    assert not tmp_is_orphan(os.getpid(), now - 120, now)   # young, writer alive
-    assert tmp_is_orphan(dead, now - 120, now)              # writer dead
-    assert not tmp_is_orphan(dead, now - 5, now)            # too young to judge
-    assert tmp_is_orphan(dead, now - 5, now, grace=0)       # the caller knows it killed it
+    assert not tmp_is_orphan(os.getpid(), now - 120, now)  # young, writer alive
+    assert tmp_is_orphan(dead, now - 120, now)  # writer dead
+    assert not tmp_is_orphan(dead, now - 5, now)  # too young to judge
+    assert tmp_is_orphan(dead, now - 5, now, grace=0)  # the caller knows it killed it
 
 
 def test_human_bytes():
@@ -89,12 +102,14 @@ def test_human_bytes():
 # build, up to its flags word; its cubin's e_flags (0x6005a04, ABI 8) are the same for
 # sm_90 and sm_90a, so only the entry flags tell them apart (a verify run on the H200
 # reported every cu13 entry as "built for sm_90" before this was read).
-_CU13_ENTRY_HEAD = bytes.fromhex("0200010148000000" "1011000000000000" "0000000000000000"
-                                 "080001005a000000" "4000000007000000")
+_CU13_ENTRY_HEAD = bytes.fromhex(
+    "020001014800000010110000000000000000000000000000080001005a0000004000000007000000"
+)
 
 
-@pytest.mark.parametrize("hflags,arch", [(0x00100011, "sm_90a"), (0x00000011, "sm_90"),
-                                         (0x00200011, "sm_90f")])
+@pytest.mark.parametrize(
+    "hflags,arch", [(0x00100011, "sm_90a"), (0x00000011, "sm_90"), (0x00200011, "sm_90f")]
+)
 def test_cuda13_arch_from_fatbin_entry_flags(hflags, arch):
     cub = _cubin(0x6005A04, 8)
     head = _CU13_ENTRY_HEAD + struct.pack("<I", hflags)

@@ -1,4 +1,5 @@
 """@jit_cache end to end with real CuTe DSL compiles for sm_90a on the CPU."""
+
 import json
 import os
 import pickle
@@ -7,19 +8,20 @@ import sys
 import warnings
 
 import pytest
-
 import toykernels
-from quack import jit_cache
-from quack.errors import CompileError, KernelNotPrebuilt
-from quack.params import Int
-from quack.errors import CacheWarning
-
 from conftest import use_settings
+
+from quack import jit_cache
+from quack.errors import CacheWarning, CompileError, KernelNotPrebuilt
+from quack.params import Int
 
 
 def entry_files(cache_dir, kernel="toy_scale"):
-    return sorted(p.name.split(".", 1)[1] for p in cache_dir.rglob("*") if p.is_file()
-                  and p.parent.parent.name == kernel)
+    return sorted(
+        p.name.split(".", 1)[1]
+        for p in cache_dir.rglob("*")
+        if p.is_file() and p.parent.parent.name == kernel
+    )
 
 
 def test_miss_compiles_in_worker_then_hits(quack_settings, cache_dir):
@@ -126,8 +128,10 @@ def test_cache_disabled_compiles_in_process(quack_settings, cache_dir):
 
 
 def test_journal_records_usage(cache_dir):
-    code = ("import toykernels; toykernels.toy_scale('bfloat16', 128, False); "
-            "toykernels.toy_scale('bfloat16', 128, False)")
+    code = (
+        "import toykernels; toykernels.toy_scale('bfloat16', 128, False); "
+        "toykernels.toy_scale('bfloat16', 128, False)"
+    )
     env = dict(os.environ, QUACK_CACHE_DIR=str(cache_dir), QUACK_ARCH="sm_90a")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=300, capture_output=True)
     lines = [json.loads(x) for x in (cache_dir / "journal.jsonl").read_text().splitlines()]

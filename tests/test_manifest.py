@@ -1,16 +1,17 @@
 """Manifest parsing, validation and expansion (no compiles)."""
+
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
 
 import pytest
-
 import toykernels  # noqa: F401  (registers toy_scale)
+
 from quack import registry
+from quack.errors import ManifestError
 from quack.manifest_line import manifest_line
 from quack.params import Config, Int
-from quack.errors import ManifestError
 from quack_build.manifest import expand
 
 CORPUS = Path(__file__).parent / "data" / "manifests"
@@ -64,7 +65,9 @@ def test_several_problems_all_reported():
 
 
 def test_cross_product_exclude_include_defaults(tmp_path):
-    p = _write(tmp_path, """
+    p = _write(
+        tmp_path,
+        """
 [defaults]
 archs = ["sm_90a"]
 params = { dtype = ["float16", "bfloat16"] }
@@ -76,7 +79,8 @@ block = [64, 128]
 bias = [true, false]
 exclude = [{ block = 64, bias = true }]
 include = [{ dtype = "float32", block = 256, bias = false }]
-""")
+""",
+    )
     exp = expand([p])
     got = [(c.params["dtype"], c.params["block"], c.params["bias"], c.arch) for c in exp.configs]
     assert len(got) == 2 * 3 + 1
@@ -86,18 +90,25 @@ include = [{ dtype = "float32", block = 256, bias = false }]
 
 
 def test_keys_match_runtime_keys(tmp_path):
-    p = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\narchs = ["sm_90a", "sm_80"]\n'
-                         'params = { dtype = "bf16", block = 256 }\n')
+    p = _write(
+        tmp_path,
+        '[[kernel]]\nname = "toy_scale"\narchs = ["sm_90a", "sm_80"]\n'
+        'params = { dtype = "bf16", block = 256 }\n',
+    )
     exp = expand([p])
     assert {c.key for c in exp.configs} == {
         toykernels.toy_scale.key(dtype="bfloat16", block=256, arch="sm_90a"),
-        toykernels.toy_scale.key("bfloat16", 256, False, arch="sm_80")}
+        toykernels.toy_scale.key("bfloat16", 256, False, arch="sm_80"),
+    }
 
 
 def test_archs_precedence_and_override(tmp_path):
-    p = _write(tmp_path, '[defaults]\narchs = ["sm_80"]\n[[kernel]]\nname = "toy_scale"\n'
-                         'params = { dtype = "float16" }\n[[kernel]]\nname = "toy_scale"\narchs = "sm_100a"\n'
-                         'params = { dtype = "float32" }\n')
+    p = _write(
+        tmp_path,
+        '[defaults]\narchs = ["sm_80"]\n[[kernel]]\nname = "toy_scale"\n'
+        'params = { dtype = "float16" }\n[[kernel]]\nname = "toy_scale"\narchs = "sm_100a"\n'
+        'params = { dtype = "float32" }\n',
+    )
     assert sorted(c.arch for c in expand([p], archs=["sm_90a"]).configs) == ["sm_100a", "sm_80"]
     p2 = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = "float16" }\n', "n.toml")
     assert [c.arch for c in expand([p2], archs=["sm_90a"]).configs] == ["sm_90a"]
@@ -107,29 +118,44 @@ def test_archs_precedence_and_override(tmp_path):
 
 
 def test_duplicates_across_files_dropped(tmp_path):
-    a = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float16", "float32"] }\n', "a.toml")
-    b = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = "fp16", block = 128 }\n', "b.toml")
+    a = _write(
+        tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float16", "float32"] }\n', "a.toml"
+    )
+    b = _write(
+        tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = "fp16", block = 128 }\n', "b.toml"
+    )
     exp = expand([a, b], archs=["sm_90a"])
     assert len(exp.configs) == 2 and exp.duplicates == 1
 
 
 def test_limit_on_cross_product(tmp_path):
-    p = _write(tmp_path, '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float16", "float32"], '
-                         'block = [32, 64, 128, 256], bias = [true, false] }\n')
+    p = _write(
+        tmp_path,
+        '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float16", "float32"], '
+        "block = [32, 64, 128, 256], bias = [true, false] }\n",
+    )
     assert len(expand([p], archs=["sm_90a"]).configs) == 16
     with pytest.raises(ManifestError, match=r"16 configurations .*over the limit of 10.*--max-configs"):
         expand([p], archs=["sm_90a"], max_configs=10)
 
 
 def test_config_params_inline_tables(tmp_path):
-    p = _write(tmp_path, '[[kernel]]\nname = "mf_tiled"\n'
-                         'params = { tile = [{ m = 64, n = 128 }, { m = 128, n = 128, swizzle = true }], stages = [2, 3] }\n'
-                         'exclude = [{ tile = { m = 64, n = 128 }, stages = 3 }]\n')
+    p = _write(
+        tmp_path,
+        '[[kernel]]\nname = "mf_tiled"\n'
+        "params = { tile = [{ m = 64, n = 128 }, { m = 128, n = 128, swizzle = true }], stages = [2, 3] }\n"
+        "exclude = [{ tile = { m = 64, n = 128 }, stages = 3 }]\n",
+    )
     exp = expand([p], archs=["sm_90a"])
     assert len(exp.configs) == 3
     assert {(c.params["tile"], c.params["stages"]) for c in exp.configs} == {
-        (Tile(64, 128), 2), (Tile(128, 128, True), 2), (Tile(128, 128, True), 3)}
-    bad = _write(tmp_path, '[[kernel]]\nname = "mf_tiled"\nparams = { tile = { m = 64, k = 1 } }\n', "bad.toml")
+        (Tile(64, 128), 2),
+        (Tile(128, 128, True), 2),
+        (Tile(128, 128, True), 3),
+    }
+    bad = _write(
+        tmp_path, '[[kernel]]\nname = "mf_tiled"\nparams = { tile = { m = 64, k = 1 } }\n', "bad.toml"
+    )
     with pytest.raises(ManifestError) as ei:
         expand([bad], archs=["sm_90a"])
     assert "unknown fields ['k']" in str(ei.value) and "fields are ['m', 'n', 'swizzle']" in str(ei.value)

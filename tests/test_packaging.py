@@ -2,6 +2,7 @@
 folder kernels/, renamed so it cannot clash with Hugging Face's `kernels`), every subpackage
 of the tree is listed, and a real non-editable install sits next to Hugging Face's
 `kernels` with both importable."""
+
 from __future__ import annotations
 
 import os
@@ -53,8 +54,13 @@ def test_kernels_package_imports_itself_relatively():
 
 
 def _pip(py: Path, *args: str) -> None:
-    r = subprocess.run([str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
-                       capture_output=True, text=True, timeout=600, cwd=str(ROOT.parent))
+    r = subprocess.run(
+        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(ROOT.parent),
+    )
     assert r.returncode == 0, f"pip install {' '.join(args)} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
 
 
@@ -69,8 +75,13 @@ def test_non_editable_install_next_to_huggingface_kernels(tmp_path):
     _pip(py, "kernels")
     _pip(py, "--no-deps", str(ROOT))
     _pip(py, "numpy", "typer>=0.12", "rich>=13", "tomli-w>=1.0", "filelock>=3.20.3")
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.strip()
     code = (
         "import kernels, quack, quack_kernels\n"
         "import quack_kernels.rmsnorm, quack_kernels.softmax, quack_kernels.layernorm, "
@@ -81,8 +92,9 @@ def test_non_editable_install_next_to_huggingface_kernels(tmp_path):
         "print(kernels.__file__); print(quack_kernels.__file__); print(spec.module)\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "QUACK_CACHE_DIR")}
-    r = subprocess.run([str(py), "-c", code], capture_output=True, text=True, timeout=120,
-                       cwd=str(tmp_path), env=env)
+    r = subprocess.run(
+        [str(py), "-c", code], capture_output=True, text=True, timeout=120, cwd=str(tmp_path), env=env
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     hf_file, qk_file, module = r.stdout.split()
     assert hf_file == os.path.join(site, "kernels", "__init__.py")
@@ -92,5 +104,6 @@ def test_non_editable_install_next_to_huggingface_kernels(tmp_path):
     ours = {p.name for p in (ROOT / "kernels").glob("*.py")} - {"__init__.py"}
     assert not ours & {p.name for p in (Path(site) / "kernels").glob("*.py")}
     # PEP 561: the type markers are installed with the packages.
-    assert (Path(site) / "quack" / "py.typed").is_file() and (Path(site) / "quack_build" / "py.typed").is_file()
-
+    assert (Path(site) / "quack" / "py.typed").is_file() and (
+        Path(site) / "quack_build" / "py.typed"
+    ).is_file()

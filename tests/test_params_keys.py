@@ -1,4 +1,5 @@
 """Keys: canonical, stable across processes and hash seeds, and complete."""
+
 import dataclasses
 import json
 import os
@@ -23,9 +24,18 @@ def _k(dtype: str, n: int, flag: bool = False, tile: Tile = Tile(), mode: str = 
     raise AssertionError("never compiled here")
 
 
-SPEC = register("test_keys_kernel", _k, {"dtype": Dtype(), "n": Int(min=1, max=1 << 20), "flag": Bool(),
-                                          "tile": Config(cls=Tile), "mode": Choice(choices=("a", "b")),
-                                          "eps": Float()})
+SPEC = register(
+    "test_keys_kernel",
+    _k,
+    {
+        "dtype": Dtype(),
+        "n": Int(min=1, max=1 << 20),
+        "flag": Bool(),
+        "tile": Config(cls=Tile),
+        "mode": Choice(choices=("a", "b")),
+        "eps": Float(),
+    },
+)
 
 
 def key_of(*a, arch="sm_90a", **kw):
@@ -42,9 +52,18 @@ def test_same_config_same_key_any_spelling():
     assert len(k) == 64 and int(k, 16) >= 0
 
 
-@pytest.mark.parametrize("change", [
-    dict(dtype="float16"), dict(n=4097), dict(flag=True), dict(tile=Tile(m=128)),
-    dict(tile=Tile(swizzle=True)), dict(mode="b"), dict(eps=0.25)])
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(dtype="float16"),
+        dict(n=4097),
+        dict(flag=True),
+        dict(tile=Tile(m=128)),
+        dict(tile=Tile(swizzle=True)),
+        dict(mode="b"),
+        dict(eps=0.25),
+    ],
+)
 def test_every_parameter_changes_the_key(change):
     base = dict(dtype="bfloat16", n=4096)
     assert key_of(**base) != key_of(**{**base, **change})
@@ -68,13 +87,18 @@ def test_true_is_not_one():
     assert Bool().encode(True) != Int().encode(1)
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(dtype="int8", n=1), "dtype"), (dict(dtype="bfloat16", n=0), "'n'"),
-    (dict(dtype="bfloat16", n=1, mode="c"), "mode"), (dict(dtype="bfloat16"), "missing parameter 'n'"),
-    (dict(dtype="bfloat16", n=1, nope=3), "unknown parameter 'nope'"),
-    (dict(dtype="bfloat16", n=1, tile={"q": 1}), "unknown fields"),
-    (dict(dtype="bfloat16", n=1, eps=float("nan")), "eps"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(dtype="int8", n=1), "dtype"),
+        (dict(dtype="bfloat16", n=0), "'n'"),
+        (dict(dtype="bfloat16", n=1, mode="c"), "mode"),
+        (dict(dtype="bfloat16"), "missing parameter 'n'"),
+        (dict(dtype="bfloat16", n=1, nope=3), "unknown parameter 'nope'"),
+        (dict(dtype="bfloat16", n=1, tile={"q": 1}), "unknown fields"),
+        (dict(dtype="bfloat16", n=1, eps=float("nan")), "eps"),
+    ],
+)
 def test_bad_params_name_the_parameter(bad, match):
     with pytest.raises(ParamError, match=match):
         key_of(**bad)
@@ -99,8 +123,14 @@ def test_keys_identical_across_processes_and_hash_seeds(tmp_path):
     outs = set()
     for seed, cwd in (("0", tmp_path), ("12345", "/"), ("random", tests)):
         env = dict(os.environ, PYTHONHASHSEED=seed)
-        r = subprocess.run([sys.executable, "-c", _SNIPPET.format(tests=tests)], env=env, cwd=cwd,
-                           capture_output=True, text=True, check=True)
+        r = subprocess.run(
+            [sys.executable, "-c", _SNIPPET.format(tests=tests)],
+            env=env,
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         outs.add(r.stdout.strip().splitlines()[-1])
     assert len(outs) == 1
     # Pinned value: the key format is an interface (a change must bump the layout).
@@ -111,7 +141,10 @@ def test_golden_key_is_stable():
     # Frozen on Python 3.11; the encoding uses nothing version-specific (no pickle, no
     # hash()), so 3.10 and 3.12 must give the same. A change here orphans every cache.
     enc = {"dtype": ["dtype", "bfloat16"], "n": ["int", 4096]}
-    assert keys.make_key("rmsnorm_fwd", enc, "sm_90a") == "e444a982fed3332c8bf5fd23f757aca0a5c784cb3a470133084e868ae06691ca"
+    assert (
+        keys.make_key("rmsnorm_fwd", enc, "sm_90a")
+        == "e444a982fed3332c8bf5fd23f757aca0a5c784cb3a470133084e868ae06691ca"
+    )
 
 
 _XVER = """
@@ -133,8 +166,9 @@ def _interpreters():
     for v in ("3.10", "3.12"):
         # pyenv's real interpreters (its shims refuse versions not selected).
         for exe in sorted(glob.glob(os.path.expanduser(f"~/.pyenv/versions/{v}.*/bin/python{v}")))[:1]:
-            r = subprocess.run([exe, "-c", "import sys; print(sys.version_info[:2])"],
-                               capture_output=True, text=True)
+            r = subprocess.run(
+                [exe, "-c", "import sys; print(sys.version_info[:2])"], capture_output=True, text=True
+            )
             if r.returncode == 0:
                 found.append(exe)
     return found

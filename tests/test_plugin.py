@@ -1,15 +1,15 @@
 """The pytest plugin, end to end in pytester subprocesses with real CPU compiles
 of the toy kernels: --async-compile single-process and under xdist (load and
 worksteal), the fault cases, OOM retry, strict prebuilt mode, the integrity check."""
+
 import re
 
 import pytest
-
 import toykernels
 
 pytest_plugins = ["pytester"]
 
-SUITE = r'''
+SUITE = r"""
 import os
 import pytest
 import toykernels, poolkernels
@@ -57,7 +57,7 @@ def test_oom_once():
     if not os.path.exists(marker):
         open(marker, "w").close()
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-'''
+"""
 
 
 @pytest.fixture
@@ -71,26 +71,41 @@ def run_env(pytester, tmp_path, monkeypatch):
     return qt
 
 
-@pytest.mark.parametrize("xdist", [[], ["-n", "2"], ["-n", "2", "--dist", "worksteal"]],
-                         ids=["single", "xdist-load", "xdist-worksteal"])
+@pytest.mark.parametrize(
+    "xdist",
+    [[], ["-n", "2"], ["-n", "2", "--dist", "worksteal"]],
+    ids=["single", "xdist-load", "xdist-worksteal"],
+)
 def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdist):
     pytester.makepyfile(test_suite=SUITE)
-    r = pytester.runpytest_subprocess("--async-compile=2", "-rA", "-p", "no:cacheprovider", *xdist,
-                                      timeout=600)
+    r = pytester.runpytest_subprocess(
+        "--async-compile=2", "-rA", "-p", "no:cacheprovider", *xdist, timeout=600
+    )
     out = r.stdout.str()
     r.assert_outcomes(passed=7, failed=2)
     # One real outcome per test: every test name appears once in the -rA summary.
-    for name in ("test_setup_phase", "test_call_phase", "test_same_key_again", "test_swallows_exceptions",
-                 "test_no_kernel", "test_compile_error", "test_worker_killed", "test_wedged_then_sync",
-                 "test_oom_once"):
+    for name in (
+        "test_setup_phase",
+        "test_call_phase",
+        "test_same_key_again",
+        "test_swallows_exceptions",
+        "test_no_kernel",
+        "test_compile_error",
+        "test_worker_killed",
+        "test_wedged_then_sync",
+        "test_oom_once",
+    ):
         assert len(re.findall(rf"^(PASSED|FAILED|ERROR) test_suite.py::{name}\b", out, re.M)) == 1, name
     assert re.search(r"^FAILED test_suite.py::test_compile_error - quack.errors.CompileError", out, re.M)
     assert "deliberate compile failure" in out
     assert re.search(r"^FAILED test_suite.py::test_worker_killed - quack.errors.CompileError", out, re.M)
     assert re.search(r"compile worker pid \d+ killed by SIGKILL while compiling", out)
     assert (run_env / "setup_body").read_text() == "x", "the body ran on a half-built fixture"
-    m = re.search(r"quack: (\d+) keys submitted \((\d+) compiled, [\d.]+ s compile\), (\d+) failed, "
-                  r"(\d+) deferrals(.*)", out)
+    m = re.search(
+        r"quack: (\d+) keys submitted \((\d+) compiled, [\d.]+ s compile\), (\d+) failed, "
+        r"(\d+) deferrals(.*)",
+        out,
+    )
     assert m, out[-3000:]
     submitted, compiled, failed, deferrals = map(int, m.groups()[:4])
     assert submitted >= 6 and failed >= 2 and deferrals >= 6
@@ -100,7 +115,8 @@ def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdis
 
 
 def test_warm_rerun_defers_nothing(pytester, run_env):
-    pytester.makepyfile(test_ok="""
+    pytester.makepyfile(
+        test_ok="""
         import toykernels
         from quack import settings
         def test_a():
@@ -112,7 +128,8 @@ def test_warm_rerun_defers_nothing(pytester, run_env):
                 assert callable(toykernels.toy_scale("float32", 352, False))
             finally:
                 settings.set_current(saved)
-    """)
+    """
+    )
     r1 = pytester.runpytest_subprocess("--async-compile", "-p", "no:cacheprovider", timeout=300)
     r1.assert_outcomes(passed=2)
     assert "quack: 2 keys submitted" in r1.stdout.str() and " 1 deferrals" in r1.stdout.str()
@@ -121,7 +138,7 @@ def test_warm_rerun_defers_nothing(pytester, run_env):
     assert "quack: 1 keys submitted" in r2.stdout.str() and " 0 deferrals" in r2.stdout.str()
 
 
-STRICT = r'''
+STRICT = r"""
 import pytest
 import toykernels
 from quack import settings
@@ -155,7 +172,7 @@ def test_leaves_no_settings():
 
 def test_still_strict_afterwards():
     toykernels.toy_scale("float32", 512, False)
-'''
+"""
 
 
 @pytest.mark.parametrize("how", ["flag", "env"])
@@ -186,12 +203,14 @@ def test_integrity_check_fails_a_run_with_a_lost_report(pytester, run_env):
                 _orig(self, item, reports)
         qp.Runner._log = _lossy
     """)
-    pytester.makepyfile(test_x="""
+    pytester.makepyfile(
+        test_x="""
         def test_fine():
             pass
         def test_lost():
             pass
-    """)
+    """
+    )
     r = pytester.runpytest_subprocess("--async-compile=1", "-p", "no:cacheprovider", timeout=300)
     assert r.ret == 1
     out = r.stdout.str()
@@ -202,7 +221,8 @@ def test_integrity_check_fails_a_run_with_a_lost_report(pytester, run_env):
 def test_xdist_workers_pinned_round_robin(pytester, run_env, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     monkeypatch.setenv("QUACK_PYTEST_GPU_PIN", "1")
-    pytester.makepyfile(test_pin="""
+    pytester.makepyfile(
+        test_pin="""
         import os
         import pytest
         @pytest.mark.parametrize("i", range(6))
@@ -210,7 +230,8 @@ def test_xdist_workers_pinned_round_robin(pytester, run_env, monkeypatch):
             wid = int(os.environ["PYTEST_XDIST_WORKER"][2:])
             assert os.environ["CUDA_VISIBLE_DEVICES"] == ["3", "5"][wid % 2]
             assert os.environ["QUACK_PYTEST_GPU_SHARED"] == ("1" if int(os.environ["PYTEST_XDIST_WORKER_COUNT"]) > 2 else "0")
-    """)
+    """
+    )
     r = pytester.runpytest_subprocess("-n", "3", "-p", "no:cacheprovider", timeout=300)
     r.assert_outcomes(passed=6)
 
@@ -220,7 +241,8 @@ def test_deferred_attempt_frees_what_the_test_allocated(pytester, run_env):
     # CUDA OOM: each deferred attempt's CompilePending kept its traceback, so its frame
     # and every tensor it had allocated lived until the retry. The retry must find the
     # first attempt's objects gone (gc.collect is what the OOM path does, too).
-    pytester.makepyfile(test_frames="""
+    pytester.makepyfile(
+        test_frames="""
         import gc, weakref
         import toykernels
 
@@ -236,7 +258,8 @@ def test_deferred_attempt_frees_what_the_test_allocated(pytester, run_env):
             REFS.append(weakref.ref(big))
             assert callable(toykernels.toy_scale("float32", 416, True))
             assert len(REFS) == 2  # deferred once, then passed on the retry
-    """)
+    """
+    )
     r = pytester.runpytest_subprocess("--async-compile=1", "-p", "no:cacheprovider", timeout=300)
     r.assert_outcomes(passed=1)
     assert " 1 deferrals" in r.stdout.str()

@@ -1,6 +1,7 @@
 """The plugin's parts (quack/testing/): strict mode from quack.toml, no side
 effects at import, the configured --quack-max-defers in the summary. pytester
 subprocesses with real CPU compiles of the toy kernels."""
+
 import json
 import os
 import subprocess
@@ -23,7 +24,8 @@ def test_quack_toml_prebuilt_mode_turns_on_strict_mode(pytester, run_env):
     # No option, no QUACK_MODE: only [runtime] mode in quack.toml. The test swallows
     # the miss; strict mode must still fail it.
     pytester.makefile(".toml", quack='[runtime]\nmode = "prebuilt"\narch = "sm_90a"\n')
-    pytester.makepyfile(test_strict="""
+    pytester.makepyfile(
+        test_strict="""
         import toykernels
 
         def test_swallowed_miss():
@@ -31,7 +33,8 @@ def test_quack_toml_prebuilt_mode_turns_on_strict_mode(pytester, run_env):
                 toykernels.toy_scale("float32", 480, False)
             except Exception:
                 pass
-    """)
+    """
+    )
     r = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
     r.assert_outcomes(failed=1)
     assert "the test asked for a kernel that is not prebuilt" in r.stdout.str()
@@ -39,34 +42,47 @@ def test_quack_toml_prebuilt_mode_turns_on_strict_mode(pytester, run_env):
 
 def test_quack_toml_jit_mode_is_not_strict(pytester, run_env):
     pytester.makefile(".toml", quack='[runtime]\nmode = "jit"\narch = "sm_90a"\n')
-    pytester.makepyfile(test_plain="""
+    pytester.makepyfile(
+        test_plain="""
         def test_ok():
             pass
-    """)
+    """
+    )
     r = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
     r.assert_outcomes(passed=1)
 
 
 def test_importing_the_plugin_changes_no_environment(tmp_path):
-    code = ("import os, json; before = dict(os.environ); import quack.testing.plugin; "
-            "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))")
-    env = dict(os.environ, PYTEST_XDIST_WORKER="gw1", PYTEST_XDIST_WORKER_COUNT="2",
-               CUDA_VISIBLE_DEVICES="3,5", QUACK_PYTEST_GPU_PIN="1")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=str(tmp_path))
+    code = (
+        "import os, json; before = dict(os.environ); import quack.testing.plugin; "
+        "print(json.dumps({k: v for k, v in os.environ.items() if before.get(k) != v}))"
+    )
+    env = dict(
+        os.environ,
+        PYTEST_XDIST_WORKER="gw1",
+        PYTEST_XDIST_WORKER_COUNT="2",
+        CUDA_VISIBLE_DEVICES="3,5",
+        QUACK_PYTEST_GPU_PIN="1",
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path)
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {}
 
 
 def test_summary_prints_the_configured_max_defers(pytester, run_env):
-    pytester.makepyfile(test_sync="""
+    pytester.makepyfile(
+        test_sync="""
         import toykernels
 
         def test_compiles_synchronously():
             assert callable(toykernels.toy_scale("float32", 352, True))
-    """)
-    r = pytester.runpytest_subprocess("--async-compile=1", "--quack-max-defers=0", "-p",
-                                      "no:cacheprovider", timeout=300)
+    """
+    )
+    r = pytester.runpytest_subprocess(
+        "--async-compile=1", "--quack-max-defers=0", "-p", "no:cacheprovider", timeout=300
+    )
     r.assert_outcomes(passed=1)
     out = r.stdout.str()
     assert "1 synchronous after 0 deferrals" in out, out

@@ -1,6 +1,7 @@
 """The compile pool with real CuTe DSL compiles on the CPU: parallel compiles,
 stats, prewarm, and the fault rules (compile error, killed worker, wedged
 compile, a key locked by another process)."""
+
 import os
 import random
 import signal
@@ -9,16 +10,15 @@ import sys
 import time
 import warnings
 
-import pytest
-
 import poolkernels
+import pytest
 import toykernels
-from quack.compile import builder, pool as qpool
-from quack.errors import CompileError, CompilePending
-from quack.errors import CacheWarning
-from quack.cache.store import DiskStore
-
 from conftest import use_settings
+
+from quack.cache.store import DiskStore
+from quack.compile import builder
+from quack.compile import pool as qpool
+from quack.errors import CacheWarning, CompileError, CompilePending
 
 
 def _tag() -> int:

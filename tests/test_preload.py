@@ -2,6 +2,7 @@
 compile, seconds) ignores Ctrl-C like the forkserver itself does afterwards: a Ctrl-C of
 `quack build` reaching the process group in that window must not kill it with a
 KeyboardInterrupt traceback (the build decides what happens)."""
+
 from __future__ import annotations
 
 import signal
@@ -9,13 +10,17 @@ import subprocess
 import sys
 import time
 
-CHILD = ("import sys, time\nprint('importing', flush=True)\nt = time.monotonic()\n"
-         "import quack.compile._preload\n"
-         "print('done', round(time.monotonic() - t, 1), flush=True)\n")
+CHILD = (
+    "import sys, time\nprint('importing', flush=True)\nt = time.monotonic()\n"
+    "import quack.compile._preload\n"
+    "print('done', round(time.monotonic() - t, 1), flush=True)\n"
+)
 
 
 def test_ctrl_c_during_the_forkserver_preload_is_ignored():
-    p = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     try:
         assert p.stdout.readline().strip() == "importing"
         time.sleep(0.5)  # inside the preload: the compiler import alone takes longer

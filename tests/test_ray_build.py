@@ -4,6 +4,7 @@ on 127.0.0.1, one CPU each), started once for this module. The builds run as rea
 driver, as a user's would); compiles are real CuTe DSL compiles for sm_90a on CPU.
 Counts and contents are asserted; the one time bound is the issue's (unreachable
 address: an error within 10 s)."""
+
 from __future__ import annotations
 
 import hashlib
@@ -17,13 +18,13 @@ import time
 from pathlib import Path
 
 import pytest
+from test_cli_build import quack_sub, sub_env, write_project
 from typer.testing import CliRunner
 
 from quack import settings
 from quack.cache import keys
-from quack.compile import builder
 from quack.cache.store import DiskStore
-from test_cli_build import quack_sub, sub_env, write_project
+from quack.compile import builder
 
 # Ray rewrites a 127.0.0.1 address to the host's outward IP (where our loopback-only test
 # cluster does not listen) unless multi-host clusters are off: off for this process (set
@@ -36,7 +37,7 @@ ROOT = TESTS.parent
 
 # A kernel that marks when (and in which process) its compile starts, then takes a
 # few seconds: time to kill or interrupt the actor compiling it.
-SLOW_PKG = '''
+SLOW_PKG = """
 import os
 import time
 
@@ -53,7 +54,7 @@ def qrt_slow(n: int):
     import toykernels
 
     return toykernels.toy_scale.raw("float16", 32 * (n + 1), False)
-'''
+"""
 
 SLOW_MANIFEST = """
 [[kernel]]
@@ -75,9 +76,16 @@ def ray_cluster():
     from ray.cluster_utils import Cluster
 
     client_port = _free_port()
-    c = Cluster(initialize_head=True, connect=False,
-                head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                                "ray_client_server_port": client_port})
+    c = Cluster(
+        initialize_head=True,
+        connect=False,
+        head_node_args={
+            "num_cpus": 1,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+            "ray_client_server_port": client_port,
+        },
+    )
     try:
         c.add_node(num_cpus=1, node_ip_address="127.0.0.1")
         yield {"gcs": c.address, "client": f"ray://127.0.0.1:{client_port}"}
@@ -132,6 +140,7 @@ def entries(cache: Path, kernel: str = "*") -> list[Path]:
 
 # --- the default manifest, bit for bit ---------------------------------------------------------
 
+
 def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_path):
     cache = tmp_path / "cache"
     env = sub_env(cache)
@@ -170,18 +179,27 @@ def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_pat
     for ref in refs:
         mine, theirs = ray_store.lookup(ref), ref_store.lookup(ref)
         assert mine is not None and theirs is not None, ref
-        assert hashlib.sha256(mine.obj_path.read_bytes()).digest() == \
-            hashlib.sha256(theirs.obj_path.read_bytes()).digest(), ref
+        assert (
+            hashlib.sha256(mine.obj_path.read_bytes()).digest()
+            == hashlib.sha256(theirs.obj_path.read_bytes()).digest()
+        ), ref
         assert mine.meta["executor"] == "ray" and mine.so_path is not None
     assert len(refs) == res["total"]
 
 
 # --- failures -----------------------------------------------------------------------------------
 
+
 def test_actor_killed_mid_compile_is_retried_on_another_actor(cluster, tmp_path):
     proj, marks, env = slow_project(tmp_path, sleep=3)
-    p = subprocess.Popen([sys.executable, "-m", "quack_build.cli", "build", "--executor", cluster, "--json"],
-                         cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "quack_build.cli", "build", "--executor", cluster, "--json"],
+        cwd=proj,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         first = wait_for(lambda: sorted(marks.iterdir()), timeout=240)
         assert first, "no compile started"
@@ -204,7 +222,9 @@ def test_actor_killed_mid_compile_is_retried_on_another_actor(cluster, tmp_path)
 
 def test_failing_config_exit_1_with_compiler_message_keep_going_builds_the_rest(ray_cluster, tmp_path):
     """Through Ray Client (ray://HOST:PORT) this time."""
-    proj = write_project(tmp_path / "proj", """
+    proj = write_project(
+        tmp_path / "proj",
+        """
 [[kernel]]
 name = "toy_fail"
 params = { boom = true }
@@ -212,10 +232,15 @@ params = { boom = true }
 name = "toy_scale"
 archs = ["sm_90a"]
 params = { dtype = "float32", block = [32, 64] }
-""")
+""",
+    )
     cache = tmp_path / "cache"
-    r = quack_sub(["build", "--executor", ray_cluster["client"], "--keep-going", "--json"], proj, sub_env(cache),
-                  timeout=600)
+    r = quack_sub(
+        ["build", "--executor", ray_cluster["client"], "--keep-going", "--json"],
+        proj,
+        sub_env(cache),
+        timeout=600,
+    )
     assert r.returncode == 1, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["failed"] == 1 and res["compiled"] == 2 and res["not_built"] == 0 and not res["ok"]
@@ -227,8 +252,14 @@ params = { dtype = "float32", block = [32, 64] }
 
 def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path):
     proj, marks, env = slow_project(tmp_path, sleep=60)
-    p = subprocess.Popen([sys.executable, "-m", "quack_build.cli", "build", "--executor", cluster, "-v"],
-                         cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "quack_build.cli", "build", "--executor", cluster, "-v"],
+        cwd=proj,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         started = wait_for(lambda: sorted(marks.iterdir()), timeout=240)
         assert started, "no compile started"
@@ -257,12 +288,15 @@ def test_a_cluster_build_fills_the_signed_remote_cache(cluster, tmp_path):
     signing.write_keypair("ci-1", keydir)
     (tmp_path / "team-cache").mkdir()
     remote = f"file://{tmp_path / 'team-cache'}"
-    proj = write_project(tmp_path / "proj", """
+    proj = write_project(
+        tmp_path / "proj",
+        """
 [[kernel]]
 name = "toy_scale"
 archs = ["sm_90a"]
 params = { dtype = "float32", block = [96, 160] }
-""")
+""",
+    )
 
     def env(cache: Path, write: bool) -> dict:
         e = sub_env(cache)
@@ -280,8 +314,9 @@ params = { dtype = "float32", block = [96, 160] }
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["remote_hits"] == 2 and res["compiled"] == 0
-    assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c1")) == \
-        sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c2"))
+    assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c1")) == sorted(
+        hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c2")
+    )
 
 
 def test_compile_past_the_time_out_kills_its_actor_and_fails_the_key(cluster, tmp_path):
@@ -291,8 +326,10 @@ def test_compile_past_the_time_out_kills_its_actor_and_fails_the_key(cluster, tm
     assert r.returncode == 1, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["failed"] == 2 and res["compiled"] == 0 and res["executor_stats"]["timeouts"] == 2
-    assert all("CompileTimeout: compile of qrt_slow key" in k["error"] and "still unfinished after 3 s"
-               in k["error"] for k in res["keys"]), res["keys"]
+    assert all(
+        "CompileTimeout: compile of qrt_slow key" in k["error"] and "still unfinished after 3 s" in k["error"]
+        for k in res["keys"]
+    ), res["keys"]
     pids = [int(m.name.split("-")[1]) for m in marks.iterdir()]
     assert len(pids) == 2
 
@@ -339,17 +376,26 @@ def test_unreachable_address_is_a_clear_error_within_10s(tmp_path, form):
 
 
 def test_executor_ray_from_the_setting_starts_a_local_instance_and_stops_it(tmp_path):
-    proj = write_project(tmp_path / "proj", """
+    proj = write_project(
+        tmp_path / "proj",
+        """
 [[kernel]]
 name = "toy_scale"
 archs = ["sm_90a"]
 params = { dtype = "bfloat16", block = 64 }
-""")
+""",
+    )
     env = sub_env(tmp_path / "cache")
     env["QUACK_BUILD_EXECUTOR"] = "ray"  # the setting, not the flag
     env.pop("RAY_ADDRESS", None)
-    p = subprocess.Popen([sys.executable, "-m", "quack_build.cli", "build", "-j", "1", "--json"], cwd=proj,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "quack_build.cli", "build", "-j", "1", "--json"],
+        cwd=proj,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         out, err = p.communicate(timeout=300)
     finally:

@@ -1,5 +1,6 @@
 """Issue 6, cases 6-8: stopped and killed lock holders, `quack cache clean` under load,
 many processes on one cold key and on 100 keys. Compiles are counted, never timed."""
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,12 @@ import warnings
 from pathlib import Path
 
 import pytest
-
 import relkernels  # noqa: F401 - registers rel_copy
-from quack.compile import builder
+from reliability_support import PY, QUACK, TESTS, env, session_objects
+
 from quack import registry
 from quack.cache.store import DiskStore
-from reliability_support import PY, QUACK, TESTS, env, session_objects
+from quack.compile import builder
 
 
 @pytest.fixture
@@ -31,8 +32,14 @@ def rel_ref(i: int):
 
 
 def spawn(code: str, *args, **envextra) -> subprocess.Popen:
-    return subprocess.Popen([PY, "-c", code, *map(str, args)], env=env(**envextra), cwd=str(TESTS),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [PY, "-c", code, *map(str, args)],
+        env=env(**envextra),
+        cwd=str(TESTS),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def finish(p: subprocess.Popen, timeout: float = 300):
@@ -117,8 +124,18 @@ def test_stopped_lock_holder(objs, tmp_path):
     try:
         patient = [spawn(_BUILD_WAITER, root, 7, 120, **ex) for _ in range(2)]
         hasty = spawn(_BUILD_WAITER, root, 7, 1.0, **ex)
-        jit = [spawn(_JIT_WAITER, QUACK_CACHE_DIR=root, QUACK_ARCH="sm_90a", QUACK_LOCK_TIMEOUT=1,
-                     QUACK_COMPILE_TIMEOUT=2, QUACK_COMPILE_JOBS=1, **ex) for _ in range(2)]
+        jit = [
+            spawn(
+                _JIT_WAITER,
+                QUACK_CACHE_DIR=root,
+                QUACK_ARCH="sm_90a",
+                QUACK_LOCK_TIMEOUT=1,
+                QUACK_COMPILE_TIMEOUT=2,
+                QUACK_COMPILE_JOBS=1,
+                **ex,
+            )
+            for _ in range(2)
+        ]
         h = finish(hasty)
         assert "timeout" in h and "still held" in h["timeout"], h
         for p in jit:
@@ -221,8 +238,9 @@ print(json.dumps({"compiled": compiled}))
 
 def test_eight_processes_hundred_keys_compile_count_equals_keys(objs, tmp_path):
     root, counter, go = tmp_path / "cache", tmp_path / "compiles", tmp_path / "go"
-    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter,
-              QUACK_TEST_COMPILE_SLEEP=0.01)
+    ex = dict(
+        QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter, QUACK_TEST_COMPILE_SLEEP=0.01
+    )
     ps = [spawn(_MANY, root, 100, seed, go, **ex) for seed in range(8)]
     time.sleep(1.0)
     go.touch()
@@ -252,8 +270,14 @@ def test_runtime_processes_share_compiles(objs, tmp_path):
     """The same through the runtime (@jit_cache -> compile pool -> store): 4 processes over
     12 keys, compile count equals key count, no time-outs, no warnings."""
     root, counter = tmp_path / "cache", tmp_path / "compiles"
-    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter, QUACK_CACHE_DIR=root,
-              QUACK_ARCH="sm_90a", QUACK_COMPILE_JOBS=1, QUACK_TEST_COMPILE_SLEEP=0.05)
+    ex = dict(
+        QUACK_TEST_OBJ=objs["float32"]["path"],
+        QUACK_TEST_COUNTER=counter,
+        QUACK_CACHE_DIR=root,
+        QUACK_ARCH="sm_90a",
+        QUACK_COMPILE_JOBS=1,
+        QUACK_TEST_COMPILE_SLEEP=0.05,
+    )
     ps = [spawn(_JIT_MANY, 12, seed, **ex) for seed in range(4)]
     rs = [finish(p, timeout=600) for p in ps]
     assert all(r["n"] == 12 for r in rs)
@@ -337,8 +361,14 @@ def test_clean_while_eight_processes_load_and_build(objs, tmp_path):
         rng = random.Random(3)
         while time.time() < until:
             args = rng.choice([[], ["--max-size", "100KiB"], ["--max-size", "0"], ["--older-than", "0s"]])
-            r = subprocess.run([*QUACK, "cache", "clean", "--cache-dir", str(root), *args], env=env(),
-                               capture_output=True, text=True, timeout=120, cwd=str(proj))
+            r = subprocess.run(
+                [*QUACK, "cache", "clean", "--cache-dir", str(root), *args],
+                env=env(),
+                capture_output=True,
+                text=True,
+                timeout=120,
+                cwd=str(proj),
+            )
             cleans.append((args, r.returncode))
             assert r.returncode == 0 and "Traceback" not in r.stdout + r.stderr, r.stdout + r.stderr
         assert os.stat(store.paths(held)["lock"]).st_ino == lock_ino, "a held lock file was unlinked"

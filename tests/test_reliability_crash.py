@@ -1,6 +1,7 @@
 """Issue 6, case 3: builders killed with SIGKILL at random points of an export, 60 times;
 afterwards every published entry verifies, the debris is swept (`quack cache clean`, or
 the store's own sweep), and a rebuild completes. Ctrl-C (SIGINT) of `quack build` too."""
+
 from __future__ import annotations
 
 import hashlib
@@ -15,11 +16,10 @@ import warnings
 from pathlib import Path
 
 import pytest
+from reliability_support import PY, QUACK, TESTS, debris, env, session_objects, write_toy_project
 
-from quack.runtime import loader
 from quack.cache.store import DiskStore, EntryRef
-from reliability_support import (PY, QUACK, TESTS, debris, env, session_objects,
-                                 write_toy_project)
+from quack.runtime import loader
 
 KILLS = int(os.environ.get("QUACK_TEST_KILLS", "60"))
 NKEYS = 6
@@ -59,8 +59,9 @@ def backdate(root: Path, seconds: float) -> None:
 
 
 def _refs(srcfp):
-    return [EntryRef("toy_scale", hashlib.sha256(b"k%d" % i).hexdigest(), "sm_90a", srcfp)
-            for i in range(NKEYS)]
+    return [
+        EntryRef("toy_scale", hashlib.sha256(b"k%d" % i).hexdigest(), "sm_90a", srcfp) for i in range(NKEYS)
+    ]
 
 
 def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
@@ -69,12 +70,22 @@ def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
     root = tmp_path / "cache"
     store = DiskStore(root)
     rng = random.Random(1234)
-    stats = {"kills": 0, "debris_after_kill": 0, "orphan_o_after_kill": 0, "meta_present": 0,
-             "so_without_sidecar": 0}
+    stats = {
+        "kills": 0,
+        "debris_after_kill": 0,
+        "orphan_o_after_kill": 0,
+        "meta_present": 0,
+        "so_without_sidecar": 0,
+    }
     for i in range(KILLS):
-        p = subprocess.Popen([PY, "-c", _REPUBLISH, str(root), info["path"], info["srcfp"], str(NKEYS)],
-                             env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             start_new_session=True, cwd=str(TESTS))
+        p = subprocess.Popen(
+            [PY, "-c", _REPUBLISH, str(root), info["path"], info["srcfp"], str(NKEYS)],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            cwd=str(TESTS),
+        )
         assert p.stdout.readline().strip() == b"ready", p.stderr.read()
         time.sleep(rng.uniform(0.0, 0.25))
         os.killpg(p.pid, signal.SIGKILL)  # the builder and any gcc it runs
@@ -106,8 +117,14 @@ def test_sigkill_during_export_loop(tmp_path, tmp_path_factory):
     # minute (quack.cache.orphans: its pid may be reused, the file may be on a shared
     # disk): make the debris look 400 s old.
     backdate(root, 400)
-    r = subprocess.run([*QUACK, "cache", "clean", "--cache-dir", str(root)], env=env(),
-                       capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    r = subprocess.run(
+        [*QUACK, "cache", "clean", "--cache-dir", str(root)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stdout + r.stderr
     assert debris(root) == [], debris(root)
@@ -161,9 +178,14 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
     results = []
     rng = random.Random(7)
     for _attempt in range(3):
-        p = subprocess.Popen([*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)],
-                             env=env(PYTHONUNBUFFERED="1"), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, cwd=str(tmp_path), start_new_session=True)
+        p = subprocess.Popen(
+            [*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)],
+            env=env(PYTHONUNBUFFERED="1"),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=str(tmp_path),
+            start_new_session=True,
+        )
         # Mid-compile, whatever the machine's speed: shortly after the first key lands
         # (a fixed sleep let a fast build finish first), or after 120 s regardless.
         lines: list[bytes] = []
@@ -186,7 +208,9 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
             os.killpg(p.pid, signal.SIGKILL)
             p.wait(timeout=60)
             reader.join(timeout=10)
-            pytest.fail(f"quack build did not stop within 60 s of SIGINT:\n{b''.join(lines).decode()[-3000:]}")
+            pytest.fail(
+                f"quack build did not stop within 60 s of SIGINT:\n{b''.join(lines).decode()[-3000:]}"
+            )
         reader.join(timeout=30)
         text = b"".join(lines).decode(errors="replace")
         results.append(p.returncode)
@@ -201,10 +225,21 @@ params = { dtype = ["float32", "float16", "bfloat16"], block = [64, 128, 256], b
                 obj = meta.with_suffix(".o")
                 assert hashlib.sha256(obj.read_bytes()).hexdigest() == m["sha256"], meta
     backdate(root, 400)
-    subprocess.run([*QUACK, "cache", "clean", "--cache-dir", str(root)], env=env(),
-                   capture_output=True, timeout=300, cwd=str(tmp_path))
+    subprocess.run(
+        [*QUACK, "cache", "clean", "--cache-dir", str(root)],
+        env=env(),
+        capture_output=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
     assert debris(root) == []
-    r = subprocess.run([*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)], env=env(),
-                       capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    r = subprocess.run(
+        [*QUACK, "build", "--jobs", "2", "--cache-dir", str(root)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert any(rc != 0 for rc in results), "an interrupted build must exit non-zero"

@@ -1,4 +1,5 @@
 """Issue 6, cases 4-5 and durability: disk full, read-only cache, publish order, fsync switch."""
+
 from __future__ import annotations
 
 import errno
@@ -8,16 +9,24 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 import relkernels  # noqa: F401 - registers rel_copy
 import toykernels  # noqa: F401 - registers toy_scale
-from quack.compile import builder
-from quack.runtime import loader
+from reliability_support import (
+    QUACK,
+    can_mount,
+    copy_publish,
+    env,
+    run_py,
+    session_objects,
+    toy_ref,
+    write_toy_project,
+)
+
 from quack import registry, settings
-from quack.errors import CacheWriteError
 from quack.cache.store import DiskStore
-from reliability_support import (QUACK, can_mount, copy_publish, env, run_py, session_objects,
-                                 toy_ref, write_toy_project)
+from quack.compile import builder
+from quack.errors import CacheWriteError
+from quack.runtime import loader
 
 
 @pytest.fixture
@@ -35,6 +44,7 @@ def entry_files(root: Path) -> list[str]:
 
 
 # --- 4. disk full ---------------------------------------------------------------------
+
 
 def test_enospc_during_export_names_cache_and_leaves_nothing(objs, tmp_path, monkeypatch):
     monkeypatch.setenv("QUACK_TEST_OBJ", objs["float32"]["path"])
@@ -120,8 +130,10 @@ print(json.dumps({"callable": callable(fn), "how": u["how"], "warnings": [str(x.
 """
 
 
-@pytest.mark.skipif(not can_mount(), reason="needs root with mount (a real tmpfs); the injected "
-                    "ENOSPC tests above cover the logic")
+@pytest.mark.skipif(
+    not can_mount(),
+    reason="needs root with mount (a real tmpfs); the injected ENOSPC tests above cover the logic",
+)
 def test_real_full_tmpfs(tmp_path):
     """A real full file system (tmpfs): too small for the .o (12k), big enough for the .o but
     not its metadata (16k). Clear error naming the cache, nothing left; after growing it the
@@ -131,12 +143,21 @@ def test_real_full_tmpfs(tmp_path):
         for size in ("12k", "16k", "12k"):
             m = tmp_path / f"mnt{len(mnts)}_{size}"
             m.mkdir()
-            subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(m)],
-                           check=True)
+            subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(m)], check=True
+            )
             mnts.append(m)
-        r = run_py(_TMPFS_BUILD + "", timeout=300) if False else subprocess.run(
-            [os.sys.executable, "-c", _TMPFS_BUILD, str(mnts[0]), str(mnts[1])], env=env(),
-            capture_output=True, text=True, timeout=300)
+        r = (
+            run_py(_TMPFS_BUILD + "", timeout=300)
+            if False
+            else subprocess.run(
+                [os.sys.executable, "-c", _TMPFS_BUILD, str(mnts[0]), str(mnts[1])],
+                env=env(),
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+        )
         assert r.returncode == 0, r.stderr
         res = json.loads(r.stdout.strip().splitlines()[-1])
         for mnt, rr in zip(mnts[:2], res[:2]):
@@ -228,13 +249,22 @@ def test_read_only_cache_build_fails_clearly(read_only_cache):
 
 def test_read_only_cache_quack_build_fails_clearly(read_only_cache, tmp_path):
     root, before = read_only_cache
-    write_toy_project(tmp_path / "proj", """
+    write_toy_project(
+        tmp_path / "proj",
+        """
 [[kernel]]
 name = "toy_scale"
 params = { dtype = ["bfloat16"], block = [32] }
-""")
-    r = subprocess.run([*QUACK, "build", "--cache-dir", str(root)], env=env(), capture_output=True,
-                       text=True, timeout=300, cwd=str(tmp_path / "proj"))
+""",
+    )
+    r = subprocess.run(
+        [*QUACK, "build", "--cache-dir", str(root)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path / "proj"),
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0 and r.returncode != 2, out
     assert "Traceback" not in out, out
@@ -243,6 +273,7 @@ params = { dtype = ["bfloat16"], block = [32] }
 
 
 # --- durability -------------------------------------------------------------------------------
+
 
 def _record(monkeypatch):
     calls = []
@@ -273,13 +304,34 @@ def test_publish_durability_order(objs, tmp_path, monkeypatch):
     for c in calls:
         if c[0] == "fsync":
             path = c[1]
-            shape.append(("fsync", "dir" if path == d else "obj.tmp" if ".o.tmp-" in path
-                          else "meta.tmp" if ".json.tmp-" in path else path))
+            shape.append(
+                (
+                    "fsync",
+                    "dir"
+                    if path == d
+                    else "obj.tmp"
+                    if ".o.tmp-" in path
+                    else "meta.tmp"
+                    if ".json.tmp-" in path
+                    else path,
+                )
+            )
         else:
-            shape.append(("rename", "obj.tmp" if ".o.tmp-" in c[1] else "meta.tmp" if ".json.tmp-" in c[1]
-                          else c[1], Path(c[2]).suffix))
-    assert shape == [("fsync", "obj.tmp"), ("rename", "obj.tmp", ".o"), ("fsync", "dir"),
-                     ("fsync", "meta.tmp"), ("rename", "meta.tmp", ".json"), ("fsync", "dir")], shape
+            shape.append(
+                (
+                    "rename",
+                    "obj.tmp" if ".o.tmp-" in c[1] else "meta.tmp" if ".json.tmp-" in c[1] else c[1],
+                    Path(c[2]).suffix,
+                )
+            )
+    assert shape == [
+        ("fsync", "obj.tmp"),
+        ("rename", "obj.tmp", ".o"),
+        ("fsync", "dir"),
+        ("fsync", "meta.tmp"),
+        ("rename", "meta.tmp", ".json"),
+        ("fsync", "dir"),
+    ], shape
 
 
 def test_fsync_can_be_turned_off(objs, tmp_path, monkeypatch):

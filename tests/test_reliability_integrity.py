@@ -1,5 +1,6 @@
 """Issue 6, cases 1-2: a damaged or swapped .o is detected by its checksum before
 anything loads it, quarantined, rebuilt, and the next call hits. Real kernels."""
+
 from __future__ import annotations
 
 import hashlib
@@ -11,14 +12,14 @@ import warnings
 from pathlib import Path
 
 import pytest
-
 import toykernels
 from conftest import use_settings
-from quack.runtime import loader
-from quack.errors import CacheWarning
+from reliability_support import QUACK, copy_publish, env, session_objects, toy_ref, write_toy_project
+
 from quack.cache.store import DiskStore
-from reliability_support import (QUACK, copy_publish, env, session_objects, toy_ref,
-                                 write_toy_project)
+from quack.errors import CacheWarning
+from quack.runtime import loader
+
 
 @pytest.fixture
 def toy_objects(tmp_path_factory):
@@ -57,8 +58,11 @@ def guarded_loader(monkeypatch):
 
 
 def _usage(dtype):
-    (u,) = [u for u in toykernels.toy_scale.usage() if u["params"]["dtype"] == dtype
-            and u["params"]["block"] == 256]
+    (u,) = [
+        u
+        for u in toykernels.toy_scale.usage()
+        if u["params"]["dtype"] == dtype and u["params"]["block"] == 256
+    ]
     return u
 
 
@@ -72,7 +76,9 @@ def test_damaged_object_quarantined_rebuilt_then_hit(quack_settings, cache_dir, 
         damage(obj, how)
         use_settings()  # a new generation: forget this process's in-memory table
         reason = "checksum" if how == "flip" else "truncated"
-        with pytest.warns(CacheWarning, match=rf"toy_scale key [0-9a-f]{{16}} was corrupt \(object file.*{reason}"):
+        with pytest.warns(
+            CacheWarning, match=rf"toy_scale key [0-9a-f]{{16}} was corrupt \(object file.*{reason}"
+        ):
             fn = toykernels.toy_scale("float32", 256, False)
         assert callable(fn)
         u = _usage("float32")
@@ -120,8 +126,14 @@ def test_tampered_metadata_is_rejected(bad, toy_objects, tmp_path):
     elif bad == "[]":
         mp.write_text("[]")
     else:
-        meta[bad] = {"size": meta["size"] + 1, "sha256": "0" * 64, "key": "f" * 64,
-                     "kernel": "rmsnorm_fwd", "arch": "sm_100a", "format": 99}[bad]
+        meta[bad] = {
+            "size": meta["size"] + 1,
+            "sha256": "0" * 64,
+            "key": "f" * 64,
+            "kernel": "rmsnorm_fwd",
+            "arch": "sm_100a",
+            "format": 99,
+        }[bad]
         mp.write_text(json.dumps(meta))
     with pytest.warns(CacheWarning, match="was corrupt"):
         assert store.lookup(ref) is None
@@ -183,12 +195,24 @@ def test_verify_names_a_damaged_entry(how, toy_objects, tmp_path):
     store = DiskStore(cache)
     ref = toy_ref(toy_objects["float32"])
     copy_publish(store, ref, Path(toy_objects["float32"]["path"]))
-    r = subprocess.run([*QUACK, "verify", "--no-load"], env=env(QUACK_CACHE_DIR=cache),
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        [*QUACK, "verify", "--no-load"],
+        env=env(QUACK_CACHE_DIR=cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     damage(store.paths(ref)["obj"], how)
-    r = subprocess.run([*QUACK, "verify", "--no-load"], env=env(QUACK_CACHE_DIR=cache),
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    r = subprocess.run(
+        [*QUACK, "verify", "--no-load"],
+        env=env(QUACK_CACHE_DIR=cache),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
     assert "Traceback" not in out

@@ -2,6 +2,7 @@
 RemoteError with a reason) against REAL servers: redis-server, moto's S3
 server, a shared directory. Plus the failure modes: a refused port, a socket
 that never answers, a full Redis."""
+
 from __future__ import annotations
 
 import os

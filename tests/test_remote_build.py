@@ -5,6 +5,7 @@ directory. Counts are asserted; the only times asserted are the time-out bounds.
 
 One writer build of the toy manifest per module is reused by every test that
 only needs objects on a remote."""
+
 from __future__ import annotations
 
 import json
@@ -41,20 +42,28 @@ archs = ["sm_90a"]
 name = "toy_scale"
 params = { dtype = "float32", block = [32, 96] }
 """
-_REMOTE_VARS = ("QUACK_REMOTE", "QUACK_REMOTE_WRITE", "QUACK_SIGNING_KEY", "QUACK_TRUSTED_KEYS",
-                "QUACK_REMOTE_TIMEOUT", "QUACK_MODE")
+_REMOTE_VARS = (
+    "QUACK_REMOTE",
+    "QUACK_REMOTE_WRITE",
+    "QUACK_SIGNING_KEY",
+    "QUACK_TRUSTED_KEYS",
+    "QUACK_REMOTE_TIMEOUT",
+    "QUACK_MODE",
+)
 
 
 def project(d: Path, manifest: str) -> Path:
     d.mkdir(parents=True, exist_ok=True)
-    (d / "quack.toml").write_text('[build]\nkernel_packages = ["toykernels"]\nmanifests = ["m.toml"]\n'
-                                  '[runtime]\narch = "sm_90a"\n')
+    (d / "quack.toml").write_text(
+        '[build]\nkernel_packages = ["toykernels"]\nmanifests = ["m.toml"]\n[runtime]\narch = "sm_90a"\n'
+    )
     (d / "m.toml").write_text(manifest)
     return d
 
 
-def env_for(cache: Path, remote: str | None = None, *, keydir: Path | None = None, write: bool = False,
-            **extra) -> dict:
+def env_for(
+    cache: Path, remote: str | None = None, *, keydir: Path | None = None, write: bool = False, **extra
+) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in _REMOTE_VARS}
     env["QUACK_CACHE_DIR"] = str(cache)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), env.get("PYTHONPATH", "")) if p)
@@ -71,8 +80,14 @@ def env_for(cache: Path, remote: str | None = None, *, keydir: Path | None = Non
 
 
 def quack(args, cwd, env, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quack_build", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "quack_build", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def build_json(cwd, env, *args, expect_rc=0, timeout=600) -> tuple[dict, str]:
@@ -123,8 +138,13 @@ def commandstat(srv, cmd: str) -> int:
 
 def test_build_pushes_and_a_fresh_reader_compiles_nothing(toy, srv, keydir, tmp_path):
     w = toy["res"]
-    assert (w["ok"], w["compiled"], w["remote_pushed"], w["remote_hits"], w["remote_rejected"]) == \
-        (True, 6, 6, 0, 0)
+    assert (w["ok"], w["compiled"], w["remote_pushed"], w["remote_hits"], w["remote_rejected"]) == (
+        True,
+        6,
+        6,
+        0,
+        0,
+    )
     assert all(k["remote_push"] == "pushed" for k in w["keys"])
     assert len(srv.client().keys("quack/v1/*")) == 6  # db 0
     sets_before = commandstat(srv, "set")
@@ -185,18 +205,29 @@ def test_default_manifest_round_trip(backend, default_cache, srv, keydir, tmp_pa
         (tmp_path / "shared").mkdir()
         url = f"file://{tmp_path / 'shared'}"
     total = default_cache["total"]
-    r = quack(["cache", "push", "manifests/default.toml", "--json"], ROOT,
-              env_for(default_cache["cache"], url, keydir=keydir, write=True))
+    r = quack(
+        ["cache", "push", "manifests/default.toml", "--json"],
+        ROOT,
+        env_for(default_cache["cache"], url, keydir=keydir, write=True),
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     pushed = json.loads(r.stdout)
     assert (pushed["pushed"], pushed["missing"], pushed["failed"]) == (total, 0, 0)
     # A fresh machine: an empty cache builds the default manifest with zero compiles.
     res, err = build_json(ROOT, env_for(tmp_path / "fresh", url, keydir=keydir), "manifests/default.toml")
-    assert (res["ok"], res["total"], res["compiled"], res["remote_hits"], res["remote_rejected"]) == \
-        (True, total, 0, total, 0)
+    assert (res["ok"], res["total"], res["compiled"], res["remote_hits"], res["remote_rejected"]) == (
+        True,
+        total,
+        0,
+        total,
+        0,
+    )
     # And the explicit pull has nothing left to do.
-    r = quack(["cache", "pull", "manifests/default.toml", "--json"], ROOT,
-              env_for(tmp_path / "fresh", url, keydir=keydir))
+    r = quack(
+        ["cache", "pull", "manifests/default.toml", "--json"],
+        ROOT,
+        env_for(tmp_path / "fresh", url, keydir=keydir),
+    )
     assert r.returncode == 0 and json.loads(r.stdout)["local"] == total
 
 
@@ -249,12 +280,21 @@ def test_each_tampered_object_is_refused_compiled_locally_and_counted(toy, srv, 
         cases[how] = n
     res, err = build_json(toy["proj"], env_for(tmp_path / "reader", db(srv, 2), keydir=keydir))
     assert (res["ok"], res["compiled"], res["remote_hits"], res["remote_rejected"]) == (True, 6, 0, 6)
-    assert res["remote"]["rejected_by_reason"] == {"checksum": 1, "bad-signature": 1, "wrong-key": 1,
-                                                   "untrusted": 1, "size": 1, "wrong-stamp": 1}
+    assert res["remote"]["rejected_by_reason"] == {
+        "checksum": 1,
+        "bad-signature": 1,
+        "wrong-key": 1,
+        "untrusted": 1,
+        "size": 1,
+        "wrong-stamp": 1,
+    }
     assert len(warning_lines(err, "refused")) == 1
     # Nothing refused reached the local store: every entry there was compiled here.
-    metas = [json.loads(p.read_text()) for p in (tmp_path / "reader").glob("v1/*/toy_scale/*/*.json")
-             if not p.name.endswith(".so.json")]
+    metas = [
+        json.loads(p.read_text())
+        for p in (tmp_path / "reader").glob("v1/*/toy_scale/*/*.json")
+        if not p.name.endswith(".so.json")
+    ]
     assert len(metas) == 6 and not any("remote" in m for m in metas)
     r = quack(["cache", "stats", "--json"], toy["proj"], env_for(tmp_path / "reader"))
     assert json.loads(r.stdout)["remote"]["total"]["rejected"] == 6
@@ -289,8 +329,9 @@ def test_redis_stopped_mid_build(toy, keydir, tmp_path):
             remote = tier.from_settings(s_settings)
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
-                res = scheduler.run(tasks, store, jobs=2, remote=remote, settings=s_settings,
-                                    on_pulled=lambda t: s.stop())
+                res = scheduler.run(
+                    tasks, store, jobs=2, remote=remote, settings=s_settings, on_pulled=lambda t: s.stop()
+                )
             assert res.ok
             # Pulls run on a few threads: those in flight when Redis stopped may
             # have finished; every key is there, pulled or compiled.
@@ -325,8 +366,9 @@ def test_hung_redis_costs_one_time_out(keydir, tmp_path):
     one warning, one time-out (QUACK_REMOTE_TIMEOUT=1) for the whole build."""
     proj = project(tmp_path / "proj", TOY2)
     with silent_socket() as port:
-        env = env_for(tmp_path / "c", f"redis://127.0.0.1:{port}/0", keydir=keydir, write=True,
-                      QUACK_REMOTE_TIMEOUT=1)
+        env = env_for(
+            tmp_path / "c", f"redis://127.0.0.1:{port}/0", keydir=keydir, write=True, QUACK_REMOTE_TIMEOUT=1
+        )
         t0 = time.monotonic()
         res, err = build_json(proj, env)
         wall = time.monotonic() - t0
@@ -340,8 +382,9 @@ def test_refused_redis_build_succeeds_one_warning(keydir, tmp_path):
     from remote_services import free_port
 
     proj = project(tmp_path / "proj", TOY2)
-    res, err = build_json(proj, env_for(tmp_path / "c", f"redis://127.0.0.1:{free_port()}/0", keydir=keydir,
-                                        write=True))
+    res, err = build_json(
+        proj, env_for(tmp_path / "c", f"redis://127.0.0.1:{free_port()}/0", keydir=keydir, write=True)
+    )
     assert (res["ok"], res["compiled"], res["remote"]["errors"]) == (True, 2, 1)
     assert len(warning_lines(err, "unreachable")) == 1
 
@@ -357,9 +400,14 @@ def test_full_redis_push_fails_build_succeeds(keydir, tmp_path):
         assert res["remote"]["push_failed"] == 1  # then pushing stops for the process
         assert len(warning_lines(err, "full")) == 1
         assert s.client().dbsize() == 0
-    out = subprocess.run([sys.executable, "-m", "quack_build", "build", "-j", "2"], cwd=proj,
-                         env=env_for(tmp_path / "c2", "redis://127.0.0.1:9/0", keydir=keydir), text=True,
-                         capture_output=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "quack_build", "build", "-j", "2"],
+        cwd=proj,
+        env=env_for(tmp_path / "c2", "redis://127.0.0.1:9/0", keydir=keydir),
+        text=True,
+        capture_output=True,
+        timeout=600,
+    )
     assert out.returncode == 0 and "remote push failed" not in out.stdout
 
 
@@ -367,9 +415,17 @@ def test_two_writers_racing_one_object_per_key(srv, keydir, tmp_path):
     proj = project(tmp_path / "proj", TOY2)
     srv.client(db=3).flushdb()
     cmd = [sys.executable, "-m", "quack_build", "build", "-j", "1", "--json"]
-    procs = [subprocess.Popen(cmd, cwd=proj, env=env_for(tmp_path / f"c{i}", db(srv, 3), keydir=keydir,
-                                                         write=True),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=proj,
+            env=env_for(tmp_path / f"c{i}", db(srv, 3), keydir=keydir, write=True),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = []
     for p in procs:
         try:
@@ -407,8 +463,9 @@ print(json.dumps({"compiles": len(toykernels.COMPILES), "stats": jit.cache_stats
 
 def test_runtime_loads_what_ci_built_without_compiling(toy, srv, keydir, tmp_path):
     env = env_for(tmp_path / "c", db(srv, 0), keydir=keydir, QUACK_MODE="prebuilt")
-    r = subprocess.run([sys.executable, "-c", RUNTIME], cwd=toy["proj"], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", RUNTIME], cwd=toy["proj"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["compiles"] == 0 and out["stats"]["compiles"] == 0 and out["stats"]["misses"] == 1
@@ -422,8 +479,9 @@ def test_runtime_loads_what_ci_built_without_compiling(toy, srv, keydir, tmp_pat
     assert (pw["remote_hits"], pw["compiled"]) == (1, 0)
     # Remote down, prebuilt mode: the ordinary "not prebuilt" error, no crash from the remote.
     env = env_for(tmp_path / "c2", "redis://127.0.0.1:9/0", keydir=keydir, QUACK_MODE="prebuilt")
-    r = subprocess.run([sys.executable, "-c", RUNTIME], cwd=toy["proj"], env=env, capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-c", RUNTIME], cwd=toy["proj"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode != 0 and "KernelNotPrebuilt" in r.stderr and "unreachable" in r.stderr
 
 
@@ -442,5 +500,7 @@ def test_cache_push_pull_commands(toy, keydir, tmp_path):
     assert r.returncode == 0 and (json.loads(r.stdout)["pulled"], json.loads(r.stdout)["missing"]) == (6, 0)
     r = quack(["cache", "pull"], toy["proj"], env_for(tmp_path / "c", None))
     assert r.returncode == 1 and "no remote cache configured" in r.stderr
-    r = quack(["cache", "pull"], toy["proj"], env_for(tmp_path / "c3", "redis://127.0.0.1:9/0", keydir=keydir))
+    r = quack(
+        ["cache", "pull"], toy["proj"], env_for(tmp_path / "c3", "redis://127.0.0.1:9/0", keydir=keydir)
+    )
     assert r.returncode == 1 and "unreachable" in r.stdout + r.stderr

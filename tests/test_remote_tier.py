@@ -1,6 +1,7 @@
 """The signed object format and the remote tier, with real keys, a real local
 DiskStore and a real shared directory (file://) or a refused Redis port; the
 object bytes are synthetic (no compile is the point here)."""
+
 from __future__ import annotations
 
 import base64
@@ -42,8 +43,12 @@ def keyring(tmp_path):
     d = tmp_path / "keys"
     for n in ("ci-1", "evil"):
         signing.write_keypair(n, d)
-    return {"ci": signing.load_signing_key(d / "ci-1.key"), "evil": signing.load_signing_key(d / "evil.key"),
-            "trusted": signing.load_trusted_keys(str(d / "ci-1.pub")), "dir": d}
+    return {
+        "ci": signing.load_signing_key(d / "ci-1.key"),
+        "evil": signing.load_signing_key(d / "evil.key"),
+        "trusted": signing.load_trusted_keys(str(d / "ci-1.pub")),
+        "dir": d,
+    }
 
 
 DATA = bytes(range(256)) * 400  # ~100 KB "object file"
@@ -80,22 +85,42 @@ def _cases(k, r=None):
         "header-size-forged": (_tamper_header(good, size=len(DATA) - 1), "bad-signature"),
         "copied-under-another-key": (objects.pack(other, {}, DATA, k["ci"]), "wrong-key"),
         "untrusted-signer": (objects.pack(r, {}, DATA, k["evil"]), "untrusted"),
-        "signer-name-forged": (_tamper_header(objects.pack(r, {}, DATA, k["evil"]), signer="ci-1"),
-                               "bad-signature"),
+        "signer-name-forged": (
+            _tamper_header(objects.pack(r, {}, DATA, k["evil"]), signer="ci-1"),
+            "bad-signature",
+        ),
         "truncated": (good[:-1000], "size"),
         "truncated-into-header": (good[:40], "malformed"),
-        "unsigned": (objects.MAGIC + keys.canonical_json(unsigned).encode() + b"\n" + bytes(body), "unsigned"),
+        "unsigned": (
+            objects.MAGIC + keys.canonical_json(unsigned).encode() + b"\n" + bytes(body),
+            "unsigned",
+        ),
         "garbage": (b"\x00" * 64, "malformed"),
-        "other-source": (objects.pack(EntryRef(r.kernel, r.key, r.arch, "fedcba9876543210"), {}, DATA, k["ci"]),
-                         "wrong-source"),
-        "other-kernel": (objects.pack(EntryRef("toy_fail", r.key, r.arch, r.srcfp), {}, DATA, k["ci"]),
-                         "wrong-key"),
+        "other-source": (
+            objects.pack(EntryRef(r.kernel, r.key, r.arch, "fedcba9876543210"), {}, DATA, k["ci"]),
+            "wrong-source",
+        ),
+        "other-kernel": (
+            objects.pack(EntryRef("toy_fail", r.key, r.arch, r.srcfp), {}, DATA, k["ci"]),
+            "wrong-key",
+        ),
     }
 
 
-CASES = ["tampered-bytes", "tampered-header", "header-size-forged", "copied-under-another-key",
-         "untrusted-signer", "signer-name-forged", "truncated", "truncated-into-header", "unsigned", "garbage",
-         "other-source", "other-kernel"]
+CASES = [
+    "tampered-bytes",
+    "tampered-header",
+    "header-size-forged",
+    "copied-under-another-key",
+    "untrusted-signer",
+    "signer-name-forged",
+    "truncated",
+    "truncated-into-header",
+    "unsigned",
+    "garbage",
+    "other-source",
+    "other-kernel",
+]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -109,8 +134,9 @@ def test_every_tamper_is_refused(keyring, case):
 
 def test_wrong_stamp_refused(keyring, monkeypatch):
     blob = objects.pack(ref(), {}, DATA, keyring["ci"])
-    monkeypatch.setattr(keys, "toolchain", lambda: {"python": "3.99", "cutlass_dsl": "9.9", "libs": "cu99",
-                                                    "tvm_ffi": "9"})
+    monkeypatch.setattr(
+        keys, "toolchain", lambda: {"python": "3.99", "cutlass_dsl": "9.9", "libs": "cu99", "tvm_ffi": "9"}
+    )
     with pytest.raises(ObjectRejected) as e:
         objects.unpack(blob, ref(), keyring["trusted"])
     assert e.value.reason == "wrong-stamp"
@@ -139,8 +165,9 @@ def store(tmp_path):
 
 
 def make_tier(url, keyring, *, write=False):
-    return tier.RemoteTier(open_backend(url), trusted=keyring["trusted"],
-                           signer=keyring["ci"] if write else None, write=write)
+    return tier.RemoteTier(
+        open_backend(url), trusted=keyring["trusted"], signer=keyring["ci"] if write else None, write=write
+    )
 
 
 def publish_local(store, r, data=DATA):
@@ -235,8 +262,11 @@ def test_from_settings(keyring, tmp_path):
     env = {"QUACK_REMOTE": f"file://{tmp_path}", "QUACK_TRUSTED_KEYS": str(d / "ci-1.pub")}
     t = tier.from_settings(settings.resolve(env=env, cwd=tmp_path))
     assert t is not None and not t.write and t.trusted.names == ("ci-1",)
-    t = tier.from_settings(settings.resolve(env={**env, "QUACK_REMOTE_WRITE": "1",
-                                                 "QUACK_SIGNING_KEY": str(d / "ci-1.key")}, cwd=tmp_path))
+    t = tier.from_settings(
+        settings.resolve(
+            env={**env, "QUACK_REMOTE_WRITE": "1", "QUACK_SIGNING_KEY": str(d / "ci-1.key")}, cwd=tmp_path
+        )
+    )
     assert t.write and t.signer.name == "ci-1"
     with pytest.warns(tier.RemoteWarning, match="no signing key"):
         t = tier.from_settings(settings.resolve(env={**env, "QUACK_REMOTE_WRITE": "1"}, cwd=tmp_path))
@@ -261,14 +291,19 @@ def test_from_settings(keyring, tmp_path):
 def test_signature_covers_every_header_field(keyring):
     """Changing any signed field (even informative ones) breaks the signature."""
     good = objects.pack(ref(), {"a": 1}, DATA, keyring["ci"], compile_s=1.0)
-    for field, value in (("compile_s", 0.1), ("created", 1.0), ("format", 2), ("arch", "sm_100a"),
-                         ("sha256", "0" * 64)):
+    for field, value in (
+        ("compile_s", 0.1),
+        ("created", 1.0),
+        ("format", 2),
+        ("arch", "sm_100a"),
+        ("sha256", "0" * 64),
+    ):
         with pytest.raises(ObjectRejected) as e:
             objects.unpack(_tamper_header(good, **{field: value}), ref(), keyring["trusted"])
         assert e.value.reason == "bad-signature", field
     sig = objects.parse_header(good)[0]["signature"]
     assert len(base64.b64decode(sig)) == 64
-    assert json.loads(good[len(objects.MAGIC):good.index(b"\n", len(objects.MAGIC))])["signer"] == "ci-1"
+    assert json.loads(good[len(objects.MAGIC) : good.index(b"\n", len(objects.MAGIC))])["signer"] == "ci-1"
 
 
 def test_summary_table_shows_the_remote():
@@ -280,14 +315,34 @@ def test_summary_table_shows_the_remote():
     from quack_build import display
     from quack_build.scheduler import BuildResult
 
-    res = BuildResult([], 2, remote_url="redis://h:6379/0", remote_offline=True,
-                      remote={"pushed": 3, "push_exists": 1, "rejected": 2, "push_failed": 1, "errors": 1,
-                              "rejected_by_reason": {"checksum": 1, "untrusted": 1}})
+    res = BuildResult(
+        [],
+        2,
+        remote_url="redis://h:6379/0",
+        remote_offline=True,
+        remote={
+            "pushed": 3,
+            "push_exists": 1,
+            "rejected": 2,
+            "push_failed": 1,
+            "errors": 1,
+            "rejected_by_reason": {"checksum": 1, "untrusted": 1},
+        },
+    )
     con = Console(file=io.StringIO(), width=200)
     display.print_summary(con, res)
     out = con.file.getvalue()
-    for text in ("redis://h:6379/0", "(off: unreachable)", "remote hits", "remote pushed", "3 (1 already there)",
-                 "remote rejected", "2 (checksum 1, untrusted 1)", "remote push failed", "remote errors"):
+    for text in (
+        "redis://h:6379/0",
+        "(off: unreachable)",
+        "remote hits",
+        "remote pushed",
+        "3 (1 already there)",
+        "remote rejected",
+        "2 (checksum 1, untrusted 1)",
+        "remote push failed",
+        "remote errors",
+    ):
         assert text in out, text
     js = res.to_json()
     assert (js["remote_hits"], js["remote_pushed"], js["remote_rejected"]) == (0, 3, 2)

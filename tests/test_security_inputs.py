@@ -1,5 +1,6 @@
 """Issue 6, cases 12-13: malformed quack.toml files and manifests, and malformed CLI usage.
 Each is refused with a message naming the file and the problem, never a traceback, fast."""
+
 from __future__ import annotations
 
 import shutil
@@ -8,10 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+from reliability_support import QUACK, TESTS, env, write_toy_project
 
 from quack import settings
 from quack.errors import SettingsError
-from reliability_support import QUACK, TESTS, env, write_toy_project
 
 CONFIGS = sorted((TESTS / "data" / "config").glob("*.toml"))
 MANIFESTS = sorted((TESTS / "data" / "manifests").glob("*.toml"))
@@ -45,8 +46,15 @@ def test_bad_config_names_file_and_problem(path, tmp_path):
 
 def _cli(args, cwd, timeout=60):
     t = time.perf_counter()
-    r = subprocess.run([*QUACK, *args], env=env(QUACK_CACHE_DIR=cwd / "cache"), capture_output=True,
-                       text=True, errors="replace", timeout=timeout, cwd=str(cwd))
+    r = subprocess.run(
+        [*QUACK, *args],
+        env=env(QUACK_CACHE_DIR=cwd / "cache"),
+        capture_output=True,
+        text=True,
+        errors="replace",
+        timeout=timeout,
+        cwd=str(cwd),
+    )
     return r, time.perf_counter() - t, r.stdout + r.stderr
 
 
@@ -63,16 +71,19 @@ def test_bad_config_through_cli(path, tmp_path):
 
 
 _GENERATED = {
-    "duplicate_tables": "[defaults]\narchs = [\"sm_90a\"]\n[defaults]\narchs = [\"sm_100a\"]\n",
+    "duplicate_tables": '[defaults]\narchs = ["sm_90a"]\n[defaults]\narchs = ["sm_100a"]\n',
     "binary_garbage": b"\x00\x01ELF\xff\xfe" + bytes(range(256)) * 8,
-    "enormous_cross_product": ("[[kernel]]\nname = \"toy_scale\"\narchs = [\"sm_90a\", \"sm_100a\"]\n"
-                               "params = { dtype = [\"float32\", \"float16\", \"bfloat16\"], block = ["
-                               + ", ".join(map(str, range(32, 1025))) + "], bias = [true, false] }\n"),
-    "empty_cross_product": "[[kernel]]\nname = \"toy_scale\"\nparams = { dtype = [], block = [128] }\n",
-    "unsupported_dtype": "[[kernel]]\nname = \"toy_scale\"\nparams = { dtype = [\"float8\"] }\n",
-    "unknown_param": "[[kernel]]\nname = \"toy_scale\"\nparams = { dtype = [\"float32\"], warp = [4] }\n",
-    "unknown_kernel": "[[kernel]]\nname = \"no_such_kernel\"\nparams = { dtype = [\"float32\"] }\n",
-    "wrong_type": "[[kernel]]\nname = \"toy_scale\"\nparams = { dtype = [\"float32\"], block = [\"big\"] }\n",
+    "enormous_cross_product": (
+        '[[kernel]]\nname = "toy_scale"\narchs = ["sm_90a", "sm_100a"]\n'
+        'params = { dtype = ["float32", "float16", "bfloat16"], block = ['
+        + ", ".join(map(str, range(32, 1025)))
+        + "], bias = [true, false] }\n"
+    ),
+    "empty_cross_product": '[[kernel]]\nname = "toy_scale"\nparams = { dtype = [], block = [128] }\n',
+    "unsupported_dtype": '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float8"] }\n',
+    "unknown_param": '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float32"], warp = [4] }\n',
+    "unknown_kernel": '[[kernel]]\nname = "no_such_kernel"\nparams = { dtype = ["float32"] }\n',
+    "wrong_type": '[[kernel]]\nname = "toy_scale"\nparams = { dtype = ["float32"], block = ["big"] }\n',
 }
 
 

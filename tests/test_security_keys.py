@@ -1,6 +1,7 @@
 """Issue 6, case 11: key completeness. Everything that changes the binary changes where
 its entry lives; keys are identical across processes, hash seeds, start methods and
 working directories; a cache filled for sm_90a is a miss for sm_100a, never a wrong load."""
+
 from __future__ import annotations
 
 import json
@@ -9,15 +10,14 @@ import warnings
 from pathlib import Path
 
 import pytest
-
 import toykernels  # noqa: F401 - registers toy_scale
-from quack.compile import builder
-from quack.cache import keys
-from quack import registry
-from quack.errors import ParamError
-from quack.errors import CacheWarning
-from quack.cache.store import DiskStore
 from reliability_support import PY, TESTS, copy_publish, env, session_objects, toy_ref
+
+from quack import registry
+from quack.cache import keys
+from quack.cache.store import DiskStore
+from quack.compile import builder
+from quack.errors import CacheWarning, ParamError
 
 
 @pytest.fixture
@@ -33,8 +33,9 @@ def filled(objs, tmp_path):
     return store, ref, objs["float32"]
 
 
-@pytest.mark.parametrize("field,value", [("cutlass_dsl", "4.8.2"), ("tvm_ffi", "0.1.16"), ("libs", "cu13"),
-                                         ("python", "3.12")])
+@pytest.mark.parametrize(
+    "field,value", [("cutlass_dsl", "4.8.2"), ("tvm_ffi", "0.1.16"), ("libs", "cu13"), ("python", "3.12")]
+)
 def test_toolchain_change_is_a_miss(field, value, filled, monkeypatch):
     store, ref, _ = filled
     assert store.lookup(ref) is not None
@@ -46,8 +47,9 @@ def test_toolchain_change_is_a_miss(field, value, filled, monkeypatch):
         assert store.lookup(ref) is None  # another stamp directory: a plain miss
 
 
-@pytest.mark.parametrize("change", [{"dtype": "float16"}, {"dtype": "bfloat16"}, {"block": 64},
-                                    {"block": 129}, {"bias": True}])
+@pytest.mark.parametrize(
+    "change", [{"dtype": "float16"}, {"dtype": "bfloat16"}, {"block": 64}, {"block": 129}, {"bias": True}]
+)
 def test_each_compile_option_changes_the_key(change, filled):
     store, ref, info = filled
     spec = registry.get("toy_scale")
@@ -94,8 +96,14 @@ def test_keys_identical_across_seeds_start_methods_and_cwds(tmp_path):
     script.write_text(_KEYS)
     results = []
     for seed, cwd in (("0", TESTS), ("12345", tmp_path), ("random", Path("/"))):
-        r = subprocess.run([PY, str(script)], env=env(PYTHONHASHSEED=seed), capture_output=True, text=True,
-                           timeout=300, cwd=str(cwd))
+        r = subprocess.run(
+            [PY, str(script)],
+            env=env(PYTHONHASHSEED=seed),
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=str(cwd),
+        )
         assert r.returncode == 0, r.stderr
         results.append(json.loads(r.stdout.strip().splitlines()[-1]))
     flat = [tuple(v) for res in results for v in res.values()]
@@ -129,14 +137,28 @@ def test_sm90a_entry_planted_under_sm100a_is_never_loaded(filled):
 
 def test_runtime_for_sm100a_on_sm90a_cache_is_a_prebuilt_miss(filled):
     store, ref, info = filled
-    code = ("import toykernels\nfrom quack.errors import KernelNotPrebuilt\n"
-            "try:\n    toykernels.toy_scale('float32', 128, False)\n    print('LOADED')\n"
-            "except KernelNotPrebuilt as e:\n    print('MISS', e.arch)\n")
-    r90 = subprocess.run([PY, "-c", code], env=env(QUACK_CACHE_DIR=store.root, QUACK_ARCH="sm_90a",
-                                                   QUACK_MODE="prebuilt"),
-                         capture_output=True, text=True, timeout=300, cwd=str(TESTS))
-    r100 = subprocess.run([PY, "-c", code], env=env(QUACK_CACHE_DIR=store.root, QUACK_ARCH="sm_100a",
-                                                    CUTE_DSL_ARCH="sm_100a", QUACK_MODE="prebuilt"),
-                          capture_output=True, text=True, timeout=300, cwd=str(TESTS))
+    code = (
+        "import toykernels\nfrom quack.errors import KernelNotPrebuilt\n"
+        "try:\n    toykernels.toy_scale('float32', 128, False)\n    print('LOADED')\n"
+        "except KernelNotPrebuilt as e:\n    print('MISS', e.arch)\n"
+    )
+    r90 = subprocess.run(
+        [PY, "-c", code],
+        env=env(QUACK_CACHE_DIR=store.root, QUACK_ARCH="sm_90a", QUACK_MODE="prebuilt"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(TESTS),
+    )
+    r100 = subprocess.run(
+        [PY, "-c", code],
+        env=env(
+            QUACK_CACHE_DIR=store.root, QUACK_ARCH="sm_100a", CUTE_DSL_ARCH="sm_100a", QUACK_MODE="prebuilt"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(TESTS),
+    )
     assert r90.stdout.strip() == "LOADED", r90.stderr
     assert r100.stdout.strip() == "MISS sm_100a", r100.stderr

@@ -1,6 +1,7 @@
 """Issue 6, cases 9-10: symlinks planted anywhere in the cache are refused (O_NOFOLLOW /
 lstat) and their targets stay untouched; unsafe cache roots are refused with a fix;
 hostile kernel names, parameters and manifest entries never leave the cache root."""
+
 from __future__ import annotations
 
 import hashlib
@@ -14,18 +15,25 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 import relkernels  # noqa: F401 - registers rel_copy
 import toykernels  # noqa: F401 - registers toy_scale
-from quack.compile import builder
-from quack.cache import fsutil
-from quack.runtime import loader
+from reliability_support import (
+    QUACK,
+    ROOT,
+    copy_publish,
+    env,
+    run_py,
+    session_objects,
+    toy_ref,
+    write_toy_project,
+)
+
 from quack import registry, settings
-from quack.errors import CacheError, ParamError, SettingsError, UnknownKernel
-from quack.errors import CacheWarning, CacheWriteError
+from quack.cache import fsutil
 from quack.cache.store import DiskStore, EntryRef
-from reliability_support import (QUACK, ROOT, copy_publish, env, run_py, session_objects, toy_ref,
-                                 write_toy_project)
+from quack.compile import builder
+from quack.errors import CacheError, CacheWarning, CacheWriteError, ParamError, SettingsError, UnknownKernel
+from quack.runtime import loader
 
 
 @pytest.fixture
@@ -38,9 +46,11 @@ def snapshot(d: Path) -> dict:
     out = {}
     for p in sorted(Path(d).rglob("*")):
         st = os.lstat(p)
-        out[str(p.relative_to(d))] = (stat.S_IFMT(st.st_mode), st.st_mode & 0o7777,
-                                      hashlib.sha256(p.read_bytes()).hexdigest()
-                                      if stat.S_ISREG(st.st_mode) else None)
+        out[str(p.relative_to(d))] = (
+            stat.S_IFMT(st.st_mode),
+            st.st_mode & 0o7777,
+            hashlib.sha256(p.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else None,
+        )
     return out
 
 
@@ -54,6 +64,7 @@ def outside(objs, tmp_path):
 
 
 # --- 9. symlinks -------------------------------------------------------------------------
+
 
 def test_symlinked_cache_root_is_refused(outside, objs, tmp_path):
     link = tmp_path / "link"
@@ -75,10 +86,20 @@ def test_symlinked_directory_in_the_cache_is_refused(level, outside, objs, tmp_p
     copy_publish(store, ref, Path(objs["float32"]["path"]))
     entry_dir = store.entry_dir(ref)
     bait_dir = DiskStore(outside).entry_dir(ref)
-    victim = {"v1": root / "v1", "stamp": entry_dir.parent.parent, "kernel": entry_dir.parent,
-              "srcfp": entry_dir, "quarantine": root / "quarantine"}[level]
-    target = {"v1": outside / "v1", "stamp": bait_dir.parent.parent, "kernel": bait_dir.parent,
-              "srcfp": bait_dir, "quarantine": outside}[level]
+    victim = {
+        "v1": root / "v1",
+        "stamp": entry_dir.parent.parent,
+        "kernel": entry_dir.parent,
+        "srcfp": entry_dir,
+        "quarantine": root / "quarantine",
+    }[level]
+    target = {
+        "v1": outside / "v1",
+        "stamp": bait_dir.parent.parent,
+        "kernel": bait_dir.parent,
+        "srcfp": bait_dir,
+        "quarantine": outside,
+    }[level]
     if level == "quarantine":
         victim.mkdir(exist_ok=True)
         store.paths(ref)["obj"].write_bytes(b"corrupt")  # so that lookup wants to quarantine
@@ -186,6 +207,7 @@ def test_planted_temp_path_is_never_written_through(objs, tmp_path, monkeypatch)
 
 # --- 9. unsafe roots ----------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", [0o770, 0o707, 0o777, 0o720])
 def test_root_writable_by_others_is_refused_with_fix(mode, tmp_path):
     root = tmp_path / "cache"
@@ -223,10 +245,13 @@ def test_unsafe_root_runtime_still_runs_uncached(tmp_path):
     root = tmp_path / "cache"
     root.mkdir()
     root.chmod(0o777)
-    r = run_py("import json, warnings\nwarnings.simplefilter('always')\nimport relkernels\n"
-               "with warnings.catch_warnings(record=True) as w:\n    v = relkernels.rel_copy(5)()\n"
-               "print(json.dumps({'v': v, 'w': [str(x.message) for x in w]}))",
-               QUACK_CACHE_DIR=root, QUACK_TEST_OBJ="/nonexistent")
+    r = run_py(
+        "import json, warnings\nwarnings.simplefilter('always')\nimport relkernels\n"
+        "with warnings.catch_warnings(record=True) as w:\n    v = relkernels.rel_copy(5)()\n"
+        "print(json.dumps({'v': v, 'w': [str(x.message) for x in w]}))",
+        QUACK_CACHE_DIR=root,
+        QUACK_TEST_OBJ="/nonexistent",
+    )
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["v"] == 5 and any("chmod 700" in w for w in out["w"]), out
     assert list(root.iterdir()) == []
@@ -242,8 +267,23 @@ def test_filelock_has_the_symlink_cve_fixes():
 
 # --- 10. hostile names and values -------------------------------------------------------------------
 
-HOSTILE = ["../canary", "../../canary", "/tmp/quack-canary-abs", "a/b", "x\0y", "..", ".", "",
-           "k" * 5000, "\udcff\udcfe", "ok\n", "ok/../../canary", "C:\\canary", "~/canary", "toy_scale/.."]
+HOSTILE = [
+    "../canary",
+    "../../canary",
+    "/tmp/quack-canary-abs",
+    "a/b",
+    "x\0y",
+    "..",
+    ".",
+    "",
+    "k" * 5000,
+    "\udcff\udcfe",
+    "ok\n",
+    "ok/../../canary",
+    "C:\\canary",
+    "~/canary",
+    "toy_scale/..",
+]
 
 
 @pytest.fixture
@@ -274,7 +314,8 @@ def test_hostile_names_refused_and_stay_under_root(bad, canary, tmp_path, objs):
             spec.bind((), dict(objs["float32"]["params"], **{p: bad}))
     with pytest.raises(SettingsError):
         settings.resolve({}, env={"QUACK_ARCH": bad}, cwd=tmp_path) if bad else (_ for _ in ()).throw(
-            SettingsError("empty means unset"))
+            SettingsError("empty means unset")
+        )
     for p in root.rglob("*") if root.exists() else ():
         assert fsutil.under_root(p, root)
 
@@ -307,8 +348,15 @@ def test_hostile_manifest_entries_refused(canary, tmp_path):
     for i, data in enumerate(entries):
         m = tmp_path / f"hostile{i}.toml"
         m.write_bytes(data)
-        r = subprocess.run([*QUACK, "build", "--cache-dir", str(tmp_path / "cache"), str(m)], env=env(),
-                           capture_output=True, text=True, errors="replace", timeout=120, cwd=str(tmp_path))
+        r = subprocess.run(
+            [*QUACK, "build", "--cache-dir", str(tmp_path / "cache"), str(m)],
+            env=env(),
+            capture_output=True,
+            text=True,
+            errors="replace",
+            timeout=120,
+            cwd=str(tmp_path),
+        )
         out = r.stdout + r.stderr
         assert r.returncode not in (0,) and "Traceback" not in out, (i, out)
         assert m.name in out, (i, out)

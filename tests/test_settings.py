@@ -1,4 +1,5 @@
 """Settings precedence (CLI > env > quack.toml > default) and clear errors."""
+
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,9 @@ def test_precedence(tmp_path):
     s = settings.resolve(env={}, cwd=sub)  # found by walking up
     assert s.cache_dir == tmp_path / "from_toml"  # relative to the quack.toml
     assert (s.mode, s.arch) == ("prebuilt", "sm_80")
-    s = settings.resolve(env={"QUACK_MODE": "jit", "QUACK_CACHE_DIR": "/x/env", "CUTE_DSL_ARCH": "sm_100a"},
-                         cwd=sub)
+    s = settings.resolve(
+        env={"QUACK_MODE": "jit", "QUACK_CACHE_DIR": "/x/env", "CUTE_DSL_ARCH": "sm_100a"}, cwd=sub
+    )
     assert (s.mode, s.cache_dir, s.arch) == ("jit", Path("/x/env"), "sm_100a")
     assert s.sources["mode"] == "QUACK_MODE"
     s = settings.resolve({"mode": "prebuilt", "cache_dir": "/x/cli"}, env={"QUACK_MODE": "jit"}, cwd=sub)
@@ -46,16 +48,19 @@ def test_quack_arch_beats_cute_dsl_arch(tmp_path):
     assert s.arch == "sm_80"
 
 
-@pytest.mark.parametrize("text,match", [
-    ("[runtime]\nmode = 'fast'\n", r"runtime.mode = 'fast' is invalid"),
-    ("[runtime]\nbogus = 1\n", r"unknown key runtime.bogus; allowed in \[runtime\]"),
-    ("[nope]\nx = 1\n", r"unknown section \[nope\]"),
-    ("[cache]\nenabled = 'yes'\n", r"cache.enabled"),
-    ("[runtime]\narch = 'sm_9000'\n", r"runtime.arch"),
-    ("[build]\njobs = -1\n", r"build.jobs"),
-    ("[build]\nmanifests = 'one.toml'\n", r"list of strings"),
-    ("[runtime\nmode='jit'\n", r"TOML syntax error"),
-])
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("[runtime]\nmode = 'fast'\n", r"runtime.mode = 'fast' is invalid"),
+        ("[runtime]\nbogus = 1\n", r"unknown key runtime.bogus; allowed in \[runtime\]"),
+        ("[nope]\nx = 1\n", r"unknown section \[nope\]"),
+        ("[cache]\nenabled = 'yes'\n", r"cache.enabled"),
+        ("[runtime]\narch = 'sm_9000'\n", r"runtime.arch"),
+        ("[build]\njobs = -1\n", r"build.jobs"),
+        ("[build]\nmanifests = 'one.toml'\n", r"list of strings"),
+        ("[runtime\nmode='jit'\n", r"TOML syntax error"),
+    ],
+)
 def test_bad_config_names_file_and_key(tmp_path, text, match):
     write(tmp_path, text)
     with pytest.raises(SettingsError, match=match) as e:
@@ -69,8 +74,15 @@ def test_binary_garbage_config(tmp_path):
         settings.resolve(env={}, cwd=tmp_path)
 
 
-@pytest.mark.parametrize("var,value", [("QUACK_MODE", "sometimes"), ("QUACK_CACHE_ENABLED", "maybe"),
-                                       ("QUACK_COMPILE_JOBS", "-2"), ("QUACK_ARCH", "gpu")])
+@pytest.mark.parametrize(
+    "var,value",
+    [
+        ("QUACK_MODE", "sometimes"),
+        ("QUACK_CACHE_ENABLED", "maybe"),
+        ("QUACK_COMPILE_JOBS", "-2"),
+        ("QUACK_ARCH", "gpu"),
+    ],
+)
 def test_bad_env_names_variable(tmp_path, var, value):
     with pytest.raises(SettingsError, match=var):
         settings.resolve(env={var: value}, cwd=tmp_path)

@@ -1,5 +1,6 @@
 """settings.override / installed, and the settings read through settings.py
 (QUACK_POOL_START, QUACK_NO_PRELOAD, QUACK_LOG, QUACK_PYTEST_GPU_PIN)."""
+
 import subprocess
 import sys
 
@@ -34,8 +35,15 @@ def test_override_restores_after_an_error(quack_settings):
     assert settings.installed() is quack_settings
 
 
-@pytest.mark.parametrize("kw,word", [({"mode": "fast"}, "mode"), ({"arch": "sm_1"}, "arch"),
-                                     ({"no_such": 1}, "no_such"), ({"pool_start": "thread"}, "pool_start")])
+@pytest.mark.parametrize(
+    "kw,word",
+    [
+        ({"mode": "fast"}, "mode"),
+        ({"arch": "sm_1"}, "arch"),
+        ({"no_such": 1}, "no_such"),
+        ({"pool_start": "thread"}, "pool_start"),
+    ],
+)
 def test_override_checks_values(quack_settings, kw, word):
     with pytest.raises(SettingsError) as e:
         with settings.override(**kw):
@@ -45,8 +53,15 @@ def test_override_checks_values(quack_settings, kw, word):
 
 
 def test_env_only_settings_are_settings(tmp_path):
-    s = settings.resolve(env={"QUACK_POOL_START": "spawn", "QUACK_NO_PRELOAD": "1", "QUACK_LOG": "INFO",
-                              "QUACK_PYTEST_GPU_PIN": "0"}, cwd=tmp_path)
+    s = settings.resolve(
+        env={
+            "QUACK_POOL_START": "spawn",
+            "QUACK_NO_PRELOAD": "1",
+            "QUACK_LOG": "INFO",
+            "QUACK_PYTEST_GPU_PIN": "0",
+        },
+        cwd=tmp_path,
+    )
     assert (s.pool_start, s.no_preload, s.log, s.pytest_gpu_pin) == ("spawn", True, "info", False)
     d = settings.resolve(env={}, cwd=tmp_path)
     assert (d.pool_start, d.no_preload, d.log, d.pytest_gpu_pin) == ("forkserver", False, "", None)
@@ -75,12 +90,14 @@ logging.getLogger("quack.pool").info("a pool event")
 """
 
 
-@pytest.mark.parametrize("level,want", [("", []), ("warning", ["a tier fallback"]),
-                                        ("info", ["a tier fallback", "a pool event"])])
+@pytest.mark.parametrize(
+    "level,want", [("", []), ("warning", ["a tier fallback"]), ("info", ["a tier fallback", "a pool event"])]
+)
 def test_quack_log_level(tmp_path, level, want):
     env = {"PATH": "/usr/bin:/bin", "QUACK_LOG": level, "HOME": str(tmp_path)}
-    r = subprocess.run([sys.executable, "-c", _LOG], env=env, capture_output=True, text=True,
-                       timeout=120, cwd=str(tmp_path))
+    r = subprocess.run(
+        [sys.executable, "-c", _LOG], env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path)
+    )
     assert r.returncode == 0, r.stderr
     got = [ln.split(": ", 1)[1] for ln in r.stderr.splitlines() if ln.startswith("quack.")]
     assert got == want, r.stderr

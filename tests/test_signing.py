@@ -1,5 +1,6 @@
 """quack.signing: Ed25519 key pairs, named Nix-style; trusted key sets; the
 signing settings; `quack keygen`. Real keys and signatures (no fakes)."""
+
 from __future__ import annotations
 
 import os
@@ -89,8 +90,9 @@ def test_directory_and_colon_list(keydir, tmp_path):
     assert t.names == ("ci-1", "dev-anna")
     # Several keys in one file, with comments.
     multi = tmp_path / "team.pub"
-    multi.write_text("# the CI fleet\n" + (keydir / "ci-1.pub").read_text() + "\n"
-                     + (keydir / "ci-2.pub").read_text())
+    multi.write_text(
+        "# the CI fleet\n" + (keydir / "ci-1.pub").read_text() + "\n" + (keydir / "ci-2.pub").read_text()
+    )
     assert signing.load_trusted_keys(str(multi)).names == ("ci-1", "ci-2")
 
 
@@ -103,13 +105,16 @@ def test_private_key_is_never_trusted_and_public_never_signs(keydir):
     assert e.value.reason == "public-as-private"
 
 
-@pytest.mark.parametrize("content, fragment", [
-    ("no colon here", "NAME:BASE64"),
-    ("ci-1:!!!notbase64", "not valid base64"),
-    ("-bad:AAAA", "invalid key name"),
-    ("ci-1:" + "QUFB", "bytes, an Ed25519 public key has 32"),
-    ("", "no key in this file"),
-])
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("no colon here", "NAME:BASE64"),
+        ("ci-1:!!!notbase64", "not valid base64"),
+        ("-bad:AAAA", "invalid key name"),
+        ("ci-1:" + "QUFB", "bytes, an Ed25519 public key has 32"),
+        ("", "no key in this file"),
+    ],
+)
 def test_malformed_public_key_files(tmp_path, content, fragment):
     p = tmp_path / "k.pub"
     p.write_text(content)
@@ -182,8 +187,10 @@ def test_signing_key_repr_hides_secret(keydir):
 
 
 def test_settings_from_environment(keydir, tmp_path):
-    env = {"QUACK_SIGNING_KEY": str(keydir / "ci-1.key"),
-           "QUACK_TRUSTED_KEYS": f"{keydir / 'ci-1.pub'}:{keydir / 'ci-2.pub'}"}
+    env = {
+        "QUACK_SIGNING_KEY": str(keydir / "ci-1.key"),
+        "QUACK_TRUSTED_KEYS": f"{keydir / 'ci-1.pub'}:{keydir / 'ci-2.pub'}",
+    }
     s = settings.resolve(env=env, cwd=tmp_path)
     assert s.signing_key == str(keydir / "ci-1.key")
     assert s.trusted_keys == (str(keydir / "ci-1.pub"), str(keydir / "ci-2.pub"))
@@ -204,12 +211,15 @@ def test_settings_from_quack_toml_relative_to_it(keydir, tmp_path):
     (proj / "sub").mkdir(parents=True)
     (proj / "quack.toml").write_text(
         f'[remote]\nsigning_key = "{os.path.relpath(keydir / "ci-1.key", proj)}"\n'
-        f'trusted_keys = ["{os.path.relpath(keydir, proj)}"]\n')
+        f'trusted_keys = ["{os.path.relpath(keydir, proj)}"]\n'
+    )
     s = settings.resolve(env={}, cwd=proj / "sub")
     assert Path(s.signing_key).resolve() == (keydir / "ci-1.key").resolve()
     assert signing.trusted_keys_from_settings(s).names == ("ci-1", "ci-2")
     # A ':'-separated string works in quack.toml too.
-    (proj / "quack.toml").write_text(f'[remote]\ntrusted_keys = "{keydir / "ci-1.pub"}:{keydir / "ci-2.pub"}"\n')
+    (proj / "quack.toml").write_text(
+        f'[remote]\ntrusted_keys = "{keydir / "ci-1.pub"}:{keydir / "ci-2.pub"}"\n'
+    )
     assert len(settings.resolve(env={}, cwd=proj).trusted_keys) == 2
     # The environment wins over quack.toml.
     s = settings.resolve(env={"QUACK_TRUSTED_KEYS": str(keydir / "ci-2.pub")}, cwd=proj)
@@ -240,8 +250,13 @@ def test_cli_keygen(tmp_path):
 
 def test_cli_keygen_console_script_in_cwd(tmp_path):
     """The installed console script, in a real process, default directory '.'."""
-    r = subprocess.run([sys.executable, "-m", "quack_build", "keygen", "ops"], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "quack_build", "keygen", "ops"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     sk = signing.load_signing_key(tmp_path / "ops.key")
     signing.load_trusted_keys(str(tmp_path / "ops.pub")).verify("ops", b"m", sk.sign(b"m"))

@@ -1,15 +1,16 @@
 """The store: atomic publish, per-key lock, verification on lookup."""
+
 import json
 import os
 import subprocess
 import sys
 
 import pytest
-
 import toykernels
+
+from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import CacheWarning
-from quack.cache.store import DiskStore
 
 SPEC = toykernels.toy_scale.spec
 
@@ -92,8 +93,16 @@ print(json.dumps({{"compiled": compiled, "sha": entry.meta["sha256"]}}))
 def test_concurrent_builders_compile_a_key_once(cache_dir):
     tests = os.path.dirname(__file__)
     code = _RACE.format(tests=tests, root=str(cache_dir))
-    procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=dict(os.environ, CUTE_DSL_ARCH="sm_90a")) for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"),
+        )
+        for _ in range(4)
+    ]
     outs = []
     for p in procs:
         out, err = p.communicate(timeout=300)

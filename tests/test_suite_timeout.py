@@ -1,5 +1,6 @@
 """The whole suite runs under a per-test time-out (pytest-timeout, pyproject.toml), so a
 future hang fails one test instead of stalling CI."""
+
 from __future__ import annotations
 
 import subprocess
@@ -12,10 +13,25 @@ def test_suite_has_a_per_test_timeout(pytestconfig):
 
 
 def test_a_hanging_test_fails_instead_of_hanging(tmp_path):
-    (tmp_path / "test_hang.py").write_text("import time\n\ndef test_hang():\n    time.sleep(3600)\n\n"
-                                           "def test_next():\n    assert True\n")
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "timeout=3",
-                        str(tmp_path / "test_hang.py")], capture_output=True, text=True, timeout=120,
-                       cwd=str(tmp_path))
+    (tmp_path / "test_hang.py").write_text(
+        "import time\n\ndef test_hang():\n    time.sleep(3600)\n\ndef test_next():\n    assert True\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "timeout=3",
+            str(tmp_path / "test_hang.py"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "1 failed, 1 passed" in r.stdout and "Timeout" in r.stdout, r.stdout

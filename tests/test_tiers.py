@@ -1,6 +1,7 @@
 """The Store contract and the runtime's lookup chain (quack.cache.contract,
 quack.runtime.tiers): unit tests with an in-memory tier, and end to end with a
 real compile served to a second cache through a DirectoryTier."""
+
 from __future__ import annotations
 
 import hashlib
@@ -8,9 +9,9 @@ import logging
 import warnings
 
 import pytest
-
 import toykernels
 from conftest import use_settings
+
 from quack import settings
 from quack.cache.contract import CORRUPT, MISSING, OK, Fetched, ReadTier, Store
 from quack.cache.dirtier import DirectoryTier
@@ -154,8 +155,11 @@ def test_tier_hit_end_to_end_loads_without_compiling(quack_settings, cache_dir, 
 
 def test_directory_tier_refuses_a_corrupt_object(quack_settings, cache_dir, tmp_path):
     toykernels.toy_scale("float16", 64, False)
-    (src,) = [p for p in cache_dir.rglob("*.o") if p.parent.parent.name == "toy_scale"
-              and '"float16"' in p.with_suffix(".json").read_text()]
+    (src,) = [
+        p
+        for p in cache_dir.rglob("*.o")
+        if p.parent.parent.name == "toy_scale" and '"float16"' in p.with_suffix(".json").read_text()
+    ]
     data = bytearray(src.read_bytes())
     data[len(data) // 2] ^= 0xFF
     src.write_bytes(bytes(data))

@@ -2,6 +2,7 @@
 out as a project, `quack build` compiles its manifest for real (sm_90a, on CPU), `quack
 verify` loads every entry in a fresh process, and prebuilt mode loads the kernel, refuses
 a configuration that was not built and one its rule forbids."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,12 @@ print(json.dumps(out))
 
 def test_writing_kernels_example_builds_and_loads(tmp_path):
     files = {m.group("path"): m.group("body") for m in BLOCK.finditer(DOC.read_text())}
-    assert set(files) == {"quack.toml", "mykernels/__init__.py", "mykernels/scale.py",
-                          "manifests/kernels.toml"}, sorted(files)
+    assert set(files) == {
+        "quack.toml",
+        "mykernels/__init__.py",
+        "mykernels/scale.py",
+        "manifests/kernels.toml",
+    }, sorted(files)
     proj = tmp_path / "myproject"
     for rel, body in files.items():
         (proj / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -53,11 +58,14 @@ def test_writing_kernels_example_builds_and_loads(tmp_path):
     assert json.loads(r.stdout)["total"] == 6
 
     e["QUACK_MODE"] = "prebuilt"
-    p = subprocess.run([sys.executable, "-c", _PREBUILT], cwd=str(proj), env=e, capture_output=True,
-                       text=True, timeout=300)
+    p = subprocess.run(
+        [sys.executable, "-c", _PREBUILT], cwd=str(proj), env=e, capture_output=True, text=True, timeout=300
+    )
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["callable"] and out["compiles"] == 0 and out["how"] in ("so", "o"), out
     assert out["not_prebuilt"] is True
-    assert out["rule"] == ("my_scale: block = 100 is not allowed with dtype='bfloat16', bias=False: "
-                           "block must be a multiple of 32 (whole warps)")
+    assert out["rule"] == (
+        "my_scale: block = 100 is not allowed with dtype='bfloat16', bias=False: "
+        "block must be a multiple of 32 (whole warps)"
+    )

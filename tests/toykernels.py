@@ -1,4 +1,5 @@
 """A tiny real CuTe DSL kernel for the cache's own tests: y = x * scale (+ 1 if bias)."""
+
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 

@@ -5,6 +5,7 @@ the store's layout and an index (quack.bundles.index); once installed, the runti
 finds it through the ``quack.bundles`` entry point group and uses it as a read-only
 tier after the local cache (quack.bundles.tier). Importing this package is cheap:
 nothing is discovered until the first lookup that reaches the tier."""
+
 from __future__ import annotations
 
 from quack.bundles.index import ENTRY_POINT_GROUP, INDEX_NAME, SIG_NAME

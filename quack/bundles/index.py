@@ -19,6 +19,7 @@ Paths are never taken from the index: they are rebuilt from the entry's validate
 fields (``EntryRef`` refuses anything that could leave the package), and ``file``
 must equal the rebuilt path or the entry is refused. Pure Python, no quack imports
 beyond the store's path rules: the runtime reads it at its first bundle lookup."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -71,11 +72,23 @@ class IndexEntry:
         return f"{self.rel_dir}/{self.key}.so.json"
 
     def to_json(self) -> dict:
-        so = None if self.so_sha256 is None else {"file": self.rel_so, "sha256": self.so_sha256,
-                                                  "size": self.so_size}
-        return {"key": self.key, "kernel": self.kernel, "arch": self.arch, "stamp": self.stamp,
-                "srcfp": self.srcfp, "params": self.params, "file": self.rel_obj,
-                "sha256": self.sha256, "size": self.size, "so": so}
+        so = (
+            None
+            if self.so_sha256 is None
+            else {"file": self.rel_so, "sha256": self.so_sha256, "size": self.so_size}
+        )
+        return {
+            "key": self.key,
+            "kernel": self.kernel,
+            "arch": self.arch,
+            "stamp": self.stamp,
+            "srcfp": self.srcfp,
+            "params": self.params,
+            "file": self.rel_obj,
+            "sha256": self.sha256,
+            "size": self.size,
+            "so": so,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,9 +100,14 @@ class Index:
     entries: tuple[IndexEntry, ...]
 
     def to_bytes(self) -> bytes:
-        doc = {"format": INDEX_FORMAT, "name": self.name, "version": self.version,
-               "created": self.created, "quack": self.quack,
-               "entries": [e.to_json() for e in self.entries]}
+        doc = {
+            "format": INDEX_FORMAT,
+            "name": self.name,
+            "version": self.version,
+            "created": self.created,
+            "quack": self.quack,
+            "entries": [e.to_json() for e in self.entries],
+        }
         return json.dumps(doc, sort_keys=True, indent=1).encode()
 
     @property
@@ -104,8 +122,10 @@ class Index:
 def check_name(name: str) -> str:
     """A bundle name: lowercase letters, digits, '.', '_', '-' (a valid distribution name)."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise ValueError(f"bundle name {name!r} is invalid: use 1-64 lowercase letters, digits, "
-                         f"'.', '_' or '-', starting and ending with a letter or digit")
+        raise ValueError(
+            f"bundle name {name!r} is invalid: use 1-64 lowercase letters, digits, "
+            f"'.', '_' or '-', starting and ending with a letter or digit"
+        )
     return name
 
 
@@ -130,7 +150,12 @@ def _entry(i: int, raw) -> IndexEntry:
             raise BundleError(f"{where}.{name} = {v!r} is missing or of the wrong type")
         return v
 
-    key, kernel, arch, srcfp = field("key", str), field("kernel", str), field("arch", str), field("srcfp", str)
+    key, kernel, arch, srcfp = (
+        field("key", str),
+        field("kernel", str),
+        field("arch", str),
+        field("srcfp", str),
+    )
     stamp = field("stamp", str)
     try:
         from quack.cache.store import EntryRef
@@ -146,8 +171,12 @@ def _entry(i: int, raw) -> IndexEntry:
     so = raw.get("so")
     so_sha = so_size = None
     if so is not None:
-        if not isinstance(so, dict) or not isinstance(so.get("sha256"), str) \
-                or not _HEX64.fullmatch(so["sha256"]) or not isinstance(so.get("size"), int):
+        if (
+            not isinstance(so, dict)
+            or not isinstance(so.get("sha256"), str)
+            or not _HEX64.fullmatch(so["sha256"])
+            or not isinstance(so.get("size"), int)
+        ):
             raise BundleError(f"{where}.so is malformed")
         so_sha, so_size = so["sha256"], so["size"]
     params = raw.get("params", {})
@@ -155,8 +184,9 @@ def _entry(i: int, raw) -> IndexEntry:
         raise BundleError(f"{where}.params is not an object")
     ent = IndexEntry(key, kernel, arch, stamp, srcfp, params, sha, size, so_sha, so_size)
     if raw.get("file") != ent.rel_obj or (so is not None and so.get("file") != ent.rel_so):
-        raise BundleError(f"{where}.file = {raw.get('file')!r} does not match the store layout "
-                          f"({ent.rel_obj})")
+        raise BundleError(
+            f"{where}.file = {raw.get('file')!r} does not match the store layout ({ent.rel_obj})"
+        )
     return ent
 
 
@@ -177,5 +207,10 @@ def parse(data: bytes) -> Index:
     if not isinstance(raw, list):
         raise BundleError("entries is not a list")
     created = doc.get("created", 0)
-    return Index(name, version, float(created) if isinstance(created, (int, float)) else 0.0,
-                 str(doc.get("quack", "")), tuple(_entry(i, r) for i, r in enumerate(raw)))
+    return Index(
+        name,
+        version,
+        float(created) if isinstance(created, (int, float)) else 0.0,
+        str(doc.get("quack", "")),
+        tuple(_entry(i, r) for i, r in enumerate(raw)),
+    )

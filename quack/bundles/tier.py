@@ -11,6 +11,7 @@ signed by one of them. An entry is used only if its toolchain stamp, arch, kerne
 and source fingerprint are this process's, and its files' sizes and SHA-256 match
 the index (a mismatch: one warning, never loaded; the next bundle holding the key is
 tried)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,11 +20,11 @@ import logging
 import threading
 from pathlib import Path
 
-from quack.cache import fsutil, keys
 from quack.bundles import index as _index
 from quack.bundles.index import Index, IndexEntry
-from quack.errors import BundleError, KeyFileError
+from quack.cache import fsutil, keys
 from quack.cache.store import Entry, EntryRef, warn_once
+from quack.errors import BundleError, KeyFileError
 
 log = logging.getLogger("quack")
 
@@ -32,14 +33,14 @@ log = logging.getLogger("quack")
 class Bundle:
     """One installed bundle, as discovery found it."""
 
-    name: str                     # the entry point's name (= the bundle name)
-    dist: str                     # distribution name (quack bundle makes it the bundle name)
+    name: str  # the entry point's name (= the bundle name)
+    dist: str  # distribution name (quack bundle makes it the bundle name)
     version: str
-    path: Path | None             # the package directory
+    path: Path | None  # the package directory
     index: Index | None = None
-    problem: str = ""             # why the bundle is refused ("" = usable)
-    signer: str = ""              # the trusted key that signed its index, if any
-    by_key: dict = dataclasses.field(default_factory=dict)   # key -> [IndexEntry]
+    problem: str = ""  # why the bundle is refused ("" = usable)
+    signer: str = ""  # the trusted key that signed its index, if any
+    by_key: dict = dataclasses.field(default_factory=dict)  # key -> [IndexEntry]
 
     @property
     def usable(self) -> bool:
@@ -61,8 +62,9 @@ class Bundle:
         return f"{self.name} {self.version} ({cur} of {n} entries for this toolchain and {arch})"
 
 
-def open_bundle(name: str, dist: str, version: str, path: Path | None, trusted, *,
-                trust_problem: str = "") -> Bundle:
+def open_bundle(
+    name: str, dist: str, version: str, path: Path | None, trusted, *, trust_problem: str = ""
+) -> Bundle:
     """Read and check one bundle's index (no import of its package)."""
     b = Bundle(name, dist, version, path)
     if trust_problem:
@@ -129,11 +131,19 @@ def discover(settings) -> list[Bundle]:
     out.sort(key=lambda b: (b.name, b.version))
     for b in out:
         if b.problem:
-            warn_once(f"bundle:{b.name}:{b.version}", f"quack: bundle {b.name} {b.version} refused: "
-                      f"{b.problem}; none of its kernels will be used", stacklevel=6)
+            warn_once(
+                f"bundle:{b.name}:{b.version}",
+                f"quack: bundle {b.name} {b.version} refused: {b.problem}; none of its kernels will be used",
+                stacklevel=6,
+            )
         else:
-            log.debug("quack: bundle %s %s at %s: %d entries", b.name, b.version, b.path,
-                      len(b.index.entries) if b.index is not None else 0)
+            log.debug(
+                "quack: bundle %s %s at %s: %d entries",
+                b.name,
+                b.version,
+                b.path,
+                len(b.index.entries) if b.index is not None else 0,
+            )
     return out
 
 
@@ -169,10 +179,21 @@ def summary(settings) -> list[dict]:
     for b in discover(settings):
         idx = b.index
         cur = b.current_entries(settings.arch)
-        out.append({"name": b.name, "version": b.version, "dist": b.dist, "path": str(b.path),
-                    "entries": len(idx.entries) if idx else 0, "current_entries": cur,
-                    "bytes": idx.bytes if idx else 0, "stamps": idx.stamps if idx else [],
-                    "current": bool(cur) and not b.problem, "signer": b.signer, "problem": b.problem})
+        out.append(
+            {
+                "name": b.name,
+                "version": b.version,
+                "dist": b.dist,
+                "path": str(b.path),
+                "entries": len(idx.entries) if idx else 0,
+                "current_entries": cur,
+                "bytes": idx.bytes if idx else 0,
+                "stamps": idx.stamps if idx else [],
+                "current": bool(cur) and not b.problem,
+                "signer": b.signer,
+                "problem": b.problem,
+            }
+        )
     return out
 
 
@@ -203,19 +224,37 @@ class BundleTier:
                 if (e.kernel, e.arch, e.stamp) != (ref.kernel, ref.arch, ref.stamp):
                     continue  # another toolchain or arch: never used here
                 if e.srcfp != ref.srcfp:
-                    log.debug("quack: bundle %s has %s key %s for kernel source %s, this one is %s",
-                              b.name, e.kernel, e.key[:16], e.srcfp, ref.srcfp)
+                    log.debug(
+                        "quack: bundle %s has %s key %s for kernel source %s, this one is %s",
+                        b.name,
+                        e.kernel,
+                        e.key[:16],
+                        e.srcfp,
+                        ref.srcfp,
+                    )
                     continue
                 problem, so = check_files(b, e)
                 if problem:
-                    warn_once(f"bundle-entry:{b.name}:{e.key}",
-                              f"quack: bundle {b.name} {b.version}: entry {e.kernel} key {e.key[:16]} "
-                              f"refused: {problem}; not loaded (reinstall the bundle: pip install "
-                              f"--force-reinstall {b.dist})", stacklevel=6)
+                    warn_once(
+                        f"bundle-entry:{b.name}:{e.key}",
+                        f"quack: bundle {b.name} {b.version}: entry {e.kernel} key {e.key[:16]} "
+                        f"refused: {problem}; not loaded (reinstall the bundle: pip install "
+                        f"--force-reinstall {b.dist})",
+                        stacklevel=6,
+                    )
                     continue
-                meta = {"format": 1, "key": e.key, "kernel": e.kernel, "arch": e.arch, "stamp": e.stamp,
-                        "srcfp": e.srcfp, "params": e.params, "size": e.size, "sha256": e.sha256,
-                        "bundle": b.name}
+                meta = {
+                    "format": 1,
+                    "key": e.key,
+                    "kernel": e.kernel,
+                    "arch": e.arch,
+                    "stamp": e.stamp,
+                    "srcfp": e.srcfp,
+                    "params": e.params,
+                    "size": e.size,
+                    "sha256": e.sha256,
+                    "bundle": b.name,
+                }
                 log.debug("quack: %s key %s from bundle %s", e.kernel, e.key[:16], b.name)
                 return Entry(ref, meta, b.path / e.rel_obj, so), b
         return None

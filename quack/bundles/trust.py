@@ -4,6 +4,7 @@
 over the exact bytes of ``index.json``; the index lists every file's SHA-256, so
 one signature covers the whole bundle. cryptography is imported only when keys are
 configured (a process without trusted keys never pays for it)."""
+
 from __future__ import annotations
 
 import base64
@@ -31,8 +32,10 @@ def trusted_keys(settings):
 def signature_bytes(index_bytes: bytes, key) -> bytes:
     """The ``index.json.sig`` content for ``index_bytes`` signed with ``key`` (a SigningKey)."""
     sig = key.sign(index_bytes)
-    return json.dumps({"format": SIG_FORMAT, "signer": key.name,
-                       "signature": base64.b64encode(sig).decode("ascii")}, sort_keys=True).encode()
+    return json.dumps(
+        {"format": SIG_FORMAT, "signer": key.name, "signature": base64.b64encode(sig).decode("ascii")},
+        sort_keys=True,
+    ).encode()
 
 
 def parse_signature(data: bytes, where: str) -> tuple[str, bytes]:
@@ -55,11 +58,16 @@ def verify_index(index_bytes: bytes, sig_path: Path, trusted, *, bundle: str = "
         data = fsutil.read_nofollow(sig_path)
     except FileNotFoundError:
         names = ", ".join(trusted.names) or "none"
-        raise BundleError(f"it is not signed and trusted keys are configured ({names}); rebuild it "
-                          f"with `quack bundle --sign`", bundle=bundle, path=str(sig_path)) from None
+        raise BundleError(
+            f"it is not signed and trusted keys are configured ({names}); rebuild it "
+            f"with `quack bundle --sign`",
+            bundle=bundle,
+            path=str(sig_path),
+        ) from None
     except OSError as e:
-        raise BundleError(f"cannot read its signature {sig_path} ({e.strerror or e})", bundle=bundle,
-                          path=str(sig_path)) from None
+        raise BundleError(
+            f"cannot read its signature {sig_path} ({e.strerror or e})", bundle=bundle, path=str(sig_path)
+        ) from None
     signer, sig = parse_signature(data, str(sig_path))
     try:
         trusted.verify(signer, index_bytes, sig)

@@ -18,6 +18,7 @@ local store's *writes* raise, with ``CacheWriteError`` naming the cache.
 
 This module imports nothing that imports quack.compile, quack.runtime or
 quack.testing (import-linter checks it)."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -1,6 +1,7 @@
 """A read-only tier backed by another cache directory (a team's shared, read-only
 cache on NFS, a cache baked into a container image): the smallest real
 ``ReadTier``, and the model for the bundle and remote tiers."""
+
 from __future__ import annotations
 
 import hashlib
@@ -23,16 +24,20 @@ class DirectoryTier:
         try:
             found = self.store.inspect(ref)
             if found.status == CORRUPT:
-                warn_once(f"{self.name}:{self.store.root}:{ref.key}",
-                          f"quack: {self.name} cache {self.store.root}: entry {ref.kernel} key "
-                          f"{ref.key[:16]} is corrupt ({found.problem}); not using it")
+                warn_once(
+                    f"{self.name}:{self.store.root}:{ref.key}",
+                    f"quack: {self.name} cache {self.store.root}: entry {ref.kernel} key "
+                    f"{ref.key[:16]} is corrupt ({found.problem}); not using it",
+                )
                 return None
             if not found.ok:
                 return None
             data = fsutil.read_nofollow(found.obj)
         except (CacheError, OSError) as e:
-            warn_once(f"{self.name}:{self.store.root}", f"quack: {self.name} cache {self.store.root} "
-                      f"is unusable ({e}); looking up without it")
+            warn_once(
+                f"{self.name}:{self.store.root}",
+                f"quack: {self.name} cache {self.store.root} is unusable ({e}); looking up without it",
+            )
             return None
         # Read again after the check: what is handed over is what matches the record.
         if hashlib.sha256(data).hexdigest() != found.meta.get("sha256"):

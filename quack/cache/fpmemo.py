@@ -20,6 +20,7 @@ a miss plus one warning and is rewritten; one that can't be written costs only
 time. Trust: the memo lives in the cache directory, which already holds the
 objects we load; its checks (owner, mode, no symlinks) are the store's.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -60,12 +61,21 @@ def _valid_record(rec) -> bool:
     if not isinstance(files, list) or not files or not isinstance(dirs, list):
         return False
     for f in files:
-        if not (isinstance(f, list) and len(f) == 7 and isinstance(f[0], str) and isinstance(f[1], str)
-                and all(isinstance(x, int) for x in f[2:])):
+        if not (
+            isinstance(f, list)
+            and len(f) == 7
+            and isinstance(f[0], str)
+            and isinstance(f[1], str)
+            and all(isinstance(x, int) for x in f[2:])
+        ):
             return False
     for d in dirs:
-        if not (isinstance(d, list) and len(d) == 6 and isinstance(d[0], str)
-                and all(isinstance(x, int) for x in d[1:])):
+        if not (
+            isinstance(d, list)
+            and len(d) == 6
+            and isinstance(d[0], str)
+            and all(isinstance(x, int) for x in d[1:])
+        ):
             return False
     return True
 
@@ -102,7 +112,11 @@ class DiskFingerprintMemo:
         except (OSError, ValueError) as e:
             self._damaged(f"unreadable ({e})")
             return {}
-        if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("records"), dict):
+        if (
+            not isinstance(data, dict)
+            or data.get("format") != FORMAT
+            or not isinstance(data.get("records"), dict)
+        ):
             self._damaged("not a fingerprint memo of this format")
             return {}
         if data.get("toolchain") != keys.toolchain():
@@ -118,9 +132,12 @@ class DiskFingerprintMemo:
     def _damaged(self, why: str) -> None:
         if not self._warned:
             self._warned = True
-            warnings.warn(f"quack: the source-fingerprint memo {self.path} is damaged ({why}); "
-                          f"fingerprints are computed from the sources and the memo is rewritten",
-                          CacheWarning, stacklevel=5)
+            warnings.warn(
+                f"quack: the source-fingerprint memo {self.path} is damaged ({why}); "
+                f"fingerprints are computed from the sources and the memo is rewritten",
+                CacheWarning,
+                stacklevel=5,
+            )
         self._dirty.setdefault("", {})  # forces a rewrite at exit even without new records
 
     def lookup(self, module: str, origin: Path) -> tuple[dict[str, Path], str] | None:

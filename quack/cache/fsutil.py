@@ -1,5 +1,6 @@
 """Small, careful filesystem helpers: private directories, no-follow reads,
 atomic writes (temp beside the target, fsync, os.replace, fsync the dir)."""
+
 from __future__ import annotations
 
 import errno
@@ -22,28 +23,37 @@ def check_root(root: Path) -> None:
         st = None
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
-            raise CacheError(f"cache directory {root} is a symbolic link; quack refuses to follow it. "
-                             f"Point QUACK_CACHE_DIR at a real directory you own.", path=str(root))
+            raise CacheError(
+                f"cache directory {root} is a symbolic link; quack refuses to follow it. "
+                f"Point QUACK_CACHE_DIR at a real directory you own.",
+                path=str(root),
+            )
         if not stat.S_ISDIR(st.st_mode):
             raise CacheError(f"cache directory {root} exists and is not a directory", path=str(root))
         if st.st_uid != os.getuid():
-            raise CacheError(f"cache directory {root} is owned by uid {st.st_uid}, not you "
-                             f"(uid {os.getuid()}); use a cache directory of your own (QUACK_CACHE_DIR)",
-                             path=str(root))
+            raise CacheError(
+                f"cache directory {root} is owned by uid {st.st_uid}, not you "
+                f"(uid {os.getuid()}); use a cache directory of your own (QUACK_CACHE_DIR)",
+                path=str(root),
+            )
         if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise CacheError(f"cache directory {root} is writable by group or others "
-                             f"(mode {stat.S_IMODE(st.st_mode):o}); fix it with: chmod 700 {root}",
-                             path=str(root))
+            raise CacheError(
+                f"cache directory {root} is writable by group or others "
+                f"(mode {stat.S_IMODE(st.st_mode):o}); fix it with: chmod 700 {root}",
+                path=str(root),
+            )
     for parent in root.absolute().parents:
         try:
             pst = os.stat(parent)
         except FileNotFoundError:
             continue
         if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
-            raise CacheError(f"cache directory {root} lies inside {parent}, which anyone can write "
-                             f"(mode {stat.S_IMODE(pst.st_mode):o}, no sticky bit); others could swap "
-                             f"its files. Move the cache (QUACK_CACHE_DIR) or chmod o-w {parent}",
-                             path=str(root))
+            raise CacheError(
+                f"cache directory {root} lies inside {parent}, which anyone can write "
+                f"(mode {stat.S_IMODE(pst.st_mode):o}, no sticky bit); others could swap "
+                f"its files. Move the cache (QUACK_CACHE_DIR) or chmod o-w {parent}",
+                path=str(root),
+            )
 
 
 def under_root(path: Path, root: Path) -> Path:
@@ -76,11 +86,17 @@ def check_tree(path: Path, root: Path) -> bool:
             return False
         if stat.S_ISLNK(st.st_mode):
             # The remedy before the (long) path: a one-line summary cut at its end keeps it.
-            raise CacheError(f"a symbolic link in the cache (planted; quack refuses to follow it: run "
-                             f"quack cache clean, or rm it): {cur}", path=str(cur))
+            raise CacheError(
+                f"a symbolic link in the cache (planted; quack refuses to follow it: run "
+                f"quack cache clean, or rm it): {cur}",
+                path=str(cur),
+            )
         if not stat.S_ISDIR(st.st_mode):
-            raise CacheError(f"not a directory where the cache needs one (planted; refusing to use it: "
-                             f"run quack cache clean, or rm it): {cur}", path=str(cur))
+            raise CacheError(
+                f"not a directory where the cache needs one (planted; refusing to use it: "
+                f"run quack cache clean, or rm it): {cur}",
+                path=str(cur),
+            )
     return True
 
 
@@ -94,9 +110,11 @@ def ensure_dir(path: Path, root: Path) -> Path:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.lstat(root)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise CacheError(f"cache directory {root} is a symbolic link or not a directory; "
-                         f"quack refuses to follow it. Point QUACK_CACHE_DIR at a real directory you own.",
-                         path=str(root))
+        raise CacheError(
+            f"cache directory {root} is a symbolic link or not a directory; "
+            f"quack refuses to follow it. Point QUACK_CACHE_DIR at a real directory you own.",
+            path=str(root),
+        )
     for part in rel.parts:
         cur = cur / part
         try:
@@ -104,9 +122,11 @@ def ensure_dir(path: Path, root: Path) -> Path:
         except FileExistsError:
             st = os.lstat(cur)
             if not stat.S_ISDIR(st.st_mode):
-                raise CacheError(f"{cur} in the cache is not a directory (a symlink or file); "
-                                 f"refusing to use it. Remove it or run quack cache clean.",
-                                 path=str(cur)) from None
+                raise CacheError(
+                    f"{cur} in the cache is not a directory (a symlink or file); "
+                    f"refusing to use it. Remove it or run quack cache clean.",
+                    path=str(cur),
+                ) from None
     return path
 
 
@@ -141,8 +161,9 @@ def reserve_tmp(target: Path) -> Path:
     for _ in range(16):
         tmp = tmp_beside(target)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
-                         | getattr(os, "O_CLOEXEC", 0), 0o600)
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600
+            )
         except FileExistsError:
             continue
         os.close(fd)
@@ -172,8 +193,9 @@ def pid_alive(pid: int) -> bool:
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if directory else 0)
-                 | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(
+        path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if directory else 0) | getattr(os, "O_CLOEXEC", 0)
+    )
     try:
         os.fsync(fd)
     finally:

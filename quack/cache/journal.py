@@ -1,5 +1,6 @@
 """The usage journal: one JSON line per (process, key used), appended at exit
 to <cache>/journal.jsonl. ``quack cache stats`` and ``quack prewarm`` read it."""
+
 from __future__ import annotations
 
 import json

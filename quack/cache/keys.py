@@ -3,6 +3,7 @@
 A key is SHA-256 over a canonical JSON text (sorted keys, no whitespace,
 ASCII only) of (kernel name, tagged parameters, arch, kernel version): the
 same in every process and Python version, unlike pickle or hash()."""
+
 from __future__ import annotations
 
 import ast
@@ -26,8 +27,9 @@ def canonical_json(obj) -> str:
 
 
 def key_material(kernel: str, encoded_params: dict, arch: str, version: int = 0) -> str:
-    return canonical_json({"f": KEY_FORMAT, "kernel": kernel, "params": encoded_params,
-                           "arch": arch, "version": version})
+    return canonical_json(
+        {"f": KEY_FORMAT, "kernel": kernel, "params": encoded_params, "arch": arch, "version": version}
+    )
 
 
 def make_key(kernel: str, encoded_params: dict, arch: str, version: int = 0) -> str:
@@ -46,7 +48,7 @@ def _dist_version(name: str) -> str | None:
         if not line.strip():
             break  # end of the headers
         if line.startswith("Version:"):
-            return line[len("Version:"):].strip()
+            return line[len("Version:") :].strip()
     return dist.version
 
 
@@ -79,6 +81,7 @@ def toolchain_tag() -> str:
 
 
 # --- source fingerprints -------------------------------------------------------
+
 
 def _module_file(name: str) -> Path | None:
     mod = sys.modules.get(name)

@@ -17,6 +17,7 @@ The rule: a file an interrupted writer left is debris once it is at least
 have died and whose pid may be reused; callers that know the writer is dead
 (the build that killed its own workers, tests) pass 0. Lock files are never
 removed here, symlinks are never followed or removed."""
+
 from __future__ import annotations
 
 import os
@@ -27,8 +28,8 @@ from typing import Callable, Collection
 
 from quack.cache import fsutil
 
-TMP_MAX_AGE = 3600.0   # a temp file this old is debris whoever wrote it
-GRACE = 60.0           # a gone writer's file is spared this long
+TMP_MAX_AGE = 3600.0  # a temp file this old is debris whoever wrote it
+GRACE = 60.0  # a gone writer's file is spared this long
 
 #: (path, size in bytes, why) for each file removed (or, dry run, removable).
 Remover = Callable[[Path, int, str], None]
@@ -49,9 +50,15 @@ def _unlink_quiet(path: Path, size: int, why: str) -> None:
         pass
 
 
-def sweep_dir(d: Path, *, stems: Collection[str] | None = None, grace: float = GRACE,
-              now: float | None = None, remove: Remover | None = None,
-              dry_run: bool = False) -> list[tuple[Path, int, str]]:
+def sweep_dir(
+    d: Path,
+    *,
+    stems: Collection[str] | None = None,
+    grace: float = GRACE,
+    now: float | None = None,
+    remove: Remover | None = None,
+    dry_run: bool = False,
+) -> list[tuple[Path, int, str]]:
     """Remove the debris of one fingerprint directory (only keys in ``stems``, if
     given). ``remove`` does the unlinking (default: quiet unlink; a dry run calls
     nothing). Returns (path, size, why) for each file removed or removable."""
@@ -84,8 +91,12 @@ def sweep_dir(d: Path, *, stems: Collection[str] | None = None, grace: float = G
         if pid is not None:
             if tmp_is_orphan(pid, st.st_mtime, now, grace):
                 drop(path, st.st_size, "orphaned temp file")
-        elif (name.endswith(".o") and f"{stem}.json" not in present
-              and stem not in seen and now - st.st_mtime >= grace):
+        elif (
+            name.endswith(".o")
+            and f"{stem}.json" not in present
+            and stem not in seen
+            and now - st.st_mtime >= grace
+        ):
             # An object without metadata. (A .so without either is an installed
             # bundle's derived .so, linked into the cache: not debris.)
             seen.add(stem)

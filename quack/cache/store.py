@@ -1,12 +1,13 @@
 """The on-disk cache of compiled kernels (layout: docs/cache-layout.md).
 
-    <root>/v1/<stamp>/<kernel>/<srcfp>/<key>.o        the artifact (CuTe DSL export_to_c)
-                                       <key>.json     metadata, written last
-                                       <key>.so       derived: the .o linked for fast loading
-                                       <key>.so.json  sidecar tying the .so to the .o's digest
-                                       <key>.lock     per-key lock (filelock)
-    <root>/quarantine/  corrupt entries moved aside     <root>/journal.jsonl  usage journal
+<root>/v1/<stamp>/<kernel>/<srcfp>/<key>.o        the artifact (CuTe DSL export_to_c)
+                                   <key>.json     metadata, written last
+                                   <key>.so       derived: the .o linked for fast loading
+                                   <key>.so.json  sidecar tying the .so to the .o's digest
+                                   <key>.lock     per-key lock (filelock)
+<root>/quarantine/  corrupt entries moved aside     <root>/journal.jsonl  usage journal
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,13 @@ SCRATCH = "tmp"  # <root>/tmp: helper tools' temp files (see DiskStore.scratch_d
 META_FORMAT = 1
 
 
-_WRITE_REASONS = {errno.ENOSPC: "disk full", errno.EDQUOT: "disk quota exceeded",
-                  errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-                  errno.EPERM: "operation not permitted"}
+_WRITE_REASONS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
 
 
 def write_error(e: OSError, root: Path, what: str) -> CacheWriteError:
@@ -42,14 +47,17 @@ def write_error(e: OSError, root: Path, what: str) -> CacheWriteError:
         return e
     code = getattr(e, "errno", None) or 0
     reason = _WRITE_REASONS.get(code) or (e.strerror or str(e))
-    hint = {errno.ENOSPC: "free some space (quack cache clean --max-size ...) and build again",
-            errno.EDQUOT: "free some space (quack cache clean --max-size ...) and build again",
-            errno.EROFS: "point QUACK_CACHE_DIR at a writable directory",
-            errno.EACCES: "point QUACK_CACHE_DIR at a directory you can write",
-            errno.EPERM: "point QUACK_CACHE_DIR at a directory you can write"}.get(code, "")
-    msg = (f"cannot write to the quack cache {root}: {reason} while {what}"
-           f" ({getattr(e, 'filename', None) or root}); nothing was published"
-           + (f"; {hint}" if hint else ""))
+    hint = {
+        errno.ENOSPC: "free some space (quack cache clean --max-size ...) and build again",
+        errno.EDQUOT: "free some space (quack cache clean --max-size ...) and build again",
+        errno.EROFS: "point QUACK_CACHE_DIR at a writable directory",
+        errno.EACCES: "point QUACK_CACHE_DIR at a directory you can write",
+        errno.EPERM: "point QUACK_CACHE_DIR at a directory you can write",
+    }.get(code, "")
+    msg = (
+        f"cannot write to the quack cache {root}: {reason} while {what}"
+        f" ({getattr(e, 'filename', None) or root}); nothing was published" + (f"; {hint}" if hint else "")
+    )
     return CacheWriteError(msg, path=str(root), reason=reason, code=code)
 
 
@@ -65,9 +73,11 @@ def _check_field(what: str, value, rx: re.Pattern, form: str) -> None:
     if not isinstance(value, str) or not rx.fullmatch(value):
         shown = repr(value)
         shown = shown if len(shown) <= 80 else shown[:77] + "..."
-        raise ParamError(f"refusing {what} {shown} for a cache path: expected {form}",
-                         kernel=value if what == "kernel name" and isinstance(value, str) else "",
-                         param=what)
+        raise ParamError(
+            f"refusing {what} {shown} for a cache path: expected {form}",
+            kernel=value if what == "kernel name" and isinstance(value, str) else "",
+            param=what,
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +92,9 @@ class EntryRef:
     def __post_init__(self):
         # Every component of an entry's path comes from here: refuse anything that
         # could leave the cache root ('../', '/', NUL, overlong, non-text) up front.
-        _check_field("kernel name", self.kernel, _KERNEL_RE, "a registered name matching "
-                     + _KERNEL_RE.pattern)
+        _check_field(
+            "kernel name", self.kernel, _KERNEL_RE, "a registered name matching " + _KERNEL_RE.pattern
+        )
         _check_field("key", self.key, _KEY_RE, "64 lowercase hex digits (SHA-256)")
         _check_field("arch", self.arch, _ARCH_RE, "a CUDA arch like sm_90a")
         _check_field("source fingerprint", self.srcfp, _SRCFP_RE, "16 lowercase hex digits")
@@ -101,8 +112,17 @@ class Entry:
     so_path: Path | None  # verified .so, if there is one
 
 
-__all__ = ["DiskStore", "Entry", "EntryRef", "Inspection", "Store", "LAYOUT", "local_store", "warn_once",
-           "write_error"]
+__all__ = [
+    "DiskStore",
+    "Entry",
+    "EntryRef",
+    "Inspection",
+    "Store",
+    "LAYOUT",
+    "local_store",
+    "warn_once",
+    "write_error",
+]
 
 
 def local_store(s) -> "DiskStore":
@@ -125,15 +145,25 @@ class DiskStore:
 
     # -- paths -----------------------------------------------------------------
     def entry_dir(self, ref: EntryRef) -> Path:
-        d = (self.root / LAYOUT / keys.safe_component(ref.stamp) / keys.safe_component(ref.kernel)
-             / keys.safe_component(ref.srcfp))
+        d = (
+            self.root
+            / LAYOUT
+            / keys.safe_component(ref.stamp)
+            / keys.safe_component(ref.kernel)
+            / keys.safe_component(ref.srcfp)
+        )
         return fsutil.under_root(d, self.root)
 
     def paths(self, ref: EntryRef) -> dict[str, Path]:
         d = self.entry_dir(ref)
         k = keys.safe_component(ref.key)
-        return {"obj": d / f"{k}.o", "meta": d / f"{k}.json", "so": d / f"{k}.so",
-                "so_meta": d / f"{k}.so.json", "lock": d / f"{k}.lock"}
+        return {
+            "obj": d / f"{k}.o",
+            "meta": d / f"{k}.json",
+            "so": d / f"{k}.so",
+            "so_meta": d / f"{k}.so.json",
+            "lock": d / f"{k}.lock",
+        }
 
     def check_root(self) -> None:
         if not self._checked:
@@ -195,9 +225,12 @@ class DiskStore:
                     if problem:
                         return self._bad(ref, problem)
             except LockTimeout:
-                warnings.warn(f"quack: cache entry {ref.kernel} key {ref.key[:16]} looks corrupt "
-                              f"({problem}) and its lock is held; not using it (it will be recompiled)",
-                              CacheWarning, stacklevel=3)
+                warnings.warn(
+                    f"quack: cache entry {ref.kernel} key {ref.key[:16]} looks corrupt "
+                    f"({problem}) and its lock is held; not using it (it will be recompiled)",
+                    CacheWarning,
+                    stacklevel=3,
+                )
                 return None
         return Entry(ref, meta, p["obj"], self._verified_so(p, meta))
 
@@ -237,8 +270,12 @@ class DiskStore:
                 raise ValueError("not an object")
         except ValueError as e:
             return f"metadata is not valid JSON ({e})", {}
-        for field, want in (("format", META_FORMAT), ("key", ref.key), ("kernel", ref.kernel),
-                            ("arch", ref.arch)):
+        for field, want in (
+            ("format", META_FORMAT),
+            ("key", ref.key),
+            ("kernel", ref.kernel),
+            ("arch", ref.arch),
+        ):
             if meta.get(field) != want:
                 return f"metadata {field}={meta.get(field)!r}, expected {want!r} (foreign entry)", meta
         try:
@@ -259,8 +296,9 @@ class DiskStore:
             data = fsutil.read_nofollow(p["so"])
         except (OSError, ValueError):
             return None
-        if (side.get("o_sha256") != meta.get("sha256")
-                or hashlib.sha256(data).hexdigest() != side.get("sha256")):
+        if side.get("o_sha256") != meta.get("sha256") or hashlib.sha256(data).hexdigest() != side.get(
+            "sha256"
+        ):
             return None  # stale or damaged derived file: relinked from the verified .o
         return p["so"]
 
@@ -269,8 +307,12 @@ class DiskStore:
             where = f"moved to {self.quarantine(ref, reason)}"
         except OSError as e:  # read-only cache: can't move it, but never load it either
             where = f"could not be moved aside ({e})"
-        warnings.warn(f"quack: cache entry {ref.kernel} key {ref.key[:16]} was corrupt ({reason}); "
-                      f"{where} and it will be recompiled", CacheWarning, stacklevel=3)
+        warnings.warn(
+            f"quack: cache entry {ref.kernel} key {ref.key[:16]} was corrupt ({reason}); "
+            f"{where} and it will be recompiled",
+            CacheWarning,
+            stacklevel=3,
+        )
         return None
 
     def quarantine(self, ref: EntryRef, reason: str) -> Path:
@@ -281,7 +323,7 @@ class DiskStore:
             if name == "lock":
                 continue
             try:
-                os.replace(path, qdir / f"{tag}{path.name[len(stem):]}")
+                os.replace(path, qdir / f"{tag}{path.name[len(stem) :]}")
             except FileNotFoundError:
                 pass
             except OSError:
@@ -306,9 +348,11 @@ class DiskStore:
             st = None
         if st is not None and not stat.S_ISREG(st.st_mode):
             # The remedy before the (long) path: a one-line summary cut at its end keeps it.
-            raise CacheError(f"lock file is a symbolic link or not a regular file (planted; quack "
-                             f"refuses to follow it: run quack cache clean, or rm it): {path}",
-                             path=str(path))
+            raise CacheError(
+                f"lock file is a symbolic link or not a regular file (planted; quack "
+                f"refuses to follow it: run quack cache clean, or rm it): {path}",
+                path=str(path),
+            )
         lk = filelock.FileLock(str(path), timeout=t, mode=0o600)
         try:
             lk.acquire()
@@ -316,8 +360,11 @@ class DiskStore:
             raise LockTimeout(str(path), t) from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise CacheError(f"lock file is a symbolic link (planted; quack refuses to follow it: "
-                                 f"run quack cache clean, or rm it): {path}", path=str(path)) from None
+                raise CacheError(
+                    f"lock file is a symbolic link (planted; quack refuses to follow it: "
+                    f"run quack cache clean, or rm it): {path}",
+                    path=str(path),
+                ) from None
             raise write_error(e, self.root, f"creating the lock {path}") from None
         try:
             yield
@@ -337,9 +384,18 @@ class DiskStore:
         p = self.paths(ref)
         try:
             data = fsutil.read_nofollow(tmp_obj)
-            meta = dict(meta, format=META_FORMAT, key=ref.key, kernel=ref.kernel, arch=ref.arch,
-                        stamp=ref.stamp, srcfp=ref.srcfp, size=len(data),
-                        sha256=hashlib.sha256(data).hexdigest(), created=meta.get("created", time.time()))
+            meta = dict(
+                meta,
+                format=META_FORMAT,
+                key=ref.key,
+                kernel=ref.kernel,
+                arch=ref.arch,
+                stamp=ref.stamp,
+                srcfp=ref.srcfp,
+                size=len(data),
+                sha256=hashlib.sha256(data).hexdigest(),
+                created=meta.get("created", time.time()),
+            )
             # An older entry's metadata must go first: a reader pairing it with the
             # new .o would see a checksum mismatch.
             for old in ("meta", "so_meta"):
@@ -351,8 +407,9 @@ class DiskStore:
             # then the metadata the same way. A crash anywhere leaves either the old
             # state, or a .o without metadata (a miss; swept as debris).
             fsutil.publish_file(tmp_obj, p["obj"], fsync=self.fsync)
-            fsutil.write_atomic(p["meta"], json.dumps(meta, sort_keys=True, indent=1).encode(),
-                                fsync=self.fsync)
+            fsutil.write_atomic(
+                p["meta"], json.dumps(meta, sort_keys=True, indent=1).encode(), fsync=self.fsync
+            )
         except BaseException as e:
             try:
                 os.unlink(tmp_obj)
@@ -404,8 +461,9 @@ class DiskStore:
         fsutil.check_tree(base, self.root)
         now = time.time()
         for dirpath, _dirnames, _filenames in os.walk(base, followlinks=False):
-            removed += [p for p, _, _ in orphans.sweep_dir(Path(dirpath), grace=grace, now=now,
-                                                          dry_run=dry_run)]
+            removed += [
+                p for p, _, _ in orphans.sweep_dir(Path(dirpath), grace=grace, now=now, dry_run=dry_run)
+            ]
         return removed
 
     def touch(self, entry: Entry) -> None:

@@ -4,6 +4,7 @@ cutlass imported, the kernel packages registered and one compile done.
 torch is hidden while cutlass and tvm_ffi import (tvm_ffi imports torch when
 it can: ~3 s that a compile never needs; the .o is bit-identical), then
 unhidden so a compile function that does import torch still can."""
+
 import os
 import signal
 import sys

@@ -11,6 +11,7 @@ A candidate whose compile fails is recorded in ``errors`` and skipped; a wedged
 one falls back to an in-process compile (the pool's time-out rule). Benchmarking
 runs on the caller's thread, in the caller's CUDA context, while the other
 candidates compile in the workers."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,9 +26,9 @@ from quack.errors import CompileError, CompilePending
 class TuneResult:
     best: dict | None
     best_time: float | None
-    times: list[tuple[dict, float]]            # in the order they were benchmarked
+    times: list[tuple[dict, float]]  # in the order they were benchmarked
     errors: list[tuple[dict, str]]
-    submitted: int                             # candidates that had to compile
+    submitted: int  # candidates that had to compile
     wall_s: float
 
     def table(self) -> str:
@@ -36,9 +37,15 @@ class TuneResult:
         return "\n".join(rows)
 
 
-def autotune(kernel, configs: Sequence[dict], bench: Callable[[Any, dict], float], *,
-             common: dict | None = None, pool: _pool.CompilePool | None = None,
-             timeout: float | None = None) -> TuneResult:
+def autotune(
+    kernel,
+    configs: Sequence[dict],
+    bench: Callable[[Any, dict], float],
+    *,
+    common: dict | None = None,
+    pool: _pool.CompilePool | None = None,
+    timeout: float | None = None,
+) -> TuneResult:
     """Compile ``kernel(**common, **config)`` for every config in parallel and return
     the one ``bench(fn, config)`` (seconds; lower wins) rates fastest."""
     t0 = time.perf_counter()
@@ -89,5 +96,11 @@ def autotune(kernel, configs: Sequence[dict], bench: Callable[[Any, dict], float
                     break
                 gen = p.wait_change(gen, 0.5)
     best = min(times, key=lambda ct: ct[1]) if times else None
-    return TuneResult(best[0] if best else None, best[1] if best else None, times, errors, submitted,
-                      time.perf_counter() - t0)
+    return TuneResult(
+        best[0] if best else None,
+        best[1] if best else None,
+        times,
+        errors,
+        submitted,
+        time.perf_counter() - t0,
+    )

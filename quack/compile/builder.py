@@ -3,6 +3,7 @@
 Runs in a compile worker (or, for unshippable compile functions, in the
 caller). The published .o is the only result that matters; the returned
 metadata is a convenience."""
+
 from __future__ import annotations
 
 import os
@@ -11,11 +12,11 @@ import sys
 import time
 import traceback
 
-from quack.runtime import loader
-from quack.errors import CacheError, CompileError
-from quack.registry import KernelSpec
 from quack.cache.contract import Store
 from quack.cache.store import Entry, EntryRef, write_error
+from quack.errors import CacheError, CompileError
+from quack.registry import KernelSpec
+from quack.runtime import loader
 
 
 def entry_ref(spec: KernelSpec, params: dict, arch: str) -> EntryRef:
@@ -43,8 +44,10 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
     try:
         compiled = spec.fn(**params)
         if not hasattr(compiled, "export_to_c"):
-            raise TypeError(f"compile function {spec.module}.{spec.qualname} returned "
-                            f"{type(compiled).__name__}, not a cute.compile(...) result")
+            raise TypeError(
+                f"compile function {spec.module}.{spec.qualname} returned "
+                f"{type(compiled).__name__}, not a cute.compile(...) result"
+            )
     except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
         detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         raise CompileError(spec.name, spec.plain(params), arch, detail) from None
@@ -57,15 +60,24 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
         if isinstance(e, TypeError) and "object_file_path" in str(e):
             # CuTe's export without tvm-ffi has another signature: say what is missing
             # (an "error:" line, so it is the one line a build shows).
-            detail = (f"error: {spec.module}.{spec.qualname} compiled without tvm-ffi: pass "
-                      f"options=\"--enable-tvm-ffi\" to cute.compile (quack exports and loads "
-                      f"kernels through tvm-ffi; docs/writing-kernels.md)\n\n{detail}")
+            detail = (
+                f"error: {spec.module}.{spec.qualname} compiled without tvm-ffi: pass "
+                f'options="--enable-tvm-ffi" to cute.compile (quack exports and loads '
+                f"kernels through tvm-ffi; docs/writing-kernels.md)\n\n{detail}"
+            )
         raise CompileError(spec.name, spec.plain(params), arch, detail) from None
     return time.perf_counter() - t0
 
 
-def build(spec: KernelSpec, params: dict, arch: str, store: Store, *, force: bool = False,
-          lock_timeout: float | None = None) -> tuple[Entry, bool]:
+def build(
+    spec: KernelSpec,
+    params: dict,
+    arch: str,
+    store: Store,
+    *,
+    force: bool = False,
+    lock_timeout: float | None = None,
+) -> tuple[Entry, bool]:
     """Make sure the entry exists; returns (entry, compiled_here). Check, lock, check again:
     a key another process is compiling is awaited on its lock, not compiled twice.
 
@@ -90,8 +102,13 @@ def build(spec: KernelSpec, params: dict, arch: str, store: Store, *, force: boo
                 if isinstance(e, CacheError):
                     raise
                 raise write_error(e, store.root, f"writing {spec.name} key {ref.key[:16]}") from None
-            meta = {"params": spec.plain(params), "compile_s": round(seconds, 4),
-                    "host": socket.gethostname(), "pid": os.getpid(), "created": time.time()}
+            meta = {
+                "params": spec.plain(params),
+                "compile_s": round(seconds, 4),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "created": time.time(),
+            }
             entry = store.publish(ref, tmp, meta)
         finally:
             try:

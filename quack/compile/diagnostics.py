@@ -4,6 +4,7 @@ CuTe DSL wraps its diagnostics in ANSI colour codes and ends them with generic
 advice ("suggestion: Re-run with CUTE_DSL_SHOW_STACKTRACE=1 ..."); the last line
 of the text is therefore the wrong summary. These helpers are pure text (no
 cutlass, no torch): the build display and logs use them."""
+
 from __future__ import annotations
 
 import re
@@ -14,7 +15,9 @@ _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
 _DIAG = re.compile(r"^\s*(?:\S+:\s+)?(error(?:\[(?P<tag>[^\]]*)\])?):\s*(?P<msg>.*)$")
 _STOP = re.compile(r"^\s*(?:error(?:\[[^\]]*\])?|warning|note|suggestion|hint):")
 # The exception line Python's traceback ends with: "pkg.mod.SomeError: message".
-_EXC = re.compile(r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Fault))(?::\s*(?P<msg>.*))?$")
+_EXC = re.compile(
+    r"^(?P<type>[A-Za-z_][\w.]*(?:Error|Exception|Exit|Interrupt|Failure|Fault))(?::\s*(?P<msg>.*))?$"
+)
 _CTRL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")
 
 
@@ -42,7 +45,7 @@ def first_error_line(detail: str, limit: int = 300) -> str:
             continue
         indent = len(ln) - len(ln.lstrip())
         parts = [f"{m.group(1)}: {m.group('msg').strip()}"]
-        for nxt in lines[i + 1:]:
+        for nxt in lines[i + 1 :]:
             if not nxt.strip() or _STOP.match(nxt) or len(nxt) - len(nxt.lstrip()) <= indent:
                 break
             parts.append(nxt.strip())
@@ -55,7 +58,7 @@ def first_error_line(detail: str, limit: int = 300) -> str:
         if m:
             msg = (m.group("msg") or "").strip()
             if not msg:  # a multi-line message starts on the next line
-                msg = next((ln.strip() for ln in lines[i + 1:] if ln.strip()), "")
+                msg = next((ln.strip() for ln in lines[i + 1 :] if ln.strip()), "")
             return _clip(f"{m.group('type').rsplit('.', 1)[-1]}: {msg}" if msg else m.group("type"), limit)
     rest = [ln for ln in lines if ln.strip()]
     return _clip(rest[-1], limit) if rest else "failed"

@@ -27,6 +27,7 @@ time-out passes.
 
 States are per (cache root, key): a pool used under several Settings (tests
 that install their own cache directory) never confuses their entries."""
+
 from __future__ import annotations
 
 import contextlib
@@ -91,9 +92,14 @@ def _worker_died_error(task: "_Task", exitcode) -> CompileError:
             how = f"killed by signal {-exitcode}"
     else:
         how = f"exited with status {exitcode}"
-    return CompileError(task.kernel, task.params, task.arch,
-                        f"compile worker pid {task.pid} {how} while compiling key {task.key[:16]} "
-                        f"(crash, out of memory, or killed); the pool replaced it", transient=True)
+    return CompileError(
+        task.kernel,
+        task.params,
+        task.arch,
+        f"compile worker pid {task.pid} {how} while compiling key {task.key[:16]} "
+        f"(crash, out of memory, or killed); the pool replaced it",
+        transient=True,
+    )
 
 
 # -- worker side ---------------------------------------------------------------------------
@@ -103,18 +109,23 @@ def _noop() -> int:
 
 def worker_build(req: WorkerRequest) -> dict:
     """Task run in a worker: import, compile, publish. Returns a small report."""
-    from quack.compile import builder
     from quack import registry
     from quack.cache.store import DiskStore
+    from quack.compile import builder
 
     spec = registry.import_spec(req.module, req.kernel)
     bound = spec.bind((), req.params)
     store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
     entry, compiled = builder.build(spec, bound, req.arch, store, force=req.force)
-    return {"key": entry.ref.key, "compiled": compiled, "pid": os.getpid(),
-            "compile_s": entry.meta.get("compile_s", 0.0) if compiled else 0.0,
-            "wall_s": time.perf_counter() - t0, "obj": str(entry.obj_path)}
+    return {
+        "key": entry.ref.key,
+        "compiled": compiled,
+        "pid": os.getpid(),
+        "compile_s": entry.meta.get("compile_s", 0.0) if compiled else 0.0,
+        "wall_s": time.perf_counter() - t0,
+        "obj": str(entry.obj_path),
+    }
 
 
 def _worker_main(conn) -> None:
@@ -139,8 +150,12 @@ def _worker_main(conn) -> None:
             result = ("err", e)
         except BaseException as e:  # noqa: BLE001 - everything goes back as text
             detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-            result = ("err", CompileError(getattr(req, "kernel", "?"), getattr(req, "params", {}),
-                                          getattr(req, "arch", "?"), detail))
+            result = (
+                "err",
+                CompileError(
+                    getattr(req, "kernel", "?"), getattr(req, "params", {}), getattr(req, "arch", "?"), detail
+                ),
+            )
         try:
             conn.send(result)
         except Exception:  # noqa: BLE001 - unpicklable result: send text instead
@@ -216,17 +231,36 @@ def _block_sigint_for_children() -> None:
 
 # -- the pool --------------------------------------------------------------------------------
 class _Task:
-    __slots__ = ("ident", "key", "root", "kernel", "params", "arch", "request", "timeout", "submitted",
-                 "started", "pid", "external_lock", "obj_meta")
+    __slots__ = (
+        "ident",
+        "key",
+        "root",
+        "kernel",
+        "params",
+        "arch",
+        "request",
+        "timeout",
+        "submitted",
+        "started",
+        "pid",
+        "external_lock",
+        "obj_meta",
+    )
 
     def __init__(self, ident, key, root, kernel, params, arch, request: WorkerRequest, timeout):
         self.ident, self.key, self.root = ident, key, root
-        self.kernel, self.params, self.arch, self.request, self.timeout = kernel, params, arch, request, timeout
+        self.kernel, self.params, self.arch, self.request, self.timeout = (
+            kernel,
+            params,
+            arch,
+            request,
+            timeout,
+        )
         self.submitted = time.monotonic()
         self.started: float | None = None
         self.pid: int | None = None
         self.external_lock: str | None = None  # lock path, for a key another process is compiling
-        self.obj_meta: str | None = None       # its metadata path (written last by a publish)
+        self.obj_meta: str | None = None  # its metadata path (written last by a publish)
 
 
 class _Worker:
@@ -281,9 +315,17 @@ class CompilePool:
         self._wake_w: int | None = None
         self._closed = False
         self.generation = 0  # bumped on every state change (see wait_change)
-        self.counts = {"submitted": 0, "done": 0, "failed": 0, "compiled": 0, "compile_s": 0.0,
-                       "awaited_external": 0, "timeouts": 0, "worker_deaths": 0,
-                       "workers_started": 0}
+        self.counts = {
+            "submitted": 0,
+            "done": 0,
+            "failed": 0,
+            "compiled": 0,
+            "compile_s": 0.0,
+            "awaited_external": 0,
+            "timeouts": 0,
+            "worker_deaths": 0,
+            "workers_started": 0,
+        }
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -324,9 +366,9 @@ class CompilePool:
             for t in list(self._queue) + [w.task for w in workers if w.task] + list(self._external.values()):
                 if self._state.get(t.ident) == PENDING:
                     self._state[t.ident] = FAILED
-                    self._errors[t.ident] = CompileError(t.kernel, t.params, t.arch,
-                                                         "compile cancelled (pool shut down)",
-                                                         transient=True)
+                    self._errors[t.ident] = CompileError(
+                        t.kernel, t.params, t.arch, "compile cancelled (pool shut down)", transient=True
+                    )
             self._queue.clear()
             self._external.clear()
             self._bump()
@@ -363,8 +405,17 @@ class CompilePool:
         self._cond.notify_all()
 
     # -- work --------------------------------------------------------------------------------
-    def submit(self, spec, params: dict, arch: str, key: str, *, settings=None, force: bool = False,
-               timeout: float | None = None) -> str:
+    def submit(
+        self,
+        spec,
+        params: dict,
+        arch: str,
+        key: str,
+        *,
+        settings=None,
+        force: bool = False,
+        timeout: float | None = None,
+    ) -> str:
         """Queue a compile unless the key is pending or done. Returns its state.
         ``settings`` (default: this process's current settings) gives the cache
         the worker publishes into and the time-out."""
@@ -377,10 +428,19 @@ class CompilePool:
             if st in (PENDING, DONE):
                 return st
             plain = spec.plain(params)
-            args = WorkerRequest(spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync,
-                                 s.lock_timeout, force)
-            task = _Task(ident, key, s.cache_dir, spec.name, plain, arch, args,
-                         timeout if timeout is not None else s.compile_timeout)
+            args = WorkerRequest(
+                spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync, s.lock_timeout, force
+            )
+            task = _Task(
+                ident,
+                key,
+                s.cache_dir,
+                spec.name,
+                plain,
+                arch,
+                args,
+                timeout if timeout is not None else s.compile_timeout,
+            )
             self._errors.pop(ident, None)
             self._reports.pop(ident, None)
             self._tasks[ident] = task
@@ -392,8 +452,9 @@ class CompilePool:
                     task.started = time.monotonic()
                     self._external[ident] = task
                     self.counts["awaited_external"] += 1
-                    log.info("pool: %s %s is being compiled by another process; awaiting it",
-                             spec.name, key[:16])
+                    log.info(
+                        "pool: %s %s is being compiled by another process; awaiting it", spec.name, key[:16]
+                    )
                     self._ensure_thread()
                     self._bump()
                     self._wake()
@@ -409,8 +470,8 @@ class CompilePool:
     @staticmethod
     def _external_paths(spec, params, arch, s):
         try:
-            from quack.compile import builder
             from quack.cache.store import local_store
+            from quack.compile import builder
 
             p = local_store(s).paths(builder.entry_ref(spec, params, arch))
             return str(p["lock"]), str(p["meta"])
@@ -452,8 +513,9 @@ class CompilePool:
             t = self._tasks.get(self._ident(key, root))
             if t is None:
                 return None
-            return TaskInfo(t.kernel, t.key, t.arch, t.submitted, t.started, t.pid,
-                            t.external_lock is not None)
+            return TaskInfo(
+                t.kernel, t.key, t.arch, t.submitted, t.started, t.pid, t.external_lock is not None
+            )
 
     def pending_for(self, key: str, root=None) -> float:
         with self._lock:
@@ -508,8 +570,12 @@ class CompilePool:
             self._state[ident] = FAILED
             self._errors[ident] = payload
             self.counts["failed"] += 1
-            log.info("pool: %s %s failed: %s", task.kernel, task.key[:16],
-                     str(payload).strip().splitlines()[-1][:200] if str(payload).strip() else "")
+            log.info(
+                "pool: %s %s failed: %s",
+                task.kernel,
+                task.key[:16],
+                str(payload).strip().splitlines()[-1][:200] if str(payload).strip() else "",
+            )
         self._bump()
 
     def _spawn(self) -> _Worker:
@@ -548,8 +614,10 @@ class CompilePool:
                         self._queue.insert(0, t)
                         continue  # a dead worker; its sentinel reports it below
                     w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
-                need = min(max(len(self._queue), self._want_workers - len(self._workers)),
-                           self.jobs - len(self._workers))
+                need = min(
+                    max(len(self._queue), self._want_workers - len(self._workers)),
+                    self.jobs - len(self._workers),
+                )
                 objs = [self._wake_r]
                 for w in self._workers:
                     objs.append(w.conn)
@@ -562,9 +630,17 @@ class CompilePool:
                 except Exception as e:  # noqa: BLE001 - can't start workers: fail what is queued
                     with self._lock:
                         for t in self._queue:
-                            self._finish(t, False, CompileError(t.kernel, t.params, t.arch,
-                                                                f"cannot start a compile worker: {e!r}",
-                                                                transient=True))
+                            self._finish(
+                                t,
+                                False,
+                                CompileError(
+                                    t.kernel,
+                                    t.params,
+                                    t.arch,
+                                    f"cannot start a compile worker: {e!r}",
+                                    transient=True,
+                                ),
+                            )
                         self._queue.clear()
                         self._want_workers = 0
                     continue
@@ -617,8 +693,13 @@ class CompilePool:
         t, w.task = w.task, None
         if t is not None:
             self.counts["worker_deaths"] += 1
-            log.warning("pool: worker pid %s died (exit %s) compiling %s %s; replaced",
-                        w.proc.pid, w.proc.exitcode, t.kernel, t.key[:16])
+            log.warning(
+                "pool: worker pid %s died (exit %s) compiling %s %s; replaced",
+                w.proc.pid,
+                w.proc.exitcode,
+                t.kernel,
+                t.key[:16],
+            )
             self._finish(t, False, _worker_died_error(t, w.proc.exitcode))
 
     def _check_deadlines(self, now: float) -> None:
@@ -658,8 +739,11 @@ class CompilePool:
                 self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, external=True))
 
     def _next_timeout(self, now: float) -> float | None:
-        cands = [t.started + t.timeout - now for w in self._workers
-                 if (t := w.task) is not None and t.started is not None]
+        cands = [
+            t.started + t.timeout - now
+            for w in self._workers
+            if (t := w.task) is not None and t.started is not None
+        ]
         if self._external:
             cands.append(EXTERNAL_POLL_S)
         return max(0.0, min(cands)) + 0.01 if cands else None

@@ -4,6 +4,7 @@ A backend moves opaque bytes under names (``quack/v1/...``); it knows nothing
 of signatures, keys or the local store (quack.remote.tier does). Backends live
 one per module and import their client library lazily, so a process that never
 configures a remote never imports redis or boto3."""
+
 from __future__ import annotations
 
 from typing import Protocol
@@ -44,13 +45,16 @@ def redact(url: str) -> str:
     """The URL without a password, for messages and logs."""
     parts = urlsplit(url)
     if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+        netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (
+            f":{parts.port}" if parts.port else ""
+        )
         return parts._replace(netloc=netloc).geturl()
     return url
 
 
-def open_backend(url: str, *, connect_timeout: float = CONNECT_TIMEOUT,
-                 op_timeout: float = OP_TIMEOUT) -> Backend:
+def open_backend(
+    url: str, *, connect_timeout: float = CONNECT_TIMEOUT, op_timeout: float = OP_TIMEOUT
+) -> Backend:
     """The backend for ``url``. Raises ValueError for an unsupported or malformed
     URL (a settings problem, named with the fix). Connects lazily: opening never
     touches the network."""
@@ -69,18 +73,25 @@ def open_backend(url: str, *, connect_timeout: float = CONNECT_TIMEOUT,
         from quack.remote.file_backend import FileBackend
 
         return FileBackend(url)
-    raise ValueError(f"remote URL {redact(url)!r}: unsupported scheme {scheme or '(none)'!r}; use "
-                     "redis://host:port/db, s3://bucket/prefix or file:///shared/path")
+    raise ValueError(
+        f"remote URL {redact(url)!r}: unsupported scheme {scheme or '(none)'!r}; use "
+        "redis://host:port/db, s3://bucket/prefix or file:///shared/path"
+    )
 
 
 def _need(module: str, scheme: str) -> None:
     import importlib.util
 
     if importlib.util.find_spec(module) is None:
-        raise ImportError(f"the {scheme}:// remote cache needs the {module} package: "
-                          "pip install 'quack-cache[remote]'")
+        raise ImportError(
+            f"the {scheme}:// remote cache needs the {module} package: pip install 'quack-cache[remote]'"
+        )
 
 
 def unreachable(url: str, e: BaseException, reason: str = "unreachable") -> RemoteError:
-    return RemoteError(f"remote cache {redact(url)} {'timed out' if reason == 'timeout' else 'unreachable'}: "
-                       f"{type(e).__name__}: {e}", url=redact(url), reason=reason)
+    return RemoteError(
+        f"remote cache {redact(url)} {'timed out' if reason == 'timeout' else 'unreachable'}: "
+        f"{type(e).__name__}: {e}",
+        url=redact(url),
+        reason=reason,
+    )

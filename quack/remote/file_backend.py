@@ -5,6 +5,7 @@ put_if_absent writes a private temp file, fsyncs it and hard-links it into
 place: link(2) fails if the name exists (first writer wins, also over NFS,
 where O_EXCL on create historically was not atomic), and a reader sees either
 no file or the whole object, never a partial one."""
+
 from __future__ import annotations
 
 import errno
@@ -35,8 +36,9 @@ class FileBackend:
 
     def _err(self, e: OSError, what: str) -> RemoteError:
         reason = "full" if e.errno in _FULL else "denied" if e.errno in _DENIED else "unreachable"
-        return RemoteError(f"remote cache {self.url}: {what} failed: {e.strerror or e}", url=self.url,
-                           reason=reason)
+        return RemoteError(
+            f"remote cache {self.url}: {what} failed: {e.strerror or e}", url=self.url, reason=reason
+        )
 
     def get(self, name: str) -> bytes | None:
         p = self._path(name)
@@ -44,13 +46,19 @@ class FileBackend:
             fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             if not self.root.is_dir():
-                raise RemoteError(f"remote cache {self.url}: directory {self.root} does not exist",
-                                  url=self.url, reason="unreachable") from None
+                raise RemoteError(
+                    f"remote cache {self.url}: directory {self.root} does not exist",
+                    url=self.url,
+                    reason="unreachable",
+                ) from None
             return None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise RemoteError(f"remote cache {self.url}: {p} is a symbolic link; refused",
-                                  url=self.url, reason="protocol") from None
+                raise RemoteError(
+                    f"remote cache {self.url}: {p} is a symbolic link; refused",
+                    url=self.url,
+                    reason="protocol",
+                ) from None
             raise self._err(e, f"reading {p}") from None
         try:
             with os.fdopen(fd, "rb") as f:
@@ -61,8 +69,11 @@ class FileBackend:
     def put_if_absent(self, name: str, data: bytes) -> bool:
         p = self._path(name)
         if not self.root.is_dir():
-            raise RemoteError(f"remote cache {self.url}: directory {self.root} does not exist",
-                              url=self.url, reason="unreachable")
+            raise RemoteError(
+                f"remote cache {self.url}: directory {self.root} does not exist",
+                url=self.url,
+                reason="unreachable",
+            )
         try:
             p.parent.mkdir(parents=True, exist_ok=True)
             if os.path.lexists(p):
@@ -73,7 +84,7 @@ class FileBackend:
                 try:
                     view = memoryview(data)
                     while view:
-                        view = view[os.write(fd, view):]
+                        view = view[os.write(fd, view) :]
                     os.fsync(fd)
                 finally:
                     os.close(fd)

@@ -24,6 +24,7 @@ its signature checks): signature by a trusted key; the header's key is the key
 asked for (an object copied under another name is refused); toolchain stamp
 and source fingerprint; size and SHA-256 of the bytes. Every failure raises
 :class:`quack.errors.ObjectRejected` with a short ``reason``."""
+
 from __future__ import annotations
 
 import base64
@@ -42,10 +43,31 @@ PREFIX = "quack/v1"
 # A header is a few hundred bytes; a bound keeps a hostile object from making
 # the reader scan or parse megabytes before refusing it.
 MAX_HEADER = 64 * 1024
-SIGNED_FIELDS = ("format", "key", "kernel", "params", "arch", "stamp", "srcfp", "size", "sha256",
-                 "signer", "compile_s", "created")
-REASONS = ("unsigned", "malformed", "untrusted", "bad-signature", "wrong-key", "wrong-stamp",
-           "wrong-source", "size", "checksum")
+SIGNED_FIELDS = (
+    "format",
+    "key",
+    "kernel",
+    "params",
+    "arch",
+    "stamp",
+    "srcfp",
+    "size",
+    "sha256",
+    "signer",
+    "compile_s",
+    "created",
+)
+REASONS = (
+    "unsigned",
+    "malformed",
+    "untrusted",
+    "bad-signature",
+    "wrong-key",
+    "wrong-stamp",
+    "wrong-source",
+    "size",
+    "checksum",
+)
 
 
 def object_name(ref) -> str:
@@ -59,10 +81,19 @@ def _signed_bytes(header: dict) -> bytes:
 
 def pack(ref, params: dict, data: bytes, signer: SigningKey, *, compile_s: float | None = None) -> bytes:
     """The signed object for ``ref`` holding ``data`` (the .o bytes)."""
-    header = {"format": FORMAT, "key": ref.key, "kernel": ref.kernel, "params": params, "arch": ref.arch,
-              "stamp": ref.stamp, "srcfp": ref.srcfp, "size": len(data),
-              "sha256": hashlib.sha256(data).hexdigest(), "signer": signer.name,
-              "created": round(time.time(), 3)}
+    header = {
+        "format": FORMAT,
+        "key": ref.key,
+        "kernel": ref.kernel,
+        "params": params,
+        "arch": ref.arch,
+        "stamp": ref.stamp,
+        "srcfp": ref.srcfp,
+        "size": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "signer": signer.name,
+        "created": round(time.time(), 3),
+    }
     if compile_s is not None:
         header["compile_s"] = round(float(compile_s), 4)
     header["signature"] = base64.b64encode(signer.sign(_signed_bytes(header))).decode("ascii")
@@ -70,8 +101,12 @@ def pack(ref, params: dict, data: bytes, signer: SigningKey, *, compile_s: float
 
 
 def _reject(ref, reason: str, detail: str, signer: str = "") -> ObjectRejected:
-    return ObjectRejected(f"remote object for {ref.kernel} key {ref.key[:16]} refused ({reason}): {detail}",
-                          key=ref.key, reason=reason, signer=signer)
+    return ObjectRejected(
+        f"remote object for {ref.kernel} key {ref.key[:16]} refused ({reason}): {detail}",
+        key=ref.key,
+        reason=reason,
+        signer=signer,
+    )
 
 
 def parse_header(blob: bytes) -> tuple[dict, memoryview]:
@@ -80,16 +115,16 @@ def parse_header(blob: bytes) -> tuple[dict, memoryview]:
     view = memoryview(blob)
     if not bytes(view[: len(MAGIC)]) == MAGIC:
         raise ObjectRejected("not a quack remote object (bad magic)", reason="malformed")
-    end = bytes(view[len(MAGIC): len(MAGIC) + MAX_HEADER + 1]).find(b"\n")
+    end = bytes(view[len(MAGIC) : len(MAGIC) + MAX_HEADER + 1]).find(b"\n")
     if end < 0:
         raise ObjectRejected("object header unterminated or over 64 KiB", reason="malformed")
     try:
-        header = json.loads(bytes(view[len(MAGIC): len(MAGIC) + end]))
+        header = json.loads(bytes(view[len(MAGIC) : len(MAGIC) + end]))
     except ValueError as e:
         raise ObjectRejected(f"object header is not JSON ({e})", reason="malformed") from None
     if not isinstance(header, dict):
         raise ObjectRejected("object header is not a JSON object", reason="malformed")
-    return header, view[len(MAGIC) + end + 1:]
+    return header, view[len(MAGIC) + end + 1 :]
 
 
 def unpack(blob: bytes, ref, trusted: TrustedKeys) -> tuple[bytes, dict]:
@@ -115,23 +150,44 @@ def unpack(blob: bytes, ref, trusted: TrustedKeys) -> tuple[bytes, dict]:
         raise _reject(ref, e.reason or "bad-signature", str(e), signer) from None
     # 2. The key asked for: a validly signed object of another key, copied here, is refused.
     if header.get("key") != ref.key or header.get("kernel") != ref.kernel or header.get("arch") != ref.arch:
-        raise _reject(ref, "wrong-key", f"the object is signed for {header.get('kernel')} key "
-                      f"{str(header.get('key'))[:16]} ({header.get('arch')}), not this key", signer)
+        raise _reject(
+            ref,
+            "wrong-key",
+            f"the object is signed for {header.get('kernel')} key "
+            f"{str(header.get('key'))[:16]} ({header.get('arch')}), not this key",
+            signer,
+        )
     # 3. Toolchain and kernel source: same key, but built by another cutlass or from other code.
     if header.get("stamp") != ref.stamp:
-        raise _reject(ref, "wrong-stamp", f"built with toolchain {header.get('stamp')}, this process "
-                      f"uses {ref.stamp}", signer)
+        raise _reject(
+            ref,
+            "wrong-stamp",
+            f"built with toolchain {header.get('stamp')}, this process uses {ref.stamp}",
+            signer,
+        )
     if header.get("srcfp") != ref.srcfp:
-        raise _reject(ref, "wrong-source", f"built from kernel source {header.get('srcfp')}, this "
-                      f"process has {ref.srcfp}", signer)
+        raise _reject(
+            ref,
+            "wrong-source",
+            f"built from kernel source {header.get('srcfp')}, this process has {ref.srcfp}",
+            signer,
+        )
     if header.get("format") != FORMAT:
         raise _reject(ref, "malformed", f"object format {header.get('format')!r}, expected {FORMAT}", signer)
     # 4. Size and checksum of the bytes the signature vouches for.
     if len(body) != header.get("size"):
-        raise _reject(ref, "size", f"{len(body)} bytes, the signed header says {header.get('size')} "
-                      "(truncated or padded)", signer)
+        raise _reject(
+            ref,
+            "size",
+            f"{len(body)} bytes, the signed header says {header.get('size')} (truncated or padded)",
+            signer,
+        )
     data = bytes(body)
     if hashlib.sha256(data).hexdigest() != header.get("sha256"):
-        raise _reject(ref, "checksum", "SHA-256 of the bytes does not match the signed header "
-                      "(altered in storage or transit)", signer)
+        raise _reject(
+            ref,
+            "checksum",
+            "SHA-256 of the bytes does not match the signed header (altered in storage or transit)",
+            signer,
+        )
     return data, header

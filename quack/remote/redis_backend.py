@@ -4,6 +4,7 @@
 client never retries on its own (redis-py's default retries with back-off
 would turn one dead host into seconds of waiting): a failure is reported at
 once and the tier switches the remote off."""
+
 from __future__ import annotations
 
 from quack.errors import RemoteError
@@ -19,8 +20,12 @@ class RedisBackend:
         from redis.retry import Retry
 
         self.url = url
-        kw = dict(socket_connect_timeout=connect_timeout, retry=Retry(NoBackoff(), 0), retry_on_timeout=False,
-                  health_check_interval=0)
+        kw = dict(
+            socket_connect_timeout=connect_timeout,
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            health_check_interval=0,
+        )
         try:
             self._r = redis.Redis.from_url(url, socket_timeout=op_timeout, **kw)
             # First contact is a PING that must answer within the connect time-out:
@@ -52,19 +57,31 @@ class RedisBackend:
             raise unreachable(self.url, e, "timeout") from None
         except rx.ConnectionError as e:  # refused, reset, DNS, closed mid-reply
             if isinstance(e, rx.AuthenticationError):
-                raise RemoteError(f"remote cache {redact(self.url)}: authentication failed ({e})",
-                                  url=redact(self.url), reason="denied") from None
+                raise RemoteError(
+                    f"remote cache {redact(self.url)}: authentication failed ({e})",
+                    url=redact(self.url),
+                    reason="denied",
+                ) from None
             raise unreachable(self.url, e) from None
         except rx.OutOfMemoryError as e:
-            raise RemoteError(f"remote cache {redact(self.url)} is full ({e}); raise its maxmemory or "
-                              "let it evict (maxmemory-policy allkeys-lru)", url=redact(self.url),
-                              reason="full") from None
+            raise RemoteError(
+                f"remote cache {redact(self.url)} is full ({e}); raise its maxmemory or "
+                "let it evict (maxmemory-policy allkeys-lru)",
+                url=redact(self.url),
+                reason="full",
+            ) from None
         except (rx.NoPermissionError, rx.AuthenticationError, rx.AuthorizationError) as e:
-            raise RemoteError(f"remote cache {redact(self.url)}: permission denied ({e})",
-                              url=redact(self.url), reason="denied") from None
+            raise RemoteError(
+                f"remote cache {redact(self.url)}: permission denied ({e})",
+                url=redact(self.url),
+                reason="denied",
+            ) from None
         except rx.RedisError as e:
-            raise RemoteError(f"remote cache {redact(self.url)}: {type(e).__name__}: {e}",
-                              url=redact(self.url), reason="protocol") from None
+            raise RemoteError(
+                f"remote cache {redact(self.url)}: {type(e).__name__}: {e}",
+                url=redact(self.url),
+                reason="protocol",
+            ) from None
         except OSError as e:
             raise unreachable(self.url, e) from None
 
@@ -73,8 +90,11 @@ class RedisBackend:
             self._probe()
         v = self._call(self._r.get, name)
         if v is not None and not isinstance(v, bytes):
-            raise RemoteError(f"remote cache {redact(self.url)}: GET {name} gave {type(v).__name__}",
-                              url=redact(self.url), reason="protocol")
+            raise RemoteError(
+                f"remote cache {redact(self.url)}: GET {name} gave {type(v).__name__}",
+                url=redact(self.url),
+                reason="protocol",
+            )
         return v
 
     def put_if_absent(self, name: str, data: bytes) -> bool:

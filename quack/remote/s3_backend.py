@@ -5,6 +5,7 @@ The endpoint, region and credentials come from boto3's usual chain
 MinIO, Ceph, R2 or moto endpoint works as AWS does. Writes are conditional
 (``If-None-Match: *``): the first writer wins and an object is never replaced.
 botocore's own retries are off; the time-outs bound every call."""
+
 from __future__ import annotations
 
 from urllib.parse import urlsplit
@@ -14,8 +15,14 @@ from quack.remote.backend import CONNECT_TIMEOUT, OP_TIMEOUT, unreachable
 
 _ABSENT = ("NoSuchKey", "404", "NotFound")
 _EXISTS = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
-_DENIED = ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
-           "InvalidToken")
+_DENIED = (
+    "AccessDenied",
+    "403",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+)
 _FULL = ("QuotaExceeded", "EntityTooLarge", "XMinioStorageFull", "507")
 
 
@@ -32,9 +39,12 @@ class S3Backend:
         self.prefix = parts.path.strip("/")
         # Path-style addressing: works on AWS and on every S3-compatible server
         # (an endpoint on an IP address has no per-bucket host names).
-        cfg = Config(connect_timeout=connect_timeout, read_timeout=op_timeout,
-                     retries={"total_max_attempts": 1, "mode": "standard"},
-                     s3={"addressing_style": "path"})
+        cfg = Config(
+            connect_timeout=connect_timeout,
+            read_timeout=op_timeout,
+            retries={"total_max_attempts": 1, "mode": "standard"},
+            s3={"addressing_style": "path"},
+        )
         self._s3 = boto3.session.Session().client("s3", config=cfg)
 
     def _key(self, name: str) -> str:
@@ -45,34 +55,49 @@ class S3Backend:
 
         if isinstance(e, (bx.ConnectTimeoutError, bx.ReadTimeoutError)):
             return unreachable(self.url, e, "timeout")
-        if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectionError,
-                          bx.HTTPClientError)):
+        if isinstance(
+            e, (bx.EndpointConnectionError, bx.ConnectionClosedError, bx.ConnectionError, bx.HTTPClientError)
+        ):
             return unreachable(self.url, e)
         if isinstance(e, bx.NoCredentialsError):
-            return RemoteError(f"remote cache {self.url}: no AWS credentials found for {what}",
-                               url=self.url, reason="denied")
+            return RemoteError(
+                f"remote cache {self.url}: no AWS credentials found for {what}", url=self.url, reason="denied"
+            )
         if isinstance(e, bx.ClientError):
             code = str(e.response.get("Error", {}).get("Code", ""))
             status = str(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode", ""))
             if code == "NoSuchBucket":
-                return RemoteError(f"remote cache {self.url}: bucket {self.bucket!r} does not exist",
-                                   url=self.url, reason="unreachable")
+                return RemoteError(
+                    f"remote cache {self.url}: bucket {self.bucket!r} does not exist",
+                    url=self.url,
+                    reason="unreachable",
+                )
             if code in _DENIED or status == "403":
-                return RemoteError(f"remote cache {self.url}: {what} denied ({code})", url=self.url,
-                                   reason="denied")
+                return RemoteError(
+                    f"remote cache {self.url}: {what} denied ({code})", url=self.url, reason="denied"
+                )
             if code in _FULL or status == "507":
-                return RemoteError(f"remote cache {self.url}: {what}: storage full ({code})", url=self.url,
-                                   reason="full")
-            return RemoteError(f"remote cache {self.url}: {what} failed ({code or status}: {e})", url=self.url,
-                               reason="protocol")
-        return RemoteError(f"remote cache {self.url}: {what} failed ({type(e).__name__}: {e})", url=self.url,
-                           reason="protocol")
+                return RemoteError(
+                    f"remote cache {self.url}: {what}: storage full ({code})", url=self.url, reason="full"
+                )
+            return RemoteError(
+                f"remote cache {self.url}: {what} failed ({code or status}: {e})",
+                url=self.url,
+                reason="protocol",
+            )
+        return RemoteError(
+            f"remote cache {self.url}: {what} failed ({type(e).__name__}: {e})",
+            url=self.url,
+            reason="protocol",
+        )
 
     @staticmethod
     def _code(e) -> tuple[str, str]:
         r = getattr(e, "response", None) or {}
-        return (str(r.get("Error", {}).get("Code", "")),
-                str(r.get("ResponseMetadata", {}).get("HTTPStatusCode", "")))
+        return (
+            str(r.get("Error", {}).get("Code", "")),
+            str(r.get("ResponseMetadata", {}).get("HTTPStatusCode", "")),
+        )
 
     def get(self, name: str) -> bytes | None:
         import botocore.exceptions as bx

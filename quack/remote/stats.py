@@ -2,6 +2,7 @@
 reads from ``<cache>/remote-stats.jsonl`` (one line appended per process that
 used a remote). Light on purpose: no network or crypto imports, so stats stay
 fast."""
+
 from __future__ import annotations
 
 import dataclasses

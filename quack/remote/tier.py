@@ -16,6 +16,7 @@ Failures never propagate: every problem is a miss (or a failed push, counted),
 with one warning per kind per process. A connection error or a time-out
 switches the remote off for the rest of the process (one warning), so a dead
 host costs one connect time-out, not one per kernel."""
+
 from __future__ import annotations
 
 import hashlib
@@ -61,8 +62,9 @@ class RemoteTier:
 
     name = "remote"
 
-    def __init__(self, backend: Backend, *, trusted: TrustedKeys, signer: SigningKey | None = None,
-                 write: bool = False):
+    def __init__(
+        self, backend: Backend, *, trusted: TrustedKeys, signer: SigningKey | None = None, write: bool = False
+    ):
         self.backend = backend
         self.url = redact(backend.url)
         self.trusted = trusted
@@ -93,12 +95,19 @@ class RemoteTier:
                 _offline.setdefault(self.url, str(e))
             if first:
                 log.info("remote %s off for this process: %s", self.url, e)
-                _warn_once(self.url, "offline", f"quack: {why}; the remote cache is off for the rest of this "
-                           "process (kernels come from the local cache or are compiled)")
+                _warn_once(
+                    self.url,
+                    "offline",
+                    f"quack: {why}; the remote cache is off for the rest of this "
+                    "process (kernels come from the local cache or are compiled)",
+                )
         elif op == "put" and e.reason in ("full", "denied"):
             self._push_off = str(e)
-            _warn_once(self.url, "push-" + e.reason, f"quack: {why}; not pushing to it for the rest of this "
-                       "process (reads continue)")
+            _warn_once(
+                self.url,
+                "push-" + e.reason,
+                f"quack: {why}; not pushing to it for the rest of this process (reads continue)",
+            )
         else:
             _warn_once(self.url, "error-" + op, f"quack: {why}; treated as a miss")
 
@@ -127,13 +136,22 @@ class RemoteTier:
                 self.counters.rejected += 1
                 self.counters.rejected_by_reason[e.reason] += 1
             log.info("remote object refused: %s", e)
-            _warn_once(self.url, "rejected", f"quack: {e}. Refused objects are never loaded nor stored; "
-                       "the kernel is compiled locally (rejections are counted in `quack cache stats` "
-                       "and the build summary)")
+            _warn_once(
+                self.url,
+                "rejected",
+                f"quack: {e}. Refused objects are never loaded nor stored; "
+                "the kernel is compiled locally (rejections are counted in `quack cache stats` "
+                "and the build summary)",
+            )
             return None
         self._count(hits=1)
-        log.info("remote hit %s key %s (%d bytes, signed by %s)", ref.kernel, ref.key[:16], len(data),
-                 header.get("signer"))
+        log.info(
+            "remote hit %s key %s (%d bytes, signed by %s)",
+            ref.kernel,
+            ref.key[:16],
+            len(data),
+            header.get("signer"),
+        )
         meta = {"params": header.get("params"), "compile_s": header.get("compile_s"), "created": time.time()}
         return Fetched(ref, data, meta, f"remote:{self.url}")
 
@@ -165,8 +183,9 @@ class RemoteTier:
             return "failed"
         signer = self.signer
         assert signer is not None  # self.write implies a signer (see __init__)
-        blob = objects.pack(ref, entry.meta.get("params") or {}, data, signer,
-                            compile_s=entry.meta.get("compile_s"))
+        blob = objects.pack(
+            ref, entry.meta.get("params") or {}, data, signer, compile_s=entry.meta.get("compile_s")
+        )
         try:
             stored = self.backend.put_if_absent(objects.object_name(ref), blob)
         except RemoteError as e:
@@ -193,7 +212,9 @@ class RemoteTier:
         try:
             if not Path(root).is_dir():
                 return
-            fd = os.open(Path(root) / STATS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fd = os.open(
+                Path(root) / STATS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
+            )
             try:
                 os.write(fd, line.encode())
             finally:
@@ -207,6 +228,7 @@ class RemoteTier:
 
 # --- from settings ----------------------------------------------------------------------
 
+
 def from_settings(s, *, strict: bool = False) -> RemoteTier | None:
     """The tier configured by ``s`` (None without ``remote_url``). A bad URL or key
     file is warned about once and leaves the remote off, unless ``strict`` (the
@@ -217,8 +239,9 @@ def from_settings(s, *, strict: bool = False) -> RemoteTier | None:
 
     url = redact(s.remote_url)
     try:
-        backend = open_backend(s.remote_url, connect_timeout=min(CONNECT_TIMEOUT, s.remote_timeout),
-                               op_timeout=s.remote_timeout)
+        backend = open_backend(
+            s.remote_url, connect_timeout=min(CONNECT_TIMEOUT, s.remote_timeout), op_timeout=s.remote_timeout
+        )
         trusted = signing.trusted_keys_from_settings(s)
         signer = signing.signing_key_from_settings(s) if s.remote_write else None
     except (ValueError, KeyFileError, ImportError) as e:
@@ -227,11 +250,19 @@ def from_settings(s, *, strict: bool = False) -> RemoteTier | None:
         _warn_once(url, "config", f"quack: remote cache {url} not used: {e}")
         return None
     if s.remote_write and signer is None:
-        _warn_once(url, "no-key", f"quack: remote cache {url}: write = true but no signing key "
-                   "(QUACK_SIGNING_KEY / [remote] signing_key); reading only")
+        _warn_once(
+            url,
+            "no-key",
+            f"quack: remote cache {url}: write = true but no signing key "
+            "(QUACK_SIGNING_KEY / [remote] signing_key); reading only",
+        )
     if not len(trusted):
-        _warn_once(url, "no-trust", f"quack: remote cache {url}: no trusted keys (QUACK_TRUSTED_KEYS / "
-                   "[remote] trusted_keys), so nothing from it can be accepted; not reading from it")
+        _warn_once(
+            url,
+            "no-trust",
+            f"quack: remote cache {url}: no trusted keys (QUACK_TRUSTED_KEYS / "
+            "[remote] trusted_keys), so nothing from it can be accepted; not reading from it",
+        )
     return RemoteTier(backend, trusted=trusted, signer=signer, write=s.remote_write)
 
 

@@ -1,24 +1,34 @@
 """``@jit_cache``: memory -> disk -> compile worker, for tensor-free compile functions."""
+
 from __future__ import annotations
 
 import atexit
-import os
 import functools
 import logging
+import os
 import threading
 import time
 import warnings
 from typing import Any, Callable
 
-from quack.runtime import _generation, loader, tiers
-from quack.cache.contract import InPlaceTier, ListsSearched
+from quack import registry
+from quack import settings as _settings
 from quack.cache import journal
-from quack import registry, settings as _settings
-from quack.errors import (CacheError, CacheWarning, CompileError, CompilePending, CompileTimeout,
-                          EntryVanished, KernelNotPrebuilt, LockTimeout)
+from quack.cache.contract import InPlaceTier, ListsSearched
+from quack.cache.store import local_store, warn_once
+from quack.errors import (
+    CacheError,
+    CacheWarning,
+    CompileError,
+    CompilePending,
+    CompileTimeout,
+    EntryVanished,
+    KernelNotPrebuilt,
+    LockTimeout,
+)
 from quack.manifest_line import manifest_line
 from quack.params import Param
-from quack.cache.store import local_store, warn_once
+from quack.runtime import _generation, loader, tiers
 
 _ALL: list["JitKernel"] = []
 log = logging.getLogger("quack.jit")
@@ -27,8 +37,22 @@ log = logging.getLogger("quack.jit")
 class Loaded:
     """One loaded kernel in this process, with its usage counters."""
 
-    __slots__ = ("fn", "module", "key", "params", "arch", "hits", "misses", "compiles",
-                 "load_s", "compile_s", "how", "tier", "waits", "wait_s")
+    __slots__ = (
+        "fn",
+        "module",
+        "key",
+        "params",
+        "arch",
+        "hits",
+        "misses",
+        "compiles",
+        "load_s",
+        "compile_s",
+        "how",
+        "tier",
+        "waits",
+        "wait_s",
+    )
 
     def __init__(self, fn, module, key, params, arch, how, tier="cache"):
         self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
@@ -60,8 +84,13 @@ class JitKernel:
         try:
             # Types are part of the memo key: True == 1 and 4096 == 4096.0 hash alike,
             # and must not share an entry (nor skip the slow path's validation).
-            hit = self._memo[(args, tuple(map(type, args)), tuple(kwargs.items()),
-                              tuple(map(type, kwargs.values())))] if self._gen == _generation.value else None
+            hit = (
+                self._memo[
+                    (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+                ]
+                if self._gen == _generation.value
+                else None
+            )
         except (KeyError, TypeError):
             hit = None
         if hit is not None:
@@ -96,8 +125,9 @@ class JitKernel:
             else:
                 loaded.hits += 1
             try:
-                self._memo[(args, tuple(map(type, args)), tuple(kwargs.items()),
-                            tuple(map(type, kwargs.values())))] = loaded
+                self._memo[
+                    (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+                ] = loaded
             except TypeError:
                 pass  # unhashable argument spelling: still correct, just the slow path
             return loaded.fn
@@ -115,8 +145,10 @@ class JitKernel:
 
     def _remember_failure(self, key: str, err: CompileError) -> None:
         if key not in self._failed and hasattr(err, "add_note"):  # Python 3.11+
-            err.add_note(f"quack: {self.spec.name} key {key[:16]} will not be compiled again in this "
-                         f"process until its source changes")
+            err.add_note(
+                f"quack: {self.spec.name} key {key[:16]} will not be compiled again in this "
+                f"process until its source changes"
+            )
         self._failed[key] = (self.spec.source_fingerprint(), err)
 
     def _resolve(self, params: dict, key: str, s) -> Loaded:
@@ -137,12 +169,16 @@ class JitKernel:
                 entry = store.lookup(ref)
             except (CacheError, OSError) as e:
                 if s.mode == "prebuilt":
-                    warn_once(f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})",
-                              stacklevel=5)
+                    warn_once(
+                        f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})", stacklevel=5
+                    )
                 else:
-                    warnings.warn(f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
-                                  f"{self.spec.name} (a compile runs in this process, unstored)",
-                                  CacheWarning, stacklevel=4)
+                    warnings.warn(
+                        f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
+                        f"{self.spec.name} (a compile runs in this process, unstored)",
+                        CacheWarning,
+                        stacklevel=4,
+                    )
                 unusable = f"the cache is unusable ({e})"
                 store, entry = None, None
             if entry is not None:
@@ -162,26 +198,37 @@ class JitKernel:
         if store is None:  # cache disabled or unusable
             return self._compile_in_process(params, key, arch)
         if not store.writable():
-            log.info("%s is not writable: compiling %s %s in this process", s.cache_dir,
-                     self.spec.name, key[:16])
+            log.info(
+                "%s is not writable: compiling %s %s in this process", s.cache_dir, self.spec.name, key[:16]
+            )
             # Read-only cache: hits still load from it; misses run uncached, one warning.
-            warn_once(f"read-only:{s.cache_dir}", f"quack: cache {s.cache_dir} is not writable; "
-                      f"kernels missing from it are compiled in this process and not stored",
-                      stacklevel=5)
+            warn_once(
+                f"read-only:{s.cache_dir}",
+                f"quack: cache {s.cache_dir} is not writable; "
+                f"kernels missing from it are compiled in this process and not stored",
+                stacklevel=5,
+            )
             return self._compile_in_process(params, key, arch)
         t0 = time.perf_counter()
         if not self.spec.shippable:
             if not self._warned_local:
-                warnings.warn(f"quack: kernel {self.spec.name} is defined in {self.spec.module} "
-                              f"({self.spec.qualname}) and can't be sent to a compile worker; "
-                              f"compiling it in this process", CacheWarning, stacklevel=4)
+                warnings.warn(
+                    f"quack: kernel {self.spec.name} is defined in {self.spec.module} "
+                    f"({self.spec.qualname}) and can't be sent to a compile worker; "
+                    f"compiling it in this process",
+                    CacheWarning,
+                    stacklevel=4,
+                )
                 self._warned_local = True
             try:
                 entry, compiled = builder.build(self.spec, params, arch, store)
                 compile_s = float(entry.meta.get("compile_s") or 0.0) if compiled else 0.0
             except (OSError, LockTimeout) as e:
-                warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({e}); "
-                              f"running it uncached", CacheWarning, stacklevel=4)
+                warnings.warn(
+                    f"quack: can't store {self.spec.name} key {key[:16]} ({e}); running it uncached",
+                    CacheWarning,
+                    stacklevel=4,
+                )
                 return self._compile_in_process(params, key, arch)
         else:
             entry, report = self._compile_in_worker(store, ref, params, key, arch)
@@ -205,8 +252,9 @@ class JitKernel:
         else:
             loaded.waits = 1
             loaded.wait_s = elapsed
-        log.debug("%s %s %s (%.3f s)", "compiled" if compiled else "waited for", self.spec.name, key[:16],
-                  elapsed)
+        log.debug(
+            "%s %s %s (%.3f s)", "compiled" if compiled else "waited for", self.spec.name, key[:16], elapsed
+        )
         return loaded
 
     @staticmethod
@@ -218,23 +266,42 @@ class JitKernel:
         d = store.entry_dir(ref)
         try:
             with os.scandir(d.parent) as it:
-                old = sorted(e.name for e in it if e.name != d.name and e.is_dir(follow_symlinks=False)
-                             and os.path.isfile(os.path.join(e.path, ref.key + ".json")))
+                old = sorted(
+                    e.name
+                    for e in it
+                    if e.name != d.name
+                    and e.is_dir(follow_symlinks=False)
+                    and os.path.isfile(os.path.join(e.path, ref.key + ".json"))
+                )
         except OSError:
             return ""
         if not old:
             return ""
-        return (f"it was built for an older source of the kernel (fingerprint {old[-1]}; now "
-                f"{ref.srcfp}): the kernel's source changed since, so `quack build` (or `quack "
-                f"prewarm`) must rebuild it")
+        return (
+            f"it was built for an older source of the kernel (fingerprint {old[-1]}; now "
+            f"{ref.srcfp}): the kernel's source changed since, so `quack build` (or `quack "
+            f"prewarm`) must rebuild it"
+        )
 
     def _not_prebuilt(self, params, key, s, reason: str):
         plain = self.spec.plain(params)
-        err = KernelNotPrebuilt(self.spec.name, plain, s.arch, key, str(s.cache_dir),
-                                manifest_line(self.spec.name, plain, s.arch),
-                                bundles=next((t.searched() for t in tiers.read_tiers(s)
-                                              if t.name == "bundles" and isinstance(t, ListsSearched)),
-                                             ()), reason=reason)
+        err = KernelNotPrebuilt(
+            self.spec.name,
+            plain,
+            s.arch,
+            key,
+            str(s.cache_dir),
+            manifest_line(self.spec.name, plain, s.arch),
+            bundles=next(
+                (
+                    t.searched()
+                    for t in tiers.read_tiers(s)
+                    if t.name == "bundles" and isinstance(t, ListsSearched)
+                ),
+                (),
+            ),
+            reason=reason,
+        )
         from quack.compile import pool as _pool  # on a miss only: a hit never needs the pool
 
         _pool.note_not_prebuilt(err, s)
@@ -271,8 +338,11 @@ class JitKernel:
             if st == _pool.FAILED:
                 pool.forget(key, root)  # reported once; a later call may retry
                 if isinstance(err, CompileTimeout):
-                    warnings.warn(f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this "
-                                  f"process", CacheWarning, stacklevel=5)
+                    warnings.warn(
+                        f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this process",
+                        CacheWarning,
+                        stacklevel=5,
+                    )
                     return None, None
                 if isinstance(err, (CacheError, LockTimeout)):
                     return self._store_failed(err, key), None  # the cache (full, read-only), not the kernel
@@ -287,8 +357,12 @@ class JitKernel:
                 pool.forget(key, root)
                 if pool.state(key, root) != _pool.NEW:
                     break
-        warnings.warn(f"quack: the pool reported {self.spec.name} key {key[:16]} done but the cache "
-                      f"has no valid entry; compiling it in this process", CacheWarning, stacklevel=5)
+        warnings.warn(
+            f"quack: the pool reported {self.spec.name} key {key[:16]} done but the cache "
+            f"has no valid entry; compiling it in this process",
+            CacheWarning,
+            stacklevel=5,
+        )
         return None, None
 
     def _from_tiers(self, ref, store, params, key, arch, s) -> Loaded | None:
@@ -325,8 +399,12 @@ class JitKernel:
         return None
 
     def _store_failed(self, err, key):
-        warnings.warn(f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
-                      f"compiling it in this process, uncached", CacheWarning, stacklevel=6)
+        warnings.warn(
+            f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
+            f"compiling it in this process, uncached",
+            CacheWarning,
+            stacklevel=6,
+        )
         return None
 
     def _load(self, store, entry, params, key, arch, *, miss: bool) -> Loaded:
@@ -355,8 +433,12 @@ class JitKernel:
         except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
             import traceback
 
-            raise CompileError(self.spec.name, self.spec.plain(params), arch,
-                               "".join(traceback.format_exception(type(e), e, e.__traceback__))) from None
+            raise CompileError(
+                self.spec.name,
+                self.spec.plain(params),
+                arch,
+                "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+            ) from None
         loaded = Loaded(fn, None, key, params, arch, "jit", tier="compile")
         loaded.misses = loaded.compiles = 1
         loaded.compile_s = time.perf_counter() - t0
@@ -365,23 +447,37 @@ class JitKernel:
     def usage(self) -> list[dict]:
         out = []
         for ld in list(self._by_key.values()):
-            out.append({"kernel": self.spec.name, "key": ld.key, "arch": ld.arch,
-                        "params": self.spec.plain(ld.params), "hits": ld.hits, "misses": ld.misses,
-                        "compiles": ld.compiles, "load_s": round(ld.load_s, 6),
-                        "compile_s": round(ld.compile_s, 4), "how": ld.how, "tier": ld.tier,
-                        "waits": ld.waits, "wait_s": round(ld.wait_s, 4)})
+            out.append(
+                {
+                    "kernel": self.spec.name,
+                    "key": ld.key,
+                    "arch": ld.arch,
+                    "params": self.spec.plain(ld.params),
+                    "hits": ld.hits,
+                    "misses": ld.misses,
+                    "compiles": ld.compiles,
+                    "load_s": round(ld.load_s, 6),
+                    "compile_s": round(ld.compile_s, 4),
+                    "how": ld.how,
+                    "tier": ld.tier,
+                    "waits": ld.waits,
+                    "wait_s": round(ld.wait_s, 4),
+                }
+            )
         return out
 
 
-def jit_cache(name: str, params: dict[str, Param], *, version: int = 0,
-              reference: str | None = None, rules=()) -> Callable[[Callable], JitKernel]:
+def jit_cache(
+    name: str, params: dict[str, Param], *, version: int = 0, reference: str | None = None, rules=()
+) -> Callable[[Callable], JitKernel]:
     """Register a tensor-free compile function as kernel ``name`` and cache it.
     ``rules``: quack.params.Rule constraints across parameters, checked (with each
     parameter's own check) by manifests and on every call, before anything compiles."""
 
     def deco(fn: Callable) -> JitKernel:
-        return JitKernel(registry.register(name, fn, params, version=version, reference=reference,
-                                           rules=rules))
+        return JitKernel(
+            registry.register(name, fn, params, version=version, reference=reference, rules=rules)
+        )
 
     return deco
 

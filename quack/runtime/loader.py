@@ -6,16 +6,17 @@ the builder) against cutlass-dsl's runtime, and loaded with
 The .so has no rpath (the cache stays relocatable): the runtime libraries are
 preloaded RTLD_GLOBAL and resolve its DT_NEEDED entries by soname. Without a
 C compiler, ``cute.runtime.load_module`` on the .o is the fallback."""
+
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import importlib.util
+import logging
 import os
 import shutil
-import dataclasses
-import logging
 import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -75,8 +76,18 @@ def link(obj: Path, out: Path, tmpdir: Path | None = None) -> None:
     if dirs is None or cc is None:
         raise LinkError("no C compiler or cutlass-dsl runtime libraries found", str(obj))
     cdir, tdir = dirs
-    cmd = [cc, "-shared", "-o", str(out), str(obj), f"-L{cdir}", "-lcute_dsl_runtime",
-           f"-L{tdir}", "-ltvm_ffi", os.path.join(cdir, "libcuda_dialect_runtime_static.a")]
+    cmd = [
+        cc,
+        "-shared",
+        "-o",
+        str(out),
+        str(obj),
+        f"-L{cdir}",
+        "-lcute_dsl_runtime",
+        f"-L{tdir}",
+        "-ltvm_ffi",
+        os.path.join(cdir, "libcuda_dialect_runtime_static.a"),
+    ]
     env = None if tmpdir is None else dict(os.environ, TMPDIR=str(tmpdir))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
@@ -224,7 +235,10 @@ def load_in_place(entry, store=None):
         except Exception as e:  # noqa: BLE001 - a .so that won't load: link the .o ourselves
             logging.getLogger("quack.loader").info(
                 "shipped .so of %s key %s did not load (%s); linking its object",
-                entry.ref.kernel, entry.ref.key[:16], e)
+                entry.ref.kernel,
+                entry.ref.key[:16],
+                e,
+            )
     target = _NoCache()
     if store is not None:
         so = store.derived_so(entry.ref, entry.meta["sha256"])

@@ -14,6 +14,7 @@ ever loads verified local entries.
 Adding a tier: ``register_tier("remote", factory, order=REMOTE)``, where
 ``factory(settings)`` returns a ReadTier or None (not configured). Factories
 run once per Settings object (the chain is rebuilt when settings change)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,9 @@ def read_tiers(settings: Settings) -> tuple[ReadTier, ...]:
         except Exception as e:  # noqa: BLE001 - a tier's set-up problem is a miss, shown once
             from quack.cache.store import warn_once
 
-            warn_once(f"tier:{r.name}", f"quack: cache tier {r.name!r} is unusable ({e}); "
-                      f"looking up without it")
+            warn_once(
+                f"tier:{r.name}", f"quack: cache tier {r.name!r} is unusable ({e}); looking up without it"
+            )
             continue
         if t is not None:
             tiers.append(t)
@@ -102,20 +104,20 @@ def fetch_into(store: Store, ref: EntryRef, tiers: tuple[ReadTier, ...]) -> tupl
         except Exception as e:  # noqa: BLE001 - the contract says None; a bug is a miss + warning
             from quack.cache.store import warn_once
 
-            warn_once(f"tier-bug:{tier.name}", f"quack: cache tier {tier.name!r} raised "
-                      f"{type(e).__name__}: {e}; treating it as a miss")
+            warn_once(
+                f"tier-bug:{tier.name}",
+                f"quack: cache tier {tier.name!r} raised {type(e).__name__}: {e}; treating it as a miss",
+            )
             continue
         if got is None:
             log.debug("tier %s: miss %s %s", tier.name, ref.kernel, ref.key[:16])
             continue
         if got.ref != ref:
-            log.warning("tier %s returned %s for %s; ignored", tier.name, got.ref.key[:16],
-                        ref.key[:16])
+            log.warning("tier %s returned %s for %s; ignored", tier.name, got.ref.key[:16], ref.key[:16])
             continue
         entry = publish_fetched(store, got)
         if entry is not None:
-            log.info("tier %s: hit %s %s, published into %s", tier.name, ref.kernel, ref.key[:16],
-                     store.root)
+            log.info("tier %s: hit %s %s, published into %s", tier.name, ref.kernel, ref.key[:16], store.root)
             return entry, tier.name
     return None, ""
 
@@ -125,8 +127,13 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
     or None if the store can't take it (read-only, full, lock held too long)."""
     ref = got.ref
     if not store.writable():
-        log.info("tier %s: hit %s %s, but %s is not writable; skipped", got.source, ref.kernel,
-                 ref.key[:16], store.root)
+        log.info(
+            "tier %s: hit %s %s, but %s is not writable; skipped",
+            got.source,
+            ref.kernel,
+            ref.key[:16],
+            store.root,
+        )
         return None
     try:
         with store.lock(ref):
@@ -139,8 +146,11 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
                     f.write(got.data)
                 # Only the documented fields (docs/cache-layout.md); the store sets
                 # the identity, size and checksum fields itself.
-                meta = {k: v for k, v in got.meta.items() if k in ("params", "compile_s", "host", "pid",
-                                                                 "created")}
+                meta = {
+                    k: v
+                    for k, v in got.meta.items()
+                    if k in ("params", "compile_s", "host", "pid", "created")
+                }
                 return store.publish(ref, tmp, meta)
             finally:
                 try:
@@ -148,8 +158,14 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
                 except FileNotFoundError:
                     pass
     except (CacheError, LockTimeout, OSError) as e:
-        log.warning("tier %s: could not publish %s %s into %s: %s", got.source, ref.kernel,
-                    ref.key[:16], store.root, e)
+        log.warning(
+            "tier %s: could not publish %s %s into %s: %s",
+            got.source,
+            ref.kernel,
+            ref.key[:16],
+            store.root,
+            e,
+        )
         return None
 
 

@@ -6,6 +6,7 @@ Only misses in the session's cache (the default settings' cache directory)
 defer; a test that installs its own Settings with another cache (a tmp_path
 cache) waits for its compiles instead: its tmp_path, and so its cache, would be
 new on every retry. Misses in teardown always wait."""
+
 from __future__ import annotations
 
 import os

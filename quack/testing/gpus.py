@@ -5,6 +5,7 @@ workers <= GPUs every worker has its own; with more, the counts per GPU differ
 by at most one (no GPU holds two workers while another holds none). The pin is
 made in ``pytest_load_initial_conftests`` (before any conftest can initialise
 CUDA), never when the plugin is merely imported."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,8 @@ from typing import MutableMapping
 
 @dataclasses.dataclass(frozen=True)
 class Pin:
-    gpu: str       # the CUDA_VISIBLE_DEVICES value given to this worker
-    shared: bool   # more workers than GPUs: others share it (tests take the GPU lock)
+    gpu: str  # the CUDA_VISIBLE_DEVICES value given to this worker
+    shared: bool  # more workers than GPUs: others share it (tests take the GPU lock)
 
 
 #: This process's pin (set by ``pin_worker``), read by the runner.
@@ -50,8 +51,9 @@ def assign(index: int, workers: int, gpus: list[str]) -> Pin:
     return Pin(gpus[index % len(gpus)], workers > len(gpus))
 
 
-def pin_worker(env: MutableMapping[str, str], *, enabled: bool | None,
-               project_uses_quack: bool) -> Pin | None:
+def pin_worker(
+    env: MutableMapping[str, str], *, enabled: bool | None, project_uses_quack: bool
+) -> Pin | None:
     """Pin this xdist worker (``PYTEST_XDIST_WORKER`` in ``env``) to one GPU by
     rewriting CUDA_VISIBLE_DEVICES in ``env``. ``enabled``: the
     ``pytest_gpu_pin`` setting (None = when the project uses quack). Also writes

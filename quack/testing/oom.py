@@ -1,6 +1,7 @@
 """CUDA out-of-memory retry: a test that failed with CUDA OOM runs once more,
 after gc.collect() and torch.cuda.empty_cache(), holding its GPU exclusively
 (GpuLock: every worker sharing the GPU holds it shared around each test)."""
+
 from __future__ import annotations
 
 import sys
@@ -17,8 +18,12 @@ def is_cuda_oom(exc: BaseException | None) -> bool:
         if type(exc).__name__ == "OutOfMemoryError" and "torch" in type(exc).__module__:
             return True
         msg = str(exc)
-        if ("CUDA out of memory" in msg or "CUDA_ERROR_OUT_OF_MEMORY" in msg
-                or "cudaErrorMemoryAllocation" in msg or "CUDA error: out of memory" in msg):
+        if (
+            "CUDA out of memory" in msg
+            or "CUDA_ERROR_OUT_OF_MEMORY" in msg
+            or "cudaErrorMemoryAllocation" in msg
+            or "CUDA error: out of memory" in msg
+        ):
             return True
         exc = exc.__cause__ or exc.__context__
         seen += 1
@@ -39,8 +44,9 @@ def free_gpu_memory() -> None:
             pass
 
 
-def retry(attempt: Callable[[], tuple[Any, list]], shared_lock: GpuLock | None,
-          gpu_name: str) -> tuple[Any, list]:
+def retry(
+    attempt: Callable[[], tuple[Any, list]], shared_lock: GpuLock | None, gpu_name: str
+) -> tuple[Any, list]:
     """Run ``attempt`` again with the GPU held exclusively; returns its result
     (pending, reports) with the retry noted on every report. ``shared_lock``: the
     lock this worker holds shared around each test (None if the GPU is its own)."""

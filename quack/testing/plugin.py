@@ -32,6 +32,7 @@ This module holds the hooks only: deferral.py (pending detection, the pool),
 strict.py, oom.py, gpus.py (pinning, the GPU lock), runner.py (one real
 outcome per test), summary.py (integrity check and summary line).
 """
+
 from __future__ import annotations
 
 import os
@@ -72,35 +73,58 @@ def pytest_load_initial_conftests(early_config, parser, args):
     # worker to its GPU. Not at import: merely installing quack must not change
     # the environment of every pytest run.
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        gpus.pin_worker(os.environ, enabled=_gpu_pin_setting(),
-                        project_uses_quack=_project_uses_quack())
+        gpus.pin_worker(os.environ, enabled=_gpu_pin_setting(), project_uses_quack=_project_uses_quack())
 
 
 # -- options ----------------------------------------------------------------------------------
 def pytest_addoption(parser):
     group = parser.getgroup("quack", "quack kernel cache")
-    group.addoption("--async-compile", type=int, nargs="?", const=0, default=None, metavar="N",
-                    dest="quack_async",
-                    help="defer tests whose kernels miss the cache while N CPU workers compile "
-                         "them; retry when ready (N default: one per CPU)")
-    group.addoption("--quack-prebuilt", action="store_true", default=False,
-                    help="fail any test whose kernel is not prebuilt (QUACK_MODE=prebuilt)")
-    group.addoption("--quack-prewarm", action="store_true", default=False,
-                    help="start compile workers at session start, not at the first miss")
-    group.addoption("--quack-max-defers", type=int, default=MAX_DEFERS, metavar="K",
-                    help=f"after K deferrals a test compiles synchronously (default {MAX_DEFERS})")
+    group.addoption(
+        "--async-compile",
+        type=int,
+        nargs="?",
+        const=0,
+        default=None,
+        metavar="N",
+        dest="quack_async",
+        help="defer tests whose kernels miss the cache while N CPU workers compile "
+        "them; retry when ready (N default: one per CPU)",
+    )
+    group.addoption(
+        "--quack-prebuilt",
+        action="store_true",
+        default=False,
+        help="fail any test whose kernel is not prebuilt (QUACK_MODE=prebuilt)",
+    )
+    group.addoption(
+        "--quack-prewarm",
+        action="store_true",
+        default=False,
+        help="start compile workers at session start, not at the first miss",
+    )
+    group.addoption(
+        "--quack-max-defers",
+        type=int,
+        default=MAX_DEFERS,
+        metavar="K",
+        help=f"after K deferrals a test compiles synchronously (default {MAX_DEFERS})",
+    )
 
 
 def _is_xdist_controller(config) -> bool:
-    return not hasattr(config, "workerinput") and bool(getattr(config.option, "numprocesses", None)) \
+    return (
+        not hasattr(config, "workerinput")
+        and bool(getattr(config.option, "numprocesses", None))
         and getattr(config.option, "dist", "no") != "no"
+    )
 
 
 def pytest_configure(config):
     async_n = config.getoption("quack_async", None)
     prebuilt = strict.requested(bool(config.getoption("quack_prebuilt", False)))
-    engaged = async_n is not None or prebuilt or config.getoption("quack_prewarm", False) \
-        or _project_uses_quack()
+    engaged = (
+        async_n is not None or prebuilt or config.getoption("quack_prewarm", False) or _project_uses_quack()
+    )
     if not engaged:
         return
     if _is_xdist_controller(config):
@@ -113,8 +137,7 @@ def pytest_configure(config):
         if runner.worker:
             config.pluginmanager.register(deferral.worker_drain_hook(runner), "quack-worker-drain")
     if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(Controller(config, async_n is not None, local=runner),
-                                      _CONTROLLER)
+        config.pluginmanager.register(Controller(config, async_n is not None, local=runner), _CONTROLLER)
 
 
 def pytest_unconfigure(config):

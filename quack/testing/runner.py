@@ -2,6 +2,7 @@
 pytest or an xdist worker) so that each test reports exactly one real outcome:
 defer-and-retry on pending compiles (deferral), OOM retry (oom), strict mode
 (strict), out-of-order set-up repair, and the report relay to xdist."""
+
 from __future__ import annotations
 
 import contextlib
@@ -183,8 +184,9 @@ class Runner:
         if self.worker or not self.deferring:
             return None
         if session.testsfailed and not session.config.option.continue_on_collection_errors:
-            raise session.Interrupted(f"{session.testsfailed} error{'s' if session.testsfailed != 1 else ''}"
-                                      " during collection")
+            raise session.Interrupted(
+                f"{session.testsfailed} error{'s' if session.testsfailed != 1 else ''} during collection"
+            )
         if session.config.option.collectonly:
             return True
         from collections import deque
@@ -196,8 +198,11 @@ class Runner:
         gen = pool.generation
         while queue:
             item, pending = queue.popleft()
-            if pending is not None and not self._ready(pending) \
-                    and self.attempts.get(item.nodeid, 0) < self.max_defers:
+            if (
+                pending is not None
+                and not self._ready(pending)
+                and self.attempts.get(item.nodeid, 0) < self.max_defers
+            ):
                 queue.append((item, pending))
                 blocked += 1
                 if blocked >= len(queue):
@@ -259,14 +264,22 @@ class Runner:
     # bookkeeping ----------------------------------------------------------------------------------
     def summary(self) -> dict:
         st = self.pool.stats() if self.pool is not None else {}
-        return {"submitted": st.get("submitted", 0), "failed": st.get("failed", 0),
-                "compiled": st.get("compiled", 0), "compile_s": st.get("compile_s", 0.0),
-                "timeouts": st.get("timeouts", 0), "worker_deaths": st.get("worker_deaths", 0),
-                "awaited_external": st.get("awaited_external", 0),
-                "errors": list(st.get("errors", {}).values())[:5],
-                "deferrals": self.defers, "forced_sync": self.forced_sync,
-                "oom_retried": list(self.oom_retried), "setup_errors": list(self.setup_errors),
-                "t_first_test": self.t_first_test, "async": self.deferring}
+        return {
+            "submitted": st.get("submitted", 0),
+            "failed": st.get("failed", 0),
+            "compiled": st.get("compiled", 0),
+            "compile_s": st.get("compile_s", 0.0),
+            "timeouts": st.get("timeouts", 0),
+            "worker_deaths": st.get("worker_deaths", 0),
+            "awaited_external": st.get("awaited_external", 0),
+            "errors": list(st.get("errors", {}).values())[:5],
+            "deferrals": self.defers,
+            "forced_sync": self.forced_sync,
+            "oom_retried": list(self.oom_retried),
+            "setup_errors": list(self.setup_errors),
+            "t_first_test": self.t_first_test,
+            "async": self.deferring,
+        }
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session):

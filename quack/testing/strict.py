@@ -6,6 +6,7 @@ On with ``--quack-prebuilt``, or when the settings say ``mode = "prebuilt"``
 process's *default* settings with mode=prebuilt and re-installs them whenever a
 test leaves none installed. A test that installs its own Settings (a private
 tmp cache in jit mode, as the project's cache tests do) runs under those."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,6 +1,7 @@
 """The controller (single process, or the xdist controller): checks at session end
 that every collected, non-deselected test reported, and prints one summary line
 (keys submitted, failed, deferrals, compile seconds, OOM retries)."""
+
 from __future__ import annotations
 
 import time
@@ -41,8 +42,17 @@ class Controller:
         parts = list(self.worker_summaries)
         if self.local is not None:
             parts.append(self.local.summary())
-        tot: dict[str, Any] = {"submitted": 0, "failed": 0, "compiled": 0, "compile_s": 0.0, "deferrals": 0,
-               "forced_sync": 0, "timeouts": 0, "worker_deaths": 0, "awaited_external": 0}
+        tot: dict[str, Any] = {
+            "submitted": 0,
+            "failed": 0,
+            "compiled": 0,
+            "compile_s": 0.0,
+            "deferrals": 0,
+            "forced_sync": 0,
+            "timeouts": 0,
+            "worker_deaths": 0,
+            "awaited_external": 0,
+        }
         oom, errors, setup_errors, firsts = [], [], [], []
         for p in parts:
             for k in tot:
@@ -52,8 +62,12 @@ class Controller:
             setup_errors += p.get("setup_errors", [])
             if p.get("t_first_test"):
                 firsts.append(p["t_first_test"])
-        tot.update(oom_retried=oom, errors=errors, setup_errors=setup_errors,
-                   first_test_s=(min(firsts) - self.t_start) if firsts else None)
+        tot.update(
+            oom_retried=oom,
+            errors=errors,
+            setup_errors=setup_errors,
+            first_test_s=(min(firsts) - self.t_start) if firsts else None,
+        )
         return tot
 
     @pytest.hookimpl(trylast=True)
@@ -76,17 +90,23 @@ class Controller:
         tot = self._total()
         missing = getattr(self, "integrity_missing", [])
         if missing:
-            tr.write_line(f"quack: INTEGRITY ERROR: {len(missing)} collected test(s) produced no report "
-                          f"(lost with a crashed worker?):", red=True, bold=True)
+            tr.write_line(
+                f"quack: INTEGRITY ERROR: {len(missing)} collected test(s) produced no report "
+                f"(lost with a crashed worker?):",
+                red=True,
+                bold=True,
+            )
             for n in missing[:20]:
                 tr.write_line(f"  {n}", red=True)
         for e in tot["setup_errors"]:
             tr.write_line(f"quack: {e}", red=True)
         if not (self.async_on or tot["oom_retried"] or tot["submitted"]):
             return
-        line = (f"quack: {tot['submitted']} keys submitted ({tot['compiled']} compiled, "
-                f"{tot['compile_s']:.1f} s compile), {tot['failed']} failed, "
-                f"{tot['deferrals']} deferrals")
+        line = (
+            f"quack: {tot['submitted']} keys submitted ({tot['compiled']} compiled, "
+            f"{tot['compile_s']:.1f} s compile), {tot['failed']} failed, "
+            f"{tot['deferrals']} deferrals"
+        )
         extra = []
         if tot["forced_sync"]:
             extra.append(f"{tot['forced_sync']} synchronous after {self.max_defers} deferrals")

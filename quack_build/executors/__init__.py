@@ -9,6 +9,7 @@ runs the keys it is given and reports what happened to each.
   is the only writer of the cache.
 
 Nothing here imports torch, cutlass or ray: ``quack build`` stays light."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -90,8 +91,7 @@ class Executor(Protocol):
         """Release workers and connections. Idempotent; never waits for a compile."""
 
 
-RAY_INSTALL_HINT = ("--executor ray needs Ray, which is not installed: "
-                    "pip install 'quack-cache[ray]'")
+RAY_INSTALL_HINT = "--executor ray needs Ray, which is not installed: pip install 'quack-cache[ray]'"
 
 
 def create(settings, *, jobs: int | None, store, executor: str | None = None) -> Executor:

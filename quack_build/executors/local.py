@@ -1,5 +1,6 @@
 """The default executor: quack's compile pool (GPU-blind workers forked from a warm
 forkserver on this host). Each worker publishes its own entry under the key's lock."""
+
 from __future__ import annotations
 
 import time
@@ -30,8 +31,9 @@ class LocalExecutor:
 
     def submit(self, item: WorkItem) -> None:
         self._items[item.key] = item
-        self._pool.submit(item.spec, item.bound, item.arch, item.key, settings=self.settings,
-                          force=item.force)
+        self._pool.submit(
+            item.spec, item.bound, item.arch, item.key, settings=self.settings, force=item.force
+        )
 
     def _task_record(self, key: str):
         """The pool's TaskInfo of a key (start time, worker pid); None if it has none."""
@@ -49,15 +51,23 @@ class LocalExecutor:
                 pt = self._task_record(key)
                 if pt is not None and pt.started is not None:
                     self._started.add(key)
-                    out.append(Event(STARTED, key, lane="", pid=pt.pid or 0,
-                                     t_start=now_w - (now_m - pt.started)))
+                    out.append(
+                        Event(STARTED, key, lane="", pid=pt.pid or 0, t_start=now_w - (now_m - pt.started))
+                    )
             if st == qpool.DONE:
                 r = self._pool.report(key, self._root) or {}
                 del self._items[key]
                 self._started.discard(key)
-                out.append(Event(DONE, key, pid=r.get("pid", 0) or 0, compiled=bool(r.get("compiled")),
-                                 compile_s=float(r.get("compile_s") or 0.0),
-                                 wall_s=float(r.get("wall_s") or 0.0)))
+                out.append(
+                    Event(
+                        DONE,
+                        key,
+                        pid=r.get("pid", 0) or 0,
+                        compiled=bool(r.get("compiled")),
+                        compile_s=float(r.get("compile_s") or 0.0),
+                        wall_s=float(r.get("wall_s") or 0.0),
+                    )
+                )
             elif st == qpool.FAILED:
                 del self._items[key]
                 self._started.discard(key)

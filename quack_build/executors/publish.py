@@ -4,6 +4,7 @@ A remote worker returns the object's bytes with its size, SHA-256, key, source
 fingerprint and toolchain stamp; this checks all of them against the coordinator's
 own and publishes through the store's normal atomic publish (temp file, rename,
 metadata last) under the key's lock."""
+
 from __future__ import annotations
 
 import hashlib
@@ -31,8 +32,9 @@ def check_result(ref, item: WorkItem, res: dict) -> str:
     return ""
 
 
-def publish_result(store, item: WorkItem, res: dict, *, worker: str, executor: str = "ray",
-                   address: str = "") -> bool:
+def publish_result(
+    store, item: WorkItem, res: dict, *, worker: str, executor: str = "ray", address: str = ""
+) -> bool:
     """Check ``res`` (key, srcfp, stamp, obj, size, sha256, compile_s, host, pid; optionally
     so + so_sha256, the .so the worker linked) and publish it into ``store``. True if
     published here; False if another process published the key first.
@@ -46,8 +48,12 @@ def publish_result(store, item: WorkItem, res: dict, *, worker: str, executor: s
     ref = builder.entry_ref(item.spec, item.bound, item.arch)
     problem = check_result(ref, item, res)
     if problem:
-        raise ExecutorError(f"refusing the object for {item.kernel} key {item.key[:16]} from {worker}: "
-                            f"{problem}; nothing was published", executor=executor, address=address)
+        raise ExecutorError(
+            f"refusing the object for {item.kernel} key {item.key[:16]} from {worker}: "
+            f"{problem}; nothing was published",
+            executor=executor,
+            address=address,
+        )
     if not item.force and store.lookup(ref) is not None:
         return False
     with store.lock(ref):
@@ -56,9 +62,14 @@ def publish_result(store, item: WorkItem, res: dict, *, worker: str, executor: s
         tmp = store.tmp_obj(ref)
         try:
             write_into(tmp, res["obj"])
-            meta = {"params": item.params, "compile_s": res.get("compile_s", 0.0),
-                    "host": res.get("host", ""), "pid": res.get("pid", 0), "created": time.time(),
-                    "executor": executor}
+            meta = {
+                "params": item.params,
+                "compile_s": res.get("compile_s", 0.0),
+                "host": res.get("host", ""),
+                "pid": res.get("pid", 0),
+                "created": time.time(),
+                "executor": executor,
+            }
             entry = store.publish(ref, tmp, meta)
         finally:
             if os.path.lexists(tmp):
@@ -85,6 +96,6 @@ def write_into(tmp: Path, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)

@@ -1,5 +1,6 @@
 """Reaching a Ray cluster for ``quack build``: the address check, the connection, and the
 code the actors need (shipped as ``runtime_env.py_modules``)."""
+
 from __future__ import annotations
 
 import importlib
@@ -26,7 +27,7 @@ def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
     """A TCP connect to the cluster's HOST:PORT, so an unreachable address fails in
     seconds with a clear message (Ray's own connect retries for a minute or more).
     Raises ExecutorError."""
-    hostport = address[len("ray://"):] if address.startswith("ray://") else address
+    hostport = address[len("ray://") :] if address.startswith("ray://") else address
     host, _, port = hostport.rpartition(":")
     try:
         socket.create_connection((host, int(port)), timeout=timeout).close()
@@ -36,7 +37,9 @@ def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
             f"cannot reach the Ray cluster at {address}: {why} (within {timeout:.0f} s). Is it running "
             f"(`ray start --head` on that host; Ray Client listens on 10001, the GCS on 6379) and is "
             f"the port open from here? To build on this host instead: --executor local",
-            executor="ray", address=address) from None
+            executor="ray",
+            address=address,
+        ) from None
 
 
 def stage_packages(names) -> tuple[str, list[str]]:
@@ -56,13 +59,18 @@ def stage_packages(names) -> tuple[str, list[str]]:
                 src = Path(paths[0])
                 if src.is_dir():
                     dst = Path(stage) / name
-                    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"))
+                    shutil.copytree(
+                        src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o")
+                    )
                 else:
                     dst = Path(stage) / f"{name}.py"
                     shutil.copyfile(src, dst)
             except Exception as e:  # noqa: BLE001
-                raise ExecutorError(f"cannot ship the package {name!r} ([build] kernel_packages) to the "
-                                    f"Ray actors: {first_line(e)}", executor="ray") from None
+                raise ExecutorError(
+                    f"cannot ship the package {name!r} ([build] kernel_packages) to the "
+                    f"Ray actors: {first_line(e)}",
+                    executor="ray",
+                ) from None
             out.append(str(dst))
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -70,17 +78,21 @@ def stage_packages(names) -> tuple[str, list[str]]:
     return stage, out
 
 
-def connect(ray, target: str, *, num_cpus: int | None, runtime_env: dict,
-            connect_timeout: float = CONNECT_TIMEOUT_S) -> str:
+def connect(
+    ray, target: str, *, num_cpus: int | None, runtime_env: dict, connect_timeout: float = CONNECT_TIMEOUT_S
+) -> str:
     """``ray.init`` for ``target`` ("ray": a new local instance, or RAY_ADDRESS when set;
     "auto"; "ray://HOST:PORT"; "HOST:PORT") with the job's runtime_env; returns the
     address to show. Raises ExecutorError (unreachable, already connected, Ray's error)."""
     if ray.is_initialized():
         # Code ships with the job's runtime_env, which only ray.init sets: a process
         # already connected can't give its actors our packages.
-        raise ExecutorError("this process is already connected to Ray; quack build connects by "
-                            "itself (call ray.shutdown() first, or run `quack build` in its own "
-                            "process)", executor="ray")
+        raise ExecutorError(
+            "this process is already connected to Ray; quack build connects by "
+            "itself (call ray.shutdown() first, or run `quack build` in its own "
+            "process)",
+            executor="ray",
+        )
     # RAY_ADDRESS is Ray's own setting (not quack's): `--executor ray` honours it as ray.init() does.
     env_addr = os.environ.get("RAY_ADDRESS", "")
     address = (env_addr or None) if target == "ray" else target
@@ -89,14 +101,20 @@ def connect(ray, target: str, *, num_cpus: int | None, runtime_env: dict,
     kw = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
     try:
         if address is None:
-            ray.init(address="local", num_cpus=num_cpus or os.cpu_count() or 1, _node_ip_address="127.0.0.1",
-                     include_dashboard=False, **kw)
+            ray.init(
+                address="local",
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                **kw,
+            )
         else:
             ray.init(address=address, **kw)
     except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError...
         where = address or "a new local instance"
-        raise ExecutorError(f"cannot start Ray ({where}): {first_line(e)}", executor="ray",
-                            address=address or "") from None
+        raise ExecutorError(
+            f"cannot start Ray ({where}): {first_line(e)}", executor="ray", address=address or ""
+        ) from None
     if address and address != "auto":
         return address
     try:

@@ -23,6 +23,7 @@ own scheduler (longest first, fail-fast, display, trace) and its cache rules:
   at most ``MAX_RETRIES`` times, and is replaced. ``cancel`` kills every actor:
   nothing it was doing can reach the cache.
 """
+
 from __future__ import annotations
 
 import collections
@@ -37,7 +38,13 @@ from typing import Any
 from quack.errors import CompileError, ExecutorError, ToolchainMismatch
 from quack_build.executors import DONE, FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
 from quack_build.executors.publish import publish_result
-from quack_build.executors.ray_cluster import ACTOR_ENV, CONNECT_TIMEOUT_S, connect, first_line, stage_packages
+from quack_build.executors.ray_cluster import (
+    ACTOR_ENV,
+    CONNECT_TIMEOUT_S,
+    connect,
+    first_line,
+    stage_packages,
+)
 
 log = logging.getLogger("quack")
 
@@ -67,6 +74,7 @@ def import_ray(local_only: bool = False):
 
 # --- the coordinator ----------------------------------------------------------------------
 
+
 @dataclasses.dataclass(eq=False)
 class _Actor:
     handle: Any
@@ -83,8 +91,17 @@ class RayExecutor:
 
     name = "ray"
 
-    def __init__(self, target: str, *, jobs: int | None, settings, store, max_retries: int = MAX_RETRIES,
-                 stamp_override: str | None = None, connect_timeout: float = CONNECT_TIMEOUT_S):
+    def __init__(
+        self,
+        target: str,
+        *,
+        jobs: int | None,
+        settings,
+        store,
+        max_retries: int = MAX_RETRIES,
+        stamp_override: str | None = None,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+    ):
         import importlib.util
 
         if importlib.util.find_spec("ray") is None:  # fail before planning, not after
@@ -107,19 +124,30 @@ class RayExecutor:
         self._stage = ""
         self._actors: list[_Actor] = []
         self._idle: list[_Actor] = []
-        self._hellos: dict = {}      # ObjectRef -> _Actor (warming up)
-        self._busy: dict = {}        # ObjectRef -> (_Actor, WorkItem, attempt)
+        self._hellos: dict = {}  # ObjectRef -> _Actor (warming up)
+        self._busy: dict = {}  # ObjectRef -> (_Actor, WorkItem, attempt)
         self._queue: collections.deque = collections.deque()
         self._refused: list[ToolchainMismatch] = []
         self._start_errors: list[str] = []
         self._spawned = 0
         self._pending_notes: list[Event] = []
-        self.counts: dict[str, Any] = {"actors_started": 0, "actors_refused": 0, "actor_deaths": 0, "retries": 0,
-                       "dispatched": 0, "published": 0, "timeouts": 0, "actor_compile_wall_s": 0.0,
-                       "roundtrip_s": 0.0, "publish_s": 0.0, "warm_s": [], "nodes": set()}
+        self.counts: dict[str, Any] = {
+            "actors_started": 0,
+            "actors_refused": 0,
+            "actor_deaths": 0,
+            "retries": 0,
+            "dispatched": 0,
+            "published": 0,
+            "timeouts": 0,
+            "actor_compile_wall_s": 0.0,
+            "roundtrip_s": 0.0,
+            "publish_s": 0.0,
+            "warm_s": [],
+            "nodes": set(),
+        }
         self._dispatched_at: dict = {}
-        self._publisher: Any = None     # ThreadPoolExecutor, from start()
-        self._publishing: set = set()   # its futures, each giving a list of events
+        self._publisher: Any = None  # ThreadPoolExecutor, from start()
+        self._publishing: set = set()  # its futures, each giving a list of events
         self._counts_lock = threading.Lock()
         self._cpu_ready = 0.0
 
@@ -129,9 +157,9 @@ class RayExecutor:
 
         ray = self._ray
         cls = ray.remote(BuildWorker)
-        handle = cls.options(num_cpus=1, num_gpus=0, max_restarts=0, max_task_retries=0,
-                             scheduling_strategy="SPREAD").remote(
-            list(self.settings.kernel_packages), self._arch, self.stamp_override)
+        handle = cls.options(
+            num_cpus=1, num_gpus=0, max_restarts=0, max_task_retries=0, scheduling_strategy="SPREAD"
+        ).remote(list(self.settings.kernel_packages), self._arch, self.stamp_override)
         self._spawned += 1
         a = _Actor(handle, self._spawned, label=f"actor {self._spawned}")
         self._actors.append(a)
@@ -145,9 +173,13 @@ class RayExecutor:
         self._ray = import_ray(local_only=self.target == "ray" and not os.environ.get("RAY_ADDRESS"))
         try:
             self._stage, mods = stage_packages(("quack", "quack_build", *self.settings.kernel_packages))
-            self.address = connect(self._ray, self.target, num_cpus=self.requested,
-                                   runtime_env={"py_modules": mods, "env_vars": dict(ACTOR_ENV)},
-                                   connect_timeout=self.connect_timeout)
+            self.address = connect(
+                self._ray,
+                self.target,
+                num_cpus=self.requested,
+                runtime_env={"py_modules": mods, "env_vars": dict(ACTOR_ENV)},
+                connect_timeout=self.connect_timeout,
+            )
             self._owned = True
             self._want = keys.toolchain_stamp(self._arch)
             from concurrent.futures import ThreadPoolExecutor
@@ -156,8 +188,9 @@ class RayExecutor:
             cpus = int(self._ray.cluster_resources().get("CPU", 0))
             n = self.requested or cpus or 1
             if cpus and n > cpus:
-                self._pending_notes.append(Event(NOTE, text=f"the Ray cluster has {cpus} CPUs: "
-                                                 f"{cpus} actors instead of {n}"))
+                self._pending_notes.append(
+                    Event(NOTE, text=f"the Ray cluster has {cpus} CPUs: {cpus} actors instead of {n}")
+                )
                 n = cpus
             self.jobs = max(1, min(n, max_jobs))
             for _ in range(self.jobs):
@@ -165,7 +198,9 @@ class RayExecutor:
             deadline = time.monotonic() + START_TIMEOUT_S
             # Dispatch starts with the first warm, accepted actor; the others join as they come.
             while not self._idle and self._hellos and time.monotonic() < deadline:
-                self._pending_notes += self._handle(self._wait(min(1.0, max(0.0, deadline - time.monotonic()))))
+                self._pending_notes += self._handle(
+                    self._wait(min(1.0, max(0.0, deadline - time.monotonic())))
+                )
             if not self._idle:
                 raise self._no_actor_error()
         except BaseException:
@@ -177,15 +212,25 @@ class RayExecutor:
     def _no_actor_error(self) -> ExecutorError:
         if self._refused and not self._start_errors:
             e = self._refused[0]
-            return ToolchainMismatch(f"{e} (every actor refused: nothing built)",
-                                     worker_stamp=e.worker_stamp, coordinator_stamp=e.coordinator_stamp,
-                                     worker=e.worker, executor="ray", address=self.address)
+            return ToolchainMismatch(
+                f"{e} (every actor refused: nothing built)",
+                worker_stamp=e.worker_stamp,
+                coordinator_stamp=e.coordinator_stamp,
+                worker=e.worker,
+                executor="ray",
+                address=self.address,
+            )
         if self._start_errors or self._refused:
             why = "; ".join(self._start_errors[:3] + [str(r) for r in self._refused[:1]])
-            return ExecutorError(f"no Ray actor could start on {self.address}: {why}", executor="ray",
-                                 address=self.address)
-        return ExecutorError(f"no Ray actor became ready on {self.address} within {START_TIMEOUT_S:.0f} s; "
-                             f"does the cluster have free CPUs?", executor="ray", address=self.address)
+            return ExecutorError(
+                f"no Ray actor could start on {self.address}: {why}", executor="ray", address=self.address
+            )
+        return ExecutorError(
+            f"no Ray actor became ready on {self.address} within {START_TIMEOUT_S:.0f} s; "
+            f"does the cluster have free CPUs?",
+            executor="ray",
+            address=self.address,
+        )
 
     # -- work -------------------------------------------------------------------------------
     def submit(self, item: WorkItem) -> None:
@@ -198,8 +243,13 @@ class RayExecutor:
         while self._queue and self._idle:
             item, attempt = self._queue.popleft()
             a = self._idle.pop()
-            payload = {"key": item.key, "kernel": item.kernel, "module": item.module, "params": item.params,
-                       "arch": item.arch}
+            payload = {
+                "key": item.key,
+                "kernel": item.kernel,
+                "module": item.module,
+                "params": item.params,
+                "arch": item.arch,
+            }
             ref = a.handle.build.remote(payload)
             self._busy[ref] = (a, item, attempt)
             self._dispatched_at[ref] = time.perf_counter()
@@ -256,8 +306,15 @@ class RayExecutor:
             self.counts["timeouts"] += 1
             if self._spawned < 2 * self.jobs + 2 * self.max_retries + 2:
                 self._spawn()
-            out.append(Event(FAILED, item.key, lane=a.label, pid=a.pid,
-                             error=CompileTimeout(item.kernel, item.key, now - t0)))
+            out.append(
+                Event(
+                    FAILED,
+                    item.key,
+                    lane=a.label,
+                    pid=a.pid,
+                    error=CompileTimeout(item.kernel, item.key, now - t0),
+                )
+            )
         return out
 
     def _handle(self, ready: list) -> list[Event]:
@@ -294,12 +351,19 @@ class RayExecutor:
         self.counts["warm_s"].append(info.get("warm_s"))
         got, want = str(info.get("stamp") or ""), self._want
         if got != want:
-            return self._refuse(a, ToolchainMismatch(
-                f"refusing Ray {a.label}: its toolchain stamp is {got!r} but this coordinator's is "
-                f"{want!r}; install the same Python, nvidia-cutlass-dsl and apache-tvm-ffi on every "
-                f"node (its objects would not match their keys)",
-                worker_stamp=got, coordinator_stamp=want, worker=a.label, executor="ray",
-                address=self.address))
+            return self._refuse(
+                a,
+                ToolchainMismatch(
+                    f"refusing Ray {a.label}: its toolchain stamp is {got!r} but this coordinator's is "
+                    f"{want!r}; install the same Python, nvidia-cutlass-dsl and apache-tvm-ffi on every "
+                    f"node (its objects would not match their keys)",
+                    worker_stamp=got,
+                    coordinator_stamp=want,
+                    worker=a.label,
+                    executor="ray",
+                    address=self.address,
+                ),
+            )
         from quack import registry
 
         theirs = info.get("srcfps") or {}
@@ -307,12 +371,19 @@ class RayExecutor:
             if name in theirs and spec.shippable:
                 mine = spec.source_fingerprint()
                 if theirs[name] != mine:
-                    return self._refuse(a, ToolchainMismatch(
-                        f"refusing Ray {a.label}: it sees kernel {name} with source fingerprint "
-                        f"{theirs[name]} but this checkout has {mine} (another version of "
-                        f"{spec.module} shadows the shipped one on that node)",
-                        worker_stamp=theirs[name], coordinator_stamp=mine, worker=a.label,
-                        executor="ray", address=self.address))
+                    return self._refuse(
+                        a,
+                        ToolchainMismatch(
+                            f"refusing Ray {a.label}: it sees kernel {name} with source fingerprint "
+                            f"{theirs[name]} but this checkout has {mine} (another version of "
+                            f"{spec.module} shadows the shipped one on that node)",
+                            worker_stamp=theirs[name],
+                            coordinator_stamp=mine,
+                            worker=a.label,
+                            executor="ray",
+                            address=self.address,
+                        ),
+                    )
         self._idle.append(a)
         self.counts["nodes"].add(a.node_id)
         log.info("quack: Ray %s ready (warm-up %.1fs)", a.label, info.get("warm_s") or 0.0)
@@ -341,14 +412,28 @@ class RayExecutor:
         t_disp = self._dispatched_at.pop(ref, time.perf_counter())
         try:
             res = ray.get(ref)
-        except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                ray.exceptions.ObjectLostError, ray.exceptions.NodeDiedError) as e:
+        except (
+            ray.exceptions.RayActorError,
+            ray.exceptions.WorkerCrashedError,
+            ray.exceptions.ObjectLostError,
+            ray.exceptions.NodeDiedError,
+        ) as e:
             return self._on_actor_death(a, item, attempt, e)
         except Exception as e:  # noqa: BLE001 - a Ray-level failure of this task: report it
             self._idle.append(a)
-            return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=ExecutorError(
-                f"Ray task for {item.kernel} key {item.key[:16]} on {a.label} failed: {first_line(e)}",
-                executor="ray", address=self.address))]
+            return [
+                Event(
+                    FAILED,
+                    item.key,
+                    lane=a.label,
+                    pid=a.pid,
+                    error=ExecutorError(
+                        f"Ray task for {item.kernel} key {item.key[:16]} on {a.label} failed: {first_line(e)}",
+                        executor="ray",
+                        address=self.address,
+                    ),
+                )
+            ]
         self._idle.append(a)
         self.counts["roundtrip_s"] += time.perf_counter() - t_disp
         if res.get("error") is not None:
@@ -369,8 +454,16 @@ class RayExecutor:
         finally:
             with self._counts_lock:
                 self.counts["publish_s"] += time.perf_counter() - p0
-        return [Event(DONE, item.key, lane=a.label, pid=a.pid, compiled=compiled,
-                      compile_s=float(res.get("compile_s") or 0.0) if compiled else 0.0)]
+        return [
+            Event(
+                DONE,
+                item.key,
+                lane=a.label,
+                pid=a.pid,
+                compiled=compiled,
+                compile_s=float(res.get("compile_s") or 0.0) if compiled else 0.0,
+            )
+        ]
 
     def _on_actor_death(self, a: _Actor, item: WorkItem, attempt: int, e: BaseException) -> list[Event]:
         self._drop(a)
@@ -382,15 +475,31 @@ class RayExecutor:
         if attempt < self.max_retries:
             self.counts["retries"] += 1
             self._queue.appendleft((item, attempt + 1))
-            out.append(Event(NOTE, text=f"Ray {a.label} died while compiling {item.kernel} key "
-                                        f"{item.key[:16]} ({why}); retrying on another actor "
-                                        f"(retry {attempt + 1} of {self.max_retries})"))
+            out.append(
+                Event(
+                    NOTE,
+                    text=f"Ray {a.label} died while compiling {item.kernel} key "
+                    f"{item.key[:16]} ({why}); retrying on another actor "
+                    f"(retry {attempt + 1} of {self.max_retries})",
+                )
+            )
             log.warning("quack: Ray %s died compiling key %s; retry %d", a.label, item.key[:16], attempt + 1)
             return out
-        out.append(Event(FAILED, item.key, lane=a.label, pid=a.pid, error=CompileError(
-            item.kernel, item.params, item.arch,
-            f"the Ray actors compiling it died {attempt + 1} times (last: {a.label}: {why}); "
-            f"not retried again (crash, out of memory, or a lost node)")))
+        out.append(
+            Event(
+                FAILED,
+                item.key,
+                lane=a.label,
+                pid=a.pid,
+                error=CompileError(
+                    item.kernel,
+                    item.params,
+                    item.arch,
+                    f"the Ray actors compiling it died {attempt + 1} times (last: {a.label}: {why}); "
+                    f"not retried again (crash, out of memory, or a lost node)",
+                ),
+            )
+        )
         return out
 
     # -- publishing (the coordinator is the only writer) -------------------------------------
@@ -436,8 +545,10 @@ class RayExecutor:
 
     def describe(self) -> str:
         ready = len(self._idle) + len(self._busy)
-        return (f"Ray {self.address}: {self.jobs} actor{'s' if self.jobs != 1 else ''} (1 CPU each, "
-                f"GPU-blind), {ready} warm after {self.start_s:.1f}s")
+        return (
+            f"Ray {self.address}: {self.jobs} actor{'s' if self.jobs != 1 else ''} (1 CPU each, "
+            f"GPU-blind), {ready} warm after {self.start_s:.1f}s"
+        )
 
     def stats(self) -> dict:
         d = dict(self.counts)

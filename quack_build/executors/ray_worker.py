@@ -2,6 +2,7 @@
 cluster node that never writes to a cache. It arrives on the node with quack,
 quack_build and the kernel packages (runtime_env.py_modules); the node needs only the
 toolchain. Imported on the nodes: nothing here imports ray at module level."""
+
 from __future__ import annotations
 
 import hashlib
@@ -55,9 +56,16 @@ class BuildWorker:
                 srcfps[name] = spec.source_fingerprint()
             except Exception:  # noqa: BLE001 - reported per key if it is built
                 pass
-        return {"pid": os.getpid(), "host": socket.gethostname(), "node": _node_ip(), "node_id": _node_id(),
-                "stamp": self.stamp(self.arch), "toolchain": keys.toolchain(), "srcfps": srcfps,
-                "warm_s": round(self.warm_s, 3)}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node": _node_ip(),
+            "node_id": _node_id(),
+            "stamp": self.stamp(self.arch),
+            "toolchain": keys.toolchain(),
+            "srcfps": srcfps,
+            "warm_s": round(self.warm_s, 3),
+        }
 
     def stamp(self, arch: str) -> str:
         from quack.cache import keys
@@ -95,11 +103,21 @@ class BuildWorker:
         except BaseException as e:  # noqa: BLE001 - everything goes back as text
             detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
             return {"error": CompileError(kernel, params, arch, detail), "pid": os.getpid()}
-        return {"key": key, "srcfp": srcfp, "stamp": self.stamp(arch), "obj": data,
-                "size": len(data), "sha256": hashlib.sha256(data).hexdigest(), "so": so,
-                "so_sha256": hashlib.sha256(so).hexdigest() if so is not None else "",
-                "compile_s": round(seconds, 4), "wall_s": time.perf_counter() - p0, "t_start": t_start,
-                "pid": os.getpid(), "host": socket.gethostname()}
+        return {
+            "key": key,
+            "srcfp": srcfp,
+            "stamp": self.stamp(arch),
+            "obj": data,
+            "size": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
+            "so": so,
+            "so_sha256": hashlib.sha256(so).hexdigest() if so is not None else "",
+            "compile_s": round(seconds, 4),
+            "wall_s": time.perf_counter() - p0,
+            "t_start": t_start,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
 
     def pid(self) -> int:
         return os.getpid()

@@ -1,5 +1,6 @@
 """Kernel test configurations shared by the CPU and GPU tiers (and mirrored in
 manifests/tests.toml)."""
+
 DTYPES = ("float32", "float16", "bfloat16")
 # CPU tier: compile + export + load for sm_90a. One-warp, one-block and cluster paths.
 CPU_NS = (1000, 16384, 65536)
@@ -9,8 +10,10 @@ GPU_NS = (256, 1000, 4096, 16384, 65536, 262144)
 
 # kernel name -> list of extra compile params (variants) exercised by the tests
 VARIANTS = {
-    "rmsnorm_fwd": [dict(has_weight=True, has_bias=False, has_residual=False),
-                    dict(has_weight=False, has_bias=True, has_residual=True)],
+    "rmsnorm_fwd": [
+        dict(has_weight=True, has_bias=False, has_residual=False),
+        dict(has_weight=False, has_bias=True, has_residual=True),
+    ],
     "rmsnorm_bwd": [dict(has_weight=True), dict(has_weight=False)],
     "softmax_fwd": [dict()],
     "softmax_bwd": [dict()],

@@ -1,5 +1,6 @@
 """Fixtures shared by the kernel tiers (imported by the test modules: a conftest.py here
 would shadow tests/conftest.py for the `from conftest import ...` of other tests)."""
+
 import os
 
 import pytest

@@ -1,7 +1,7 @@
 """GPU tier: every kernel against a float32 torch reference over dtypes x M x N.
 Outputs are poisoned with NaN before each run so unwritten elements fail."""
-import pytest
 
+import pytest
 from _cases import DTYPES, GPU_MS, GPU_NS, tol
 
 torch = pytest.importorskip("torch")
@@ -102,7 +102,9 @@ def test_rmsnorm_bwd(dt, m, n, has_weight):
     _close(dx, xr.grad, dt, scale=4)
     if has_weight:
         scale = wr.grad.abs().max().item() + 1
-        torch.testing.assert_close(dw.float() / scale, wr.grad / scale, atol=2e-2 if dt != "float32" else 1e-4, rtol=0)
+        torch.testing.assert_close(
+            dw.float() / scale, wr.grad / scale, atol=2e-2 if dt != "float32" else 1e-4, rtol=0
+        )
     else:
         assert dw is None
 
@@ -178,10 +180,11 @@ def test_cross_entropy_bwd(dt, m, n):
 
 # ----------------------------------------------------------------- autograd + validation
 
+
 def test_autograd_wrappers():
+    from quack_kernels.cross_entropy import cross_entropy
     from quack_kernels.rmsnorm import rmsnorm
     from quack_kernels.softmax import softmax
-    from quack_kernels.cross_entropy import cross_entropy
 
     x = _rand(64, 4096, "bfloat16").requires_grad_()
     w = _rand(1, 4096, "bfloat16", seed=1)[0].requires_grad_()
@@ -203,9 +206,9 @@ def test_autograd_wrappers():
 
 
 def test_bad_inputs():
+    from quack_kernels.cross_entropy import cross_entropy_fwd
     from quack_kernels.rmsnorm import rmsnorm_fwd
     from quack_kernels.softmax import softmax_bwd
-    from quack_kernels.cross_entropy import cross_entropy_fwd
 
     x = _rand(8, 1024, "bfloat16")
     with pytest.raises(TypeError, match="weight"):

@@ -1,12 +1,12 @@
 """The kernels' reference hooks (what `quack verify --run` calls): on a GPU each runs its
 kernel on generated inputs and asserts against torch; without one, verify --run says so."""
+
 import importlib
 import os
 import subprocess
 import sys
 
 import pytest
-
 from _cases import COMPILE_FNS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,13 +48,26 @@ def test_reference_hook_passes_on_gpu(kernel, dtype):
 def test_verify_run_without_gpu_says_kernels_were_not_run(tmp_path):
     env = dict(os.environ, QUACK_CACHE_DIR=str(tmp_path / "cache"), CUDA_VISIBLE_DEVICES="")
     man = tmp_path / "m.toml"
-    man.write_text('[[kernel]]\nname = "softmax_fwd"\narchs = ["sm_90a"]\n'
-                   'params = { dtype = "float32", n = 1024 }\n')
-    b = subprocess.run([sys.executable, "-m", "quack_build", "build", "-j", "1", str(man)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+    man.write_text(
+        '[[kernel]]\nname = "softmax_fwd"\narchs = ["sm_90a"]\nparams = { dtype = "float32", n = 1024 }\n'
+    )
+    b = subprocess.run(
+        [sys.executable, "-m", "quack_build", "build", "-j", "1", str(man)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert b.returncode == 0, b.stdout + b.stderr
-    r = subprocess.run([sys.executable, "-m", "quack_build", "verify", "--run", str(man)], cwd=ROOT,
-                       env=env, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [sys.executable, "-m", "quack_build", "verify", "--run", str(man)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = r.stdout + r.stderr
     # Asked to run the kernels and couldn't: not a success, and it says why.
     assert r.returncode == 1, out

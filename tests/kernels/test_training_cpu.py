@@ -5,13 +5,13 @@ No GPU: the new configurations compile for sm_90a through quack's cache; the cus
 register, their fake implementations give the right shapes and dtypes (on meta tensors,
 where torch's opcheck runs without a GPU), and torch.compile(fullgraph=True) traces every
 op forward and backward into one graph."""
+
 import importlib
 import os
 
 import pytest
-
-from _fixtures import kernel_cache  # noqa: F401  (a fixture, used by name)
 from _cases import DTYPES
+from _fixtures import kernel_cache  # noqa: F401  (a fixture, used by name)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -22,7 +22,7 @@ TRAINING_CASES = [
     ("rmsnorm_fwd", "float16", 192, dict(weight_dtype="bfloat16")),
     ("rmsnorm_fwd", "float32", 4100, dict(weight_dtype="bfloat16")),
     ("rmsnorm_fwd", "bfloat16", 65536, dict(weight_dtype="float32")),
-    ("rmsnorm_bwd", "bfloat16", 4100, dict()),           # cp.async of 8 bytes (was an IR error)
+    ("rmsnorm_bwd", "bfloat16", 4100, dict()),  # cp.async of 8 bytes (was an IR error)
     ("rmsnorm_bwd", "bfloat16", 668, dict(has_bias=True, weight_dtype="float32")),
     ("rmsnorm_bwd", "float16", 65536, dict(weight_dtype="float32")),
     ("layernorm_fwd", "float32", 3, dict(weight_dtype="float16")),
@@ -34,7 +34,7 @@ TRAINING_CASES = [
     ("layernorm_bwd", "bfloat16", 262144, dict(weight_dtype="float32")),
     ("softmax_fwd", "float16", 255, dict()),
     ("softmax_bwd", "bfloat16", 100, dict()),
-    ("cross_entropy_fwd", "bfloat16", 668, dict()),      # was an IR error (cp.async.cg 8 bytes)
+    ("cross_entropy_fwd", "bfloat16", 668, dict()),  # was an IR error (cp.async.cg 8 bytes)
     ("cross_entropy_fwd", "float16", 50257, dict()),
     ("cross_entropy_fwd", "bfloat16", 1000, dict(smoothing="weighted")),
     ("cross_entropy_fwd", "float32", 131074, dict(smoothing="uniform")),
@@ -55,9 +55,11 @@ COMPILE = {
 
 
 @pytest.mark.usefixtures("kernel_cache")
-@pytest.mark.parametrize("kernel,dtype,n,extra", TRAINING_CASES,
-                         ids=[f"{k}-{d}-{n}-{'-'.join(map(str, e.values())) or 'base'}"
-                              for k, d, n, e in TRAINING_CASES])
+@pytest.mark.parametrize(
+    "kernel,dtype,n,extra",
+    TRAINING_CASES,
+    ids=[f"{k}-{d}-{n}-{'-'.join(map(str, e.values())) or 'base'}" for k, d, n, e in TRAINING_CASES],
+)
 def test_training_configs_compile_export_load(kernel, dtype, n, extra):
     mod, name = COMPILE[kernel]
     fn = getattr(importlib.import_module(mod), name)(dtype=dtype, n=n, **extra)
@@ -66,13 +68,15 @@ def test_training_configs_compile_export_load(kernel, dtype, n, extra):
 
 # ------------------------------------------------------------------- params and plans
 
+
 def test_every_n_from_1_to_262144_is_accepted_and_planned():
-    from quack import registry
-    from quack_kernels._plan import N_MAX, plan_rows
     import quack_kernels.cross_entropy  # noqa: F401  (registers its kernels)
     import quack_kernels.layernorm  # noqa: F401
     import quack_kernels.rmsnorm  # noqa: F401
     import quack_kernels.softmax  # noqa: F401
+    from quack_kernels._plan import N_MAX, plan_rows
+
+    from quack import registry
 
     for name in COMPILE:
         spec = registry.get(name)
@@ -81,21 +85,21 @@ def test_every_n_from_1_to_262144_is_accepted_and_planned():
         for bad in (0, N_MAX + 1):
             with pytest.raises(Exception, match="n"):
                 spec.bind((), {"dtype": "bfloat16", "n": bad})
-    ns = list(range(1, 600)) + [667, 668, 1001, 4100, 16385, 32003, 50257, 131074, 200000,
-                                262143, 262144]
+    ns = list(range(1, 600)) + [667, 668, 1001, 4100, 16385, 32003, 50257, 131074, 200000, 262143, 262144]
     for n in ns:
         for w in (16, 32):
             for budget in (32, 64):
                 p = plan_rows(n, w, budget=budget)
                 assert n % p.vec == 0 and p.vec * w <= 128
-                assert p.tile_n * p.cluster_n >= n            # the row is covered
-                assert (p.cluster_n - 1) * p.tile_n < n       # no CTA of a cluster is idle
+                assert p.tile_n * p.cluster_n >= n  # the row is covered
+                assert (p.cluster_n - 1) * p.tile_n < n  # no CTA of a cluster is idle
                 assert p.num_threads % p.threads_per_row == 0
 
 
 def test_weight_dtype_param_is_canonical_and_in_the_key():
-    from quack import registry
     import quack_kernels.rmsnorm  # noqa: F401
+
+    from quack import registry
 
     spec = registry.get("rmsnorm_fwd")
     same = spec.bind((), {"dtype": "bfloat16", "n": 4096})
@@ -109,8 +113,9 @@ def test_weight_dtype_param_is_canonical_and_in_the_key():
 
 
 def test_cross_entropy_smoothing_param():
-    from quack import registry
     import quack_kernels.cross_entropy  # noqa: F401
+
+    from quack import registry
 
     spec = registry.get("cross_entropy_bwd")
     assert spec.bind((), {"dtype": "float16", "n": 7})["smoothing"] == "none"
@@ -122,8 +127,16 @@ def test_cross_entropy_smoothing_param():
 
 torch = pytest.importorskip("torch")
 
-OPS = ("rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd", "softmax_fwd",
-       "softmax_bwd", "cross_entropy_fwd", "cross_entropy_bwd")
+OPS = (
+    "rmsnorm_fwd",
+    "rmsnorm_bwd",
+    "layernorm_fwd",
+    "layernorm_bwd",
+    "softmax_fwd",
+    "softmax_bwd",
+    "cross_entropy_fwd",
+    "cross_entropy_bwd",
+)
 TORCH_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -153,10 +166,9 @@ def test_norm_fake_impls_shapes_and_dtypes(xdt, wdt):
     y, rstd, ro = q.rmsnorm_fwd(x, w, b, x, 1e-6)
     assert (y.shape, y.dtype, rstd.shape, rstd.dtype) == (x.shape, x.dtype, (3, 5), torch.float32)
     assert ro.shape == x.shape and ro.dtype == x.dtype
-    assert q.rmsnorm_fwd(x, w, None, None, 1e-6)[2].numel() == 0     # no residual: empty
+    assert q.rmsnorm_fwd(x, w, None, None, 1e-6)[2].numel() == 0  # no residual: empty
     dx, dw, db = q.rmsnorm_bwd(x, w, x, rstd, b)
-    assert (dx.shape, dx.dtype, dw.shape, dw.dtype, db.dtype) == (x.shape, x.dtype, (668,),
-                                                                  w.dtype, b.dtype)
+    assert (dx.shape, dx.dtype, dw.shape, dw.dtype, db.dtype) == (x.shape, x.dtype, (668,), w.dtype, b.dtype)
     y, mean, rstd = q.layernorm_fwd(x, w, b, 1e-5)
     assert (y.dtype, mean.shape, mean.dtype, rstd.dtype) == (x.dtype, (3, 5), torch.float32, torch.float32)
     dx, dw, db = q.layernorm_bwd(x, w, x, mean, rstd, None)
@@ -199,12 +211,11 @@ def test_opcheck_on_meta_tensors():
 def test_torch_compile_fullgraph_forward_and_backward_on_meta():
     """Every op under torch.compile(fullgraph=True): one graph, no break, and the backward
     graph calls the registered backward ops (traced on meta tensors, aot_eager)."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
     from quack_kernels.cross_entropy import cross_entropy
     from quack_kernels.layernorm import layernorm
     from quack_kernels.rmsnorm import rmsnorm
     from quack_kernels.softmax import softmax
+    from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     x = _meta((4, 7, 100), torch.bfloat16, grad=True)
@@ -230,8 +241,8 @@ def test_torch_compile_fullgraph_forward_and_backward_on_meta():
 
 
 def test_cpu_tensor_error_unchanged_through_the_ops():
-    from quack_kernels.rmsnorm import rmsnorm
     from quack_kernels.cross_entropy import cross_entropy
+    from quack_kernels.rmsnorm import rmsnorm
 
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         rmsnorm(torch.randn(4, 100))

@@ -6,10 +6,10 @@ x every (input, weight) dtype pair; then the same ops under torch.compile(fullgr
 Tolerances (relative and absolute) by the compared tensor's dtype: bf16 1e-2, fp16 1e-3,
 fp32 1e-4; gradients reduced over the M rows (dweight, dbias) scale atol by sqrt(M).
 Outputs are poisoned with NaN first, so an unwritten element fails."""
+
 import math
 
 import pytest
-
 from _cases import DTYPES
 
 torch = pytest.importorskip("torch")
@@ -24,7 +24,7 @@ PAIRS = [(x, w) for x in DTYPES for w in DTYPES]
 def large_m(n: int) -> int:
     """A large odd batch: more row tiles than the persistent backward's grid for small N,
     at most ~32M elements."""
-    return min(40001, max(257, (2 ** 25 // n))) | 1
+    return min(40001, max(257, (2**25 // n))) | 1
 
 
 def _ms(n):
@@ -67,8 +67,9 @@ def close(got, ref, what, m_rows=1):
     assert got is not None, what
     assert not torch.isnan(got).any(), f"{what}: NaN (unwritten element?)"
     tol = TOL[got.dtype]
-    torch.testing.assert_close(got.float(), ref.float(), atol=tol * math.sqrt(m_rows), rtol=tol,
-                               msg=lambda s: f"{what}: {s}")
+    torch.testing.assert_close(
+        got.float(), ref.float(), atol=tol * math.sqrt(m_rows), rtol=tol, msg=lambda s: f"{what}: {s}"
+    )
 
 
 def leaf(t):
@@ -76,6 +77,7 @@ def leaf(t):
 
 
 # ------------------------------------------------------------------------- RMSNorm
+
 
 def rms_ref(x, w, b, r, eps):
     h = x + r if r is not None else x
@@ -132,6 +134,7 @@ def test_rmsnorm_bias_residual_fwd_bwd(xdt, wdt, m, n):
 
 # ------------------------------------------------------------------------- LayerNorm
 
+
 @pytest.mark.parametrize("xdt,wdt,m,n", _grid(PAIRS))
 def test_layernorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
     from quack_kernels.layernorm import layernorm
@@ -167,6 +170,7 @@ def test_layernorm_bwd_without_affine(n):
 
 
 # ------------------------------------------------------------------------- softmax
+
 
 @pytest.mark.parametrize("xdt,_w,m,n", _grid([(d, d) for d in DTYPES]))
 def test_softmax_fwd_bwd(xdt, _w, m, n):
@@ -209,7 +213,9 @@ def test_cross_entropy_fwd_bwd(variant, xdt, _w, m, n):
         kw["weight"] = torch.rand(n, device="cuda", generator=g) + 0.1
     xs = leaf(x)
     loss = cross_entropy(xs, t, -100, **kw)
-    up = torch.rand(loss.shape, device="cuda", generator=g) if loss.dim() else torch.tensor(0.7, device="cuda")
+    up = (
+        torch.rand(loss.shape, device="cuda", generator=g) if loss.dim() else torch.tensor(0.7, device="cuda")
+    )
     loss.backward(up)
     xr = leaf(x.float())
     ref = torch.nn.functional.cross_entropy(xr, t, ignore_index=-100, **kw)
@@ -229,7 +235,9 @@ def _compiled(fn):
     return torch.compile(fn, fullgraph=True, dynamic=True)
 
 
-@pytest.mark.parametrize("xdt,wdt", [("bfloat16", "float32"), ("float16", "float16"), ("float32", "bfloat16")])
+@pytest.mark.parametrize(
+    "xdt,wdt", [("bfloat16", "float32"), ("float16", "float16"), ("float32", "bfloat16")]
+)
 def test_compile_fullgraph_norms(xdt, wdt):
     from quack_kernels.layernorm import layernorm
     from quack_kernels.rmsnorm import rmsnorm
@@ -240,8 +248,12 @@ def test_compile_fullgraph_norms(xdt, wdt):
 
     cf = _compiled(f)
     for m, n in COMPILE_NS:
-        args = [_rand((m, n), TD[xdt], 0), _rand((m, n), TD[xdt], 1), _rand((n,), TD[wdt], 2),
-                _rand((n,), TD[wdt], 3)]
+        args = [
+            _rand((m, n), TD[xdt], 0),
+            _rand((m, n), TD[xdt], 1),
+            _rand((n,), TD[wdt], 2),
+            _rand((n,), TD[wdt], 3),
+        ]
         dy = _rand((m, n), TD[xdt], 4)
         a1, a2 = [leaf(a) for a in args], [leaf(a) for a in args]
         out_c = cf(*a1)
@@ -260,8 +272,11 @@ def test_compile_fullgraph_softmax_cross_entropy(xdt):
     from quack_kernels.softmax import softmax
 
     def f(x, t, w):
-        return (softmax(x) * 3).sum() + cross_entropy(x, t, weight=w, label_smoothing=0.1) \
+        return (
+            (softmax(x) * 3).sum()
+            + cross_entropy(x, t, weight=w, label_smoothing=0.1)
             + cross_entropy(x, t, reduction="sum")
+        )
 
     cf = _compiled(f)
     for m, n in COMPILE_NS:
@@ -276,8 +291,11 @@ def test_compile_fullgraph_softmax_cross_entropy(xdt):
         torch.testing.assert_close(lc, le, atol=TOL[TD[xdt]] * 10, rtol=TOL[TD[xdt]])
         close(x1.grad, x2.grad, f"compiled dlogits {m}x{n}")
         xr = leaf(x.float())
-        ref = (torch.softmax(xr, -1) * 3).sum() + torch.nn.functional.cross_entropy(
-            xr, t, weight=w, label_smoothing=0.1) + torch.nn.functional.cross_entropy(xr, t, reduction="sum")
+        ref = (
+            (torch.softmax(xr, -1) * 3).sum()
+            + torch.nn.functional.cross_entropy(xr, t, weight=w, label_smoothing=0.1)
+            + torch.nn.functional.cross_entropy(xr, t, reduction="sum")
+        )
         torch.testing.assert_close(lc, ref, atol=TOL[TD[xdt]] * math.sqrt(m * n), rtol=TOL[TD[xdt]])
 
 
@@ -289,9 +307,11 @@ def test_opcheck_on_gpu():
     x = _rand((7, 668), torch.bfloat16, 0).requires_grad_()
     w = _rand((668,), torch.float32, 1).requires_grad_()
     t = torch.randint(0, 668, (7,), device="cuda")
-    for op, args in [(q.rmsnorm_fwd.default, (x, w, None, None, 1e-6)),
-                     (q.layernorm_fwd.default, (x, w, w, 1e-5)),
-                     (q.softmax_fwd.default, (x,)),
-                     (q.cross_entropy_fwd.default, (x, t, w.detach(), -100, 0.1))]:
+    for op, args in [
+        (q.rmsnorm_fwd.default, (x, w, None, None, 1e-6)),
+        (q.layernorm_fwd.default, (x, w, w, 1e-5)),
+        (q.softmax_fwd.default, (x,)),
+        (q.cross_entropy_fwd.default, (x, t, w.detach(), -100, 0.1)),
+    ]:
         res = torch.library.opcheck(op, args)
         assert all(v == "SUCCESS" for v in res.values()), (op, res)
