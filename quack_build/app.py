@@ -55,11 +55,7 @@ def _expand(s, manifests, arch, max_configs):
             max_configs=max_configs,
         )
     except ManifestError as e:
-        n = len(e.problems)
-        raise Fail(
-            "\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; "
-            "nothing was built"
-        ) from None
+        raise _common.manifest_fail(e) from None
 
 
 def _store(s):
@@ -184,8 +180,16 @@ def _build(
     t0 = time.time()
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
-    exp = _expand(s, manifests, arch, max_configs)
     con = console(to_stderr=as_json)
+    if dry_run:
+        from quack_build import dryrun
+
+        paths = _manifests(s, manifests)
+        store = _store(s)
+        return dryrun.run(
+            s, paths, arch=arch, max_configs=max_configs, store=store, con=con, force=force, as_json=as_json
+        )
+    exp = _expand(s, manifests, arch, max_configs)
     for w in exp.warnings:
         con.print(f"warning: {w}", markup=False)
     store = _store(s)
@@ -195,40 +199,6 @@ def _build(
         raise Fail(f"error: cache {s.cache_dir}: {e}") from None
     plan_s = time.time() - t0
     n_jobs = s.effective_jobs(jobs)
-    if dry_run:
-        todo = [t for t in tasks if t.status != scheduler.CACHED]
-        todo = (
-            scheduler.order_longest_first(todo, scheduler.past_compile_times(store.root, todo))
-            if todo
-            else []
-        )
-        if as_json:
-            emit_json(
-                {
-                    "dry_run": True,
-                    "total": len(tasks),
-                    "cached": len(tasks) - len(todo),
-                    "to_compile": len(todo),
-                    "duplicates": exp.duplicates,
-                    "keys": [t.to_json() for t in todo]
-                    + [t.to_json() for t in tasks if t.status == scheduler.CACHED],
-                }
-            )
-        else:
-            for t in todo:
-                est = f"  ~{t.est_s:.2f}s" if t.est_s else ""
-                con.print(
-                    f"compile  {t.cfg.label()}  key {t.cfg.key[:16]}{est}", markup=False, soft_wrap=True
-                )
-            for t in tasks:
-                if t.status == scheduler.CACHED:
-                    con.print(f"cached   {t.cfg.label()}  key {t.cfg.key[:16]}", markup=False, soft_wrap=True)
-            con.print(
-                f"{len(tasks)} configurations ({exp.duplicates} duplicates dropped): "
-                f"{len(tasks) - len(todo)} cached, {len(todo)} to compile",
-                markup=False,
-            )
-        return 0
     try:
         ex = executors.create(s, jobs=jobs or s.jobs or None, store=store)
     except ExecutorError as e:

@@ -31,6 +31,14 @@ class Fail(Exception):
         self.code = code
 
 
+def manifest_fail(e) -> Fail:
+    """The CLI's error for a ManifestError: every problem, then the count."""
+    n = len(e.problems)
+    return Fail(
+        "\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; nothing was built"
+    )
+
+
 def cli_settings(
     cache_dir: Optional[Path] = None, jobs: Optional[int] = None, executor: Optional[str] = None, manifests=()
 ):

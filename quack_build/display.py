@@ -70,7 +70,8 @@ class _Base:
         return (self.ncompile - self.done) / r if r else None
 
     def note(self, text):
-        self.console.print(text, markup=False, highlight=False)
+        # soft_wrap: one key, one line, however long its error (a CI log is read per line)
+        self.console.print(text, markup=False, highlight=False, soft_wrap=True)
 
     def tick(self):
         pass
@@ -256,6 +257,7 @@ def print_summary(console: Console, res: BuildResult) -> None:
             console.print(
                 f"  [red]x[/] {escape(t.cfg.label())}  (key {t.cfg.key[:16]})\n      {escape(_err_line(t))}",
                 highlight=False,
+                soft_wrap=True,
             )
         if len(failed) > 20:
             console.print(f"  ... and {len(failed) - 20} more")

@@ -27,7 +27,7 @@ import itertools
 import math
 import re
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from quack import registry
 from quack import settings as _settings
@@ -258,14 +258,31 @@ def _matches(combo: dict, matcher: dict) -> bool:
 @dataclasses.dataclass
 class Budget:
     """The limit on configurations after expansion, over every table of every manifest
-    given at once (a per-table limit alone is bypassed by many tables)."""
+    given at once (a per-table limit alone is bypassed by many tables). A table counts
+    its whole cross product (before ``exclude``) plus its ``include`` entries: the count
+    is known before anything is expanded, so a refused build costs nothing."""
 
     limit: int = DEFAULT_MAX_CONFIGS
     used: int = 0
     exceeded: bool = False
 
 
-def _expand_kernel(
+@dataclasses.dataclass
+class _Table:
+    """One [[kernel]] table that passed validation: what ``_generate`` expands."""
+
+    where: str
+    origin: str
+    name: str
+    spec: Any
+    names: list[str]
+    axes: list[list]
+    archs: list[str]
+    excludes: list[dict]
+    includes: list[dict]
+
+
+def _prepare_kernel(
     ctx: _Ctx,
     idx: int,
     table: Any,
@@ -274,18 +291,19 @@ def _expand_kernel(
     arch_override: list[str] | None,
     budget: Budget,
     used_defaults: set,
-) -> list:
+) -> _Table | None:
+    """Validate one table and count it against the budget; expands nothing."""
     label = f"[[kernel]] #{idx + 1}"
     if not isinstance(table, dict):
         ctx.err(ctx.where(label, idx), f"must be a table, got {_show(table)}")
-        return []
+        return None
     name = table.get("name")
     if name is None:
         ctx.err(ctx.where(label, idx), "missing key 'name' (the registered kernel name)")
-        return []
+        return None
     if not isinstance(name, str):
         ctx.err(ctx.where(label, idx), f"name = {_show(name)} must be a string")
-        return []
+        return None
     where = ctx.where(f"{label} ({escape(name)[:80]})", idx)
     try:
         spec = registry.get(name)
@@ -306,7 +324,7 @@ def _expand_kernel(
             f"registered kernels: {', '.join(known) or '(none)'}. Kernels are registered from "
             f"{src}: {pk}; scanned: {registry.SCANNED}",
         )
-        return []
+        return None
     used_defaults.add("\0resolved")
     ok = True
     for k in table:
@@ -329,7 +347,7 @@ def _expand_kernel(
     params = table.get("params", {})
     if not isinstance(params, dict):
         ctx.err(where, f"params = {_show(params)} must be a table of parameter = value or list")
-        return []
+        return None
     # `exclude = [...]` written after a [kernel.params] header lands inside params in
     # TOML; take it as the kernel's (no kernel parameter has these names).
     table = dict(table)
@@ -338,7 +356,7 @@ def _expand_kernel(
         if k in params and k not in spec.params:
             if k in table:
                 ctx.err(where, f"{k} given twice (in the table and under params)")
-                return []
+                return None
             table[k] = params.pop(k)
     given: dict[str, list] = {}
     invalid: set[str] = set()  # given, but with a bad value: reported once, not also "missing"
@@ -383,35 +401,17 @@ def _expand_kernel(
             else:
                 dest.append(m)
     if not ok or archs is None:
-        return []
+        return None
     names = list(spec.params)
     axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
-    total = math.prod(len(a) for a in axes) * len(archs)
-    if budget.exceeded:
-        return []  # reported once, at the table that crossed the limit
-    if budget.used + total > budget.limit:
-        budget.exceeded = True
-        dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
-        before = f"; the tables before it already expand to {budget.used}" if budget.used else ""
-        ctx.err(
-            where,
-            f"the cross product has {total} configurations ({dims} x archs {len(archs)}){before}: "
-            f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
-            f"the limit with --max-configs",
-        )
-        return []
-    combos = [dict(zip(names, c)) for c in itertools.product(*axes)]
-    kept = [c for c in combos if not any(_matches(c, m) for m in excludes)]
-    for j, m in enumerate(excludes):
-        if not any(_matches(c, m) for c in combos):
-            ctx.warnings.append(f"{where}: exclude[{j}] matches no combination")
+    resolved: list[dict] = []
     for j, m in enumerate(includes):
         combo = {}
         for n in names:
             if n in m:
                 if len(m[n]) != 1:
                     ctx.err(f"{where}: include[{j}]", f"{n} must be a single value, got {len(m[n])}")
-                    return []
+                    return None
                 combo[n] = m[n][0]
             elif len(axes[names.index(n)]) == 1:
                 combo[n] = axes[names.index(n)][0]
@@ -421,50 +421,83 @@ def _expand_kernel(
                     f"must give {n!r}: the kernel table lists several "
                     f"values for it ({', '.join(map(_show, axes[names.index(n)]))})",
                 )
-                return []
-        kept.append(combo)
-    if not kept:
-        ctx.err(where, f"the cross product is empty: all {len(combos)} combinations are excluded")
-        return []
-    out = []
+                return None
+        resolved.append(combo)
+    product = math.prod(len(a) for a in axes)
+    total = (product + len(resolved)) * len(archs)
+    if budget.exceeded:
+        return None  # reported once, at the table that crossed the limit
+    if budget.used + total > budget.limit:
+        budget.exceeded = True
+        dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
+        plus = f", plus {len(resolved)} include entries" if resolved else ""
+        before = f"; the tables before it already expand to {budget.used}" if budget.used else ""
+        ctx.err(
+            where,
+            f"the cross product has {total} configurations ({dims} x archs {len(archs)}{plus}){before}: "
+            f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
+            f"the limit with --max-configs",
+        )
+        return None
+    budget.used += total
+    return _Table(where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved)
+
+
+def _generate(ctx: _Ctx, t: _Table) -> Iterator[BuildConfig]:
+    """The table's configurations, one at a time (the cross product is never held in
+    memory). Problems seen only here (combinations the kernel's rules refuse, every
+    combination excluded) and unused excludes go to ``ctx`` once the table is done."""
+    matched = [False] * len(t.excludes)
+    n_combos = n_kept = 0
     refused: list[str] = []
-    for combo in kept:
+
+    def bound(combo: dict) -> Iterator[BuildConfig]:
         try:
-            bound = spec.bind((), combo)
+            b = t.spec.bind((), combo)
         except ParamError as e:  # the kernel's rules across parameters (quack.params.Rule)
-            refused.append(
-                f"{e}; drop it from the lists or exclude it: exclude = "
-                f"[{{ {', '.join(f'{k} = {_show(v)}' for k, v in combo.items())} }}]"
-            )
-            continue
-        for arch in archs:
-            out.append(BuildConfig(name, bound, arch, spec.key(bound, arch), f"{ctx.path}:{label}", spec))
-    if refused:
-        for msg in refused[:_SHOW_BAD]:
-            ctx.err(where, msg)
-        if len(refused) > _SHOW_BAD:
-            ctx.err(
-                where,
-                f"{len(refused) - _SHOW_BAD} more of its {len(kept)} combinations are refused "
-                f"by the kernel's rules (not listed)",
-            )
-        return []
-    budget.used += len(out)
-    return out
+            if len(refused) < _SHOW_BAD:
+                refused.append(
+                    f"{e}; drop it from the lists or exclude it: exclude = "
+                    f"[{{ {', '.join(f'{k} = {_show(v)}' for k, v in combo.items())} }}]"
+                )
+            else:
+                refused.append("")  # counted, not listed
+            return
+        for arch in t.archs:
+            yield BuildConfig(t.name, b, arch, t.spec.key(b, arch), t.origin, t.spec)
+
+    for values in itertools.product(*t.axes):
+        n_combos += 1
+        combo = dict(zip(t.names, values))
+        hit = False
+        for j, m in enumerate(t.excludes):
+            if _matches(combo, m):
+                matched[j] = hit = True
+        if not hit:
+            n_kept += 1
+            yield from bound(combo)
+    for j, ok in enumerate(matched):
+        if not ok:
+            ctx.warnings.append(f"{t.where}: exclude[{j}] matches no combination")
+    for combo in t.includes:
+        n_kept += 1
+        yield from bound(combo)
+    if not n_kept:
+        ctx.err(t.where, f"the cross product is empty: all {n_combos} combinations are excluded")
+    for msg in refused[:_SHOW_BAD]:
+        ctx.err(t.where, msg)
+    if len(refused) > _SHOW_BAD:
+        ctx.err(
+            t.where,
+            f"{len(refused) - _SHOW_BAD} more of its {n_kept} combinations are refused "
+            f"by the kernel's rules (not listed)",
+        )
 
 
-def expand_document(
-    path: Path,
-    doc: dict,
-    *,
-    archs: Iterable[str] = (),
-    arch_override=None,
-    max_configs: int = DEFAULT_MAX_CONFIGS,
-    budget: Budget | None = None,
-) -> tuple[list[BuildConfig], list[str], list[str]]:
-    """(configs, problems, warnings) for one parsed manifest. ``budget`` (shared by the
-    manifests of one build) caps the total; without one, ``max_configs`` caps this file."""
-    budget = budget if budget is not None else Budget(max_configs)
+def _prepare_document(
+    path: Path, doc: dict, *, archs: Iterable[str], arch_override, budget: Budget
+) -> tuple[_Ctx, list[_Table]]:
+    """Validate one parsed manifest: its problems land in the returned context."""
     kernels = doc.get("kernel", [])
     ctx = _Ctx(path, len(kernels) if isinstance(kernels, list) else 0)
     for k in doc:
@@ -499,14 +532,16 @@ def expand_document(
         kernels = []
     elif not kernels and not ctx.problems:
         ctx.err(str(path), "no [[kernel]] tables: the manifest builds nothing")
-    out: list[BuildConfig] = []
+    tables: list[_Table] = []
     used: set = set()
     for i, t in enumerate(kernels):
-        out.extend(_expand_kernel(ctx, i, t, dparams, default_archs, arch_override, budget, used))
+        tb = _prepare_kernel(ctx, i, t, dparams, default_archs, arch_override, budget, used)
+        if tb is not None:
+            tables.append(tb)
     for k in dparams:
         if k not in used and "\0resolved" in used:
             ctx.err(ctx.where("[defaults]"), f"params.{k}: no kernel in this manifest has a parameter {k!r}")
-    return out, ctx.problems, ctx.warnings
+    return ctx, tables
 
 
 @dataclasses.dataclass
@@ -517,6 +552,86 @@ class Expansion:
     files: list[str]
 
 
+class ExpansionStream:
+    """Manifests expanded one configuration at a time, for output that streams
+    (``quack build --dry-run``). Iterating first reads and validates every file and
+    table (syntax, keys, values, the ``max_configs`` total: all counted, nothing
+    expanded yet) and, if any is invalid, raises ManifestError with every problem
+    (those of the valid tables' expansion too) before yielding anything;
+    then yields the unique configurations in manifest order as they are expanded.
+    Problems seen only while expanding (combinations the kernel's rules refuse, a table
+    whose combinations are all excluded) raise ManifestError when the iteration ends.
+    ``warnings``, ``duplicates`` and ``files`` fill in as it goes; iterate once."""
+
+    def __init__(
+        self,
+        paths: Iterable[Path | str],
+        *,
+        archs: Iterable[str] = (),
+        arch_override=None,
+        max_configs: int = DEFAULT_MAX_CONFIGS,
+    ):
+        self._paths = [Path(p) for p in paths]
+        self._archs = list(archs)
+        self._arch_override = arch_override
+        self._max_configs = max_configs
+        self.files = [str(p) for p in self._paths]
+        self.warnings: list[str] = []
+        self.duplicates = 0
+
+    def __iter__(self) -> Iterator[BuildConfig]:
+        if self._arch_override:
+            bad = [a for a in self._arch_override if a not in _settings.KNOWN_ARCHS]
+            if bad:
+                raise ManifestError(
+                    [
+                        f"--arch {bad[0]!r} is not a CUDA arch cutlass-dsl knows; allowed: "
+                        + ", ".join(_settings.KNOWN_ARCHS)
+                    ]
+                )
+        problems: list[str] = []
+        budget = Budget(self._max_configs)
+        prepared: list[tuple[_Ctx, list[_Table]]] = []
+        for path in self._paths:
+            try:
+                doc = read_document(path)
+            except ManifestError as e:
+                problems.extend(e.problems)
+                continue
+            ctx, tables = _prepare_document(
+                path, doc, archs=self._archs, arch_override=self._arch_override, budget=budget
+            )
+            del doc  # the parsed lists can be large; the tables hold what expansion needs
+            prepared.append((ctx, tables))
+            problems.extend(ctx.problems)
+            self.warnings.extend(ctx.warnings)
+        if problems:
+            # Expand the valid tables anyway (yielding nothing) so that problems only
+            # expansion finds are reported in the same run: every problem at once.
+            # Not past the limit: that refusal must cost nothing.
+            for ctx, tables in prepared if not budget.exceeded else ():
+                n_problems = len(ctx.problems)
+                for t in tables:
+                    for _ in _generate(ctx, t):
+                        pass
+                problems.extend(ctx.problems[n_problems:])
+            raise ManifestError(problems)
+        seen: set[str] = set()
+        for ctx, tables in prepared:
+            n_problems, n_warnings = len(ctx.problems), len(ctx.warnings)
+            for t in tables:
+                for c in _generate(ctx, t):
+                    if c.key in seen:
+                        self.duplicates += 1
+                        continue
+                    seen.add(c.key)
+                    yield c
+            problems.extend(ctx.problems[n_problems:])
+            self.warnings.extend(ctx.warnings[n_warnings:])
+        if problems:
+            raise ManifestError(problems)
+
+
 def expand(
     paths: Iterable[Path | str],
     *,
@@ -525,38 +640,6 @@ def expand(
     max_configs: int = DEFAULT_MAX_CONFIGS,
 ) -> Expansion:
     """Read, validate and expand manifests; raises ManifestError with every problem."""
-    problems: list[str] = []
-    warns: list[str] = []
-    configs: list[BuildConfig] = []
-    files = []
-    budget = Budget(max_configs)
-    if arch_override:
-        bad = [a for a in arch_override if a not in _settings.KNOWN_ARCHS]
-        if bad:
-            raise ManifestError(
-                [
-                    f"--arch {bad[0]!r} is not a CUDA arch cutlass-dsl knows; allowed: "
-                    + ", ".join(_settings.KNOWN_ARCHS)
-                ]
-            )
-    for p in paths:
-        path = Path(p)
-        files.append(str(path))
-        try:
-            doc = read_document(path)
-        except ManifestError as e:
-            problems.extend(e.problems)
-            continue
-        got, pr, w = expand_document(path, doc, archs=archs, arch_override=arch_override, budget=budget)
-        configs.extend(got)
-        problems.extend(pr)
-        warns.extend(w)
-    if problems:
-        raise ManifestError(problems)
-    seen: set[str] = set()
-    uniq = []
-    for c in configs:
-        if c.key not in seen:
-            seen.add(c.key)
-            uniq.append(c)
-    return Expansion(uniq, len(configs) - len(uniq), warns, files)
+    stream = ExpansionStream(paths, archs=archs, arch_override=arch_override, max_configs=max_configs)
+    configs = list(stream)
+    return Expansion(configs, stream.duplicates, stream.warnings, stream.files)

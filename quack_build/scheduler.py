@@ -186,56 +186,77 @@ class BuildResult:
 def plan(configs: list[BuildConfig], store: DiskStore, *, force: bool = False) -> list[Task]:
     """A Task per config; cached ones (a valid entry for the current fingerprint) marked so.
     A corrupt entry is quarantined by the lookup and counts as missing."""
-    tasks = []
-    for c in configs:
-        t = Task(c)
-        if not force and store.lookup(builder.entry_ref(c.spec, c.params, c.arch)) is not None:
-            t.status = CACHED
-        tasks.append(t)
-    return tasks
+    return [plan_one(c, store, force=force) for c in configs]
+
+
+def plan_one(c: BuildConfig, store: DiskStore, *, force: bool = False) -> Task:
+    """``plan`` for one configuration."""
+    t = Task(c)
+    if not force and store.lookup(builder.entry_ref(c.spec, c.params, c.arch)) is not None:
+        t.status = CACHED
+    return t
+
+
+class PastTimes:
+    """key -> seconds its last compile took, looked up one key at a time (a streaming
+    dry run asks as it goes): any fingerprint's metadata first (an edit changes the
+    directory, not the key; the largest wins), else the usage journal. The directory
+    listings and the journal are read once, when first needed."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._fp_dirs: dict[str, list[str]] = {}
+        self._journal: dict[str, float] | None = None
+        self._stamps: list[str] | None = None
+
+    def _kernel_dirs(self, kernel: str) -> list[str]:
+        if self._stamps is None:
+            try:
+                base = self.root / LAYOUT
+                self._stamps = [e.path for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
+            except OSError:
+                self._stamps = []
+        if kernel not in self._fp_dirs:
+            out = []
+            for st in self._stamps:
+                try:
+                    kd = os.path.join(st, kernel)
+                    out += [e.path for e in os.scandir(kd) if e.is_dir(follow_symlinks=False)]
+                except OSError:
+                    continue
+            self._fp_dirs[kernel] = out
+        return self._fp_dirs[kernel]
+
+    def get(self, kernel: str, key: str) -> float | None:
+        best = None
+        for fp in self._kernel_dirs(kernel):
+            try:
+                with open(os.path.join(fp, key + ".json"), "rb") as f:
+                    v = json.loads(f.read()).get("compile_s")
+            except (OSError, ValueError, AttributeError):
+                continue
+            if isinstance(v, (int, float)) and v > 0:
+                best = max(best or 0.0, float(v))
+        if best is not None:
+            return best
+        if self._journal is None:
+            self._journal = {}
+            for r in journal.read(self.root):
+                rk = r.get("key")
+                v = r.get("compile_s")
+                if isinstance(rk, str) and r.get("compiles") and isinstance(v, (int, float)) and v > 0:
+                    self._journal.setdefault(rk, float(v))
+        return self._journal.get(key)
 
 
 def past_compile_times(root: Path, todo: list[Task]) -> dict[str, float]:
-    """key -> seconds its last compile took, from any fingerprint's metadata (an edit
-    changes the directory, not the key) and the usage journal."""
-    want: dict[str, set[str]] = {}
+    """key -> seconds its last compile took, for the keys of ``todo`` (see PastTimes)."""
+    pt = PastTimes(root)
+    out = {}
     for t in todo:
-        want.setdefault(t.cfg.kernel, set()).add(t.cfg.key)
-    out: dict[str, float] = {}
-    base = Path(root) / LAYOUT
-    try:
-        stamps = [e.path for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
-    except OSError:
-        stamps = []
-    for st in stamps:
-        for kernel, ks in want.items():
-            kd = Path(st) / kernel
-            try:
-                fps = [e.path for e in os.scandir(kd) if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                continue
-            for fp in fps:
-                for k in ks:
-                    try:
-                        with open(os.path.join(fp, k + ".json"), "rb") as f:
-                            v = json.loads(f.read()).get("compile_s")
-                    except (OSError, ValueError, AttributeError):
-                        continue
-                    if isinstance(v, (int, float)) and v > 0:
-                        out[k] = max(out.get(k, 0.0), float(v))
-    keyset = {t.cfg.key for t in todo}
-    for r in journal.read(Path(root)):
-        rk = r.get("key")
-        v = r.get("compile_s")
-        if (
-            isinstance(rk, str)
-            and rk in keyset
-            and rk not in out
-            and r.get("compiles")
-            and isinstance(v, (int, float))
-            and v > 0
-        ):
-            out[rk] = float(v)
+        v = pt.get(t.cfg.kernel, t.cfg.key)
+        if v is not None:
+            out[t.cfg.key] = v
     return out
 
 

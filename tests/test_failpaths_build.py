@@ -141,3 +141,35 @@ def test_missing_tvm_ffi_option_is_named(tmp_path):
     assert r.returncode == 1, out
     failed = [ln for ln in out.splitlines() if "FAILED" in ln]
     assert len(failed) == 1 and 'pass options="--enable-tvm-ffi" to cute.compile' in failed[0], out
+
+
+LONG_ERROR_KERNEL = """
+from quack import jit_cache
+from quack.params import Int
+
+
+@jit_cache("long_err", params={"i": Int(min=0, max=9)})
+def long_err(i: int = 0):
+    raise ValueError("long_err: " + "the compiler explains at length " * 7 + "END-OF-ERROR")
+"""
+
+
+def test_failed_line_stays_one_line_in_a_log(tmp_path):
+    """Plain (non-terminal) output is one line per key: an error longer than the
+    console's width stays on its FAILED line and on its summary line, unwrapped."""
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "longerr.py").write_text(LONG_ERROR_KERNEL)
+    (proj / "quack.toml").write_text('[build]\nkernel_packages = ["longerr"]\n')
+    (proj / "m.toml").write_text('[[kernel]]\nname = "long_err"\n')
+    e = env()
+    e.pop("COLUMNS", None)  # the width of a CI log (160)
+    e["PYTHONPATH"] = f"{proj}:{e['PYTHONPATH']}"
+    r = run_quack(["build", "--jobs", "1", "--cache-dir", tmp_path / "cache", "m.toml"], cwd=proj, env_=e)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    failed = [ln for ln in lines if "FAILED" in ln]
+    assert len(failed) == 1 and failed[0].rstrip().endswith("END-OF-ERROR"), r.stdout
+    assert len(failed[0]) > 160
+    summary = [ln for ln in lines if ln.startswith("      ValueError: long_err: ")]
+    assert len(summary) == 1 and summary[0].rstrip().endswith("END-OF-ERROR"), r.stdout
