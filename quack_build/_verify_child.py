@@ -61,8 +61,12 @@ def _one(req: dict, keep: list) -> dict:
     return out
 
 
-def main() -> None:
-    extra = os.environ.get("QUACK_VERIFY_SYSPATH")
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m quack_build._verify_child")
+    ap.add_argument("--sys-path", default="", help="the parent's sys.path, os.pathsep-joined")
+    extra = ap.parse_args(argv).sys_path
     if extra:
         for p in reversed(extra.split(os.pathsep)):
             if p and p not in sys.path:

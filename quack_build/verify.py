@@ -29,14 +29,21 @@ LOAD_TIMEOUT = 300.0
 class _Child:
     def __init__(self, gpu: bool):
         env = dict(os.environ)
-        env["QUACK_VERIFY_SYSPATH"] = os.pathsep.join(p for p in sys.path if p)
         if not gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         else:
             env["QUACK_MODE"] = "prebuilt"  # a reference run uses the prebuilt entries, never compiles
         self.err = tempfile.TemporaryFile()
         self.p = subprocess.Popen(
-            [sys.executable, "-m", "quack_build._verify_child"],
+            # The parent's sys.path goes along as an argument (not through the
+            # environment: settings.py is the only reader of that), so the child
+            # imports kernel modules from the same places.
+            [
+                sys.executable,
+                "-m",
+                "quack_build._verify_child",
+                "--sys-path=" + os.pathsep.join(p for p in sys.path if p),  # "=": a path may start with "-"
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.err,

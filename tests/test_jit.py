@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import toykernels
@@ -117,6 +118,34 @@ def test_unshippable_compile_function_compiles_here_with_one_warning(quack_setti
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert callable(local(96))  # one warning per kernel, not per call
+
+
+@pytest.mark.parametrize("case", ["unshippable", "unusable-jit", "unusable-prebuilt"])
+def test_miss_path_warnings_point_at_the_callers_line(quack_settings, tmp_path, case):
+    """A warning of the miss path names the line that called the kernel: each
+    stacklevel counts JitKernel's own frames, which a refactor must keep in step."""
+    if case == "unshippable":
+
+        @jit_cache("test_local_kernel_where", params={"block": Int(min=32, max=1024)})
+        def kern(block: int):
+            return toykernels.toy_scale.raw("float32", block, True)
+
+        args: tuple = (64,)
+    else:
+        root = tmp_path / "ww"
+        root.mkdir()
+        root.chmod(0o777)  # world-writable: the store refuses it
+        use_settings(cache_dir=str(root), mode="prebuilt" if case == "unusable-prebuilt" else "jit")
+        kern, args = toykernels.toy_scale, ("float32", 224, False)
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        try:
+            kern(*args)
+            line = sys._getframe().f_lineno - 1
+        except KernelNotPrebuilt:
+            line = sys._getframe().f_lineno - 3
+    (w,) = [w for w in got if issubclass(w.category, CacheWarning)]
+    assert (Path(w.filename).name, w.lineno) == (Path(__file__).name, line), w
 
 
 def test_cache_disabled_compiles_in_process(quack_settings, cache_dir):

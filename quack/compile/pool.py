@@ -596,85 +596,119 @@ class CompilePool:
         return _Worker(proc, parent)
 
     def _run(self) -> None:
+        """The dispatcher thread's loop, until shutdown: (1) under the lock, settle
+        time-outs and keys awaited elsewhere, hand queued keys to idle workers and
+        decide what to wait on; (2) start one worker outside the lock if one is
+        needed; else (3) wait for a result, a death, a wake-up or a deadline, and
+        collect what arrived."""
         while True:
-            # 1. Decide (under the lock) what to start and what to wait on.
             with self._lock:
                 if self._closed:
                     break
                 now = time.monotonic()
                 self._check_deadlines(now)
                 self._check_external(now)
-                idle = [w for w in self._workers if w.task is None]
-                while self._queue and idle:
-                    w = idle.pop()
-                    t = self._queue.pop(0)
-                    try:
-                        w.conn.send((worker_build, t.request))
-                    except (OSError, ValueError):
-                        self._queue.insert(0, t)
-                        continue  # a dead worker; its sentinel reports it below
-                    w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
-                need = min(
-                    max(len(self._queue), self._want_workers - len(self._workers)),
-                    self.jobs - len(self._workers),
-                )
-                objs = [self._wake_r]
-                for w in self._workers:
-                    objs.append(w.conn)
-                    objs.append(w.proc.sentinel)
+                self._dispatch()
+                need = self._workers_needed()
+                objs = self._wait_objects()
                 timeout = self._next_timeout(now)
-            # 2. Start workers outside the lock (the first start waits for the forkserver).
             if need > 0:
-                try:
-                    w = self._spawn()
-                except Exception as e:  # noqa: BLE001 - can't start workers: fail what is queued
-                    with self._lock:
-                        for t in self._queue:
-                            self._finish(
-                                t,
-                                False,
-                                CompileError(
-                                    t.kernel,
-                                    t.params,
-                                    t.arch,
-                                    f"cannot start a compile worker: {e!r}",
-                                    transient=True,
-                                ),
-                            )
-                        self._queue.clear()
-                        self._want_workers = 0
-                    continue
-                with self._lock:
-                    if self._closed:
-                        w.proc.kill()
-                        break
-                    self._workers.append(w)
+                if not self._start_worker():
+                    break  # shut down while it started
                 continue
-            # 3. Wait for a result, a death, a wake-up or a deadline.
-            try:
-                ready = mpc.wait(objs, timeout)
-            except OSError:
-                ready = []
+            ready = self._wait_ready(objs, timeout)
             with self._lock:
                 if self._closed:
                     break
-                if self._wake_r in ready:
-                    try:
-                        os.read(self._wake_r, 4096)
-                    except OSError:
-                        pass
-                for w in list(self._workers):
-                    if w.conn in ready:
-                        try:
-                            status, payload = w.conn.recv()
-                        except (EOFError, OSError):
-                            self._reap(w)  # died mid-task: its key fails
-                            continue
-                        done, w.task = w.task, None
-                        if done is not None:
-                            self._finish(done, status == "ok", payload)
-                    if w.proc.sentinel in ready:
-                        self._reap(w)
+                self._collect(ready)
+
+    def _dispatch(self) -> None:
+        """Send queued tasks to idle workers, oldest first; caller holds the lock."""
+        idle = [w for w in self._workers if w.task is None]
+        while self._queue and idle:
+            w = idle.pop()
+            t = self._queue.pop(0)
+            try:
+                w.conn.send((worker_build, t.request))
+            except (OSError, ValueError):
+                self._queue.insert(0, t)
+                continue  # a dead worker; its sentinel reports it when collected
+            w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
+
+    def _workers_needed(self) -> int:
+        """How many workers to start (queued work or a prewarm), within ``jobs``;
+        caller holds the lock."""
+        return min(
+            max(len(self._queue), self._want_workers - len(self._workers)),
+            self.jobs - len(self._workers),
+        )
+
+    def _wait_objects(self) -> list:
+        """The wake pipe, and each worker's pipe and process sentinel; caller holds the lock."""
+        objs: list = [self._wake_r]
+        for w in self._workers:
+            objs.append(w.conn)
+            objs.append(w.proc.sentinel)
+        return objs
+
+    def _start_worker(self) -> bool:
+        """Start one worker, outside the lock (the first start waits for the forkserver).
+        A worker that can't start fails what is queued. Returns False if the pool was
+        shut down meanwhile (the new worker is killed)."""
+        try:
+            w = self._spawn()
+        except Exception as e:  # noqa: BLE001 - can't start workers: fail what is queued
+            with self._lock:
+                for t in self._queue:
+                    self._finish(
+                        t,
+                        False,
+                        CompileError(
+                            t.kernel,
+                            t.params,
+                            t.arch,
+                            f"cannot start a compile worker: {e!r}",
+                            transient=True,
+                        ),
+                    )
+                self._queue.clear()
+                self._want_workers = 0
+            return True
+        with self._lock:
+            if self._closed:
+                w.proc.kill()
+                return False
+            self._workers.append(w)
+        return True
+
+    @staticmethod
+    def _wait_ready(objs: list, timeout: float | None) -> list:
+        """Block until one of ``objs`` is ready or ``timeout`` passes (outside the lock)."""
+        try:
+            return mpc.wait(objs, timeout)
+        except OSError:
+            return []
+
+    def _collect(self, ready: list) -> None:
+        """Drain the wake pipe, record each result that arrived and reap dead workers
+        (a worker that died mid-task fails its key); caller holds the lock."""
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 4096)
+            except OSError:
+                pass
+        for w in list(self._workers):
+            if w.conn in ready:
+                try:
+                    status, payload = w.conn.recv()
+                except (EOFError, OSError):
+                    self._reap(w)  # died mid-task: its key fails
+                    continue
+                done, w.task = w.task, None
+                if done is not None:
+                    self._finish(done, status == "ok", payload)
+            if w.proc.sentinel in ready:
+                self._reap(w)
 
     def _reap(self, w: _Worker) -> None:
         if w not in self._workers:

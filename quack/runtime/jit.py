@@ -151,48 +151,61 @@ class JitKernel:
             )
         self._failed[key] = (self.spec.source_fingerprint(), err)
 
+    # Where warnings point: at the line that called the kernel. Every step below runs at a
+    # fixed depth under it (caller <- __call__ <- _slow <- _resolve <- step <- ...), and
+    # each stacklevel counts those frames; moving a step up or down changes its numbers.
     def _resolve(self, params: dict, key: str, s) -> Loaded:
         """The tiers after memory: local cache -> read-only tiers (installed bundles,
-        remote, ...) -> compile (quack.runtime.tiers; docs/architecture.md)."""
+        remote, ...) -> the miss policy (quack.runtime.tiers; docs/architecture.md)."""
         from quack.compile import builder
 
-        arch = s.arch
-        ref = builder.entry_ref(self.spec, params, arch)
-        store = None
-        # Prebuilt mode never compiles, whatever the cache's state: every path below that
-        # would compile raises KernelNotPrebuilt instead, saying why when it is not a
-        # plain miss (a disabled or unusable cache).
-        unusable = ""
-        if s.cache_enabled:
-            store = local_store(s)
-            try:
-                entry = store.lookup(ref)
-            except (CacheError, OSError) as e:
-                if s.mode == "prebuilt":
-                    warn_once(
-                        f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})", stacklevel=5
-                    )
-                else:
-                    warnings.warn(
-                        f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
-                        f"{self.spec.name} (a compile runs in this process, unstored)",
-                        CacheWarning,
-                        stacklevel=4,
-                    )
-                unusable = f"the cache is unusable ({e})"
-                store, entry = None, None
-            if entry is not None:
-                try:
-                    loaded = self._load(store, entry, params, key, arch, miss=False)
-                    log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
-                    return loaded
-                except EntryVanished:
-                    entry = None  # cleaned between lookup and load: a plain miss
-        else:
-            unusable = "the cache is disabled (QUACK_CACHE_ENABLED=0 or [cache] enabled = false)"
-        tiered = self._from_tiers(ref, store, params, key, arch, s)
+        ref = builder.entry_ref(self.spec, params, s.arch)
+        store, loaded, unusable = self._from_local(ref, params, key, s)
+        if loaded is not None:
+            return loaded
+        tiered = self._from_tiers(ref, store, params, key, s.arch, s)
         if tiered is not None:
             return tiered
+        return self._on_miss(ref, store, params, key, s, unusable)
+
+    def _from_local(self, ref, params, key, s) -> tuple[Any, Loaded | None, str]:
+        """The local store: (store or None, a loaded hit or None, why the cache can't be
+        used or ""). A cache that can't be read is no store at all (one warning); an
+        entry cleaned between lookup and load is a plain miss."""
+        # Prebuilt mode never compiles, whatever the cache's state: every path after
+        # this one that would compile raises KernelNotPrebuilt instead, saying why when
+        # it is not a plain miss (a disabled or unusable cache).
+        if not s.cache_enabled:
+            return None, None, "the cache is disabled (QUACK_CACHE_ENABLED=0 or [cache] enabled = false)"
+        store = local_store(s)
+        try:
+            entry = store.lookup(ref)
+        except (CacheError, OSError) as e:
+            if s.mode == "prebuilt":
+                warn_once(
+                    f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})", stacklevel=6
+                )
+            else:
+                warnings.warn(
+                    f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
+                    f"{self.spec.name} (a compile runs in this process, unstored)",
+                    CacheWarning,
+                    stacklevel=5,
+                )
+            return None, None, f"the cache is unusable ({e})"
+        if entry is not None:
+            try:
+                loaded = self._load(store, entry, params, key, s.arch, miss=False)
+                log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
+                return store, loaded, ""
+            except EntryVanished:
+                pass  # cleaned between lookup and load: a plain miss
+        return store, None, ""
+
+    def _on_miss(self, ref, store, params, key, s, unusable: str) -> Loaded:
+        """The miss policy: prebuilt mode raises KernelNotPrebuilt; jit mode compiles,
+        into the store when it can take the object, else in this process, unstored."""
+        arch = s.arch
         if s.mode == "prebuilt":
             self._not_prebuilt(params, key, s, unusable or self._stale_entry(store, ref))
         if store is None:  # cache disabled or unusable
@@ -206,30 +219,20 @@ class JitKernel:
                 f"read-only:{s.cache_dir}",
                 f"quack: cache {s.cache_dir} is not writable; "
                 f"kernels missing from it are compiled in this process and not stored",
-                stacklevel=5,
+                stacklevel=6,
             )
             return self._compile_in_process(params, key, arch)
+        return self._compile_stored(store, ref, params, key, arch)
+
+    def _compile_stored(self, store, ref, params, key, arch) -> Loaded:
+        """Compile a miss into the store (in a worker, or here for a kernel that can't
+        be shipped to one) and load it; a compile the store can't take runs unstored."""
         t0 = time.perf_counter()
         if not self.spec.shippable:
-            if not self._warned_local:
-                warnings.warn(
-                    f"quack: kernel {self.spec.name} is defined in {self.spec.module} "
-                    f"({self.spec.qualname}) and can't be sent to a compile worker; "
-                    f"compiling it in this process",
-                    CacheWarning,
-                    stacklevel=4,
-                )
-                self._warned_local = True
-            try:
-                entry, compiled = builder.build(self.spec, params, arch, store)
-                compile_s = float(entry.meta.get("compile_s") or 0.0) if compiled else 0.0
-            except (OSError, LockTimeout) as e:
-                warnings.warn(
-                    f"quack: can't store {self.spec.name} key {key[:16]} ({e}); running it uncached",
-                    CacheWarning,
-                    stacklevel=4,
-                )
+            built = self._build_here(store, params, key, arch)
+            if built is None:
                 return self._compile_in_process(params, key, arch)
+            entry, compiled, compile_s = built
         else:
             entry, report = self._compile_in_worker(store, ref, params, key, arch)
             if entry is None:
@@ -256,6 +259,32 @@ class JitKernel:
             "%s %s %s (%.3f s)", "compiled" if compiled else "waited for", self.spec.name, key[:16], elapsed
         )
         return loaded
+
+    def _build_here(self, store, params, key, arch) -> tuple[Any, bool, float] | None:
+        """A kernel defined where a worker can't import it (a test function, __main__):
+        build and publish it in this process (one warning per kernel). Returns (entry,
+        compiled, compile_s), or None when the store can't take it (one warning)."""
+        from quack.compile import builder
+
+        if not self._warned_local:
+            warnings.warn(
+                f"quack: kernel {self.spec.name} is defined in {self.spec.module} "
+                f"({self.spec.qualname}) and can't be sent to a compile worker; "
+                f"compiling it in this process",
+                CacheWarning,
+                stacklevel=7,
+            )
+            self._warned_local = True
+        try:
+            entry, compiled = builder.build(self.spec, params, arch, store)
+        except (OSError, LockTimeout) as e:
+            warnings.warn(
+                f"quack: can't store {self.spec.name} key {key[:16]} ({e}); running it uncached",
+                CacheWarning,
+                stacklevel=7,
+            )
+            return None
+        return entry, compiled, float(entry.meta.get("compile_s") or 0.0) if compiled else 0.0
 
     @staticmethod
     def _stale_entry(store, ref) -> str:
@@ -324,31 +353,11 @@ class JitKernel:
             pool = _pool.default_pool()
         root = s.cache_dir
         for _ in range(3):
-            st, err = pool.poll(key, root)
-            if st == _pool.NEW:
-                st = pool.submit(self.spec, params, arch, key, settings=s)
-            if st == _pool.PENDING:
-                if scoped:
-                    exc = CompilePending(self.spec.name, key)
-                    exc.root = str(root)
-                    exc.pool = pool
-                    _pool.note_pending(exc)
-                    raise exc
-                st, err = pool.wait(key, root=root)
+            st, err = self._settle_in_pool(pool, scoped, params, key, arch, s)
             if st == _pool.FAILED:
                 pool.forget(key, root)  # reported once; a later call may retry
-                if isinstance(err, CompileTimeout):
-                    warnings.warn(
-                        f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this process",
-                        CacheWarning,
-                        stacklevel=5,
-                    )
-                    return None, None
-                if isinstance(err, (CacheError, LockTimeout)):
-                    return self._store_failed(err, key), None  # the cache (full, read-only), not the kernel
-                if isinstance(err, CompileError):
-                    raise err
-                raise CompileError(self.spec.name, self.spec.plain(params), arch, str(err))
+                self._worker_failed(err, params, key, arch)
+                return None, None
             if st == _pool.DONE:
                 entry = store.lookup(ref)
                 if entry is not None:
@@ -361,9 +370,51 @@ class JitKernel:
             f"quack: the pool reported {self.spec.name} key {key[:16]} done but the cache "
             f"has no valid entry; compiling it in this process",
             CacheWarning,
-            stacklevel=5,
+            stacklevel=7,
         )
         return None, None
+
+    def _settle_in_pool(self, pool, scoped: bool, params, key, arch, s) -> tuple[str, BaseException | None]:
+        """Submit the key unless the pool has it, then wait until it is no longer pending
+        (state, error); in a pool_scope a pending key raises CompilePending instead."""
+        from quack.compile import pool as _pool
+
+        root = s.cache_dir
+        st, err = pool.poll(key, root)
+        if st == _pool.NEW:
+            st = pool.submit(self.spec, params, arch, key, settings=s)
+        if st == _pool.PENDING:
+            if scoped:
+                exc = CompilePending(self.spec.name, key)
+                exc.root = str(root)
+                exc.pool = pool
+                _pool.note_pending(exc)
+                raise exc
+            st, err = pool.wait(key, root=root)
+        return st, err
+
+    def _worker_failed(self, err, params, key, arch) -> None:
+        """A key the pool failed: a time-out or a cache that can't take the object
+        returns (one warning; the caller compiles in this process, unstored); a compile
+        error is raised."""
+        if isinstance(err, CompileTimeout):
+            warnings.warn(
+                f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this process",
+                CacheWarning,
+                stacklevel=8,
+            )
+            return
+        if isinstance(err, (CacheError, LockTimeout)):  # the cache (full, read-only), not the kernel
+            warnings.warn(
+                f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
+                f"compiling it in this process, uncached",
+                CacheWarning,
+                stacklevel=8,
+            )
+            return
+        if isinstance(err, CompileError):
+            raise err
+        raise CompileError(self.spec.name, self.spec.plain(params), arch, str(err))
 
     def _from_tiers(self, ref, store, params, key, arch, s) -> Loaded | None:
         """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
@@ -396,15 +447,6 @@ class JitKernel:
                     return loaded
                 except EntryVanished:
                     log.info("tier %s: %s %s vanished before loading", name, self.spec.name, key[:16])
-        return None
-
-    def _store_failed(self, err, key):
-        warnings.warn(
-            f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
-            f"compiling it in this process, uncached",
-            CacheWarning,
-            stacklevel=6,
-        )
         return None
 
     def _load(self, store, entry, params, key, arch, *, miss: bool) -> Loaded:
