@@ -9,13 +9,9 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
-from quack import settings as _settings
-from quack.cache import journal
-from quack.cache.contract import InPlaceTier, ListsSearched
-from quack.cache.store import local_store, warn_once
 from quack.errors import (
     CacheError,
     CacheWarning,
@@ -26,9 +22,15 @@ from quack.errors import (
     KernelNotPrebuilt,
     LockTimeout,
 )
-from quack.manifest_line import manifest_line
-from quack.params import Param
-from quack.runtime import _generation, loader, tiers
+from quack.runtime import _generation
+
+# Importing a kernel module runs only @jit_cache, which needs the registry; the settings,
+# the store, the loader, the tier chain and the journal are imported on the first call
+# that misses this process's memory (issue 15: the kernel modules' import, after torch,
+# was 12.6 ms, half of it these modules, none of it used before a kernel is asked for).
+# The hot path (a hit in ``_memo``) never reaches those imports.
+if TYPE_CHECKING:
+    from quack.params import Param
 
 _ALL: list["JitKernel"] = []
 log = logging.getLogger("quack.jit")
@@ -99,10 +101,14 @@ class JitKernel:
         return self._slow(args, kwargs)
 
     def key(self, *args, arch: str | None = None, **kwargs) -> str:
+        from quack import settings as _settings
+
         params = self.spec.bind(args, kwargs)
         return self.spec.key(params, arch or _settings.get().arch)
 
     def _slow(self, args, kwargs):
+        from quack import settings as _settings
+
         with self._lock:
             if self._gen != _generation.value:
                 self._memo.clear()
@@ -154,6 +160,7 @@ class JitKernel:
     def _resolve(self, params: dict, key: str, s) -> Loaded:
         """The tiers after memory: local cache -> read-only tiers (installed bundles,
         remote, ...) -> compile (quack.runtime.tiers; docs/architecture.md)."""
+        from quack.cache.store import local_store, warn_once
         from quack.compile import builder
 
         arch = s.arch
@@ -284,6 +291,10 @@ class JitKernel:
         )
 
     def _not_prebuilt(self, params, key, s, reason: str):
+        from quack.cache.contract import ListsSearched
+        from quack.manifest_line import manifest_line
+        from quack.runtime import tiers
+
         plain = self.spec.plain(params)
         err = KernelNotPrebuilt(
             self.spec.name,
@@ -315,6 +326,7 @@ class JitKernel:
         (wedged worker, or a lock held elsewhere that never publishes) returns None:
         the caller compiles in this process. Returns (entry, the pool's report of the
         key: ``compiled`` False when another process built it) or (None, None)."""
+        from quack import settings as _settings
         from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
 
         s = _settings.get()
@@ -370,6 +382,9 @@ class JitKernel:
         (installed bundles: already on this machine, verified where it lies) is loaded
         where it is, so it serves a read-only or disabled cache too; any other tier's hit
         is published into the local store, then loaded from there."""
+        from quack.cache.contract import InPlaceTier
+        from quack.runtime import loader, tiers
+
         for tier in tiers.read_tiers(s):
             if isinstance(tier, InPlaceTier):
                 entry = tier.open(ref)
@@ -408,6 +423,8 @@ class JitKernel:
         return None
 
     def _load(self, store, entry, params, key, arch, *, miss: bool) -> Loaded:
+        from quack.runtime import loader
+
         t0 = time.perf_counter()
         fn, module, how = loader.load_entry(store, entry)
         store.touch(entry)
@@ -421,6 +438,7 @@ class JitKernel:
 
     def _compile_in_process(self, params, key, arch) -> Loaded:
         """No usable cache: compile here and keep the JIT function in memory."""
+        from quack import settings as _settings
         from quack.compile import builder
 
         s = _settings.get()
@@ -504,15 +522,18 @@ def cache_stats() -> dict[str, Any]:
 
 @atexit.register
 def _write_journal() -> None:
+    records = [u for k in _ALL for u in k.usage()]
+    if not records:  # nothing loaded: no settings to resolve, nothing to import at exit
+        return
+    from quack import settings as _settings
+    from quack.cache import journal
+
     try:
         s = _settings.get()
     except Exception:  # noqa: BLE001
         return
     t = journal.now()
-    records = []
-    for k in _ALL:
-        for u in k.usage():
-            u["t"] = t
-            records.append(u)
-    if records and s.cache_enabled:
+    for u in records:
+        u["t"] = t
+    if s.cache_enabled:
         journal.append(s.cache_dir, records)
