@@ -8,7 +8,6 @@ import inspect
 import re
 from typing import Any, Callable
 
-from quack.cache import keys
 from quack.errors import ParamError, UnknownKernel
 from quack.params import Param, Rule, plain
 
@@ -72,6 +71,10 @@ class KernelSpec:
         return {n: self.params[n].encode(v) for n, v in params.items()}
 
     def key(self, params: dict[str, Any], arch: str) -> str:
+        # Imported here, not at the top: registering a kernel (importing its module)
+        # needs no key; the first call does.
+        from quack.cache import keys
+
         return keys.make_key(self.name, self.encode(params), arch, self.version)
 
     def plain(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -85,6 +88,8 @@ class KernelSpec:
     def source_fingerprint(self) -> str:
         if self.module == "__main__":
             return "main"
+        from quack.cache import keys
+
         return keys.source_fingerprint(self.module, memo=_fingerprint_memo())
 
 

@@ -398,3 +398,57 @@ def test_toolchain_versions_read_from_the_header_match_importlib_metadata():
     assert t["cutlass_dsl"] == md.version("nvidia-cutlass-dsl")
     assert t["tvm_ffi"] == md.version("apache-tvm-ffi")
     assert md.version(f"nvidia-cutlass-dsl-libs-{t['libs']}")
+
+
+# --- what a kernel module's import and a first hit pull in (issue 15) -----------------------
+
+IMPORTS = r"""
+import json, sys
+mode = sys.argv[1]
+def ours():
+    return sorted(m for m in sys.modules if m.startswith(("quack.", "cutlass")))
+import quack_kernels.softmax as sm
+out = {"after_import": ours()}
+fn = sm.compile_softmax_fwd("bfloat16", 4096)
+out["how"] = [u["how"] for u in sm.compile_softmax_fwd.usage()]
+out["after_call"] = ours()
+print(json.dumps(out))
+"""
+
+# Not needed to register a kernel: imported by its first call (settings, store, loader,
+# keys, journal) or only by a miss (tier chain, the contract's Protocols, the pool).
+FIRST_CALL = ("quack.settings", "quack.cache.store", "quack.cache.keys", "quack.runtime.loader")
+MISS_ONLY = ("quack.runtime.tiers", "quack.cache.contract", "quack.compile.pool", "quack.bundles.tier")
+
+
+def _imports(env, mode, cwd):
+    r = subprocess.run(
+        [sys.executable, "-c", IMPORTS, mode],
+        env=dict(env, QUACK_MODE=mode),
+        cwd=str(cwd),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_kernel_module_imports_only_the_registry_and_a_hit_never_the_tier_chain(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QUACK_")}
+    env.update(QUACK_CACHE_DIR=str(tmp_path / "cache"), QUACK_ARCH="sm_90a")
+    a = _imports(env, "jit", tmp_path)  # a real miss: compiled by a worker, published
+    assert a["how"] == ["so"]
+    for m in FIRST_CALL + MISS_ONLY:
+        assert m not in a["after_import"], m
+    assert "quack.registry" in a["after_import"] and "quack.runtime.jit" in a["after_import"]
+    assert "quack.compile.pool" in a["after_call"]  # the miss went to the pool
+    b = _imports(env, "prebuilt", tmp_path)  # a fresh process: a local hit
+    assert b["how"] == ["so"]
+    for m in FIRST_CALL + MISS_ONLY:
+        assert m not in b["after_import"], m
+    for m in FIRST_CALL:
+        assert m in b["after_call"], m
+    for m in MISS_ONLY:
+        assert m not in b["after_call"], m
+    assert not any(m.startswith("cutlass") for m in b["after_call"])

@@ -21,11 +21,13 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from quack.cache import fsutil, keys, orphans
-from quack.cache.contract import CORRUPT, MISSING, OK, Inspection, Store
 from quack.errors import CacheError, CacheWarning, CacheWriteError, LockTimeout, ParamError
+
+if TYPE_CHECKING:
+    from quack.cache.contract import Inspection, Store
 
 LAYOUT = "v1"
 SCRATCH = "tmp"  # <root>/tmp: helper tools' temp files (see DiskStore.scratch_dir)
@@ -123,6 +125,17 @@ __all__ = [
     "warn_once",
     "write_error",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``Inspection`` and ``Store`` are re-exported from quack.cache.contract on first
+    use: a runtime hit (lookup, load) never needs the contract's Protocols and frozen
+    dataclasses, ~2 ms of a fresh process's first kernel load (issue 15)."""
+    if name in ("Inspection", "Store"):
+        from quack.cache import contract
+
+        return getattr(contract, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def local_store(s) -> "DiskStore":
@@ -237,6 +250,8 @@ class DiskStore:
     def inspect(self, ref: EntryRef) -> Inspection:
         """Check one entry without changing anything (``quack verify``): no
         quarantine, no lock, no touch. Raises CacheError for an unsafe root."""
+        from quack.cache.contract import CORRUPT, MISSING, OK, Inspection
+
         self.check_root()
         p = self.paths(ref)
         if not fsutil.check_tree(p["obj"].parent, self.root):

@@ -11,12 +11,15 @@ import socket
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
-from quack.cache.contract import Store
 from quack.cache.store import Entry, EntryRef, write_error
 from quack.errors import CacheError, CompileError
 from quack.registry import KernelSpec
 from quack.runtime import loader
+
+if TYPE_CHECKING:  # the contract's Protocols only annotate here; jit's hit path imports us
+    from quack.cache.contract import Store
 
 
 def entry_ref(spec: KernelSpec, params: dict, arch: str) -> EntryRef:

@@ -9,13 +9,9 @@ import os
 import threading
 import time
 import warnings
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
-from quack import settings as _settings
-from quack.cache import journal
-from quack.cache.contract import InPlaceTier, ListsSearched
-from quack.cache.store import local_store, warn_once
 from quack.errors import (
     CacheError,
     CacheWarning,
@@ -26,9 +22,15 @@ from quack.errors import (
     KernelNotPrebuilt,
     LockTimeout,
 )
-from quack.manifest_line import manifest_line
-from quack.params import Param
-from quack.runtime import _generation, loader, tiers
+from quack.runtime import _generation
+
+# Importing a kernel module runs only @jit_cache, which needs the registry; the settings,
+# the store, the loader, the tier chain and the journal are imported on the first call
+# that misses this process's memory (issue 15: the kernel modules' import, after torch,
+# was 12.6 ms, half of it these modules, none of it used before a kernel is asked for).
+# The hot path (a hit in ``_memo``) never reaches those imports.
+if TYPE_CHECKING:
+    from quack.params import Param
 
 _ALL: list["JitKernel"] = []
 log = logging.getLogger("quack.jit")
@@ -99,10 +101,14 @@ class JitKernel:
         return self._slow(args, kwargs)
 
     def key(self, *args, arch: str | None = None, **kwargs) -> str:
+        from quack import settings as _settings
+
         params = self.spec.bind(args, kwargs)
         return self.spec.key(params, arch or _settings.get().arch)
 
     def _slow(self, args, kwargs):
+        from quack import settings as _settings
+
         with self._lock:
             if self._gen != _generation.value:
                 self._memo.clear()
@@ -175,6 +181,8 @@ class JitKernel:
         # Prebuilt mode never compiles, whatever the cache's state: every path after
         # this one that would compile raises KernelNotPrebuilt instead, saying why when
         # it is not a plain miss (a disabled or unusable cache).
+        from quack.cache.store import local_store, warn_once
+
         if not s.cache_enabled:
             return None, None, "the cache is disabled (QUACK_CACHE_ENABLED=0 or [cache] enabled = false)"
         store = local_store(s)
@@ -214,6 +222,8 @@ class JitKernel:
             log.info(
                 "%s is not writable: compiling %s %s in this process", s.cache_dir, self.spec.name, key[:16]
             )
+            from quack.cache.store import warn_once
+
             # Read-only cache: hits still load from it; misses run uncached, one warning.
             warn_once(
                 f"read-only:{s.cache_dir}",
@@ -313,6 +323,10 @@ class JitKernel:
         )
 
     def _not_prebuilt(self, params, key, s, reason: str):
+        from quack.cache.contract import ListsSearched
+        from quack.manifest_line import manifest_line
+        from quack.runtime import tiers
+
         plain = self.spec.plain(params)
         err = KernelNotPrebuilt(
             self.spec.name,
@@ -344,6 +358,7 @@ class JitKernel:
         (wedged worker, or a lock held elsewhere that never publishes) returns None:
         the caller compiles in this process. Returns (entry, the pool's report of the
         key: ``compiled`` False when another process built it) or (None, None)."""
+        from quack import settings as _settings
         from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
 
         s = _settings.get()
@@ -421,6 +436,9 @@ class JitKernel:
         (installed bundles: already on this machine, verified where it lies) is loaded
         where it is, so it serves a read-only or disabled cache too; any other tier's hit
         is published into the local store, then loaded from there."""
+        from quack.cache.contract import InPlaceTier
+        from quack.runtime import loader, tiers
+
         for tier in tiers.read_tiers(s):
             if isinstance(tier, InPlaceTier):
                 entry = tier.open(ref)
@@ -450,6 +468,8 @@ class JitKernel:
         return None
 
     def _load(self, store, entry, params, key, arch, *, miss: bool) -> Loaded:
+        from quack.runtime import loader
+
         t0 = time.perf_counter()
         fn, module, how = loader.load_entry(store, entry)
         store.touch(entry)
@@ -463,6 +483,7 @@ class JitKernel:
 
     def _compile_in_process(self, params, key, arch) -> Loaded:
         """No usable cache: compile here and keep the JIT function in memory."""
+        from quack import settings as _settings
         from quack.compile import builder
 
         s = _settings.get()
@@ -546,15 +567,18 @@ def cache_stats() -> dict[str, Any]:
 
 @atexit.register
 def _write_journal() -> None:
+    records = [u for k in _ALL for u in k.usage()]
+    if not records:  # nothing loaded: no settings to resolve, nothing to import at exit
+        return
+    from quack import settings as _settings
+    from quack.cache import journal
+
     try:
         s = _settings.get()
     except Exception:  # noqa: BLE001
         return
     t = journal.now()
-    records = []
-    for k in _ALL:
-        for u in k.usage():
-            u["t"] = t
-            records.append(u)
-    if records and s.cache_enabled:
+    for u in records:
+        u["t"] = t
+    if s.cache_enabled:
         journal.append(s.cache_dir, records)
