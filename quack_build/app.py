@@ -374,7 +374,12 @@ def cache_pull(
     cache_dir: Optional[Path] = typer.Option(
         None, "--cache-dir", help="Cache directory (default: settings)."
     ),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    max_configs: int = typer.Option(
+        10_000,
+        "--max-configs",
+        min=1,
+        help="Limit on the configurations after expansion, over all manifests given.",
+    ),
 ):
     """Fetch the manifests' configurations missing locally from the remote cache (signatures verified)."""
     _run(lambda: _sync("pull", manifests or [], arch or [], as_json, cache_dir, max_configs))
@@ -392,7 +397,12 @@ def cache_push(
     cache_dir: Optional[Path] = typer.Option(
         None, "--cache-dir", help="Cache directory (default: settings)."
     ),
-    max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+    max_configs: int = typer.Option(
+        10_000,
+        "--max-configs",
+        min=1,
+        help="Limit on the configurations after expansion, over all manifests given.",
+    ),
 ):
     """Sign and upload the manifests' configurations from the local cache to the remote (needs write = true and a signing key)."""
     _run(lambda: _sync("push", manifests or [], arch or [], as_json, cache_dir, max_configs))
@@ -402,7 +412,9 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
     from quack.errors import KeyFileError
     from quack_build import remote_sync
 
-    s = cli_settings(cache_dir)
+    # quack.toml from the first manifest's directory, as `quack build` finds it: a project's
+    # [remote] and kernel_packages must not depend on where the command is run from.
+    s = cli_settings(cache_dir, manifests=manifests)
     if not s.remote_url:
         raise Fail(
             "error: no remote cache configured: set QUACK_REMOTE or [remote] url in quack.toml "

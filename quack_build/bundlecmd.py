@@ -43,7 +43,12 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
         cache_dir: Optional[Path] = typer.Option(
             None, "--cache-dir", help="Cache directory (default: settings)."
         ),
-        max_configs: int = typer.Option(10_000, "--max-configs", min=1, help="Limit per [[kernel]] table."),
+        max_configs: int = typer.Option(
+            10_000,
+            "--max-configs",
+            min=1,
+            help="Limit on the configurations after expansion, over all manifests given.",
+        ),
     ):
         """Build what is missing, then write a wheel of the manifests' prebuilt kernels.
         (`quack bundle inspect WHEEL` shows a wheel's contents without installing it.)"""
@@ -105,7 +110,7 @@ def _bundle(
         from quack import signing
         from quack.errors import KeyFileError
 
-        s0 = cli_settings(cache_dir, jobs)
+        s0 = cli_settings(cache_dir, jobs, manifests=manifests)
         try:
             key = (
                 signing.load_signing_key(signing_key)
@@ -129,7 +134,7 @@ def _bundle(
     if rc:
         raise Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
     build_s = time.time() - t0
-    s = cli_settings(cache_dir, jobs)
+    s = cli_settings(cache_dir, jobs, manifests=manifests)
     load_kernels(s)
     exp = expand(s, manifests, arch, max_configs)
     from quack.errors import BundleError

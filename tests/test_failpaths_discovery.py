@@ -68,3 +68,25 @@ def test_unknown_kernel_says_what_was_scanned_and_demo_kernels_stay_out(tmp_path
     r = _dry([proj2 / "m.toml"], proj2, proj2)
     out = r.stdout + r.stderr
     assert r.returncode == 1 and "registered kernels: (none)" in out and "kernel_packages" in out, out
+
+
+def test_cache_pull_finds_the_manifests_quack_toml(tmp_path):
+    # `quack cache pull/push` read quack.toml from the working directory only, so a
+    # project's [remote] url and kernel_packages were ignored when run from elsewhere
+    # ("no remote cache configured") although `quack build` of the same manifest used them.
+    proj = tmp_path / "proj"
+    m = _project(proj)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    with open(proj / "quack.toml", "a") as f:
+        f.write(f'[remote]\nurl = "file://{shared}"\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    e = env(QUACK_CACHE_DIR=elsewhere / "cache")
+    e["PYTHONPATH"] = f"{proj}:{e['PYTHONPATH']}"
+    r = run_quack(["cache", "pull", "--json", str(m)], cwd=elsewhere, timeout=120, env_=e)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "no remote cache configured" not in out
+    rep = json.loads(r.stdout)
+    assert rep["url"] == f"file://{shared}" and rep["total"] == 2 and rep["missing"] == 2, out
