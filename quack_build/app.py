@@ -30,6 +30,7 @@ app.add_typer(cache_app, name="cache")
 
 from quack_build import common as _common  # noqa: E402 - after the typer apps, as before
 from quack_build.common import Fail, cli_settings, console, current_srcfps, emit_json, load_kernels  # noqa: E402,F401
+from quack_build.options import cache_dir_option, manifests_argument, max_configs_option  # noqa: E402
 
 
 def _manifests(s, given: List[Path]) -> list:
@@ -102,9 +103,7 @@ def _check_executor(value: Optional[str]) -> Optional[str]:
 
 @app.command()
 def build(
-    manifests: List[Path] = typer.Argument(
-        None, help="Manifest files (default: [build] manifests in quack.toml)."
-    ),
+    manifests: List[Path] = manifests_argument(),
     jobs: Optional[int] = typer.Option(
         None,
         "--jobs",
@@ -122,15 +121,8 @@ def build(
     force: bool = typer.Option(False, "--force", help="Rebuild even what is cached."),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout (progress on stderr)."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON file."),
-    cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Cache directory (default: settings)."
-    ),
-    max_configs: int = typer.Option(
-        10_000,
-        "--max-configs",
-        min=1,
-        help="Limit on the configurations after expansion, over all manifests given.",
-    ),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also list cached and started keys."),
     executor: Optional[str] = typer.Option(
         None,
@@ -267,9 +259,7 @@ def _term_to_interrupt(signum, frame):  # noqa: ARG001
 @cache_app.command("stats")
 def cache_stats(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Cache directory (default: settings)."
-    ),
+    cache_dir: Optional[Path] = cache_dir_option(),
     top: int = typer.Option(10, "--top", min=0, help="How many of the slowest compiles to list."),
 ):
     """Entries and bytes per fingerprint (current vs stale) and kernel; usage from the journal."""
@@ -287,9 +277,7 @@ def cache_clean(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Cache directory (default: settings)."
-    ),
+    cache_dir: Optional[Path] = cache_dir_option(),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="List every file removed."),
 ):
     """Remove stale fingerprints, quarantined entries and debris (safe while the cache is in use)."""
@@ -364,22 +352,13 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
 
 @cache_app.command("pull")
 def cache_pull(
-    manifests: List[Path] = typer.Argument(
-        None, help="Manifest files (default: [build] manifests in quack.toml)."
-    ),
+    manifests: List[Path] = manifests_argument(),
     arch: List[str] = typer.Option(
         None, "--arch", help="For this arch instead of the manifests' (repeatable)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Cache directory (default: settings)."
-    ),
-    max_configs: int = typer.Option(
-        10_000,
-        "--max-configs",
-        min=1,
-        help="Limit on the configurations after expansion, over all manifests given.",
-    ),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
 ):
     """Fetch the manifests' configurations missing locally from the remote cache (signatures verified)."""
     _run(lambda: _sync("pull", manifests or [], arch or [], as_json, cache_dir, max_configs))
@@ -387,22 +366,13 @@ def cache_pull(
 
 @cache_app.command("push")
 def cache_push(
-    manifests: List[Path] = typer.Argument(
-        None, help="Manifest files (default: [build] manifests in quack.toml)."
-    ),
+    manifests: List[Path] = manifests_argument(),
     arch: List[str] = typer.Option(
         None, "--arch", help="For this arch instead of the manifests' (repeatable)."
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Cache directory (default: settings)."
-    ),
-    max_configs: int = typer.Option(
-        10_000,
-        "--max-configs",
-        min=1,
-        help="Limit on the configurations after expansion, over all manifests given.",
-    ),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
 ):
     """Sign and upload the manifests' configurations from the local cache to the remote (needs write = true and a signing key)."""
     _run(lambda: _sync("push", manifests or [], arch or [], as_json, cache_dir, max_configs))
@@ -466,24 +436,15 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
 
 @app.command()
 def verify(
-    manifests: List[Path] = typer.Argument(
-        None, help="Manifest files (default: [build] manifests in quack.toml)."
-    ),
+    manifests: List[Path] = manifests_argument(),
     arch: List[str] = typer.Option(
         None, "--arch", help="Verify for this arch instead of the manifests' (repeatable)."
     ),
     run: bool = typer.Option(False, "--run", help="GPU only: run each kernel against its reference."),
     no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Cache directory (default: settings)."
-    ),
-    max_configs: int = typer.Option(
-        10_000,
-        "--max-configs",
-        min=1,
-        help="Limit on the configurations after expansion, over all manifests given.",
-    ),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
     bundles: bool = typer.Option(
         False, "--bundles", help="Check the installed bundles instead of the cache."
     ),
@@ -570,9 +531,7 @@ def prewarm(
     ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List, don't compile."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    cache_dir: Optional[Path] = typer.Option(
-        None, "--cache-dir", help="Cache directory (default: settings)."
-    ),
+    cache_dir: Optional[Path] = cache_dir_option(),
 ):
     """Rebuild, for the current fingerprint, what the usage journal shows was used recently."""
     _run(lambda: _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir))

@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 import typer
 
 from quack_build.common import Fail, cli_settings, console, emit_json, load_kernels
+from quack_build.options import cache_dir_option, manifests_argument, max_configs_option
 
 
 def register(app: typer.Typer, run, build, expand, store_of) -> None:
@@ -21,9 +22,7 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
 
     @app.command("bundle")
     def bundle(
-        manifests: List[Path] = typer.Argument(
-            None, help="Manifest files (default: [build] manifests in quack.toml)."
-        ),
+        manifests: List[Path] = manifests_argument(),
         name: str = typer.Option(..., "--name", help="Bundle (distribution) name, e.g. myapp-kernels."),
         version: str = typer.Option("0.1.0", "--version", help="Bundle version (PEP 440)."),
         arch: List[str] = typer.Option(
@@ -40,15 +39,8 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
             None, "--jobs", "-j", min=1, help="Compile workers for what is missing."
         ),
         as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
-        cache_dir: Optional[Path] = typer.Option(
-            None, "--cache-dir", help="Cache directory (default: settings)."
-        ),
-        max_configs: int = typer.Option(
-            10_000,
-            "--max-configs",
-            min=1,
-            help="Limit on the configurations after expansion, over all manifests given.",
-        ),
+        cache_dir: Optional[Path] = cache_dir_option(),
+        max_configs: int = max_configs_option(),
     ):
         """Build what is missing, then write a wheel of the manifests' prebuilt kernels.
         (`quack bundle inspect WHEEL` shows a wheel's contents without installing it.)"""
