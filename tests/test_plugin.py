@@ -263,3 +263,68 @@ def test_deferred_attempt_frees_what_the_test_allocated(pytester, run_env):
     r = pytester.runpytest_subprocess("--async-compile=1", "-p", "no:cacheprovider", timeout=300)
     r.assert_outcomes(passed=1)
     assert " 1 deferrals" in r.stdout.str()
+
+
+# A kernel called on a thread the test started, re-raised on the test's thread: what
+# torch's autograd does with a backward (it runs on its own device thread for CUDA
+# tensors, and relays the backward's exception to the caller of .backward()).
+THREADED = r"""
+import threading
+import toykernels
+
+def call_on_a_thread(fn, swallow=()):
+    box = []
+    def run():
+        try:
+            fn()
+        except swallow:
+            pass
+        except BaseException as e:  # relayed like autograd's engine does
+            box.append(e)
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(120)
+    assert not t.is_alive()
+    if box:
+        raise box[0]
+"""
+
+
+def test_a_miss_on_autograds_thread_defers_instead_of_waiting(pytester, run_env):
+    # On the H200 a cold --async-compile run of the training tests crawled: every miss
+    # in a backward (autograd's device thread) saw no deferral scope, so it waited for
+    # its compile on the test's thread, one compile at a time (did not end in 210 s).
+    pytester.makepyfile(
+        threaded=THREADED,
+        test_thr="""
+        import toykernels
+        from threaded import call_on_a_thread
+        def test_backward_like():
+            call_on_a_thread(lambda: toykernels.toy_scale("float32", 448, True))
+        def test_two_threads_one_test():
+            call_on_a_thread(lambda: toykernels.toy_scale("float16", 448, True))
+            call_on_a_thread(lambda: toykernels.toy_scale("bfloat16", 448, True))
+    """,
+    )
+    r = pytester.runpytest_subprocess("--async-compile=2", "-p", "no:cacheprovider", timeout=300)
+    r.assert_outcomes(passed=2)
+    out = r.stdout.str()
+    # 3 keys, each a deferral (a miss that waited would have been no deferral at all)
+    assert "quack: 3 keys submitted" in out and " 3 deferrals" in out, out[-2000:]
+
+
+def test_strict_mode_sees_a_swallowed_miss_on_another_thread(pytester, run_env, cache_dir, monkeypatch):
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(cache_dir))
+    pytester.makepyfile(
+        threaded=THREADED,
+        test_thr="""
+        from quack.errors import KernelNotPrebuilt
+        import toykernels
+        from threaded import call_on_a_thread
+        def test_swallowed_on_a_thread():
+            call_on_a_thread(lambda: toykernels.toy_scale("float32", 608, True), swallow=KernelNotPrebuilt)
+    """,
+    )
+    r = pytester.runpytest_subprocess("--quack-prebuilt", "-rA", "-p", "no:cacheprovider", timeout=300)
+    r.assert_outcomes(failed=1)
+    assert "the test asked for a kernel that is not prebuilt (and caught the error)" in r.stdout.str()

@@ -31,7 +31,6 @@ that install their own cache directory) never confuses their entries."""
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
 import multiprocessing as mp
@@ -45,6 +44,7 @@ import types
 from multiprocessing import connection as mpc
 from pathlib import Path
 
+from quack.compile import scope
 from quack.errors import CacheError, CompileError, CompileTimeout, LockTimeout
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
@@ -786,7 +786,6 @@ class CompilePool:
 # -- the process-wide pool and the "pending raises" scope -----------------------------
 _default: CompilePool | None = None
 _default_lock = threading.Lock()
-_active: contextvars.ContextVar[CompilePool | None] = contextvars.ContextVar("quack_pool", default=None)
 
 
 def default_pool() -> CompilePool:
@@ -817,8 +816,6 @@ def configure_default(jobs: int | None = None) -> CompilePool:
 
 # Per-attempt logs the pytest plugin sets: CompilePending raised (even if the test
 # swallowed it with ``except BaseException``), and prebuilt-mode misses.
-_pending_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_pending_log", default=None)
-_miss_log: contextvars.ContextVar[list | None] = contextvars.ContextVar("quack_miss_log", default=None)
 
 
 @contextlib.contextmanager
@@ -826,47 +823,36 @@ def recording_pending():
     """Collect, in the yielded list, every CompilePending raised in this block
     (even one a test swallowed). Enter it inside ``pool_scope``, which starts
     each scope with no recording."""
-    log: list = []
-    token = _pending_log.set(log)
-    try:
+    with scope.PENDING_LOG.bound([]) as log:
         yield log
-    finally:
-        _pending_log.reset(token)
 
 
 @contextlib.contextmanager
 def recording_not_prebuilt():
     """Collect (KernelNotPrebuilt, settings) for every prebuilt-mode miss in this block."""
-    log: list = []
-    token = _miss_log.set(log)
-    try:
+    with scope.MISS_LOG.bound([]) as log:
         yield log
-    finally:
-        _miss_log.reset(token)
 
 
 def note_pending(exc) -> None:
-    log = _pending_log.get()
+    log = scope.PENDING_LOG.get()
     if log is not None:
         log.append(exc)
 
 
 def note_not_prebuilt(exc, settings) -> None:
-    log = _miss_log.get()
+    log = scope.MISS_LOG.get()
     if log is not None:
         log.append((exc, settings))
-
-
-_scope_root: contextvars.ContextVar[str | None] = contextvars.ContextVar("quack_scope_root", default=None)
 
 
 def active_pool(root=None) -> CompilePool | None:
     """The pool of the enclosing pool_scope, or None. A scope limited to one cache
     root (the pytest plugin's: the session's default cache) is not active for a
     miss in another root (a test's private cache): that miss waits instead."""
-    pool = _active.get()
+    pool = scope.ACTIVE.get()
     if pool is not None and root is not None:
-        only = _scope_root.get()
+        only = scope.SCOPE_ROOT.get()
         if only is not None and only != str(root):
             return None
     return pool
@@ -876,22 +862,16 @@ def active_pool(root=None) -> CompilePool | None:
 def pool_scope(pool: CompilePool | None = None, *, root=None):
     """In this block a miss submits to ``pool`` and raises CompilePending at once
     (only for misses in cache ``root``, if given)."""
-    token = _active.set(pool or default_pool())
-    rtoken = _scope_root.set(None if root is None else str(root))
-    ltoken = _pending_log.set(None)  # a nested scope's pendings are its owner's business
-    try:
-        yield _active.get()
-    finally:
-        _pending_log.reset(ltoken)
-        _scope_root.reset(rtoken)
-        _active.reset(token)
+    with (
+        scope.ACTIVE.bound(pool or default_pool()) as active,
+        scope.SCOPE_ROOT.bound(None if root is None else str(root)),
+        scope.PENDING_LOG.bound(None),  # a nested scope's pendings are its owner's business
+    ):
+        yield active
 
 
 @contextlib.contextmanager
 def suppress_pool():
     """In this block misses wait for their compile, even inside a pool_scope."""
-    token = _active.set(None)
-    try:
+    with scope.ACTIVE.bound(None):
         yield
-    finally:
-        _active.reset(token)

@@ -6,6 +6,7 @@ defer-and-retry on pending compiles (deferral), OOM retry (oom), strict mode
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,8 @@ from quack.testing.strict import StrictMode
 
 if TYPE_CHECKING:
     from quack.compile.pool import CompilePool
+
+log = logging.getLogger("quack.testing")
 
 
 class Runner:
@@ -82,6 +85,7 @@ class Runner:
         from _pytest.runner import runtestprotocol
 
         from quack.compile import pool as _pool
+        from quack.compile import scope
 
         self._fix_setupstate(item)
         self.predicted = nextitem
@@ -89,6 +93,9 @@ class Runner:
         item._quack_oom = False
         log: list = []
         with contextlib.ExitStack() as stack:
+            # The attempt's scopes reach autograd's device threads too (a backward's miss
+            # defers like a forward's instead of waiting for its compile).
+            stack.enter_context(scope.sharing_with_threads())
             if self.strict is not None:
                 self.misses = stack.enter_context(self.strict.attempt())
             try:
@@ -117,6 +124,7 @@ class Runner:
             self.forced_sync += 1
         if self.gpu_lock is not None:
             self.gpu_lock.shared()
+        t0 = time.perf_counter()
         try:
             pending, reports = self._protocol(item, nextitem, sync)
             if pending is None and getattr(item, "_quack_oom", False):
@@ -124,6 +132,15 @@ class Runner:
         finally:
             if self.gpu_lock is not None:
                 self.gpu_lock.release()
+        # One line per attempt (QUACK_LOG=debug): the evidence when a deferred test keeps
+        # coming back (each attempt finds one more missing key) or an attempt is slow.
+        log.debug(
+            "attempt %d of %s: %s in %.2f s",
+            n + 1,
+            item.nodeid,
+            f"deferred ({pending})" if pending is not None else "reported",
+            time.perf_counter() - t0,
+        )
         if pending is not None:
             self.attempts[item.nodeid] = n + 1
             self.defers += 1
