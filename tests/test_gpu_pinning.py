@@ -142,3 +142,67 @@ def test_session_end_check_through_xdist(pytester, monkeypatch, same, ok):
     else:
         assert r.ret == 1 and "PROBLEM" in out and "not on the same GPU" not in out
         assert "are on the same GPU; round-robin over 2 GPUs says otherwise" in out
+
+
+_WRITER = r"""
+import os, sys, time
+from quack.testing.gpus import GpuLock
+lock = GpuLock(sys.argv[1], wait_s=float(sys.argv[2]))
+assert lock.shared()                      # a test running on the shared GPU
+open(sys.argv[3] + ".ready", "w").close()
+while not os.path.exists(sys.argv[4]):    # both workers hold it shared, then both OOM
+    time.sleep(0.01)
+got = lock.exclusive()                    # the OOM retry
+with open(sys.argv[3], "a") as f:
+    f.write(f"{int(got)} {time.monotonic()}\n")
+time.sleep(0.2)                           # the retried test
+lock.release()
+lock.shared()                             # back to the next test
+lock.release()
+"""
+
+
+@pytest.mark.parametrize("wait_s", [60.0])
+def test_two_workers_ooming_at_once_take_turns_instead_of_deadlocking(tmp_path, wait_s):
+    # Two xdist workers on one GPU both hit CUDA OOM while the other still held its
+    # reader lock: each waited for the other (gate vs reader hold) forever.
+    import subprocess
+    import sys
+    import time
+    import uuid
+
+    gpu = f"test-{uuid.uuid4().hex[:8]}"
+    go = tmp_path / "go"
+    outs = [tmp_path / f"w{i}" for i in range(2)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", _WRITER, gpu, str(wait_s), str(o), str(go)]) for o in outs
+    ]
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"w{i}.ready").exists() for i in range(2)):
+            assert time.monotonic() < deadline, "writers did not start"
+            time.sleep(0.01)
+        go.touch()
+        rcs = [p.wait(timeout=30) for p in procs]  # deadlocked before the fix: TimeoutExpired
+    finally:
+        for p in procs:
+            p.kill()
+    assert rcs == [0, 0]
+    lines = [o.read_text().split() for o in outs]
+    assert [int(g) for g, _ in lines] == [1, 1]  # both got the GPU exclusively, in turn
+
+
+def test_a_gpu_lock_wait_ends_with_a_warning_after_its_time_out(tmp_path):
+    import uuid
+
+    from quack.testing.gpus import GpuLock
+
+    gpu = f"test-{uuid.uuid4().hex[:8]}"
+    holder = GpuLock(gpu)
+    assert holder.exclusive()
+    waiter = GpuLock(gpu, wait_s=0.3)
+    with pytest.warns(RuntimeWarning, match="still held by another test after 0.3 s; running without it"):
+        assert waiter.shared() is False
+    holder.release()
+    assert waiter.shared() is True
+    waiter.release()

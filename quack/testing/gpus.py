@@ -74,30 +74,67 @@ def pin_worker(
     return pin
 
 
+# A test holding its GPU longer than this is wedged (pytest-timeout ends a test at 600 s):
+# a lock wait gives up after it, warns, and the test runs without the lock.
+LOCK_WAIT_S = 900.0
+
+
 class GpuLock:
     """Readers (every test on a shared GPU) and one writer (an OOM retry): a gate
-    flock gives the writer priority, then the writer waits for running tests."""
+    flock gives the writer priority, then the writer waits for running tests.
 
-    def __init__(self, gpu: str):
+    Every wait is bounded (``wait_s``) and interruptible (a poll, not a blocking
+    flock). A writer drops its own reader hold BEFORE queueing at the gate: two
+    workers of one GPU that hit CUDA OOM at once otherwise deadlocked (each waited
+    for the gate or for the other's reader hold)."""
+
+    def __init__(self, gpu: str, wait_s: float = LOCK_WAIT_S):
         import tempfile
 
-        base = os.path.join(tempfile.gettempdir(), f"quack-gpu-{os.getuid()}-{gpu}")
-        self.gate = os.open(base + ".gate", os.O_RDWR | os.O_CREAT, 0o600)
-        self.main = os.open(base + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        self.base = os.path.join(tempfile.gettempdir(), f"quack-gpu-{os.getuid()}-{gpu}")
+        self.wait_s = wait_s
+        self.gate = os.open(self.base + ".gate", os.O_RDWR | os.O_CREAT, 0o600)
+        self.main = os.open(self.base + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
 
-    def shared(self) -> None:
+    def _take(self, fd: int, op: int, deadline: float, what: str) -> bool:
         import fcntl
+        import time
+        import warnings
 
-        fcntl.flock(self.gate, fcntl.LOCK_SH)
-        fcntl.flock(self.gate, fcntl.LOCK_UN)
-        fcntl.flock(self.main, fcntl.LOCK_SH)
+        while True:
+            try:
+                fcntl.flock(fd, op | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                pass
+            if time.monotonic() >= deadline:
+                warnings.warn(
+                    f"quack: GPU lock {self.base}.{what} still held by another test after "
+                    f"{self.wait_s:g} s; running without it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                return False
+            time.sleep(0.01)
 
-    def exclusive(self) -> None:
+    def shared(self) -> bool:
         import fcntl
+        import time
 
-        fcntl.flock(self.gate, fcntl.LOCK_EX)
-        fcntl.flock(self.main, fcntl.LOCK_UN)  # drop our own shared hold first
-        fcntl.flock(self.main, fcntl.LOCK_EX)
+        deadline = time.monotonic() + self.wait_s
+        if self._take(self.gate, fcntl.LOCK_SH, deadline, "gate"):
+            fcntl.flock(self.gate, fcntl.LOCK_UN)
+        return self._take(self.main, fcntl.LOCK_SH, deadline, "lock")
+
+    def exclusive(self) -> bool:
+        import fcntl
+        import time
+
+        fcntl.flock(self.main, fcntl.LOCK_UN)  # our own reader hold first (see the class doc)
+        deadline = time.monotonic() + self.wait_s
+        if not self._take(self.gate, fcntl.LOCK_EX, deadline, "gate"):
+            return False
+        return self._take(self.main, fcntl.LOCK_EX, deadline, "lock")
 
     def release(self) -> None:
         import fcntl
