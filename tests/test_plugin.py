@@ -57,6 +57,9 @@ def test_oom_once():
     if not os.path.exists(marker):
         open(marker, "w").close()
         raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+def test_oom_always():
+    raise RuntimeError("CUDA out of memory. Tried to allocate 4.00 GiB")
 """
 
 
@@ -82,7 +85,7 @@ def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdis
         "--async-compile=2", "-rA", "-p", "no:cacheprovider", *xdist, timeout=600
     )
     out = r.stdout.str()
-    r.assert_outcomes(passed=7, failed=2)
+    r.assert_outcomes(passed=7, failed=3)
     # One real outcome per test: every test name appears once in the -rA summary.
     for name in (
         "test_setup_phase",
@@ -94,6 +97,7 @@ def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdis
         "test_worker_killed",
         "test_wedged_then_sync",
         "test_oom_once",
+        "test_oom_always",
     ):
         assert len(re.findall(rf"^(PASSED|FAILED|ERROR) test_suite.py::{name}\b", out, re.M)) == 1, name
     assert re.search(r"^FAILED test_suite.py::test_compile_error - quack.errors.CompileError", out, re.M)
@@ -109,8 +113,10 @@ def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdis
     assert m, out[-3000:]
     submitted, compiled, failed, deferrals = map(int, m.groups()[:4])
     assert submitted >= 6 and failed >= 2 and deferrals >= 6
-    assert "timed out" in m.group(5) and "retried after CUDA OOM" in m.group(5)
-    assert "CUDA OOM retry: test_suite.py::test_oom_once" in out
+    assert "timed out" in m.group(5)
+    assert "2 retried after CUDA OOM (1 saved: passed on the retry)" in m.group(5)
+    assert "CUDA OOM retry: test_suite.py::test_oom_once (saved)" in out
+    assert "CUDA OOM retry: test_suite.py::test_oom_always (not saved)" in out
     assert "INTEGRITY" not in out
 
 

@@ -37,6 +37,7 @@ class Runner:
         self.defers = 0
         self.forced_sync = 0
         self.oom_retried: list[str] = []
+        self.oom_saved: list[str] = []
         self.strict_fails: list[str] = []
         self.attempts: dict[str, int] = {}
         self.deferred: list = []  # xdist: [(item, pending)]
@@ -162,6 +163,8 @@ class Runner:
 
         pending, reports = oom.retry(again, self.gpu_lock, self.gpu_name)
         self.oom_retried.append(item.nodeid)
+        if pending is None and reports and all(r.passed for r in reports):
+            self.oom_saved.append(item.nodeid)  # the retry turned a CUDA OOM into a pass
         return pending, reports
 
     def _log(self, item, reports):
@@ -293,6 +296,7 @@ class Runner:
             "deferrals": self.defers,
             "forced_sync": self.forced_sync,
             "oom_retried": list(self.oom_retried),
+            "oom_saved": list(self.oom_saved),
             "setup_errors": list(self.setup_errors),
             "t_first_test": self.t_first_test,
             "async": self.deferring,

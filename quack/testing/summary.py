@@ -53,17 +53,19 @@ class Controller:
             "worker_deaths": 0,
             "awaited_external": 0,
         }
-        oom, errors, setup_errors, firsts = [], [], [], []
+        oom, saved, errors, setup_errors, firsts = [], [], [], [], []
         for p in parts:
             for k in tot:
                 tot[k] += p.get(k, 0)
             oom += p.get("oom_retried", [])
+            saved += p.get("oom_saved", [])
             errors += p.get("errors", [])
             setup_errors += p.get("setup_errors", [])
             if p.get("t_first_test"):
                 firsts.append(p["t_first_test"])
         tot.update(
             oom_retried=oom,
+            oom_saved=saved,
             errors=errors,
             setup_errors=setup_errors,
             first_test_s=(min(firsts) - self.t_start) if firsts else None,
@@ -117,12 +119,17 @@ class Controller:
         if tot["worker_deaths"]:
             extra.append(f"{tot['worker_deaths']} worker deaths")
         if tot["oom_retried"]:
-            extra.append(f"{len(tot['oom_retried'])} retried after CUDA OOM")
+            extra.append(
+                f"{len(tot['oom_retried'])} retried after CUDA OOM "
+                f"({len(tot['oom_saved'])} saved: passed on the retry)"
+            )
         if extra:
             line += ", " + ", ".join(extra)
         bad = tot["failed"] or tot["oom_retried"]
         tr.write_line(line, yellow=bool(bad) and not tot["failed"], red=bool(tot["failed"]))
+        saved_set = set(tot["oom_saved"])
         for n in tot["oom_retried"][:20]:
-            tr.write_line(f"  CUDA OOM retry: {n}", yellow=True)
+            how = "saved" if n in saved_set else "not saved"
+            tr.write_line(f"  CUDA OOM retry: {n} ({how})", yellow=True)
         for e in tot["errors"][:5]:
             tr.write_line("  compile error: " + e.splitlines()[0][:300] if e else "", red=True)

@@ -11,9 +11,13 @@ import math
 
 import pytest
 from _cases import DTYPES
+from _fixtures import oom_pressure  # noqa: F401  (a fixture, used by name)
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("oom_pressure"),
+]
 
 NS = (1, 3, 8, 100, 192, 668, 1000, 4100, 16385, 65536, 131074, 262144)
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
