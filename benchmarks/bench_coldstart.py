@@ -167,16 +167,25 @@ print(json.dumps({{"import_torch": t_torch - t0, "inputs": t_inputs - t_torch,
 """
 
 # `import quack` alone (no torch: what the CLI pays), then, after torch, tvm-ffi's own
-# import: third-party and inside every first kernel load, shown so our part can be read.
+# import, whole: third party, for scale. Before it, what tvm_ffi's Cython core imports if
+# torch has not (cuda-python's driver bindings): inside every first load when it is so.
 IMPORT_QUACK = r"""
-import json, time
+import json, sys, time
 t = time.perf_counter()
 import quack
 t_quack = time.perf_counter() - t
 import torch
+cuda_pre = "cuda.bindings.driver" in sys.modules
+t = time.perf_counter()
+try:
+    from cuda.bindings import driver
+except ImportError:
+    pass
+t_cuda = time.perf_counter() - t
 t = time.perf_counter()
 import tvm_ffi
-print(json.dumps({"import_quack": t_quack, "import_tvm_ffi": time.perf_counter() - t}))
+print(json.dumps({"import_quack": t_quack, "import_tvm_ffi": time.perf_counter() - t,
+                  "import_cuda_bindings": t_cuda, "cuda_bindings_by_torch": cuda_pre}))
 """
 
 
@@ -281,10 +290,15 @@ def measure(co: Checkout, launch: bool) -> dict:
     q = co.child(IMPORT_QUACK)
     out["import_quack"] = q["import_quack"]
     out["import_tvm_ffi"] = q["import_tvm_ffi"]
+    out["import_cuda_bindings"] = q["import_cuda_bindings"]
     out["quack_help_wall"] = co.help_wall()
     # Not figures: how tvm_ffi came in, and on a GPU what torch offers it (a torch without
     # the C DLPack exchange API makes tvm_ffi load, or first build, a torch extension).
-    out["_notes"] = {"ffi": r.get("ffi"), **(r.get("extra") or {})}
+    out["_notes"] = {
+        "ffi": r.get("ffi"),
+        "cuda_bindings_imported_by_torch": q["cuda_bindings_by_torch"],
+        **(r.get("extra") or {}),
+    }
     return out
 
 
@@ -294,6 +308,7 @@ ROWS = [
     ("first_loader", "  of which: the loader (.so, tvm-ffi)", None),
     ("first_tvm_ffi", "  of which: tvm_ffi import (as done)", None),
     ("import_tvm_ffi", "plain `import tvm_ffi` (3rd party)", None),
+    ("import_cuda_bindings", "  cuda.bindings.driver, if torch didn't", None),
     ("further_median", "further family, median of 3", 2.0),
     ("further:rmsnorm", "  rmsnorm_fwd", None),
     ("further:layernorm", "  layernorm_fwd", None),
@@ -314,6 +329,7 @@ LAUNCH_ROWS = [
     ("first_launch_only", "  its launch alone (later call+sync)", None),
     ("first_call_sync_over_launch", "  first call+sync over a later one", None),
     ("import_tvm_ffi", "plain `import tvm_ffi` (3rd party)", None),
+    ("import_cuda_bindings", "  cuda.bindings.driver, if torch didn't", None),
     ("further_median", "further family first use - launch", 5.0),
     ("further:rmsnorm", "  rmsnorm_fwd", None),
     ("further:layernorm", "  layernorm_fwd", None),
