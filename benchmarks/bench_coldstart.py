@@ -8,10 +8,14 @@ processes (prebuilt mode, cwd without a quack.toml), ours and the baseline alter
 load on the machine hits both alike, and prints medians side by side:
 
   - import of the kernel modules (softmax, rmsnorm, layernorm, cross_entropy), after torch
-  - first kernel loaded (load only: the compile function returns the callable), and each
-    further kernel of another family; with ``--launch`` (GPU) the first kernel RESULT
-    (torch op + synchronize, inputs allocated beforehand) and each further kernel's first
-    call minus its launch time (median of its later calls)
+  - first kernel loaded (load only: the compile function returns the callable; of it, the
+    loader's share and tvm_ffi's import), and each further kernel of another family; with
+    ``--launch`` (GPU) the first kernel RESULT in stages: 1 load, 2 first call until the
+    host returns (argument conversion, the CUDA load of the kernel's cubin, the enqueue),
+    3 synchronize; each kernel's launch time (median of its later calls), and each further
+    kernel's first use minus its launch time. Notes per checkout: how tvm_ffi was imported,
+    and on a GPU the torch version and whether torch offers tvm-ffi its C DLPack exchange
+    API (without it tvm_ffi loads, or first builds, a torch extension at import)
   - ``import quack`` (in process) and ``quack --help`` (whole process, wall)
 
 ``--baseline PATH`` is another checkout of the repository (a copy of main); each checkout
@@ -82,6 +86,11 @@ n = 32768
 
 # The measured child. Timers start after `import torch`; `--launch` allocates the inputs
 # (CUDA context included) before the clock starts, so what is timed is ours + the launch.
+# Each kernel's first use is timed in stages: its load (the compile function returns the
+# callable), then with --launch its first call (until the host call returns: argument
+# conversion, the CUDA library load of its cubin, the enqueue) and the synchronize (the
+# kernel itself); later calls give its launch time. The same code runs against the
+# baseline checkout, so what only ours has is read defensively.
 CHILD = r"""
 import json, sys, time
 pc = time.perf_counter
@@ -112,44 +121,71 @@ ops = {{
     "layernorm": lambda m: m.layernorm_fwd(x, w, b),
     "cross_entropy": lambda m: m.cross_entropy_fwd(logits, target),
 }}
-first, later = [], []
+load, call, sync, later = [], [], [], []
+ffi_info = None
 for m, (fam, fn, args) in zip(mods, kernels):
     t = pc()
+    f = getattr(m, fn)(*args)
+    load.append(pc() - t)
+    assert callable(f)
+    if ffi_info is None:
+        try:
+            from quack.runtime import ffi
+            ffi_info = ffi.info()
+        except ImportError:  # a checkout without it: tvm_ffi imported whole, inside the load
+            ffi_info = {{"how": "plain import", "import_s": None}}
     if launch:
+        t = pc()
         ops[fam](m)
+        t1 = pc()
         torch.cuda.synchronize()
-    else:
-        f = getattr(m, fn)(*args)
-        assert callable(f)
-    first.append(pc() - t)
-    if launch:  # this kernel's launch time: the median of its later calls
-        reps = []
+        call.append(t1 - t)
+        sync.append(pc() - t1)
+        reps = []  # this kernel's launch time: the median of its later calls
         for _ in range(5):
             t = pc()
             ops[fam](m)
             torch.cuda.synchronize()
             reps.append(pc() - t)
         later.append(sorted(reps)[len(reps) // 2])
-how = []
+how, loader_s = [], []
 for m, (fam, fn, args) in zip(mods, kernels):
-    how += [u.get("how") for u in getattr(m, fn).usage()]
+    for u in getattr(m, fn).usage():
+        how.append(u.get("how"))
+        loader_s.append(u.get("load_s"))
+extra = {{}}
+if launch:
+    opt = sys.modules.get("tvm_ffi._optional_torch_c_dlpack")
+    extra = {{"torch": torch.__version__,
+              "torch_c_dlpack_exchange": hasattr(torch.Tensor, "__dlpack_c_exchange_api__"),
+              "tvm_ffi_torch_addon_loaded": getattr(opt, "_LIB", None) is not None}}
 print(json.dumps({{"import_torch": t_torch - t0, "inputs": t_inputs - t_torch,
-                  "import_kernels": t_import - t_inputs, "first": first, "later": later, "how": how,
+                  "import_kernels": t_import - t_inputs, "load": load, "call": call, "sync": sync,
+                  "later": later, "how": how, "loader_s": loader_s, "ffi": ffi_info, "extra": extra,
                   "cutlass_imported": "cutlass" in sys.modules,
                   "tvm_ffi_imported": "tvm_ffi" in sys.modules}}))
 """
 
 # `import quack` alone (no torch: what the CLI pays), then, after torch, tvm-ffi's own
-# import: third-party and inside every first kernel load, shown so our part can be read.
+# import, whole: third party, for scale. Before it, what tvm_ffi's Cython core imports if
+# torch has not (cuda-python's driver bindings): inside every first load when it is so.
 IMPORT_QUACK = r"""
-import json, time
+import json, sys, time
 t = time.perf_counter()
 import quack
 t_quack = time.perf_counter() - t
 import torch
+cuda_pre = "cuda.bindings.driver" in sys.modules
+t = time.perf_counter()
+try:
+    from cuda.bindings import driver
+except ImportError:
+    pass
+t_cuda = time.perf_counter() - t
 t = time.perf_counter()
 import tvm_ffi
-print(json.dumps({"import_quack": t_quack, "import_tvm_ffi": time.perf_counter() - t}))
+print(json.dumps({"import_quack": t_quack, "import_tvm_ffi": time.perf_counter() - t,
+                  "import_cuda_bindings": t_cuda, "cuda_bindings_by_torch": cuda_pre}))
 """
 
 
@@ -229,29 +265,50 @@ def measure(co: Checkout, launch: bool) -> dict:
         sys.exit(f"{co.label}: the compiler (cutlass) was imported in prebuilt mode")
     if len(r["how"]) != len(KERNELS):
         sys.exit(f"{co.label}: expected {len(KERNELS)} loaded kernels, got {r['how']}")
+    # A kernel's first use: its load, plus with --launch its first call and synchronize.
+    firsts = [ld + (r["call"][i] + r["sync"][i] if launch else 0.0) for i, ld in enumerate(r["load"])]
     out = {
         "import_kernels": r["import_kernels"],
-        "first_kernel": r["first"][0],
-        "import_plus_first": r["import_kernels"] + r["first"][0],
+        "first_load": r["load"][0],
+        "first_loader": r["loader_s"][0] or 0.0,
+        "first_kernel": firsts[0],
+        "import_plus_first": r["import_kernels"] + firsts[0],
     }
-    for (fam, _, _), t, lt in zip(KERNELS[1:], r["first"][1:], (r["later"] or [0.0] * 9)[1:]):
-        out[f"further:{fam}"] = t - lt  # load only: lt == 0
-    out["further_median"] = statistics.median(out[f"further:{f}"] for f, _, _ in KERNELS[1:])
+    imp = (r.get("ffi") or {}).get("import_s")
+    if imp is not None:
+        out["first_tvm_ffi"] = imp
     if launch:
+        out["first_call"] = r["call"][0]
+        out["first_sync"] = r["sync"][0]
         out["first_launch_only"] = r["later"][0]
+        out["first_call_sync_over_launch"] = r["call"][0] + r["sync"][0] - r["later"][0]
         out["inputs_cuda_init"] = r["inputs"]
+    for i, (fam, _, _) in enumerate(KERNELS[1:], 1):
+        out[f"further:{fam}"] = firsts[i] - (r["later"][i] if launch else 0.0)
+    out["further_median"] = statistics.median(out[f"further:{f}"] for f, _, _ in KERNELS[1:])
     out["import_torch"] = r["import_torch"]
     q = co.child(IMPORT_QUACK)
     out["import_quack"] = q["import_quack"]
     out["import_tvm_ffi"] = q["import_tvm_ffi"]
+    out["import_cuda_bindings"] = q["import_cuda_bindings"]
     out["quack_help_wall"] = co.help_wall()
+    # Not figures: how tvm_ffi came in, and on a GPU what torch offers it (a torch without
+    # the C DLPack exchange API makes tvm_ffi load, or first build, a torch extension).
+    out["_notes"] = {
+        "ffi": r.get("ffi"),
+        "cuda_bindings_imported_by_torch": q["cuda_bindings_by_torch"],
+        **(r.get("extra") or {}),
+    }
     return out
 
 
 ROWS = [
     ("import_kernels", "import kernel modules (4 families)", 10.0),
     ("first_kernel", "first kernel loaded", 10.0),
-    ("import_tvm_ffi", "  of which: import tvm_ffi (3rd party)", None),
+    ("first_loader", "  of which: the loader (.so, tvm-ffi)", None),
+    ("first_tvm_ffi", "  of which: tvm_ffi import (as done)", None),
+    ("import_tvm_ffi", "plain `import tvm_ffi` (3rd party)", None),
+    ("import_cuda_bindings", "  cuda.bindings.driver, if torch didn't", None),
     ("further_median", "further family, median of 3", 2.0),
     ("further:rmsnorm", "  rmsnorm_fwd", None),
     ("further:layernorm", "  layernorm_fwd", None),
@@ -262,11 +319,18 @@ ROWS = [
 ]
 LAUNCH_ROWS = [
     ("import_kernels", "import kernel modules (4 families)", 10.0),
-    ("first_kernel", "first kernel RESULT (call+sync)", None),
+    ("first_kernel", "first kernel RESULT (load+call+sync)", None),
     ("import_plus_first", "import + first RESULT", 50.0),
-    ("first_launch_only", "  its launch alone (later calls)", None),
-    ("import_tvm_ffi", "  import tvm_ffi (3rd party, inside)", None),
-    ("further_median", "further family first call - launch", 5.0),
+    ("first_load", "  1 load (compile fn returns)", None),
+    ("first_loader", "    of which: the loader", None),
+    ("first_tvm_ffi", "    of which: tvm_ffi import", None),
+    ("first_call", "  2 first call, host (conv+cubin+enqueue)", None),
+    ("first_sync", "  3 synchronize (the kernel runs)", None),
+    ("first_launch_only", "  its launch alone (later call+sync)", None),
+    ("first_call_sync_over_launch", "  first call+sync over a later one", None),
+    ("import_tvm_ffi", "plain `import tvm_ffi` (3rd party)", None),
+    ("import_cuda_bindings", "  cuda.bindings.driver, if torch didn't", None),
+    ("further_median", "further family first use - launch", 5.0),
     ("further:rmsnorm", "  rmsnorm_fwd", None),
     ("further:layernorm", "  layernorm_fwd", None),
     ("further:cross_entropy", "  cross_entropy_fwd", None),
@@ -347,8 +411,12 @@ def main() -> None:
 
 
 def report(cos, runs, a, work) -> None:
-    med = {lbl: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for lbl, rs in runs.items()}
-    low = {lbl: {k: min(r[k] for r in rs) for k in rs[0]} for lbl, rs in runs.items()}
+    def figures(rs, pick):  # per key over the runs; "_notes" is not a figure
+        return {k: pick(r[k] for r in rs) for k in rs[0] if not k.startswith("_")}
+
+    med = {lbl: figures(rs, statistics.median) for lbl, rs in runs.items()}
+    low = {lbl: figures(rs, min) for lbl, rs in runs.items()}
+    notes = {lbl: rs[-1].get("_notes") for lbl, rs in runs.items()}
     rows = LAUNCH_ROWS if a.launch else ROWS
     base = "baseline" in med
     mode = "launch (GPU)" if a.launch else "load only"
@@ -369,13 +437,16 @@ def report(cos, runs, a, work) -> None:
             continue
         o = med["ours"][key] * 1e3
         line = f"{name:38s} {o:9.2f}"
+        has_b = base and key in med["baseline"]  # a stage the baseline doesn't report: "-"
         if base:
-            b = med["baseline"][key] * 1e3
-            line += f" {b:9.2f} {(o / b if b else float('nan')):6.2f}x"
+            b = med["baseline"][key] * 1e3 if has_b else 0.0
+            line += f" {b:9.2f} {(o / b if b else float('nan')):6.2f}x" if has_b else f" {'-':>9s} {'':>7s}"
         line += f" {('<= ' + format(goal, 'g')) if goal else '':>7s}   {low['ours'][key] * 1e3:9.2f}"
         if base:
-            line += f" {low['baseline'][key] * 1e3:9.2f}"
+            line += f" {low['baseline'][key] * 1e3:9.2f}" if has_b else f" {'-':>9s}"
         print(line)
+    for lbl, n in notes.items():
+        print(f"# {lbl}: {json.dumps(n)}")
     doc = {
         "mode": mode,
         "n": a.n,
@@ -387,6 +458,7 @@ def report(cos, runs, a, work) -> None:
         "checkouts": {co.label: str(co.src) for co in cos},
         "median_s": med,
         "min_s": low,
+        "notes": notes,
         "runs": runs,
     }
     if a.out is not None:

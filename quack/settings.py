@@ -17,7 +17,6 @@ from quack.errors import SettingsError, TomlFileError
 
 CONFIG_NAME = "quack.toml"
 MODES = ("jit", "prebuilt")
-ARCH_RE = re.compile(r"^sm_(\d{2,3})([af]?)$")
 KNOWN_ARCHS = (
     "sm_80",
     "sm_86",
@@ -126,7 +125,8 @@ def _path_list(v: Any) -> list[str]:
 
 
 EXECUTOR_FORMS = "'local', 'ray', 'auto', 'ray://HOST:PORT' or 'HOST:PORT'"
-_ADDR_RE = re.compile(r"^(ray://)?[A-Za-z0-9._-]+:[0-9]{1,5}$")
+# A pattern, compiled (and cached by re) on first use: a kernel's first load never needs it.
+_ADDR = r"^(ray://)?[A-Za-z0-9._-]+:[0-9]{1,5}$"
 
 
 def check_executor(text: str) -> str:
@@ -136,7 +136,7 @@ def check_executor(text: str) -> str:
     if not isinstance(text, str):
         raise ValueError(f"expected {EXECUTOR_FORMS}")
     t = text.strip()
-    if t in ("local", "ray", "auto") or _ADDR_RE.fullmatch(t):
+    if t in ("local", "ray", "auto") or re.fullmatch(_ADDR, t):
         return t
     raise ValueError(f"expected {EXECUTOR_FORMS}")
 
@@ -209,8 +209,15 @@ _FIELDS: dict[str, _Field] = {
 _SECTIONS = sorted({f.section for f in _FIELDS.values()})
 
 
-@dataclasses.dataclass(frozen=True)
+# A frozen dataclass (fields, replace, asdict work) whose methods are written out below
+# instead of generated: @dataclass(frozen=True) execs the source of seven methods over 26
+# fields, ~1.2 ms of every fresh process's first kernel load (issue 15).
+# tests/test_settings.py checks them against what @dataclass(frozen=True) generates.
+@dataclasses.dataclass(init=False, repr=False, eq=False)
 class Settings:
+    """The process's settings (quack.settings.get()); immutable: derive with
+    ``dataclasses.replace`` or ``settings.override``."""
+
     cache_dir: Path
     cache_enabled: bool = True
     fsync: bool = True
@@ -237,6 +244,41 @@ class Settings:
     config_file: Path | None = None
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 
+    def __init__(self, cache_dir: Path, **values: Any):
+        d = self.__dict__
+        d["cache_dir"] = cache_dir
+        for name, default, factory in _defaults():
+            d[name] = values.pop(name) if name in values else (factory() if factory else default)
+        if values:
+            raise TypeError(f"Settings.__init__() got an unexpected keyword argument {next(iter(values))!r}")
+
+    def _compared(self) -> tuple:
+        d = self.__dict__
+        return tuple(d[n] for n in _compared_names())
+
+    def __eq__(self, other):
+        if other.__class__ is self.__class__:
+            return self._compared() == other._compared()
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
+
+    def __repr__(self) -> str:
+        d = self.__dict__
+        return (
+            type(self).__qualname__
+            + "("
+            + ", ".join(f"{f.name}={d[f.name]!r}" for f in dataclasses.fields(self))
+            + ")"
+        )
+
+    def __setattr__(self, name, value):
+        raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
+
+    def __delattr__(self, name):
+        raise dataclasses.FrozenInstanceError(f"cannot delete field {name!r}")
+
     @property
     def project_root(self) -> Path:
         return self.config_file.parent if self.config_file else Path.cwd()
@@ -250,6 +292,31 @@ class Settings:
     def effective_jobs(self, requested: int | None = None) -> int:
         n = requested if requested else (self.jobs or self.compile_jobs)
         return n or (os.cpu_count() or 1)
+
+
+_DEFAULTS: list[tuple[str, Any, Callable[[], Any] | None]] = []
+_COMPARED: list[str] = []
+
+
+def _defaults() -> list[tuple[str, Any, Callable[[], Any] | None]]:
+    """(name, default, default_factory) of every field after cache_dir, from the fields."""
+    if not _DEFAULTS:
+        for f in dataclasses.fields(Settings)[1:]:
+            factory = None if f.default_factory is dataclasses.MISSING else f.default_factory
+            _DEFAULTS.append((f.name, f.default, factory))
+    return _DEFAULTS
+
+
+def _compared_names() -> list[str]:
+    if not _COMPARED:
+        _COMPARED.extend(f.name for f in dataclasses.fields(Settings) if f.compare)
+    return _COMPARED
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ARCH_RE":  # public, unused here: compiled on first use
+        return re.compile(r"^sm_(\d{2,3})([af]?)$")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def default_cache_dir() -> Path:

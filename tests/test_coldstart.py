@@ -412,13 +412,26 @@ out = {"after_import": ours()}
 fn = sm.compile_softmax_fwd("bfloat16", 4096)
 out["how"] = [u["how"] for u in sm.compile_softmax_fwd.usage()]
 out["after_call"] = ours()
+out["tvm_ffi"] = sorted(m for m in sys.modules if m.split(".")[0] == "tvm_ffi")
 print(json.dumps(out))
 """
 
 # Not needed to register a kernel: imported by its first call (settings, store, loader,
 # keys, journal) or only by a miss (tier chain, the contract's Protocols, the pool).
 FIRST_CALL = ("quack.settings", "quack.cache.store", "quack.cache.keys", "quack.runtime.loader")
-MISS_ONLY = ("quack.runtime.tiers", "quack.cache.contract", "quack.compile.pool", "quack.bundles.tier")
+MISS_ONLY = (
+    "quack.runtime.tiers",
+    "quack.cache.contract",
+    "quack.compile.pool",
+    "quack.compile.builder",
+    "quack.bundles.tier",
+)
+# What a hit imports of tvm_ffi: the lean subset (quack.runtime.ffi), not the ~35 modules
+# of `import tvm_ffi` (dataclasses, structural, serialization, the C++ build helper, ...).
+TVM_FFI_LEAN = {"tvm_ffi", "tvm_ffi.core", "tvm_ffi._ffi_api"} | {
+    f"tvm_ffi.{m}"
+    for m in ("libinfo", "registry", "_dtype", "error", "_tensor", "module", "_optional_torch_c_dlpack")
+}
 
 
 def _imports(env, mode, cwd):
@@ -452,3 +465,4 @@ def test_a_kernel_module_imports_only_the_registry_and_a_hit_never_the_tier_chai
     for m in MISS_ONLY:
         assert m not in b["after_call"], m
     assert not any(m.startswith("cutlass") for m in b["after_call"])
+    assert set(b["tvm_ffi"]) == TVM_FFI_LEAN, sorted(set(b["tvm_ffi"]) ^ TVM_FFI_LEAN)

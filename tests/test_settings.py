@@ -100,3 +100,54 @@ def test_section_given_as_a_value(tmp_path):
     write(tmp_path, "cache = 5\n")
     with pytest.raises(SettingsError, match=r"cache = 5 must be a table"):
         settings.resolve(env={}, cwd=tmp_path)
+
+
+def test_settings_behaves_as_the_generated_frozen_dataclass(tmp_path):
+    """Settings' methods are written out (issue 15: generating them was ~1.2 ms of every
+    fresh process's first kernel load); they must do what @dataclass(frozen=True) would."""
+    import copy
+    import dataclasses
+    import pickle
+
+    fields = dataclasses.fields(settings.Settings)
+    Gen = dataclasses.make_dataclass(
+        "Settings",
+        [
+            (
+                f.name,
+                f.type,
+                dataclasses.field(default=f.default, default_factory=f.default_factory, compare=f.compare),
+            )
+            for f in fields
+        ],
+        frozen=True,
+    )
+    assert len(fields) >= 20 and fields[0].name == "cache_dir"
+    base = settings.Settings(cache_dir=tmp_path)
+    gbase = Gen(cache_dir=tmp_path)
+    for f in fields:  # every default, the factory's too (a new dict each time)
+        assert getattr(base, f.name) == getattr(gbase, f.name), f.name
+    assert base.sources == {} and base.sources is not settings.Settings(cache_dir=tmp_path).sources
+    kw = dict(mode="prebuilt", arch="sm_100a", manifests=("m.toml",), sources={"mode": "QUACK_MODE"})
+    s, g = settings.Settings(cache_dir=tmp_path, **kw), Gen(cache_dir=tmp_path, **kw)
+    assert repr(s) == repr(g)
+    # sources is not compared (nor hashed): only where a value came from
+    same = settings.Settings(cache_dir=tmp_path, **dict(kw, sources={}))
+    assert s == same and hash(s) == hash(same)
+    assert Gen(cache_dir=tmp_path, **dict(kw, sources={})) == g
+    for other in (base, dataclasses.replace(s, arch="sm_90a"), settings.Settings(cache_dir=tmp_path / "x")):
+        assert s != other
+    assert s != g  # another class
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.mode = "jit"  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        del s.arch
+    with pytest.raises(TypeError, match="unexpected keyword argument 'no_such'"):
+        settings.Settings(cache_dir=tmp_path, no_such=1)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        settings.Settings()  # type: ignore[call-arg]
+    r = dataclasses.replace(s, mode="jit")
+    assert r.mode == "jit" and r.arch == "sm_100a" and s.mode == "prebuilt"
+    for dup in (pickle.loads(pickle.dumps(s)), copy.copy(s), copy.deepcopy(s)):
+        assert dup == s and dup.sources == s.sources and repr(dup) == repr(s)
+    assert {s: 1}[same] == 1

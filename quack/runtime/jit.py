@@ -163,9 +163,11 @@ class JitKernel:
     def _resolve(self, params: dict, key: str, s) -> Loaded:
         """The tiers after memory: local cache -> read-only tiers (installed bundles,
         remote, ...) -> the miss policy (quack.runtime.tiers; docs/architecture.md)."""
-        from quack.compile import builder
+        # The ref from the key already made, not builder.entry_ref: a hit never imports
+        # the builder (its imports were ~1.5 ms of a fresh process's first load).
+        from quack.cache.store import EntryRef
 
-        ref = builder.entry_ref(self.spec, params, s.arch)
+        ref = EntryRef(self.spec.name, key, s.arch, self.spec.source_fingerprint())
         store, loaded, unusable = self._from_local(ref, params, key, s)
         if loaded is not None:
             return loaded

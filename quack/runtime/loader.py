@@ -4,8 +4,9 @@ The .o is linked once into a shared object (gcc, ~20 ms; normally done by
 the builder) against cutlass-dsl's runtime, and loaded with
 ``tvm_ffi.load_module``: ~0.1 ms, and cutlass's compiler is never imported.
 The .so has no rpath (the cache stays relocatable): the runtime libraries are
-preloaded RTLD_GLOBAL and resolve its DT_NEEDED entries by soname. Without a
-C compiler, ``cute.runtime.load_module`` on the .o is the fallback."""
+preloaded RTLD_GLOBAL and resolve its DT_NEEDED entries by soname; tvm_ffi is
+imported lean (quack.runtime.ffi). Without a C compiler,
+``cute.runtime.load_module`` on the .o is the fallback."""
 
 from __future__ import annotations
 
@@ -155,9 +156,9 @@ def _prepare_runtime() -> None:
 def load_so(so: Path):
     """Load a linked kernel; returns (callable, module) — keep the module alive."""
     _prepare_runtime()
-    import tvm_ffi
+    from quack.runtime import ffi  # tvm_ffi's parts that load and call, not all of it
 
-    mod = tvm_ffi.load_module(str(so))
+    mod = ffi.load_module(str(so))
     return mod[FUNCTION_NAME], mod
 
 
