@@ -349,7 +349,9 @@ def main():
         y = torch.empty_like(x)
         mean = torch.empty(x.shape[0], device="cuda")
         rstd = torch.empty(x.shape[0], device="cuda")
-        fn(x, w, b, y, mean, rstd, 1e-5)
+        n = x.shape[1]
+        cfg = layernorm.fwd_ring_cfg("bfloat16", n, True, True, "same")
+        fn(x, w, b, y, mean, rstd, 1e-5, layernorm.fwd_grid(x.shape[0], "bfloat16", n, cfg, x.device))
         return y
 
     def ln_check(a, y):
@@ -358,7 +360,12 @@ def main():
         ref = F.layer_norm(x[:k].float(), (x.shape[1],), w.float(), b.float(), 1e-5)
         return bool(torch.allclose(y[:k].float(), ref, atol=6e-2, rtol=2e-2))
 
-    ln_variants = [dict(stage_wb=False), dict(stage_wb=True, min_blocks=0), dict(stage_wb=True, min_blocks=3)]
+    ln_variants = [
+        dict(ring=False, stage_wb=False),
+        dict(ring=False, stage_wb=True, min_blocks=0),
+        dict(ring=False, stage_wb=True, min_blocks=3),
+        dict(ring=True),
+    ]
     run(
         "layernorm_fwd",
         layernorm,
@@ -391,7 +398,7 @@ def main():
                 x.shape[0],
                 "bfloat16",
                 x.shape[1],
-                rmsnorm.fwd_persist_cfg("bfloat16", x.shape[1], True, False, "same"),
+                rmsnorm.fwd_ring_cfg("bfloat16", x.shape[1], True, False, False, "same"),
                 x.device,
             ),
         )
@@ -408,7 +415,7 @@ def main():
         "rmsnorm_fwd",
         rmsnorm,
         lambda n: rmsnorm.compile_rmsnorm_fwd.raw("bfloat16", n, True, False, False),
-        [dict(persist=False), dict(persist=True), dict(persist=True, persist_ctas=2)],
+        [dict(ring=False), dict(ring=True), dict(ring=True, stages=2)],
         rms_setup,
         rms_call,
         rms_check,

@@ -30,11 +30,12 @@ _TUNE: dict = {}
 def compile_layernorm_fwd(
     dtype: str, n: int, has_weight: bool = True, has_bias: bool = True, weight_dtype: str = "same"
 ):
-    """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps); w / b of
-    ``weight_dtype`` ("same": ``dtype``)."""
+    """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps, num_blocks); w / b of
+    ``weight_dtype`` ("same": ``dtype``); num_blocks is the grid of the persistent ring
+    forward (``fwd_grid``; ignored by the one-row-tile-per-CTA launch)."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, const_expr
+    from cutlass import Float32, Int32, const_expr
 
     from . import _rowreduce as rr
     from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
@@ -44,6 +45,11 @@ def compile_layernorm_fwd(
     plan = plan_rows(n, dt.width, budget=64)
     stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
     min_blocks = _TUNE.get("min_blocks", 0) if stage_wb else 0
+    rcfg = fwd_ring_cfg(dtype, n, has_weight, has_bias, weight_dtype)
+    if rcfg is not None:
+        from ._norm_fwd import ring_kernel
+
+        ring = ring_kernel("layer", plan, dt, wdt, rcfg)
 
     @cute.kernel
     def kernel(
@@ -108,11 +114,25 @@ def compile_layernorm_fwd(
 
     @cute.jit
     def launch(
-        mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, eps: Float32, stream
+        mX: cute.Tensor,
+        mW,
+        mB,
+        mY: cute.Tensor,
+        mMean: cute.Tensor,
+        mRstd: cute.Tensor,
+        eps: Float32,
+        num_blocks: Int32,
+        stream,
     ):
-        kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks)
-        )
+        m = cute.size(mX, mode=[0])
+        if const_expr(rcfg is not None):
+            kw = rr.launch_kwargs(plan, m, stream)
+            kw["grid"] = [num_blocks, plan.cluster_n, 1]
+            ring(mX, mW, mB, mY, mMean, mRstd, eps).launch(**kw)
+        else:
+            kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+            )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)
@@ -121,7 +141,25 @@ def compile_layernorm_fwd(
     mean = rr.fake_vec(Float32, m, align=4)
     rstd = rr.fake_vec(Float32, m, align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(launch, x, w, b, y, mean, rstd, Float32(1e-5), stream, options="--enable-tvm-ffi")
+    return cute.compile(
+        launch, x, w, b, y, mean, rstd, Float32(1e-5), Int32(1), stream, options="--enable-tvm-ffi"
+    )
+
+
+def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
+    """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
+    over 16 CTAs with a weight / bias, or None (one row tile per CTA); knobs in ``_TUNE``
+    (``ring_cfg``)."""
+    from ._norm_fwd import ring_cfg
+
+    return ring_cfg("layer", dtype, n, has_weight, has_bias, False, weight_dtype, _TUNE)
+
+
+def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
+    """CTAs (per cluster rank) of the ring forward (1, ignored, without one)."""
+    from ._norm_fwd import ring_grid
+
+    return ring_grid(m, dtype, n, rcfg, device)
 
 
 @jit_cache(
@@ -166,8 +204,10 @@ def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
     mean = torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0:
-        fn = compile_layernorm_fwd(kt.dtype_name(x2, "x"), n, w is not None, b is not None, wdt)
-        fn(x2, w, b, y, mean, rstd, float(eps))
+        dt = kt.dtype_name(x2, "x")
+        fn = compile_layernorm_fwd(dt, n, w is not None, b is not None, wdt)
+        grid = fwd_grid(m, dt, n, fwd_ring_cfg(dt, n, w is not None, b is not None, wdt), x.device)
+        fn(x2, w, b, y, mean, rstd, float(eps), grid)
     return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
 
 

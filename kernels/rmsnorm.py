@@ -59,9 +59,11 @@ def compile_rmsnorm_fwd(
     # 3 CTAs/SM (80 registers) on the staged path; the late, element-wise fp32 weight
     # path would spill there (ptxas: 52 bytes at N = 65536), so it keeps 128 registers
     min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else _TUNE.get("late_min_blocks", 0)
-    pcfg = fwd_persist_cfg(dtype, n, has_weight, has_bias, weight_dtype)
-    if pcfg is not None:
-        min_blocks = pcfg["ctas_per_sm"]
+    rcfg = fwd_ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype)
+    if rcfg is not None:
+        from ._norm_fwd import ring_kernel
+
+        ring = ring_kernel("rms", plan, dt, wdt, rcfg)
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor, eps: Float32):
@@ -109,55 +111,6 @@ def compile_rmsnorm_fwd(
             t.store(y, t.part(mY))
         t.write_row_scalar(mRstd, rstd)
 
-    @cute.kernel
-    def kernel_persist(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor, eps: Float32):
-        # One row per CTA of a cluster, persistent over rows (grid = co-resident clusters):
-        # the weight / bias slice is staged in shared memory ONCE per CTA instead of once
-        # per row (at N = 262144 a per-row reload doubles, with fp32 weights triples, the
-        # L2 -> SM traffic of the x reads).
-        tidx, bidx, cluster_y = rr.cta_coords(plan)
-        m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
-        red = rr.Reducer(plan, stages=2)
-        red.allocate(smem)
-        red.init_cluster(tidx)
-        t0 = rr.RowTiles(plan, dt, m, tidx, 0, cluster_y)
-        sW = None
-        sB = None
-        if const_expr(pcfg["cp_async"]):
-            sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
-        else:
-            if const_expr(mW is not None):
-                sW = t0.alloc_smem_bcast(smem, wdt)
-                t0.stage_bcast_own(mW, sW)
-            if const_expr(mB is not None):
-                sB = t0.alloc_smem_bcast(smem, wdt)
-                t0.stage_bcast_own(mB, sB)
-        red.wait_cluster()
-        rbuf, rmbar = red.buf, red.mbar
-        grid_m = cute.arch.grid_dim()[0]
-        for tile in cutlass.range(bidx, m, grid_m, unroll=1):
-            it = (tile - bidx) // grid_m
-            t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
-            h = t.load(t.part(mX)).load().to(Float32)
-            if const_expr(mR is not None):
-                h = h + t.load(t.part(mR)).load().to(Float32)
-                if const_expr(dt.width < 32):
-                    h = h.to(dt).to(Float32)
-                t.store(h, t.part(mRo))
-            ss = rr.reduce_stage(
-                (h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                "sum",
-                plan,
-                rbuf,
-                rmbar,
-                it % 2,
-                (it // 2) % 2,
-            )
-            rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
-            t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
-            t.write_row_scalar(mRstd, rstd)
-
     @cute.jit
     def launch(
         mX: cute.Tensor,
@@ -172,10 +125,10 @@ def compile_rmsnorm_fwd(
         stream,
     ):
         m = cute.size(mX, mode=[0])
-        if const_expr(pcfg is not None):
-            kw = rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+        if const_expr(rcfg is not None):
+            kw = rr.launch_kwargs(plan, m, stream)
             kw["grid"] = [num_blocks, plan.cluster_n, 1]
-            kernel_persist(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(**kw)
+            ring(mX, mW, mB, mY, None, mRstd, eps).launch(**kw)
         else:
             kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
                 **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
@@ -194,45 +147,20 @@ def compile_rmsnorm_fwd(
     )
 
 
-def fwd_persist_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
-    """The persistent forward (``kernel_persist``) for cluster plans (N > 16384 for 16-bit
-    dtypes), or None: ``ctas_per_sm`` resident CTAs (``_TUNE["persist_ctas"]``, default 3)
-    whose weight / bias slices fit in shared memory; ``cp_async`` when a fragment vector of
-    the weight is <= 128 bits (else copied element-wise).
+def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, has_residual: bool, weight_dtype: str):
+    """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
+    over 16 CTAs (N > 131072 for 16-bit dtypes) with a weight wider than the rows and no
+    residual, or None (one row tile per CTA); knobs in ``_TUNE`` (``ring_cfg``)."""
+    from ._norm_fwd import ring_cfg
 
-    Off by default (``_TUNE["persist"] = True`` turns it on): measured on the H200 (bf16,
-    `tune_variants.py rmsnorm_fwd`) it is slower without a load pipeline across rows:
-    32768x65536 2773 us vs 2067 one row per CTA; 4096x262144 1391 vs 1069 (2 CTAs/SM:
-    3099 / 1660). Kept as the starting point for a cp.async-pipelined version, which the
-    fp32-weight forward at N >= 65536 needs (it re-reads 4-byte weights per row)."""
-    from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
-
-    if not _TUNE.get("persist", False) or not (has_weight or has_bias):
-        return None
-    plan = plan_rows(n, WIDTHS[dtype], budget=64)
-    if plan.cluster_n == 1 or plan.rows_per_cta != 1:
-        return None
-    wbits = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)]
-    smem = (int(has_weight) + int(has_bias)) * plan.tile_n * wbits // 8 + 1024
-    ctas = min(_TUNE.get("persist_ctas", 3), (227 * 1024) // (smem + 1024))
-    if ctas < 2:
-        return None
-    return dict(ctas_per_sm=ctas, cp_async=32 <= plan.vec * wbits <= 128)
+    return ring_cfg("rms", dtype, n, has_weight, has_bias, has_residual, weight_dtype, _TUNE)
 
 
-def fwd_grid(m: int, dtype: str, n: int, pcfg, device) -> int:
-    """CTAs (per cluster rank) of the persistent forward: co-resident clusters (one less
-    than SMs x CTAs/SM / cluster for clusters of 4+, as in ``_norm_bwd.bwd_grid``)."""
-    from . import _torch as kt
-    from ._plan import WIDTHS, plan_rows
+def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
+    """CTAs (per cluster rank) of the ring forward (1, ignored, without one)."""
+    from ._norm_fwd import ring_grid
 
-    if pcfg is None:
-        return 1
-    plan = plan_rows(n, WIDTHS[dtype], budget=64)
-    clusters = kt.sm_count(device) * pcfg["ctas_per_sm"] // plan.cluster_n
-    if plan.cluster_n >= 4:
-        clusters -= 1
-    return max(1, min(m, clusters))
+    return ring_grid(m, dtype, n, rcfg, device)
 
 
 # --------------------------------------------------------------------------- backward
@@ -303,7 +231,8 @@ def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     ro = torch.empty_like(x2) if r2 is not None else None
     if m > 0:
         fn = compile_rmsnorm_fwd(dt, n, w is not None, b is not None, r2 is not None, wdt)
-        grid = fwd_grid(m, dt, n, fwd_persist_cfg(dt, n, w is not None, b is not None, wdt), x.device)
+        rcfg = fwd_ring_cfg(dt, n, w is not None, b is not None, r2 is not None, wdt)
+        grid = fwd_grid(m, dt, n, rcfg, x.device)
         fn(x2, w, b, r2, y, ro, rstd, eps, grid)
     shape = x.shape
     return (y.view(shape), rstd.view(shape[:-1]), ro.view(shape) if ro is not None else None)

@@ -15,6 +15,9 @@ from ._plan import N_MAX, N_MIN
 
 LOG2_E = math.log2(math.e)
 
+# Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
+_TUNE: dict = {}
+
 
 @jit_cache(
     "softmax_fwd",
@@ -32,16 +35,34 @@ def compile_softmax_fwd(dtype: str, n: int):
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=64)
+    # Cluster plans (a row over 2..16 CTAs): one all-reduce round trip of the (max, sum of
+    # exp) pairs instead of two (max, then sum): each distributed-shared-memory exchange
+    # waits for the slowest CTA of the cluster.
+    online = _TUNE.get("online", plan.cluster_n > 1)
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mY: cute.Tensor):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
         x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         red.wait_cluster()
-        mx = red.reduce(x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0), "max", 0)
-        e = cute.math.exp2(x * LOG2_E - mx * LOG2_E, fastmath=True)
-        s = red.reduce(e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 1)
-        t.store(e * cute.arch.rcp_approx(s), t.part(mY))
+        if const_expr(online):
+            mloc = x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0)
+            # a thread holding only padding (-inf) columns: exp(x - 0) = 0, never NaN
+            msafe = mloc
+            if mloc == -Float32.inf:
+                msafe = Float32(0.0)
+            e = cute.math.exp2(x * LOG2_E - msafe * LOG2_E, fastmath=True)
+            sloc = e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+            mx, s = red.reduce_pair(mloc, sloc, "lse")
+            scale = cute.math.exp2(msafe * LOG2_E - mx * LOG2_E, fastmath=True) * cute.arch.rcp_approx(s)
+            t.store(e * scale, t.part(mY))
+        else:
+            mx = red.reduce(
+                x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0), "max", 0
+            )
+            e = cute.math.exp2(x * LOG2_E - mx * LOG2_E, fastmath=True)
+            s = red.reduce(e.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 1)
+            t.store(e * cute.arch.rcp_approx(s), t.part(mY))
 
     @cute.jit
     def launch(mX: cute.Tensor, mY: cute.Tensor, stream):
@@ -69,19 +90,45 @@ def compile_softmax_bwd(dtype: str, n: int):
 
     dt = rr.cutlass_dtype(dtype)
     plan = plan_rows(n, dt.width, budget=32)
+    # Cluster plans with an even tiling: dy and y are cp.async'ed into shared memory and
+    # read from there twice (the dot product, then dx after the reduction) instead of
+    # living in registers as fp32 through the reduction (170 registers at N = 262144:
+    # 1 CTA / SM, 2.46 TB/s on the H200; 64 this way, 3 CTAs / SM by shared memory, 3.76
+    # TB/s); 2 x 32 KiB of shared memory a CTA at most.
+    smem_rows = _TUNE.get("bwd_smem", rr.smem_rows_ok(plan, dt.width, 2))
+    min_blocks = _TUNE.get("bwd_min_blocks", 0)
 
     @cute.kernel
     def kernel(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mY, stages=1)
-        dy = t.load(t.part(mdY)).load().to(Float32)
-        y = t.load(t.part(mY)).load().to(Float32)
-        red.wait_cluster()
-        dot = red.reduce((dy * y).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0)
-        t.store(y * (dy - dot), t.part(mdX))
+        if const_expr(smem_rows):
+            sdY, sY = t.stage_rows(smem, mdY, mY)
+            red.wait_cluster()
+            t.wait_rows()
+            dot = red.reduce(
+                (sdY.load().to(Float32) * sY.load().to(Float32)).reduce(
+                    cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0
+                ),
+                "sum",
+                0,
+            )
+            # re-read after the reduction (its barriers order the shared-memory reads)
+            y = sY.load().to(Float32)
+            t.store(y * (sdY.load().to(Float32) - dot), t.part(mdX))
+        else:
+            dy = t.load(t.part(mdY)).load().to(Float32)
+            y = t.load(t.part(mY)).load().to(Float32)
+            red.wait_cluster()
+            dot = red.reduce(
+                (dy * y).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0
+            )
+            t.store(y * (dy - dot), t.part(mdX))
 
     @cute.jit
     def launch(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor, stream):
-        kernel(mdY, mY, mdX).launch(**rr.launch_kwargs(plan, cute.size(mY, mode=[0]), stream))
+        kernel(mdY, mY, mdX).launch(
+            **rr.launch_kwargs(plan, cute.size(mY, mode=[0]), stream, min_blocks=min_blocks)
+        )
 
     dy, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)

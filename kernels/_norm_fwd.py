@@ -1,0 +1,190 @@
+"""The persistent, cp.async-pipelined forward of RMSNorm and LayerNorm for the largest
+rows (a row split over a cluster of 16 CTAs by default; ``ring_cfg``).
+
+The one-row-per-CTA forward re-reads the weight (and bias) slice from L2 for every row:
+2 more bytes per element beside x's 2 read and y's 2 written with 16-bit weights, 4 (8
+with a bias) with fp32 weights, and that L2 -> SM traffic, not HBM, sets the speed (H200,
+bf16 rows, TB/s: RMSNorm 4.19 / fp32 w 3.48, LayerNorm 3.43 / fp32 w 2.69 at
+32768x65536); at N = 262144 every row also pays a 16-CTA cluster launch. Here each CTA
+stages its weight / bias slice in shared memory ONCE and loops over rows (grid =
+co-resident clusters, one CTA / SM); x tiles stream through a cp.async shared-memory ring
+``stages`` deep, so the loads of the next rows stay in flight across the current row's
+cluster reduction. Each thread copies and reads back only its own vectors: no CTA barrier.
+
+Imported only from inside compile functions and torch wrappers (the kernel builder
+imports cutlass inside).
+"""
+
+from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
+
+SMEM_BYTES = 220 * 1024  # one CTA / SM: leaves room for the reduction buffers
+
+
+def ring_cfg(
+    kind: str,
+    dtype: str,
+    n: int,
+    has_weight: bool,
+    has_bias: bool,
+    has_residual: bool,
+    weight_dtype: str,
+    tune: dict,
+):
+    """The ring forward's configuration, or None for the one-row-per-CTA kernel: plans
+    of ``ring_min_cluster`` (16) CTAs a row or more with an even tiling (no column
+    predicate), 16-byte row vectors, a weight or a bias, no residual, and at least 2
+    stages of x beside the weight / bias slices in shared memory. RMSNorm only with a
+    weight wider than the rows. Measured on the H200 (bf16 rows, TB/s, one row tile a
+    CTA vs ring): 4096x262144 RMSNorm 4.05 / 3.85, fp32 w 2.89 / 3.99, LayerNorm 2.78 /
+    3.25, fp32 w 2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one
+    persistent loop); 32768x65536 (clusters of 4) the ring lost everywhere (RMSNorm 4.14 /
+    3.08, LayerNorm 3.39 / 2.32). ``tune``: "ring" (False: off), "ring_min_cluster",
+    "ring_same" (RMSNorm with same-width weights too), "stages" (max depth, 4)."""
+    if not tune.get("ring", True) or has_residual or not (has_weight or has_bias):
+        return None
+    width = WIDTHS[dtype]
+    wbits = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)]
+    if not tune.get("ring_same", kind == "layer") and wbits <= width:
+        return None
+    plan = plan_rows(n, width, budget=64)
+    if plan.cluster_n < max(2, tune.get("ring_min_cluster", 16)):
+        return None
+    if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128:
+        return None
+    wb_bytes = (int(has_weight) + int(has_bias)) * plan.tile_n * wbits // 8
+    stage_bytes = plan.tile_n * width // 8
+    stages = min(tune.get("stages", 4), (SMEM_BYTES - wb_bytes) // stage_bytes)
+    if stages < 2:
+        return None
+    return dict(stages=stages, cp_async_wb=32 <= plan.vec * wbits <= 128, clusters=tune.get("ring_clusters"))
+
+
+def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:
+    """CTAs (per cluster rank) of the ring forward: one CTA per SM, one cluster less than
+    SMs / cluster size for clusters of 4+ (GPC granularity, as ``_norm_bwd.bwd_grid``);
+    1 (ignored) without a ring configuration."""
+    from . import _torch as kt
+
+    if cfg is None:
+        return 1
+    plan = plan_rows(n, WIDTHS[dtype], budget=64)
+    clusters = kt.sm_count(device) // plan.cluster_n
+    if plan.cluster_n >= 4:
+        clusters -= 1
+    if cfg.get("clusters"):
+        clusters = cfg["clusters"]
+    return max(1, min(m, clusters))
+
+
+def ring_kernel(kind: str, plan, dt, wdt, cfg):
+    """The ring forward kernel of ``kind`` ("rms" or "layer"), traced by the caller's
+    ``cute.compile``: kernel(mX, mW, mB, mY, mMean|None, mRstd, eps), grid
+    (num_blocks, cluster_n), one CTA / SM."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+
+    from . import _rowreduce as rr
+
+    layer = kind == "layer"
+    stages = cfg["stages"]
+    inv_n = 1.0 / plan.n
+    e = plan.elems_per_thread
+
+    @cute.kernel
+    def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean, mRstd: cute.Tensor, eps: Float32):
+        tidx, bidx, cluster_y = rr.cta_coords(plan)
+        m = cute.size(mX, mode=[0])
+        smem = cutlass.utils.SmemAllocator()
+        red = rr.Reducer(plan, stages=4)
+        red.allocate(smem)
+        sl = cute.make_layout((1, plan.tile_n, stages), stride=(plan.tile_n, 1, plan.tile_n))
+        sX = smem.allocate_tensor(dt, sl, byte_alignment=128)
+        red.init_cluster(tidx)
+        t0 = rr.RowTiles(plan, dt, m, tidx, 0, cluster_y)
+        # weight / bias slice of this CTA: once (cp.async group first, so the ring's
+        # wait_group below also covers it; fp32 beside 16-bit rows: element-wise)
+        sW = None
+        sB = None
+        if const_expr(cfg["cp_async_wb"]):
+            sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
+        else:
+            if const_expr(mW is not None):
+                sW = t0.alloc_smem_bcast(smem, wdt)
+                t0.stage_bcast_own(mW, sW)
+            if const_expr(mB is not None):
+                sB = t0.alloc_smem_bcast(smem, wdt)
+                t0.stage_bcast_own(mB, sB)
+        tc = cute.make_tiled_copy_tv(
+            rr.cp_async_atom(dt, plan.vec * dt.width),
+            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
+            cute.make_layout((1, plan.vec)),
+        )
+        thr = tc.get_slice(tidx)
+        grid_m = cute.arch.grid_dim()[0]
+        # prologue: row tiles 0 .. stages-2 of this CTA
+        for s in cutlass.range_constexpr(stages - 1):
+            ts = bidx + s * grid_m
+            if ts < m:
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
+                    thr.partition_D(sX[None, None, s]),
+                )
+            cute.arch.cp_async_commit_group()
+        red.wait_cluster()
+        rbuf, rmbar = red.buf, red.mbar
+        for tile in cutlass.range(bidx, m, grid_m, unroll=1):
+            it = (tile - bidx) // grid_m
+            t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
+            # refill the stage read by the previous iteration with tile it + stages - 1
+            tn = tile + (stages - 1) * grid_m
+            if tn < m:
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
+                    thr.partition_D(sX[None, None, (it + stages - 1) % stages]),
+                )
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(stages - 1)
+            x = t.thr.partition_S(sX[None, None, it % stages]).load().to(Float32)
+            j = it % 2
+            ph = (it // 2) % 2
+            if const_expr(layer):
+                # per-thread (mean, M2) merged with Chan's formula in one round trip
+                mt = x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0) * (1.0 / e)
+                d = x - mt
+                m2t = (d * d).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+                mb = (rmbar + j) if const_expr(plan.cluster_n > 1) else None
+                mean, m2 = rr.row_allreduce_pair(
+                    Float32(mt),
+                    Float32(m2t),
+                    "welford",
+                    plan.threads_per_row,
+                    plan.cluster_n,
+                    e,
+                    rbuf[None, None, 2 * j],
+                    rbuf[None, None, 2 * j + 1],
+                    mb,
+                    ph,
+                )
+                rstd = cute.math.rsqrt(m2 * inv_n + eps, fastmath=True)
+                y = (x - mean) * rstd
+                t.write_row_scalar(mMean, mean)
+            else:
+                ss = rr.reduce_stage(
+                    (x * x).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
+                    "sum",
+                    plan,
+                    rbuf,
+                    rmbar,
+                    j,
+                    ph,
+                )
+                rstd = cute.math.rsqrt(ss * inv_n + eps, fastmath=True)
+                y = x * rstd
+            t.store_affine_smem(y, t.part(mY), sW, sB, mW, mB, wait=False)
+            t.write_row_scalar(mRstd, rstd)
+        cute.arch.cp_async_wait_group(0)
+
+    return kernel
