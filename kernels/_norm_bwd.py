@@ -19,6 +19,12 @@ from ._plan import io_width, plan_rows, resolve_weight_dtype
 
 BWD_BUDGET = 32  # row elements per thread kept in registers (two rows: x and dy)
 
+# Default of the "w_perm" knob (``tune`` overrides; measured on the H200 with
+# benchmarks/tune_k2.py, which rewrites this line): a weight wider than 16 bytes a fragment
+# vector (fp32 beside 16-bit rows) kept in shared memory in the conflict-free layout
+# (``RowTiles.alloc_smem_bcast(spread=True)``).
+W_PERM = False
+
 
 def bwd_plan(dtype: str, n: int, weight_dtype: str = "same", has_weight: bool = True):
     """The launch plan of the backward (the wrapper sizes its grid with the same one): by
@@ -95,6 +101,7 @@ def compile_norm_bwd(
     # read per use, instead of in registers for the whole loop (255 registers at N =
     # 262144; see ``w_smem_ok``).
     w_smem = has_weight and stages >= 2 and w_smem_ok(plan, tune)
+    w_perm = bool(tune.get("w_perm", W_PERM))
     inv_n = 1.0 / plan.n
 
     def dual_reduce(a, b, rbuf, rmbar, it):
@@ -110,11 +117,12 @@ def compile_norm_bwd(
     def row_sum(v):
         return v.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
 
-    def weight_frag(t, sW, rW):
+    def weight_frag(t, sW, rW, shape):
         """The weight fragment as fp32: from shared memory (``w_smem``; a load per use,
         ordered after the previous reduction's barriers) or from registers."""
         if const_expr(sW is not None):
-            return t.thr.partition_S(sW).load().to(Float32)
+            # reshape: a ``spread`` tile's thread view nests the vector mode (same order)
+            return t.thr.partition_S(sW).load().reshape(shape).to(Float32)
         return rW.load().to(Float32)
 
     @cute.kernel
@@ -163,7 +171,7 @@ def compile_norm_bwd(
         sW = None
         rW = None
         if const_expr(w_smem):
-            sW = t0.alloc_smem_bcast(smem, wdt)
+            sW = t0.alloc_smem_bcast(smem, wdt, spread=w_perm)
             t0.stage_bcast_own(mW, sW)
         elif const_expr(mW is not None):
             rW = t0.load_bcast(t0.part_bcast(mW))
@@ -219,7 +227,7 @@ def compile_norm_bwd(
             x = rx.load().to(Float32)
             g = rdy.load().to(Float32)
             if const_expr(mW is not None):
-                g = g * weight_frag(t, sW, rW)
+                g = g * weight_frag(t, sW, rW, g.shape)
             # The reductions need neither mean nor rstd: sum(g * xhat) = rstd * (sum(g * x)
             # - mean * sum(g)); columns past N hold x = dy = 0.
             if const_expr(layer):
@@ -245,7 +253,7 @@ def compile_norm_bwd(
                 xhat = x2 * rstd
             g2 = dy2
             if const_expr(mW is not None):
-                g2 = dy2 * weight_frag(t, sW, rW)
+                g2 = dy2 * weight_frag(t, sW, rW, dy2.shape)
             if const_expr(layer):
                 dx = (g2 - c0 - xhat * c1) * rstd
             else:

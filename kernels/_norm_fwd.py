@@ -17,7 +17,24 @@ imports cutlass inside).
 
 from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
 
-SMEM_BYTES = 220 * 1024  # one CTA / SM: leaves room for the reduction buffers
+SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in to
+
+# Defaults of the knobs (``tune`` overrides each; measured on the H200 with
+# benchmarks/tune_k2.py, which rewrites these three lines): the smallest cluster the ring is
+# used for, by kind and weight ("_wide": wider than the rows, fp32 beside 16-bit x); the
+# shared-memory budget (KiB) the ring's depth is sized by; the conflict-free layout of a
+# wide weight in shared memory (``RowTiles.alloc_smem_bcast(spread=True)``).
+RING_MIN_CLUSTER = {"rms_wide": 16, "layer": 16, "layer_wide": 16}
+RING_SMEM_KB = 220
+WIDE_PERM = False
+
+
+def reducer_bytes(plan) -> int:
+    """Shared memory ahead of the ring's x tiles: the reduction buffers (``Reducer`` with 4
+    stages, fp32) and their mbarriers, padded to the tiles' 128-byte alignment."""
+    buf = 4 * 4 * plan.rows_per_cta * plan.warps_per_row * plan.cluster_n
+    mbar = 8 * 4 if plan.cluster_n > 1 else 0
+    return -(-(buf + mbar) // 128) * 128
 
 
 def ring_cfg(
@@ -31,15 +48,15 @@ def ring_cfg(
     tune: dict,
 ):
     """The ring forward's configuration, or None for the one-row-per-CTA kernel: plans
-    of ``ring_min_cluster`` (16) CTAs a row or more with an even tiling (no column
-    predicate), 16-byte row vectors, a weight or a bias, no residual, and at least 2
-    stages of x beside the weight / bias slices in shared memory. RMSNorm only with a
-    weight wider than the rows. Measured on the H200 (bf16 rows, TB/s, one row tile a
-    CTA vs ring): 4096x262144 RMSNorm 4.05 / 3.85, fp32 w 2.89 / 3.99, LayerNorm 2.78 /
-    3.25, fp32 w 2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one
-    persistent loop); 32768x65536 (clusters of 4) the ring lost everywhere (RMSNorm 4.14 /
-    3.08, LayerNorm 3.39 / 2.32). ``tune``: "ring" (False: off), "ring_min_cluster",
-    "ring_same" (RMSNorm with same-width weights too), "stages" (max depth, 4)."""
+    of ``min_cluster`` CTAs a row or more with an even tiling (no column predicate),
+    16-byte row vectors, a weight or a bias, no residual, and at least 2 stages of x
+    beside the weight / bias slices in shared memory. RMSNorm only with a weight wider
+    than the rows. Measured on the H200 (bf16 rows, TB/s, one row tile a CTA vs ring):
+    4096x262144 RMSNorm 4.05 / 3.85, fp32 w 2.89 / 3.99, LayerNorm 2.78 / 3.25, fp32 w
+    2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one persistent loop).
+    ``tune``: "ring" (False: off), "ring_min_cluster", "ring_same" (RMSNorm with
+    same-width weights too), "stages" (max depth, 4), "smem_kb", "wide_perm",
+    "ring_clusters" (a fixed grid instead of the occupancy calculator's)."""
     if not tune.get("ring", True) or has_residual or not (has_weight or has_bias):
         return None
     width = WIDTHS[dtype]
@@ -47,32 +64,46 @@ def ring_cfg(
     if not tune.get("ring_same", kind == "layer") and wbits <= width:
         return None
     plan = plan_rows(n, width, budget=64)
-    if plan.cluster_n < max(2, tune.get("ring_min_cluster", 16)):
+    key = kind + ("_wide" if wbits > width else "")
+    if plan.cluster_n < max(2, tune.get("ring_min_cluster", RING_MIN_CLUSTER.get(key, 16))):
         return None
     if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128:
         return None
     wb_bytes = (int(has_weight) + int(has_bias)) * plan.tile_n * wbits // 8
     stage_bytes = plan.tile_n * width // 8
-    stages = min(tune.get("stages", 4), (SMEM_BYTES - wb_bytes) // stage_bytes)
+    fixed = reducer_bytes(plan) + wb_bytes
+    budget = min(SMEM_MAX, tune.get("smem_kb", RING_SMEM_KB) * 1024)
+    stages = min(tune.get("stages", 4), (budget - fixed) // stage_bytes)
     if stages < 2:
         return None
-    return dict(stages=stages, cp_async_wb=32 <= plan.vec * wbits <= 128, clusters=tune.get("ring_clusters"))
+    return dict(
+        stages=stages,
+        cp_async_wb=32 <= plan.vec * wbits <= 128,
+        wide_perm=bool(tune.get("wide_perm", WIDE_PERM)),
+        smem_bytes=fixed + stages * stage_bytes,
+        clusters=tune.get("ring_clusters"),
+    )
 
 
 def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:
-    """CTAs (per cluster rank) of the ring forward: one CTA per SM, one cluster less than
-    SMs / cluster size for clusters of 4+ (GPC granularity, as ``_norm_bwd.bwd_grid``);
-    1 (ignored) without a ring configuration."""
+    """CTAs (per cluster rank) of the ring forward: the clusters co-resident at one CTA per
+    SM, from the driver's occupancy calculator (``quack_kernels._occupancy``: GPCs differ
+    in SM count, so SMs / cluster size can be one wave too many), cached per device and
+    shape; without an answer, one cluster less than SMs / cluster size for clusters of
+    4+. 1 (ignored) without a ring configuration."""
+    from . import _occupancy
     from . import _torch as kt
 
     if cfg is None:
         return 1
     plan = plan_rows(n, WIDTHS[dtype], budget=64)
-    clusters = kt.sm_count(device) // plan.cluster_n
-    if plan.cluster_n >= 4:
-        clusters -= 1
     if cfg.get("clusters"):
         clusters = cfg["clusters"]
+    else:
+        guess = kt.sm_count(device) // plan.cluster_n - (1 if plan.cluster_n >= 4 else 0)
+        clusters = _occupancy.max_active_clusters(
+            kt.device_index(device), plan.cluster_n, plan.num_threads, cfg["smem_bytes"], max(1, guess)
+        )
     return max(1, min(m, clusters))
 
 
@@ -110,10 +141,10 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
             sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
         else:
             if const_expr(mW is not None):
-                sW = t0.alloc_smem_bcast(smem, wdt)
+                sW = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
                 t0.stage_bcast_own(mW, sW)
             if const_expr(mB is not None):
-                sB = t0.alloc_smem_bcast(smem, wdt)
+                sB = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
                 t0.stage_bcast_own(mB, sB)
         tc = cute.make_tiled_copy_tv(
             rr.cp_async_atom(dt, plan.vec * dt.width),

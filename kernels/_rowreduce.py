@@ -525,10 +525,27 @@ class RowTiles:
     # issued at kernel start, read after the reductions. Keeps them out of the
     # registers while the row is reduced, without an L2 round trip on the tail.
 
-    def alloc_smem_bcast(self, smem, dtype):
-        """A (1, tile_n) shared-memory tile for one broadcast vector (rows_per_cta == 1)."""
+    def alloc_smem_bcast(self, smem, dtype, spread: bool = False):
+        """A (1, tile_n) shared-memory tile for one broadcast vector (rows_per_cta == 1).
+
+        ``spread``, for a vector wider than 16 bytes a fragment vector (an fp32 weight
+        beside 16-bit rows: 8 x 4 bytes): the tile is laid out so that each 16-byte chunk
+        of every thread's vectors sits beside the same chunk of the next thread's, i.e.
+        column v0 + c * v1 + vec * t + vec * tpr * k (v0 < c = 16 bytes of elements) at
+        v0 + c * t + c * tpr * v1 + vec * tpr * k. Read back by the same threads through
+        ``thr.partition_S`` (any layout of the logical tile works), a warp's 16-byte
+        loads cover 512 contiguous bytes: no bank conflict, where the plain layout (32
+        bytes a thread) costs two shared-memory wavefronts for every one."""
+        p = self.plan
+        c = 128 // dtype.width
+        if const_expr(spread and p.vec > c and p.vec % c == 0 and p.rows_per_cta == 1):
+            layout = cute.make_layout(
+                (1, (c, p.vec // c, p.threads_per_row, p.nvec)),
+                stride=(p.tile_n, (1, c * p.threads_per_row, c, p.vec * p.threads_per_row)),
+            )
+            return smem.allocate_tensor(dtype, layout, byte_alignment=16)
         return smem.allocate_tensor(
-            dtype, cute.make_layout((1, self.plan.tile_n), stride=(self.plan.tile_n, 1)), byte_alignment=16
+            dtype, cute.make_layout((1, p.tile_n), stride=(p.tile_n, 1)), byte_alignment=16
         )
 
     def stage_bcast(self, smem, dtype, *vectors):
@@ -611,10 +628,11 @@ class RowTiles:
             tB = self.thr.partition_S(sB)
         for k in cutlass.range_constexpr(cute.size(yf, mode=[2])):
             yk = yf[None, 0, k].load()
+            # (reshape: a ``spread`` tile's thread view has a nested vector mode, same order)
             if const_expr(sW is not None):
-                yk = yk * tW[None, 0, k].load().to(Float32)
+                yk = yk * tW[None, 0, k].load().reshape(yk.shape).to(Float32)
             if const_expr(sB is not None):
-                yk = yk + tB[None, 0, k].load().to(Float32)
+                yk = yk + tB[None, 0, k].load().reshape(yk.shape).to(Float32)
             r[None, 0, k].store(yk.to(gT.element_type))
         if self.row < self.m:
             cute.copy(self.tiled_copy, r, gT, pred=self.pred)

@@ -95,6 +95,13 @@ def sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def device_index(device) -> int:
+    """The CUDA ordinal of ``device`` (a torch.device or index; the current device when it
+    names none)."""
+    d = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
 def affine(weight, bias, n, x):
     """Validate a norm's weight and bias: (N,) vectors on x's device, of one float dtype
     (any of float32 / float16 / bfloat16, independent of x's: the mixed-precision case).

@@ -18,6 +18,24 @@ LOG2_E = math.log2(math.e)
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
 _TUNE: dict = {}
 
+# The backward plan's budget (row elements a thread keeps, fp32, two rows) for 16-bit
+# dtypes by row length: 4096 <= N <= 8192 (one CTA a row), 8192 < N <= 16384; 32 elsewhere
+# (``_TUNE["bwd_budget"]`` overrides; measured on the H200 with benchmarks/tune_k2.py,
+# which rewrites these two lines).
+BWD_BUDGET_SMALL = 32
+BWD_BUDGET_MID = 32
+
+
+def bwd_budget(dtype: str, n: int) -> int:
+    """Row elements a thread of the backward keeps in registers (``plan_rows``' budget)."""
+    if "bwd_budget" in _TUNE:
+        return _TUNE["bwd_budget"]
+    if dtype != "float32" and 4096 <= n <= 8192:
+        return BWD_BUDGET_SMALL
+    if dtype != "float32" and 8192 < n <= 16384:
+        return BWD_BUDGET_MID
+    return 32
+
 
 @jit_cache(
     "softmax_fwd",
@@ -89,7 +107,7 @@ def compile_softmax_bwd(dtype: str, n: int):
     from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
-    plan = plan_rows(n, dt.width, budget=32)
+    plan = plan_rows(n, dt.width, budget=bwd_budget(dtype, n))
     # Cluster plans with an even tiling: dy and y are cp.async'ed into shared memory and
     # read from there twice (the dot product, then dx after the reduction) instead of
     # living in registers as fp32 through the reduction (170 registers at N = 262144:

@@ -1,13 +1,17 @@
 """CPU tier: which large-row paths the kernels pick (pure planning, no GPU, no cutlass).
 
 The paths themselves compile in CI through manifests/tests.toml (softmax_bwd at 262144:
-rows in shared memory; rmsnorm_fwd / layernorm_fwd bf16 262144 with fp32 weights: the
-ring forward; rmsnorm_bwd bf16 131074 fp32 w: the weight in shared memory with a tail)
-and run on the GPU tier (tests/kernels/test_training_gpu.py, test_kernels_gpu.py)."""
+rows in shared memory; rmsnorm_fwd / layernorm_fwd bf16 65536 / 131072 / 262144 with
+fp32 weights: the ring forward; rmsnorm_bwd bf16 131074 fp32 w: the weight in shared
+memory with a tail) and run on the GPU tier (tests/kernels/test_training_gpu.py,
+test_kernels_gpu.py)."""
+
+import logging
 
 import pytest
+from quack_kernels import _norm_fwd, _occupancy
 from quack_kernels._norm_bwd import bwd_plan, w_smem_ok
-from quack_kernels._norm_fwd import SMEM_BYTES, ring_cfg
+from quack_kernels._norm_fwd import RING_MIN_CLUSTER, SMEM_MAX, reducer_bytes, ring_cfg
 from quack_kernels._plan import plan_rows
 
 
@@ -15,23 +19,47 @@ def _ring(kind="rms", dtype="bfloat16", n=262144, w=True, b=False, res=False, wd
     return ring_cfg(kind, dtype, n, w, b, res, wdt, tune or {})
 
 
-def test_ring_forward_only_for_16_cta_rows_and_fits_shared_memory():
+def _fits(cfg, n, count, wbits):
+    """The configuration's shared memory: reduction buffers, weight / bias, x stages."""
+    plan = plan_rows(n, 16, budget=64)
+    want = reducer_bytes(plan) + count * plan.tile_n * wbits // 8 + cfg["stages"] * plan.tile_n * 2
+    return cfg["smem_bytes"] == want and want <= SMEM_MAX
+
+
+def test_ring_forward_for_16_cta_rows_and_fits_shared_memory():
     cfg = _ring()
     assert cfg is not None and cfg["stages"] >= 2 and cfg["cp_async_wb"] is False
     plan = plan_rows(262144, 16, budget=64)
     assert plan.cluster_n == 16 and plan.even
-    assert plan.tile_n * 4 + cfg["stages"] * plan.tile_n * 2 <= SMEM_BYTES
+    assert _fits(cfg, 262144, 1, 32)
     ln = _ring("layer", b=True, wdt="same")
-    assert ln is not None and ln["cp_async_wb"] is True
+    assert ln is not None and ln["cp_async_wb"] is True and _fits(ln, 262144, 2, 16)
     ln32 = _ring("layer", b=True)
-    assert ln32 is not None and 2 * plan.tile_n * 4 + ln32["stages"] * plan.tile_n * 2 <= SMEM_BYTES
+    assert ln32 is not None and _fits(ln32, 262144, 2, 32)
+    # fp32 weight + bias (128 KiB a CTA): a third x stage only within the 227 KiB budget
+    assert _ring("layer", b=True, tune={"smem_kb": 220})["stages"] == 2
+    big = _ring("layer", b=True, tune={"smem_kb": 227})
+    assert big["stages"] == 3 and _fits(big, 262144, 2, 32)
+
+
+@pytest.mark.parametrize(
+    "kind, wdt, key",
+    [("rms", "float32", "rms_wide"), ("layer", "same", "layer"), ("layer", "float32", "layer_wide")],
+)
+@pytest.mark.parametrize("n, cluster", [(65536, 4), (131072, 8), (262144, 16)])
+def test_ring_forward_cluster_sizes_follow_the_defaults(kind, wdt, key, n, cluster):
+    assert plan_rows(n, 16, budget=64).cluster_n == cluster
+    cfg = _ring(kind, n=n, b=kind == "layer", wdt=wdt)
+    assert (cfg is not None) is (cluster >= RING_MIN_CLUSTER[key])
+    if cfg is not None:
+        assert _fits(cfg, n, 1 + int(kind == "layer"), 32 if wdt == "float32" else 16)
 
 
 @pytest.mark.parametrize(
     "kw",
     [
         dict(wdt="same"),  # RMSNorm with same-width weights: one row tile per CTA is faster
-        dict(n=65536),  # clusters of 4: the ring lost there
+        dict(n=32768),  # clusters of 2
         dict(n=262143),  # odd N: no column predicate in the ring
         dict(res=True),
         dict(w=False, b=False),
@@ -47,6 +75,91 @@ def test_ring_forward_tune_knobs():
     cfg = _ring(n=65536, wdt="same", tune={"ring_min_cluster": 4, "ring_same": True, "ring_clusters": 28})
     assert cfg is not None and cfg["clusters"] == 28
     assert _ring(tune={"stages": 2})["stages"] == 2
+    assert _ring(tune={"wide_perm": True})["wide_perm"] is True
+    assert _ring(tune={"wide_perm": False})["wide_perm"] is False
+
+
+class _Dev:
+    """Stands in for the torch device: ring_grid only passes it to the (patched) helpers."""
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """132 SMs; the occupancy query answers from ``answers`` (cluster size -> clusters or
+    an exception) and records its calls."""
+    from quack_kernels import _torch as kt
+
+    calls = []
+    answers = {}
+
+    def query(index, cluster_n, threads, smem):
+        calls.append((index, cluster_n, threads, smem))
+        a = answers[cluster_n]
+        if isinstance(a, Exception):
+            raise a
+        return a
+
+    monkeypatch.setattr(kt, "sm_count", lambda device: 132)
+    monkeypatch.setattr(kt, "device_index", lambda device: 0)
+    monkeypatch.setattr(_occupancy, "query_max_active_clusters", query)
+    _occupancy.max_active_clusters.cache_clear()
+    yield answers, calls
+    _occupancy.max_active_clusters.cache_clear()
+
+
+def test_ring_grid_is_the_occupancy_calculators_cached_per_shape(fake_gpu):
+    answers, calls = fake_gpu
+    answers.update({4: 30, 16: 7})
+    cfg4 = _ring("layer", n=65536, b=True, wdt="same", tune={"ring_min_cluster": 4})
+    assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, cfg4, _Dev()) == 30
+    assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, cfg4, _Dev()) == 30
+    assert calls == [(0, 4, 256, cfg4["smem_bytes"])]  # asked once, with the kernel's shape
+    assert _norm_fwd.ring_grid(5, "bfloat16", 65536, cfg4, _Dev()) == 5  # never more CTAs than rows
+    cfg16 = _ring()
+    assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, cfg16, _Dev()) == 7
+    assert len(calls) == 2
+    pinned = _ring(tune={"ring_clusters": 5})
+    assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, pinned, _Dev()) == 5
+    assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, None, _Dev()) == 1
+    assert len(calls) == 2
+
+
+def test_ring_grid_without_an_answer_estimates_and_warns_once(fake_gpu, caplog):
+    answers, calls = fake_gpu
+    answers.update({4: RuntimeError("CUDA driver error 999"), 16: 0})
+    cfg4 = _ring("layer", n=65536, b=True, wdt="same", tune={"ring_min_cluster": 4})
+    with caplog.at_level(logging.WARNING, logger="quack_kernels"):
+        for _ in range(3):
+            assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, cfg4, _Dev()) == 132 // 4 - 1
+        # an answer of 0 (the shape does not fit) falls back too: the launch says why
+        assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, _ring(), _Dev()) == 132 // 16 - 1
+    warnings = [r for r in caplog.records if "occupancy query failed" in r.getMessage()]
+    assert len(warnings) == 1 and "CUDA driver error 999" in warnings[0].getMessage()
+    assert len(calls) == 2
+
+
+def test_occupancy_query_without_a_gpu_falls_back():
+    # no driver on the CPU tier: the real query raises, the cached wrapper answers the estimate
+    _occupancy.max_active_clusters.cache_clear()
+    try:
+        assert _occupancy.max_active_clusters(0, 4, 256, 200 * 1024, 31) == 31
+    finally:
+        _occupancy.max_active_clusters.cache_clear()
+
+
+def test_occupancy_probe_is_valid_ptx(tmp_path):
+    import shutil
+    import subprocess
+
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas")
+    ptx = _occupancy._ptx(9, 0)
+    assert ptx.endswith(b"\0") and ptx.count(b"\0") == 1  # the driver reads a C string
+    src = tmp_path / "probe.ptx"
+    src.write_bytes(ptx[:-1])
+    out = subprocess.run([ptxas, "-arch=sm_90", str(src), "-o", str(tmp_path / "probe.cubin")], timeout=60)
+    assert out.returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -63,8 +176,26 @@ def test_ring_forward_tune_knobs():
 )
 def test_softmax_bwd_rows_in_shared_memory(dtype, n, staged):
     rr = pytest.importorskip("quack_kernels._rowreduce")  # imports cutlass
+    from quack_kernels.softmax import bwd_budget
+
     width = {"float32": 32, "float16": 16, "bfloat16": 16}[dtype]
-    assert rr.smem_rows_ok(plan_rows(n, width, budget=32), width, 2) is staged
+    assert rr.smem_rows_ok(plan_rows(n, width, budget=bwd_budget(dtype, n)), width, 2) is staged
+
+
+def test_softmax_bwd_budget_by_row_length():
+    from quack_kernels import softmax
+
+    assert softmax.bwd_budget("bfloat16", 4096) == softmax.BWD_BUDGET_SMALL
+    assert softmax.bwd_budget("float16", 8192) == softmax.BWD_BUDGET_SMALL
+    assert softmax.bwd_budget("bfloat16", 16384) == softmax.BWD_BUDGET_MID
+    assert softmax.bwd_budget("bfloat16", 8193) == softmax.BWD_BUDGET_MID
+    for dtype, n in (("bfloat16", 4095), ("bfloat16", 16385), ("float32", 4096), ("float32", 16384)):
+        assert softmax.bwd_budget(dtype, n) == 32
+    softmax._TUNE["bwd_budget"] = 16
+    try:
+        assert softmax.bwd_budget("float32", 100) == 16
+    finally:
+        softmax._TUNE.clear()
 
 
 @pytest.mark.parametrize("n, staged", [(262144, True), (131074, True), (65536, False), (4096, False)])

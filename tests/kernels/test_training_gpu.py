@@ -159,6 +159,48 @@ def test_layernorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
     close(bs.grad, br.grad, "dbias", m)
 
 
+@pytest.mark.parametrize("kind", ("rms", "layer"))
+@pytest.mark.parametrize("wdt", ("bfloat16", "float32"))
+@pytest.mark.parametrize("n", (65536, 131072, 262144))
+def test_norm_fwd_every_ring_cluster_size(kind, wdt, n):
+    """The forwards at the three cluster sizes the persistent ring may take (4 / 8 / 16
+    CTAs a row, by ``_norm_fwd.RING_MIN_CLUSTER``), with more rows than the grid holds
+    clusters: every CTA loops over several rows."""
+    from quack_kernels.layernorm import layernorm_fwd
+    from quack_kernels.rmsnorm import rmsnorm_fwd
+
+    m = 2 * torch.cuda.get_device_properties(0).multi_processor_count + 5
+    x = _rand((m, n), torch.bfloat16, 0, shift=0.5)
+    w, b = _rand((n,), TD[wdt], 1), _rand((n,), TD[wdt], 2)
+    xf = x.float()
+    if kind == "rms":
+        y, rstd, _ = rmsnorm_fwd(x, w, None, None, 1e-6)
+        ref_rstd = torch.rsqrt(xf.pow(2).mean(-1) + 1e-6)
+        ref = xf * ref_rstd[:, None] * w.float()
+    else:
+        y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
+        ref = torch.nn.functional.layer_norm(xf, (n,), w.float(), b.float(), 1e-5)
+        ref_rstd = torch.rsqrt(xf.var(-1, unbiased=False) + 1e-5)
+        close(mean, xf.mean(-1), "mean")
+    close(y, ref, "y")
+    close(rstd, ref_rstd, "rstd")
+
+
+@pytest.mark.parametrize("n, cluster", ((65536, 4), (131072, 8), (262144, 16)))
+def test_ring_grid_is_the_drivers_occupancy(n, cluster):
+    """The ring forward's grid comes from cuOccupancyMaxActiveClusters on this GPU (not the
+    estimate a failed query falls back to): a positive number of clusters, at most SMs /
+    cluster size, the same as a direct query."""
+    from quack_kernels import _norm_fwd, _occupancy
+
+    cfg = _norm_fwd.ring_cfg("layer", "bfloat16", n, True, True, False, "same", {"ring_min_cluster": 4})
+    assert cfg is not None
+    direct = _occupancy.query_max_active_clusters(0, cluster, 256, cfg["smem_bytes"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert 1 <= direct <= sms // cluster
+    assert _norm_fwd.ring_grid(10**6, "bfloat16", n, cfg, torch.device("cuda", 0)) == direct
+
+
 @pytest.mark.parametrize("n", (1, 668, 16385, 262144))
 def test_layernorm_bwd_without_affine(n):
     from quack_kernels.layernorm import layernorm_bwd, layernorm_fwd
