@@ -23,7 +23,7 @@ BWD_BUDGET = 32  # row elements per thread kept in registers (two rows: x and dy
 # benchmarks/tune_k2.py, which rewrites this line): a weight wider than 16 bytes a fragment
 # vector (fp32 beside 16-bit rows) kept in shared memory in the conflict-free layout
 # (``RowTiles.alloc_smem_bcast(spread=True)``).
-W_PERM = False
+W_PERM = True
 
 
 def bwd_plan(dtype: str, n: int, weight_dtype: str = "same", has_weight: bool = True):

@@ -24,7 +24,7 @@ SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in 
 # used for, by kind and weight ("_wide": wider than the rows, fp32 beside 16-bit x); the
 # shared-memory budget (KiB) the ring's depth is sized by; the conflict-free layout of a
 # wide weight in shared memory (``RowTiles.alloc_smem_bcast(spread=True)``).
-RING_MIN_CLUSTER = {"rms_wide": 16, "layer": 16, "layer_wide": 16}
+RING_MIN_CLUSTER = {"rms_wide": 4, "layer": 4, "layer_wide": 4}
 RING_SMEM_KB = 220
 WIDE_PERM = False
 
