@@ -6,6 +6,7 @@
 # configurations build in the background at low priority during the sweep (the kernels
 # whose sources the decisions leave alone stay valid). Logs and decisions.json under $OUT;
 # apply the same edits to a checkout with `python benchmarks/tune_k2.py --apply-from FILE`.
+# SWEEP=0 BENCH_BEFORE=0: the GPU tiers only, on the tree as it is.
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.device/wheels}
@@ -18,6 +19,7 @@ T0=$SECONDS
 step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
   timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "$name: rc=$rc $((SECONDS - t))s (at $((SECONDS - T0))s) | $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"; }
+if [ "${SWEEP:-1}" = 1 ]; then  # SWEEP=0: the GPU tiers alone (a verification run)
 # own process group (setsid): the build and its workers end together below
 setsid nice -n 19 timeout 300 python3 -m quack_build build -j 12 -k manifests/training.toml manifests/tests.toml \
   > "$OUT/build.log" 2>&1 &
@@ -27,6 +29,7 @@ grep -E "^(occupancy|decide|kernels/|\[compiled|compile .* failed)" "$OUT/sweep.
 grep -vE "Warning|warn|^(occupancy|decide|kernels/|\[)" "$OUT/sweep.log" | tail -70
 kill -- -"$BPID" 2>/dev/null; sleep 1; kill -9 -- -"$BPID" 2>/dev/null
 echo "background build: $(grep -cE '^ *(ok|compiled)' "$OUT/build.log") lines; $(tail -c 300 "$OUT/build.log" | tr '\n' ' ')"
+fi
 sha256sum kernels/_norm_fwd.py kernels/_norm_bwd.py kernels/softmax.py | cut -c1-16
 step tests "${TEST_LIMIT:-130}" python3 -m pytest -q -p no:cacheprovider --async-compile=16 -rf \
   tests/kernels/test_training_gpu.py tests/kernels/test_kernels_gpu.py tests/kernels/test_reference_hooks.py

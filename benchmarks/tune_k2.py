@@ -463,19 +463,28 @@ def decide(results):
         )
         return ok
 
-    wide_perm = adopt(
-        [
-            ("rms_w32 65536", "ring@api", "ring+perm@api"),
-            ("ln_w32 65536", "ring@api", "ring+perm@api"),
-            ("ln_w32 65536", "ring+big@api", "ring+perm+big@api"),
-            ("rms_w32 131072", "ring@api", "ring+perm@api"),
-            ("rms_w32 262144", "ring@api", "ring+perm@api"),
-            ("ln_w32 262144", "ring@api", "ring+perm@api"),
-            ("ln_w32 262144", "ring+big@api", "ring+perm+big@api"),
-        ],
-        "ring wide_perm",
-    )
-    pb = "ring+perm" if wide_perm else "ring"
+    # per kind: the layout changes how RMSNorm's one and LayerNorm's two wide vectors share
+    # the shared-memory bandwidth with the x ring
+    wide_perm = {
+        "rms": adopt(
+            [
+                ("rms_w32 65536", "ring@api", "ring+perm@api"),
+                ("rms_w32 131072", "ring@api", "ring+perm@api"),
+                ("rms_w32 262144", "ring@api", "ring+perm@api"),
+            ],
+            "ring wide_perm rms",
+        ),
+        "layer": adopt(
+            [
+                ("ln_w32 65536", "ring@api", "ring+perm@api"),
+                ("ln_w32 65536", "ring+big@api", "ring+perm+big@api"),
+                ("ln_w32 262144", "ring@api", "ring+perm@api"),
+                ("ln_w32 262144", "ring+big@api", "ring+perm+big@api"),
+            ],
+            "ring wide_perm layer",
+        ),
+    }
+    pb = "ring+perm" if wide_perm["layer"] else "ring"
     big = adopt(
         [
             ("ln_w32 65536", f"{pb}@api", f"{pb}+big@api"),
@@ -487,14 +496,13 @@ def decide(results):
     def best(g, wide):
         if not wide:
             return "ring@api"
+        perm = wide_perm["layer" if g.startswith("ln") else "rms"]
         label = (
-            "ring"
-            + ("+perm" if wide_perm else "")
-            + ("+big" if big and g.startswith("ln_w32") else "")
-            + "@api"
+            "ring" + ("+perm" if perm else "") + ("+big" if big and g.startswith("ln_w32") else "") + "@api"
         )
         if us(g, label) is None and g.startswith("ln_w32 131072"):
-            label = "ring+perm+big@api" if (wide_perm and big) else "ring@api"
+            # measured there: plain, and perm + big
+            label = "ring+perm+big@api" if perm else "ring@api"
         return label
 
     def ring_wins(g, wide, pct):

@@ -22,11 +22,13 @@ SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in 
 # Defaults of the knobs (``tune`` overrides each; measured on the H200 with
 # benchmarks/tune_k2.py, which rewrites these three lines): the smallest cluster the ring is
 # used for, by kind and weight ("_wide": wider than the rows, fp32 beside 16-bit x); the
-# shared-memory budget (KiB) the ring's depth is sized by; the conflict-free layout of a
-# wide weight in shared memory (``RowTiles.alloc_smem_bcast(spread=True)``).
+# shared-memory budget (KiB) the ring's depth is sized by; by kind, the conflict-free layout
+# of a wide weight in shared memory (``RowTiles.alloc_smem_bcast(spread=True)``; LayerNorm
+# fp32 w + b, TB/s: 65536 3.33 -> 3.85, 262144 2.67 -> 3.16; RMSNorm fp32 w 262144 3.99 ->
+# 3.87, so not there).
 RING_MIN_CLUSTER = {"rms_wide": 4, "layer": 4, "layer_wide": 4}
 RING_SMEM_KB = 220
-WIDE_PERM = False
+WIDE_PERM = {"rms": False, "layer": True}
 
 
 def reducer_bytes(plan) -> int:
@@ -79,7 +81,7 @@ def ring_cfg(
     return dict(
         stages=stages,
         cp_async_wb=32 <= plan.vec * wbits <= 128,
-        wide_perm=bool(tune.get("wide_perm", WIDE_PERM)),
+        wide_perm=bool(tune.get("wide_perm", WIDE_PERM[kind])),
         smem_bytes=fixed + stages * stage_bytes,
         clusters=tune.get("ring_clusters"),
     )

@@ -11,7 +11,7 @@ import logging
 import pytest
 from quack_kernels import _norm_fwd, _occupancy
 from quack_kernels._norm_bwd import bwd_plan, w_smem_ok
-from quack_kernels._norm_fwd import RING_MIN_CLUSTER, SMEM_MAX, reducer_bytes, ring_cfg
+from quack_kernels._norm_fwd import RING_MIN_CLUSTER, SMEM_MAX, WIDE_PERM, reducer_bytes, ring_cfg
 from quack_kernels._plan import plan_rows
 
 
@@ -77,6 +77,9 @@ def test_ring_forward_tune_knobs():
     assert _ring(tune={"stages": 2})["stages"] == 2
     assert _ring(tune={"wide_perm": True})["wide_perm"] is True
     assert _ring(tune={"wide_perm": False})["wide_perm"] is False
+    # the default layout of a wide weight is per kind
+    assert _ring()["wide_perm"] is WIDE_PERM["rms"]
+    assert _ring("layer", b=True)["wide_perm"] is WIDE_PERM["layer"]
 
 
 class _Dev:
