@@ -1,5 +1,5 @@
 """The persistent, cp.async-pipelined forward of RMSNorm and LayerNorm for the largest
-rows (a row split over a cluster of 16 CTAs by default; ``ring_cfg``).
+rows (a row split over a cluster of 4+ CTAs: ``ring_cfg``, ``RING_MIN_CLUSTER``).
 
 The one-row-per-CTA forward re-reads the weight (and bias) slice from L2 for every row:
 2 more bytes per element beside x's 2 read and y's 2 written with 16-bit weights, 4 (8

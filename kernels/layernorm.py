@@ -148,8 +148,8 @@ def compile_layernorm_fwd(
 
 def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
     """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
-    over 16 CTAs with a weight / bias, or None (one row tile per CTA); knobs in ``_TUNE``
-    (``ring_cfg``)."""
+    over clusters of ``RING_MIN_CLUSTER`` (4) CTAs or more with a weight / bias, or None
+    (one row tile per CTA); knobs in ``_TUNE`` (``ring_cfg``)."""
     from ._norm_fwd import ring_cfg
 
     return ring_cfg("layer", dtype, n, has_weight, has_bias, False, weight_dtype, _TUNE)

@@ -149,8 +149,9 @@ def compile_rmsnorm_fwd(
 
 def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, has_residual: bool, weight_dtype: str):
     """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
-    over 16 CTAs (N > 131072 for 16-bit dtypes) with a weight wider than the rows and no
-    residual, or None (one row tile per CTA); knobs in ``_TUNE`` (``ring_cfg``)."""
+    over clusters of ``RING_MIN_CLUSTER`` (4) CTAs or more (N >= 65536 for 16-bit dtypes)
+    with a weight wider than the rows and no residual, or None (one row tile per CTA);
+    knobs in ``_TUNE`` (``ring_cfg``)."""
     from ._norm_fwd import ring_cfg
 
     return ring_cfg("rms", dtype, n, has_weight, has_bias, has_residual, weight_dtype, _TUNE)
