@@ -143,6 +143,9 @@ def test_ring_grid_without_an_answer_estimates_and_warns_once(fake_gpu, caplog):
 
 def test_occupancy_query_without_a_gpu_falls_back():
     # no driver on the CPU tier: the real query raises, the cached wrapper answers the estimate
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():  # seen on the H200: the driver answers (30), not the estimate
+        pytest.skip("a GPU answers the occupancy query here (the GPU tier checks that answer)")
     _occupancy.max_active_clusters.cache_clear()
     try:
         assert _occupancy.max_active_clusters(0, 4, 256, 200 * 1024, 31) == 31
