@@ -15,6 +15,8 @@ Imported only from inside compile functions and torch wrappers (the kernel build
 imports cutlass inside).
 """
 
+import functools
+
 from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
 
 SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in to
@@ -49,6 +51,30 @@ def ring_cfg(
     weight_dtype: str,
     tune: dict,
 ):
+    """The ring forward's configuration, or None (see ``_ring_cfg``). Called by every eager
+    forward to pick its launch grid: memoized per arguments and knob values (a fresh dict
+    each time, so a caller's edit can't reach the memo)."""
+    try:
+        items = tuple(sorted(tune.items()))
+        cfg = _ring_cfg(kind, dtype, n, has_weight, has_bias, has_residual, weight_dtype, items)
+    except TypeError:  # an unhashable knob value (a benchmark's experiment): no memo
+        cfg = _ring_cfg.__wrapped__(
+            kind, dtype, n, has_weight, has_bias, has_residual, weight_dtype, tune.items()
+        )
+    return None if cfg is None else dict(cfg)
+
+
+@functools.lru_cache(maxsize=1024)
+def _ring_cfg(
+    kind: str,
+    dtype: str,
+    n: int,
+    has_weight: bool,
+    has_bias: bool,
+    has_residual: bool,
+    weight_dtype: str,
+    tune_items,
+):
     """The ring forward's configuration, or None for the one-row-per-CTA kernel: plans
     of ``min_cluster`` CTAs a row or more with an even tiling (no column predicate),
     16-byte row vectors, a weight or a bias, no residual, and at least 2 stages of x
@@ -59,6 +85,7 @@ def ring_cfg(
     ``tune``: "ring" (False: off), "ring_min_cluster", "ring_same" (RMSNorm with
     same-width weights too), "stages" (max depth, 4), "smem_kb", "wide_perm",
     "ring_clusters" (a fixed grid instead of the occupancy calculator's)."""
+    tune = dict(tune_items)
     if not tune.get("ring", True) or has_residual or not (has_weight or has_bias):
         return None
     width = WIDTHS[dtype]

@@ -22,6 +22,7 @@ N                  threads / row    CTA threads  cluster
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from quack.params import Dtype
@@ -93,6 +94,9 @@ def _pow2_ceil(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
+# Memoized: every eager call of a kernel's torch wrapper plans its launch (a RowPlan is
+# frozen, and a pure function of these integers).
+@functools.lru_cache(maxsize=4096)
 def plan_rows(n: int, width: int, *, budget: int = 64, max_cluster: int = 16) -> RowPlan:
     """Pick the launch shape for rows of ``n`` elements of ``width`` bits (the widest
     dtype read or written). ``budget`` caps the row elements one thread keeps in
