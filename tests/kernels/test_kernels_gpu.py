@@ -3,9 +3,13 @@ Outputs are poisoned with NaN before each run so unwritten elements fail."""
 
 import pytest
 from _cases import DTYPES, GPU_MS, GPU_NS, tol
+from _fixtures import poison_allocations  # noqa: F401  (a fixture, used by name)
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("poison_allocations"),  # NaN-filled outputs: unwritten elements fail
+]
 
 MAX_BYTES = 8 * 2**30
 
@@ -34,29 +38,6 @@ def _poison(t):
 
 def _empty_like_poisoned(x):
     return _poison(torch.empty_like(x))
-
-
-@pytest.fixture(autouse=True)
-def _poison_allocations(monkeypatch):
-    """Every torch.empty / empty_like made by the kernels' wrappers returns NaN-filled memory."""
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def empty(*a, **k):
-        t = real_empty(*a, **k)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    def empty_like(*a, **k):
-        t = real_empty_like(*a, **k)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(torch, "empty_like", empty_like)
-    yield
-    torch.cuda.empty_cache()
 
 
 def _close(got, ref, dt, scale=1.0):

@@ -11,12 +11,12 @@ import math
 
 import pytest
 from _cases import DTYPES
-from _fixtures import oom_pressure  # noqa: F401  (a fixture, used by name)
+from _fixtures import oom_pressure, poison_allocations  # noqa: F401  (fixtures, used by name)
 
 torch = pytest.importorskip("torch")
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.usefixtures("oom_pressure"),
+    pytest.mark.usefixtures("poison_allocations", "oom_pressure"),
 ]
 
 NS = (1, 3, 8, 100, 192, 668, 1000, 4100, 16385, 65536, 131074, 262144)
@@ -37,28 +37,6 @@ def _ms(n):
 
 def _grid(pairs):
     return [pytest.param(x, w, m, n, id=f"{x}-{w}-{m}x{n}") for x, w in pairs for n in NS for m in _ms(n)]
-
-
-@pytest.fixture(autouse=True)
-def _poison_allocations(monkeypatch):
-    real_empty, real_empty_like = torch.empty, torch.empty_like
-
-    def empty(*a, **k):
-        t = real_empty(*a, **k)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    def empty_like(*a, **k):
-        t = real_empty_like(*a, **k)
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", empty)
-    monkeypatch.setattr(torch, "empty_like", empty_like)
-    yield
-    torch.cuda.empty_cache()
 
 
 def _rand(shape, dt, seed, scale=1.0, shift=0.0):
