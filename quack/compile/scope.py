@@ -33,6 +33,7 @@ class _Sharing:
 
 
 _sharing: _Sharing | None = None
+_sharing_lock = threading.Lock()
 
 
 class SharedVar(Generic[T]):
@@ -82,14 +83,15 @@ def sharing_with_threads() -> Iterator[None]:
     by threads with no scope of their own (autograd's device threads). One owner at
     a time; a nested call (another thread, or re-entry) leaves the outer one in place."""
     global _sharing
-    if _sharing is not None:
-        yield
-        return
-    _sharing = _Sharing()
+    with _sharing_lock:  # two threads entering at once: one owns, the other nests
+        mine = _sharing is None
+        if mine:
+            _sharing = _Sharing()
     try:
         yield
     finally:
-        _sharing = None
+        if mine:
+            _sharing = None
 
 
 # The scopes (compile/pool.py has the functions that enter them).

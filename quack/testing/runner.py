@@ -135,13 +135,14 @@ class Runner:
                 self.gpu_lock.release()
         # One line per attempt (QUACK_LOG=debug): the evidence when a deferred test keeps
         # coming back (each attempt finds one more missing key) or an attempt is slow.
-        log.debug(
-            "attempt %d of %s: %s in %.2f s",
-            n + 1,
-            item.nodeid,
-            f"deferred ({pending})" if pending is not None else "reported",
-            time.perf_counter() - t0,
-        )
+        if log.isEnabledFor(logging.DEBUG):  # no formatting per test when nobody listens
+            log.debug(
+                "attempt %d of %s: %s in %.2f s",
+                n + 1,
+                item.nodeid,
+                f"deferred ({pending})" if pending is not None else "reported",
+                time.perf_counter() - t0,
+            )
         if pending is not None:
             self.attempts[item.nodeid] = n + 1
             self.defers += 1
