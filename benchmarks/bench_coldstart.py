@@ -134,6 +134,8 @@ for m, (fam, fn, args) in zip(mods, kernels):
             ffi_info = ffi.info()
         except ImportError:  # a checkout without it: tvm_ffi imported whole, inside the load
             ffi_info = {{"how": "plain import", "import_s": None}}
+        # cuda-python's driver bindings: does the first load import them (17 ms on the H200)?
+        ffi_info["driver_bindings_after_first_load"] = "cuda.bindings.driver" in sys.modules
     if launch:
         t = pc()
         ops[fam](m)

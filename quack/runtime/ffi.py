@@ -17,6 +17,15 @@ gives it. The submodules imported are tvm_ffi's own, executed once, shared by bo
 Taken only when tvm_ffi is not imported yet and its version is one this was tested
 with (``_LEAN_VERSIONS``); any failure falls back to the plain import. To have the
 whole package up front, import tvm_ffi before the first kernel.
+
+The Cython core also imports cuda-python's driver bindings (``cuda.bindings.driver``,
+17 ms on the H200 where torch has not imported them: torch 2.11 does not, 2.13 does) for
+one ``isinstance(arg, CUstream)`` test in its argument conversion. When they are not
+imported yet, the lean import withholds them from the core (on this thread, for the
+core's import only) and gives the core a stand-in whose ``CUstream`` matches exactly the
+real class's instances: an object can only be a ``CUstream`` once the driver bindings are
+imported, and then the stand-in asks them. Anything else read from the stand-in imports
+the real module.
 """
 
 from __future__ import annotations
@@ -166,8 +175,14 @@ class _LeanLoader(importlib.abc.Loader):
             pass
         libinfo = importlib.import_module("tvm_ffi.libinfo")
         module.LIB = libinfo.load_lib_ctypes("apache-tvm-ffi", "tvm_ffi", "RTLD_GLOBAL")  # type: ignore[attr-defined]
-        for name in LEAN_SUBMODULES[1:]:
-            importlib.import_module(f"tvm_ffi.{name}")
+        withheld = _withhold_driver_bindings()
+        try:
+            for name in LEAN_SUBMODULES[1:]:
+                importlib.import_module(f"tvm_ffi.{name}")
+        finally:
+            if withheld is not None:
+                withheld.close()
+                _give_core_the_stand_in(withheld)
         # From here on the package is tvm_ffi's: its spec and loader (reload, importlib
         # tools), and the hooks that complete it on first use of anything else.
         module.__spec__ = self.real
@@ -176,6 +191,85 @@ class _LeanLoader(importlib.abc.Loader):
         # PEP 562 hooks: looked up in the module's namespace, like any global.
         module.__dict__["__getattr__"] = done.getattr
         module.__dict__["__dir__"] = done.dir
+
+
+# tvm_ffi.core's module global holding cuda-python's driver bindings (None without them).
+_CORE_DRIVER_NAME = "cuda_driver"
+_DRIVER = "cuda.bindings.driver"
+
+
+class _Withhold(importlib.abc.MetaPathFinder):
+    """Makes the import of ``names`` fail on one thread while open: the Cython core's
+    ``try: from cuda.bindings import driver / except ImportError`` then takes its
+    no-bindings branch. Other threads import them as usual meanwhile."""
+
+    def __init__(self, names: frozenset[str]):
+        self.names, self.thread, self.hits = names, threading.get_ident(), 0
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in self.names and threading.get_ident() == self.thread:
+            self.hits += 1
+            raise ModuleNotFoundError(f"{fullname} withheld from tvm_ffi's lean import", name=fullname)
+        return None
+
+    def close(self) -> None:
+        try:
+            sys.meta_path.remove(self)
+        except ValueError:
+            pass
+
+
+def _withhold_driver_bindings() -> _Withhold | None:
+    """Withhold cuda-python's driver bindings from the core's import, unless imported
+    already (then the core gets the real module, as with ``import tvm_ffi``)."""
+    if _DRIVER in sys.modules or "tvm_ffi.core" in sys.modules:
+        return None
+    # The package too when it is not in: its own import (cuda.pathfinder, ...) is 3.5 ms.
+    names = frozenset(n for n in ("cuda.bindings", _DRIVER) if n not in sys.modules)
+    finder = _Withhold(names)
+    sys.meta_path.insert(0, finder)
+    return finder
+
+
+class _CUstreamCheck(type):
+    def __instancecheck__(cls, obj) -> bool:
+        # Whoever holds a CUstream imported the driver bindings: no import here, ever.
+        driver = sys.modules.get(_DRIVER)
+        return driver is not None and isinstance(obj, driver.CUstream)
+
+
+class _CUstream(metaclass=_CUstreamCheck):
+    """Stands for ``cuda.bindings.driver.CUstream`` in ``isinstance`` tests."""
+
+
+class DriverStandIn:
+    """tvm_ffi.core's ``cuda_driver`` after a lean import that withheld the driver bindings:
+    ``CUstream`` answers ``isinstance`` as the real class does; any other name is read
+    from the real module (imported then)."""
+
+    CUstream = _CUstream
+
+    def __getattr__(self, name: str):
+        return getattr(importlib.import_module(_DRIVER), name)
+
+    def __repr__(self) -> str:
+        return "<cuda.bindings.driver, imported on first use (quack.runtime.ffi)>"
+
+
+def _give_core_the_stand_in(withheld: _Withhold) -> None:
+    core = sys.modules.get("tvm_ffi.core")
+    if core is None or not withheld.hits:
+        return  # the core was not imported, or did not ask: nothing withheld from it
+    if core.__dict__.get(_CORE_DRIVER_NAME, "missing") is None:
+        # A Cython module's globals live in its __dict__ (looked up by dict version), so
+        # the core's conversion code reads this from its next call on.
+        setattr(core, _CORE_DRIVER_NAME, DriverStandIn())
+        log.debug("tvm_ffi.core: cuda-python's driver bindings withheld; a stand-in until used")
+    else:
+        # Another tvm_ffi keeping them elsewhere: give it the real module, as its own
+        # import would have (the cost this tried to spare, nothing else).
+        log.info("tvm_ffi.core has no %r global: importing the driver bindings", _CORE_DRIVER_NAME)
+        importlib.import_module(_DRIVER)
 
 
 class _OneShot(importlib.abc.MetaPathFinder):
