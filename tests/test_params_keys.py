@@ -186,3 +186,41 @@ def test_keys_identical_across_python_versions():
         assert r.returncode == 0, r.stderr
         out[exe] = r.stdout.strip()
     assert len(set(out.values())) == 1, out
+
+
+def test_specs_are_frozen_values_as_dataclasses_were():
+    """The specs are written out (no dataclass exec at import, issue 15) and keep the frozen
+    dataclass behaviour: equality and hash by class and settings, a dataclass-style repr,
+    positional or keyword settings, no assignment."""
+    from quack.params import Rule
+
+    assert Int(1, 64) == Int(min=1, max=64) and hash(Int(1, 64)) == hash(Int(min=1, max=64))
+    assert Int(1, 64) != Int(1, 65) and Int() != Float() and Dtype() != Choice(("float32",))
+    assert len({Int(1, 2), Int(1, 2), Bool(), Bool(), Choice(("a",)), Choice(("a",))}) == 3
+    assert repr(Int(1)) == "Int(min=1, max=None, choices=None)"
+    assert repr(Bool()) == "Bool()" and repr(Choice(("a", "b"))) == "Choice(choices=('a', 'b'))"
+    assert Dtype().choices == ("float32", "float16", "bfloat16") and Float(0.0).max is None
+    for spec, field in ((Int(1), "min"), (Bool(), "kind"), (Dtype(), "choices")):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(spec, field, 2)
+        with pytest.raises(AttributeError):
+            delattr(spec, field)
+
+    @dataclasses.dataclass(frozen=True)
+    class Tile2:
+        m: int = 1
+
+    @dataclasses.dataclass
+    class Loose:
+        m: int = 1
+
+    assert Config(Tile2) == Config(Tile2) and Config(Tile2).cls is Tile2
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        Config(Loose)
+
+    def rule_check(p):
+        return p["n"] > 0
+
+    r = Rule("n", "positive", rule_check)
+    assert r == Rule("n", "positive", rule_check) and r.check({"n": 1}) is True
+    assert repr(r).startswith("Rule(param='n', allowed='positive', check=<function")
