@@ -31,6 +31,20 @@ SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in 
 RING_MIN_CLUSTER = {"rms_wide": 4, "layer": 4, "layer_wide": 4}
 RING_SMEM_KB = 220
 WIDE_PERM = {"rms": False, "layer": True}
+# Round 3 (benchmarks/tune_k3.py rewrites these two lines): the ring also for rows of ONE
+# 256-thread CTA (N in (8192, 16384] for 16-bit x: the weight / bias slice staged once
+# instead of re-read from L2 for every row), by key; and the ring's shape by "key@cluster"
+# of the default plan: "CxE" = C CTAs per SM (C > 1: the shared memory of one SM split C
+# ways, so a 1-stage ring), E elements a thread (128: half the cluster, twice the
+# registers), "p" appended: the spread layout of a wide weight (``WIDE_PERM``) there.
+# Absent: "1x64". GPCs hold whole clusters: clusters of 4 CTAs fill 120 of the H200's 132
+# SMs at one CTA per SM (30 clusters), 248 of 264 CTA slots at 2 (62), and clusters of 2
+# all 132 (66). Measured (tune_k3.py, bf16 x, TB/s): RMSNorm fp32 w 32768x65536 "1x64"
+# 3.76, "2x64" 3.84, "2x64p" 3.87, "1x128" 3.91, "1x128p" 3.92; LayerNorm 32768x16384
+# clusterless ring 3.80-3.84 vs row tile 4.04 (kept off), fp32 w + b 3.83 vs 3.69 (on).
+RING_CLUSTERLESS = {"rms_wide": False, "layer": False, "layer_wide": True}
+RING_SHAPE: dict = {"rms_wide@4": "1x128p"}
+SM_SMEM = 228 * 1024  # sm_90's shared memory per SM (each resident CTA reserves 1 KiB of it)
 
 
 def reducer_bytes(plan) -> int:
@@ -92,26 +106,51 @@ def _ring_cfg(
     wbits = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)]
     if not tune.get("ring_same", kind == "layer") and wbits <= width:
         return None
-    plan = plan_rows(n, width, budget=64)
+    base = plan_rows(n, width, budget=64)
     key = kind + ("_wide" if wbits > width else "")
-    if plan.cluster_n < max(2, tune.get("ring_min_cluster", RING_MIN_CLUSTER.get(key, 16))):
+    if base.cluster_n == 1:
+        # one 256-thread CTA a row: a clusterless ring (block-level reductions)
+        if not tune.get("ring_clusterless", RING_CLUSTERLESS.get(key, False)) or base.num_threads != 256:
+            return None
+    elif base.cluster_n < max(2, tune.get("ring_min_cluster", RING_MIN_CLUSTER.get(key, 16))):
         return None
-    if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128:
+    ctas, elems, spread = parse_shape(RING_SHAPE.get(f"{key}@{base.cluster_n}", "1x64"))
+    ctas = int(tune.get("ctas_per_sm", ctas))
+    elems = int(tune.get("ring_budget", elems))
+    plan = plan_rows(n, width, budget=elems)
+    if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128 or plan.num_threads != 256:
         return None
     wb_bytes = (int(has_weight) + int(has_bias)) * plan.tile_n * wbits // 8
     stage_bytes = plan.tile_n * width // 8
     fixed = reducer_bytes(plan) + wb_bytes
-    budget = min(SMEM_MAX, tune.get("smem_kb", RING_SMEM_KB) * 1024)
+    budget = min(SMEM_MAX, tune.get("smem_kb", RING_SMEM_KB) * 1024, SM_SMEM // ctas - 1024)
     stages = min(tune.get("stages", 4), (budget - fixed) // stage_bytes)
-    if stages < 2:
+    # one stage (read, then refill with the next row) where the shared memory is shared
+    # by 2+ CTAs or holds a larger slice; 2+ otherwise (the round-1 / 2 ring)
+    if stages < (1 if ctas > 1 or elems > 64 else 2):
         return None
     return dict(
         stages=stages,
         cp_async_wb=32 <= plan.vec * wbits <= 128,
-        wide_perm=bool(tune.get("wide_perm", WIDE_PERM[kind])),
+        wide_perm=bool(tune.get("wide_perm", spread or WIDE_PERM[kind])),
         smem_bytes=fixed + stages * stage_bytes,
         clusters=tune.get("ring_clusters"),
+        ctas_per_sm=ctas,
+        budget=elems,
     )
+
+
+def parse_shape(spec: str):
+    """A ``RING_SHAPE`` value "CxE" or "CxEp" -> (CTAs per SM, elements a thread, spread
+    layout of a wide weight: "p" turns it on for this shape whatever ``WIDE_PERM`` says)."""
+    spread = spec.endswith("p")
+    ctas, elems = spec.removesuffix("p").split("x")
+    return int(ctas), int(elems), spread
+
+
+def ring_plan(n: int, dtype: str, cfg):
+    """The row plan of a ring configuration (its elements a thread: ``cfg["budget"]``)."""
+    return plan_rows(n, WIDTHS[dtype], budget=cfg.get("budget", 64))
 
 
 def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:
@@ -125,21 +164,38 @@ def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:
 
     if cfg is None:
         return 1
-    plan = plan_rows(n, WIDTHS[dtype], budget=64)
+    plan = ring_plan(n, dtype, cfg)
+    ctas = cfg.get("ctas_per_sm", 1)
     if cfg.get("clusters"):
         clusters = cfg["clusters"]
+    elif plan.cluster_n == 1:
+        # no cluster, no GPC packing: the CTAs per SM the shared memory was sized for (and
+        # the launch bounds ask ptxas for)
+        clusters = kt.sm_count(device) * ctas
     else:
-        guess = kt.sm_count(device) // plan.cluster_n - (1 if plan.cluster_n >= 4 else 0)
+        guess = kt.sm_count(device) * ctas // plan.cluster_n - (1 if plan.cluster_n >= 4 else 0)
         clusters = _occupancy.max_active_clusters(
             kt.device_index(device), plan.cluster_n, plan.num_threads, cfg["smem_bytes"], max(1, guess)
         )
     return max(1, min(m, clusters))
 
 
+def ring_launch_kwargs(plan, m, stream, num_blocks, cfg):
+    """The ring kernel's launch: grid (num_blocks, cluster_n); with 2+ CTAs per SM, launch
+    bounds that hold ptxas to that many (the shared memory is sized for them)."""
+    from . import _rowreduce as rr
+
+    ctas = cfg.get("ctas_per_sm", 1)
+    kw = rr.launch_kwargs(plan, m, stream, min_blocks=ctas if ctas > 1 else 0)
+    kw["grid"] = [num_blocks, plan.cluster_n, 1]
+    return kw
+
+
 def ring_kernel(kind: str, plan, dt, wdt, cfg):
     """The ring forward kernel of ``kind`` ("rms" or "layer"), traced by the caller's
     ``cute.compile``: kernel(mX, mW, mB, mY, mMean|None, mRstd, eps), grid
-    (num_blocks, cluster_n), one CTA / SM."""
+    (num_blocks, cluster_n) (``ring_launch_kwargs``), ``cfg["ctas_per_sm"]`` CTAs / SM;
+    ``plan`` is ``ring_plan``'s."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
@@ -182,8 +238,8 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         )
         thr = tc.get_slice(tidx)
         grid_m = cute.arch.grid_dim()[0]
-        # prologue: row tiles 0 .. stages-2 of this CTA
-        for s in cutlass.range_constexpr(stages - 1):
+        # prologue: row tiles 0 .. stages-2 of this CTA (with one stage: tile 0)
+        for s in cutlass.range_constexpr(max(stages - 1, 1)):
             ts = bidx + s * grid_m
             if ts < m:
                 cute.copy(
@@ -197,16 +253,19 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         for tile in cutlass.range(bidx, m, grid_m, unroll=1):
             it = (tile - bidx) // grid_m
             t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
-            # refill the stage read by the previous iteration with tile it + stages - 1
-            tn = tile + (stages - 1) * grid_m
-            if tn < m:
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
-                    thr.partition_D(sX[None, None, (it + stages - 1) % stages]),
-                )
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(stages - 1)
+            if const_expr(stages > 1):
+                # refill the stage read by the previous iteration with tile it + stages - 1
+                tn = tile + (stages - 1) * grid_m
+                if tn < m:
+                    cute.copy(
+                        tc,
+                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
+                        thr.partition_D(sX[None, None, (it + stages - 1) % stages]),
+                    )
+                cute.arch.cp_async_commit_group()
+                cute.arch.cp_async_wait_group(stages - 1)
+            else:
+                cute.arch.cp_async_wait_group(0)
             x = t.thr.partition_S(sX[None, None, it % stages]).load().to(Float32)
             j = it % 2
             ph = (it // 2) % 2
@@ -215,6 +274,22 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 mt = x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0) * (1.0 / e)
                 d = x - mt
                 m2t = (d * d).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+            else:
+                sst = (x * x).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+            if const_expr(stages == 1):
+                # one stage: refill it with this CTA's next row now that this thread holds
+                # its vectors in registers (each thread copies and reads only its own
+                # vectors, and its reads above precede this copy in program order), so the
+                # next row's loads are in flight across this row's reduction and store
+                tn = tile + grid_m
+                if tn < m:
+                    cute.copy(
+                        tc,
+                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
+                        thr.partition_D(sX[None, None, 0]),
+                    )
+                cute.arch.cp_async_commit_group()
+            if const_expr(layer):
                 mb = (rmbar + j) if const_expr(plan.cluster_n > 1) else None
                 mean, m2 = rr.row_allreduce_pair(
                     Float32(mt),
@@ -232,15 +307,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 y = (x - mean) * rstd
                 t.write_row_scalar(mMean, mean)
             else:
-                ss = rr.reduce_stage(
-                    (x * x).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0),
-                    "sum",
-                    plan,
-                    rbuf,
-                    rmbar,
-                    j,
-                    ph,
-                )
+                ss = rr.reduce_stage(sst, "sum", plan, rbuf, rmbar, j, ph)
                 rstd = cute.math.rsqrt(ss * inv_n + eps, fastmath=True)
                 y = x * rstd
             t.store_affine_smem(y, t.part(mY), sW, sB, mW, mB, wait=False)

@@ -47,9 +47,10 @@ def compile_layernorm_fwd(
     min_blocks = _TUNE.get("min_blocks", 0) if stage_wb else 0
     rcfg = fwd_ring_cfg(dtype, n, has_weight, has_bias, weight_dtype)
     if rcfg is not None:
-        from ._norm_fwd import ring_kernel
+        from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
 
-        ring = ring_kernel("layer", plan, dt, wdt, rcfg)
+        rplan = ring_plan(n, dtype, rcfg)
+        ring = ring_kernel("layer", rplan, dt, wdt, rcfg)
 
     @cute.kernel
     def kernel(
@@ -126,8 +127,7 @@ def compile_layernorm_fwd(
     ):
         m = cute.size(mX, mode=[0])
         if const_expr(rcfg is not None):
-            kw = rr.launch_kwargs(plan, m, stream)
-            kw["grid"] = [num_blocks, plan.cluster_n, 1]
+            kw = ring_launch_kwargs(rplan, m, stream, num_blocks, rcfg)
             ring(mX, mW, mB, mY, mMean, mRstd, eps).launch(**kw)
         else:
             kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(

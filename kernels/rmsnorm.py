@@ -59,11 +59,21 @@ def compile_rmsnorm_fwd(
     # 3 CTAs/SM (80 registers) on the staged path; the late, element-wise fp32 weight
     # path would spill there (ptxas: 52 bytes at N = 65536), so it keeps 128 registers
     min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else _TUNE.get("late_min_blocks", 0)
+    # x through shared memory (``x_smem_ok``): cp.async'ed, read for the reduction and read
+    # again for y, so x is not live in registers across the cluster reduction
+    x_smem = x_smem_ok(plan, dt.width, has_residual) and not late_wb
+    xs = X_SMEM | {k[2:]: v for k, v in _TUNE.items() if k in ("x_ca", "x_w_regs", "x_min_blocks")}
+    w_regs = False
+    if x_smem:
+        w_regs = bool(xs["w_regs"]) and not late_wb
+        stage_wb = stage_wb and not w_regs
+        min_blocks = int(xs["min_blocks"])
     rcfg = fwd_ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype)
     if rcfg is not None:
-        from ._norm_fwd import ring_kernel
+        from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
 
-        ring = ring_kernel("rms", plan, dt, wdt, rcfg)
+        rplan = ring_plan(n, dtype, rcfg)
+        ring = ring_kernel("rms", rplan, dt, wdt, rcfg)
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mR, mY: cute.Tensor, mRo, mRstd: cute.Tensor, eps: Float32):
@@ -111,6 +121,59 @@ def compile_rmsnorm_fwd(
             t.store(y, t.part(mY))
         t.write_row_scalar(mRstd, rstd)
 
+    @cute.kernel
+    def kernel_xs(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mRstd: cute.Tensor, eps: Float32):
+        # x through shared memory (``x_smem_ok``): not live in registers across the reduction
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=1)
+        sX = smem.allocate_tensor(
+            dt, cute.make_ordered_layout(rr.tiler(plan), order=(1, 0)), byte_alignment=128
+        )
+        tc = cute.make_tiled_copy_tv(
+            rr.cp_async_atom(dt, plan.vec * dt.width, bypass_l1=not xs["ca"]),
+            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
+            cute.make_layout((1, plan.vec)),
+        )
+        thr = tc.get_slice(tidx)
+        if t.row < m:
+            cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), t.coord)), thr.partition_D(sX))
+        cute.arch.cp_async_commit_group()
+        sW = None
+        sB = None
+        if const_expr(w_regs):
+            if const_expr(mW is not None):
+                rW = t.load_bcast(t.part_bcast(mW))
+            if const_expr(mB is not None):
+                rB = t.load_bcast(t.part_bcast(mB))
+        elif const_expr(stage_wb):
+            sW, sB = t.stage_bcast(smem, wdt, mW, mB)
+        # x's group only (a staged weight's group may still be in flight)
+        cute.arch.cp_async_wait_group(1 if const_expr(stage_wb) else 0)
+        tX = t.thr.partition_S(sX)
+        h = tX.load().to(Float32)
+        sst = (h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+        # after the thread's partial sum: ptxas keeps values live across the cluster wait
+        # (the row in fp32 here: 104 registers instead of 58)
+        red.wait_cluster()
+        ss = red.reduce(sst, "sum", 0)
+        rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
+        t.write_row_scalar(mRstd, rstd)
+        y = tX.load().to(Float32) * rstd
+        if const_expr(w_regs):
+            if const_expr(mW is not None):
+                y = y * rW.load().to(Float32)
+            if const_expr(mB is not None):
+                y = y + rB.load().to(Float32)
+            t.store(y, t.part(mY))
+        elif const_expr(stage_wb):
+            t.store_affine_smem(y, t.part(mY), sW, sB, mW, mB)
+        else:
+            t.store_affine(
+                y,
+                t.part(mY),
+                t.part_bcast(mW) if const_expr(mW is not None) else None,
+                t.part_bcast(mB) if const_expr(mB is not None) else None,
+            )
+
     @cute.jit
     def launch(
         mX: cute.Tensor,
@@ -126,9 +189,12 @@ def compile_rmsnorm_fwd(
     ):
         m = cute.size(mX, mode=[0])
         if const_expr(rcfg is not None):
-            kw = rr.launch_kwargs(plan, m, stream)
-            kw["grid"] = [num_blocks, plan.cluster_n, 1]
+            kw = ring_launch_kwargs(rplan, m, stream, num_blocks, rcfg)
             ring(mX, mW, mB, mY, None, mRstd, eps).launch(**kw)
+        elif const_expr(x_smem):
+            kernel_xs(mX, mW, mB, mY, mRstd, eps).launch(
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+            )
         else:
             kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
                 **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
@@ -144,6 +210,33 @@ def compile_rmsnorm_fwd(
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     return cute.compile(
         launch, x, w, b, r, y, ro, rstd, Float32(1e-6), Int32(1), stream, options="--enable-tvm-ffi"
+    )
+
+
+# The row-tile forward with x through shared memory (the reference library's copy path at
+# large N: cp.async, read twice): by the plan's cluster size, from X_SMEM_MIN_CLUSTER up
+# (benchmarks/tune_k3.py rewrites the two lines); "ca": cp.async through L1 (.ca, as the
+# reference) instead of .cg; "w_regs": the weight read into registers before the
+# reduction (the reference's order) instead of cp.async'ed into shared memory;
+# "min_blocks": CTAs per SM asked of ptxas. _TUNE overrides: "x_smem", "x_ca", "x_w_regs",
+# "x_min_blocks", "x_smem_min_cluster".
+X_SMEM_MIN_CLUSTER = 8
+X_SMEM = {"ca": False, "w_regs": True, "min_blocks": 4}
+
+
+def x_smem_ok(plan, width: int, has_residual: bool) -> bool:
+    """The row-tile forward stages x in shared memory (16-bit rows, one row a CTA over a
+    cluster of ``X_SMEM_MIN_CLUSTER`` CTAs or more, even tiling, 16-byte vectors, no
+    residual; measured only so: fp32 rows would need 64 KiB a CTA, 3 CTAs / SM). The
+    caller also leaves out weights wider than the rows (read element-wise from L2)."""
+    on = _TUNE.get("x_smem", plan.cluster_n >= _TUNE.get("x_smem_min_cluster", X_SMEM_MIN_CLUSTER))
+    return bool(on) and (
+        width == 16
+        and plan.cluster_n > 1
+        and plan.rows_per_cta == 1
+        and plan.even
+        and plan.vec * width == 128
+        and not has_residual
     )
 
 

@@ -11,7 +11,17 @@ import logging
 import pytest
 from quack_kernels import _norm_fwd, _occupancy
 from quack_kernels._norm_bwd import bwd_plan, w_smem_ok
-from quack_kernels._norm_fwd import RING_MIN_CLUSTER, SMEM_MAX, WIDE_PERM, reducer_bytes, ring_cfg
+from quack_kernels._norm_fwd import (
+    RING_MIN_CLUSTER,
+    RING_SHAPE,
+    SM_SMEM,
+    SMEM_MAX,
+    WIDE_PERM,
+    parse_shape,
+    reducer_bytes,
+    ring_cfg,
+    ring_plan,
+)
 from quack_kernels._plan import plan_rows
 
 
@@ -20,10 +30,12 @@ def _ring(kind="rms", dtype="bfloat16", n=262144, w=True, b=False, res=False, wd
 
 
 def _fits(cfg, n, count, wbits):
-    """The configuration's shared memory: reduction buffers, weight / bias, x stages."""
-    plan = plan_rows(n, 16, budget=64)
+    """The configuration's shared memory: reduction buffers, weight / bias, x stages, within
+    a CTA's share of the SM (``ctas_per_sm``)."""
+    plan = ring_plan(n, "bfloat16", cfg)
     want = reducer_bytes(plan) + count * plan.tile_n * wbits // 8 + cfg["stages"] * plan.tile_n * 2
-    return cfg["smem_bytes"] == want and want <= SMEM_MAX
+    per_cta = min(SMEM_MAX, SM_SMEM // cfg["ctas_per_sm"] - 1024)
+    return cfg["smem_bytes"] == want and want <= per_cta
 
 
 def test_ring_forward_for_16_cta_rows_and_fits_shared_memory():
@@ -82,6 +94,77 @@ def test_ring_forward_tune_knobs():
     assert _ring("layer", b=True)["wide_perm"] is WIDE_PERM["layer"]
 
 
+def test_ring_one_stage_shapes():
+    """Round 3's ring shapes (``RING_SHAPE`` / knobs): 2 CTAs per SM split the SM's shared
+    memory (one x stage beside the fp32 weight slice), 128 elements a thread halve the
+    cluster (clusters of 2 at N = 65536); both fit, with a single stage."""
+    two = _ring(n=65536, tune={"ctas_per_sm": 2, "ring_budget": 64})
+    assert two["ctas_per_sm"] == 2 and two["stages"] == 1 and _fits(two, 65536, 1, 32)
+    assert ring_plan(65536, "bfloat16", two).cluster_n == 4
+    wide = _ring(n=65536, tune={"ring_budget": 128, "ctas_per_sm": 1})
+    assert wide["budget"] == 128 and wide["stages"] == 1 and _fits(wide, 65536, 1, 32)
+    plan = ring_plan(65536, "bfloat16", wide)
+    assert plan.cluster_n == 2 and plan.elems_per_thread == 128 and plan.even
+    # fp32 weight + bias (128 KiB a CTA at clusters of 4) leave no stage at 2 CTAs per SM
+    assert _ring("layer", n=65536, b=True, tune={"ctas_per_sm": 2}) is None
+    # the round-1 / 2 ring keeps at least 2 stages: a stage limit of 1 is refused there
+    assert _ring(n=65536, tune={"stages": 1, "ring_budget": 64, "ctas_per_sm": 1}) is None
+
+
+def test_ring_shape_defaults_parse_and_apply():
+    """Every ``RING_SHAPE`` entry parses ("CxE" / "CxEp") and yields a ring that fits where
+    its key applies (RMSNorm fp32 w at N = 65536: clusters of 2, spread weight)."""
+    for spec in RING_SHAPE.values():
+        ctas, elems, _ = parse_shape(spec)
+        assert ctas >= 1 and elems in (64, 128)
+    assert parse_shape("1x128p") == (1, 128, True) and parse_shape("2x64") == (2, 64, False)
+    cfg = _ring(n=65536)
+    want = parse_shape(RING_SHAPE.get("rms_wide@4", "1x64"))
+    assert (cfg["ctas_per_sm"], cfg["budget"]) == want[:2] and _fits(cfg, 65536, 1, 32)
+    assert cfg["wide_perm"] is (want[2] or WIDE_PERM["rms"])
+    # the other cluster sizes keep the round-2 shape
+    assert _ring()["budget"] == 64 and _ring()["ctas_per_sm"] == 1
+
+
+def test_ring_clusterless_only_for_one_full_cta_a_row():
+    """The ring on rows of one CTA (LayerNorm N = 16384): a knob / default per key, only for
+    256-thread plans (N = 8192 runs 128 threads a row: the row-tile kernel stays)."""
+    on = {"ring_clusterless": True}
+    cfg = _ring("layer", n=16384, b=True, wdt="same", tune=on)
+    assert cfg is not None and cfg["stages"] == 4 and _fits(cfg, 16384, 2, 16)
+    assert ring_plan(16384, "bfloat16", cfg).cluster_n == 1
+    two = _ring("layer", n=16384, b=True, wdt="same", tune={**on, "ctas_per_sm": 2})
+    assert two["stages"] == 1 and _fits(two, 16384, 2, 16)
+    assert _ring("layer", n=8192, b=True, wdt="same", tune=on) is None
+    assert _ring("layer", n=16384, b=True, wdt="same", tune={"ring_clusterless": False}) is None
+    # clusters of 2 stay below RING_MIN_CLUSTER whatever the clusterless flag says
+    assert _ring("layer", n=32768, b=True, wdt="same", tune=on) is None
+
+
+def test_rmsnorm_x_smem_plans():
+    """The row-tile RMSNorm forward stages x in shared memory only for one even row a CTA
+    over a cluster from ``X_SMEM_MIN_CLUSTER`` up, without a residual (knob overrides)."""
+    from quack_kernels import rmsnorm
+
+    def ok(n, res=False, **tune):
+        old = dict(rmsnorm._TUNE)
+        rmsnorm._TUNE.clear()
+        rmsnorm._TUNE.update(tune)
+        try:
+            return rmsnorm.x_smem_ok(plan_rows(n, 16, budget=64), 16, res)
+        finally:
+            rmsnorm._TUNE.clear()
+            rmsnorm._TUNE.update(old)
+
+    assert ok(262144, x_smem=True) and ok(65536, x_smem=True)
+    assert not ok(262144, res=True, x_smem=True)
+    assert not ok(262143, x_smem=True)  # odd: a column predicate
+    assert not ok(16384, x_smem=True)  # no cluster
+    assert not rmsnorm.x_smem_ok(plan_rows(262144, 32, budget=64), 32, False)  # fp32 rows
+    assert ok(262144, x_smem_min_cluster=16) and not ok(131072, x_smem_min_cluster=16)
+    assert ok(262144) is (16 >= rmsnorm.X_SMEM_MIN_CLUSTER)
+
+
 class _Dev:
     """Stands in for the torch device: ring_grid only passes it to the (patched) helpers."""
 
@@ -125,6 +208,23 @@ def test_ring_grid_is_the_occupancy_calculators_cached_per_shape(fake_gpu):
     assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, pinned, _Dev()) == 5
     assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, None, _Dev()) == 1
     assert len(calls) == 2
+
+
+def test_ring_grid_two_ctas_per_sm_and_clusterless(fake_gpu):
+    """2 CTAs per SM: the occupancy calculator is asked with the halved shared memory (it
+    answers for 2 a SM); without a cluster the grid is SMs x CTAs per SM, no query."""
+    answers, calls = fake_gpu
+    answers.update({4: 66})
+    two = _ring(n=65536, tune={"ctas_per_sm": 2, "ring_budget": 64})
+    assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, two, _Dev()) == 66
+    assert calls == [(0, 4, 256, two["smem_bytes"])] and two["smem_bytes"] <= SM_SMEM // 2 - 1024
+    on = {"ring_clusterless": True}
+    one = _ring("layer", n=16384, b=True, wdt="same", tune=on)
+    assert _norm_fwd.ring_grid(32768, "bfloat16", 16384, one, _Dev()) == 132
+    both = _ring("layer", n=16384, b=True, wdt="same", tune={**on, "ctas_per_sm": 2})
+    assert _norm_fwd.ring_grid(32768, "bfloat16", 16384, both, _Dev()) == 264
+    assert _norm_fwd.ring_grid(100, "bfloat16", 16384, both, _Dev()) == 100
+    assert len(calls) == 1
 
 
 def test_ring_grid_without_an_answer_estimates_and_warns_once(fake_gpu, caplog):

@@ -139,15 +139,16 @@ def test_layernorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
 
 @pytest.mark.parametrize("kind", ("rms", "layer"))
 @pytest.mark.parametrize("wdt", ("bfloat16", "float32"))
-@pytest.mark.parametrize("n", (65536, 131072, 262144))
+@pytest.mark.parametrize("n", (16384, 65536, 131072, 262144))
 def test_norm_fwd_every_ring_cluster_size(kind, wdt, n):
-    """The forwards at the three cluster sizes the persistent ring may take (4 / 8 / 16
-    CTAs a row, by ``_norm_fwd.RING_MIN_CLUSTER``), with more rows than the grid holds
-    clusters: every CTA loops over several rows."""
+    """The forwards at the cluster sizes the persistent ring may take (none / 4 / 8 / 16
+    CTAs a row, by ``_norm_fwd.RING_CLUSTERLESS`` / ``RING_MIN_CLUSTER`` / ``RING_SHAPE``),
+    with more rows than the grid holds clusters: every CTA loops over several rows (and the
+    row-tile RMSNorm's x-in-shared-memory path, ``rmsnorm.X_SMEM_MIN_CLUSTER``)."""
     from quack_kernels.layernorm import layernorm_fwd
     from quack_kernels.rmsnorm import rmsnorm_fwd
 
-    m = 2 * torch.cuda.get_device_properties(0).multi_processor_count + 5
+    m = 4 * torch.cuda.get_device_properties(0).multi_processor_count + 5
     x = _rand((m, n), torch.bfloat16, 0, shift=0.5)
     w, b = _rand((n,), TD[wdt], 1), _rand((n,), TD[wdt], 2)
     xf = x.float()
