@@ -47,7 +47,7 @@ def _default_tune(n: int) -> dict:
 # Round-3 defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on
 # the H200 by benchmarks/tune_k3.py, which rewrites this line. A forward class's set
 # replaces ``_default_tune``'s whole; an explicit ``_TUNE`` replaces both.
-DEFAULTS: dict = {}
+DEFAULTS: dict = {"bwd_mid": {"bwd_budget": 128, "bwd_smem": True}}
 
 
 def size_class(dtype: str, n: int):

@@ -23,13 +23,13 @@ _TUNE: dict = {}
 # (``_TUNE["bwd_budget"]`` overrides; measured on the H200 with benchmarks/tune_k2.py,
 # which rewrites these two lines).
 BWD_BUDGET_SMALL = 32
-BWD_BUDGET_MID = 32
+BWD_BUDGET_MID = 16
 
 
 # Round-3 defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on
 # the H200 by benchmarks/tune_k3.py, which rewrites this line. An explicit ``_TUNE`` (a
 # measured variant) replaces them whole.
-DEFAULTS: dict = {}
+DEFAULTS: dict = {"mid": {"bwd_min_blocks": 4}}
 
 
 def size_class(dtype: str, n: int):
