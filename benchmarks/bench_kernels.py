@@ -2,17 +2,28 @@
 torch.compile on the GPU, side by side in one run.
 
     python benchmarks/bench_kernels.py [--ops rmsnorm_fwd,softmax_fwd,...] [--no-compile]
-        [--dtype bfloat16] [--shapes 32768x4096,32768x16384,32768x65536,4096x262144]
-        [--ref DIR] [--ref-ops OPS] [--json out.json]
+        [--compile-ops OPS] [--no-eager] [--dtype bfloat16]
+        [--shapes 32768x4096,32768x16384,32768x65536,4096x262144] [--allocs 3] [--reps 30]
+        [--ref DIR] [--ref-ops OPS] [--ref-timeout S] [--json out.json]
 
-Median kernel time over reps (CUDA events, L2 flushed before every rep by writing a
-256 MiB buffer), effective bandwidth = bytes read + written / time (TB = 1e12 B).
+Method (every column alike: ours, the reference, torch eager, torch.compile):
+- Per op x shape, ``--allocs`` K input sets (default 3) are allocated side by side, all
+  alive at once, so each lands elsewhere in device memory: the ~135 µs shapes spread by
+  ~10 % between allocations of one binary (docs/kernels.md, "Measurement"). Inputs are
+  pure torch, seeded per (shape, k): every process builds the same K sets.
+- Each column makes its first call (compile / load) outside the timing, then on set k
+  every column is timed once (median of ``--reps`` calls, CUDA events, L2 flushed before
+  every call by writing a 256 MiB buffer) before any is timed on set k + 1; the columns'
+  order rotates with k. A column's figure is the median of its K medians
+  (``median_of_medians``); the JSON keeps the K medians.
+- Effective bandwidth = bytes read + written / time (TB = 1e12 B).
 
 ``--ref DIR``: the reference library installed in DIR (``pip install --no-deps --target
 DIR quack_kernels-0.6.4-py3-none-any.whl``). Its import name is ``quack``, like this
-project's build system, so it runs in a subprocess (``--ref-worker``) with DIR first on
-the path: same inputs (pure torch setups, same seed), same timing function; its figures
-become the ``ref`` column of the table and the JSON.
+project's build system, so it runs in a worker subprocess (``--ref-worker``) with DIR first
+on the path, which builds the same K input sets and is asked, between our columns, for
+its time on set k (so its timings interleave with ours). Its replies are awaited with a
+deadline (``--ref-timeout`` seconds in all): a late or dead worker ends its column only.
 """
 
 import argparse
@@ -250,14 +261,72 @@ def rnd(m, n, dt):
     return torch.randn(m, n, device="cuda", dtype=dt)
 
 
-def time_fn(f, a, reps):
-    """(µs, None) or (None, error text): the first call outside the timing (compile / load)."""
+# ----------------------------------------------------------------------------- fair timing
+# (pure logic: tests/kernels/test_bench_fair.py)
+
+
+def median_of_medians(meds):
+    """The figure of one column: the median of its per-allocation medians (the mean of the
+    two middle ones for an even count); None when nothing was measured."""
+    vals = sorted(v for v in meds if v is not None)
+    if not vals:
+        return None
+    h = len(vals) // 2
+    return vals[h] if len(vals) % 2 else (vals[h - 1] + vals[h]) / 2
+
+
+def interleave_order(cols, k):
+    """The columns' timing order on allocation ``k``: rotated by k, so that no column is
+    always timed first (right after the inputs are written) or last."""
+    cols = list(cols)
+    if not cols:
+        return cols
+    k %= len(cols)
+    return cols[k:] + cols[:k]
+
+
+def best_peer_ratio(res, peers=("ref", "eager", "compile")):
+    """best peer µs / ours µs (> 1: ours is faster), or None without both."""
+    ours = res.get("ours")
+    times = [res[k][0] for k in peers if res.get(k)]
+    if not ours or not times:
+        return None
+    return min(times) / ours[0]
+
+
+def seed_of(m, n, k):
+    """The inputs' seed of allocation k of shape (m, n): the same in this process and in the
+    reference worker."""
+    return m * 1000003 + n + 7919 * k
+
+
+def make_sets(setup, m, n, allocs, prep=None):
+    """``allocs`` input sets of one op x shape, allocated side by side (all alive at once, so
+    each lands elsewhere in device memory)."""
+    sets = []
+    for k in range(allocs):
+        torch.manual_seed(seed_of(m, n, k))
+        a = setup(m, n)
+        sets.append(prep(*a) if prep else a)
+    return sets
+
+
+def first_call(f, a):
+    """None or the error text: the first call (compile / load) outside the timing."""
     try:
         f(*a)
         torch.cuda.synchronize()
-        return bench(lambda: f(*a), reps=reps), None
+        return None
     except Exception as e:  # noqa: BLE001 - a failing column must not cost the others
-        return None, f"{type(e).__name__}: {str(e)[:200]}"
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def time_fn(f, a, reps):
+    """(µs, None) or (None, error text): the first call outside the timing (compile / load)."""
+    err = first_call(f, a)
+    if err:
+        return None, err
+    return bench(lambda: f(*a), reps=reps), None
 
 
 def _fp32_affine(x, w, b, *rest):
@@ -270,64 +339,184 @@ def _fp32_affine(x, w, b, *rest):
 REF_PREP = {"layernorm_fwd": _fp32_affine, "layernorm_bwd": _fp32_affine}
 
 
-def ref_worker(args, dt, shapes, ops):
-    """Time the reference library alone (this process has its install dir first on the
-    path); one JSON row per op x shape to ``args.json``."""
+# ----------------------------------------------------------------------------- reference worker
+
+
+def ref_worker(args, dt):
+    """The reference library's column, served to the main process one allocation at a time
+    (this process has the reference's install dir first on the path: its import name is
+    ``quack`` too). Requests are JSON lines on stdin, replies ``@@``-prefixed JSON lines on
+    stdout: {"cmd": "setup", "op", "m", "n", "allocs"} builds the input sets and makes the
+    first call -> {"error"}; {"cmd": "time", "k"} -> {"us"} or {"error"}; {"cmd": "free"};
+    EOF or {"cmd": "quit"} ends it."""
     sys.path.insert(0, args.ref)
     import quack
 
+    def reply(**kw):
+        sys.stdout.write("@@" + json.dumps(kw) + "\n")
+        sys.stdout.flush()
+
     if not os.path.abspath(quack.__file__).startswith(os.path.abspath(args.ref)):
-        raise SystemExit(
-            f"--ref-worker: 'quack' resolves to {quack.__file__}, not the reference in {args.ref}"
-        )
-    setups, fns, rows = make_setups(dt), ref_fns(), []
-    for name in ops:
-        setup, nbytes = setups[name]
-        for m, n in shapes:
-            torch.manual_seed(m * 1000003 + n)
-            a = REF_PREP.get(name, lambda *t: t)(*setup(m, n))
-            us, err = time_fn(fns[name], a, args.reps)
-            rows.append(
-                dict(op=name, m=m, n=n, ref=(us, nbytes(m, n) / us / 1e6) if us else None, ref_error=err)
-            )
-            print(f"ref {name} {m}x{n}: {f'{us:.0f} us' if us else err}", flush=True)
-            del a
+        reply(error=f"'quack' resolves to {quack.__file__}, not the reference in {args.ref}")
+        return
+    setups, fns = make_setups(dt), ref_fns()
+    reply(ready=True)
+    sets, fn = [], None
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req.get("cmd")
+        try:
+            if cmd == "setup":
+                sets, fn = [], fns[req["op"]]
+                torch.cuda.empty_cache()
+                setup = setups[req["op"]][0]
+                sets = make_sets(setup, req["m"], req["n"], req["allocs"], REF_PREP.get(req["op"]))
+                reply(error=first_call(fn, sets[0]))
+            elif cmd == "time":
+                a = sets[req["k"]]
+                reply(us=bench(lambda: fn(*a), reps=req["reps"]))
+            elif cmd == "free":
+                sets = []
+                torch.cuda.empty_cache()
+                reply(ok=True)
+            else:
+                break
+        except Exception as e:  # noqa: BLE001 - report, keep serving
+            sets = [] if isinstance(e, torch.cuda.OutOfMemoryError) else sets
             torch.cuda.empty_cache()
-            # after every row: a timed-out worker still leaves what it measured
-            with open(args.json + ".tmp", "w") as f:
-                json.dump(rows, f)
-            os.replace(args.json + ".tmp", args.json)
+            reply(error=f"{type(e).__name__}: {str(e)[:200]}")
 
 
-def run_ref(args, ops, timeout_s):
-    """The reference's figures {(op, m, n): row} from a ``--ref-worker`` subprocess."""
-    import subprocess
-    import tempfile
+class RefClient:
+    """The ``--ref-worker`` subprocess, asked for the reference's time on allocation k
+    between our columns' timings (so it runs under the same conditions, interleaved). Every
+    reply is awaited with a deadline: the worker's total time is bounded by ``timeout_s``;
+    a late or dead worker ends the reference column, not the benchmark."""
 
-    with tempfile.TemporaryDirectory() as d:
-        out = os.path.join(d, "ref.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--ref-worker", "--ref", args.ref, "--json", out]
-        cmd += [
-            "--ops",
-            ",".join(ops),
+    def __init__(self, args, timeout_s):
+        import queue
+        import subprocess
+        import tempfile
+        import threading
+
+        self.deadline = time.time() + timeout_s
+        self.errlog = tempfile.NamedTemporaryFile("w+", suffix=".ref.log", delete=False)
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--ref-worker",
+            "--ref",
+            args.ref,
             "--dtype",
             args.dtype,
-            "--shapes",
-            args.shapes,
-            "--reps",
-            str(args.reps),
         ]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([args.ref, os.environ.get("PYTHONPATH", "")]))
+        self.p = subprocess.Popen(
+            cmd,
+            env=env,
+            cwd=tempfile.gettempdir(),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errlog,
+            text=True,
+        )
+        self.q: queue.Queue = queue.Queue()
+
+        def pump():
+            for line in self.p.stdout:
+                if line.startswith("@@"):
+                    self.q.put(json.loads(line[2:]))
+            self.q.put(None)  # EOF: the worker ended
+
+        threading.Thread(target=pump, daemon=True).start()
+        self.alive = True
+        r = self._await()
+        if r is None or not r.get("ready"):
+            self.close(f"reference worker did not start: {r}")
+
+    def _await(self):
+        import queue
+
         try:
-            p = subprocess.run(cmd, env=env, cwd=d, timeout=timeout_s, capture_output=True, text=True)
-            if p.returncode != 0:
-                print(f"reference worker failed (rc={p.returncode}): {(p.stderr or p.stdout)[-1500:]}")
-        except subprocess.TimeoutExpired:
-            print(f"reference worker: stopped after {timeout_s} s (rows measured so far are kept)")
-        if not os.path.exists(out):
-            return {}
-        with open(out) as f:
-            return {(r["op"], r["m"], r["n"]): r for r in json.load(f)}
+            return self.q.get(timeout=max(0.1, self.deadline - time.time()))
+        except queue.Empty:
+            return None
+
+    def ask(self, **req):
+        """The worker's reply (a dict), or None (and the column ends) when it is dead / late."""
+        if not self.alive:
+            return None
+        try:
+            self.p.stdin.write(json.dumps(req) + "\n")
+            self.p.stdin.flush()
+        except OSError:
+            self.close("reference worker: gone")
+            return None
+        r = self._await()
+        if r is None:
+            self.close(
+                f"reference worker: no reply to {req.get('cmd')!r} (it ended, or --ref-timeout ran out)"
+            )
+        return r
+
+    def close(self, why=None):
+        """End the worker: EOF on its stdin (it returns), or, after a failure (``why``), at
+        once (a late worker may be stuck in a kernel or an import)."""
+        if why:
+            self.errlog.seek(0)
+            print(f"{why}; its stderr tail: {self.errlog.read()[-800:]}", flush=True)
+        self.alive = False
+        if self.p.poll() is None:
+            try:
+                self.p.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.p.wait(timeout=1 if why else 10)
+            except Exception:  # noqa: BLE001 - still running: end it
+                self.p.kill()
+                self.p.wait(timeout=10)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def measure(name, m, n, setup, cols, ref, args):
+    """One op x shape: {col: (median of medians µs, per-allocation medians)} and errors.
+    ``cols``: column -> function (ours / eager / compile); ``ref``: a RefClient or None."""
+    sets = make_sets(setup, m, n, args.allocs)
+    meds = {c: [] for c in cols}
+    errors = {}
+    for c, f in list(cols.items()):
+        err = first_call(f, sets[0])
+        if err:
+            errors[c] = err
+            del cols[c], meds[c]
+    use_ref = ref is not None and ref.alive
+    if use_ref:
+        r = ref.ask(cmd="setup", op=name, m=m, n=n, allocs=args.allocs)
+        if r is None or r.get("error"):
+            errors["ref"] = (r or {}).get("error") or "no reply"
+            use_ref = False
+            if r is not None:
+                ref.ask(cmd="free")
+        else:
+            meds["ref"] = []
+    order = list(cols) + (["ref"] if use_ref else [])
+    for k in range(args.allocs):
+        for c in interleave_order(order, k):
+            if c == "ref":
+                r = ref.ask(cmd="time", k=k, reps=args.reps)
+                meds["ref"].append(r.get("us") if r else None)
+                if r and r.get("error"):
+                    errors["ref"] = r["error"]
+            else:
+                a = sets[k]
+                meds[c].append(bench(lambda f=cols[c], a=a: f(*a), reps=args.reps))
+    if use_ref:
+        ref.ask(cmd="free")
+    del sets
+    return {c: (median_of_medians(v), v) for c, v in meds.items()}, errors
 
 
 def main():
@@ -347,74 +536,69 @@ def main():
     ap.add_argument("--no-eager", action="store_true", help="skip the torch eager column")
     ap.add_argument("--ref", default=None, help="directory holding the reference library (quack 0.6.4)")
     ap.add_argument("--ref-ops", default=None, help="ops that get a reference column (default: all of --ops)")
-    ap.add_argument("--ref-timeout", type=int, default=900)
+    ap.add_argument(
+        "--ref-timeout", type=int, default=900, help="seconds the reference worker may take in all"
+    )
     ap.add_argument("--ref-worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=30, help="timed calls per allocation (their median)")
+    ap.add_argument("--allocs", type=int, default=3, help="input allocations per op x shape (K)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     dt = getattr(torch, args.dtype)
+    if args.ref_worker:
+        return ref_worker(args, dt)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     ops = args.ops.split(",")
-    if args.ref_worker:
-        return ref_worker(args, dt, shapes, ops)
-    ref_rows = {}
-    if args.ref:
-        ref_ops = [o for o in (args.ref_ops.split(",") if args.ref_ops else ops) if o in ops]
-        ref_rows = run_ref(args, ref_ops, args.ref_timeout)
+    ref_ops = set(args.ref_ops.split(",") if args.ref_ops else ops) if args.ref else set()
+    ref = RefClient(args, args.ref_timeout) if ref_ops else None
     setups, ours_all, eager_all = make_setups(dt), ours_fns(), eager_fns()
     rows = []
-    print(f"device: {torch.cuda.get_device_name()}  dtype: {args.dtype}  (µs / TB/s, median of {args.reps})")
+    print(
+        f"device: {torch.cuda.get_device_name()}  dtype: {args.dtype}  (µs / TB/s: median over "
+        f"{args.allocs} allocations of the median of {args.reps})"
+    )
     cols = ("ours", "ref", "eager", "compile")
     heads = ("ours", "reference", "torch eager", "torch.compile")
     print(f"{'op':<18} {'M x N':>14} " + " ".join(f"{h:>17}" for h in heads) + "  ours vs best peer")
     for name in ops:
         setup, nbytes = setups[name]
-        ours, eager = ours_all[name], None if args.no_eager else eager_all[name]
-        compiled = None
+        fns = {"ours": ours_all[name]}
+        if not args.no_eager:
+            fns["eager"] = eager_all[name]
         if not args.no_compile and name in args.compile_ops.split(","):
-            compiled = torch.compile(eager_all[name], dynamic=False)
+            fns["compile"] = torch.compile(eager_all[name], dynamic=False)
         for m, n in shapes:
             try:
-                torch.manual_seed(m * 1000003 + n)
-                a = setup(m, n)
                 t0 = time.time()
-                ours(*a)
-                torch.cuda.synchronize()
-                res = {"op": name, "m": m, "n": n, "first_call_s": time.time() - t0}
+                got, errors = measure(name, m, n, setup, dict(fns), ref if name in ref_ops else None, args)
+                res = {"op": name, "m": m, "n": n, "wall_s": time.time() - t0, "allocs": args.allocs}
                 b = nbytes(m, n)
-                for col, f in (("ours", ours), ("eager", eager), ("compile", compiled)):
-                    if f is None:
-                        continue
-                    us, err = time_fn(f, a, args.reps)
+                for col, (us, meds) in got.items():
                     res[col] = (us, b / us / 1e6) if us else None
-                    if err:
-                        print(f"  {col} failed: {err}")
-                r = ref_rows.get((name, m, n))
-                if r is not None:
-                    res["ref"] = r["ref"]
-                    if r.get("ref_error"):
-                        print(f"  ref failed: {r['ref_error']}")
+                    res.setdefault("medians", {})[col] = meds
+                for col, err in errors.items():
+                    print(f"  {col} failed: {err}")
+                res["vs_best_peer"] = best_peer_ratio(res)
                 rows.append(res)
 
                 def cell(k):
                     v = res.get(k)
                     return f"{v[0]:9.0f} / {v[1]:4.2f}" if v else f"{'-':>16}"
 
-                peers = [res[k][0] for k in ("ref", "eager", "compile") if res.get(k)]
-                sp = f"{min(peers) / res['ours'][0]:.3f}x" if peers and res.get("ours") else ""
-                res["vs_best_peer"] = min(peers) / res["ours"][0] if peers and res.get("ours") else None
+                sp = f"{res['vs_best_peer']:.3f}x" if res["vs_best_peer"] else ""
                 print(
                     f"{name:<18} {f'{m}x{n}':>14} " + " ".join(f"{cell(k):>17}" for k in cols) + f"  {sp}",
                     flush=True,
                 )
-                del a
-                torch.cuda.empty_cache()
             except torch.cuda.OutOfMemoryError:
                 print(f"{name:<18} {f'{m}x{n}':>14}  OOM")
-                torch.cuda.empty_cache()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            torch.cuda.empty_cache()
+            if args.json:  # after every row: a run stopped by its time limit keeps what it measured
+                with open(args.json + ".tmp", "w") as f:
+                    json.dump(rows, f, indent=1)
+                os.replace(args.json + ".tmp", args.json)
+    if ref is not None:
+        ref.close()
 
 
 if __name__ == "__main__":

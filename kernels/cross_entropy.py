@@ -44,6 +44,32 @@ def _default_tune(n: int) -> dict:
     return dict(stream=True, stages=3, ctas_per_sm=8)
 
 
+# Round-3 defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on
+# the H200 by benchmarks/tune_k3b.py, which rewrites this line. A forward class's set
+# replaces ``_default_tune``'s whole; an explicit ``_TUNE`` replaces both.
+DEFAULTS: dict = {"bwd_mid": {"bwd_budget": 128, "bwd_smem": True}}
+
+
+def size_class(dtype: str, n: int):
+    """ "small" (4096 <= N <= 8192), "mid" (8192 < N <= 16384), None elsewhere and for
+    float32 (not measured)."""
+    if dtype == "float32":
+        return None
+    if 4096 <= n <= 8192:
+        return "small"
+    if 8192 < n <= 16384:
+        return "mid"
+    return None
+
+
+def fwd_knobs(dtype: str, n: int) -> dict:
+    return _TUNE or DEFAULTS.get("fwd_" + (size_class(dtype, n) or ""), {}) or _default_tune(n)
+
+
+def bwd_knobs(dtype: str, n: int) -> dict:
+    return _TUNE or DEFAULTS.get("bwd_" + (size_class(dtype, n) or ""), {})
+
+
 # label_smoothing compile variants: "none"; "uniform" (the forward also sums x over the
 # row, the backward subtracts a per-row constant); "weighted" (sum_c w_c x_c; w_c per column)
 SMOOTHING = ("none", "uniform", "weighted")
@@ -57,7 +83,7 @@ def stream_cfg(dtype: str, n: int, smoothing: str = "none"):
     chunk into its own slots of a ``stages``-deep shared-memory ring, ``stages - 1``
     chunks ahead across row boundaries, and folds each chunk into an online (max, sum exp).
     Nothing is stored after the row's reduction, so the loads never stop."""
-    tune = _TUNE or _default_tune(n)  # _TUNE: an explicit variant (tune_variants.py)
+    tune = fwd_knobs(dtype, n)  # _TUNE: an explicit variant (tune_variants.py, tune_k3b.py)
     if not tune.get("stream", False) or smoothing != "none":
         return None
     width = 32 if dtype == "float32" else 16
@@ -140,14 +166,21 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
     smooth = smoothing != "none"
     weighted = smoothing == "weighted"
     plan = plan_rows(n, io_width(dtype, "float32" if weighted else None), budget=64)
-    min_blocks = _TUNE.get("min_blocks", 0) if plan.cluster_n > 1 else 0
+    k = fwd_knobs(dtype, n)
+    min_blocks = k.get("min_blocks", 0) if plan.cluster_n > 1 else 0
+    # Round-3 variant (benchmarks/tune_k3b.py, with stream=False): the logits tile
+    # cp.async'ed into shared memory, the target logit read while it is in flight.
+    smem_x = k.get("fwd_smem", False) and plan.even and plan.vec * dt.width == 128
 
     @cute.kernel
     def kernel(
         mX: cute.Tensor, mT: cute.Tensor, mLoss: cute.Tensor, mLse: cute.Tensor, ignore_index: Int32, mW, mSx
     ):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=3)
-        x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
+        if const_expr(smem_x):
+            (sX,) = t.stage_rows(smem, mX)
+        else:
+            x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         # The target logit: one scalar load per row, by the row's first thread of rank 0.
         tgt = Int64(ignore_index)
         xt = Float32(0.0)
@@ -160,6 +193,9 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
                 if tgt != Int64(ignore_index):
                     if tgt >= 0 and tgt < n:
                         xt = Float32(mX[t.row, Int32(tgt)])
+        if const_expr(smem_x):
+            t.wait_rows()
+            x = sX.load().to(Float32)
         red.wait_cluster()
         # Online softmax: each thread's (max, sum exp(x - max)), merged over the row in
         # one all-reduce round trip.
@@ -458,14 +494,25 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     # the H200 (bf16, `tune_variants.py cross_entropy_bwd`, us for budget 64 / 32 / 16):
     # 4096: 145 / 134 / 141; 16384: 654 / 538 / 548; 65536: 2134 / 2174 / 2356;
     # 262144: 1100 / 1100 / 1101.
-    plan = plan_rows(
-        n,
-        io_width(dtype, "float32" if weighted else None),
-        budget=_TUNE.get("bwd_budget", 32 if n <= 32768 else 64),
-    )
+    k = bwd_knobs(dtype, n)
+    width = io_width(dtype, "float32" if weighted else None)
+    budget = 32 if n <= 32768 else 64
+    plan = plan_rows(n, width, budget=k.get("bwd_budget", budget))
+
+    # Round-3 variant (benchmarks/tune_k3b.py): the CTA's logits tile cp.async'ed into shared
+    # memory, the per-row scalars read while it is in flight, then read into registers (the
+    # reference library's copy path); even 16-byte tilings only.
+    smem_x = k.get("bwd_smem", False) and plan.even and plan.vec * dt.width == 128
+    if k.get("bwd_smem", False) and not smem_x and not _TUNE:
+        # a default knob set measured with the shared-memory path, where it cannot apply
+        # (an odd tiling, fp32 class weights' 8-byte vectors): the register path's budget
+        # (a budget of 128 in registers would spill)
+        k = {}
+        plan = plan_rows(n, width, budget=budget)
+    bwd_min_blocks = k.get("bwd_min_blocks", 0)
 
     def launch_kwargs(m, stream):
-        kw = rr.launch_kwargs(plan, m, stream)
+        kw = rr.launch_kwargs(plan, m, stream, min_blocks=bwd_min_blocks)
         kw["cluster"] = None
         return kw
 
@@ -484,7 +531,10 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
         tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
         t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
-        x = t.load(t.part(mX)).load().to(Float32)
+        if const_expr(smem_x):
+            (sX,) = t.stage_rows(cutlass.utils.SmemAllocator(), mX)
+        else:
+            x = t.load(t.part(mX)).load().to(Float32)
         tgt = Int32(-1)
         g = Float32(0.0)
         gb = Float32(0.0)
@@ -500,6 +550,9 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
                     gc = Float32(mC[t.row])
                 lse = Float32(mLse[t.row])
                 tgt = Int32(t64)
+        if const_expr(smem_x):
+            t.wait_rows()
+            x = sX.load().to(Float32)
         p = cute.math.exp2(x * LOG2_E - lse * LOG2_E, fastmath=True) * g
         if const_expr(weighted):
             p = p - t.load_bcast(t.part_bcast(mW)).load() * gc

@@ -20,16 +20,45 @@ _TUNE: dict = {}
 
 # The backward plan's budget (row elements a thread keeps, fp32, two rows) for 16-bit
 # dtypes by row length: 4096 <= N <= 8192 (one CTA a row), 8192 < N <= 16384; 32 elsewhere
-# (``_TUNE["bwd_budget"]`` overrides; measured on the H200 with benchmarks/tune_k2.py,
-# which rewrites these two lines).
+# (``_TUNE["bwd_budget"]`` overrides; measured on the H200 with benchmarks/tune_k2.py and
+# tune_k3b.py, which rewrite these two lines).
 BWD_BUDGET_SMALL = 32
-BWD_BUDGET_MID = 32
+BWD_BUDGET_MID = 16
+
+
+# Round-3 defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on
+# the H200 by benchmarks/tune_k3b.py, which rewrites this line. An explicit ``_TUNE`` (a
+# measured variant) replaces them whole.
+DEFAULTS: dict = {"mid": {"bwd_min_blocks": 4}}
+
+
+def size_class(dtype: str, n: int):
+    """The row-length class a round-3 default applies to: "small" (4096 <= N <= 8192: one
+    CTA of 64-128 threads a row), "mid" (8192 < N <= 16384: one 256-thread CTA, or 2 with
+    the backward's budget), "large" (N > 131072: clusters of 16); None elsewhere and for
+    float32 (not measured)."""
+    if dtype == "float32":
+        return None
+    if 4096 <= n <= 8192:
+        return "small"
+    if 8192 < n <= 16384:
+        return "mid"
+    if n > 131072:
+        return "large"
+    return None
+
+
+def knobs(dtype: str, n: int) -> dict:
+    """The compile-time knobs of a (dtype, n) configuration: ``_TUNE`` when set, else the
+    class's DEFAULTS."""
+    return _TUNE or DEFAULTS.get(size_class(dtype, n) or "", {})
 
 
 def bwd_budget(dtype: str, n: int) -> int:
     """Row elements a thread of the backward keeps in registers (``plan_rows``' budget)."""
-    if "bwd_budget" in _TUNE:
-        return _TUNE["bwd_budget"]
+    k = knobs(dtype, n)
+    if "bwd_budget" in k:
+        return k["bwd_budget"]
     if dtype != "float32" and 4096 <= n <= 8192:
         return BWD_BUDGET_SMALL
     if dtype != "float32" and 8192 < n <= 16384:
@@ -56,12 +85,23 @@ def compile_softmax_fwd(dtype: str, n: int):
     # Cluster plans (a row over 2..16 CTAs): one all-reduce round trip of the (max, sum of
     # exp) pairs instead of two (max, then sum): each distributed-shared-memory exchange
     # waits for the slowest CTA of the cluster.
-    online = _TUNE.get("online", plan.cluster_n > 1)
+    k = knobs(dtype, n)
+    online = k.get("online", plan.cluster_n > 1)
+    # Round-3 variants (benchmarks/tune_k3b.py): x cp.async'ed into shared memory, then read
+    # into registers (the reference library's copy path: no registers held by the loads in
+    # flight); even 16-byte tilings only. ``fwd_min_blocks``: resident CTAs / SM for ptxas.
+    smem_x = k.get("fwd_smem", False) and plan.even and plan.vec * dt.width == 128
+    min_blocks = k.get("fwd_min_blocks", 0)
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mY: cute.Tensor):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
-        x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
+        if const_expr(smem_x):
+            (sX,) = t.stage_rows(smem, mX)
+            t.wait_rows()
+            x = sX.load().to(Float32)
+        else:
+            x = t.load(t.part(mX), fill=-math.inf).load().to(Float32)
         red.wait_cluster()
         if const_expr(online):
             mloc = x.reduce(cute.ReductionOp.MAX, init_val=-Float32.inf, reduction_profile=0)
@@ -84,7 +124,9 @@ def compile_softmax_fwd(dtype: str, n: int):
 
     @cute.jit
     def launch(mX: cute.Tensor, mY: cute.Tensor, stream):
-        kernel(mX, mY).launch(**rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream))
+        kernel(mX, mY).launch(
+            **rr.launch_kwargs(plan, cute.size(mX, mode=[0]), stream, min_blocks=min_blocks)
+        )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)
@@ -113,8 +155,16 @@ def compile_softmax_bwd(dtype: str, n: int):
     # living in registers as fp32 through the reduction (170 registers at N = 262144:
     # 1 CTA / SM, 2.46 TB/s on the H200; 64 this way, 3 CTAs / SM by shared memory, 3.76
     # TB/s); 2 x 32 KiB of shared memory a CTA at most.
-    smem_rows = _TUNE.get("bwd_smem", rr.smem_rows_ok(plan, dt.width, 2))
-    min_blocks = _TUNE.get("bwd_min_blocks", 0)
+    k = knobs(dtype, n)
+    smem_rows = rr.smem_rows_ok(plan, dt.width, 2)
+    if "bwd_smem" in k:
+        # the knob applies to even 16-byte tilings only (cp.async leaves no column
+        # predicate); a knob set measured with it falls back to the default budget where
+        # it cannot apply (a budget of 64 in registers spills: two rows of fp32)
+        smem_rows = k["bwd_smem"] and plan.even and plan.vec * dt.width == 128
+        if k["bwd_smem"] and not smem_rows and not _TUNE:
+            plan = plan_rows(n, dt.width, budget=32)
+    min_blocks = k.get("bwd_min_blocks", 0)
 
     @cute.kernel
     def kernel(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor):
