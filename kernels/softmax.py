@@ -66,44 +66,6 @@ def bwd_budget(dtype: str, n: int) -> int:
     return 32
 
 
-def bwd_plan(dtype: str, n: int):
-    """The backward's row plan: ``plan_rows`` by ``bwd_budget``; ``bwd_rows`` (a knob) puts
-    that many rows in a CTA (rows of 32+ threads: one per CTA by default)."""
-    import dataclasses
-
-    from . import _plan
-
-    plan = _plan.plan_rows(n, _plan.WIDTHS[dtype], budget=bwd_budget(dtype, n))
-    rows = knobs(dtype, n).get("bwd_rows", 0)
-    if rows and plan.cluster_n == 1 and plan.threads_per_row * rows <= 1024:
-        plan = dataclasses.replace(plan, num_threads=plan.threads_per_row * rows)
-    return plan
-
-
-def bwd_persist_cfg(dtype: str, n: int):
-    """The persistent backward (knob ``bwd_persist`` = CTAs per SM), or None: a grid of
-    co-resident CTAs, each walking row groups g, g + G, ... with the next group's dy / y
-    loads in flight (a second register buffer) while the current one is reduced and
-    stored. Rows of one CTA with an even tiling only (no cluster, no column predicate)."""
-    ctas = knobs(dtype, n).get("bwd_persist", 0)
-    plan = bwd_plan(dtype, n)
-    if not ctas or plan.cluster_n > 1 or not plan.even or plan.rows_per_cta != 1:
-        return None
-    pipe = bool(knobs(dtype, n).get("bwd_persist_pipe", True))
-    return {"ctas_per_sm": int(ctas), "rows": plan.rows_per_cta, "pipe": pipe}
-
-
-def bwd_persist_grid(cfg: dict, m: int, device) -> int:
-    """CTAs of the persistent backward: at most the resident ones, and the fewest that keep
-    the same number of rounds (every CTA gets the same number of row groups, +-1)."""
-    from . import _torch as kt
-
-    slots = max(1, kt.sm_count(device) * cfg["ctas_per_sm"])
-    groups = -(-m // cfg["rows"])
-    rounds = -(-groups // slots)
-    return max(1, -(-groups // rounds))
-
-
 @jit_cache(
     "softmax_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
@@ -187,12 +149,7 @@ def compile_softmax_bwd(dtype: str, n: int):
     from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
-    plan = bwd_plan(dtype, n)
-    pcfg = bwd_persist_cfg(dtype, n)
-    if pcfg is not None:
-        from ._softmax_persist import compile_bwd_persist
-
-        return compile_bwd_persist(dt, plan, pcfg)
+    plan = plan_rows(n, dt.width, budget=bwd_budget(dtype, n))
     # Cluster plans with an even tiling: dy and y are cp.async'ed into shared memory and
     # read from there twice (the dot product, then dx after the reduction) instead of
     # living in registers as fp32 through the reduction (170 registers at N = 262144:
@@ -276,13 +233,7 @@ def softmax_bwd(dy, y):
     dy2 = kt.like_rows(dy, "dy", y, "y")
     dx = torch.empty_like(y2)
     if m > 0:
-        name = kt.dtype_name(y2, "y")
-        fn = compile_softmax_bwd(name, n)
-        pcfg = bwd_persist_cfg(name, n)
-        if pcfg is None:
-            fn(dy2, y2, dx)
-        else:
-            fn(dy2, y2, dx, bwd_persist_grid(pcfg, m, y2.device))
+        compile_softmax_bwd(kt.dtype_name(y2, "y"), n)(dy2, y2, dx)
     return dx.view(y.shape)
 
 
