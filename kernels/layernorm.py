@@ -38,14 +38,23 @@ def compile_layernorm_fwd(
     from cutlass import Float32, Int32, const_expr
 
     from . import _rowreduce as rr
-    from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
+    from ._ln_row import X_MIN_BLOCKS, affine_vec, fwd_knobs, row_plan, x_smem_ok, xs_kernel
+    from ._plan import resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
-    plan = plan_rows(n, dt.width, budget=64)
-    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
-    min_blocks = _TUNE.get("min_blocks", 0) if stage_wb else 0
-    rcfg = fwd_ring_cfg(dtype, n, has_weight, has_bias, weight_dtype)
+    kn = fwd_knobs(dtype, n, weight_dtype, _TUNE)
+    plan = row_plan(n, dt.width, kn)
+    stage_wb = kn.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
+    min_blocks = kn.get("min_blocks", 0) if stage_wb else kn.get("rt_min_blocks", 0)
+    # x through shared memory (``_ln_row``): the row is not live in registers across the
+    # reduction
+    x_smem = x_smem_ok(plan, dt.width, kn) and not stage_wb
+    if x_smem:
+        min_blocks = int(kn.get("x_min_blocks", X_MIN_BLOCKS))
+        kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
+    wb_vec = bool(kn.get("wb_vec", False)) and plan.even and plan.rows_per_cta == 1 and not stage_wb
+    rcfg = _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, kn)
     if rcfg is not None:
         from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
 
@@ -86,7 +95,12 @@ def compile_layernorm_fwd(
                 1.0 / plan.n
             )
         rstd = cute.math.rsqrt(var + eps, fastmath=True)
-        if const_expr(stage_wb):
+        if const_expr(wb_vec):
+            # w / b loaded and y stored one vector at a time (``_ln_row.affine_vec``)
+            xf = cute.make_rmem_tensor(x.shape, Float32)
+            xf.store(x)
+            affine_vec(xf, mean, rstd, t, mW, mB, mY)
+        elif const_expr(stage_wb):
             t.store_affine_smem(xc * rstd, t.part(mY), sW, sB, mW, mB)
         elif const_expr(wdt.width > dt.width):
             # a weight wider than the rows (fp32 beside 16-bit x): element-wise, one
@@ -129,6 +143,10 @@ def compile_layernorm_fwd(
         if const_expr(rcfg is not None):
             kw = ring_launch_kwargs(rplan, m, stream, num_blocks, rcfg)
             ring(mX, mW, mB, mY, mMean, mRstd, eps).launch(**kw)
+        elif const_expr(x_smem):
+            kernel_xs(mX, mW, mB, mY, mMean, mRstd, eps).launch(
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+            )
         else:
             kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
                 **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
@@ -149,10 +167,16 @@ def compile_layernorm_fwd(
 def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
     """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
     over clusters of ``RING_MIN_CLUSTER`` (4) CTAs or more with a weight / bias, or None
-    (one row tile per CTA); knobs in ``_TUNE`` (``ring_cfg``)."""
+    (one row tile per CTA); knobs: ``fwd_knobs`` (``ring_cfg``)."""
+    from ._ln_row import fwd_knobs
+
+    return _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, fwd_knobs(dtype, n, weight_dtype, _TUNE))
+
+
+def _ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str, kn: dict):
     from ._norm_fwd import ring_cfg
 
-    return ring_cfg("layer", dtype, n, has_weight, has_bias, False, weight_dtype, _TUNE)
+    return ring_cfg("layer", dtype, n, has_weight, has_bias, False, weight_dtype, kn)
 
 
 def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:

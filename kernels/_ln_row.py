@@ -1,0 +1,198 @@
+"""The LayerNorm forward of 16-bit rows of one 256-thread CTA (N in (8192, 16384]; issue 14
+part 6, round 4): its defaults by weight kind, the knobs, and the kernel pieces they pick.
+
+Round 3's row tile there keeps 64 elements a thread in fp32 registers and loads w / b after
+the reduction: 127 registers (ptxas), 2 CTAs / SM, 64 KiB of x in flight per SM. Measured
+on the H200 (benchmarks/tune_k4c.py, bf16 x, 32768x16384, TB/s, same process): that row
+tile 4.05, torch.compile 4.21; x cp.async'ed into shared memory (``xs_kernel``) over 512
+threads, 3 CTAs / SM (40 registers) 4.20. With fp32 w + b: round 3's clusterless ring 3.86,
+``xs_kernel`` at 256 threads and 5 CTAs / SM (48 registers) 3.99, torch.compile 4.09.
+
+Imported only from inside compile functions and torch wrappers (pure Python at top level).
+"""
+
+# The knob sets measured (benchmarks/tune_k4c.py times each against round 3's kernel), by
+# label. Knobs: "threads" (512: the one-CTA row over 512 threads, 32 elements a thread;
+# ``row_plan``), "rt_min_blocks" (CTAs / SM asked of ptxas, register path), "wb_vec" (w / b
+# loaded and y stored one vector at a time on the register path, ``affine_vec``), "x_smem"
+# (x through shared memory, ``xs_kernel``) with "x_ca" (cp.async .ca instead of .cg) and
+# "x_min_blocks" (CTAs / SM); "ring" (False: the ring forward off, ``_norm_fwd.ring_cfg``);
+# "row_cta" (False: ``ROW_CTA`` not applied: round 3's kernels, the sweep's baselines).
+ROW_CTA_VARIANTS: dict = {
+    "rowtile": {},
+    "rt vec": {"wb_vec": True},
+    "t512 vec mb2": {"threads": 512, "wb_vec": True, "rt_min_blocks": 2},
+    "xs mb3": {"x_smem": True, "x_min_blocks": 3},
+    "xs mb4": {"x_smem": True, "x_min_blocks": 4},
+    "xs mb5": {"x_smem": True, "x_min_blocks": 5},
+    "xs mb6": {"x_smem": True, "x_min_blocks": 6},
+    "xs ca mb4": {"x_smem": True, "x_min_blocks": 4, "x_ca": True},
+    "xs512 mb3": {"x_smem": True, "threads": 512, "x_min_blocks": 3},
+    "xs512 mb4": {"x_smem": True, "threads": 512, "x_min_blocks": 4},
+}
+# The label used by weight kind ("same" dtype as x; "wide": fp32 beside 16-bit x; "": round
+# 3's kernel, for "wide" the clusterless ring). benchmarks/tune_k4c.py rewrites the line.
+ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs mb5"}
+X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
+
+
+def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
+    """The LayerNorm forward's knobs: ``ROW_CTA``'s set for 16-bit rows of one 256-thread
+    CTA with an even tiling (``plan_rows`` with 64 elements a thread), ``tune`` (the
+    module's benchmark knobs) over it; a fresh dict."""
+    from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
+
+    kn: dict = {}
+    width = WIDTHS[dtype]
+    p = plan_rows(n, width, budget=64)
+    on = tune.get("row_cta", True)
+    if on and width == 16 and p.threads_per_row == p.num_threads == 256 and p.cluster_n == 1 and p.even:
+        wide = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)] > width
+        label = ROW_CTA.get("wide" if wide else "same")
+        if label:
+            kn.update(ROW_CTA_VARIANTS[label])
+            if wide:
+                kn["ring"] = False  # any choice there replaces round 3's ring
+    kn.update(tune)
+    return kn
+
+
+def row_plan(n: int, width: int, kn: dict):
+    """The row-tile forward's plan: ``plan_rows`` with 64 elements a thread, or with the
+    "threads" knob (512) the same one-CTA row over more threads (even rows whose vectors
+    split evenly over them: N = 12288 / 16384 for 16-bit rows; otherwise unchanged)."""
+    from ._plan import RowPlan, plan_rows
+
+    plan = plan_rows(n, width, budget=64)
+    threads = int(kn.get("threads", 0))
+    nvecs = n // plan.vec
+    if (
+        threads > plan.threads_per_row
+        and plan.threads_per_row == plan.num_threads == 256
+        and plan.cluster_n == 1
+        and plan.even
+        and nvecs % threads == 0
+    ):
+        plan = RowPlan(
+            n=n,
+            vec=plan.vec,
+            threads_per_row=threads,
+            num_threads=threads,
+            cluster_n=1,
+            nvec=nvecs // threads,
+        )
+    return plan
+
+
+def x_smem_ok(plan, width: int, kn: dict) -> bool:
+    """x through shared memory ("x_smem" knob): 16-bit rows of one CTA a row (no cluster,
+    one row a CTA: ``affine_vec`` stores without predicates), even tiling, 16-byte
+    vectors, <= 64 KiB of x a CTA."""
+    return bool(kn.get("x_smem", False)) and (
+        width == 16
+        and plan.cluster_n == 1
+        and plan.rows_per_cta == 1
+        and plan.even
+        and plan.vec * width == 128
+        and plan.n * width // 8 <= 64 * 1024
+    )
+
+
+def thread_welford(src):
+    """(mean, M2) of this thread's fragment ``src`` one vector at a time: each vector's own
+    (mean, M2) exactly, merged into the running pair with Chan's formula (counts known at
+    trace time), so that one vector of x is live instead of the thread's whole share (the
+    exact two-pass over the share kept 64 fp32 values live: 88 bytes of spills at 4 CTAs /
+    SM). Traced inline from a kernel body."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    vec = cute.size(src, mode=[0])
+    mean = Float32(0.0)
+    m2 = Float32(0.0)
+    # a plain loop: this helper is not a ``cute.jit`` function
+    for k in range(cute.size(src, mode=[2])):
+        v = src[None, 0, k].load().to(Float32)
+        mk = v.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0) * (1.0 / vec)
+        d = v - mk
+        m2k = (d * d).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+        if k == 0:
+            mean, m2 = mk, m2k
+        else:
+            # n_a = k * vec so far, n_b = vec: mean += delta * n_b / (n_a + n_b),
+            # M2 += M2_b + delta^2 * n_a * n_b / (n_a + n_b)
+            delta = mk - mean
+            mean = mean + delta * (1.0 / (k + 1))
+            m2 = m2 + m2k + delta * delta * (float(k * vec) / (k + 1))
+    return mean, m2
+
+
+def affine_vec(src, mean, rstd, t, mW, mB, mY):
+    """Store y = (x - mean) * rstd * w + b one vector at a time (``src``: this thread's x
+    fragment, registers or shared memory; w / b read and y written per vector with
+    ``autovec_copy``: 16-byte accesses), so that one vector of w / b / y is live at once
+    (ptxas hoists every load of a whole fragment: w / b beside x spilled at 3+ CTAs / SM).
+    One row a CTA with an even tiling only: the grid has one CTA per row, so no row or
+    column predicate. Traced inline from a kernel body."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    assert t.plan.rows_per_cta == 1 and t.plan.even
+    gY = t.part(mY)
+    gW = t.part_bcast(mW) if mW is not None else None
+    gB = t.part_bcast(mB) if mB is not None else None
+    for k in range(cute.size(gY, mode=[2])):
+        yk = (src[None, 0, k].load().to(Float32) - mean) * rstd
+        if gW is not None:
+            rw = cute.make_rmem_tensor_like(gW[None, 0, k])
+            cute.autovec_copy(gW[None, 0, k], rw)
+            yk = yk * rw.load().to(Float32)
+        if gB is not None:
+            rb = cute.make_rmem_tensor_like(gB[None, 0, k])
+            cute.autovec_copy(gB[None, 0, k], rb)
+            yk = yk + rb.load().to(Float32)
+        ry = cute.make_rmem_tensor_like(gY[None, 0, k])
+        ry.store(yk.to(gY.element_type))
+        cute.autovec_copy(ry, gY[None, 0, k])
+
+
+def xs_kernel(plan, dt, ca: bool):
+    """The row-tile forward with x through shared memory (``x_smem_ok`` plans), traced by
+    the caller's ``cute.compile``: kernel(mX, mW, mB, mY, mMean, mRstd, eps), launched as
+    the row tile (``_rowreduce.launch_kwargs``, "x_min_blocks" CTAs / SM). x is cp.async'ed
+    (.cg, or .ca with ``ca``) into shared memory, read one vector at a time for the thread's
+    (mean, M2) and again for y: each thread reads back only the vectors it copied (no CTA
+    barrier), and the row is not live in registers across the reduction."""
+    import cutlass.cute as cute
+    from cutlass import Float32
+
+    from . import _rowreduce as rr
+
+    # named as round 4's sweep compiled it (the PTX is the one measured and tested)
+    @cute.kernel
+    def kernel_xs(
+        mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, eps: Float32
+    ):
+        tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mX, stages=2)
+        sX = smem.allocate_tensor(
+            dt, cute.make_ordered_layout(rr.tiler(plan), order=(1, 0)), byte_alignment=128
+        )
+        tc = cute.make_tiled_copy_tv(
+            rr.cp_async_atom(dt, plan.vec * dt.width, bypass_l1=not ca),
+            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
+            cute.make_layout((1, plan.vec)),
+        )
+        thr = tc.get_slice(tidx)
+        if t.row < m:
+            cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), t.coord)), thr.partition_D(sX))
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        tX = t.thr.partition_S(sX)
+        mt, m2t = thread_welford(tX)
+        mean, m2 = red.reduce_pair(mt, m2t, "welford", count=plan.elems_per_thread)
+        rstd = cute.math.rsqrt(m2 * (1.0 / plan.n) + eps, fastmath=True)
+        t.write_row_scalar(mMean, mean)
+        t.write_row_scalar(mRstd, rstd)
+        affine_vec(tX, mean, rstd, t, mW, mB, mY)
+
+    return kernel_xs

@@ -1,0 +1,45 @@
+"""GPU tier: the LayerNorm forward of 16-bit rows of one 256-thread CTA with the defaults
+``layernorm.ROW_CTA`` holds (issue 14 part 6, round 4; benchmarks/tune_k4c.py), against
+float32 torch: the rows it reaches (N = 10240 / 16384) with a 16-bit / fp32 / no weight
+and bias, M = 1, 7 and several waves of CTAs. Outputs are poisoned with NaN first
+(``poison_allocations``), so an unwritten element fails."""
+
+import pytest
+from _fixtures import oom_pressure, poison_allocations  # noqa: F401  (fixtures, used by name)
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("poison_allocations", "oom_pressure"),
+]
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
+
+
+def _rand(shape, dt, seed, shift=0.0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, device="cuda", generator=g) + shift).to(dt)
+
+
+@pytest.mark.parametrize("xdt", ("bfloat16", "float16"))
+@pytest.mark.parametrize("affine", ("same", "float32", "weight", "none"))
+@pytest.mark.parametrize("n", (10240, 16384))
+def test_layernorm_fwd_row_cta(xdt, affine, n):
+    from quack_kernels.layernorm import layernorm_fwd
+
+    dt = getattr(torch, xdt)
+    big = 4 * torch.cuda.get_device_properties(0).multi_processor_count * 6 + 5
+    for m in (1, 7, big):
+        x = _rand((m, n), dt, 0, shift=3.0)  # a mean far from 0: the variance's cancellation
+        wdt = torch.float32 if affine == "float32" else dt
+        w = _rand((n,), wdt, 1) if affine != "none" else None
+        b = _rand((n,), wdt, 2) if affine in ("same", "float32") else None
+        y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
+        xf = x.float()
+        ref = torch.nn.functional.layer_norm(
+            xf, (n,), w.float() if w is not None else None, b.float() if b is not None else None, 1e-5
+        )
+        tol = TOL[dt]
+        torch.testing.assert_close(mean, xf.mean(-1), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(rstd, torch.rsqrt(xf.var(-1, unbiased=False) + 1e-5), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol)
