@@ -316,26 +316,31 @@ def apply(edits, root: Path):
         print(f"{rel}: rewritten", flush=True)
 
 
-def main():
+def sweep_main(variants_fn, decide_fn, workdir: str, peers=PEER, argv=None) -> None:
+    """The sweep's command line, shared by the rounds' scripts (this one, tune_k4c.py):
+    compile ``variants_fn()`` ahead in parallel workers, load them, time each group
+    interleaved against its peers, then ``decide_fn(results)`` -> (edits, why), written to
+    ``--json`` and with ``--apply`` to the modules; ``--apply-from`` replays a decision.
+    ``peers``: the kernels of variants that are not ours (not compiled here)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None)
     ap.add_argument("--apply", action="store_true")
     ap.add_argument("--apply-from", default=None)
-    ap.add_argument("--workdir", default="/tmp/tune_k3")
+    ap.add_argument("--workdir", default=workdir)
     ap.add_argument("--groups", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.apply_from:
         apply(json.loads(Path(args.apply_from).read_text())["edits"], ROOT)
         return
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    vs = variants()
+    vs = variants_fn()
     if args.groups:
         keep = set(args.groups.split(","))
         vs = [v for v in vs if v["group"] in keep]
     wd = Path(args.workdir)
-    errors = compile_all([v for v in vs if v["kern"] not in PEER], wd, args.jobs)
+    errors = compile_all([v for v in vs if v["kern"] not in peers], wd, args.jobs)
     for k, e in errors.items():
         print(f"compile {k} failed: {e}", flush=True)
     import torch
@@ -344,7 +349,7 @@ def main():
     fns, mods = {}, []
     for v in vs:
         k = compile_key(v)
-        if v["kern"] in PEER or k in fns or k in errors:
+        if v["kern"] in peers or k in fns or k in errors:
             continue
         fn, mod = load(wd / f"{k}.o")
         fns[k] = fn
@@ -360,13 +365,17 @@ def main():
         except Exception as e:  # noqa: BLE001 - a failing group must not cost the others
             print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
         print(f"[{name}: {time.time() - t0:.1f} s]", flush=True)
-    edits, why = decide(results)
+    edits, why = decide_fn(results)
     for line in why:
         print("decide:", line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(dict(results=results, edits=edits, why=why), indent=1))
     if args.apply:
         apply(edits, ROOT)
+
+
+def main():
+    sweep_main(variants, decide, "/tmp/tune_k3")
 
 
 if __name__ == "__main__":

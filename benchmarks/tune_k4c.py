@@ -24,11 +24,7 @@ Rule (``decide``): the fastest candidate of a group becomes the default of its w
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,8 +32,8 @@ sys.path.insert(0, str(ROOT))
 
 from quack_kernels._ln_row import ROW_CTA_VARIANTS  # noqa: E402
 
-from benchmarks.tune_k2 import V, compile_all, compile_key, load  # noqa: E402
-from benchmarks.tune_k3 import apply, run_group  # noqa: E402
+from benchmarks.tune_k2 import V  # noqa: E402
+from benchmarks.tune_k3 import sweep_main  # noqa: E402
 
 W32 = "float32"
 PEER = ("ln_compile", "ln_ref")  # not compiled here
@@ -86,56 +82,7 @@ def decide(results):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--json", default=None)
-    ap.add_argument("--apply", action="store_true")
-    ap.add_argument("--apply-from", default=None)
-    ap.add_argument("--workdir", default="/tmp/tune_k4c")
-    ap.add_argument("--groups", default=None)
-    args = ap.parse_args()
-    if args.apply_from:
-        apply(json.loads(Path(args.apply_from).read_text())["edits"], ROOT)
-        return
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    vs = variants()
-    if args.groups:
-        keep = set(args.groups.split(","))
-        vs = [v for v in vs if v["group"] in keep]
-    wd = Path(args.workdir)
-    errors = compile_all([v for v in vs if v["kern"] not in PEER], wd, args.jobs)
-    for k, e in errors.items():
-        print(f"compile {k} failed: {e}", flush=True)
-    import torch
-
-    print(torch.cuda.get_device_name(), flush=True)
-    fns, mods = {}, []
-    for v in vs:
-        k = compile_key(v)
-        if v["kern"] in PEER or k in fns or k in errors:
-            continue
-        fn, mod = load(wd / f"{k}.o")
-        fns[k] = fn
-        mods.append(mod)
-    results: list = []
-    groups: dict = {}
-    for v in vs:
-        groups.setdefault(v["group"], []).append(v)
-    for name, gvs in groups.items():
-        t0 = time.time()
-        try:
-            run_group(name, gvs, fns, args.rounds, results)
-        except Exception as e:  # noqa: BLE001 - a failing group must not cost the others
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:300]}", flush=True)
-        print(f"[{name}: {time.time() - t0:.1f} s]", flush=True)
-    edits, why = decide(results)
-    for line in why:
-        print("decide:", line, flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(results=results, edits=edits, why=why), indent=1))
-    if args.apply:
-        apply(edits, ROOT)
+    sweep_main(variants, decide, "/tmp/tune_k4c", peers=PEER)
 
 
 if __name__ == "__main__":
