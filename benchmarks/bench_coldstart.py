@@ -123,10 +123,17 @@ ops = {{
 }}
 load, call, sync, later = [], [], [], []
 ffi_info = None
+# Garbage collections during each load: where a gen-1 collection falls (~1 ms here) moves
+# with what ran before (an import that allocates less), not with the load's own work.
+import gc
+gc_marks, gc_s = [], []
+gc.callbacks.append(lambda phase, info: gc_marks.append((phase, pc())))
 for m, (fam, fn, args) in zip(mods, kernels):
+    gc_marks.clear()
     t = pc()
     f = getattr(m, fn)(*args)
     load.append(pc() - t)
+    gc_s.append(sum(b[1] - a[1] for a, b in zip(gc_marks[::2], gc_marks[1::2])))
     assert callable(f)
     if ffi_info is None:
         try:
@@ -164,6 +171,7 @@ if launch:
 print(json.dumps({{"import_torch": t_torch - t0, "inputs": t_inputs - t_torch,
                   "import_kernels": t_import - t_inputs, "load": load, "call": call, "sync": sync,
                   "later": later, "how": how, "loader_s": loader_s, "ffi": ffi_info, "extra": extra,
+                  "gc_s": gc_s,
                   "cutlass_imported": "cutlass" in sys.modules,
                   "tvm_ffi_imported": "tvm_ffi" in sys.modules}}))
 """
@@ -273,6 +281,7 @@ def measure(co: Checkout, launch: bool) -> dict:
         "import_kernels": r["import_kernels"],
         "first_load": r["load"][0],
         "first_loader": r["loader_s"][0] or 0.0,
+        "first_gc": r["gc_s"][0],
         "first_kernel": firsts[0],
         "import_plus_first": r["import_kernels"] + firsts[0],
     }
@@ -309,6 +318,7 @@ ROWS = [
     ("first_kernel", "first kernel loaded", 10.0),
     ("first_loader", "  of which: the loader (.so, tvm-ffi)", None),
     ("first_tvm_ffi", "  of which: tvm_ffi import (as done)", None),
+    ("first_gc", "  of which: garbage collection", None),
     ("import_tvm_ffi", "plain `import tvm_ffi` (3rd party)", None),
     ("import_cuda_bindings", "  cuda.bindings.driver, if torch didn't", None),
     ("further_median", "further family, median of 3", 2.0),
@@ -326,6 +336,7 @@ LAUNCH_ROWS = [
     ("first_load", "  1 load (compile fn returns)", None),
     ("first_loader", "    of which: the loader", None),
     ("first_tvm_ffi", "    of which: tvm_ffi import", None),
+    ("first_gc", "    of which: garbage collection", None),
     ("first_call", "  2 first call, host (conv+cubin+enqueue)", None),
     ("first_sync", "  3 synchronize (the kernel runs)", None),
     ("first_launch_only", "  its launch alone (later call+sync)", None),
