@@ -135,7 +135,7 @@ def compile_norm_bwd(
         # Each thread copies and reads back only its own vectors: no CTA barrier.
         tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         red = rr.Reducer(plan, stages=4)
         red.allocate(smem)
         sl = cute.make_layout((1, plan.tile_n, stages), stride=(plan.tile_n, 1, plan.tile_n))
@@ -272,7 +272,7 @@ def compile_norm_bwd(
     def kernel(mX: cute.Tensor, mW, mdY: cute.Tensor, mMean, mRstd: cute.Tensor, mdX: cute.Tensor, mdW, mdB):
         tidx, bidx, cluster_y = rr.cta_coords(plan)
         m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         red = rr.Reducer(plan, stages=4)
         red.allocate(smem)
         red.init_cluster(tidx)

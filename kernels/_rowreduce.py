@@ -401,7 +401,7 @@ def start_rows(plan: RowPlan, dtype, mX: cute.Tensor, stages: int):
     row tiles over ``mX``. Returns (tidx, bidx, cluster_y, m, smem, red, tiles)."""
     tidx, bidx, cluster_y = cta_coords(plan)
     m = cute.size(mX, mode=[0])
-    smem = cutlass.utils.SmemAllocator()
+    smem = cutlass.memory.SmemAllocator()
     red = Reducer(plan, stages=stages)
     red.allocate(smem)
     red.init_cluster(tidx)

@@ -295,7 +295,7 @@ def _compile_ce_fwd_stream(dtype: str, n: int, cfg: dict):
         gdim = cute.arch.grid_dim()[0]
         rank = cy if const_expr(C > 1) else 0
         m = cute.size(mX, mode=[0])
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         red = rr.Reducer(rplan, stages=4)
         red.allocate(smem)
         sX = smem.allocate_tensor(
@@ -532,7 +532,7 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
         m = cute.size(mX, mode=[0])
         t = rr.RowTiles(plan, dt, m, tidx, bidx, cluster_y)
         if const_expr(smem_x):
-            (sX,) = t.stage_rows(cutlass.utils.SmemAllocator(), mX)
+            (sX,) = t.stage_rows(cutlass.memory.SmemAllocator(), mX)
         else:
             x = t.load(t.part(mX)).load().to(Float32)
         tgt = Int32(-1)
