@@ -266,10 +266,12 @@ def _give_core_the_stand_in(withheld: _Withhold) -> None:
         setattr(core, _CORE_DRIVER_NAME, DriverStandIn())
         log.debug("tvm_ffi.core: cuda-python's driver bindings withheld; a stand-in until used")
     else:
-        # Another tvm_ffi keeping them elsewhere: give it the real module, as its own
-        # import would have (the cost this tried to spare, nothing else).
-        log.info("tvm_ffi.core has no %r global: importing the driver bindings", _CORE_DRIVER_NAME)
-        importlib.import_module(_DRIVER)
+        # A core that keeps them under another name (a layout _LEAN_VERSIONS' tests never
+        # saw): importing them now would not reach it. Its CUstream fallback stays off;
+        # cuda-python's streams still convert through their __cuda_stream__ protocol.
+        log.warning(
+            "tvm_ffi.core has no %r global: its CUstream fallback sees no driver bindings", _CORE_DRIVER_NAME
+        )
 
 
 class _OneShot(importlib.abc.MetaPathFinder):
