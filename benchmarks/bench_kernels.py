@@ -560,45 +560,53 @@ def main():
     cols = ("ours", "ref", "eager", "compile")
     heads = ("ours", "reference", "torch eager", "torch.compile")
     print(f"{'op':<18} {'M x N':>14} " + " ".join(f"{h:>17}" for h in heads) + "  ours vs best peer")
-    for name in ops:
-        setup, nbytes = setups[name]
-        fns = {"ours": ours_all[name]}
-        if not args.no_eager:
-            fns["eager"] = eager_all[name]
-        if not args.no_compile and name in args.compile_ops.split(","):
-            fns["compile"] = torch.compile(eager_all[name], dynamic=False)
-        for m, n in shapes:
-            try:
-                t0 = time.time()
-                got, errors = measure(name, m, n, setup, dict(fns), ref if name in ref_ops else None, args)
-                res = {"op": name, "m": m, "n": n, "wall_s": time.time() - t0, "allocs": args.allocs}
-                b = nbytes(m, n)
-                for col, (us, meds) in got.items():
-                    res[col] = (us, b / us / 1e6) if us else None
-                    res.setdefault("medians", {})[col] = meds
-                for col, err in errors.items():
-                    print(f"  {col} failed: {err}")
-                res["vs_best_peer"] = best_peer_ratio(res)
-                rows.append(res)
+    # The reference worker ends with the run, also on an error or Ctrl-C: a worker stuck in
+    # a kernel would otherwise outlive it.
+    try:
+        for name in ops:
+            setup, nbytes = setups[name]
+            fns = {"ours": ours_all[name]}
+            if not args.no_eager:
+                fns["eager"] = eager_all[name]
+            if not args.no_compile and name in args.compile_ops.split(","):
+                fns["compile"] = torch.compile(eager_all[name], dynamic=False)
+            for m, n in shapes:
+                try:
+                    t0 = time.time()
+                    got, errors = measure(
+                        name, m, n, setup, dict(fns), ref if name in ref_ops else None, args
+                    )
+                    res = {"op": name, "m": m, "n": n, "wall_s": time.time() - t0, "allocs": args.allocs}
+                    b = nbytes(m, n)
+                    for col, (us, meds) in got.items():
+                        res[col] = (us, b / us / 1e6) if us else None
+                        res.setdefault("medians", {})[col] = meds
+                    for col, err in errors.items():
+                        print(f"  {col} failed: {err}")
+                    res["vs_best_peer"] = best_peer_ratio(res)
+                    rows.append(res)
 
-                def cell(k):
-                    v = res.get(k)
-                    return f"{v[0]:9.0f} / {v[1]:4.2f}" if v else f"{'-':>16}"
+                    def cell(k):
+                        v = res.get(k)
+                        return f"{v[0]:9.0f} / {v[1]:4.2f}" if v else f"{'-':>16}"
 
-                sp = f"{res['vs_best_peer']:.3f}x" if res["vs_best_peer"] else ""
-                print(
-                    f"{name:<18} {f'{m}x{n}':>14} " + " ".join(f"{cell(k):>17}" for k in cols) + f"  {sp}",
-                    flush=True,
-                )
-            except torch.cuda.OutOfMemoryError:
-                print(f"{name:<18} {f'{m}x{n}':>14}  OOM")
-            torch.cuda.empty_cache()
-            if args.json:  # after every row: a run stopped by its time limit keeps what it measured
-                with open(args.json + ".tmp", "w") as f:
-                    json.dump(rows, f, indent=1)
-                os.replace(args.json + ".tmp", args.json)
-    if ref is not None:
-        ref.close()
+                    sp = f"{res['vs_best_peer']:.3f}x" if res["vs_best_peer"] else ""
+                    print(
+                        f"{name:<18} {f'{m}x{n}':>14} "
+                        + " ".join(f"{cell(k):>17}" for k in cols)
+                        + f"  {sp}",
+                        flush=True,
+                    )
+                except torch.cuda.OutOfMemoryError:
+                    print(f"{name:<18} {f'{m}x{n}':>14}  OOM")
+                torch.cuda.empty_cache()
+                if args.json:  # after every row: a run stopped by its time limit keeps what it measured
+                    with open(args.json + ".tmp", "w") as f:
+                        json.dump(rows, f, indent=1)
+                    os.replace(args.json + ".tmp", args.json)
+    finally:
+        if ref is not None:
+            ref.close()
 
 
 if __name__ == "__main__":
