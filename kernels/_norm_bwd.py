@@ -133,16 +133,7 @@ def compile_norm_bwd(
         # row tiles stream into shared memory with per-thread cp.async while the current
         # tile is reduced, so loads stay in flight across the cluster round trip.
         # Each thread copies and reads back only its own vectors: no CTA barrier.
-        tidx, bidx, cluster_y = rr.cta_coords(plan)
-        m = cute.size(mX, mode=[0])
-        smem = cutlass.memory.SmemAllocator()
-        red = rr.Reducer(plan, stages=4)
-        red.allocate(smem)
-        sl = cute.make_layout((1, plan.tile_n, stages), stride=(plan.tile_n, 1, plan.tile_n))
-        sX = smem.allocate_tensor(dt, sl, byte_alignment=128)
-        sdY = smem.allocate_tensor(dt, sl, byte_alignment=128)
-        red.init_cluster(tidx)
-        t0 = rr.RowTiles(plan, dt, m, tidx, 0, cluster_y)
+        tidx, bidx, cluster_y, m, smem, red, (sX, sdY), t0 = rr.start_ring(plan, dt, mX, stages, 2)
         tc = cute.make_tiled_copy_tv(
             rr.cp_async_atom(dt, plan.vec * dt.width),
             cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),

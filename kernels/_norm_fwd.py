@@ -209,15 +209,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
 
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean, mRstd: cute.Tensor, eps: Float32):
-        tidx, bidx, cluster_y = rr.cta_coords(plan)
-        m = cute.size(mX, mode=[0])
-        smem = cutlass.memory.SmemAllocator()
-        red = rr.Reducer(plan, stages=4)
-        red.allocate(smem)
-        sl = cute.make_layout((1, plan.tile_n, stages), stride=(plan.tile_n, 1, plan.tile_n))
-        sX = smem.allocate_tensor(dt, sl, byte_alignment=128)
-        red.init_cluster(tidx)
-        t0 = rr.RowTiles(plan, dt, m, tidx, 0, cluster_y)
+        tidx, bidx, cluster_y, m, smem, red, (sX,), t0 = rr.start_ring(plan, dt, mX, stages, 1)
         # weight / bias slice of this CTA: once (cp.async group first, so the ring's
         # wait_group below also covers it; fp32 beside 16-bit rows: element-wise)
         sW = None

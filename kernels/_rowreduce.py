@@ -395,6 +395,22 @@ def cta_coords(plan: RowPlan):
     return tidx, bidx, (cy if const_expr(plan.cluster_n > 1) else 0)
 
 
+def start_ring(plan: RowPlan, dtype, mX: cute.Tensor, stages: int, count: int):
+    """The persistent cp.async-ring kernels' common prologue (the norm forward's ring,
+    the norm backward's shared-memory path): coordinates, the reducer (4 stages) with its
+    cluster barriers signalled, ``count`` ring buffers of ``stages`` row tiles each, and the
+    CTA's first row tiles. Returns (tidx, bidx, cluster_y, m, smem, red, bufs, tiles)."""
+    tidx, bidx, cluster_y = cta_coords(plan)
+    m = cute.size(mX, mode=[0])
+    smem = cutlass.memory.SmemAllocator()
+    red = Reducer(plan, stages=4)
+    red.allocate(smem)
+    sl = cute.make_layout((1, plan.tile_n, stages), stride=(plan.tile_n, 1, plan.tile_n))
+    bufs = [smem.allocate_tensor(dtype, sl, byte_alignment=128) for _ in range(count)]
+    red.init_cluster(tidx)
+    return tidx, bidx, cluster_y, m, smem, red, bufs, RowTiles(plan, dtype, m, tidx, 0, cluster_y)
+
+
 def start_rows(plan: RowPlan, dtype, mX: cute.Tensor, stages: int):
     """The row kernels' common prologue: coordinates, the reducer's shared memory with
     its cluster barriers signalled (pair with ``red.wait_cluster()``), and the CTA's
