@@ -141,6 +141,11 @@ for m, (fam, fn, args) in zip(mods, kernels):
             ffi_info = ffi.info()
         except ImportError:  # a checkout without it: tvm_ffi imported whole, inside the load
             ffi_info = {{"how": "plain import", "import_s": None}}
+        try:  # cutlass-dsl's runtime library, loaded by the first load (third party)
+            from quack.runtime import loader as _ldr
+            ffi_info["runtime_lib_s"] = _ldr.runtime_load_s()
+        except (ImportError, AttributeError):
+            pass
         # cuda-python's driver bindings: does the first load import them (17 ms on the H200)?
         ffi_info["driver_bindings_after_first_load"] = "cuda.bindings.driver" in sys.modules
     if launch:
@@ -288,6 +293,13 @@ def measure(co: Checkout, launch: bool) -> dict:
     imp = (r.get("ffi") or {}).get("import_s")
     if imp is not None:
         out["first_tvm_ffi"] = imp
+    rt = (r.get("ffi") or {}).get("runtime_lib_s")
+    if rt is not None:
+        out["first_runtime_lib"] = rt
+    if imp is not None and rt is not None:
+        # What the first load costs that is not third party's own work: the load minus
+        # tvm_ffi's import, the runtime library's dlopen and the collector's passes.
+        out["first_ours"] = r["load"][0] - imp - rt - r["gc_s"][0]
     if launch:
         out["first_call"] = r["call"][0]
         out["first_sync"] = r["sync"][0]
@@ -318,7 +330,9 @@ ROWS = [
     ("first_kernel", "first kernel loaded", 10.0),
     ("first_loader", "  of which: the loader (.so, tvm-ffi)", None),
     ("first_tvm_ffi", "  of which: tvm_ffi import (as done)", None),
+    ("first_runtime_lib", "  of which: cute-dsl runtime lib (3rd p.)", None),
     ("first_gc", "  of which: garbage collection", None),
+    ("first_ours", "  the rest: quack's own work", None),
     ("import_tvm_ffi", "plain `import tvm_ffi` (3rd party)", None),
     ("import_cuda_bindings", "  cuda.bindings.driver, if torch didn't", None),
     ("further_median", "further family, median of 3", 2.0),
@@ -336,7 +350,9 @@ LAUNCH_ROWS = [
     ("first_load", "  1 load (compile fn returns)", None),
     ("first_loader", "    of which: the loader", None),
     ("first_tvm_ffi", "    of which: tvm_ffi import", None),
+    ("first_runtime_lib", "    of which: cute-dsl runtime .so", None),
     ("first_gc", "    of which: garbage collection", None),
+    ("first_ours", "    the rest: quack's own work", None),
     ("first_call", "  2 first call, host (conv+cubin+enqueue)", None),
     ("first_sync", "  3 synchronize (the kernel runs)", None),
     ("first_launch_only", "  its launch alone (later call+sync)", None),

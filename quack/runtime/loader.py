@@ -19,6 +19,7 @@ import logging
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -141,15 +142,25 @@ def link_entry(store: Store, entry: Entry, obj: Path | None = None) -> Path | No
 
 
 _runtime_ready = False
+_runtime_load_s: float | None = None
+
+
+def runtime_load_s() -> float | None:
+    """Seconds this process spent loading cutlass-dsl's runtime library (its first
+    kernel load pays it: a 43 MB library with the CUDA runtime inside, ~2 ms on a 2-core
+    machine), or None before that. For cold-start accounting (bench_coldstart.py)."""
+    return _runtime_load_s
 
 
 def _prepare_runtime() -> None:
-    global _runtime_ready
+    global _runtime_ready, _runtime_load_s
     if _runtime_ready:
         return
     dirs = runtime_libdirs()
     if dirs is not None:
+        t0 = time.perf_counter()
         ctypes.CDLL(os.path.join(dirs[0], "libcute_dsl_runtime.so"), mode=ctypes.RTLD_GLOBAL)
+        _runtime_load_s = time.perf_counter() - t0
     _runtime_ready = True
 
 
