@@ -390,6 +390,12 @@ BUDGET_LINES = {"small": "BWD_BUDGET_SMALL", "mid": "BWD_BUDGET_MID"}
 def apply(defaults, root: Path):
     """Rewrite the ``DEFAULTS: dict = ...`` line of each module (and softmax's
     ``BWD_BUDGET_*`` lines for an adopted backward budget)."""
+
+    def line(value):
+        # one line (the rewrite's pattern); a long one tells ruff format to leave it
+        text = f"DEFAULTS: dict = {json.dumps(value, sort_keys=True).replace('true', 'True').replace('false', 'False')}"
+        return text + ("  # fmt: skip" if len(text) > 110 else "")
+
     for rel, value in defaults.items():
         p = root / rel
         text = p.read_text()
@@ -405,9 +411,7 @@ def apply(defaults, root: Path):
                     del value[cls]
         text, k = re.subn(
             r"^DEFAULTS: dict = .*$",
-            lambda _m: (
-                f"DEFAULTS: dict = {json.dumps(value, sort_keys=True).replace('true', 'True').replace('false', 'False')}"
-            ),
+            lambda _m: line(value),
             text,
             count=1,
             flags=re.M,

@@ -26,10 +26,12 @@ BWD_BUDGET_SMALL = 32
 BWD_BUDGET_MID = 16
 
 
-# Round-3 defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on
-# the H200 by benchmarks/tune_k3b.py, which rewrites this line. An explicit ``_TUNE`` (a
-# measured variant) replaces them whole.
-DEFAULTS: dict = {"mid": {"bwd_min_blocks": 4}}
+# Defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on the H200
+# by benchmarks/tune_k3b.py (round 3: "mid") and tune_k5e.py (round 5: "small", the backward
+# as torch.compile's kernel: the row over 512 threads, dy / y loaded with evict_last hints,
+# re-read after the reduction with evict_first; docs/kernels.md), which rewrite this line
+# (one line: their pattern). An explicit ``_TUNE`` (a measured variant) replaces them whole.
+DEFAULTS: dict = {"mid": {"bwd_min_blocks": 4}, "small": {"bwd_ld": {"evict": "last", "l2": "evict_last"}, "bwd_ld2": {"evict": "first", "l2": "evict_first"}, "bwd_tpr": 512, "bwd_twopass": True}}  # fmt: skip
 
 
 def size_class(dtype: str, n: int):
@@ -134,6 +136,97 @@ def compile_softmax_fwd(dtype: str, n: int):
     return cute.compile(launch, x, y, stream, options="--enable-tvm-ffi")
 
 
+def _bwd_plan(dtype: str, n: int, width: int):
+    """The backward's row plan: ``plan_rows`` with the budget, or a round-5 variant
+    (``_TUNE``): ``bwd_width`` plans 16-bit rows as if ``width`` bits wide (64-bit accesses
+    at 32), ``bwd_tpr`` = 512 spreads a row of one CTA over 512 threads (even tilings only)."""
+    from ._plan import RowPlan, plan_rows
+
+    k = knobs(dtype, n)
+    w = k.get("bwd_width", width)
+    plan = plan_rows(n, w, budget=bwd_budget(dtype, n))
+    tpr = k.get("bwd_tpr", 0)
+    # (one CTA a row without a cluster, when the row splits evenly within 32 elements a thread)
+    if tpr > 256 and n % (plan.vec * tpr) == 0 and n // tpr <= 32:
+        plan = RowPlan(
+            n=n, vec=plan.vec, threads_per_row=tpr, num_threads=tpr, cluster_n=1, nvec=n // (plan.vec * tpr)
+        )
+    return plan
+
+
+# L2 cache-policy operands (``.L2::cache_hint``): the encodings of
+# ``createpolicy.fractional.L2::<priority>.b64 p, 1.0`` (CUTLASS's CacheHintSm90); a "cp:"
+# prefix creates the policy in the kernel with createpolicy instead (as Triton does).
+L2_POLICY = {
+    "evict_first": 0x12F0000000000000,
+    "evict_last": 0x14F0000000000000,
+    "normal": 0x1000000000000000,
+}
+
+
+def _l2_policy(spec):
+    """The L2 policy of a hint ``spec`` (``_io_copy``): None, a constant, or the priority
+    name to createpolicy in the kernel."""
+    l2 = (spec or {}).get("l2")
+    if not l2:
+        return None
+    return l2[3:] if l2.startswith("cp:") else L2_POLICY[l2]
+
+
+def _io_copy(dt, plan, direction: str, spec, plain):
+    """The tiled copy of a hinted load / store of the plan's fragments (built while the
+    kernel is traced; ``plain`` without ``spec``). ``spec``: a dict with ``mode`` (loads: "ca",
+    "cg", "cs", "lu", "nc" (invariant: ld.global.nc), stores: "wb", "cg", "cs", "wt"),
+    ``evict`` (L1: "first", "last", "no_allocate", "unchanged") and ``l2`` (a key of
+    ``L2_POLICY``)."""
+    if not spec:
+        return plain
+    import cutlass.cute as cute
+    from cutlass.cute import nvgpu
+
+    evict = {
+        None: nvgpu.CacheEvictionPriority.EVICT_NORMAL,
+        "first": nvgpu.CacheEvictionPriority.EVICT_FIRST,
+        "last": nvgpu.CacheEvictionPriority.EVICT_LAST,
+        "no_allocate": nvgpu.CacheEvictionPriority.NO_ALLOCATE,
+        "unchanged": nvgpu.CacheEvictionPriority.EVICT_UNCHANGED,
+    }[spec.get("evict")]
+    bits = plan.vec * dt.width
+    mode = spec.get("mode")
+    if direction == "load":
+        lm = {
+            None: nvgpu.LoadCacheMode.ALWAYS,
+            "ca": nvgpu.LoadCacheMode.ALWAYS,
+            "nc": nvgpu.LoadCacheMode.ALWAYS,
+            "cg": nvgpu.LoadCacheMode.GLOBAL,
+            "cs": nvgpu.LoadCacheMode.STREAMING,
+            "lu": nvgpu.LoadCacheMode.LAST_USE,
+        }[mode]
+        op = nvgpu.CopyG2ROp()
+        atom = cute.make_copy_atom(
+            op,
+            dt,
+            num_bits_per_copy=bits,
+            l1c_evict_priority=evict,
+            load_cache_mode=lm,
+            invariant=mode == "nc",
+        )
+    else:
+        sm = {
+            None: nvgpu.StoreCacheMode.WRITE_BACK,
+            "wb": nvgpu.StoreCacheMode.WRITE_BACK,
+            "cg": nvgpu.StoreCacheMode.GLOBAL,
+            "cs": nvgpu.StoreCacheMode.STREAMING,
+            "wt": nvgpu.StoreCacheMode.WRITE_THROUGH,
+        }[mode]
+        atom = cute.make_copy_atom(
+            nvgpu.CopyR2GOp(), dt, num_bits_per_copy=bits, l1c_evict_priority=evict, store_cache_mode=sm
+        )
+    thr_layout = cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0))
+    tc = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, plan.vec)))
+    return tc
+
+
 @jit_cache(
     "softmax_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
@@ -149,7 +242,7 @@ def compile_softmax_bwd(dtype: str, n: int):
     from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
-    plan = plan_rows(n, dt.width, budget=bwd_budget(dtype, n))
+    plan = _bwd_plan(dtype, n, dt.width)
     # Cluster plans with an even tiling: dy and y are cp.async'ed into shared memory and
     # read from there twice (the dot product, then dx after the reduction) instead of
     # living in registers as fp32 through the reduction (170 registers at N = 262144:
@@ -165,10 +258,55 @@ def compile_softmax_bwd(dtype: str, n: int):
         if k["bwd_smem"] and not smem_rows and not _TUNE:
             plan = plan_rows(n, dt.width, budget=32)
     min_blocks = k.get("bwd_min_blocks", 0)
+    # Round-5 knobs of the register path (benchmarks/tune_k5e.py): cache hints on the loads
+    # of dy / y and the store of dx (``bwd_ld`` / ``bwd_st``; ``bwd_ld2`` for the re-read, see
+    # ``_io_copy``), and ``bwd_twopass``: dy and y re-read after the reduction (L1 / L2 hits)
+    # instead of kept as fp32 through it, as torch.compile's looped reduction does. The small
+    # class's default (32768x4096: 190.6 -> 184.9 us on the H200, torch.compile 184.8): 512
+    # threads, loads with L1::evict_last + L2 evict_last, re-reads with evict_first. Without
+    # the L2 policy on the first loads it ran 188.2; with a createpolicy'd policy 207.6.
+    ld, ld2, st = k.get("bwd_ld"), k.get("bwd_ld2", k.get("bwd_ld")), k.get("bwd_st")
+    ld_pol, ld2_pol, st_pol = (_l2_policy(s) for s in (ld, ld2, st))
+    twopass = k.get("bwd_twopass", False) and not smem_rows
+
+    def make_policy(pol):
+        # a createpolicy'd operand (what Triton emits for eviction_policy=...) or a constant
+        if isinstance(pol, str):
+            return cute.arch.inline_ptx(
+                f"createpolicy.fractional.L2::{pol}.b64 {{$w0}}, 1.0;", write_only_types=[cutlass.Int64]
+            )
+        return cutlass.Int64(pol)
+
+    @cute.jit
+    def load_h(t, tc, gT: cute.Tensor, pol: cutlass.Constexpr):
+        r = cute.make_rmem_tensor_like(gT)
+        if const_expr(not plan.even):
+            r.fill(0.0)
+        if t.row < t.m:
+            if const_expr(pol is None):
+                cute.copy(tc, gT, r, pred=t.pred)
+            else:
+                cute.copy(tc, gT, r, pred=t.pred, cache_policy=make_policy(pol))
+        else:
+            r.fill(0.0)
+        return r
+
+    @cute.jit
+    def store_h(t, tc, val_ssa, gT: cute.Tensor, pol: cutlass.Constexpr):
+        r = cute.make_rmem_tensor_like(gT)
+        r.store(val_ssa.to(gT.element_type))
+        if t.row < t.m:
+            if const_expr(pol is None):
+                cute.copy(tc, r, gT, pred=t.pred)
+            else:
+                cute.copy(tc, r, gT, pred=t.pred, cache_policy=make_policy(pol))
 
     @cute.kernel
     def kernel(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mY, stages=1)
+        ld_c = _io_copy(dt, plan, "load", ld, t.tiled_copy)
+        ld2_c = _io_copy(dt, plan, "load", ld2, t.tiled_copy)
+        st_c = _io_copy(dt, plan, "store", st, t.tiled_copy)
         if const_expr(smem_rows):
             sdY, sY = t.stage_rows(smem, mdY, mY)
             red.wait_cluster()
@@ -182,8 +320,8 @@ def compile_softmax_bwd(dtype: str, n: int):
             )
             # re-read after the reduction (its barriers order the shared-memory reads)
             y = sY.load().to(Float32)
-            t.store(y * (sdY.load().to(Float32) - dot), t.part(mdX))
-        else:
+            store_h(t, st_c, y * (sdY.load().to(Float32) - dot), t.part(mdX), st_pol)
+        elif const_expr(ld is None and st is None and not twopass):
             dy = t.load(t.part(mdY)).load().to(Float32)
             y = t.load(t.part(mY)).load().to(Float32)
             red.wait_cluster()
@@ -191,6 +329,17 @@ def compile_softmax_bwd(dtype: str, n: int):
                 (dy * y).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0
             )
             t.store(y * (dy - dot), t.part(mdX))
+        else:
+            dy = load_h(t, ld_c, t.part(mdY), ld_pol).load().to(Float32)
+            y = load_h(t, ld_c, t.part(mY), ld_pol).load().to(Float32)
+            red.wait_cluster()
+            dot = red.reduce(
+                (dy * y).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0
+            )
+            if const_expr(twopass):
+                dy = load_h(t, ld2_c, t.part(mdY), ld2_pol).load().to(Float32)
+                y = load_h(t, ld2_c, t.part(mY), ld2_pol).load().to(Float32)
+            store_h(t, st_c, y * (dy - dot), t.part(mdX), st_pol)
 
     @cute.jit
     def launch(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor, stream):
