@@ -3,7 +3,7 @@ a pool of warm workers, report progress, write a trace, summarize.
 
 The build process never imports torch or cutlass: workers fork from quack's
 forkserver (cutlass imported and one compile done there) and run
-``quack.compile.pool.worker_build`` through ``quack_build.worker.task``."""
+``quack.compile.worker.worker_build``."""
 
 from __future__ import annotations
 

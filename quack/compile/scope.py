@@ -12,7 +12,11 @@ the training tests crawled one backward compile at a time and did not finish in
 210 s. :func:`sharing_with_threads` (the pytest runner enters it around each
 attempt) publishes the owner thread's values to every thread that has none of its
 own; a pending compile raised there reaches the test through autograd's own error
-relay, and is recorded for the runner in any case."""
+relay, and is recorded for the runner in any case.
+
+The functions that enter the scopes (``pool_scope``, ``suppress_pool``, the
+``recording_*`` blocks, ``note_*``, ``active_pool``) live here too;
+``quack.compile.pool`` re-exports them."""
 
 from __future__ import annotations
 
@@ -20,7 +24,10 @@ import contextlib
 import contextvars
 import threading
 from collections.abc import Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from quack.compile.pool import CompilePool
 
 T = TypeVar("T")
 _UNSET: Any = object()
@@ -94,8 +101,76 @@ def sharing_with_threads() -> Iterator[None]:
             _sharing = None
 
 
-# The scopes (compile/pool.py has the functions that enter them).
+# The scopes (the functions below enter them).
 ACTIVE: SharedVar[Any] = SharedVar("quack_pool", None)  # the CompilePool misses submit to
 SCOPE_ROOT: SharedVar[str | None] = SharedVar("quack_scope_root", None)
 PENDING_LOG: SharedVar[list | None] = SharedVar("quack_pending_log", None)
 MISS_LOG: SharedVar[list | None] = SharedVar("quack_miss_log", None)
+
+
+# Per-attempt logs the pytest plugin sets: CompilePending raised (even if the test
+# swallowed it with ``except BaseException``), and prebuilt-mode misses.
+
+
+@contextlib.contextmanager
+def recording_pending():
+    """Collect, in the yielded list, every CompilePending raised in this block
+    (even one a test swallowed). Enter it inside ``pool_scope``, which starts
+    each scope with no recording."""
+    with PENDING_LOG.bound([]) as log:
+        yield log
+
+
+@contextlib.contextmanager
+def recording_not_prebuilt():
+    """Collect (KernelNotPrebuilt, settings) for every prebuilt-mode miss in this block."""
+    with MISS_LOG.bound([]) as log:
+        yield log
+
+
+def note_pending(exc) -> None:
+    log = PENDING_LOG.get()
+    if log is not None:
+        log.append(exc)
+
+
+def note_not_prebuilt(exc, settings) -> None:
+    log = MISS_LOG.get()
+    if log is not None:
+        log.append((exc, settings))
+
+
+def active_pool(root=None) -> CompilePool | None:
+    """The pool of the enclosing pool_scope, or None. A scope limited to one cache
+    root (the pytest plugin's: the session's default cache) is not active for a
+    miss in another root (a test's private cache): that miss waits instead."""
+    pool = ACTIVE.get()
+    if pool is not None and root is not None:
+        only = SCOPE_ROOT.get()
+        if only is not None and only != str(root):
+            return None
+    return pool
+
+
+@contextlib.contextmanager
+def pool_scope(pool: CompilePool | None = None, *, root=None):
+    """In this block a miss submits to ``pool`` and raises CompilePending at once
+    (only for misses in cache ``root``, if given)."""
+    if pool is None:
+        # Here, not at the top: the pool module imports this one (and re-exports these).
+        from quack.compile.pool import default_pool
+
+        pool = default_pool()
+    with (
+        ACTIVE.bound(pool) as active,
+        SCOPE_ROOT.bound(None if root is None else str(root)),
+        PENDING_LOG.bound(None),  # a nested scope's pendings are its owner's business
+    ):
+        yield active
+
+
+@contextlib.contextmanager
+def suppress_pool():
+    """In this block misses wait for their compile, even inside a pool_scope."""
+    with ACTIVE.bound(None):
+        yield

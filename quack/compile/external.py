@@ -1,0 +1,62 @@
+"""A key another process is compiling (another xdist worker, a ``quack build``).
+
+A key whose per-key lock another process holds is not submitted: the pool awaits it
+("external" pending) until its .o appears, the lock is released without one (then it
+is new again), or the time-out passes. The other process is seen only through the
+store's files: the key's lock (a flock) and the metadata a publish writes last."""
+
+from __future__ import annotations
+
+import os
+
+from quack.compile.tasks import Task
+
+PUBLISHED, RELEASED, TIMED_OUT = "published", "released", "timed_out"
+
+
+def lock_held(path) -> bool:
+    """Does some process hold this flock (filelock's Unix lock) right now?"""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def paths(spec, params, arch, s) -> tuple[str, str] | None:
+    """(lock path, metadata path) of the key in the settings' local store; None when
+    the cache is unusable."""
+    try:
+        from quack.cache.store import local_store
+        from quack.compile import builder
+
+        p = local_store(s).paths(builder.entry_ref(spec, params, arch))
+        return str(p["lock"]), str(p["meta"])
+    except Exception:  # noqa: BLE001 - an unusable cache is the worker's to report
+        return None
+
+
+def check(t: Task, now: float) -> str | None:
+    """What became of an awaited key: PUBLISHED, RELEASED (new again), TIMED_OUT,
+    or None (still awaited)."""
+    # submit sets all three for every external task
+    assert t.obj_meta is not None and t.external_lock is not None and t.started is not None
+    if os.path.exists(t.obj_meta):
+        return PUBLISHED
+    if not lock_held(t.external_lock):
+        # The other process let go. Published in the meantime? Else it failed:
+        # new again, the next call compiles it here.
+        return PUBLISHED if os.path.exists(t.obj_meta) else RELEASED
+    if now - t.started > t.timeout:
+        return TIMED_OUT
+    return None

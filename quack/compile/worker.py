@@ -1,0 +1,184 @@
+"""The compile worker process: the request it gets, its main loop, and how the
+pool starts one (GPU-blind, SIGINT ignored, without re-running the user's script).
+
+A worker reads ``(fn, WorkerRequest)`` from its pipe, one task at a time, and answers
+``("ok", report)`` or ``("err", exception)``; ``None`` or EOF ends it. The functions
+sent and run here are pickled by reference (module and name), so they live at the top
+level of this module: the forkserver child imports it to unpickle them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+import types
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from pathlib import Path
+
+from quack.errors import CacheError, CompileError, LockTimeout
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerRequest:
+    """One compile task as sent to a worker (pickled over its pipe): what to
+    import, which configuration, and the cache to publish into."""
+
+    module: str
+    kernel: str
+    params: dict
+    arch: str
+    root: str
+    fsync: bool
+    lock_timeout: float
+    force: bool = False
+
+
+# -- worker side ---------------------------------------------------------------------------
+def _noop() -> int:
+    return os.getpid()
+
+
+def worker_build(req: WorkerRequest) -> dict:
+    """Task run in a worker: import, compile, publish. Returns a small report."""
+    from quack import registry
+    from quack.cache.store import DiskStore
+    from quack.compile import builder
+
+    spec = registry.import_spec(req.module, req.kernel)
+    bound = spec.bind((), req.params)
+    store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
+    t0 = time.perf_counter()
+    entry, compiled = builder.build(spec, bound, req.arch, store, force=req.force)
+    return {
+        "key": entry.ref.key,
+        "compiled": compiled,
+        "pid": os.getpid(),
+        "compile_s": entry.meta.get("compile_s", 0.0) if compiled else 0.0,
+        "wall_s": time.perf_counter() - t0,
+        "obj": str(entry.obj_path),
+    }
+
+
+def _worker_main(conn) -> None:
+    """A compile worker: GPU-blind, one task at a time from ``conn`` until EOF."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    # The parent's SIGINT (Ctrl-C in the terminal) reaches the whole process group;
+    # the parent decides what happens to compiles, not the keyboard.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while True:
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            return
+        if msg is None:
+            return
+        fn, req = msg
+        try:
+            result = ("ok", fn(req))
+        except CompileError as e:
+            result = ("err", e)
+        except (CacheError, LockTimeout) as e:  # the cache's problem: the caller runs uncached
+            result = ("err", e)
+        except BaseException as e:  # noqa: BLE001 - everything goes back as text
+            detail = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+            result = (
+                "err",
+                CompileError(
+                    getattr(req, "kernel", "?"), getattr(req, "params", {}), getattr(req, "arch", "?"), detail
+                ),
+            )
+        try:
+            conn.send(result)
+        except Exception:  # noqa: BLE001 - unpicklable result: send text instead
+            conn.send(("err", CompileError("?", {}, "?", repr(result[1])[:4000])))
+
+
+# -- spawning without re-running the user's script ---------------------------------------
+@contextlib.contextmanager
+def masked_main():
+    """Hide __main__ while workers start: a forkserver child would otherwise
+    re-import the user's script (and run it, if it has no main guard).
+    (The pool's own spawns use a thread-local filter instead; this is for
+    callers that start processes themselves.)"""
+    saved = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if saved is not None:
+            sys.modules["__main__"] = saved
+
+
+_tls = threading.local()
+_MAIN_KEYS = ("init_main_from_path", "init_main_from_name", "main_path")
+
+
+def _install_prep_filter() -> None:
+    """Drop __main__ from multiprocessing's preparation data for processes the
+    pool starts (only on the pool's own thread: thread-safe, unlike swapping
+    sys.modules['__main__'] under a running test)."""
+    from multiprocessing import spawn
+
+    orig = spawn.get_preparation_data
+    if getattr(orig, "_quack_filter", False):
+        return
+
+    def get_preparation_data(name):
+        d = orig(name)
+        if getattr(_tls, "neutral", False):
+            for k in _MAIN_KEYS:
+                d.pop(k, None)
+        return d
+
+    get_preparation_data._quack_filter = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
+
+
+_forkserver_configured = False
+
+
+def _context(start_method: str):
+    global _forkserver_configured
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver" and not _forkserver_configured:
+        ctx.set_forkserver_preload(["quack.compile._preload"])
+        _forkserver_configured = True
+    return ctx
+
+
+def _block_sigint_for_children() -> None:
+    """Block SIGINT in the dispatcher thread (never the main thread): processes it
+    starts (the forkserver, workers) inherit the mask, so a terminal's Ctrl-C, sent to
+    the whole process group, cannot interrupt them mid-start with a traceback; the
+    main thread still receives it. multiprocessing's resource tracker unblocks SIGINT
+    in the calling thread when it starts, so it is started first."""
+    if threading.current_thread() is threading.main_thread():
+        return
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+
+def start_worker(start_method: str) -> tuple[BaseProcess, Connection]:
+    """Start one compile worker; returns (process, the parent's end of its pipe). Called
+    on the pool's dispatcher thread (the first forkserver start waits for its preload)."""
+    _block_sigint_for_children()
+    ctx = _context(start_method)
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="quack-compile")
+    _install_prep_filter()
+    _tls.neutral = True
+    try:
+        proc.start()
+    finally:
+        _tls.neutral = False
+        child.close()
+    return proc, parent
