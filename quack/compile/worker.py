@@ -41,10 +41,6 @@ class WorkerRequest:
 
 
 # -- worker side ---------------------------------------------------------------------------
-def _noop() -> int:
-    return os.getpid()
-
-
 def worker_build(req: WorkerRequest) -> dict:
     """Task run in a worker: import, compile, publish. Returns a small report."""
     from quack import registry
