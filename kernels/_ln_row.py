@@ -32,7 +32,7 @@ ROW_CTA_VARIANTS: dict = {
 }
 # The label used by weight kind ("same" dtype as x; "wide": fp32 beside 16-bit x; "": round
 # 3's kernel, for "wide" the clusterless ring). benchmarks/tune_k4c.py rewrites the line.
-ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs mb5"}
+ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs2 mb3"}
 X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 
 # Round 5 (benchmarks/tune_k5f.py): more knob sets, measured for rows of one CTA with a wide
@@ -61,7 +61,7 @@ ROW_CLUSTER_VARIANTS: dict = {
     "xs mb3 c44": _XS_CLUSTER | {"x_min_blocks": 3, "carveout": 44},
     "xs2 mb3": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 3},
 }
-ROW_CLUSTER: dict = {}
+ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
 
 
 def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:

@@ -27,7 +27,7 @@ W_PERM = True
 # Round 5 (benchmarks/tune_k5f.py rewrites this line): a wide weight (fp32 beside 16-bit rows)
 # in shared memory, read per use, also on rows of one CTA (N in [4096, 16384] for 16-bit
 # rows) instead of in registers for the whole loop, by kind.
-W_SMEM_WIDE_ONE_CTA = {"rms": False, "layer": False}
+W_SMEM_WIDE_ONE_CTA = {"rms": True, "layer": False}
 
 
 def bwd_plan(dtype: str, n: int, weight_dtype: str = "same", has_weight: bool = True):

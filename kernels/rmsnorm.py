@@ -327,7 +327,7 @@ WIDE_VARIANTS: dict = {
     "ring 1x128": {"ring_budget": 128},
     "ring 1x128p": {"ring_budget": 128, "wide_perm": True},
 }
-WIDE_FWD: dict = {}
+WIDE_FWD: dict = {"4": "xs2 mb3"}
 
 
 def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
