@@ -19,7 +19,7 @@ step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
   timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "$name: rc=$rc $((SECONDS - t))s (at $((SECONDS - T0))s) | $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"; }
 if [ "${SWEEP:-1}" = 1 ]; then
-step sweep "${SWEEP_LIMIT:-150}" python3 benchmarks/tune_k5f.py --jobs 16 --rounds 3 --json "$OUT/decisions.json" --apply
+step sweep "${SWEEP_LIMIT:-150}" python3 benchmarks/tune_k5f.py --jobs 16 --rounds 3 --json "$OUT/decisions.json" --apply ${GROUPS:+--groups "$GROUPS"}
 grep -E "^(decide|kernels/|\[compiled|compile .* failed)|FAILED" "$OUT/sweep.log"
 grep -E "TB/s" "$OUT/sweep.log" | sed -E 's/ +/ /g'
 fi

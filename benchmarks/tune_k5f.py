@@ -58,10 +58,14 @@ RMS_WIDE = {
         "xs wregs mb2",
         "xs2 mb3",
         "xs2 mb2",
+        "xs2j mb3",
+        "xs3 mb2",
     ),
     262144: (
         "xs2 mb3",
         "xs2 mb2",
+        "xs2j mb3",
+        "xs2j mb2",
         "rt sw mb3",
         "rt swp mb3",
         "rt swp mb2",
@@ -75,8 +79,18 @@ RMS_WIDE = {
         "ring 1x128p",
     ),
 }
-LN_ONE_CTA = ("xs2 mb3", "xs2 mb2", "xs mb3 c44", "xs mb4 c72", "xs mb5 c86", "xs mb2 c30")
-LN_CLUSTER = ("xs mb3", "xs mb4", "xs mb5", "xs2 mb3", "xs mb4 c72", "xs mb3 c44")
+LN_ONE_CTA = (
+    "xs2 mb3",
+    "xs2 mb2",
+    "xs2 t512 mb3",
+    "xs2 t512 mb2",
+    "xs3 mb2",
+    "xs mb3 c44",
+    "xs mb4 c72",
+    "xs mb5 c86",
+    "xs mb2 c30",
+)
+LN_CLUSTER = ("xs mb3", "xs mb4", "xs mb5", "xs2 mb3", "xs2 mb2", "xs3 mb2", "xs mb4 c72", "xs mb3 c44")
 BWD = {"w_smem": {"w_smem": True}, "w_smem plain": {"w_smem": True, "w_perm": False}}
 SHAPES = {4096: 32768, 16384: 32768, 65536: 32768, 262144: 4096}
 # the plan class (cluster size of the default plan, 16-bit rows) of each N measured
@@ -139,9 +153,11 @@ def decide(results):
         )
         return pick
 
-    from quack_kernels._ln_row import ROW_CTA
+    from quack_kernels import _norm_bwd, rmsnorm
+    from quack_kernels._ln_row import ROW_CLUSTER, ROW_CTA
 
-    wide_fwd = {}
+    # from the current tables: a group not measured (or without a clear win) keeps its entry
+    wide_fwd = dict(rmsnorm.WIDE_FWD)
     for n, cands in RMS_WIDE.items():
         p = best_of(f"rms_w32 {n}", "w32 (default)", list(cands))
         if p:
@@ -150,7 +166,7 @@ def decide(results):
     p = best_of("ln_w32 16384", "w32 (default)", list(LN_ONE_CTA))
     if p:
         row_cta["wide"] = p
-    row_cluster = {}
+    row_cluster = dict(ROW_CLUSTER)
     for n in (65536, 262144):
         g = f"ln_w32 {n}"
         p = best_of(g, "w32 (default)", list(LN_CLUSTER))
@@ -160,7 +176,7 @@ def decide(results):
         if p:
             row_cluster[f"same@{CLUSTER[n]}"] = p.removeprefix("same ")
     p = best_of("rms_bwd_w32 4096", "w32 (default)", list(BWD))
-    w_smem = {"rms": False, "layer": False}
+    w_smem = dict(_norm_bwd.W_SMEM_WIDE_ONE_CTA)
     w_perm_note = None
     if p:
         w_smem["rms"] = True

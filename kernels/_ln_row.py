@@ -50,6 +50,9 @@ ROW_CTA_VARIANTS.update(
         "xs mb2 c30": {"x_smem": True, "x_min_blocks": 2, "carveout": 30},
         "xs2 mb3": {"x_smem": True, "x_rows": 2, "x_min_blocks": 3},
         "xs2 mb2": {"x_smem": True, "x_rows": 2, "x_min_blocks": 2},
+        "xs2 t512 mb3": {"x_smem": True, "x_rows": 2, "threads": 512, "x_min_blocks": 3},
+        "xs2 t512 mb2": {"x_smem": True, "x_rows": 2, "threads": 512, "x_min_blocks": 2},
+        "xs3 mb2": {"x_smem": True, "x_rows": 3, "x_min_blocks": 2},
     }
 )
 _XS_CLUSTER = {"ring": False, "stage_wb": False, "x_smem": True, "x_smem_cluster": True}
@@ -60,6 +63,8 @@ ROW_CLUSTER_VARIANTS: dict = {
     "xs mb4 c72": _XS_CLUSTER | {"x_min_blocks": 4, "carveout": 72},
     "xs mb3 c44": _XS_CLUSTER | {"x_min_blocks": 3, "carveout": 44},
     "xs2 mb3": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 3},
+    "xs2 mb2": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 2},
+    "xs3 mb2": _XS_CLUSTER | {"x_rows": 3, "x_min_blocks": 2},
 }
 ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
 

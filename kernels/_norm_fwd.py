@@ -361,7 +361,7 @@ def row_launch_kwargs(plan, m, stream, min_blocks: int, carveout=None):
     return kw
 
 
-def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
+def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, joint: bool = False):
     """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
     knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
     of each row cp.async'ed (one commit group a row), each row reduced in turn (its own
@@ -370,7 +370,9 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
     (fp32) costs the SMs' L2 traffic of a same-width one. Grid: ceil(M / rows) CTAs (per
     cluster rank); ``rms_launch`` / the caller's launch. kernel(mX, mW, mB, mY, mMean|None,
     mRstd, eps); "layer": per-thread (mean, M2) one vector at a time (``_ln_row``), one
-    welford all-reduce a row."""
+    welford all-reduce a row. ``joint`` ("rms", 2 rows; knob "x_joint"): both rows' sums of
+    squares in ONE all-reduce round trip (``row_allreduce_pair`` "sum2") after both rows
+    landed, instead of one round trip a row."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
@@ -407,7 +409,29 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
         tiles = [rr.RowTiles(plan, dt, m, tidx, bidx * rows + r, cluster_y) for r in range(rows)]
         means = []
         rstds = []
-        for r in cutlass.range_constexpr(rows):
+        if const_expr(joint and not layer and rows == 2):
+            cute.arch.cp_async_wait_group(0)
+            ssts = []
+            for r in cutlass.range_constexpr(rows):
+                h = tiles[r].thr.partition_S(sX[None, None, r]).load().to(Float32)
+                ssts.append((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0))
+            s0, s1 = rr.row_allreduce_pair(
+                Float32(ssts[0]),
+                Float32(ssts[1]),
+                "sum2",
+                plan.threads_per_row,
+                plan.cluster_n,
+                1,
+                rbuf[None, None, 0] if const_expr(rbuf is not None) else None,
+                rbuf[None, None, 1] if const_expr(rbuf is not None) else None,
+                rmbar if const_expr(plan.cluster_n > 1) else None,
+                0,
+            )
+            rstds.append(cute.math.rsqrt(s0 * inv_n + eps, fastmath=True))
+            rstds.append(cute.math.rsqrt(s1 * inv_n + eps, fastmath=True))
+            for r in cutlass.range_constexpr(rows):
+                tiles[r].write_row_scalar(mRstd, rstds[r])
+        for r in cutlass.range_constexpr(0 if joint and not layer and rows == 2 else rows):
             t = tiles[r]
             cute.arch.cp_async_wait_group(rows - 1 - r)
             tX = t.thr.partition_S(sX[None, None, r])

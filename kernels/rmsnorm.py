@@ -94,7 +94,7 @@ def compile_rmsnorm_fwd(
     # the weight read from L2 once for all of them (``_norm_fwd.xs_rows_kernel``)
     x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
     if x_rows > 1:
-        kernel_xr = xs_rows_kernel("rms", plan, dt, x_rows, bool(xs["ca"]))
+        kernel_xr = xs_rows_kernel("rms", plan, dt, x_rows, bool(xs["ca"]), bool(kn.get("x_joint", False)))
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
     if rcfg is not None:
         from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
@@ -322,6 +322,23 @@ WIDE_VARIANTS: dict = {
     "xs wregs mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_w_regs": True, "x_min_blocks": 2},
     "xs2 mb3": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3},
     "xs2 mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 2},
+    "xs2j mb3": {
+        "ring": False,
+        "x_smem": True,
+        "x_smem_wide": True,
+        "x_rows": 2,
+        "x_joint": True,
+        "x_min_blocks": 3,
+    },
+    "xs2j mb2": {
+        "ring": False,
+        "x_smem": True,
+        "x_smem_wide": True,
+        "x_rows": 2,
+        "x_joint": True,
+        "x_min_blocks": 2,
+    },
+    "xs3 mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 3, "x_min_blocks": 2},
     "ring 2x64": {"ctas_per_sm": 2, "ring_budget": 64},
     "ring 2x64p": {"ctas_per_sm": 2, "ring_budget": 64, "wide_perm": True},
     "ring 1x128": {"ring_budget": 128},

@@ -102,7 +102,8 @@ def _r(group, label, us, ok=True):
     return dict(group=group, label=label, us=us, ok=ok, tune={})
 
 
-def test_decide_adopts_only_clear_correct_wins(tk):
+def test_decide_adopts_only_clear_correct_wins(tk, tables):
+    tables()
     results = [
         # 3 % faster but wrong, then 2 % faster and right: the right one
         _r("rms_w32 65536", "w32 (default)", 100.0),
@@ -129,6 +130,21 @@ def test_decide_adopts_only_clear_correct_wins(tk):
     assert edits["kernels/_ln_row.py"]["ROW_CLUSTER: dict"] == {"wide@16": "xs mb4", "same@16": "xs mb5"}
     assert edits["kernels/_norm_bwd.py"] == {"W_SMEM_WIDE_ONE_CTA": {"rms": True, "layer": False}}
     assert sum(not w.endswith("-> keep") for w in why) == 5
+
+
+def test_decide_keeps_the_entries_of_groups_not_measured(tk, tables):
+    tables(wide_fwd={"4": "xs2 mb3"}, row_cluster={"same@16": "xs mb3"}, w_smem={"rms": True, "layer": False})
+    results = [
+        _r("rms_w32 262144", "w32 (default)", 100.0),
+        _r("rms_w32 262144", "ring 1x128", 90.0),
+        _r("ln_w32 262144", "w32 (default)", 100.0),
+        _r("ln_w32 262144", "xs2 mb3", 99.0),
+    ]
+    edits, why = tk.decide(results)
+    assert edits["kernels/rmsnorm.py"] == {"WIDE_FWD: dict": {"4": "xs2 mb3", "16": "ring 1x128"}}
+    assert edits["kernels/_ln_row.py"]["ROW_CLUSTER: dict"] == {"same@16": "xs mb3"}
+    assert edits["kernels/_norm_bwd.py"] == {"W_SMEM_WIDE_ONE_CTA": {"rms": True, "layer": False}}
+    assert sum(not w.endswith("-> keep") for w in why) == 1
 
 
 def test_apply_rewrites_the_tables(tk, tmp_path):
