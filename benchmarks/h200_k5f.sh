@@ -5,7 +5,9 @@
 # tables (tune_k5f.py --apply), then the GPU tiers on the tree so decided, then (time
 # permitting) bench_kernels.py on the norms' same-dtype / _w32 rows. Logs and decisions.json
 # under $OUT; apply the same edits to a checkout with
-# `python benchmarks/tune_k5f.py --apply-from FILE`. SWEEP=0: the GPU tiers alone.
+# `python benchmarks/tune_k5f.py --apply-from FILE`. SWEEP=0: the GPU tiers alone;
+# SWEEP_GROUPS="g1,g2": those groups only (not GROUPS: bash's own array of the user's group
+# ids, which an assignment cannot change: round 5's second call swept nothing through it).
 set -uo pipefail
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 ROOT=${ROOT:-../..}  # the device checkout's root (.device/)
@@ -19,7 +21,7 @@ step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
   timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?
   echo "$name: rc=$rc $((SECONDS - t))s (at $((SECONDS - T0))s) | $(grep -E '(passed|failed|error).* in [0-9.]+s' "$OUT/$name.log" | tail -1)"; }
 if [ "${SWEEP:-1}" = 1 ]; then
-step sweep "${SWEEP_LIMIT:-150}" python3 benchmarks/tune_k5f.py --jobs 16 --rounds 3 --json "$OUT/decisions.json" --apply ${GROUPS:+--groups "$GROUPS"}
+step sweep "${SWEEP_LIMIT:-150}" python3 benchmarks/tune_k5f.py --jobs 16 --rounds 3 --json "$OUT/decisions.json" --apply ${SWEEP_GROUPS:+--groups "$SWEEP_GROUPS"}
 grep -E "^(decide|kernels/|\[compiled|compile .* failed)|FAILED" "$OUT/sweep.log"
 grep -E "TB/s" "$OUT/sweep.log" | sed -E 's/ +/ /g'
 fi

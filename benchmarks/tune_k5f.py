@@ -214,6 +214,11 @@ def main(argv=None):
     if args.groups:
         keep = set(args.groups.split(","))
         vs = [v for v in vs if v["group"] in keep]
+        if not vs:
+            # a selection that matches nothing must not reach decide() / --apply
+            raise SystemExit(
+                f"--groups {args.groups!r}: no such group (groups: {sorted({v['group'] for v in variants()})})"
+            )
     wd = Path(args.workdir)
     errors = compile_all(vs, wd, args.jobs)
     for k, e in errors.items():
