@@ -32,8 +32,41 @@ ROW_CTA_VARIANTS: dict = {
 }
 # The label used by weight kind ("same" dtype as x; "wide": fp32 beside 16-bit x; "": round
 # 3's kernel, for "wide" the clusterless ring). benchmarks/tune_k4c.py rewrites the line.
-ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs mb5"}
+ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs2 mb3"}
 X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
+
+# Round 5 (benchmarks/tune_k5f.py): more knob sets, measured for rows of one CTA with a wide
+# weight ("carveout": the shared-memory carveout in percent asked at launch instead of the
+# maximum, so that L1 keeps the re-read fp32 w / b: 128 KiB at N = 16384) and for rows over
+# a cluster ("x_smem_cluster": ``xs_kernel`` there too, in place of the ring forward), and
+# the defaults by "kind@cluster" of the default plan (kind "same" / "wide"; absent: round
+# 4's kernels; tune_k5f.py rewrites the ROW_CLUSTER line). "row_cta": False also leaves
+# ROW_CLUSTER out.
+ROW_CTA_VARIANTS.update(
+    {
+        "xs mb3 c44": {"x_smem": True, "x_min_blocks": 3, "carveout": 44},
+        "xs mb4 c72": {"x_smem": True, "x_min_blocks": 4, "carveout": 72},
+        "xs mb5 c86": {"x_smem": True, "x_min_blocks": 5, "carveout": 86},
+        "xs mb2 c30": {"x_smem": True, "x_min_blocks": 2, "carveout": 30},
+        "xs2 mb3": {"x_smem": True, "x_rows": 2, "x_min_blocks": 3},
+        "xs2 mb2": {"x_smem": True, "x_rows": 2, "x_min_blocks": 2},
+        "xs2 t512 mb3": {"x_smem": True, "x_rows": 2, "threads": 512, "x_min_blocks": 3},
+        "xs2 t512 mb2": {"x_smem": True, "x_rows": 2, "threads": 512, "x_min_blocks": 2},
+        "xs3 mb2": {"x_smem": True, "x_rows": 3, "x_min_blocks": 2},
+    }
+)
+_XS_CLUSTER = {"ring": False, "stage_wb": False, "x_smem": True, "x_smem_cluster": True}
+ROW_CLUSTER_VARIANTS: dict = {
+    "xs mb3": _XS_CLUSTER | {"x_min_blocks": 3},
+    "xs mb4": _XS_CLUSTER | {"x_min_blocks": 4},
+    "xs mb5": _XS_CLUSTER | {"x_min_blocks": 5},
+    "xs mb4 c72": _XS_CLUSTER | {"x_min_blocks": 4, "carveout": 72},
+    "xs mb3 c44": _XS_CLUSTER | {"x_min_blocks": 3, "carveout": 44},
+    "xs2 mb3": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 3},
+    "xs2 mb2": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 2},
+    "xs3 mb2": _XS_CLUSTER | {"x_rows": 3, "x_min_blocks": 2},
+}
+ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
 
 
 def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
@@ -46,13 +79,17 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
     width = WIDTHS[dtype]
     p = plan_rows(n, width, budget=64)
     on = tune.get("row_cta", True)
+    wide = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)] > width
     if on and width == 16 and p.threads_per_row == p.num_threads == 256 and p.cluster_n == 1 and p.even:
-        wide = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)] > width
         label = ROW_CTA.get("wide" if wide else "same")
         if label:
             kn.update(ROW_CTA_VARIANTS[label])
             if wide:
                 kn["ring"] = False  # any choice there replaces round 3's ring
+    elif on and width == 16 and p.cluster_n > 1:
+        label = ROW_CLUSTER.get(f"{'wide' if wide else 'same'}@{p.cluster_n}")
+        if label:
+            kn.update(ROW_CLUSTER_VARIANTS[label])
     kn.update(tune)
     return kn
 
@@ -85,16 +122,16 @@ def row_plan(n: int, width: int, kn: dict):
 
 
 def x_smem_ok(plan, width: int, kn: dict) -> bool:
-    """x through shared memory ("x_smem" knob): 16-bit rows of one CTA a row (no cluster,
-    one row a CTA: ``affine_vec`` stores without predicates), even tiling, 16-byte
-    vectors, <= 64 KiB of x a CTA."""
+    """x through shared memory ("x_smem" knob): 16-bit rows of one CTA a row (no cluster
+    unless "x_smem_cluster"; one row a CTA: ``affine_vec`` stores without predicates), even
+    tiling, 16-byte vectors, <= 64 KiB of x a CTA."""
     return bool(kn.get("x_smem", False)) and (
         width == 16
-        and plan.cluster_n == 1
+        and (plan.cluster_n == 1 or bool(kn.get("x_smem_cluster", False)))
         and plan.rows_per_cta == 1
         and plan.even
         and plan.vec * width == 128
-        and plan.n * width // 8 <= 64 * 1024
+        and plan.tile_n * width // 8 <= 64 * 1024
     )
 
 
@@ -189,6 +226,9 @@ def xs_kernel(plan, dt, ca: bool):
         cute.arch.cp_async_wait_group(0)
         tX = t.thr.partition_S(sX)
         mt, m2t = thread_welford(tX)
+        # the cluster's mbarriers are initialized (no-op without a cluster: the one-CTA rows'
+        # PTX is round 4's)
+        red.wait_cluster()
         mean, m2 = red.reduce_pair(mt, m2t, "welford", count=plan.elems_per_thread)
         rstd = cute.math.rsqrt(m2 * (1.0 / plan.n) + eps, fastmath=True)
         t.write_row_scalar(mMean, mean)

@@ -24,6 +24,10 @@ BWD_BUDGET = 32  # row elements per thread kept in registers (two rows: x and dy
 # vector (fp32 beside 16-bit rows) kept in shared memory in the conflict-free layout
 # (``RowTiles.alloc_smem_bcast(spread=True)``).
 W_PERM = True
+# Round 5 (benchmarks/tune_k5f.py rewrites this line): a wide weight (fp32 beside 16-bit rows)
+# in shared memory, read per use, also on rows of one CTA (N in [4096, 16384] for 16-bit
+# rows) instead of in registers for the whole loop, by kind.
+W_SMEM_WIDE_ONE_CTA = {"rms": True, "layer": False}
 
 
 def bwd_plan(dtype: str, n: int, weight_dtype: str = "same", has_weight: bool = True):
@@ -50,13 +54,16 @@ def bwd_smem_stages(plan, width: int, tune: dict | None = None) -> int:
     return s if s >= 2 else 0
 
 
-def w_smem_ok(plan, tune: dict | None = None) -> bool:
+def w_smem_ok(plan, tune: dict | None = None, wide: bool = False, kind: str = "rms") -> bool:
     """Keep the weight in shared memory (read per use) in the shared-memory backward? By
-    default for rows over clusters of 16 CTAs (``tune["w_smem"]`` overrides). Measured on
-    the H200 (LayerNorm bwd, bf16 rows, TB/s, registers vs shared memory): 4096x262144
-    3.64 / 3.71, fp32 w 3.09 / 3.40; 32768x65536 3.82 / 3.73, fp32 w 3.81 / 3.59."""
+    default for rows over clusters of 16 CTAs, and for a ``wide`` weight (fp32 beside
+    16-bit rows) on rows of one CTA where ``W_SMEM_WIDE_ONE_CTA[kind]`` (``tune["w_smem"]``
+    overrides). Measured on the H200 (LayerNorm bwd, bf16 rows, TB/s, registers vs shared
+    memory): 4096x262144 3.64 / 3.71, fp32 w 3.09 / 3.40; 32768x65536 3.82 / 3.73, fp32 w
+    3.81 / 3.59."""
     tune = tune or {}
-    return tune.get("w_smem", plan.cluster_n >= 16)
+    default = plan.cluster_n >= 16 or (wide and plan.cluster_n == 1 and W_SMEM_WIDE_ONE_CTA[kind])
+    return tune.get("w_smem", default)
 
 
 def bwd_grid(m: int, plan, width: int, device, tune: dict | None = None, w_bytes: int = 0) -> int:
@@ -100,7 +107,7 @@ def compile_norm_bwd(
     # The shared-memory backward of the largest rows keeps the weight in shared memory,
     # read per use, instead of in registers for the whole loop (255 registers at N =
     # 262144; see ``w_smem_ok``).
-    w_smem = has_weight and stages >= 2 and w_smem_ok(plan, tune)
+    w_smem = has_weight and stages >= 2 and w_smem_ok(plan, tune, wdt.width > dt.width, kind)
     w_perm = bool(tune.get("w_perm", W_PERM))
     inv_n = 1.0 / plan.n
 
@@ -376,8 +383,9 @@ def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, t
     plan = bwd_plan(dt, n, wdt, w is not None)
     width = kt.DTYPE_BITS[dt]
     w_bytes = 0
-    if w is not None and bwd_smem_stages(plan, width, tune) and w_smem_ok(plan, tune):
-        w_bytes = plan.tile_n * kt.DTYPE_BITS[resolve_weight_dtype(dt, wdt)] // 8
+    wbits = kt.DTYPE_BITS[resolve_weight_dtype(dt, wdt)]
+    if w is not None and bwd_smem_stages(plan, width, tune) and w_smem_ok(plan, tune, wbits > width, kind):
+        w_bytes = plan.tile_n * wbits // 8
     grid = bwd_grid(m, plan, width, x.device, tune, w_bytes)
     rows = grid * plan.rows_per_cta
     dw_part = torch.empty(rows, n, dtype=torch.float32, device=x.device) if w is not None else None

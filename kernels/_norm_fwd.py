@@ -307,3 +307,191 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         cute.arch.cp_async_wait_group(0)
 
     return kernel
+
+
+def stage_bcast_wide(t, smem, wdt, spread: bool, *vectors):
+    """cp.async this thread's own elements of each (N,) broadcast vector wider than 16
+    bytes a fragment vector (an fp32 weight beside 16-bit rows: ``plan.vec`` x 4 bytes)
+    into a new shared-memory tile (``alloc_smem_bcast``, ``spread``: the conflict-free
+    layout), as 16-byte chunks (``.ca``: co-resident CTAs share the slice through L1); one
+    commit group. Each thread reads back only what it copied (after its own
+    ``cp_async_wait_group``), so no CTA barrier. Rows of one CTA with an even tiling
+    (``smem_bcast_ok``'s plans). Returns the tiles (None for an absent vector). Traced
+    inline from a kernel body; the vectors' element-wise path (``stage_bcast_own``) issues
+    8 x 4-byte loads and shared stores a vector and waits on them before the reduction."""
+    import cutlass.cute as cute
+
+    from . import _rowreduce as rr
+
+    plan = t.plan
+    assert plan.rows_per_cta == 1 and plan.even
+    c = 128 // wdt.width
+    tc = cute.make_tiled_copy_tv(
+        rr.cp_async_atom(wdt, 128, bypass_l1=False),
+        cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
+        cute.make_layout((1, plan.vec)),
+    )
+    assert plan.vec % c == 0
+    thr = tc.get_slice(t.tidx)
+    tiles = []
+    for mV in vectors:
+        sV = None
+        if mV is not None:
+            sV = t.alloc_smem_bcast(smem, wdt, spread=spread)
+            full = rr.broadcast_rows(mV, plan.rows_per_cta)
+            cute.copy(
+                tc,
+                thr.partition_S(cute.local_tile(full, rr.tiler(plan), (0, t.coord[1]))),
+                thr.partition_D(sV),
+            )
+        tiles.append(sV)
+    cute.arch.cp_async_commit_group()
+    return tiles
+
+
+def row_launch_kwargs(plan, m, stream, min_blocks: int, carveout=None):
+    """The one-row-tile-per-CTA forwards' launch (``_rowreduce.launch_kwargs``); ``carveout``
+    (percent of the SM's shared memory, a round 5 knob): asked instead of the maximum that
+    ``min_blocks`` asks for, so that L1 keeps what the CTAs re-read (a wide weight / bias)."""
+    from . import _rowreduce as rr
+
+    kw = rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+    if carveout is not None:
+        kw["preferred_smem_carveout"] = int(carveout)
+    return kw
+
+
+def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, joint: bool = False):
+    """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
+    knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
+    of each row cp.async'ed (one commit group a row), each row reduced in turn (its own
+    reducer stage), then y written one vector at a time with the weight / bias vector read
+    from L2 ONCE for all ``rows`` rows (16-byte loads), so that a weight wider than the rows
+    (fp32) costs the SMs' L2 traffic of a same-width one. Grid: ceil(M / rows) CTAs (per
+    cluster rank); ``rms_launch`` / the caller's launch. kernel(mX, mW, mB, mY, mMean|None,
+    mRstd, eps); "layer": per-thread (mean, M2) one vector at a time (``_ln_row``), one
+    welford all-reduce a row. ``joint`` ("rms", 2 rows; knob "x_joint"): both rows' sums of
+    squares in ONE all-reduce round trip (``row_allreduce_pair`` "sum2") after both rows
+    landed, instead of one round trip a row."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Float32, const_expr
+
+    from . import _rowreduce as rr
+    from ._ln_row import thread_welford
+
+    layer = kind == "layer"
+    assert plan.rows_per_cta == 1 and plan.even and plan.vec * dt.width == 128
+    inv_n = 1.0 / plan.n
+
+    @cute.kernel
+    def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean, mRstd: cute.Tensor, eps: Float32):
+        tidx, bidx, cluster_y, m, smem, red, t0 = rr.start_rows(plan, dt, mX, stages=2 * rows)
+        tc = cute.make_tiled_copy_tv(
+            rr.cp_async_atom(dt, plan.vec * dt.width, bypass_l1=not ca),
+            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
+            cute.make_layout((1, plan.vec)),
+        )
+        thr = tc.get_slice(tidx)
+        sl = cute.make_layout((1, plan.tile_n, rows), stride=(plan.tile_n, 1, plan.tile_n))
+        sX = smem.allocate_tensor(dt, sl, byte_alignment=128)
+        for r in cutlass.range_constexpr(rows):
+            rt = bidx * rows + r
+            if rt < m:
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (rt, cluster_y))),
+                    thr.partition_D(sX[None, None, r]),
+                )
+            cute.arch.cp_async_commit_group()
+        red.wait_cluster()
+        rbuf, rmbar = red.buf, red.mbar
+        tiles = [rr.RowTiles(plan, dt, m, tidx, bidx * rows + r, cluster_y) for r in range(rows)]
+        means = []
+        rstds = []
+        if const_expr(joint and not layer and rows == 2):
+            cute.arch.cp_async_wait_group(0)
+            ssts = []
+            for r in cutlass.range_constexpr(rows):
+                h = tiles[r].thr.partition_S(sX[None, None, r]).load().to(Float32)
+                ssts.append((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0))
+            s0, s1 = rr.row_allreduce_pair(
+                Float32(ssts[0]),
+                Float32(ssts[1]),
+                "sum2",
+                plan.threads_per_row,
+                plan.cluster_n,
+                1,
+                rbuf[None, None, 0] if const_expr(rbuf is not None) else None,
+                rbuf[None, None, 1] if const_expr(rbuf is not None) else None,
+                rmbar if const_expr(plan.cluster_n > 1) else None,
+                0,
+            )
+            rstds.append(cute.math.rsqrt(s0 * inv_n + eps, fastmath=True))
+            rstds.append(cute.math.rsqrt(s1 * inv_n + eps, fastmath=True))
+            for r in cutlass.range_constexpr(rows):
+                tiles[r].write_row_scalar(mRstd, rstds[r])
+        for r in cutlass.range_constexpr(0 if joint and not layer and rows == 2 else rows):
+            t = tiles[r]
+            cute.arch.cp_async_wait_group(rows - 1 - r)
+            tX = t.thr.partition_S(sX[None, None, r])
+            if const_expr(layer):
+                mt, m2t = thread_welford(tX)
+                mean, m2 = rr.row_allreduce_pair(
+                    Float32(mt),
+                    Float32(m2t),
+                    "welford",
+                    plan.threads_per_row,
+                    plan.cluster_n,
+                    plan.elems_per_thread,
+                    rbuf[None, None, 2 * r] if const_expr(rbuf is not None) else None,
+                    rbuf[None, None, 2 * r + 1] if const_expr(rbuf is not None) else None,
+                    (rmbar + r) if const_expr(plan.cluster_n > 1) else None,
+                    0,
+                )
+                rstd = cute.math.rsqrt(m2 * inv_n + eps, fastmath=True)
+                t.write_row_scalar(mMean, mean)
+                means.append(mean)
+            else:
+                h = tX.load().to(Float32)
+                sst = (h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+                ss = rr.reduce_stage(sst, "sum", plan, rbuf, rmbar, r, 0)
+                rstd = cute.math.rsqrt(ss * inv_n + eps, fastmath=True)
+            t.write_row_scalar(mRstd, rstd)
+            rstds.append(rstd)
+        gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
+        gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
+        for k in cutlass.range_constexpr(plan.nvec):
+            if const_expr(mW is not None):
+                rw = cute.make_rmem_tensor_like(gW[None, 0, k])
+                cute.autovec_copy(gW[None, 0, k], rw)
+            if const_expr(mB is not None):
+                rb = cute.make_rmem_tensor_like(gB[None, 0, k])
+                cute.autovec_copy(gB[None, 0, k], rb)
+            for r in cutlass.range_constexpr(rows):
+                t = tiles[r]
+                xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
+                if const_expr(layer):
+                    yk = (xk - means[r]) * rstds[r]
+                else:
+                    yk = xk * rstds[r]
+                if const_expr(mW is not None):
+                    yk = yk * rw.load().to(Float32)
+                if const_expr(mB is not None):
+                    yk = yk + rb.load().to(Float32)
+                gY = t.part(mY)
+                ry = cute.make_rmem_tensor_like(gY[None, 0, k])
+                ry.store(yk.to(gY.element_type))
+                if bidx * rows + r < m:
+                    cute.autovec_copy(ry, gY[None, 0, k])
+
+    return kernel
+
+
+def xs_rows_launch_kwargs(plan, m, stream, rows: int, min_blocks: int, carveout=None):
+    """``xs_rows_kernel``'s launch: ceil(M / rows) CTAs (per cluster rank)."""
+    import cutlass.cute as cute
+
+    kw = row_launch_kwargs(plan, m, stream, min_blocks, carveout)
+    kw["grid"] = [cute.ceil_div(m, rows), plan.cluster_n, 1]
+    return kw

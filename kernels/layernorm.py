@@ -39,6 +39,7 @@ def compile_layernorm_fwd(
 
     from . import _rowreduce as rr
     from ._ln_row import X_MIN_BLOCKS, affine_vec, fwd_knobs, row_plan, x_smem_ok, xs_kernel
+    from ._norm_fwd import row_launch_kwargs, xs_rows_kernel, xs_rows_launch_kwargs
     from ._plan import resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
@@ -50,9 +51,13 @@ def compile_layernorm_fwd(
     # x through shared memory (``_ln_row``): the row is not live in registers across the
     # reduction
     x_smem = x_smem_ok(plan, dt.width, kn) and not stage_wb
+    x_rows = int(kn.get("x_rows", 1)) if x_smem else 1
     if x_smem:
         min_blocks = int(kn.get("x_min_blocks", X_MIN_BLOCKS))
         kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
+        if x_rows > 1:
+            # round 5 knob "x_rows": that many rows a CTA, w / b read once for all of them
+            kernel_xs = xs_rows_kernel("layer", plan, dt, x_rows, bool(kn.get("x_ca", False)))
     wb_vec = bool(kn.get("wb_vec", False)) and plan.even and plan.rows_per_cta == 1 and not stage_wb
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, kn)
     if rcfg is not None:
@@ -143,13 +148,17 @@ def compile_layernorm_fwd(
         if const_expr(rcfg is not None):
             kw = ring_launch_kwargs(rplan, m, stream, num_blocks, rcfg)
             ring(mX, mW, mB, mY, mMean, mRstd, eps).launch(**kw)
+        elif const_expr(x_rows > 1):
+            kernel_xs(mX, mW, mB, mY, mMean, mRstd, eps).launch(
+                **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks, kn.get("carveout"))
+            )
         elif const_expr(x_smem):
             kernel_xs(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+                **row_launch_kwargs(plan, m, stream, min_blocks, kn.get("carveout"))
             )
         else:
             kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+                **row_launch_kwargs(plan, m, stream, min_blocks, kn.get("carveout"))
             )
 
     x, m = rr.fake_rows(dt, n, plan.vec)

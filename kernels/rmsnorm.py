@@ -47,28 +47,55 @@ def compile_rmsnorm_fwd(
     from cutlass import Float32, Int32, const_expr
 
     from . import _rowreduce as rr
+    from ._norm_fwd import row_launch_kwargs, stage_bcast_wide, xs_rows_kernel, xs_rows_launch_kwargs
     from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
+    kn = fwd_knobs(dtype, n, weight_dtype, _TUNE)
     plan = plan_rows(n, dt.width, budget=64)
     # a weight wider than the rows (fp32 beside 16-bit x) is read after the reduction,
     # element-wise: early, it would hold 2x the registers through the reduction
     late_wb = wdt.width > dt.width
-    stage_wb = _TUNE.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
+    stage_wb = kn.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
     # 3 CTAs/SM (80 registers) on the staged path; the late, element-wise fp32 weight
     # path would spill there (ptxas: 52 bytes at N = 65536), so it keeps 128 registers
-    min_blocks = _TUNE.get("min_blocks", 3) if stage_wb else _TUNE.get("late_min_blocks", 0)
+    min_blocks = kn.get("min_blocks", 3) if stage_wb else kn.get("late_min_blocks", 0)
+    # round 5 knob "stage_wide": a wide weight / bias cp.async'ed into shared memory in
+    # 16-byte chunks at kernel start (``_norm_fwd.stage_bcast_wide``), as the same-width
+    # row tile stages its own, instead of read from L2 after the reduction
+    stage_wide = (
+        bool(kn.get("stage_wide", False))
+        and late_wb
+        and not has_residual
+        and plan.cluster_n > 1
+        and plan.rows_per_cta == 1
+        and plan.even
+        and plan.vec * dt.width == 128
+    )
     # x through shared memory (``x_smem_ok``): cp.async'ed, read for the reduction and read
-    # again for y, so x is not live in registers across the cluster reduction
-    x_smem = x_smem_ok(plan, dt.width, has_residual) and not late_wb
-    xs = X_SMEM | {k[2:]: v for k, v in _TUNE.items() if k in ("x_ca", "x_w_regs", "x_min_blocks")}
+    # again for y, so x is not live in registers across the cluster reduction (a wide weight
+    # only with the round 5 knob "x_smem_wide": read from L2 after the reduction, or with
+    # "x_w_regs" into registers at kernel start)
+    x_smem = x_smem_ok(plan, dt.width, has_residual, kn) and (
+        not late_wb or bool(kn.get("x_smem_wide", False))
+    )
+    xs = X_SMEM | {k[2:]: v for k, v in kn.items() if k in ("x_ca", "x_w_regs", "x_min_blocks")}
     w_regs = False
     if x_smem:
-        w_regs = bool(xs["w_regs"]) and not late_wb
+        w_regs = bool(xs["w_regs"]) and (not late_wb or "x_w_regs" in kn)
         stage_wb = stage_wb and not w_regs
+        stage_wide = False
         min_blocks = int(xs["min_blocks"])
-    rcfg = fwd_ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype)
+    # round 5 knob "carveout": the shared-memory carveout (percent) asked at launch instead
+    # of the maximum that min_blocks asks for, so that L1 keeps a re-read weight
+    carveout = kn.get("carveout")
+    # round 5 knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
+    # the weight read from L2 once for all of them (``_norm_fwd.xs_rows_kernel``)
+    x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
+    if x_rows > 1:
+        kernel_xr = xs_rows_kernel("rms", plan, dt, x_rows, bool(xs["ca"]), bool(kn.get("x_joint", False)))
+    rcfg = _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
     if rcfg is not None:
         from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
 
@@ -86,6 +113,8 @@ def compile_rmsnorm_fwd(
         if const_expr(stage_wb):
             # weight / bias: cp.async into shared memory, read after the reduction
             sW, sB = t.stage_bcast(smem, wdt, mW, mB)
+        elif const_expr(stage_wide):
+            sW, sB = stage_bcast_wide(t, smem, wdt, bool(kn.get("wide_spread", False)), mW, mB)
         elif const_expr(not late_wb):
             if const_expr(mW is not None):
                 rW = t.load_bcast(t.part_bcast(mW))
@@ -103,7 +132,7 @@ def compile_rmsnorm_fwd(
         red.wait_cluster()
         ss = red.reduce((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0)
         rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
-        if const_expr(stage_wb):
+        if const_expr(stage_wb or stage_wide):
             t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
         elif const_expr(late_wb):
             t.store_affine(
@@ -191,13 +220,17 @@ def compile_rmsnorm_fwd(
         if const_expr(rcfg is not None):
             kw = ring_launch_kwargs(rplan, m, stream, num_blocks, rcfg)
             ring(mX, mW, mB, mY, None, mRstd, eps).launch(**kw)
+        elif const_expr(x_rows > 1):
+            kernel_xr(mX, mW, mB, mY, None, mRstd, eps).launch(
+                **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks, carveout)
+            )
         elif const_expr(x_smem):
             kernel_xs(mX, mW, mB, mY, mRstd, eps).launch(
-                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+                **row_launch_kwargs(plan, m, stream, min_blocks, carveout)
             )
         else:
             kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
-                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+                **row_launch_kwargs(plan, m, stream, min_blocks, carveout)
             )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
@@ -224,12 +257,15 @@ X_SMEM_MIN_CLUSTER = 8
 X_SMEM = {"ca": False, "w_regs": True, "min_blocks": 4}
 
 
-def x_smem_ok(plan, width: int, has_residual: bool) -> bool:
+def x_smem_ok(plan, width: int, has_residual: bool, tune: dict | None = None) -> bool:
     """The row-tile forward stages x in shared memory (16-bit rows, one row a CTA over a
     cluster of ``X_SMEM_MIN_CLUSTER`` CTAs or more, even tiling, 16-byte vectors, no
     residual; measured only so: fp32 rows would need 64 KiB a CTA, 3 CTAs / SM). The
-    caller also leaves out weights wider than the rows (read element-wise from L2)."""
-    on = _TUNE.get("x_smem", plan.cluster_n >= _TUNE.get("x_smem_min_cluster", X_SMEM_MIN_CLUSTER))
+    caller also leaves out weights wider than the rows (read element-wise from L2) unless
+    its knobs say otherwise. ``tune``: the forward's knobs (``fwd_knobs``; default this
+    module's ``_TUNE``)."""
+    tune = _TUNE if tune is None else tune
+    on = tune.get("x_smem", plan.cluster_n >= tune.get("x_smem_min_cluster", X_SMEM_MIN_CLUSTER))
     return bool(on) and (
         width == 16
         and plan.cluster_n > 1
@@ -244,10 +280,92 @@ def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, has_resid
     """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
     over clusters of ``RING_MIN_CLUSTER`` (4) CTAs or more (N >= 65536 for 16-bit dtypes)
     with a weight wider than the rows and no residual, or None (one row tile per CTA);
-    knobs in ``_TUNE`` (``ring_cfg``)."""
+    knobs: ``fwd_knobs`` (``ring_cfg``)."""
+    kn = fwd_knobs(dtype, n, weight_dtype, _TUNE)
+    return _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
+
+
+def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: dict):
     from ._norm_fwd import ring_cfg
 
-    return ring_cfg("rms", dtype, n, has_weight, has_bias, has_residual, weight_dtype, _TUNE)
+    return ring_cfg("rms", dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
+
+
+# Round 5 (issue 14 part 6; benchmarks/tune_k5f.py times each against round 3's kernel and
+# rewrites the WIDE_FWD line): the forward with a weight wider than the rows (fp32 beside
+# 16-bit x) by the default plan's cluster size (str), a label of WIDE_VARIANTS; absent or
+# "": round 3's kernel (the ring forward at clusters of 4+). Knobs: "ring" (False: the row
+# tile), "stage_wide" + "wide_spread" (the weight cp.async'ed into shared memory, plain /
+# conflict-free layout), "late_min_blocks" (CTAs / SM of the row tile), "x_smem" +
+# "x_smem_wide" (x through shared memory, the weight from L2 after the reduction;
+# "x_w_regs": into registers at kernel start), "x_min_blocks", "carveout" (percent),
+# "ctas_per_sm" / "ring_budget" / "wide_perm" (the ring's shape, ``_norm_fwd.ring_cfg``).
+WIDE_VARIANTS: dict = {
+    "rt sw mb3": {"ring": False, "stage_wide": True, "late_min_blocks": 3},
+    "rt swp mb3": {"ring": False, "stage_wide": True, "wide_spread": True, "late_min_blocks": 3},
+    "rt swp mb2": {"ring": False, "stage_wide": True, "wide_spread": True, "late_min_blocks": 2},
+    "xs late mb4": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_min_blocks": 4},
+    "xs late mb4 c72": {
+        "ring": False,
+        "x_smem": True,
+        "x_smem_wide": True,
+        "x_min_blocks": 4,
+        "carveout": 72,
+    },
+    "xs late mb3 c44": {
+        "ring": False,
+        "x_smem": True,
+        "x_smem_wide": True,
+        "x_min_blocks": 3,
+        "carveout": 44,
+    },
+    "xs wregs mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_w_regs": True, "x_min_blocks": 2},
+    "xs2 mb3": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3},
+    "xs2 mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 2},
+    "xs2j mb3": {
+        "ring": False,
+        "x_smem": True,
+        "x_smem_wide": True,
+        "x_rows": 2,
+        "x_joint": True,
+        "x_min_blocks": 3,
+    },
+    "xs2j mb2": {
+        "ring": False,
+        "x_smem": True,
+        "x_smem_wide": True,
+        "x_rows": 2,
+        "x_joint": True,
+        "x_min_blocks": 2,
+    },
+    "xs3 mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 3, "x_min_blocks": 2},
+    "ring 2x64": {"ctas_per_sm": 2, "ring_budget": 64},
+    "ring 2x64p": {"ctas_per_sm": 2, "ring_budget": 64, "wide_perm": True},
+    "ring 1x128": {"ring_budget": 128},
+    "ring 1x128p": {"ring_budget": 128, "wide_perm": True},
+}
+WIDE_FWD: dict = {"4": "xs2 mb3"}
+
+
+def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
+    """The forward's knobs: ``WIDE_FWD``'s set for 16-bit rows with a wider weight (by the
+    default plan's cluster size), ``tune`` (the module's benchmark knobs) over it; "wide_fwd":
+    False in ``tune`` leaves the table out (round 3's kernels: the sweep's baselines). A
+    fresh dict."""
+    from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
+
+    kn: dict = {}
+    width = WIDTHS[dtype]
+    if (
+        tune.get("wide_fwd", True)
+        and width == 16
+        and WIDTHS[resolve_weight_dtype(dtype, weight_dtype)] > width
+    ):
+        label = WIDE_FWD.get(str(plan_rows(n, width, budget=64).cluster_n))
+        if label:
+            kn.update(WIDE_VARIANTS[label])
+    kn.update(tune)
+    return kn
 
 
 def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:

@@ -18,6 +18,7 @@ def knobs(monkeypatch):
 
     def set_(row_cta=None, tune=None):
         monkeypatch.setattr(_ln_row, "ROW_CTA", row_cta or {"same": "", "wide": ""})
+        monkeypatch.setattr(_ln_row, "ROW_CLUSTER", {})
         monkeypatch.setattr(layernorm, "_TUNE", dict(tune or {}))
 
     return set_
