@@ -98,7 +98,8 @@ def _ring_cfg(
     2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one persistent loop).
     ``tune``: "ring" (False: off), "ring_min_cluster", "ring_same" (RMSNorm with
     same-width weights too), "stages" (max depth, 4), "smem_kb", "wide_perm",
-    "ring_clusters" (a fixed grid instead of the occupancy calculator's)."""
+    "ring_clusters" (a fixed grid instead of the occupancy calculator's), "x_l2" (round 6:
+    x's cp.async with that L2 policy, ``_cachehint``)."""
     tune = dict(tune_items)
     if not tune.get("ring", True) or has_residual or not (has_weight or has_bias):
         return None
@@ -135,6 +136,7 @@ def _ring_cfg(
         wide_perm=bool(tune.get("wide_perm", spread or WIDE_PERM[kind])),
         smem_bytes=fixed + stages * stage_bytes,
         clusters=tune.get("ring_clusters"),
+        x_l2=tune.get("x_l2"),
         ctas_per_sm=ctas,
         budget=elems,
     )
@@ -200,10 +202,20 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
+    from . import _cachehint as ch
     from . import _rowreduce as rr
 
     layer = kind == "layer"
     stages = cfg["stages"]
+    # round 6 knob "x_l2": x's cp.async with that L2 policy (``_cachehint.cp_async_hinted``)
+    x_pol = ch.L2_POLICY[cfg["x_l2"]] if cfg.get("x_l2") else None
+
+    def copy_x(tc, src, dst):
+        if const_expr(x_pol is not None):
+            ch.cp_async_hinted(src, dst, x_pol)
+        else:
+            cute.copy(tc, src, dst)
+
     inv_n = 1.0 / plan.n
     e = plan.elems_per_thread
 
@@ -234,7 +246,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         for s in cutlass.range_constexpr(max(stages - 1, 1)):
             ts = bidx + s * grid_m
             if ts < m:
-                cute.copy(
+                copy_x(
                     tc,
                     thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
                     thr.partition_D(sX[None, None, s]),
@@ -249,7 +261,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 # refill the stage read by the previous iteration with tile it + stages - 1
                 tn = tile + (stages - 1) * grid_m
                 if tn < m:
-                    cute.copy(
+                    copy_x(
                         tc,
                         thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
                         thr.partition_D(sX[None, None, (it + stages - 1) % stages]),
@@ -275,7 +287,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 # next row's loads are in flight across this row's reduction and store
                 tn = tile + grid_m
                 if tn < m:
-                    cute.copy(
+                    copy_x(
                         tc,
                         thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
                         thr.partition_D(sX[None, None, 0]),
@@ -361,7 +373,9 @@ def row_launch_kwargs(plan, m, stream, min_blocks: int, carveout=None):
     return kw
 
 
-def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, joint: bool = False):
+def xs_rows_kernel(
+    kind: str, plan, dt, rows: int, ca: bool = False, joint: bool = False, wdt=None, hints: dict | None = None
+):
     """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
     knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
     of each row cp.async'ed (one commit group a row), each row reduced in turn (its own
@@ -372,13 +386,22 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, joint: bool
     mRstd, eps); "layer": per-thread (mean, M2) one vector at a time (``_ln_row``), one
     welford all-reduce a row. ``joint`` ("rms", 2 rows; knob "x_joint"): both rows' sums of
     squares in ONE all-reduce round trip (``row_allreduce_pair`` "sum2") after both rows
-    landed, instead of one round trip a row."""
+    landed, instead of one round trip a row. ``hints`` (round 6 knob "io_hints",
+    ``norm_hints``): cache hints on x's cp.async ("x_l2": an ``L2_POLICY`` name), the
+    weight / bias loads ("wb": an ``io_copy`` spec, 16-byte copies of ``wdt``) and y's
+    stores ("y"); None / {}: round 5's PTX."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
+    from . import _cachehint as ch
     from . import _rowreduce as rr
     from ._ln_row import thread_welford
+
+    hints = hints or {}
+    x_pol = ch.L2_POLICY[hints["x_l2"]] if hints.get("x_l2") else None
+    wb_spec = hints.get("wb")
+    y_spec = hints.get("y")
 
     layer = kind == "layer"
     assert plan.rows_per_cta == 1 and plan.even and plan.vec * dt.width == 128
@@ -398,11 +421,18 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, joint: bool
         for r in cutlass.range_constexpr(rows):
             rt = bidx * rows + r
             if rt < m:
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (rt, cluster_y))),
-                    thr.partition_D(sX[None, None, r]),
-                )
+                if const_expr(x_pol is not None):
+                    ch.cp_async_hinted(
+                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (rt, cluster_y))),
+                        thr.partition_D(sX[None, None, r]),
+                        x_pol,
+                    )
+                else:
+                    cute.copy(
+                        tc,
+                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (rt, cluster_y))),
+                        thr.partition_D(sX[None, None, r]),
+                    )
             cute.arch.cp_async_commit_group()
         red.wait_cluster()
         rbuf, rmbar = red.buf, red.mbar
@@ -461,13 +491,23 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, joint: bool
             rstds.append(rstd)
         gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
         gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
+        if const_expr(wb_spec is not None):
+            wb_atom = ch.wide_load_atom(wdt, wb_spec)
+        if const_expr(y_spec is not None):
+            y_atom = ch.store_atom(dt, y_spec)
         for k in cutlass.range_constexpr(plan.nvec):
             if const_expr(mW is not None):
                 rw = cute.make_rmem_tensor_like(gW[None, 0, k])
-                cute.autovec_copy(gW[None, 0, k], rw)
+                if const_expr(wb_spec is not None):
+                    ch.load_wide(wb_atom, gW[None, 0, k], rw, ch.l2_policy(wb_spec))
+                else:
+                    cute.autovec_copy(gW[None, 0, k], rw)
             if const_expr(mB is not None):
                 rb = cute.make_rmem_tensor_like(gB[None, 0, k])
-                cute.autovec_copy(gB[None, 0, k], rb)
+                if const_expr(wb_spec is not None):
+                    ch.load_wide(wb_atom, gB[None, 0, k], rb, ch.l2_policy(wb_spec))
+                else:
+                    cute.autovec_copy(gB[None, 0, k], rb)
             for r in cutlass.range_constexpr(rows):
                 t = tiles[r]
                 xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
@@ -483,7 +523,10 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, joint: bool
                 ry = cute.make_rmem_tensor_like(gY[None, 0, k])
                 ry.store(yk.to(gY.element_type))
                 if bidx * rows + r < m:
-                    cute.autovec_copy(ry, gY[None, 0, k])
+                    if const_expr(y_spec is not None):
+                        ch.store_hinted(y_atom, ry, gY[None, 0, k], ch.l2_policy(y_spec))
+                    else:
+                        cute.autovec_copy(ry, gY[None, 0, k])
 
     return kernel
 

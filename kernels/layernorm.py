@@ -54,10 +54,14 @@ def compile_layernorm_fwd(
     x_rows = int(kn.get("x_rows", 1)) if x_smem else 1
     if x_smem:
         min_blocks = int(kn.get("x_min_blocks", X_MIN_BLOCKS))
-        kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
+        # round 6 knob "io_hints": cache hints on x / w, b / y (``_norm_fwd.xs_rows_kernel``)
+        hints = kn.get("io_hints")
+        kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)), hints)
         if x_rows > 1:
             # round 5 knob "x_rows": that many rows a CTA, w / b read once for all of them
-            kernel_xs = xs_rows_kernel("layer", plan, dt, x_rows, bool(kn.get("x_ca", False)))
+            kernel_xs = xs_rows_kernel(
+                "layer", plan, dt, x_rows, bool(kn.get("x_ca", False)), wdt=wdt, hints=hints
+            )
     wb_vec = bool(kn.get("wb_vec", False)) and plan.even and plan.rows_per_cta == 1 and not stage_wb
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, kn)
     if rcfg is not None:

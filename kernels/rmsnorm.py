@@ -94,7 +94,17 @@ def compile_rmsnorm_fwd(
     # the weight read from L2 once for all of them (``_norm_fwd.xs_rows_kernel``)
     x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
     if x_rows > 1:
-        kernel_xr = xs_rows_kernel("rms", plan, dt, x_rows, bool(xs["ca"]), bool(kn.get("x_joint", False)))
+        # round 6 knob "io_hints": cache hints on x / w / y (``_norm_fwd.xs_rows_kernel``)
+        kernel_xr = xs_rows_kernel(
+            "rms",
+            plan,
+            dt,
+            x_rows,
+            bool(xs["ca"]),
+            bool(kn.get("x_joint", False)),
+            wdt=wdt,
+            hints=kn.get("io_hints"),
+        )
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
     if rcfg is not None:
         from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
@@ -344,6 +354,20 @@ WIDE_VARIANTS: dict = {
     "ring 1x128": {"ring_budget": 128},
     "ring 1x128p": {"ring_budget": 128, "wide_perm": True},
 }
+# Round 6 (benchmarks/tune_k6g.py): round 5's two- / three-row kernels with cache hints
+# (knob "io_hints", ``_norm_fwd.xs_rows_kernel``: "wb" on the fp32 weight's loads, "x_l2" on
+# x's cp.async, "y" on y's stores; ``IO_HINTS``), and the ring with x's cp.async hinted
+# ("x_l2", ``_norm_fwd.ring_cfg``).
+IO_HINTS: dict = {
+    "wbel": {"wb": {"l2": "evict_last"}},
+    "h": {"x_l2": "evict_first", "wb": {"l2": "evict_last"}, "y": {"l2": "evict_first"}},
+    # + L1::evict_last on w / b: co-resident CTAs of one cluster rank share the slice in L1
+    "wbel1": {"x_l2": "evict_first", "wb": {"l2": "evict_last", "evict": "last"}},
+}
+for _base in ("xs2 mb3", "xs2j mb3", "xs3 mb2"):
+    for _h, _hints in IO_HINTS.items():
+        WIDE_VARIANTS[f"{_base} {_h}"] = WIDE_VARIANTS[_base] | {"io_hints": _hints}
+WIDE_VARIANTS["ring xef"] = {"x_l2": "evict_first"}
 WIDE_FWD: dict = {"4": "xs2 mb3"}
 
 

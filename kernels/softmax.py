@@ -11,6 +11,9 @@ import math
 from quack import jit_cache
 from quack.params import Dtype, Int
 
+from ._cachehint import L2_POLICY  # noqa: F401 (tests)
+from ._cachehint import io_copy as _io_copy
+from ._cachehint import l2_policy as _l2_policy
 from ._plan import N_MAX, N_MIN
 
 LOG2_E = math.log2(math.e)
@@ -152,79 +155,6 @@ def _bwd_plan(dtype: str, n: int, width: int):
             n=n, vec=plan.vec, threads_per_row=tpr, num_threads=tpr, cluster_n=1, nvec=n // (plan.vec * tpr)
         )
     return plan
-
-
-# L2 cache-policy operands (``.L2::cache_hint``): the encodings of
-# ``createpolicy.fractional.L2::<priority>.b64 p, 1.0`` (CUTLASS's CacheHintSm90); a "cp:"
-# prefix creates the policy in the kernel with createpolicy instead (as Triton does).
-L2_POLICY = {
-    "evict_first": 0x12F0000000000000,
-    "evict_last": 0x14F0000000000000,
-    "normal": 0x1000000000000000,
-}
-
-
-def _l2_policy(spec):
-    """The L2 policy of a hint ``spec`` (``_io_copy``): None, a constant, or the priority
-    name to createpolicy in the kernel."""
-    l2 = (spec or {}).get("l2")
-    if not l2:
-        return None
-    return l2[3:] if l2.startswith("cp:") else L2_POLICY[l2]
-
-
-def _io_copy(dt, plan, direction: str, spec, plain):
-    """The tiled copy of a hinted load / store of the plan's fragments (built while the
-    kernel is traced; ``plain`` without ``spec``). ``spec``: a dict with ``mode`` (loads: "ca",
-    "cg", "cs", "lu", "nc" (invariant: ld.global.nc), stores: "wb", "cg", "cs", "wt"),
-    ``evict`` (L1: "first", "last", "no_allocate", "unchanged") and ``l2`` (a key of
-    ``L2_POLICY``)."""
-    if not spec:
-        return plain
-    import cutlass.cute as cute
-    from cutlass.cute import nvgpu
-
-    evict = {
-        None: nvgpu.CacheEvictionPriority.EVICT_NORMAL,
-        "first": nvgpu.CacheEvictionPriority.EVICT_FIRST,
-        "last": nvgpu.CacheEvictionPriority.EVICT_LAST,
-        "no_allocate": nvgpu.CacheEvictionPriority.NO_ALLOCATE,
-        "unchanged": nvgpu.CacheEvictionPriority.EVICT_UNCHANGED,
-    }[spec.get("evict")]
-    bits = plan.vec * dt.width
-    mode = spec.get("mode")
-    if direction == "load":
-        lm = {
-            None: nvgpu.LoadCacheMode.ALWAYS,
-            "ca": nvgpu.LoadCacheMode.ALWAYS,
-            "nc": nvgpu.LoadCacheMode.ALWAYS,
-            "cg": nvgpu.LoadCacheMode.GLOBAL,
-            "cs": nvgpu.LoadCacheMode.STREAMING,
-            "lu": nvgpu.LoadCacheMode.LAST_USE,
-        }[mode]
-        op = nvgpu.CopyG2ROp()
-        atom = cute.make_copy_atom(
-            op,
-            dt,
-            num_bits_per_copy=bits,
-            l1c_evict_priority=evict,
-            load_cache_mode=lm,
-            invariant=mode == "nc",
-        )
-    else:
-        sm = {
-            None: nvgpu.StoreCacheMode.WRITE_BACK,
-            "wb": nvgpu.StoreCacheMode.WRITE_BACK,
-            "cg": nvgpu.StoreCacheMode.GLOBAL,
-            "cs": nvgpu.StoreCacheMode.STREAMING,
-            "wt": nvgpu.StoreCacheMode.WRITE_THROUGH,
-        }[mode]
-        atom = cute.make_copy_atom(
-            nvgpu.CopyR2GOp(), dt, num_bits_per_copy=bits, l1c_evict_priority=evict, store_cache_mode=sm
-        )
-    thr_layout = cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0))
-    tc = cute.make_tiled_copy_tv(atom, thr_layout, cute.make_layout((1, plan.vec)))
-    return tc
 
 
 @jit_cache(
