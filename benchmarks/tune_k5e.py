@@ -13,7 +13,7 @@ median of its medians). Beside our variants, two torch.compile columns in the sa
 ``TORCHINDUCTOR_CACHE_DIR`` / ``TRITON_CACHE_DIR`` set by the caller keep the Triton
 source, PTX and cubin.
 
-Two sweeps (``--set``; knobs of ``kernels/softmax.py``: ``_io_copy``, ``_bwd_plan``):
+Two sweeps (``--set``; knobs of ``kernels/softmax.py``: ``_bwd_plan``; the hints: ``kernels/_cachehint.py``):
 ``r1`` (the first call, with torch.compile's kernel dumped: ``DUMP=1 SET=r1
 benchmarks/h200_k5e.sh``): cache hints on the loads of dy / y and the store of dx
 (st.global.cs, L1::evict_first, ld.global.nc / .cs / .lu / .cg, an L2 evict-first policy),

@@ -11,9 +11,6 @@ import math
 from quack import jit_cache
 from quack.params import Dtype, Int
 
-from ._cachehint import L2_POLICY  # noqa: F401 (tests)
-from ._cachehint import io_copy as _io_copy
-from ._cachehint import l2_policy as _l2_policy
 from ._plan import N_MAX, N_MIN
 
 LOG2_E = math.log2(math.e)
@@ -168,6 +165,7 @@ def compile_softmax_bwd(dtype: str, n: int):
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
+    from . import _cachehint as ch
     from . import _rowreduce as rr
     from ._plan import plan_rows
 
@@ -190,13 +188,13 @@ def compile_softmax_bwd(dtype: str, n: int):
     min_blocks = k.get("bwd_min_blocks", 0)
     # Round-5 knobs of the register path (benchmarks/tune_k5e.py): cache hints on the loads
     # of dy / y and the store of dx (``bwd_ld`` / ``bwd_st``; ``bwd_ld2`` for the re-read, see
-    # ``_io_copy``), and ``bwd_twopass``: dy and y re-read after the reduction (L1 / L2 hits)
+    # ``_cachehint.io_copy``), and ``bwd_twopass``: dy and y re-read after the reduction (L1 / L2 hits)
     # instead of kept as fp32 through it, as torch.compile's looped reduction does. The small
     # class's default (32768x4096: 190.6 -> 184.9 us on the H200, torch.compile 184.8): 512
     # threads, loads with L1::evict_last + L2 evict_last, re-reads with evict_first. Without
     # the L2 policy on the first loads it ran 188.2; with a createpolicy'd policy 207.6.
     ld, ld2, st = k.get("bwd_ld"), k.get("bwd_ld2", k.get("bwd_ld")), k.get("bwd_st")
-    ld_pol, ld2_pol, st_pol = (_l2_policy(s) for s in (ld, ld2, st))
+    ld_pol, ld2_pol, st_pol = (ch.l2_policy(s) for s in (ld, ld2, st))
     twopass = k.get("bwd_twopass", False) and not smem_rows
 
     def make_policy(pol):
@@ -234,9 +232,9 @@ def compile_softmax_bwd(dtype: str, n: int):
     @cute.kernel
     def kernel(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mY, stages=1)
-        ld_c = _io_copy(dt, plan, "load", ld, t.tiled_copy)
-        ld2_c = _io_copy(dt, plan, "load", ld2, t.tiled_copy)
-        st_c = _io_copy(dt, plan, "store", st, t.tiled_copy)
+        ld_c = ch.io_copy(dt, plan, "load", ld, t.tiled_copy)
+        ld2_c = ch.io_copy(dt, plan, "load", ld2, t.tiled_copy)
+        st_c = ch.io_copy(dt, plan, "store", st, t.tiled_copy)
         if const_expr(smem_rows):
             sdY, sY = t.stage_rows(smem, mdY, mY)
             red.wait_cluster()

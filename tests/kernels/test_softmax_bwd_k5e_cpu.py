@@ -1,5 +1,5 @@
 """CPU tier: the softmax backward's round-5 knobs (issue 14 part 6; kernels/softmax.py
-``_bwd_plan`` / ``_io_copy``, benchmarks/tune_k5e.py): which rows the small class's default
+``_bwd_plan``, ``_cachehint.io_copy``, benchmarks/tune_k5e.py): which rows the small class's default
 reaches, the plans and cache hints the knobs make (in the PTX, for sm_90a), and the sweep's
 decision rule and its rewrite of ``DEFAULTS``. The GPU side: tests/kernels/test_kernels_gpu.py
 and test_training_gpu.py run the kernels (N = 4096 and 4100 are in the small class)."""
@@ -74,9 +74,11 @@ def test_bwd_plan_512_threads_where_the_row_splits_evenly(tune):
 
 
 def test_l2_policy_operands():
-    assert softmax._l2_policy(None) is None and softmax._l2_policy({"evict": "last"}) is None
-    assert softmax._l2_policy({"l2": "evict_last"}) == softmax.L2_POLICY["evict_last"] == 0x14F0000000000000
-    assert softmax._l2_policy({"l2": "cp:evict_first"}) == "evict_first"
+    from quack_kernels import _cachehint as ch
+
+    assert ch.l2_policy(None) is None and ch.l2_policy({"evict": "last"}) is None
+    assert ch.l2_policy({"l2": "evict_last"}) == ch.L2_POLICY["evict_last"] == 0x14F0000000000000
+    assert ch.l2_policy({"l2": "cp:evict_first"}) == "evict_first"
 
 
 PTX_CONFIGS = (("bfloat16", 4096), ("float16", 8192), ("bfloat16", 16384))
