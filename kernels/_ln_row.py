@@ -35,56 +35,20 @@ ROW_CTA_VARIANTS: dict = {
 ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs2 mb3"}
 X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 
-# Round 5 (benchmarks/tune_k5f.py): more knob sets, measured for rows of one CTA with a wide
-# weight ("carveout": the shared-memory carveout in percent asked at launch instead of the
-# maximum, so that L1 keeps the re-read fp32 w / b: 128 KiB at N = 16384) and for rows over
-# a cluster ("x_smem_cluster": ``xs_kernel`` there too, in place of the ring forward), and
+# Round 5: the knob sets adopted for rows of one CTA with a wide weight ("xs2 mb3": two rows
+# a CTA, w / b read once for both, ``_norm_fwd.xs_rows_kernel``) and for rows over a
+# cluster ("x_smem_cluster": ``xs_kernel`` there too, in place of the ring forward), and
 # the defaults by "kind@cluster" of the default plan (kind "same" / "wide"; absent: round
-# 4's kernels; tune_k5f.py rewrites the ROW_CLUSTER line). "row_cta": False also leaves
-# ROW_CLUSTER out.
-ROW_CTA_VARIANTS.update(
-    {
-        "xs mb3 c44": {"x_smem": True, "x_min_blocks": 3, "carveout": 44},
-        "xs mb4 c72": {"x_smem": True, "x_min_blocks": 4, "carveout": 72},
-        "xs mb5 c86": {"x_smem": True, "x_min_blocks": 5, "carveout": 86},
-        "xs mb2 c30": {"x_smem": True, "x_min_blocks": 2, "carveout": 30},
-        "xs2 mb3": {"x_smem": True, "x_rows": 2, "x_min_blocks": 3},
-        "xs2 mb2": {"x_smem": True, "x_rows": 2, "x_min_blocks": 2},
-        "xs2 t512 mb3": {"x_smem": True, "x_rows": 2, "threads": 512, "x_min_blocks": 3},
-        "xs2 t512 mb2": {"x_smem": True, "x_rows": 2, "threads": 512, "x_min_blocks": 2},
-        "xs3 mb2": {"x_smem": True, "x_rows": 3, "x_min_blocks": 2},
-    }
-)
+# 4's kernels). "row_cta": False also leaves ROW_CLUSTER out. The variants that lost
+# (carveouts, 512 threads with two rows, three rows, other CTAs / SM) and their sweep
+# (benchmarks/tune_k5f.py) are at commit 6e935f3; round 6's cache-hinted ones and the
+# ring with x's cp.async hinted (benchmarks/tune_k6g.py) at 66f11e8; removed since.
+ROW_CTA_VARIANTS["xs2 mb3"] = {"x_smem": True, "x_rows": 2, "x_min_blocks": 3}
 _XS_CLUSTER = {"ring": False, "stage_wb": False, "x_smem": True, "x_smem_cluster": True}
 ROW_CLUSTER_VARIANTS: dict = {
     "xs mb3": _XS_CLUSTER | {"x_min_blocks": 3},
-    "xs mb4": _XS_CLUSTER | {"x_min_blocks": 4},
-    "xs mb5": _XS_CLUSTER | {"x_min_blocks": 5},
-    "xs mb4 c72": _XS_CLUSTER | {"x_min_blocks": 4, "carveout": 72},
-    "xs mb3 c44": _XS_CLUSTER | {"x_min_blocks": 3, "carveout": 44},
     "xs2 mb3": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 3},
-    "xs2 mb2": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 2},
-    "xs3 mb2": _XS_CLUSTER | {"x_rows": 3, "x_min_blocks": 2},
 }
-# Round 6 (benchmarks/tune_k6g.py): the x-through-shared-memory kernels with cache hints
-# (knob "io_hints": "wb" on the w / b loads, "x_l2" on x's cp.async, "y" on y's stores;
-# ``_norm_fwd.xs_rows_kernel``, ``xs_kernel``), and over a cluster the ring with x's
-# cp.async hinted ("ring xef": knob "x_l2", ``_norm_fwd.ring_cfg``).
-IO_HINTS: dict = {
-    "wbel": {"wb": {"l2": "evict_last"}},
-    "h": {"x_l2": "evict_first", "wb": {"l2": "evict_last"}, "y": {"l2": "evict_first"}},
-    # + L1::evict_last on w / b: co-resident CTAs of one cluster rank share the slice in L1
-    "wbel1": {"x_l2": "evict_first", "wb": {"l2": "evict_last", "evict": "last"}},
-}
-for _table, _bases in (
-    (ROW_CTA_VARIANTS, ("xs2 mb3", "xs2 t512 mb3", "xs3 mb2", "xs mb5")),
-    (ROW_CLUSTER_VARIANTS, ("xs2 mb3", "xs3 mb2", "xs mb3", "xs mb3 c44")),
-):
-    for _base in _bases:
-        for _h, _hints in IO_HINTS.items():
-            _table[f"{_base} {_h}"] = _table[_base] | {"io_hints": _hints}
-ROW_CLUSTER_VARIANTS["ring"] = {}  # round 3's ring forward (the table's entry left empty)
-ROW_CLUSTER_VARIANTS["ring xef"] = {"x_l2": "evict_first"}
 ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
 
 
@@ -183,33 +147,24 @@ def thread_welford(src):
     return mean, m2
 
 
-def affine_vec(src, mean, rstd, t, mW, mB, mY, hints=None):
+def affine_vec(src, mean, rstd, t, mW, mB, mY):
     """Store y = (x - mean) * rstd * w + b one vector at a time (``src``: this thread's x
     fragment, registers or shared memory; w / b read and y written per vector with
     ``autovec_copy``: 16-byte accesses), so that one vector of w / b / y is live at once
     (ptxas hoists every load of a whole fragment: w / b beside x spilled at 3+ CTAs / SM).
     One row a CTA with an even tiling only: the grid has one CTA per row, so no row or
-    column predicate. ``hints`` (round 6, ``_norm_fwd.xs_rows_kernel``'s): "wb" / "y",
-    cache hints on the w / b loads and y's stores (16-byte copies); None: round 4's PTX.
-    Traced inline from a kernel body."""
+    column predicate. Traced inline from a kernel body."""
     import cutlass.cute as cute
     from cutlass import Float32
 
-    from . import _cachehint as ch
-
     assert t.plan.rows_per_cta == 1 and t.plan.even
-    hints = hints or {}
-    wb_spec, y_spec = hints.get("wb"), hints.get("y")
     gY = t.part(mY)
     gW = t.part_bcast(mW) if mW is not None else None
     gB = t.part_bcast(mB) if mB is not None else None
 
     def load_v(g):
         r = cute.make_rmem_tensor_like(g)
-        if wb_spec is not None:
-            ch.load_wide(ch.wide_load_atom(g.element_type, wb_spec), g, r, ch.l2_policy(wb_spec))
-        else:
-            cute.autovec_copy(g, r)
+        cute.autovec_copy(g, r)
         return r
 
     for k in range(cute.size(gY, mode=[2])):
@@ -220,27 +175,20 @@ def affine_vec(src, mean, rstd, t, mW, mB, mY, hints=None):
             yk = yk + load_v(gB[None, 0, k]).load().to(Float32)
         ry = cute.make_rmem_tensor_like(gY[None, 0, k])
         ry.store(yk.to(gY.element_type))
-        if y_spec is not None:
-            ch.store_hinted(ch.store_atom(gY.element_type, y_spec), ry, gY[None, 0, k], ch.l2_policy(y_spec))
-        else:
-            cute.autovec_copy(ry, gY[None, 0, k])
+        cute.autovec_copy(ry, gY[None, 0, k])
 
 
-def xs_kernel(plan, dt, ca: bool, hints=None):
+def xs_kernel(plan, dt, ca: bool):
     """The row-tile forward with x through shared memory (``x_smem_ok`` plans), traced by
     the caller's ``cute.compile``: kernel(mX, mW, mB, mY, mMean, mRstd, eps), launched as
     the row tile (``_rowreduce.launch_kwargs``, "x_min_blocks" CTAs / SM). x is cp.async'ed
     (.cg, or .ca with ``ca``) into shared memory, read one vector at a time for the thread's
     (mean, M2) and again for y: each thread reads back only the vectors it copied (no CTA
-    barrier), and the row is not live in registers across the reduction. ``hints``: round
-    6's cache hints (``_norm_fwd.xs_rows_kernel``'s; "x_l2" on x's cp.async)."""
+    barrier), and the row is not live in registers across the reduction."""
     import cutlass.cute as cute
-    from cutlass import Float32, const_expr
+    from cutlass import Float32
 
-    from . import _cachehint as ch
     from . import _rowreduce as rr
-
-    x_pol = ch.L2_POLICY[hints["x_l2"]] if hints and hints.get("x_l2") else None
 
     # named as round 4's sweep compiled it (the PTX is the one measured and tested)
     @cute.kernel
@@ -258,14 +206,7 @@ def xs_kernel(plan, dt, ca: bool, hints=None):
         )
         thr = tc.get_slice(tidx)
         if t.row < m:
-            if const_expr(x_pol is not None):
-                ch.cp_async_hinted(
-                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), t.coord)), thr.partition_D(sX), x_pol
-                )
-            else:
-                cute.copy(
-                    tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), t.coord)), thr.partition_D(sX)
-                )
+            cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), t.coord)), thr.partition_D(sX))
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         tX = t.thr.partition_S(sX)
@@ -277,6 +218,6 @@ def xs_kernel(plan, dt, ca: bool, hints=None):
         rstd = cute.math.rsqrt(m2 * (1.0 / plan.n) + eps, fastmath=True)
         t.write_row_scalar(mMean, mean)
         t.write_row_scalar(mRstd, rstd)
-        affine_vec(tX, mean, rstd, t, mW, mB, mY, hints)
+        affine_vec(tX, mean, rstd, t, mW, mB, mY)
 
     return kernel_xs

@@ -24,7 +24,7 @@ BWD_BUDGET = 32  # row elements per thread kept in registers (two rows: x and dy
 # vector (fp32 beside 16-bit rows) kept in shared memory in the conflict-free layout
 # (``RowTiles.alloc_smem_bcast(spread=True)``).
 W_PERM = True
-# Round 5 (benchmarks/tune_k5f.py rewrites this line): a wide weight (fp32 beside 16-bit rows)
+# Round 5 (decided by benchmarks/tune_k5f.py, at commit 6e935f3): a wide weight (fp32 beside 16-bit rows)
 # in shared memory, read per use, also on rows of one CTA (N in [4096, 16384] for 16-bit
 # rows) instead of in registers for the whole loop, by kind.
 W_SMEM_WIDE_ONE_CTA = {"rms": True, "layer": False}

@@ -98,8 +98,7 @@ def _ring_cfg(
     2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one persistent loop).
     ``tune``: "ring" (False: off), "ring_min_cluster", "ring_same" (RMSNorm with
     same-width weights too), "stages" (max depth, 4), "smem_kb", "wide_perm",
-    "ring_clusters" (a fixed grid instead of the occupancy calculator's), "x_l2" (round 6:
-    x's cp.async with that L2 policy, ``_cachehint``)."""
+    "ring_clusters" (a fixed grid instead of the occupancy calculator's)."""
     tune = dict(tune_items)
     if not tune.get("ring", True) or has_residual or not (has_weight or has_bias):
         return None
@@ -136,7 +135,6 @@ def _ring_cfg(
         wide_perm=bool(tune.get("wide_perm", spread or WIDE_PERM[kind])),
         smem_bytes=fixed + stages * stage_bytes,
         clusters=tune.get("ring_clusters"),
-        x_l2=tune.get("x_l2"),
         ctas_per_sm=ctas,
         budget=elems,
     )
@@ -202,20 +200,10 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
-    from . import _cachehint as ch
     from . import _rowreduce as rr
 
     layer = kind == "layer"
     stages = cfg["stages"]
-    # round 6 knob "x_l2": x's cp.async with that L2 policy (``_cachehint.cp_async_hinted``)
-    x_pol = ch.L2_POLICY[cfg["x_l2"]] if cfg.get("x_l2") else None
-
-    def copy_x(tc, src, dst):
-        if const_expr(x_pol is not None):
-            ch.cp_async_hinted(src, dst, x_pol)
-        else:
-            cute.copy(tc, src, dst)
-
     inv_n = 1.0 / plan.n
     e = plan.elems_per_thread
 
@@ -246,7 +234,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         for s in cutlass.range_constexpr(max(stages - 1, 1)):
             ts = bidx + s * grid_m
             if ts < m:
-                copy_x(
+                cute.copy(
                     tc,
                     thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
                     thr.partition_D(sX[None, None, s]),
@@ -261,7 +249,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 # refill the stage read by the previous iteration with tile it + stages - 1
                 tn = tile + (stages - 1) * grid_m
                 if tn < m:
-                    copy_x(
+                    cute.copy(
                         tc,
                         thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
                         thr.partition_D(sX[None, None, (it + stages - 1) % stages]),
@@ -287,7 +275,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 # next row's loads are in flight across this row's reduction and store
                 tn = tile + grid_m
                 if tn < m:
-                    copy_x(
+                    cute.copy(
                         tc,
                         thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
                         thr.partition_D(sX[None, None, 0]),
@@ -321,61 +309,14 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     return kernel
 
 
-def stage_bcast_wide(t, smem, wdt, spread: bool, *vectors):
-    """cp.async this thread's own elements of each (N,) broadcast vector wider than 16
-    bytes a fragment vector (an fp32 weight beside 16-bit rows: ``plan.vec`` x 4 bytes)
-    into a new shared-memory tile (``alloc_smem_bcast``, ``spread``: the conflict-free
-    layout), as 16-byte chunks (``.ca``: co-resident CTAs share the slice through L1); one
-    commit group. Each thread reads back only what it copied (after its own
-    ``cp_async_wait_group``), so no CTA barrier. Rows of one CTA with an even tiling
-    (``smem_bcast_ok``'s plans). Returns the tiles (None for an absent vector). Traced
-    inline from a kernel body; the vectors' element-wise path (``stage_bcast_own``) issues
-    8 x 4-byte loads and shared stores a vector and waits on them before the reduction."""
-    import cutlass.cute as cute
-
+def row_launch_kwargs(plan, m, stream, min_blocks: int):
+    """The one-row-tile-per-CTA forwards' launch (``_rowreduce.launch_kwargs``)."""
     from . import _rowreduce as rr
 
-    plan = t.plan
-    assert plan.rows_per_cta == 1 and plan.even
-    c = 128 // wdt.width
-    tc = cute.make_tiled_copy_tv(
-        rr.cp_async_atom(wdt, 128, bypass_l1=False),
-        cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
-        cute.make_layout((1, plan.vec)),
-    )
-    assert plan.vec % c == 0
-    thr = tc.get_slice(t.tidx)
-    tiles = []
-    for mV in vectors:
-        sV = None
-        if mV is not None:
-            sV = t.alloc_smem_bcast(smem, wdt, spread=spread)
-            full = rr.broadcast_rows(mV, plan.rows_per_cta)
-            cute.copy(
-                tc,
-                thr.partition_S(cute.local_tile(full, rr.tiler(plan), (0, t.coord[1]))),
-                thr.partition_D(sV),
-            )
-        tiles.append(sV)
-    cute.arch.cp_async_commit_group()
-    return tiles
+    return rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
 
 
-def row_launch_kwargs(plan, m, stream, min_blocks: int, carveout=None):
-    """The one-row-tile-per-CTA forwards' launch (``_rowreduce.launch_kwargs``); ``carveout``
-    (percent of the SM's shared memory, a round 5 knob): asked instead of the maximum that
-    ``min_blocks`` asks for, so that L1 keeps what the CTAs re-read (a wide weight / bias)."""
-    from . import _rowreduce as rr
-
-    kw = rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
-    if carveout is not None:
-        kw["preferred_smem_carveout"] = int(carveout)
-    return kw
-
-
-def xs_rows_kernel(
-    kind: str, plan, dt, rows: int, ca: bool = False, joint: bool = False, wdt=None, hints: dict | None = None
-):
+def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
     """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
     knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
     of each row cp.async'ed (one commit group a row), each row reduced in turn (its own
@@ -384,24 +325,13 @@ def xs_rows_kernel(
     (fp32) costs the SMs' L2 traffic of a same-width one. Grid: ceil(M / rows) CTAs (per
     cluster rank); ``rms_launch`` / the caller's launch. kernel(mX, mW, mB, mY, mMean|None,
     mRstd, eps); "layer": per-thread (mean, M2) one vector at a time (``_ln_row``), one
-    welford all-reduce a row. ``joint`` ("rms", 2 rows; knob "x_joint"): both rows' sums of
-    squares in ONE all-reduce round trip (``row_allreduce_pair`` "sum2") after both rows
-    landed, instead of one round trip a row. ``hints`` (round 6 knob "io_hints",
-    ``norm_hints``): cache hints on x's cp.async ("x_l2": an ``L2_POLICY`` name), the
-    weight / bias loads ("wb": an ``io_copy`` spec, 16-byte copies of ``wdt``) and y's
-    stores ("y"); None / {}: round 5's PTX."""
+    welford all-reduce a row."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
 
-    from . import _cachehint as ch
     from . import _rowreduce as rr
     from ._ln_row import thread_welford
-
-    hints = hints or {}
-    x_pol = ch.L2_POLICY[hints["x_l2"]] if hints.get("x_l2") else None
-    wb_spec = hints.get("wb")
-    y_spec = hints.get("y")
 
     layer = kind == "layer"
     assert plan.rows_per_cta == 1 and plan.even and plan.vec * dt.width == 128
@@ -421,47 +351,18 @@ def xs_rows_kernel(
         for r in cutlass.range_constexpr(rows):
             rt = bidx * rows + r
             if rt < m:
-                if const_expr(x_pol is not None):
-                    ch.cp_async_hinted(
-                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (rt, cluster_y))),
-                        thr.partition_D(sX[None, None, r]),
-                        x_pol,
-                    )
-                else:
-                    cute.copy(
-                        tc,
-                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (rt, cluster_y))),
-                        thr.partition_D(sX[None, None, r]),
-                    )
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (rt, cluster_y))),
+                    thr.partition_D(sX[None, None, r]),
+                )
             cute.arch.cp_async_commit_group()
         red.wait_cluster()
         rbuf, rmbar = red.buf, red.mbar
         tiles = [rr.RowTiles(plan, dt, m, tidx, bidx * rows + r, cluster_y) for r in range(rows)]
         means = []
         rstds = []
-        if const_expr(joint and not layer and rows == 2):
-            cute.arch.cp_async_wait_group(0)
-            ssts = []
-            for r in cutlass.range_constexpr(rows):
-                h = tiles[r].thr.partition_S(sX[None, None, r]).load().to(Float32)
-                ssts.append((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0))
-            s0, s1 = rr.row_allreduce_pair(
-                Float32(ssts[0]),
-                Float32(ssts[1]),
-                "sum2",
-                plan.threads_per_row,
-                plan.cluster_n,
-                1,
-                rbuf[None, None, 0] if const_expr(rbuf is not None) else None,
-                rbuf[None, None, 1] if const_expr(rbuf is not None) else None,
-                rmbar if const_expr(plan.cluster_n > 1) else None,
-                0,
-            )
-            rstds.append(cute.math.rsqrt(s0 * inv_n + eps, fastmath=True))
-            rstds.append(cute.math.rsqrt(s1 * inv_n + eps, fastmath=True))
-            for r in cutlass.range_constexpr(rows):
-                tiles[r].write_row_scalar(mRstd, rstds[r])
-        for r in cutlass.range_constexpr(0 if joint and not layer and rows == 2 else rows):
+        for r in cutlass.range_constexpr(rows):
             t = tiles[r]
             cute.arch.cp_async_wait_group(rows - 1 - r)
             tX = t.thr.partition_S(sX[None, None, r])
@@ -491,23 +392,13 @@ def xs_rows_kernel(
             rstds.append(rstd)
         gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
         gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
-        if const_expr(wb_spec is not None):
-            wb_atom = ch.wide_load_atom(wdt, wb_spec)
-        if const_expr(y_spec is not None):
-            y_atom = ch.store_atom(dt, y_spec)
         for k in cutlass.range_constexpr(plan.nvec):
             if const_expr(mW is not None):
                 rw = cute.make_rmem_tensor_like(gW[None, 0, k])
-                if const_expr(wb_spec is not None):
-                    ch.load_wide(wb_atom, gW[None, 0, k], rw, ch.l2_policy(wb_spec))
-                else:
-                    cute.autovec_copy(gW[None, 0, k], rw)
+                cute.autovec_copy(gW[None, 0, k], rw)
             if const_expr(mB is not None):
                 rb = cute.make_rmem_tensor_like(gB[None, 0, k])
-                if const_expr(wb_spec is not None):
-                    ch.load_wide(wb_atom, gB[None, 0, k], rb, ch.l2_policy(wb_spec))
-                else:
-                    cute.autovec_copy(gB[None, 0, k], rb)
+                cute.autovec_copy(gB[None, 0, k], rb)
             for r in cutlass.range_constexpr(rows):
                 t = tiles[r]
                 xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
@@ -523,18 +414,15 @@ def xs_rows_kernel(
                 ry = cute.make_rmem_tensor_like(gY[None, 0, k])
                 ry.store(yk.to(gY.element_type))
                 if bidx * rows + r < m:
-                    if const_expr(y_spec is not None):
-                        ch.store_hinted(y_atom, ry, gY[None, 0, k], ch.l2_policy(y_spec))
-                    else:
-                        cute.autovec_copy(ry, gY[None, 0, k])
+                    cute.autovec_copy(ry, gY[None, 0, k])
 
     return kernel
 
 
-def xs_rows_launch_kwargs(plan, m, stream, rows: int, min_blocks: int, carveout=None):
+def xs_rows_launch_kwargs(plan, m, stream, rows: int, min_blocks: int):
     """``xs_rows_kernel``'s launch: ceil(M / rows) CTAs (per cluster rank)."""
     import cutlass.cute as cute
 
-    kw = row_launch_kwargs(plan, m, stream, min_blocks, carveout)
+    kw = row_launch_kwargs(plan, m, stream, min_blocks)
     kw["grid"] = [cute.ceil_div(m, rows), plan.cluster_n, 1]
     return kw

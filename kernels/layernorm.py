@@ -54,14 +54,10 @@ def compile_layernorm_fwd(
     x_rows = int(kn.get("x_rows", 1)) if x_smem else 1
     if x_smem:
         min_blocks = int(kn.get("x_min_blocks", X_MIN_BLOCKS))
-        # round 6 knob "io_hints": cache hints on x / w, b / y (``_norm_fwd.xs_rows_kernel``)
-        hints = kn.get("io_hints")
-        kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)), hints)
+        kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
         if x_rows > 1:
             # round 5 knob "x_rows": that many rows a CTA, w / b read once for all of them
-            kernel_xs = xs_rows_kernel(
-                "layer", plan, dt, x_rows, bool(kn.get("x_ca", False)), wdt=wdt, hints=hints
-            )
+            kernel_xs = xs_rows_kernel("layer", plan, dt, x_rows, bool(kn.get("x_ca", False)))
     wb_vec = bool(kn.get("wb_vec", False)) and plan.even and plan.rows_per_cta == 1 and not stage_wb
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, kn)
     if rcfg is not None:
@@ -154,16 +150,14 @@ def compile_layernorm_fwd(
             ring(mX, mW, mB, mY, mMean, mRstd, eps).launch(**kw)
         elif const_expr(x_rows > 1):
             kernel_xs(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-                **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks, kn.get("carveout"))
+                **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks)
             )
         elif const_expr(x_smem):
             kernel_xs(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-                **row_launch_kwargs(plan, m, stream, min_blocks, kn.get("carveout"))
+                **row_launch_kwargs(plan, m, stream, min_blocks)
             )
         else:
-            kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-                **row_launch_kwargs(plan, m, stream, min_blocks, kn.get("carveout"))
-            )
+            kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(**row_launch_kwargs(plan, m, stream, min_blocks))
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)

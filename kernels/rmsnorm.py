@@ -47,7 +47,7 @@ def compile_rmsnorm_fwd(
     from cutlass import Float32, Int32, const_expr
 
     from . import _rowreduce as rr
-    from ._norm_fwd import row_launch_kwargs, stage_bcast_wide, xs_rows_kernel, xs_rows_launch_kwargs
+    from ._norm_fwd import row_launch_kwargs, xs_rows_kernel, xs_rows_launch_kwargs
     from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
@@ -61,50 +61,23 @@ def compile_rmsnorm_fwd(
     # 3 CTAs/SM (80 registers) on the staged path; the late, element-wise fp32 weight
     # path would spill there (ptxas: 52 bytes at N = 65536), so it keeps 128 registers
     min_blocks = kn.get("min_blocks", 3) if stage_wb else kn.get("late_min_blocks", 0)
-    # round 5 knob "stage_wide": a wide weight / bias cp.async'ed into shared memory in
-    # 16-byte chunks at kernel start (``_norm_fwd.stage_bcast_wide``), as the same-width
-    # row tile stages its own, instead of read from L2 after the reduction
-    stage_wide = (
-        bool(kn.get("stage_wide", False))
-        and late_wb
-        and not has_residual
-        and plan.cluster_n > 1
-        and plan.rows_per_cta == 1
-        and plan.even
-        and plan.vec * dt.width == 128
-    )
     # x through shared memory (``x_smem_ok``): cp.async'ed, read for the reduction and read
     # again for y, so x is not live in registers across the cluster reduction (a wide weight
-    # only with the round 5 knob "x_smem_wide": read from L2 after the reduction, or with
-    # "x_w_regs" into registers at kernel start)
+    # only with the round 5 knob "x_smem_wide": read from L2 after the reduction)
     x_smem = x_smem_ok(plan, dt.width, has_residual, kn) and (
         not late_wb or bool(kn.get("x_smem_wide", False))
     )
     xs = X_SMEM | {k[2:]: v for k, v in kn.items() if k in ("x_ca", "x_w_regs", "x_min_blocks")}
     w_regs = False
     if x_smem:
-        w_regs = bool(xs["w_regs"]) and (not late_wb or "x_w_regs" in kn)
+        w_regs = bool(xs["w_regs"]) and not late_wb
         stage_wb = stage_wb and not w_regs
-        stage_wide = False
         min_blocks = int(xs["min_blocks"])
-    # round 5 knob "carveout": the shared-memory carveout (percent) asked at launch instead
-    # of the maximum that min_blocks asks for, so that L1 keeps a re-read weight
-    carveout = kn.get("carveout")
     # round 5 knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
     # the weight read from L2 once for all of them (``_norm_fwd.xs_rows_kernel``)
     x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
     if x_rows > 1:
-        # round 6 knob "io_hints": cache hints on x / w / y (``_norm_fwd.xs_rows_kernel``)
-        kernel_xr = xs_rows_kernel(
-            "rms",
-            plan,
-            dt,
-            x_rows,
-            bool(xs["ca"]),
-            bool(kn.get("x_joint", False)),
-            wdt=wdt,
-            hints=kn.get("io_hints"),
-        )
+        kernel_xr = xs_rows_kernel("rms", plan, dt, x_rows, bool(xs["ca"]))
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
     if rcfg is not None:
         from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
@@ -123,8 +96,6 @@ def compile_rmsnorm_fwd(
         if const_expr(stage_wb):
             # weight / bias: cp.async into shared memory, read after the reduction
             sW, sB = t.stage_bcast(smem, wdt, mW, mB)
-        elif const_expr(stage_wide):
-            sW, sB = stage_bcast_wide(t, smem, wdt, bool(kn.get("wide_spread", False)), mW, mB)
         elif const_expr(not late_wb):
             if const_expr(mW is not None):
                 rW = t.load_bcast(t.part_bcast(mW))
@@ -142,7 +113,7 @@ def compile_rmsnorm_fwd(
         red.wait_cluster()
         ss = red.reduce((h * h).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0), "sum", 0)
         rstd = cute.math.rsqrt(ss * (1.0 / plan.n) + eps, fastmath=True)
-        if const_expr(stage_wb or stage_wide):
+        if const_expr(stage_wb):
             t.store_affine_smem(h * rstd, t.part(mY), sW, sB, mW, mB)
         elif const_expr(late_wb):
             t.store_affine(
@@ -232,15 +203,13 @@ def compile_rmsnorm_fwd(
             ring(mX, mW, mB, mY, None, mRstd, eps).launch(**kw)
         elif const_expr(x_rows > 1):
             kernel_xr(mX, mW, mB, mY, None, mRstd, eps).launch(
-                **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks, carveout)
+                **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks)
             )
         elif const_expr(x_smem):
-            kernel_xs(mX, mW, mB, mY, mRstd, eps).launch(
-                **row_launch_kwargs(plan, m, stream, min_blocks, carveout)
-            )
+            kernel_xs(mX, mW, mB, mY, mRstd, eps).launch(**row_launch_kwargs(plan, m, stream, min_blocks))
         else:
             kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
-                **row_launch_kwargs(plan, m, stream, min_blocks, carveout)
+                **row_launch_kwargs(plan, m, stream, min_blocks)
             )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
@@ -301,73 +270,18 @@ def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: di
     return ring_cfg("rms", dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
 
 
-# Round 5 (issue 14 part 6; benchmarks/tune_k5f.py times each against round 3's kernel and
-# rewrites the WIDE_FWD line): the forward with a weight wider than the rows (fp32 beside
+# Round 5 (issue 14 part 6): the forward with a weight wider than the rows (fp32 beside
 # 16-bit x) by the default plan's cluster size (str), a label of WIDE_VARIANTS; absent or
 # "": round 3's kernel (the ring forward at clusters of 4+). Knobs: "ring" (False: the row
-# tile), "stage_wide" + "wide_spread" (the weight cp.async'ed into shared memory, plain /
-# conflict-free layout), "late_min_blocks" (CTAs / SM of the row tile), "x_smem" +
-# "x_smem_wide" (x through shared memory, the weight from L2 after the reduction;
-# "x_w_regs": into registers at kernel start), "x_min_blocks", "carveout" (percent),
-# "ctas_per_sm" / "ring_budget" / "wide_perm" (the ring's shape, ``_norm_fwd.ring_cfg``).
+# tile), "x_smem" + "x_smem_wide" (x through shared memory, the weight from L2 after the
+# reduction), "x_rows" (that many rows a CTA, ``_norm_fwd.xs_rows_kernel``), "x_min_blocks".
+# The variants that lost (the weight cp.async'ed into shared memory, x_rows 3, both rows'
+# sums in one round trip, carveouts, the ring's shape at clusters of 16) and their sweep
+# (benchmarks/tune_k5f.py) are at commit 6e935f3; round 6's cache-hinted ones
+# (benchmarks/tune_k6g.py) at 66f11e8; removed since (docs/kernels.md).
 WIDE_VARIANTS: dict = {
-    "rt sw mb3": {"ring": False, "stage_wide": True, "late_min_blocks": 3},
-    "rt swp mb3": {"ring": False, "stage_wide": True, "wide_spread": True, "late_min_blocks": 3},
-    "rt swp mb2": {"ring": False, "stage_wide": True, "wide_spread": True, "late_min_blocks": 2},
-    "xs late mb4": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_min_blocks": 4},
-    "xs late mb4 c72": {
-        "ring": False,
-        "x_smem": True,
-        "x_smem_wide": True,
-        "x_min_blocks": 4,
-        "carveout": 72,
-    },
-    "xs late mb3 c44": {
-        "ring": False,
-        "x_smem": True,
-        "x_smem_wide": True,
-        "x_min_blocks": 3,
-        "carveout": 44,
-    },
-    "xs wregs mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_w_regs": True, "x_min_blocks": 2},
     "xs2 mb3": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3},
-    "xs2 mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 2},
-    "xs2j mb3": {
-        "ring": False,
-        "x_smem": True,
-        "x_smem_wide": True,
-        "x_rows": 2,
-        "x_joint": True,
-        "x_min_blocks": 3,
-    },
-    "xs2j mb2": {
-        "ring": False,
-        "x_smem": True,
-        "x_smem_wide": True,
-        "x_rows": 2,
-        "x_joint": True,
-        "x_min_blocks": 2,
-    },
-    "xs3 mb2": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 3, "x_min_blocks": 2},
-    "ring 2x64": {"ctas_per_sm": 2, "ring_budget": 64},
-    "ring 2x64p": {"ctas_per_sm": 2, "ring_budget": 64, "wide_perm": True},
-    "ring 1x128": {"ring_budget": 128},
-    "ring 1x128p": {"ring_budget": 128, "wide_perm": True},
 }
-# Round 6 (benchmarks/tune_k6g.py): round 5's two- / three-row kernels with cache hints
-# (knob "io_hints", ``_norm_fwd.xs_rows_kernel``: "wb" on the fp32 weight's loads, "x_l2" on
-# x's cp.async, "y" on y's stores; ``IO_HINTS``), and the ring with x's cp.async hinted
-# ("x_l2", ``_norm_fwd.ring_cfg``).
-IO_HINTS: dict = {
-    "wbel": {"wb": {"l2": "evict_last"}},
-    "h": {"x_l2": "evict_first", "wb": {"l2": "evict_last"}, "y": {"l2": "evict_first"}},
-    # + L1::evict_last on w / b: co-resident CTAs of one cluster rank share the slice in L1
-    "wbel1": {"x_l2": "evict_first", "wb": {"l2": "evict_last", "evict": "last"}},
-}
-for _base in ("xs2 mb3", "xs2j mb3", "xs3 mb2"):
-    for _h, _hints in IO_HINTS.items():
-        WIDE_VARIANTS[f"{_base} {_h}"] = WIDE_VARIANTS[_base] | {"io_hints": _hints}
-WIDE_VARIANTS["ring xef"] = {"x_l2": "evict_first"}
 WIDE_FWD: dict = {"4": "xs2 mb3"}
 
 

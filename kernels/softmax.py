@@ -27,10 +27,10 @@ BWD_BUDGET_MID = 16
 
 
 # Defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on the H200
-# by benchmarks/tune_k3b.py (round 3: "mid") and tune_k5e.py (round 5: "small", the backward
-# as torch.compile's kernel: the row over 512 threads, dy / y loaded with evict_last hints,
-# re-read after the reduction with evict_first; docs/kernels.md), which rewrite this line
-# (one line: their pattern). An explicit ``_TUNE`` (a measured variant) replaces them whole.
+# by benchmarks/tune_k3b.py (round 3: "mid"; it rewrites this line, one line: its pattern)
+# and tune_k5e.py (round 5, at commit aac952b: "small", the backward as torch.compile's
+# kernel: the row over 512 threads, dy / y loaded with evict_last hints, re-read after the
+# reduction with evict_first; docs/kernels.md). An explicit ``_TUNE`` (a measured variant) replaces them whole.
 DEFAULTS: dict = {"mid": {"bwd_min_blocks": 4}, "small": {"bwd_ld": {"evict": "last", "l2": "evict_last"}, "bwd_ld2": {"evict": "first", "l2": "evict_first"}, "bwd_tpr": 512, "bwd_twopass": True}}  # fmt: skip
 
 
@@ -137,14 +137,12 @@ def compile_softmax_fwd(dtype: str, n: int):
 
 
 def _bwd_plan(dtype: str, n: int, width: int):
-    """The backward's row plan: ``plan_rows`` with the budget, or a round-5 variant
-    (``_TUNE``): ``bwd_width`` plans 16-bit rows as if ``width`` bits wide (64-bit accesses
-    at 32), ``bwd_tpr`` = 512 spreads a row of one CTA over 512 threads (even tilings only)."""
+    """The backward's row plan: ``plan_rows`` with the budget, or with the round-5 knob
+    ``bwd_tpr`` = 512 a row of one CTA spread over 512 threads (even tilings only)."""
     from ._plan import RowPlan, plan_rows
 
     k = knobs(dtype, n)
-    w = k.get("bwd_width", width)
-    plan = plan_rows(n, w, budget=bwd_budget(dtype, n))
+    plan = plan_rows(n, width, budget=bwd_budget(dtype, n))
     tpr = k.get("bwd_tpr", 0)
     # (one CTA a row without a cluster, when the row splits evenly within 32 elements a thread)
     if tpr > 256 and n % (plan.vec * tpr) == 0 and n // tpr <= 32:
@@ -186,24 +184,17 @@ def compile_softmax_bwd(dtype: str, n: int):
         if k["bwd_smem"] and not smem_rows and not _TUNE:
             plan = plan_rows(n, dt.width, budget=32)
     min_blocks = k.get("bwd_min_blocks", 0)
-    # Round-5 knobs of the register path (benchmarks/tune_k5e.py): cache hints on the loads
-    # of dy / y and the store of dx (``bwd_ld`` / ``bwd_st``; ``bwd_ld2`` for the re-read, see
+    # Round-5 knobs of the register path (benchmarks/tune_k5e.py at commit aac952b, which
+    # also measured hinted stores and createpolicy'd operands, removed since): cache hints
+    # on the loads of dy / y (``bwd_ld``; ``bwd_ld2`` for the re-read, see
     # ``_cachehint.io_copy``), and ``bwd_twopass``: dy and y re-read after the reduction (L1 / L2 hits)
     # instead of kept as fp32 through it, as torch.compile's looped reduction does. The small
     # class's default (32768x4096: 190.6 -> 184.9 us on the H200, torch.compile 184.8): 512
     # threads, loads with L1::evict_last + L2 evict_last, re-reads with evict_first. Without
     # the L2 policy on the first loads it ran 188.2; with a createpolicy'd policy 207.6.
-    ld, ld2, st = k.get("bwd_ld"), k.get("bwd_ld2", k.get("bwd_ld")), k.get("bwd_st")
-    ld_pol, ld2_pol, st_pol = (ch.l2_policy(s) for s in (ld, ld2, st))
+    ld, ld2 = k.get("bwd_ld"), k.get("bwd_ld2", k.get("bwd_ld"))
+    ld_pol, ld2_pol = (ch.l2_policy(s) for s in (ld, ld2))
     twopass = k.get("bwd_twopass", False) and not smem_rows
-
-    def make_policy(pol):
-        # a createpolicy'd operand (what Triton emits for eviction_policy=...) or a constant
-        if isinstance(pol, str):
-            return cute.arch.inline_ptx(
-                f"createpolicy.fractional.L2::{pol}.b64 {{$w0}}, 1.0;", write_only_types=[cutlass.Int64]
-            )
-        return cutlass.Int64(pol)
 
     @cute.jit
     def load_h(t, tc, gT: cute.Tensor, pol: cutlass.Constexpr):
@@ -214,27 +205,23 @@ def compile_softmax_bwd(dtype: str, n: int):
             if const_expr(pol is None):
                 cute.copy(tc, gT, r, pred=t.pred)
             else:
-                cute.copy(tc, gT, r, pred=t.pred, cache_policy=make_policy(pol))
+                cute.copy(tc, gT, r, pred=t.pred, cache_policy=cutlass.Int64(pol))
         else:
             r.fill(0.0)
         return r
 
     @cute.jit
-    def store_h(t, tc, val_ssa, gT: cute.Tensor, pol: cutlass.Constexpr):
+    def store_h(t, tc, val_ssa, gT: cute.Tensor):
         r = cute.make_rmem_tensor_like(gT)
         r.store(val_ssa.to(gT.element_type))
         if t.row < t.m:
-            if const_expr(pol is None):
-                cute.copy(tc, r, gT, pred=t.pred)
-            else:
-                cute.copy(tc, r, gT, pred=t.pred, cache_policy=make_policy(pol))
+            cute.copy(tc, r, gT, pred=t.pred)
 
     @cute.kernel
     def kernel(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor):
         tidx, bidx, cluster_y, m, smem, red, t = rr.start_rows(plan, dt, mY, stages=1)
-        ld_c = ch.io_copy(dt, plan, "load", ld, t.tiled_copy)
-        ld2_c = ch.io_copy(dt, plan, "load", ld2, t.tiled_copy)
-        st_c = ch.io_copy(dt, plan, "store", st, t.tiled_copy)
+        ld_c = ch.io_copy(dt, plan, ld, t.tiled_copy)
+        ld2_c = ch.io_copy(dt, plan, ld2, t.tiled_copy)
         if const_expr(smem_rows):
             sdY, sY = t.stage_rows(smem, mdY, mY)
             red.wait_cluster()
@@ -248,8 +235,8 @@ def compile_softmax_bwd(dtype: str, n: int):
             )
             # re-read after the reduction (its barriers order the shared-memory reads)
             y = sY.load().to(Float32)
-            store_h(t, st_c, y * (sdY.load().to(Float32) - dot), t.part(mdX), st_pol)
-        elif const_expr(ld is None and st is None and not twopass):
+            store_h(t, t.tiled_copy, y * (sdY.load().to(Float32) - dot), t.part(mdX))
+        elif const_expr(ld is None and not twopass):
             dy = t.load(t.part(mdY)).load().to(Float32)
             y = t.load(t.part(mY)).load().to(Float32)
             red.wait_cluster()
@@ -267,7 +254,7 @@ def compile_softmax_bwd(dtype: str, n: int):
             if const_expr(twopass):
                 dy = load_h(t, ld2_c, t.part(mdY), ld2_pol).load().to(Float32)
                 y = load_h(t, ld2_c, t.part(mY), ld2_pol).load().to(Float32)
-            store_h(t, st_c, y * (dy - dot), t.part(mdX), st_pol)
+            store_h(t, t.tiled_copy, y * (dy - dot), t.part(mdX))
 
     @cute.jit
     def launch(mdY: cute.Tensor, mY: cute.Tensor, mdX: cute.Tensor, stream):
