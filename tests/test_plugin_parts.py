@@ -41,15 +41,20 @@ def test_quack_toml_prebuilt_mode_turns_on_strict_mode(pytester, run_env):
 
 
 def test_quack_toml_jit_mode_is_not_strict(pytester, run_env):
+    # The same test as under prebuilt mode above, a kernel not in the (empty) cache: in jit
+    # mode it is compiled, and the test passes; strict mode would have failed it.
     pytester.makefile(".toml", quack='[runtime]\nmode = "jit"\narch = "sm_90a"\n')
     pytester.makepyfile(
         test_plain="""
-        def test_ok():
-            pass
+        import toykernels
+
+        def test_kernel_not_in_the_cache():
+            assert callable(toykernels.toy_scale("float32", 480, False))
     """
     )
     r = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
     r.assert_outcomes(passed=1)
+    assert "not prebuilt" not in r.stdout.str()
 
 
 def test_importing_the_plugin_changes_no_environment(tmp_path):
