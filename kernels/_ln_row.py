@@ -11,6 +11,10 @@ threads, 3 CTAs / SM (40 registers) 4.20. With fp32 w + b: round 3's clusterless
 Imported only from inside compile functions and torch wrappers (pure Python at top level).
 """
 
+# At the top, not in fwd_knobs: every eager forward calls it (an import statement there
+# costs each call); _plan is pure Python and already imported by the kernel modules.
+from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
+
 # The knob sets measured (benchmarks/tune_k4c.py times each against round 3's kernel), by
 # label. Knobs: "threads" (512: the one-CTA row over 512 threads, 32 elements a thread;
 # ``row_plan``), "rt_min_blocks" (CTAs / SM asked of ptxas, register path), "wb_vec" (w / b
@@ -56,8 +60,6 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
     """The LayerNorm forward's knobs: ``ROW_CTA``'s set for 16-bit rows of one 256-thread
     CTA with an even tiling (``plan_rows`` with 64 elements a thread), ``tune`` (the
     module's benchmark knobs) over it; a fresh dict."""
-    from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
-
     kn: dict = {}
     width = WIDTHS[dtype]
     p = plan_rows(n, width, budget=64)
@@ -81,7 +83,7 @@ def row_plan(n: int, width: int, kn: dict):
     """The row-tile forward's plan: ``plan_rows`` with 64 elements a thread, or with the
     "threads" knob (512) the same one-CTA row over more threads (even rows whose vectors
     split evenly over them: N = 12288 / 16384 for 16-bit rows; otherwise unchanged)."""
-    from ._plan import RowPlan, plan_rows
+    from ._plan import RowPlan
 
     plan = plan_rows(n, width, budget=64)
     threads = int(kn.get("threads", 0))

@@ -9,7 +9,7 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 from quack import jit_cache
 from quack.params import Bool, Dtype, Int
 
-from ._plan import N_MAX, N_MIN, WeightDtype
+from ._plan import N_MAX, N_MIN, WIDTHS, WeightDtype, plan_rows, resolve_weight_dtype
 
 # Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
 _TUNE: dict = {}
@@ -48,7 +48,7 @@ def compile_rmsnorm_fwd(
 
     from . import _rowreduce as rr
     from ._norm_fwd import row_launch_kwargs, xs_rows_kernel, xs_rows_launch_kwargs
-    from ._plan import plan_rows, resolve_weight_dtype, smem_bcast_ok
+    from ._plan import smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
@@ -290,8 +290,6 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
     default plan's cluster size), ``tune`` (the module's benchmark knobs) over it; "wide_fwd":
     False in ``tune`` leaves the table out (round 3's kernels: the sweep's baselines). A
     fresh dict."""
-    from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
-
     kn: dict = {}
     width = WIDTHS[dtype]
     if (
