@@ -309,13 +309,6 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     return kernel
 
 
-def row_launch_kwargs(plan, m, stream, min_blocks: int):
-    """The one-row-tile-per-CTA forwards' launch (``_rowreduce.launch_kwargs``)."""
-    from . import _rowreduce as rr
-
-    return rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
-
-
 def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
     """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
     knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
@@ -423,6 +416,8 @@ def xs_rows_launch_kwargs(plan, m, stream, rows: int, min_blocks: int):
     """``xs_rows_kernel``'s launch: ceil(M / rows) CTAs (per cluster rank)."""
     import cutlass.cute as cute
 
-    kw = row_launch_kwargs(plan, m, stream, min_blocks)
+    from . import _rowreduce as rr
+
+    kw = rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
     kw["grid"] = [cute.ceil_div(m, rows), plan.cluster_n, 1]
     return kw

@@ -39,7 +39,7 @@ def compile_layernorm_fwd(
 
     from . import _rowreduce as rr
     from ._ln_row import X_MIN_BLOCKS, affine_vec, fwd_knobs, row_plan, x_smem_ok, xs_kernel
-    from ._norm_fwd import row_launch_kwargs, xs_rows_kernel, xs_rows_launch_kwargs
+    from ._norm_fwd import xs_rows_kernel, xs_rows_launch_kwargs
     from ._plan import resolve_weight_dtype, smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
@@ -154,10 +154,12 @@ def compile_layernorm_fwd(
             )
         elif const_expr(x_smem):
             kernel_xs(mX, mW, mB, mY, mMean, mRstd, eps).launch(
-                **row_launch_kwargs(plan, m, stream, min_blocks)
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
             )
         else:
-            kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(**row_launch_kwargs(plan, m, stream, min_blocks))
+            kernel(mX, mW, mB, mY, mMean, mRstd, eps).launch(
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+            )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
     y, _ = rr.fake_rows(dt, n, plan.vec, m)

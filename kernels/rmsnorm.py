@@ -47,7 +47,7 @@ def compile_rmsnorm_fwd(
     from cutlass import Float32, Int32, const_expr
 
     from . import _rowreduce as rr
-    from ._norm_fwd import row_launch_kwargs, xs_rows_kernel, xs_rows_launch_kwargs
+    from ._norm_fwd import xs_rows_kernel, xs_rows_launch_kwargs
     from ._plan import smem_bcast_ok
 
     dt = rr.cutlass_dtype(dtype)
@@ -206,10 +206,12 @@ def compile_rmsnorm_fwd(
                 **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks)
             )
         elif const_expr(x_smem):
-            kernel_xs(mX, mW, mB, mY, mRstd, eps).launch(**row_launch_kwargs(plan, m, stream, min_blocks))
+            kernel_xs(mX, mW, mB, mY, mRstd, eps).launch(
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
+            )
         else:
             kernel(mX, mW, mB, mR, mY, mRo, mRstd, eps).launch(
-                **row_launch_kwargs(plan, m, stream, min_blocks)
+                **rr.launch_kwargs(plan, m, stream, min_blocks=min_blocks)
             )
 
     x, m = rr.fake_rows(dt, n, plan.vec)
