@@ -146,3 +146,21 @@ def check_n(n) -> int:
     if not (N_MIN <= n <= N_MAX):
         raise ValueError(f"n (row length) = {n} is out of range [{N_MIN}, {N_MAX}]")
     return n
+
+
+def size_class(dtype: str, n: int):
+    """The row-length class a measured default applies to (softmax's and cross-entropy's
+    ``DEFAULTS``, keyed by it; benchmarks/tune_k3b.py decides them): "small" (4096 <= N <=
+    8192: one CTA of 64-128 threads a row), "mid" (8192 < N <= 16384: one 256-thread CTA,
+    or 2 with the softmax backward's budget), "large" (N > 131072: clusters of 16); None
+    elsewhere and for float32 (not measured). A class without an entry in a kernel's
+    ``DEFAULTS`` (cross-entropy has no "large") keeps that kernel's own default."""
+    if dtype == "float32":
+        return None
+    if 4096 <= n <= 8192:
+        return "small"
+    if 8192 < n <= 16384:
+        return "mid"
+    if n > 131072:
+        return "large"
+    return None

@@ -19,7 +19,7 @@ import math
 from quack import jit_cache
 from quack.params import Choice, Dtype, Int
 
-from ._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN, size_class
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
@@ -48,18 +48,6 @@ def _default_tune(n: int) -> dict:
 # the H200 by benchmarks/tune_k3b.py, which rewrites this line. A forward class's set
 # replaces ``_default_tune``'s whole; an explicit ``_TUNE`` replaces both.
 DEFAULTS: dict = {"bwd_mid": {"bwd_budget": 128, "bwd_smem": True}}
-
-
-def size_class(dtype: str, n: int):
-    """ "small" (4096 <= N <= 8192), "mid" (8192 < N <= 16384), None elsewhere and for
-    float32 (not measured)."""
-    if dtype == "float32":
-        return None
-    if 4096 <= n <= 8192:
-        return "small"
-    if 8192 < n <= 16384:
-        return "mid"
-    return None
 
 
 def fwd_knobs(dtype: str, n: int) -> dict:

@@ -11,7 +11,7 @@ import math
 from quack import jit_cache
 from quack.params import Dtype, Int
 
-from ._plan import N_MAX, N_MIN
+from ._plan import N_MAX, N_MIN, size_class
 
 LOG2_E = math.log2(math.e)
 
@@ -32,22 +32,6 @@ BWD_BUDGET_MID = 16
 # kernel: the row over 512 threads, dy / y loaded with evict_last hints, re-read after the
 # reduction with evict_first; docs/kernels.md). An explicit ``_TUNE`` (a measured variant) replaces them whole.
 DEFAULTS: dict = {"mid": {"bwd_min_blocks": 4}, "small": {"bwd_ld": {"evict": "last", "l2": "evict_last"}, "bwd_ld2": {"evict": "first", "l2": "evict_first"}, "bwd_tpr": 512, "bwd_twopass": True}}  # fmt: skip
-
-
-def size_class(dtype: str, n: int):
-    """The row-length class a round-3 default applies to: "small" (4096 <= N <= 8192: one
-    CTA of 64-128 threads a row), "mid" (8192 < N <= 16384: one 256-thread CTA, or 2 with
-    the backward's budget), "large" (N > 131072: clusters of 16); None elsewhere and for
-    float32 (not measured)."""
-    if dtype == "float32":
-        return None
-    if 4096 <= n <= 8192:
-        return "small"
-    if 8192 < n <= 16384:
-        return "mid"
-    if n > 131072:
-        return "large"
-    return None
 
 
 def knobs(dtype: str, n: int) -> dict:
