@@ -66,6 +66,11 @@ def fresh_fp(memo=None, module="csk.softmax"):
     return keys.source_fingerprint(module, memo=memo)
 
 
+def rec_path(m, pkg, name="softmax"):
+    """The memo's file for csk.<name> (one file per record)."""
+    return m.path(f"csk.{name}", pkg / f"{name}.py")
+
+
 def truth(module="csk.softmax"):
     return fresh_fp(None, module)
 
@@ -84,8 +89,9 @@ def test_memo_survives_the_process_and_parses_nothing(pkg, root, no_racy_window,
     want = truth()
     m1 = fpmemo.DiskFingerprintMemo(root)
     assert fresh_fp(m1) == want and (m1.hits, m1.misses) == (0, 1)
-    assert m1.flush() is True and m1.path.parent == root / "srcfp"
-    assert oct(m1.path.stat().st_mode & 0o777) == "0o600"
+    assert m1.flush() is True and rec_path(m1, pkg).parent.parent == root / "srcfp"
+    assert oct(rec_path(m1, pkg).stat().st_mode & 0o777) == "0o600"
+    assert [f.name for f in m1.dir.iterdir()] == [rec_path(m1, pkg).name]
     m2 = fpmemo.DiskFingerprintMemo(root)  # a fresh process
     Unparsed(monkeypatch)
     assert fresh_fp(m2) == want and (m2.hits, m2.misses) == (1, 0)
@@ -136,33 +142,38 @@ def test_racy_sources_are_not_memoized(pkg, root):
     m1 = fpmemo.DiskFingerprintMemo(root)
     want = fresh_fp(m1)
     assert want == truth()
-    assert m1.flush() is False and not m1.path.exists()
+    assert m1.flush() is False and not rec_path(m1, pkg).exists()
 
 
-@pytest.mark.parametrize("damage", ["garbage", "truncated", "bad_record", "wrong_format"])
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "bad_record", "another_record", "wrong_format"])
 def test_a_damaged_memo_is_a_miss_with_one_warning_and_is_rewritten(pkg, root, no_racy_window, damage):
     m1 = fpmemo.DiskFingerprintMemo(root)
     want = fresh_fp(m1)
+    fresh_fp(m1, "csk._common")
     m1.flush()
-    text = m1.path.read_text()
-    if damage == "garbage":
-        m1.path.write_bytes(b"\x00\xff not json")
-    elif damage == "truncated":
-        m1.path.write_text(text[: len(text) // 2])
-    elif damage == "bad_record":
-        doc = json.loads(text)
-        for rec in doc["records"].values():
-            rec["fp"] = 12345
-        m1.path.write_text(json.dumps(doc))
-    else:
-        m1.path.write_text(json.dumps({"format": 99, "records": []}))
+    path, other = rec_path(m1, pkg), rec_path(m1, pkg, "_common")
+    texts = {path: path.read_text(), other: other.read_text()}
+    for f, g in ((path, other), (other, path)):  # both records damaged: still one warning
+        text = texts[f]
+        if damage == "garbage":
+            f.write_bytes(b"\x00\xff not json")
+        elif damage == "truncated":
+            f.write_text(text[: len(text) // 2])
+        elif damage == "bad_record":
+            doc = json.loads(text)
+            doc["fp"] = 12345
+            f.write_text(json.dumps(doc))
+        elif damage == "another_record":  # the records swapped: each names the other module
+            f.write_text(texts[g])
+        else:
+            f.write_text(json.dumps({"format": 99, "records": []}))
     m2 = fpmemo.DiskFingerprintMemo(root)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         assert fresh_fp(m2) == want
         assert fresh_fp(m2, "csk._common") == truth("csk._common")  # no second warning
     msgs = [str(x.message) for x in w if issubclass(x.category, CacheWarning)]
-    assert len(msgs) == 1 and "fingerprint memo" in msgs[0] and str(m2.path) in msgs[0]
+    assert len(msgs) == 1 and "fingerprint memo" in msgs[0] and str(path) in msgs[0]
     assert (m2.hits, m2.misses) == (0, 2)
     assert m2.flush() is True
     m3 = fpmemo.DiskFingerprintMemo(root)
@@ -176,11 +187,10 @@ def test_a_forged_fingerprint_for_changed_files_is_not_used(pkg, root, no_racy_w
     m1 = fpmemo.DiskFingerprintMemo(root)
     want = fresh_fp(m1)
     m1.flush()
-    doc = json.loads(m1.path.read_text())
-    for rec in doc["records"].values():
-        rec["fp"] = "0" * 16
-        rec["files"][0][2] += 1  # a size that isn't the file's
-    m1.path.write_text(json.dumps(doc))
+    doc = json.loads(rec_path(m1, pkg).read_text())
+    doc["fp"] = "0" * 16
+    doc["files"][0][2] += 1  # a size that isn't the file's
+    rec_path(m1, pkg).write_text(json.dumps(doc))
     m2 = fpmemo.DiskFingerprintMemo(root)
     assert fresh_fp(m2) == want and m2.misses == 1
 
@@ -230,7 +240,46 @@ def test_another_checkout_of_the_same_module_gets_its_own_record(
     second = fresh_fp(m2)
     assert second != first and second == truth() and m2.misses == 1
     m2.flush()
-    assert len(json.loads(m2.path.read_text())["records"]) == 2
+    assert len(list(m2.dir.glob("*.memo"))) == 2
+
+
+def test_a_lookup_reads_only_its_own_record(pkg, root, no_racy_window, monkeypatch):
+    """A cache shared by many checkouts holds a record per (module, checkout): a fresh
+    process's lookup opens one file, not all of them (the single-file layout read and
+    checked 1024 records, 14-19 ms, before every process's first kernel)."""
+    m1 = fpmemo.DiskFingerprintMemo(root)
+    want = fresh_fp(m1)
+    fresh_fp(m1, "csk._common")
+    fresh_fp(m1, "csk._later")
+    assert m1.flush() is True and len(list(m1.dir.glob("*.memo"))) == 3
+    opened = []
+    real = fpmemo.fsutil.read_nofollow
+    monkeypatch.setattr(fpmemo.fsutil, "read_nofollow", lambda p: opened.append(p) or real(p))
+    m2 = fpmemo.DiskFingerprintMemo(root)
+    Unparsed(monkeypatch)
+    assert fresh_fp(m2) == want and m2.hits == 1
+    assert opened == [rec_path(m2, pkg)]
+
+
+def test_the_oldest_records_go_beyond_the_limit_and_the_old_layout_is_removed(
+    pkg, root, no_racy_window, monkeypatch
+):
+    monkeypatch.setattr(fpmemo, "MAX_RECORDS", 2)
+    m1 = fpmemo.DiskFingerprintMemo(root)
+    old_layout = root / "srcfp" / (m1.dir.name + ".memo")  # every record in one file
+    old_layout.parent.mkdir(mode=0o700)
+    old_layout.write_text('{"format": 1, "records": {}}')
+    for i, name in enumerate(("softmax", "_common", "_later")):
+        fresh_fp(m1, f"csk.{name}")
+        assert m1.flush() is True
+        os.utime(rec_path(m1, pkg, name), ns=(i * 10**9, i * 10**9))  # written in this order
+    assert not old_layout.exists()
+    # the oldest record (softmax) went when the third was written
+    left = {f.name for f in m1.dir.glob("*.memo")}
+    assert left == {rec_path(m1, pkg, "_common").name, rec_path(m1, pkg, "_later").name}
+    m2 = fpmemo.DiskFingerprintMemo(root)
+    assert fresh_fp(m2, "csk._later") == truth("csk._later") and m2.hits == 1
+    assert fresh_fp(m2, "csk.softmax") == truth() and m2.misses == 1
 
 
 # --- real fresh processes, a real compile ------------------------------------------
@@ -325,7 +374,7 @@ def test_edit_between_two_fresh_processes_is_a_miss_never_a_wrong_load(tmp_path)
     # 1: a miss, compiled by a worker; the fingerprint is computed and memoized at exit.
     a = _child(env)
     assert a["loaded"] == "Function" and a["memo"] == [0, 1] and a["fp"] == a["truth"]
-    assert len(list((cache / "srcfp").glob("*.memo"))) == 1
+    assert len(list((cache / "srcfp").glob("*/*.memo"))) == 1
     # 2: prebuilt, a fresh process: the fingerprint comes from the memo; no compiler.
     pre = dict(env, QUACK_MODE="prebuilt")
     b = _child(pre)
@@ -383,7 +432,7 @@ def test_cli_build_and_stats_see_an_edit_through_the_memo(tmp_path):
         return t["current_entries"], t["stale_entries"]
 
     _quack(["build", "-j", "1"], proj, env)
-    memo = list((cache / "srcfp").glob("*.memo"))
+    memo = list((cache / "srcfp").glob("*/*.memo"))
     assert len(memo) == 1 and "cskern.toy@" in memo[0].read_text()
     assert stats() == (1, 0) and stats() == (1, 0)  # the second from the memo alone
     assert re.search(r'"cached":1\b', _quack(["build", "--json"], proj, env).stdout.replace(" ", ""))
