@@ -188,8 +188,8 @@ def _inspect(wheel: Path, as_json: bool) -> int:
         return 0 if info["ok"] else 1
     from rich.table import Table
 
+    from quack_build.buildconfig import format_params
     from quack_build.inventory import human_bytes
-    from quack_build.manifest import format_params
 
     con = console()
     sig = (
@@ -350,7 +350,7 @@ def print_bundle_report(con, res: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from quack_build.manifest import format_params
+    from quack_build.buildconfig import format_params
 
     if not res["bundles"]:
         con.print(f"[red]{escape(res['note'])}[/]")

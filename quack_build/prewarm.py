@@ -11,7 +11,7 @@ from quack import registry
 from quack.cache import fsutil, journal
 from quack.errors import ParamError, UnknownKernel
 from quack.settings import KNOWN_ARCHS
-from quack_build.manifest import BuildConfig
+from quack_build.buildconfig import BuildConfig
 
 
 def usage(records: list[dict]) -> list[dict]:

@@ -17,7 +17,7 @@ from typing import Protocol
 from quack.cache import journal, orphans
 from quack.cache.store import LAYOUT, DiskStore
 from quack.compile import builder
-from quack_build.manifest import BuildConfig
+from quack_build.buildconfig import BuildConfig
 
 CACHED, COMPILED, SHARED, FAILED, SKIPPED, INTERRUPTED = (
     "cached",

@@ -238,7 +238,7 @@ def print_report(con, res: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from quack_build.manifest import format_params
+    from quack_build.buildconfig import format_params
 
     bad = [r for r in res["entries"] if r["problems"]]
     if bad:
