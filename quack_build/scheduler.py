@@ -1,5 +1,10 @@
-"""The build scheduler: plan (what is cached), order (longest first), compile in
-a pool of warm workers, report progress, write a trace, summarize.
+"""The build scheduler: compile what is not cached through an executor (a pool of warm
+workers by default, see quack_build.executors), report progress, log failures, record
+the compiles in the usage journal.
+
+Its parts: the records (statuses, Task, BuildResult, Reporter) are
+quack_build.buildtasks; planning (what is cached, longest first) quack_build.planning;
+the trace file quack_build.trace. The names callers import from here still are.
 
 The build process never imports torch or cutlass: workers fork from quack's
 forkserver (cutlass imported and one compile done there) and run
@@ -7,281 +12,50 @@ forkserver (cutlass imported and one compile done there) and run
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import time
 from pathlib import Path
-from typing import Protocol
 
 from quack.cache import journal, orphans
-from quack.cache.store import LAYOUT, DiskStore
+from quack.cache.store import DiskStore
 from quack.compile import builder
-from quack_build.buildconfig import BuildConfig
-
-CACHED, COMPILED, SHARED, FAILED, SKIPPED, INTERRUPTED = (
-    "cached",
-    "compiled",
-    "cached-by-other",
-    "failed",
-    "not-built",
-    "interrupted",
+from quack_build.buildtasks import (
+    CACHED,
+    COMPILED,
+    FAILED,
+    INTERRUPTED,
+    REMOTE,
+    SHARED,
+    SKIPPED,
+    BuildResult,
+    NullReporter,
+    Reporter,
+    Task,
 )
-REMOTE = "remote"  # pulled from the remote cache, verified, published locally (quack_build.remote_sync)
+from quack_build.planning import PastTimes, order_longest_first, past_compile_times, plan, plan_one
+from quack_build.trace import write_trace
 
-
-@dataclasses.dataclass
-class Task:
-    cfg: BuildConfig
-    status: str = "todo"
-    est_s: float | None = None
-    compile_s: float = 0.0
-    wall_s: float = 0.0
-    start: float = 0.0
-    end: float = 0.0
-    pid: int = 0
-    slot: int = -1
-    error: str = ""
-    detail: str = ""
-    lane: str = ""  # the worker's name in the trace and display ("" = by pid)
-    pushed: str = ""  # after a compile, with a remote: pushed / exists / failed / off
-
-    def to_json(self) -> dict:
-        d: dict[str, object] = {
-            "kernel": self.cfg.kernel,
-            "params": self.cfg.plain_params,
-            "arch": self.cfg.arch,
-            "key": self.cfg.key,
-            "status": self.status,
-        }
-        if self.pushed:
-            d["remote_push"] = self.pushed
-        if self.status in (COMPILED, SHARED, FAILED):
-            d.update(compile_s=round(self.compile_s, 4), wall_s=round(self.wall_s, 4), worker=self.pid)
-            if self.lane:
-                d["lane"] = self.lane
-        if self.est_s is not None and self.status not in (CACHED,):
-            d["estimate_s"] = round(self.est_s, 3)
-        if self.error:
-            d["error"] = self.error
-        return d
-
-
-class Reporter(Protocol):
-    def planned(self, tasks: list[Task], todo: list[Task], jobs: int) -> None: ...
-    def started(self, task: Task) -> None: ...
-    def finished(self, task: Task) -> None: ...
-    def note(self, text: str) -> None: ...
-    def tick(self) -> None: ...
-    def close(self) -> None: ...
-
-
-class NullReporter:
-    def planned(self, tasks, todo, jobs):
-        pass
-
-    def started(self, task):
-        pass
-
-    def finished(self, task):
-        pass
-
-    def note(self, text):
-        pass
-
-    def tick(self):
-        pass
-
-    def close(self):
-        pass
-
-
-@dataclasses.dataclass
-class BuildResult:
-    tasks: list[Task]
-    jobs: int
-    wall_s: float = 0.0
-    plan_s: float = 0.0
-    compile_wall_s: float = 0.0
-    pool_start_s: float = 0.0
-    interrupted: bool = False
-    executor: str = "local"
-    executor_stats: dict = dataclasses.field(default_factory=dict)  # a cluster's: nodes, retries, ...
-    t0: float = 0.0
-    log_path: str = ""
-    trace_path: str = ""
-    missing_after: list = dataclasses.field(default_factory=list)
-    remote_url: str = ""  # empty: no remote configured
-    remote: dict = dataclasses.field(default_factory=dict)  # the tier's counters for this build
-    remote_offline: bool = False
-
-    def count(self, status: str) -> int:
-        return sum(1 for t in self.tasks if t.status == status)
-
-    @property
-    def compile_s(self) -> float:
-        return sum(t.compile_s for t in self.tasks if t.status == COMPILED)
-
-    @property
-    def busy_s(self) -> float:
-        return sum(t.wall_s for t in self.tasks if t.status in (COMPILED, SHARED, FAILED))
-
-    @property
-    def efficiency(self) -> float | None:
-        """Busy worker time over jobs x (first compile start .. last compile end): the
-        pool's one-time start-up (forkserver import + warm-up) is reported apart."""
-        if self.compile_wall_s <= 0 or self.jobs <= 0:
-            return None
-        return self.busy_s / (self.jobs * self.compile_wall_s)
-
-    @property
-    def ok(self) -> bool:
-        return (
-            not self.interrupted
-            and not self.missing_after
-            and self.count(FAILED) == 0
-            and self.count(SKIPPED) == 0
-        )
-
-    def to_json(self) -> dict:
-        eff = self.efficiency
-        compiled = self.count(COMPILED)
-        return {
-            "ok": self.ok,
-            "total": len(self.tasks),
-            "cached": self.count(CACHED),
-            "compiled": compiled,
-            "cached_by_other": self.count(SHARED),
-            "failed": self.count(FAILED),
-            "not_built": self.count(SKIPPED) + self.count(INTERRUPTED),
-            "interrupted": self.interrupted,
-            "jobs": self.jobs,
-            "executor": self.executor,
-            **({"executor_stats": self.executor_stats} if self.executor_stats else {}),
-            "compile_s": round(self.compile_s, 3),
-            "wall_s": round(self.wall_s, 3),
-            "plan_s": round(self.plan_s, 3),
-            "pool_start_s": round(self.pool_start_s, 3),
-            "compile_wall_s": round(self.compile_wall_s, 3),
-            "keys_per_s": round(compiled / self.compile_wall_s, 3) if self.compile_wall_s > 0 else None,
-            "efficiency": round(eff, 4) if eff is not None else None,
-            "missing_after": self.missing_after,
-            "log": self.log_path or None,
-            "trace": self.trace_path or None,
-            "remote_hits": self.count(REMOTE),
-            "remote_pushed": int(self.remote.get("pushed", 0)),
-            "remote_rejected": int(self.remote.get("rejected", 0)),
-            "remote": (
-                {"url": self.remote_url, "offline": self.remote_offline, **self.remote}
-                if self.remote_url
-                else None
-            ),
-            "keys": [t.to_json() for t in self.tasks],
-        }
-
-
-# --- planning ------------------------------------------------------------------
-
-
-def plan(configs: list[BuildConfig], store: DiskStore, *, force: bool = False) -> list[Task]:
-    """A Task per config; cached ones (a valid entry for the current fingerprint) marked so.
-    A corrupt entry is quarantined by the lookup and counts as missing."""
-    return [plan_one(c, store, force=force) for c in configs]
-
-
-def plan_one(c: BuildConfig, store: DiskStore, *, force: bool = False) -> Task:
-    """``plan`` for one configuration."""
-    t = Task(c)
-    if not force and store.lookup(builder.entry_ref(c.spec, c.params, c.arch)) is not None:
-        t.status = CACHED
-    return t
-
-
-class PastTimes:
-    """key -> seconds its last compile took, looked up one key at a time (a streaming
-    dry run asks as it goes): any fingerprint's metadata first (an edit changes the
-    directory, not the key; the largest wins), else the usage journal. The directory
-    listings and the journal are read once, when first needed."""
-
-    def __init__(self, root: Path):
-        self.root = Path(root)
-        self._fp_dirs: dict[str, list[str]] = {}
-        self._journal: dict[str, float] | None = None
-        self._stamps: list[str] | None = None
-
-    def _kernel_dirs(self, kernel: str) -> list[str]:
-        if self._stamps is None:
-            try:
-                base = self.root / LAYOUT
-                self._stamps = [e.path for e in os.scandir(base) if e.is_dir(follow_symlinks=False)]
-            except OSError:
-                self._stamps = []
-        if kernel not in self._fp_dirs:
-            out = []
-            for st in self._stamps:
-                try:
-                    kd = os.path.join(st, kernel)
-                    out += [e.path for e in os.scandir(kd) if e.is_dir(follow_symlinks=False)]
-                except OSError:
-                    continue
-            self._fp_dirs[kernel] = out
-        return self._fp_dirs[kernel]
-
-    def get(self, kernel: str, key: str) -> float | None:
-        best = None
-        for fp in self._kernel_dirs(kernel):
-            try:
-                with open(os.path.join(fp, key + ".json"), "rb") as f:
-                    v = json.loads(f.read()).get("compile_s")
-            except (OSError, ValueError, AttributeError):
-                continue
-            if isinstance(v, (int, float)) and v > 0:
-                best = max(best or 0.0, float(v))
-        if best is not None:
-            return best
-        if self._journal is None:
-            self._journal = {}
-            for r in journal.read(self.root):
-                rk = r.get("key")
-                v = r.get("compile_s")
-                if isinstance(rk, str) and r.get("compiles") and isinstance(v, (int, float)) and v > 0:
-                    self._journal.setdefault(rk, float(v))
-        return self._journal.get(key)
-
-
-def past_compile_times(root: Path, todo: list[Task]) -> dict[str, float]:
-    """key -> seconds its last compile took, for the keys of ``todo`` (see PastTimes)."""
-    pt = PastTimes(root)
-    out = {}
-    for t in todo:
-        v = pt.get(t.cfg.kernel, t.cfg.key)
-        if v is not None:
-            out[t.cfg.key] = v
-    return out
-
-
-def order_longest_first(todo: list[Task], known: dict[str, float]) -> list[Task]:
-    """Known compile times first, longest first; unknown keys get their kernel's mean
-    (else the overall mean), so one slow kernel family starts early."""
-    per_kernel: dict[str, list[float]] = {}
-    for t in todo:
-        if t.cfg.key in known:
-            per_kernel.setdefault(t.cfg.kernel, []).append(known[t.cfg.key])
-    allv = [v for vs in per_kernel.values() for v in vs]
-    overall = sum(allv) / len(allv) if allv else None
-    for t in todo:
-        if t.cfg.key in known:
-            t.est_s = known[t.cfg.key]
-        elif t.cfg.kernel in per_kernel:
-            vs = per_kernel[t.cfg.kernel]
-            t.est_s = sum(vs) / len(vs)
-        else:
-            t.est_s = overall
-    idx = {id(t): i for i, t in enumerate(todo)}
-    return sorted(todo, key=lambda t: (-(t.est_s or 0.0), t.cfg.key not in known, idx[id(t)]))
-
-
-# --- running -------------------------------------------------------------------
+# The names callers import from here (their homes: buildtasks, planning, trace).
+__all__ = [
+    "CACHED",
+    "COMPILED",
+    "FAILED",
+    "INTERRUPTED",
+    "REMOTE",
+    "SHARED",
+    "SKIPPED",
+    "BuildResult",
+    "NullReporter",
+    "PastTimes",
+    "Reporter",
+    "Task",
+    "order_longest_first",
+    "past_compile_times",
+    "plan",
+    "plan_one",
+    "run",
+    "write_trace",
+]
 
 
 def _remove_partial(store: DiskStore, t: Task) -> None:
@@ -548,65 +322,3 @@ def _log_failure(log_dir: Path | None, log_path: Path | None, t: Task) -> Path |
     except OSError:
         return log_path
     return log_path
-
-
-# --- trace ---------------------------------------------------------------------
-
-
-def write_trace(path: Path, res: BuildResult, t0: float) -> None:
-    """Chrome trace-event JSON (chrome://tracing, ui.perfetto.dev): one row per worker."""
-    ev = [
-        {"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "quack build"}},
-        {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "scheduler"}},
-    ]
-    if res.plan_s:
-        ev.append(
-            {
-                "name": "plan (expand, look up cache)",
-                "cat": "plan",
-                "ph": "X",
-                "pid": 1,
-                "tid": 0,
-                "ts": 0,
-                "dur": int(res.plan_s * 1e6),
-            }
-        )
-    # One row per worker: a local pool's by pid; a cluster's by its lane (an actor's
-    # node and pid: pids of different nodes may coincide).
-    lanes = sorted({(t.lane, t.pid) for t in res.tasks if t.pid or t.lane}, key=lambda x: (x[0], x[1]))
-    tids = {}
-    for i, (lane, pid) in enumerate(lanes):
-        tids[(lane, pid)] = tid = (pid if not lane else 100000 + i) or 100000 + i
-        name = f"worker {i + 1} (pid {pid})" if not lane else lane
-        ev.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": name}})
-    for t in res.tasks:
-        if not (t.pid or t.lane) or t.end <= 0:
-            continue
-        ev.append(
-            {
-                "name": t.cfg.kernel,
-                "cat": t.status,
-                "ph": "X",
-                "pid": 1,
-                "tid": tids[(t.lane, t.pid)],
-                "ts": int((t.start - t0) * 1e6),
-                "dur": max(1, int((t.end - t.start) * 1e6)),
-                "args": {
-                    "params": t.cfg.plain_params,
-                    "arch": t.cfg.arch,
-                    "key": t.cfg.key,
-                    "status": t.status,
-                    "compile_s": round(t.compile_s, 4),
-                    **({"error": t.error} if t.error else {}),
-                },
-            }
-        )
-    doc = {
-        "traceEvents": ev,
-        "displayTimeUnit": "ms",
-        "otherData": {
-            "tool": "quack build",
-            "summary": {k: v for k, v in res.to_json().items() if k != "keys"},
-        },
-    }
-    Path(path).write_text(json.dumps(doc, indent=None), encoding="utf-8")
