@@ -285,11 +285,11 @@ def cache_clean(
 
 
 def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbose) -> int:
-    from quack_build import inventory
+    from quack_build import cacheclean, units
 
     try:
-        ms = inventory.parse_size(max_size) if max_size is not None else None
-        age = inventory.parse_age(older_than) if older_than is not None else None
+        ms = units.parse_size(max_size) if max_size is not None else None
+        age = units.parse_age(older_than) if older_than is not None else None
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -310,7 +310,7 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
                 f"{'would remove' if dry_run else 'removed'} {r.path} ({r.why})", markup=False, soft_wrap=True
             )
 
-    rep = inventory.clean(
+    rep = cacheclean.clean(
         s.cache_dir,
         current_srcfps(),
         remove_all=remove_all,
@@ -338,9 +338,9 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
     else:
         verb = "would free" if dry_run else "freed"
         for why, (n, b) in sorted(by_why.items()):
-            con.print(f"  {n:>6} files  {inventory.human_bytes(b):>10}  {why}", markup=False)
+            con.print(f"  {n:>6} files  {units.human_bytes(b):>10}  {why}", markup=False)
         con.print(
-            f"{verb} {inventory.human_bytes(rep.freed)} ({len(rep.removed)} files) in {s.cache_dir}",
+            f"{verb} {units.human_bytes(rep.freed)} ({len(rep.removed)} files) in {s.cache_dir}",
             markup=False,
         )
         if rep.busy:
@@ -538,11 +538,11 @@ def prewarm(
 
 
 def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> int:
-    from quack_build import inventory
     from quack_build import prewarm as pw
+    from quack_build import units
 
     try:
-        age = inventory.parse_age(since) if since not in ("0", "all") else None
+        age = units.parse_age(since) if since not in ("0", "all") else None
     except ValueError as e:
         typer.echo(f"error: --since: {e}", err=True)
         raise typer.Exit(2) from None

@@ -156,7 +156,7 @@ def _bundle(
     if as_json:
         emit_json(res)
     else:
-        from quack_build.inventory import human_bytes
+        from quack_build.units import human_bytes
 
         console().print(
             f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
@@ -189,7 +189,7 @@ def _inspect(wheel: Path, as_json: bool) -> int:
     from rich.table import Table
 
     from quack_build.buildconfig import format_params
-    from quack_build.inventory import human_bytes
+    from quack_build.units import human_bytes
 
     con = console()
     sig = (

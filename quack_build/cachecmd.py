@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from quack_build.inventory import human_bytes
+from quack_build.units import human_bytes
 
 
 def print_stats(con: Console, info: dict) -> None:

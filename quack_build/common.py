@@ -110,13 +110,13 @@ def emit_json(obj) -> None:
 
 def stats(as_json, cache_dir, top) -> int:
     from quack.cache import journal
-    from quack_build import inventory
+    from quack_build import cachestats
 
     s = cli_settings(cache_dir)
     check_root(s.cache_dir)
     load_kernels(s, required=False)
-    info = inventory.summarize(s.cache_dir, current_srcfps())
-    info["journal"] = inventory.journal_summary(journal.read(s.cache_dir), top=top)
+    info = cachestats.summarize(s.cache_dir, current_srcfps())
+    info["journal"] = cachestats.journal_summary(journal.read(s.cache_dir), top=top)
     from quack.bundles import tier as _bundle_tier
 
     info["bundles"] = _bundle_tier.summary(s)

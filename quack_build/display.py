@@ -13,7 +13,6 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from quack_build.inventory import human_bytes  # noqa: F401  (re-exported for the CLI)
 from quack_build.scheduler import (
     CACHED,
     COMPILED,
@@ -25,6 +24,7 @@ from quack_build.scheduler import (
     BuildResult,
     Task,
 )
+from quack_build.units import human_bytes  # noqa: F401  (re-exported for the CLI)
 
 
 def _err_line(t: Task) -> str:
