@@ -78,9 +78,9 @@ def verify(
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
     if bundles:
-        from quack_build import bundlecmd
+        from quack_build import bundleverify
 
-        run_command(lambda: bundlecmd.run_verify_bundles(as_json, cache_dir, no_load, run))
+        run_command(lambda: bundleverify.run_verify_bundles(as_json, cache_dir, no_load, run))
     run_command(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))
 
 
