@@ -475,15 +475,9 @@ print(json.dumps(out))
 """
 
 # Not needed to register a kernel: imported by its first call (settings, store, loader,
-# keys, journal, the lookup after memory) or only by a miss (tier chain, the contract's
-# Protocols, the miss policy, the pool).
-FIRST_CALL = (
-    "quack.settings",
-    "quack.cache.store",
-    "quack.cache.keys",
-    "quack.runtime.loader",
-    "quack.runtime.lookup",
-)
+# keys, journal) or only by a miss (the miss policy, tier chain, the contract's
+# Protocols, the pool).
+FIRST_CALL = ("quack.settings", "quack.cache.store", "quack.cache.keys", "quack.runtime.loader")
 MISS_ONLY = (
     "quack.runtime.miss",
     "quack.runtime.tiers",

@@ -1,21 +1,25 @@
 """``@jit_cache``: memory -> disk -> compile worker, for tensor-free compile functions.
 
-This module is the memory tier (``JitKernel.__call__``, one dict lookup a hit), the
-per-process memory of failed keys, and the usage counters (``usage``, ``cache_stats``,
-the journal written at exit). A call that misses memory goes to quack.runtime.lookup
-(local store -> read-only tiers), and a key no tier holds to quack.runtime.miss (the
-miss policy: KernelNotPrebuilt, or a compile).
+This module is the hit path: the memory tier (``JitKernel.__call__``, one dict lookup
+a hit) and, for a key new to this process, the local store (``Loaded``, ``load``); the
+per-process memory of failed keys; and the usage counters (``usage``, ``cache_stats``,
+the journal written at exit). A key the local store doesn't hold goes to
+quack.runtime.miss (the read-only tiers, then the miss policy: KernelNotPrebuilt, or a
+compile), which a hit never imports.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import logging
 import threading
+import time
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
-from quack.errors import CompileError
+from quack.errors import CacheError, CacheWarning, CompileError, EntryVanished
 from quack.runtime import _generation
 
 # Importing a kernel module runs only @jit_cache, which needs the registry; the settings,
@@ -25,9 +29,39 @@ from quack.runtime import _generation
 # The hot path (a hit in ``_memo``) never reaches those imports.
 if TYPE_CHECKING:
     from quack.params import Param
-    from quack.runtime.lookup import Loaded
 
 _ALL: list["JitKernel"] = []
+log = logging.getLogger("quack.jit")
+
+
+class Loaded:
+    """One loaded kernel in this process, with its usage counters."""
+
+    __slots__ = (
+        "fn",
+        "module",
+        "key",
+        "params",
+        "arch",
+        "hits",
+        "misses",
+        "compiles",
+        "load_s",
+        "compile_s",
+        "how",
+        "tier",
+        "waits",
+        "wait_s",
+    )
+
+    def __init__(self, fn, module, key, params, arch, how, tier="cache"):
+        self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
+        self.tier = tier  # where it came from: "cache", "bundle:<name>" or "compile"
+        self.hits = self.misses = self.compiles = 0
+        self.load_s = self.compile_s = 0.0
+        # A miss another process (or worker) was already compiling: waited for, not compiled.
+        self.waits = 0
+        self.wait_s = 0.0
 
 
 class JitKernel:
@@ -85,10 +119,8 @@ class JitKernel:
             loaded = self._by_key.get(key)
             if loaded is None:
                 self._raise_if_failed(key)
-                from quack.runtime import lookup  # the first call of a key: memory missed
-
                 try:
-                    loaded = lookup.resolve(self, params, key, s)
+                    loaded = self._resolve(params, key, s)
                 except CompileError as e:
                     if not e.transient:
                         self._remember_failure(key, e)
@@ -123,6 +155,65 @@ class JitKernel:
             )
         self._failed[key] = (self.spec.source_fingerprint(), err)
 
+    # Where warnings point: at the line that called the kernel. Every step below runs at a
+    # fixed depth under it (caller <- __call__ <- _slow <- _resolve <- step <- ...; the steps
+    # in quack.runtime.miss take the kernel as their first argument), and each stacklevel
+    # counts those frames; moving a step up or down changes its numbers.
+    def _resolve(self, params: dict, key: str, s) -> Loaded:
+        """The tiers after memory: local cache -> read-only tiers (installed bundles,
+        remote, ...) -> the miss policy: the last two in quack.runtime.miss (the chain:
+        quack.runtime.tiers; docs/architecture.md)."""
+        # The ref from the key already made, not builder.entry_ref: a hit never imports
+        # the builder (its imports were ~1.5 ms of a fresh process's first load).
+        from quack.cache.store import EntryRef
+
+        ref = EntryRef(self.spec.name, key, s.arch, self.spec.source_fingerprint())
+        store, loaded, unusable = self._from_local(ref, params, key, s)
+        if loaded is not None:
+            return loaded
+        from quack.runtime import miss  # a local miss only: a hit never imports the rest
+
+        tiered = miss.from_tiers(self, ref, store, params, key, s.arch, s)
+        if tiered is not None:
+            return tiered
+        return miss.on_miss(self, ref, store, params, key, s, unusable)
+
+    def _from_local(self, ref, params, key, s) -> tuple[Any, Loaded | None, str]:
+        """The local store: (store or None, a loaded hit or None, why the cache can't be
+        used or ""). A cache that can't be read is no store at all (one warning); an
+        entry cleaned between lookup and load is a plain miss."""
+        # Prebuilt mode never compiles, whatever the cache's state: every path after
+        # this one that would compile raises KernelNotPrebuilt instead, saying why when
+        # it is not a plain miss (a disabled or unusable cache).
+        from quack.cache.store import local_store, warn_once
+
+        if not s.cache_enabled:
+            return None, None, "the cache is disabled (QUACK_CACHE_ENABLED=0 or [cache] enabled = false)"
+        store = local_store(s)
+        try:
+            entry = store.lookup(ref)
+        except (CacheError, OSError) as e:
+            if s.mode == "prebuilt":
+                warn_once(
+                    f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})", stacklevel=6
+                )
+            else:
+                warnings.warn(
+                    f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
+                    f"{self.spec.name} (a compile runs in this process, unstored)",
+                    CacheWarning,
+                    stacklevel=5,
+                )
+            return None, None, f"the cache is unusable ({e})"
+        if entry is not None:
+            try:
+                loaded = load(store, entry, params, key, s.arch, miss=False)
+                log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
+                return store, loaded, ""
+            except EntryVanished:
+                pass  # cleaned between lookup and load: a plain miss
+        return store, None, ""
+
     def usage(self) -> list[dict]:
         out = []
         for ld in list(self._by_key.values()):
@@ -144,6 +235,22 @@ class JitKernel:
                 }
             )
         return out
+
+
+def load(store, entry, params, key, arch, *, miss: bool) -> Loaded:
+    """Load a store's entry (its use touched for eviction), counted as a hit or a miss."""
+    from quack.runtime import loader
+
+    t0 = time.perf_counter()
+    fn, module, how = loader.load_entry(store, entry)
+    store.touch(entry)
+    loaded = Loaded(fn, module, key, params, arch, how)
+    loaded.load_s = time.perf_counter() - t0
+    if miss:
+        loaded.misses = 1
+    else:
+        loaded.hits = 1
+    return loaded
 
 
 def jit_cache(

@@ -1,13 +1,14 @@
-"""The miss policy of ``@jit_cache``: what a key no tier holds becomes. Prebuilt mode
+"""A ``@jit_cache`` key the local store doesn't hold: the read-only tiers (installed
+bundles, remote; ``from_tiers``), then the miss policy (``on_miss``). Prebuilt mode
 raises KernelNotPrebuilt (saying why when it is not a plain miss); jit mode compiles
 it: in a compile worker, settling with the pool (inside a pool_scope a pending key
 raises CompilePending), in this process for a kernel a worker can't import, or in this
 process and unstored when the cache can't take the object.
 
-Imported only by a miss (quack.runtime.lookup.resolve): a hit never imports it, nor the
-pool, the builder or the tier chain it reaches (tests/test_coldstart.py). Each step
-runs at a fixed frame depth under the kernel's caller, which its warnings' stacklevels
-count (see quack.runtime.lookup).
+Imported only by a local miss (quack.runtime.jit's ``JitKernel._resolve``): a hit never
+imports it, nor the pool, the builder or the tier chain it reaches
+(tests/test_coldstart.py). Each step runs at a fixed frame depth under the kernel's
+caller, which its warnings' stacklevels count (see ``JitKernel._resolve``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,49 @@ from quack.errors import (
     KernelNotPrebuilt,
     LockTimeout,
 )
-from quack.runtime.lookup import Loaded, load
+from quack.runtime.jit import Loaded, load
 
 if TYPE_CHECKING:
     from quack.runtime.jit import JitKernel
 
 log = logging.getLogger("quack.jit")
+
+
+def from_tiers(k: JitKernel, ref, store, params, key, arch, s) -> Loaded | None:
+    """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
+    (installed bundles: already on this machine, verified where it lies) is loaded
+    where it is, so it serves a read-only or disabled cache too; any other tier's hit
+    is published into the local store, then loaded from there."""
+    from quack.cache.contract import InPlaceTier
+    from quack.runtime import loader, tiers
+
+    for tier in tiers.read_tiers(s):
+        if isinstance(tier, InPlaceTier):
+            entry = tier.open(ref)
+            if entry is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                fn, module, how = loader.load_in_place(entry, store)
+            except EntryVanished:  # uninstalled meanwhile: a miss here
+                log.info("tier %s: %s %s vanished before loading", tier.name, k.spec.name, key[:16])
+                continue
+            loaded = Loaded(fn, module, key, params, arch, how, tier=entry.meta.get("source", tier.name))
+            loaded.load_s = time.perf_counter() - t0
+            loaded.hits = 1
+            log.debug("tier %s: hit %s %s (%s)", loaded.tier, k.spec.name, key[:16], how)
+            return loaded
+        if store is None:
+            continue  # nowhere to publish a fetched copy
+        entry, name = tiers.fetch_into(store, ref, (tier,))
+        if entry is not None:
+            try:
+                loaded = load(store, entry, params, key, arch, miss=True)
+                loaded.tier = name
+                return loaded
+            except EntryVanished:
+                log.info("tier %s: %s %s vanished before loading", name, k.spec.name, key[:16])
+    return None
 
 
 def on_miss(k: JitKernel, ref, store, params, key, s, unusable: str) -> Loaded:
