@@ -475,9 +475,11 @@ print(json.dumps(out))
 """
 
 # Not needed to register a kernel: imported by its first call (settings, store, loader,
-# keys, journal) or only by a miss (tier chain, the contract's Protocols, the pool).
+# keys, journal) or only by a miss (the miss policy, tier chain, the contract's
+# Protocols, the pool).
 FIRST_CALL = ("quack.settings", "quack.cache.store", "quack.cache.keys", "quack.runtime.loader")
 MISS_ONLY = (
+    "quack.runtime.miss",
     "quack.runtime.tiers",
     "quack.cache.contract",
     "quack.compile.pool",

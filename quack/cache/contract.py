@@ -145,7 +145,7 @@ class ReadTier(Protocol):
     - ``fetch(ref)``: a Fetched whose bytes the tier has verified, or None.
       Never raises for a cache problem (unreachable server, missing, corrupt or
       tampered object, bad signature): that is None plus at most one
-      CacheWarning per problem (``quack.cache.store.warn_once``). May raise
+      CacheWarning per problem (``quack.cache.problems.warn_once``). May raise
       only for a programming error (a bug), which the chain reports.
     """
 

@@ -26,7 +26,9 @@ A key whose per-key lock another process holds (another xdist worker, a
 States are per (cache root, key): a pool used under several Settings (tests
 that install their own cache directory) never confuses their entries.
 
-Modules: the worker process (its request, main loop and start) is
+Modules: the dispatcher thread and the worker processes it runs (start, hand out,
+collect, reap, time-outs, keys awaited elsewhere) are ``quack/compile/dispatch.py``;
+the worker process (its request, main loop and start) is
 ``quack/compile/worker.py``; the per-key states, outcomes and counters are
 ``quack/compile/tasks.py``; the scopes (``pool_scope``, ``suppress_pool``, the
 per-attempt records) are ``quack/compile/scope.py``. The names callers used to
@@ -38,9 +40,9 @@ import logging
 import os
 import threading
 import time
-from multiprocessing import connection as mpc
 
-from quack.compile import external, tasks, worker
+from quack.compile import external, tasks
+from quack.compile.dispatch import Dispatcher
 from quack.compile.external import lock_held
 from quack.compile.scope import (  # re-exported: callers import them from here
     active_pool,
@@ -53,7 +55,6 @@ from quack.compile.scope import (  # re-exported: callers import them from here
 )
 from quack.compile.tasks import DONE, FAILED, NEW, PENDING, Task, TaskInfo
 from quack.compile.worker import WorkerRequest, masked_main, worker_build
-from quack.errors import CompileTimeout
 
 __all__ = [
     "DONE",
@@ -77,17 +78,7 @@ __all__ = [
     "worker_build",
 ]
 
-EXTERNAL_POLL_S = 0.1
 log = logging.getLogger("quack.pool")
-
-
-# -- the pool --------------------------------------------------------------------------------
-class _Worker:
-    __slots__ = ("proc", "conn", "task")
-
-    def __init__(self, proc, conn):
-        self.proc, self.conn = proc, conn
-        self.task: Task | None = None
 
 
 class CompilePool:
@@ -103,71 +94,31 @@ class CompilePool:
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
         self._book = tasks.TaskBook()  # per-key states, outcomes, counters
-        self._queue: list[Task] = []
-        self._external: dict[tuple, Task] = {}
-        self._workers: list[_Worker] = []
-        self._want_workers = 0
-        self._thread: threading.Thread | None = None
-        self._wake_r: int = -1
-        self._wake_w: int | None = None
-        self._closed = False
         self.generation = 0  # bumped on every state change (see wait_change)
         self.counts = self._book.counts  # the same dict: stats() reads it
+        # The worker processes and the thread that runs them (quack/compile/dispatch.py).
+        self._dispatcher = Dispatcher(
+            self.jobs, self.start_method, lock=self._lock, book=self._book, changed=self._bump
+        )
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
     def started(self) -> bool:
-        return self._thread is not None
+        return self._dispatcher.started
 
-    def _ensure_thread(self) -> None:
-        if self._thread is None:
-            if self._closed:
-                raise RuntimeError("compile pool is shut down")
-            self._wake_r, self._wake_w = os.pipe()
-            os.set_blocking(self._wake_w, False)
-            self._thread = threading.Thread(target=self._run, name="quack-compile-pool", daemon=True)
-            self._thread.start()
-
-    def _wake(self) -> None:
-        if self._wake_w is not None:
-            try:
-                os.write(self._wake_w, b"x")
-            except (BlockingIOError, OSError):
-                pass
+    @property
+    def closed(self) -> bool:
+        return self._dispatcher.closed
 
     def prewarm(self) -> None:
         """Start the forkserver and every worker now, in the background; returns at once."""
         with self._lock:
-            self._want_workers = self.jobs
-            self._ensure_thread()
-            self._wake()
+            self._dispatcher.prewarm()
 
     def shutdown(self, wait: bool = False) -> None:
         """Kill the workers and stop. Never waits for a compile; ``wait=True`` only
         joins the (already killed) processes."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            workers, self._workers = self._workers, []
-            for t in list(self._queue) + [w.task for w in workers if w.task] + list(self._external.values()):
-                self._book.cancel(t)
-            self._queue.clear()
-            self._external.clear()
-            self._bump()
-            self._wake()
-        for w in workers:
-            try:
-                w.proc.kill()
-            except Exception:  # noqa: BLE001
-                pass
-            try:
-                w.conn.close()
-            except Exception:  # noqa: BLE001
-                pass
-        if wait:
-            for w in workers:
-                w.proc.join(5)
+        self._dispatcher.shutdown(wait)
 
     def __enter__(self):
         return self
@@ -230,21 +181,15 @@ class CompilePool:
                 if ext is not None and external.lock_held(ext[0]):
                     task.external_lock, task.obj_meta = ext
                     task.started = time.monotonic()
-                    self._external[ident] = task
                     self.counts["awaited_external"] += 1
                     log.info(
                         "pool: %s %s is being compiled by another process; awaiting it", spec.name, key[:16]
                     )
-                    self._ensure_thread()
-                    self._bump()
-                    self._wake()
+                    self._dispatcher.await_external(ident, task)
                     return PENDING
-            self._queue.append(task)
             self.counts["submitted"] += 1
             log.debug("pool: submitted %s %s", spec.name, key[:16])
-            self._ensure_thread()
-            self._bump()
-            self._wake()
+            self._dispatcher.enqueue(task)
             return PENDING
 
     def state(self, key: str, root=None) -> str:
@@ -307,195 +252,11 @@ class CompilePool:
             d: dict[str, object] = dict(self.counts)
             d["compile_s"] = round(self.counts["compile_s"], 3)
             d["pending"] = self._book.pending()
-            d["queued"] = len(self._queue)
-            d["running"] = sum(1 for w in self._workers if w.task is not None)
-            d["workers"] = len(self._workers)
+            d["queued"] = self._dispatcher.queued()
+            d["running"] = self._dispatcher.running()
+            d["workers"] = self._dispatcher.worker_count()
             d["errors"] = self._book.error_texts()
             return d
-
-    # -- the dispatcher thread ---------------------------------------------------------------
-    def _finish(self, task: Task, ok: bool, payload) -> None:
-        """Record a task's outcome and wake the waiters; caller holds the lock."""
-        if self._book.finish(task, ok, payload):
-            self._bump()
-
-    def _spawn(self) -> _Worker:
-        proc, parent = worker.start_worker(self.start_method)
-        with self._lock:
-            self.counts["workers_started"] += 1
-        log.debug("pool: started worker pid %s (%s)", proc.pid, self.start_method)
-        return _Worker(proc, parent)
-
-    def _run(self) -> None:
-        """The dispatcher thread's loop, until shutdown: (1) under the lock, settle
-        time-outs and keys awaited elsewhere, hand queued keys to idle workers and
-        decide what to wait on; (2) start one worker outside the lock if one is
-        needed; else (3) wait for a result, a death, a wake-up or a deadline, and
-        collect what arrived."""
-        while True:
-            with self._lock:
-                if self._closed:
-                    break
-                now = time.monotonic()
-                self._check_deadlines(now)
-                self._check_external(now)
-                self._dispatch()
-                need = self._workers_needed()
-                objs = self._wait_objects()
-                timeout = self._next_timeout(now)
-            if need > 0:
-                if not self._start_worker():
-                    break  # shut down while it started
-                continue
-            ready = self._wait_ready(objs, timeout)
-            with self._lock:
-                if self._closed:
-                    break
-                self._collect(ready)
-
-    def _dispatch(self) -> None:
-        """Send queued tasks to idle workers, oldest first; caller holds the lock."""
-        idle = [w for w in self._workers if w.task is None]
-        while self._queue and idle:
-            w = idle.pop()
-            t = self._queue.pop(0)
-            try:
-                w.conn.send((worker_build, t.request))
-            except (OSError, ValueError):
-                self._queue.insert(0, t)
-                continue  # a dead worker; its sentinel reports it when collected
-            w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
-
-    def _workers_needed(self) -> int:
-        """How many workers to start (queued work or a prewarm), within ``jobs``;
-        caller holds the lock."""
-        return min(
-            max(len(self._queue), self._want_workers - len(self._workers)),
-            self.jobs - len(self._workers),
-        )
-
-    def _wait_objects(self) -> list:
-        """The wake pipe, and each worker's pipe and process sentinel; caller holds the lock."""
-        objs: list = [self._wake_r]
-        for w in self._workers:
-            objs.append(w.conn)
-            objs.append(w.proc.sentinel)
-        return objs
-
-    def _start_worker(self) -> bool:
-        """Start one worker, outside the lock (the first start waits for the forkserver).
-        A worker that can't start fails what is queued. Returns False if the pool was
-        shut down meanwhile (the new worker is killed)."""
-        try:
-            w = self._spawn()
-        except Exception as e:  # noqa: BLE001 - can't start workers: fail what is queued
-            with self._lock:
-                for t in self._queue:
-                    self._finish(t, False, tasks.cannot_start_error(t, e))
-                self._queue.clear()
-                self._want_workers = 0
-            return True
-        with self._lock:
-            if self._closed:
-                w.proc.kill()
-                return False
-            self._workers.append(w)
-        return True
-
-    @staticmethod
-    def _wait_ready(objs: list, timeout: float | None) -> list:
-        """Block until one of ``objs`` is ready or ``timeout`` passes (outside the lock)."""
-        try:
-            return mpc.wait(objs, timeout)
-        except OSError:
-            return []
-
-    def _collect(self, ready: list) -> None:
-        """Drain the wake pipe, record each result that arrived and reap dead workers
-        (a worker that died mid-task fails its key); caller holds the lock."""
-        if self._wake_r in ready:
-            try:
-                os.read(self._wake_r, 4096)
-            except OSError:
-                pass
-        for w in list(self._workers):
-            if w.conn in ready:
-                try:
-                    status, payload = w.conn.recv()
-                except (EOFError, OSError):
-                    self._reap(w)  # died mid-task: its key fails
-                    continue
-                done, w.task = w.task, None
-                if done is not None:
-                    self._finish(done, status == "ok", payload)
-            if w.proc.sentinel in ready:
-                self._reap(w)
-
-    def _reap(self, w: _Worker) -> None:
-        if w not in self._workers:
-            return
-        self._workers.remove(w)
-        if w.proc.exitcode is None:
-            try:
-                w.proc.kill()
-            except Exception:  # noqa: BLE001
-                pass
-        w.proc.join(1.0)
-        try:
-            w.conn.close()
-        except Exception:  # noqa: BLE001
-            pass
-        t, w.task = w.task, None
-        if t is not None:
-            self.counts["worker_deaths"] += 1
-            log.warning(
-                "pool: worker pid %s died (exit %s) compiling %s %s; replaced",
-                w.proc.pid,
-                w.proc.exitcode,
-                t.kernel,
-                t.key[:16],
-            )
-            self._finish(t, False, tasks.worker_died_error(t, w.proc.exitcode))
-
-    def _check_deadlines(self, now: float) -> None:
-        for w in list(self._workers):
-            t = w.task
-            if t is not None and t.started is not None and now - t.started > t.timeout:
-                try:
-                    w.proc.kill()
-                except Exception:  # noqa: BLE001
-                    pass
-                w.task = None
-                self._reap(w)
-                self.counts["timeouts"] += 1
-                log.warning("pool: %s %s ran past %.0f s; worker killed", t.kernel, t.key[:16], t.timeout)
-                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started))
-
-    def _check_external(self, now: float) -> None:
-        for ident, t in list(self._external.items()):
-            what = external.check(t, now)
-            if what is None:
-                continue
-            del self._external[ident]
-            if what == external.PUBLISHED:
-                self._finish(t, True, {"key": t.key, "compiled": False, "external": True})
-            elif what == external.RELEASED:
-                self._book.renew(ident)
-                self._bump()
-            else:
-                assert t.started is not None  # submit sets it for every external task
-                self.counts["timeouts"] += 1
-                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, external=True))
-
-    def _next_timeout(self, now: float) -> float | None:
-        cands = [
-            t.started + t.timeout - now
-            for w in self._workers
-            if (t := w.task) is not None and t.started is not None
-        ]
-        if self._external:
-            cands.append(EXTERNAL_POLL_S)
-        return max(0.0, min(cands)) + 0.01 if cands else None
 
 
 # -- the process-wide pool (its scopes: quack/compile/scope.py) ---------------------------
@@ -508,7 +269,7 @@ def default_pool() -> CompilePool:
     its first submit)."""
     global _default
     with _default_lock:
-        if _default is None or _default._closed:
+        if _default is None or _default.closed:
             _default = CompilePool()
             import atexit
 
@@ -521,7 +282,7 @@ def configure_default(jobs: int | None = None) -> CompilePool:
     an idle default pool; a started one keeps running with its size."""
     global _default
     with _default_lock:
-        if _default is None or _default._closed or (not _default.started and jobs):
+        if _default is None or _default.closed or (not _default.started and jobs):
             _default = CompilePool(jobs)
             import atexit
 

@@ -1,27 +1,25 @@
-"""``@jit_cache``: memory -> disk -> compile worker, for tensor-free compile functions."""
+"""``@jit_cache``: memory -> disk -> compile worker, for tensor-free compile functions.
+
+This module is the hit path: the memory tier (``JitKernel.__call__``, one dict lookup
+a hit) and, for a key new to this process, the local store (``Loaded``, ``load``); the
+per-process memory of failed keys; and the usage counters (``usage``, ``cache_stats``,
+the journal written at exit). A key the local store doesn't hold goes to
+quack.runtime.miss (the read-only tiers, then the miss policy: KernelNotPrebuilt, or a
+compile), which a hit never imports.
+"""
 
 from __future__ import annotations
 
 import atexit
 import functools
 import logging
-import os
 import threading
 import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
-from quack.errors import (
-    CacheError,
-    CacheWarning,
-    CompileError,
-    CompilePending,
-    CompileTimeout,
-    EntryVanished,
-    KernelNotPrebuilt,
-    LockTimeout,
-)
+from quack.errors import CacheError, CacheWarning, CompileError, EntryVanished
 from quack.runtime import _generation
 
 # Importing a kernel module runs only @jit_cache, which needs the registry; the settings,
@@ -77,7 +75,7 @@ class JitKernel:
         self._failed: dict[str, tuple[str, CompileError]] = {}  # key -> (source fingerprint, error)
         self._gen = _generation.value
         self._lock = threading.RLock()
-        self._warned_local = False
+        self.warned_unshippable = False  # its one warning: a worker can't import it (quack.runtime.miss)
         functools.update_wrapper(self, spec.fn)
         _ALL.append(self)
 
@@ -158,11 +156,13 @@ class JitKernel:
         self._failed[key] = (self.spec.source_fingerprint(), err)
 
     # Where warnings point: at the line that called the kernel. Every step below runs at a
-    # fixed depth under it (caller <- __call__ <- _slow <- _resolve <- step <- ...), and
-    # each stacklevel counts those frames; moving a step up or down changes its numbers.
+    # fixed depth under it (caller <- __call__ <- _slow <- _resolve <- step <- ...; the steps
+    # in quack.runtime.miss take the kernel as their first argument), and each stacklevel
+    # counts those frames; moving a step up or down changes its numbers.
     def _resolve(self, params: dict, key: str, s) -> Loaded:
         """The tiers after memory: local cache -> read-only tiers (installed bundles,
-        remote, ...) -> the miss policy (quack.runtime.tiers; docs/architecture.md)."""
+        remote, ...) -> the miss policy: the last two in quack.runtime.miss (the chain:
+        quack.runtime.tiers; docs/architecture.md)."""
         # The ref from the key already made, not builder.entry_ref: a hit never imports
         # the builder (its imports were ~1.5 ms of a fresh process's first load).
         from quack.cache.store import EntryRef
@@ -171,10 +171,12 @@ class JitKernel:
         store, loaded, unusable = self._from_local(ref, params, key, s)
         if loaded is not None:
             return loaded
-        tiered = self._from_tiers(ref, store, params, key, s.arch, s)
+        from quack.runtime import miss  # a local miss only: a hit never imports the rest
+
+        tiered = miss.from_tiers(self, ref, store, params, key, s.arch, s)
         if tiered is not None:
             return tiered
-        return self._on_miss(ref, store, params, key, s, unusable)
+        return miss.on_miss(self, ref, store, params, key, s, unusable)
 
     def _from_local(self, ref, params, key, s) -> tuple[Any, Loaded | None, str]:
         """The local store: (store or None, a loaded hit or None, why the cache can't be
@@ -205,309 +207,12 @@ class JitKernel:
             return None, None, f"the cache is unusable ({e})"
         if entry is not None:
             try:
-                loaded = self._load(store, entry, params, key, s.arch, miss=False)
+                loaded = load(store, entry, params, key, s.arch, miss=False)
                 log.debug("local hit %s %s (%s)", self.spec.name, key[:16], loaded.how)
                 return store, loaded, ""
             except EntryVanished:
                 pass  # cleaned between lookup and load: a plain miss
         return store, None, ""
-
-    def _on_miss(self, ref, store, params, key, s, unusable: str) -> Loaded:
-        """The miss policy: prebuilt mode raises KernelNotPrebuilt; jit mode compiles,
-        into the store when it can take the object, else in this process, unstored."""
-        arch = s.arch
-        if s.mode == "prebuilt":
-            self._not_prebuilt(params, key, s, unusable or self._stale_entry(store, ref))
-        if store is None:  # cache disabled or unusable
-            return self._compile_in_process(params, key, arch)
-        if not store.writable():
-            log.info(
-                "%s is not writable: compiling %s %s in this process", s.cache_dir, self.spec.name, key[:16]
-            )
-            from quack.cache.store import warn_once
-
-            # Read-only cache: hits still load from it; misses run uncached, one warning.
-            warn_once(
-                f"read-only:{s.cache_dir}",
-                f"quack: cache {s.cache_dir} is not writable; "
-                f"kernels missing from it are compiled in this process and not stored",
-                stacklevel=6,
-            )
-            return self._compile_in_process(params, key, arch)
-        return self._compile_stored(store, ref, params, key, arch)
-
-    def _compile_stored(self, store, ref, params, key, arch) -> Loaded:
-        """Compile a miss into the store (in a worker, or here for a kernel that can't
-        be shipped to one) and load it; a compile the store can't take runs unstored."""
-        t0 = time.perf_counter()
-        if not self.spec.shippable:
-            built = self._build_here(store, params, key, arch)
-            if built is None:
-                return self._compile_in_process(params, key, arch)
-            entry, compiled, compile_s = built
-        else:
-            entry, report = self._compile_in_worker(store, ref, params, key, arch)
-            if entry is None:
-                log.info("fallback: compiling %s %s in this process", self.spec.name, key[:16])
-                return self._compile_in_process(params, key, arch)
-            compiled = bool(report and report.get("compiled"))
-            compile_s = float((report or {}).get("compile_s") or 0.0)
-        try:
-            loaded = self._load(store, entry, params, key, arch, miss=True)
-        except EntryVanished:  # evicted right after its compile: run it uncached
-            return self._compile_in_process(params, key, arch)
-        # Count a compile once, where it happened: when another process (or an earlier
-        # submission) built the key, this call waited for it (stats would otherwise count
-        # one compile per waiting process, each with the whole wait as its compile time).
-        elapsed = time.perf_counter() - t0 - loaded.load_s
-        if compiled:
-            loaded.compiles = 1
-            loaded.tier = "compile"
-            loaded.compile_s = compile_s or elapsed
-        else:
-            loaded.waits = 1
-            loaded.wait_s = elapsed
-        log.debug(
-            "%s %s %s (%.3f s)", "compiled" if compiled else "waited for", self.spec.name, key[:16], elapsed
-        )
-        return loaded
-
-    def _build_here(self, store, params, key, arch) -> tuple[Any, bool, float] | None:
-        """A kernel defined where a worker can't import it (a test function, __main__):
-        build and publish it in this process (one warning per kernel). Returns (entry,
-        compiled, compile_s), or None when the store can't take it (one warning)."""
-        from quack.compile import builder
-
-        if not self._warned_local:
-            warnings.warn(
-                f"quack: kernel {self.spec.name} is defined in {self.spec.module} "
-                f"({self.spec.qualname}) and can't be sent to a compile worker; "
-                f"compiling it in this process",
-                CacheWarning,
-                stacklevel=7,
-            )
-            self._warned_local = True
-        try:
-            entry, compiled = builder.build(self.spec, params, arch, store)
-        except (OSError, LockTimeout) as e:
-            warnings.warn(
-                f"quack: can't store {self.spec.name} key {key[:16]} ({e}); running it uncached",
-                CacheWarning,
-                stacklevel=7,
-            )
-            return None
-        return entry, compiled, float(entry.meta.get("compile_s") or 0.0) if compiled else 0.0
-
-    @staticmethod
-    def _stale_entry(store, ref) -> str:
-        """Why a prebuilt miss is not a plain one: the key was built, but for an older
-        source of the kernel (an edit since the build moved it to a new fingerprint)."""
-        if store is None:
-            return ""
-        d = store.entry_dir(ref)
-        try:
-            with os.scandir(d.parent) as it:
-                old = sorted(
-                    e.name
-                    for e in it
-                    if e.name != d.name
-                    and e.is_dir(follow_symlinks=False)
-                    and os.path.isfile(os.path.join(e.path, ref.key + ".json"))
-                )
-        except OSError:
-            return ""
-        if not old:
-            return ""
-        return (
-            f"it was built for an older source of the kernel (fingerprint {old[-1]}; now "
-            f"{ref.srcfp}): the kernel's source changed since, so `quack build` (or `quack "
-            f"prewarm`) must rebuild it"
-        )
-
-    def _not_prebuilt(self, params, key, s, reason: str):
-        from quack.cache.contract import ListsSearched
-        from quack.manifest_line import manifest_line
-        from quack.runtime import tiers
-
-        plain = self.spec.plain(params)
-        err = KernelNotPrebuilt(
-            self.spec.name,
-            plain,
-            s.arch,
-            key,
-            str(s.cache_dir),
-            manifest_line(self.spec.name, plain, s.arch),
-            bundles=next(
-                (
-                    t.searched()
-                    for t in tiers.read_tiers(s)
-                    if t.name == "bundles" and isinstance(t, ListsSearched)
-                ),
-                (),
-            ),
-            reason=reason,
-        )
-        from quack.compile import pool as _pool  # on a miss only: a hit never needs the pool
-
-        _pool.note_not_prebuilt(err, s)
-        raise err
-
-    def _compile_in_worker(self, store, ref, params, key, arch):
-        """A miss, compiled by the pool. Inside a pool_scope: submit and raise
-        CompilePending. Outside: submit to the default pool and wait. Either way a
-        failed key is raised once as CompileError (the worker's traceback text) and
-        then forgotten, so a later call compiles it again; a key past its time-out
-        (wedged worker, or a lock held elsewhere that never publishes) returns None:
-        the caller compiles in this process. Returns (entry, the pool's report of the
-        key: ``compiled`` False when another process built it) or (None, None)."""
-        from quack import settings as _settings
-        from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
-
-        s = _settings.get()
-        pool = _pool.active_pool(s.cache_dir)
-        scoped = pool is not None
-        if pool is None:
-            pool = _pool.default_pool()
-        root = s.cache_dir
-        for _ in range(3):
-            st, err = self._settle_in_pool(pool, scoped, params, key, arch, s)
-            if st == _pool.FAILED:
-                pool.forget(key, root)  # reported once; a later call may retry
-                self._worker_failed(err, params, key, arch)
-                return None, None
-            if st == _pool.DONE:
-                entry = store.lookup(ref)
-                if entry is not None:
-                    return entry, pool.report(key, root)
-                # Done, yet no valid entry (cleaned, or quarantined as corrupt): build again.
-                pool.forget(key, root)
-                if pool.state(key, root) != _pool.NEW:
-                    break
-        warnings.warn(
-            f"quack: the pool reported {self.spec.name} key {key[:16]} done but the cache "
-            f"has no valid entry; compiling it in this process",
-            CacheWarning,
-            stacklevel=7,
-        )
-        return None, None
-
-    def _settle_in_pool(self, pool, scoped: bool, params, key, arch, s) -> tuple[str, BaseException | None]:
-        """Submit the key unless the pool has it, then wait until it is no longer pending
-        (state, error); in a pool_scope a pending key raises CompilePending instead."""
-        from quack.compile import pool as _pool
-
-        root = s.cache_dir
-        st, err = pool.poll(key, root)
-        if st == _pool.NEW:
-            st = pool.submit(self.spec, params, arch, key, settings=s)
-        if st == _pool.PENDING:
-            if scoped:
-                exc = CompilePending(self.spec.name, key)
-                exc.root = str(root)
-                exc.pool = pool
-                _pool.note_pending(exc)
-                raise exc
-            st, err = pool.wait(key, root=root)
-        return st, err
-
-    def _worker_failed(self, err, params, key, arch) -> None:
-        """A key the pool failed: a time-out or a cache that can't take the object
-        returns (one warning; the caller compiles in this process, unstored); a compile
-        error is raised."""
-        if isinstance(err, CompileTimeout):
-            warnings.warn(
-                f"quack: {err}; compiling {self.spec.name} key {key[:16]} in this process",
-                CacheWarning,
-                stacklevel=8,
-            )
-            return
-        if isinstance(err, (CacheError, LockTimeout)):  # the cache (full, read-only), not the kernel
-            warnings.warn(
-                f"quack: can't store {self.spec.name} key {key[:16]} ({err}); "
-                f"compiling it in this process, uncached",
-                CacheWarning,
-                stacklevel=8,
-            )
-            return
-        if isinstance(err, CompileError):
-            raise err
-        raise CompileError(self.spec.name, self.spec.plain(params), arch, str(err))
-
-    def _from_tiers(self, ref, store, params, key, arch, s) -> Loaded | None:
-        """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
-        (installed bundles: already on this machine, verified where it lies) is loaded
-        where it is, so it serves a read-only or disabled cache too; any other tier's hit
-        is published into the local store, then loaded from there."""
-        from quack.cache.contract import InPlaceTier
-        from quack.runtime import loader, tiers
-
-        for tier in tiers.read_tiers(s):
-            if isinstance(tier, InPlaceTier):
-                entry = tier.open(ref)
-                if entry is None:
-                    continue
-                t0 = time.perf_counter()
-                try:
-                    fn, module, how = loader.load_in_place(entry, store)
-                except EntryVanished:  # uninstalled meanwhile: a miss here
-                    log.info("tier %s: %s %s vanished before loading", tier.name, self.spec.name, key[:16])
-                    continue
-                loaded = Loaded(fn, module, key, params, arch, how, tier=entry.meta.get("source", tier.name))
-                loaded.load_s = time.perf_counter() - t0
-                loaded.hits = 1
-                log.debug("tier %s: hit %s %s (%s)", loaded.tier, self.spec.name, key[:16], how)
-                return loaded
-            if store is None:
-                continue  # nowhere to publish a fetched copy
-            entry, name = tiers.fetch_into(store, ref, (tier,))
-            if entry is not None:
-                try:
-                    loaded = self._load(store, entry, params, key, arch, miss=True)
-                    loaded.tier = name
-                    return loaded
-                except EntryVanished:
-                    log.info("tier %s: %s %s vanished before loading", name, self.spec.name, key[:16])
-        return None
-
-    def _load(self, store, entry, params, key, arch, *, miss: bool) -> Loaded:
-        from quack.runtime import loader
-
-        t0 = time.perf_counter()
-        fn, module, how = loader.load_entry(store, entry)
-        store.touch(entry)
-        loaded = Loaded(fn, module, key, params, arch, how)
-        loaded.load_s = time.perf_counter() - t0
-        if miss:
-            loaded.misses = 1
-        else:
-            loaded.hits = 1
-        return loaded
-
-    def _compile_in_process(self, params, key, arch) -> Loaded:
-        """No usable cache: compile here and keep the JIT function in memory."""
-        from quack import settings as _settings
-        from quack.compile import builder
-
-        s = _settings.get()
-        if s.mode == "prebuilt":  # the last guard: no path may compile in prebuilt mode
-            self._not_prebuilt(params, key, s, "")
-        builder.pin_arch(arch)
-        t0 = time.perf_counter()
-        try:
-            fn = self.spec.fn(**params)
-        except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
-            import traceback
-
-            raise CompileError(
-                self.spec.name,
-                self.spec.plain(params),
-                arch,
-                "".join(traceback.format_exception(type(e), e, e.__traceback__)),
-            ) from None
-        loaded = Loaded(fn, None, key, params, arch, "jit", tier="compile")
-        loaded.misses = loaded.compiles = 1
-        loaded.compile_s = time.perf_counter() - t0
-        return loaded
 
     def usage(self) -> list[dict]:
         out = []
@@ -530,6 +235,22 @@ class JitKernel:
                 }
             )
         return out
+
+
+def load(store, entry, params, key, arch, *, miss: bool) -> Loaded:
+    """Load a store's entry (its use touched for eviction), counted as a hit or a miss."""
+    from quack.runtime import loader
+
+    t0 = time.perf_counter()
+    fn, module, how = loader.load_entry(store, entry)
+    store.touch(entry)
+    loaded = Loaded(fn, module, key, params, arch, how)
+    loaded.load_s = time.perf_counter() - t0
+    if miss:
+        loaded.misses = 1
+    else:
+        loaded.hits = 1
+    return loaded
 
 
 def jit_cache(

@@ -1,0 +1,329 @@
+"""The compile pool's dispatcher: the thread that runs the worker processes, one task
+at a time each, so it knows which key each worker holds (quack.compile.pool's module
+docstring says why). It starts workers (never on the caller's thread), hands queued
+keys to idle ones, collects results, reaps a worker that died (failing *its* key, with
+the signal, and replacing it), kills a compile past its time-out (CompileTimeout),
+settles keys another process is compiling (quack.compile.external), and kills every
+worker at shutdown without waiting for any.
+
+It shares the pool's lock and per-key book (quack.compile.tasks.TaskBook): every
+method documented "caller holds the lock" runs under ``lock``, and each outcome it
+records calls ``changed`` (the pool's bump: its generation and its waiters).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from multiprocessing import connection as mpc
+from typing import Callable
+
+from quack.compile import external, tasks, worker
+from quack.compile.tasks import Task
+from quack.compile.worker import worker_build
+from quack.errors import CompileTimeout
+
+EXTERNAL_POLL_S = 0.1
+log = logging.getLogger("quack.pool")
+
+
+class _Worker:
+    __slots__ = ("proc", "conn", "task")
+
+    def __init__(self, proc, conn):
+        self.proc, self.conn = proc, conn
+        self.task: Task | None = None
+
+
+class Dispatcher:
+    """The worker processes of one CompilePool and the thread that drives them. Nothing
+    starts until the first key is queued (or ``prewarm``)."""
+
+    def __init__(
+        self,
+        jobs: int,
+        start_method: str,
+        *,
+        lock: threading.RLock,
+        book: tasks.TaskBook,
+        changed: Callable[[], None],
+    ):
+        self.jobs = jobs
+        self.start_method = start_method
+        self.lock = lock  # the pool's: one lock over the book and the dispatcher's state
+        self.book = book
+        self.counts = book.counts
+        self._changed = changed
+        self._queue: list[Task] = []
+        self._external: dict[tuple, Task] = {}
+        self._workers: list[_Worker] = []
+        self._want_workers = 0
+        self._thread: threading.Thread | None = None
+        self._wake_r: int = -1
+        self._wake_w: int | None = None
+        self.closed = False
+
+    # -- what the pool asks (caller holds the lock) ---------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def enqueue(self, task: Task) -> None:
+        """Queue a key for the next idle worker (starting the thread if need be)."""
+        self._queue.append(task)
+        self._ensure_thread()
+        self._changed()
+        self._wake()
+
+    def await_external(self, ident: tuple, task: Task) -> None:
+        """Settle a key another process holds the lock of (published, released, or
+        timed out) instead of compiling it."""
+        self._external[ident] = task
+        self._ensure_thread()
+        self._changed()
+        self._wake()
+
+    def prewarm(self) -> None:
+        """Start the forkserver and every worker now, in the background."""
+        self._want_workers = self.jobs
+        self._ensure_thread()
+        self._wake()
+
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def running(self) -> int:
+        return sum(1 for w in self._workers if w.task is not None)
+
+    def worker_count(self) -> int:
+        return len(self._workers)
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Kill the workers and stop; what is queued, running or awaited fails as
+        cancelled (not counted as a failure). Never waits for a compile; ``wait=True``
+        only joins the (already killed) processes. Takes the lock itself."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            workers, self._workers = self._workers, []
+            for t in list(self._queue) + [w.task for w in workers if w.task] + list(self._external.values()):
+                self.book.cancel(t)
+            self._queue.clear()
+            self._external.clear()
+            self._changed()
+            self._wake()
+        for w in workers:
+            try:
+                w.proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+            try:
+                w.conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if wait:
+            for w in workers:
+                w.proc.join(5)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            if self.closed:
+                raise RuntimeError("compile pool is shut down")
+            self._wake_r, self._wake_w = os.pipe()
+            os.set_blocking(self._wake_w, False)
+            self._thread = threading.Thread(target=self._run, name="quack-compile-pool", daemon=True)
+            self._thread.start()
+
+    def _wake(self) -> None:
+        if self._wake_w is not None:
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass
+
+    # -- the dispatcher thread's loop ------------------------------------------------------------
+    def _finish(self, task: Task, ok: bool, payload) -> None:
+        """Record a task's outcome and wake the waiters; caller holds the lock."""
+        if self.book.finish(task, ok, payload):
+            self._changed()
+
+    def _spawn(self) -> _Worker:
+        proc, parent = worker.start_worker(self.start_method)
+        with self.lock:
+            self.counts["workers_started"] += 1
+        log.debug("pool: started worker pid %s (%s)", proc.pid, self.start_method)
+        return _Worker(proc, parent)
+
+    def _run(self) -> None:
+        """The dispatcher thread's loop, until shutdown: (1) under the lock, settle
+        time-outs and keys awaited elsewhere, hand queued keys to idle workers and
+        decide what to wait on; (2) start one worker outside the lock if one is
+        needed; else (3) wait for a result, a death, a wake-up or a deadline, and
+        collect what arrived."""
+        while True:
+            with self.lock:
+                if self.closed:
+                    break
+                now = time.monotonic()
+                self._check_deadlines(now)
+                self._check_external(now)
+                self._dispatch()
+                need = self._workers_needed()
+                objs = self._wait_objects()
+                timeout = self._next_timeout(now)
+            if need > 0:
+                if not self._start_worker():
+                    break  # shut down while it started
+                continue
+            ready = self._wait_ready(objs, timeout)
+            with self.lock:
+                if self.closed:
+                    break
+                self._collect(ready)
+
+    def _dispatch(self) -> None:
+        """Send queued tasks to idle workers, oldest first; caller holds the lock."""
+        idle = [w for w in self._workers if w.task is None]
+        while self._queue and idle:
+            w = idle.pop()
+            t = self._queue.pop(0)
+            try:
+                w.conn.send((worker_build, t.request))
+            except (OSError, ValueError):
+                self._queue.insert(0, t)
+                continue  # a dead worker; its sentinel reports it when collected
+            w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
+
+    def _workers_needed(self) -> int:
+        """How many workers to start (queued work or a prewarm), within ``jobs``;
+        caller holds the lock."""
+        return min(
+            max(len(self._queue), self._want_workers - len(self._workers)),
+            self.jobs - len(self._workers),
+        )
+
+    def _wait_objects(self) -> list:
+        """The wake pipe, and each worker's pipe and process sentinel; caller holds the lock."""
+        objs: list = [self._wake_r]
+        for w in self._workers:
+            objs.append(w.conn)
+            objs.append(w.proc.sentinel)
+        return objs
+
+    def _start_worker(self) -> bool:
+        """Start one worker, outside the lock (the first start waits for the forkserver).
+        A worker that can't start fails what is queued. Returns False if the pool was
+        shut down meanwhile (the new worker is killed)."""
+        try:
+            w = self._spawn()
+        except Exception as e:  # noqa: BLE001 - can't start workers: fail what is queued
+            with self.lock:
+                for t in self._queue:
+                    self._finish(t, False, tasks.cannot_start_error(t, e))
+                self._queue.clear()
+                self._want_workers = 0
+            return True
+        with self.lock:
+            if self.closed:
+                w.proc.kill()
+                return False
+            self._workers.append(w)
+        return True
+
+    @staticmethod
+    def _wait_ready(objs: list, timeout: float | None) -> list:
+        """Block until one of ``objs`` is ready or ``timeout`` passes (outside the lock)."""
+        try:
+            return mpc.wait(objs, timeout)
+        except OSError:
+            return []
+
+    def _collect(self, ready: list) -> None:
+        """Drain the wake pipe, record each result that arrived and reap dead workers
+        (a worker that died mid-task fails its key); caller holds the lock."""
+        if self._wake_r in ready:
+            try:
+                os.read(self._wake_r, 4096)
+            except OSError:
+                pass
+        for w in list(self._workers):
+            if w.conn in ready:
+                try:
+                    status, payload = w.conn.recv()
+                except (EOFError, OSError):
+                    self._reap(w)  # died mid-task: its key fails
+                    continue
+                done, w.task = w.task, None
+                if done is not None:
+                    self._finish(done, status == "ok", payload)
+            if w.proc.sentinel in ready:
+                self._reap(w)
+
+    def _reap(self, w: _Worker) -> None:
+        if w not in self._workers:
+            return
+        self._workers.remove(w)
+        if w.proc.exitcode is None:
+            try:
+                w.proc.kill()
+            except Exception:  # noqa: BLE001
+                pass
+        w.proc.join(1.0)
+        try:
+            w.conn.close()
+        except Exception:  # noqa: BLE001
+            pass
+        t, w.task = w.task, None
+        if t is not None:
+            self.counts["worker_deaths"] += 1
+            log.warning(
+                "pool: worker pid %s died (exit %s) compiling %s %s; replaced",
+                w.proc.pid,
+                w.proc.exitcode,
+                t.kernel,
+                t.key[:16],
+            )
+            self._finish(t, False, tasks.worker_died_error(t, w.proc.exitcode))
+
+    def _check_deadlines(self, now: float) -> None:
+        for w in list(self._workers):
+            t = w.task
+            if t is not None and t.started is not None and now - t.started > t.timeout:
+                try:
+                    w.proc.kill()
+                except Exception:  # noqa: BLE001
+                    pass
+                w.task = None
+                self._reap(w)
+                self.counts["timeouts"] += 1
+                log.warning("pool: %s %s ran past %.0f s; worker killed", t.kernel, t.key[:16], t.timeout)
+                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started))
+
+    def _check_external(self, now: float) -> None:
+        for ident, t in list(self._external.items()):
+            what = external.check(t, now)
+            if what is None:
+                continue
+            del self._external[ident]
+            if what == external.PUBLISHED:
+                self._finish(t, True, {"key": t.key, "compiled": False, "external": True})
+            elif what == external.RELEASED:
+                self.book.renew(ident)
+                self._changed()
+            else:
+                assert t.started is not None  # submit sets it for every external task
+                self.counts["timeouts"] += 1
+                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, external=True))
+
+    def _next_timeout(self, now: float) -> float | None:
+        cands = [
+            t.started + t.timeout - now
+            for w in self._workers
+            if (t := w.task) is not None and t.started is not None
+        ]
+        if self._external:
+            cands.append(EXTERNAL_POLL_S)
+        return max(0.0, min(cands)) + 0.01 if cands else None

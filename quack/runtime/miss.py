@@ -1,0 +1,329 @@
+"""A ``@jit_cache`` key the local store doesn't hold: the read-only tiers (installed
+bundles, remote; ``from_tiers``), then the miss policy (``on_miss``). Prebuilt mode
+raises KernelNotPrebuilt (saying why when it is not a plain miss); jit mode compiles
+it: in a compile worker, settling with the pool (inside a pool_scope a pending key
+raises CompilePending), in this process for a kernel a worker can't import, or in this
+process and unstored when the cache can't take the object.
+
+Imported only by a local miss (quack.runtime.jit's ``JitKernel._resolve``): a hit never
+imports it, nor the pool, the builder or the tier chain it reaches
+(tests/test_coldstart.py). Each step runs at a fixed frame depth under the kernel's
+caller, which its warnings' stacklevels count (see ``JitKernel._resolve``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import warnings
+from typing import TYPE_CHECKING, Any
+
+from quack.errors import (
+    CacheError,
+    CacheWarning,
+    CompileError,
+    CompilePending,
+    CompileTimeout,
+    EntryVanished,
+    KernelNotPrebuilt,
+    LockTimeout,
+)
+from quack.runtime.jit import Loaded, load
+
+if TYPE_CHECKING:
+    from quack.runtime.jit import JitKernel
+
+log = logging.getLogger("quack.jit")
+
+
+def from_tiers(k: JitKernel, ref, store, params, key, arch, s) -> Loaded | None:
+    """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
+    (installed bundles: already on this machine, verified where it lies) is loaded
+    where it is, so it serves a read-only or disabled cache too; any other tier's hit
+    is published into the local store, then loaded from there."""
+    from quack.cache.contract import InPlaceTier
+    from quack.runtime import loader, tiers
+
+    for tier in tiers.read_tiers(s):
+        if isinstance(tier, InPlaceTier):
+            entry = tier.open(ref)
+            if entry is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                fn, module, how = loader.load_in_place(entry, store)
+            except EntryVanished:  # uninstalled meanwhile: a miss here
+                log.info("tier %s: %s %s vanished before loading", tier.name, k.spec.name, key[:16])
+                continue
+            loaded = Loaded(fn, module, key, params, arch, how, tier=entry.meta.get("source", tier.name))
+            loaded.load_s = time.perf_counter() - t0
+            loaded.hits = 1
+            log.debug("tier %s: hit %s %s (%s)", loaded.tier, k.spec.name, key[:16], how)
+            return loaded
+        if store is None:
+            continue  # nowhere to publish a fetched copy
+        entry, name = tiers.fetch_into(store, ref, (tier,))
+        if entry is not None:
+            try:
+                loaded = load(store, entry, params, key, arch, miss=True)
+                loaded.tier = name
+                return loaded
+            except EntryVanished:
+                log.info("tier %s: %s %s vanished before loading", name, k.spec.name, key[:16])
+    return None
+
+
+def on_miss(k: JitKernel, ref, store, params, key, s, unusable: str) -> Loaded:
+    """The miss policy: prebuilt mode raises KernelNotPrebuilt; jit mode compiles,
+    into the store when it can take the object, else in this process, unstored."""
+    arch = s.arch
+    if s.mode == "prebuilt":
+        not_prebuilt(k, params, key, s, unusable or stale_entry(store, ref))
+    if store is None:  # cache disabled or unusable
+        return compile_in_process(k, params, key, arch)
+    if not store.writable():
+        log.info("%s is not writable: compiling %s %s in this process", s.cache_dir, k.spec.name, key[:16])
+        from quack.cache.store import warn_once
+
+        # Read-only cache: hits still load from it; misses run uncached, one warning.
+        warn_once(
+            f"read-only:{s.cache_dir}",
+            f"quack: cache {s.cache_dir} is not writable; "
+            f"kernels missing from it are compiled in this process and not stored",
+            stacklevel=6,
+        )
+        return compile_in_process(k, params, key, arch)
+    return compile_stored(k, store, ref, params, key, arch)
+
+
+def compile_stored(k: JitKernel, store, ref, params, key, arch) -> Loaded:
+    """Compile a miss into the store (in a worker, or here for a kernel that can't
+    be shipped to one) and load it; a compile the store can't take runs unstored."""
+    t0 = time.perf_counter()
+    if not k.spec.shippable:
+        built = build_here(k, store, params, key, arch)
+        if built is None:
+            return compile_in_process(k, params, key, arch)
+        entry, compiled, compile_s = built
+    else:
+        entry, report = compile_in_worker(k, store, ref, params, key, arch)
+        if entry is None:
+            log.info("fallback: compiling %s %s in this process", k.spec.name, key[:16])
+            return compile_in_process(k, params, key, arch)
+        compiled = bool(report and report.get("compiled"))
+        compile_s = float((report or {}).get("compile_s") or 0.0)
+    try:
+        loaded = load(store, entry, params, key, arch, miss=True)
+    except EntryVanished:  # evicted right after its compile: run it uncached
+        return compile_in_process(k, params, key, arch)
+    # Count a compile once, where it happened: when another process (or an earlier
+    # submission) built the key, this call waited for it (stats would otherwise count
+    # one compile per waiting process, each with the whole wait as its compile time).
+    elapsed = time.perf_counter() - t0 - loaded.load_s
+    if compiled:
+        loaded.compiles = 1
+        loaded.tier = "compile"
+        loaded.compile_s = compile_s or elapsed
+    else:
+        loaded.waits = 1
+        loaded.wait_s = elapsed
+    log.debug("%s %s %s (%.3f s)", "compiled" if compiled else "waited for", k.spec.name, key[:16], elapsed)
+    return loaded
+
+
+def build_here(k: JitKernel, store, params, key, arch) -> tuple[Any, bool, float] | None:
+    """A kernel defined where a worker can't import it (a test function, __main__):
+    build and publish it in this process (one warning per kernel). Returns (entry,
+    compiled, compile_s), or None when the store can't take it (one warning)."""
+    from quack.compile import builder
+
+    if not k.warned_unshippable:
+        warnings.warn(
+            f"quack: kernel {k.spec.name} is defined in {k.spec.module} "
+            f"({k.spec.qualname}) and can't be sent to a compile worker; "
+            f"compiling it in this process",
+            CacheWarning,
+            stacklevel=7,
+        )
+        k.warned_unshippable = True
+    try:
+        entry, compiled = builder.build(k.spec, params, arch, store)
+    except (OSError, LockTimeout) as e:
+        warnings.warn(
+            f"quack: can't store {k.spec.name} key {key[:16]} ({e}); running it uncached",
+            CacheWarning,
+            stacklevel=7,
+        )
+        return None
+    return entry, compiled, float(entry.meta.get("compile_s") or 0.0) if compiled else 0.0
+
+
+def stale_entry(store, ref) -> str:
+    """Why a prebuilt miss is not a plain one: the key was built, but for an older
+    source of the kernel (an edit since the build moved it to a new fingerprint)."""
+    if store is None:
+        return ""
+    d = store.entry_dir(ref)
+    try:
+        with os.scandir(d.parent) as it:
+            old = sorted(
+                e.name
+                for e in it
+                if e.name != d.name
+                and e.is_dir(follow_symlinks=False)
+                and os.path.isfile(os.path.join(e.path, ref.key + ".json"))
+            )
+    except OSError:
+        return ""
+    if not old:
+        return ""
+    return (
+        f"it was built for an older source of the kernel (fingerprint {old[-1]}; now "
+        f"{ref.srcfp}): the kernel's source changed since, so `quack build` (or `quack "
+        f"prewarm`) must rebuild it"
+    )
+
+
+def not_prebuilt(k: JitKernel, params, key, s, reason: str):
+    """Raise KernelNotPrebuilt for the key (with the manifest line that would build it
+    and the bundles searched), recorded with the pool's scope first."""
+    from quack.cache.contract import ListsSearched
+    from quack.manifest_line import manifest_line
+    from quack.runtime import tiers
+
+    plain = k.spec.plain(params)
+    err = KernelNotPrebuilt(
+        k.spec.name,
+        plain,
+        s.arch,
+        key,
+        str(s.cache_dir),
+        manifest_line(k.spec.name, plain, s.arch),
+        bundles=next(
+            (
+                t.searched()
+                for t in tiers.read_tiers(s)
+                if t.name == "bundles" and isinstance(t, ListsSearched)
+            ),
+            (),
+        ),
+        reason=reason,
+    )
+    from quack.compile import pool as _pool  # on a miss only: a hit never needs the pool
+
+    _pool.note_not_prebuilt(err, s)
+    raise err
+
+
+def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
+    """A miss, compiled by the pool. Inside a pool_scope: submit and raise
+    CompilePending. Outside: submit to the default pool and wait. Either way a
+    failed key is raised once as CompileError (the worker's traceback text) and
+    then forgotten, so a later call compiles it again; a key past its time-out
+    (wedged worker, or a lock held elsewhere that never publishes) returns None:
+    the caller compiles in this process. Returns (entry, the pool's report of the
+    key: ``compiled`` False when another process built it) or (None, None)."""
+    from quack import settings as _settings
+    from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
+
+    s = _settings.get()
+    pool = _pool.active_pool(s.cache_dir)
+    scoped = pool is not None
+    if pool is None:
+        pool = _pool.default_pool()
+    root = s.cache_dir
+    for _ in range(3):
+        st, err = settle_in_pool(k, pool, scoped, params, key, arch, s)
+        if st == _pool.FAILED:
+            pool.forget(key, root)  # reported once; a later call may retry
+            worker_failed(k, err, params, key, arch)
+            return None, None
+        if st == _pool.DONE:
+            entry = store.lookup(ref)
+            if entry is not None:
+                return entry, pool.report(key, root)
+            # Done, yet no valid entry (cleaned, or quarantined as corrupt): build again.
+            pool.forget(key, root)
+            if pool.state(key, root) != _pool.NEW:
+                break
+    warnings.warn(
+        f"quack: the pool reported {k.spec.name} key {key[:16]} done but the cache "
+        f"has no valid entry; compiling it in this process",
+        CacheWarning,
+        stacklevel=7,
+    )
+    return None, None
+
+
+def settle_in_pool(
+    k: JitKernel, pool, scoped: bool, params, key, arch, s
+) -> tuple[str, BaseException | None]:
+    """Submit the key unless the pool has it, then wait until it is no longer pending
+    (state, error); in a pool_scope a pending key raises CompilePending instead."""
+    from quack.compile import pool as _pool
+
+    root = s.cache_dir
+    st, err = pool.poll(key, root)
+    if st == _pool.NEW:
+        st = pool.submit(k.spec, params, arch, key, settings=s)
+    if st == _pool.PENDING:
+        if scoped:
+            exc = CompilePending(k.spec.name, key)
+            exc.root = str(root)
+            exc.pool = pool
+            _pool.note_pending(exc)
+            raise exc
+        st, err = pool.wait(key, root=root)
+    return st, err
+
+
+def worker_failed(k: JitKernel, err, params, key, arch) -> None:
+    """A key the pool failed: a time-out or a cache that can't take the object
+    returns (one warning; the caller compiles in this process, unstored); a compile
+    error is raised."""
+    if isinstance(err, CompileTimeout):
+        warnings.warn(
+            f"quack: {err}; compiling {k.spec.name} key {key[:16]} in this process",
+            CacheWarning,
+            stacklevel=8,
+        )
+        return
+    if isinstance(err, (CacheError, LockTimeout)):  # the cache (full, read-only), not the kernel
+        warnings.warn(
+            f"quack: can't store {k.spec.name} key {key[:16]} ({err}); "
+            f"compiling it in this process, uncached",
+            CacheWarning,
+            stacklevel=8,
+        )
+        return
+    if isinstance(err, CompileError):
+        raise err
+    raise CompileError(k.spec.name, k.spec.plain(params), arch, str(err))
+
+
+def compile_in_process(k: JitKernel, params, key, arch) -> Loaded:
+    """No usable cache: compile here and keep the JIT function in memory."""
+    from quack import settings as _settings
+    from quack.compile import builder
+
+    s = _settings.get()
+    if s.mode == "prebuilt":  # the last guard: no path may compile in prebuilt mode
+        not_prebuilt(k, params, key, s, "")
+    builder.pin_arch(arch)
+    t0 = time.perf_counter()
+    try:
+        fn = k.spec.fn(**params)
+    except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
+        import traceback
+
+        raise CompileError(
+            k.spec.name,
+            k.spec.plain(params),
+            arch,
+            "".join(traceback.format_exception(type(e), e, e.__traceback__)),
+        ) from None
+    loaded = Loaded(fn, None, key, params, arch, "jit", tier="compile")
+    loaded.misses = loaded.compiles = 1
+    loaded.compile_s = time.perf_counter() - t0
+    return loaded

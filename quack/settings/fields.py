@@ -1,0 +1,202 @@
+"""The settings' schema: each setting's quack.toml section and key, its environment
+variables, and the parser that checks its value (``FIELDS``), with the value checkers
+other modules use too (``check_arch``, ``check_executor``, ``KNOWN_ARCHS``). Reads
+nothing: quack.settings.sources reads the environment and quack.toml through it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+MODES = ("jit", "prebuilt")
+KNOWN_ARCHS = (
+    "sm_80",
+    "sm_86",
+    "sm_89",
+    "sm_90",
+    "sm_90a",
+    "sm_100",
+    "sm_100a",
+    "sm_100f",
+    "sm_103a",
+    "sm_110a",
+    "sm_120",
+    "sm_120a",
+    "sm_121a",
+)
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):  # quack.toml gives real booleans
+        return text
+    if not isinstance(text, str):
+        raise ValueError("expected true or false")
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected one of 1/0, true/false, yes/no, on/off")
+
+
+def _pos_int(text: str | int) -> int:
+    if isinstance(text, (bool, float)):  # 2.5 must not silently become 2
+        raise ValueError("expected an integer >= 0 (0 means one per CPU)")
+    v = int(text)
+    if v < 0:
+        raise ValueError("expected an integer >= 0 (0 means one per CPU)")
+    return v
+
+
+def _pos_float(text: str | float) -> float:
+    if isinstance(text, bool):
+        raise ValueError("expected a number of seconds > 0")
+    v = float(text)
+    if not v > 0:
+        raise ValueError("expected a number of seconds > 0")
+    return v
+
+
+def check_arch(text: str) -> str:
+    if not isinstance(text, str) or text not in KNOWN_ARCHS:
+        raise ValueError("expected a CUDA arch, one of " + ", ".join(KNOWN_ARCHS))
+    return text
+
+
+def _mode(text: str) -> str:
+    if text not in MODES:
+        raise ValueError("expected 'jit' or 'prebuilt'")
+    return text
+
+
+START_METHODS = ("forkserver", "spawn", "fork")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def _start_method(text: str) -> str:
+    if text not in START_METHODS:
+        raise ValueError("expected one of " + ", ".join(START_METHODS))
+    return text
+
+
+def _log_level(text: str) -> str:
+    t = text.strip().lower() if isinstance(text, str) else text
+    if t not in LOG_LEVELS:
+        raise ValueError("expected one of " + ", ".join(LOG_LEVELS))
+    return t
+
+
+def _auto_bool(text: str | bool) -> bool | None:
+    """true/false, or 'auto' (None: decide from the situation)."""
+    if isinstance(text, str) and text.strip().lower() == "auto":
+        return None
+    return parse_bool(text)
+
+
+def _remote_url(text: str) -> str:
+    if not isinstance(text, str):
+        raise ValueError("expected a URL string")
+    scheme = text.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "s3", "file") or "://" not in text:
+        raise ValueError("expected redis://host:port/db, s3://bucket/prefix or file:///shared/path")
+    return text
+
+
+def _remote_timeout(text: str | float) -> float:
+    v = _pos_float(text)
+    if v > 5:
+        raise ValueError("expected seconds > 0 and <= 5 (a slow remote must not stall a build)")
+    return v
+
+
+def _path_list(v: Any) -> list[str]:
+    """Paths: a ``:``-separated string (the environment, or quack.toml) or a list."""
+    if isinstance(v, str):
+        return [x for x in v.split(":") if x.strip()]
+    return _str_list(v)
+
+
+EXECUTOR_FORMS = "'local', 'ray', 'auto', 'ray://HOST:PORT' or 'HOST:PORT'"
+# A pattern, compiled (and cached by re) on first use: a kernel's first load never needs it.
+_ADDR = r"^(ray://)?[A-Za-z0-9._-]+:[0-9]{1,5}$"
+
+
+def check_executor(text: str) -> str:
+    """Where ``quack build`` compiles: 'local' (the forkserver pool, the default), 'ray'
+    (a Ray instance started for the build), 'auto' (the running cluster Ray finds, or
+    RAY_ADDRESS), 'ray://HOST:PORT' (Ray Client) or 'HOST:PORT' (a cluster's GCS)."""
+    if not isinstance(text, str):
+        raise ValueError(f"expected {EXECUTOR_FORMS}")
+    t = text.strip()
+    if t in ("local", "ray", "auto") or re.fullmatch(_ADDR, t):
+        return t
+    raise ValueError(f"expected {EXECUTOR_FORMS}")
+
+
+def _str_list(v: Any) -> list[str]:
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise ValueError("expected a list of strings")
+    return list(v)
+
+
+class Field:
+    """Where one setting is read from and how it is parsed. A plain slotted class, not a
+    dataclass: a dataclass is generated (exec) at import, ~0.3 ms of every fresh
+    process's first kernel load for a record nothing compares or copies."""
+
+    __slots__ = ("section", "key", "env", "parse", "form")
+
+    def __init__(self, section: str, key: str, env: tuple[str, ...], parse: Callable[[Any], Any], form: str):
+        self.section, self.key, self.env, self.parse, self.form = section, key, env, parse, form
+
+
+FIELDS: dict[str, Field] = {
+    "cache_dir": Field("cache", "dir", ("QUACK_CACHE_DIR",), str, "a directory path"),
+    "cache_enabled": Field("cache", "enabled", ("QUACK_CACHE_ENABLED",), parse_bool, "true or false"),
+    "fsync": Field("cache", "fsync", ("QUACK_FSYNC",), parse_bool, "true or false"),
+    "lock_timeout": Field("cache", "lock_timeout", ("QUACK_LOCK_TIMEOUT",), _pos_float, "seconds > 0"),
+    "mode": Field("runtime", "mode", ("QUACK_MODE",), _mode, "'jit' or 'prebuilt'"),
+    "arch": Field(
+        "runtime", "arch", ("QUACK_ARCH", "CUTE_DSL_ARCH"), check_arch, "a CUDA arch like 'sm_90a'"
+    ),
+    "compile_jobs": Field("runtime", "compile_jobs", ("QUACK_COMPILE_JOBS",), _pos_int, "an integer >= 0"),
+    "compile_timeout": Field(
+        "runtime", "compile_timeout", ("QUACK_COMPILE_TIMEOUT",), _pos_float, "seconds > 0"
+    ),
+    "pool_start": Field(
+        "runtime", "pool_start", ("QUACK_POOL_START",), _start_method, "'forkserver', 'spawn' or 'fork'"
+    ),
+    "no_preload": Field("runtime", "no_preload", ("QUACK_NO_PRELOAD",), parse_bool, "true or false"),
+    "log": Field("runtime", "log", ("QUACK_LOG",), _log_level, "a log level: debug, info, warning or error"),
+    "pytest_gpu_pin": Field(
+        "pytest", "gpu_pin", ("QUACK_PYTEST_GPU_PIN",), _auto_bool, "true, false or 'auto'"
+    ),
+    "manifests": Field("build", "manifests", (), _str_list, "a list of manifest paths"),
+    "jobs": Field("build", "jobs", (), _pos_int, "an integer >= 0 (0 = one per CPU)"),
+    "archs": Field(
+        "build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)], "a list of CUDA archs"
+    ),
+    "kernel_packages": Field("build", "kernel_packages", (), _str_list, "a list of package names"),
+    "remote_url": Field(
+        "remote",
+        "url",
+        ("QUACK_REMOTE",),
+        _remote_url,
+        "redis://host:port/db, s3://bucket/prefix or file:///path",
+    ),
+    "remote_write": Field("remote", "write", ("QUACK_REMOTE_WRITE",), parse_bool, "true or false"),
+    "remote_timeout": Field(
+        "remote", "timeout", ("QUACK_REMOTE_TIMEOUT",), _remote_timeout, "seconds, > 0 and <= 5"
+    ),
+    "signing_key": Field("remote", "signing_key", ("QUACK_SIGNING_KEY",), str, "a private key file path"),
+    "trusted_keys": Field(
+        "remote",
+        "trusted_keys",
+        ("QUACK_TRUSTED_KEYS",),
+        _path_list,
+        "public key files or directories (a list, or ':'-separated)",
+    ),
+    "executor": Field("build", "executor", ("QUACK_BUILD_EXECUTOR",), check_executor, EXECUTOR_FORMS),
+}
+SECTIONS = sorted({f.section for f in FIELDS.values()})
