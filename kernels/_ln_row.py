@@ -55,6 +55,41 @@ ROW_CLUSTER_VARIANTS: dict = {
 }
 ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
 
+# Round 7 (benchmarks/tune_k7h.py, docs/kernels.md "Round 7"): the two-row kernel with the w / b
+# vectors loaded ahead ("wb_ahead", ``_norm_fwd.xs_rows_kernel``), and for 16-bit rows whose
+# default plan holds 2+ rows a CTA (N <= 4096) the same kernel on the one-CTA plan of 32
+# elements a thread ("row_budget": 32, one 128-thread CTA a row), by weight kind ("same" /
+# "wide"; absent: the register row tile).
+_XS2 = {"x_smem": True, "x_rows": 2}
+ROW_CLUSTER_VARIANTS.update(
+    {
+        "xs2 mb3 wba1": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_ahead": 1},
+        "xs2 mb3 wba2": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_ahead": 2},
+        "xs2 mb3 wba4": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_ahead": 4},
+        "xs2 mb2 wba4": _XS_CLUSTER | _XS2 | {"x_min_blocks": 2, "wb_ahead": 4},
+        "xs2 mb3 wbc": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_coal": True},
+        "xs mb6 wbc": _XS_CLUSTER | {"x_min_blocks": 6, "wb_coal": True},
+        "xs mb4 wbc": _XS_CLUSTER | {"x_min_blocks": 4, "wb_coal": True},
+    }
+)
+ROW_CTA_VARIANTS.update(
+    {
+        "xs2 mb3 wba1": _XS2 | {"x_min_blocks": 3, "wb_ahead": 1},
+        "xs2 mb3 wba2": _XS2 | {"x_min_blocks": 3, "wb_ahead": 2},
+        "xs2 mb3 wbc": _XS2 | {"x_min_blocks": 3, "wb_coal": True},
+        "xs mb5 wbc": {"x_smem": True, "x_min_blocks": 5, "wb_coal": True},
+    }
+)
+_B32 = {"ring": False, "stage_wb": False, "row_budget": 32}
+ROW_SMALL_VARIANTS: dict = {
+    "xs2 b32 mb4 wba4": _B32 | _XS2 | {"x_min_blocks": 4, "wb_ahead": 4},
+    "xs2 b32 mb5 wba2": _B32 | _XS2 | {"x_min_blocks": 5, "wb_ahead": 2},
+    "xs4 b32 mb3 wba4": _B32 | {"x_smem": True, "x_rows": 4, "x_min_blocks": 3, "wb_ahead": 4},
+    "xs2 b32 mb4": _B32 | _XS2 | {"x_min_blocks": 4},
+    "xs4 b32 mb3 wbc": _B32 | {"x_smem": True, "x_rows": 4, "x_min_blocks": 3, "wb_coal": True},
+}
+ROW_SMALL: dict = {"wide": "xs4 b32 mb3 wba4"}
+
 
 def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
     """The LayerNorm forward's knobs: ``ROW_CTA``'s set for 16-bit rows of one 256-thread
@@ -75,17 +110,27 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
         label = ROW_CLUSTER.get(f"{'wide' if wide else 'same'}@{p.cluster_n}")
         if label:
             kn.update(ROW_CLUSTER_VARIANTS[label])
+    elif on and width == 16 and p.cluster_n == 1 and p.rows_per_cta > 1:
+        label = ROW_SMALL.get("wide" if wide else "same")
+        if label:
+            kv = ROW_SMALL_VARIANTS[label]
+            q = plan_rows(n, width, budget=int(kv.get("row_budget", 64)))
+            # only where that plan is one row a CTA with an even tiling (the kernel's needs)
+            if q.rows_per_cta == 1 and q.even and q.vec * width == 128:
+                kn.update(kv)
     kn.update(tune)
     return kn
 
 
 def row_plan(n: int, width: int, kn: dict):
-    """The row-tile forward's plan: ``plan_rows`` with 64 elements a thread, or with the
-    "threads" knob (512) the same one-CTA row over more threads (even rows whose vectors
-    split evenly over them: N = 12288 / 16384 for 16-bit rows; otherwise unchanged)."""
+    """The row-tile forward's plan: ``plan_rows`` with 64 elements a thread ("row_budget":
+    another budget, e.g. 32: rows of 4096 16-bit elements over one 128-thread CTA instead
+    of two rows of 64 threads), or with the "threads" knob (512) the same one-CTA row over
+    more threads (even rows whose vectors split evenly over them: N = 12288 / 16384 for
+    16-bit rows; otherwise unchanged)."""
     from ._plan import RowPlan
 
-    plan = plan_rows(n, width, budget=64)
+    plan = plan_rows(n, width, budget=int(kn.get("row_budget", 64)))
     threads = int(kn.get("threads", 0))
     nvecs = n // plan.vec
     if (
