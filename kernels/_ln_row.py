@@ -55,38 +55,27 @@ ROW_CLUSTER_VARIANTS: dict = {
 }
 ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
 
-# Round 7 (benchmarks/tune_k7h.py, docs/kernels.md "Round 7"): the two-row kernel with the w / b
-# vectors loaded ahead ("wb_ahead", ``_norm_fwd.xs_rows_kernel``), and for 16-bit rows whose
-# default plan holds 2+ rows a CTA (N <= 4096) the same kernel on the one-CTA plan of 32
-# elements a thread ("row_budget": 32, one 128-thread CTA a row), by weight kind ("same" /
-# "wide"; absent: the register row tile).
-_XS2 = {"x_smem": True, "x_rows": 2}
-ROW_CLUSTER_VARIANTS.update(
-    {
-        "xs2 mb3 wba1": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_ahead": 1},
-        "xs2 mb3 wba2": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_ahead": 2},
-        "xs2 mb3 wba4": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_ahead": 4},
-        "xs2 mb2 wba4": _XS_CLUSTER | _XS2 | {"x_min_blocks": 2, "wb_ahead": 4},
-        "xs2 mb3 wbc": _XS_CLUSTER | _XS2 | {"x_min_blocks": 3, "wb_coal": True},
-        "xs mb6 wbc": _XS_CLUSTER | {"x_min_blocks": 6, "wb_coal": True},
-        "xs mb4 wbc": _XS_CLUSTER | {"x_min_blocks": 4, "wb_coal": True},
-    }
-)
-ROW_CTA_VARIANTS.update(
-    {
-        "xs2 mb3 wba1": _XS2 | {"x_min_blocks": 3, "wb_ahead": 1},
-        "xs2 mb3 wba2": _XS2 | {"x_min_blocks": 3, "wb_ahead": 2},
-        "xs2 mb3 wbc": _XS2 | {"x_min_blocks": 3, "wb_coal": True},
-        "xs mb5 wbc": {"x_smem": True, "x_min_blocks": 5, "wb_coal": True},
-    }
-)
-_B32 = {"ring": False, "stage_wb": False, "row_budget": 32}
+# Round 7 (issue 14 part 6; docs/kernels.md "Round 7"): for 16-bit rows whose default plan
+# holds 2+ rows a CTA (``plan_rows`` with 64 elements a thread: N <= 4096), the knob set by
+# weight kind ("same" / "wide"; absent: the register row tile) — "xs4 b32 mb3 wba4": the
+# one-CTA plan of 32 elements a thread ("row_budget": N = 4096 over one 128-thread CTA
+# instead of two rows of 64 threads), x of FOUR rows a CTA through shared memory, each w / b
+# vector read once for the four (``_norm_fwd.xs_rows_kernel``), all of the thread's w / b
+# vectors loaded before the reductions ("wb_ahead"), 3 CTAs / SM asked of ptxas (126
+# registers). Measured (benchmarks/tune_k7h.py, bf16 x, 32768x4096, fp32 w + b, same
+# process): the register row tile 141.3 us, this 134.4 (same-dtype default 136-137). The
+# variants that lost (w / b loaded ahead or in 16-byte fp32 order elsewhere, two rows on the
+# 4096 plan) and the sweep are at commit e3992f2.
 ROW_SMALL_VARIANTS: dict = {
-    "xs2 b32 mb4 wba4": _B32 | _XS2 | {"x_min_blocks": 4, "wb_ahead": 4},
-    "xs2 b32 mb5 wba2": _B32 | _XS2 | {"x_min_blocks": 5, "wb_ahead": 2},
-    "xs4 b32 mb3 wba4": _B32 | {"x_smem": True, "x_rows": 4, "x_min_blocks": 3, "wb_ahead": 4},
-    "xs2 b32 mb4": _B32 | _XS2 | {"x_min_blocks": 4},
-    "xs4 b32 mb3 wbc": _B32 | {"x_smem": True, "x_rows": 4, "x_min_blocks": 3, "wb_coal": True},
+    "xs4 b32 mb3 wba4": {
+        "ring": False,
+        "stage_wb": False,
+        "row_budget": 32,
+        "x_smem": True,
+        "x_rows": 4,
+        "x_min_blocks": 3,
+        "wb_ahead": 4,
+    },
 }
 ROW_SMALL: dict = {"wide": "xs4 b32 mb3 wba4"}
 

@@ -309,9 +309,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     return kernel
 
 
-def xs_rows_kernel(
-    kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: int = 0, wb_coal: bool = False
-):
+def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: int = 0):
     """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
     knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
     of each row cp.async'ed (one commit group a row), each row reduced in turn (its own
@@ -323,20 +321,13 @@ def xs_rows_kernel(
     welford all-reduce a row.
 
     ``wb_ahead`` (round 7 knob "wb_ahead", 0: off): the w / b vectors 0 .. wb_ahead-1 are
-    loaded into registers right after x's cp.async is issued (their L2 latency hides behind
-    x's DRAM latency and the reductions), and in the y loop the loads of vector k + wb_ahead
-    are issued before vector k's y stores. Without it each vector's w / b loads follow the
-    previous vector's y stores in program order (stores that may alias them, so neither LLVM
-    nor ptxas moves a load above them): ``nvec`` dependent L2 round trips a CTA, with its
-    x tiles held in shared memory and no loads in flight (ncu, round 7: long-scoreboard
-    stalls, DRAM 68 % busy at 4096x262144 with fp32 w + b).
-
-    ``wb_coal`` (round 7 knob "wb_coal"; a weight wider than the rows, fp32 beside 16-bit x):
-    the y loop walks the CTA's slice in the weight's 16-byte vectors (4 fp32: each warp's w /
-    b loads are 512 contiguous bytes, every sector used once) and reads x from shared memory
-    in that order (8 bytes a thread, vectors other threads copied: one CTA barrier first),
-    instead of the rows' 16-byte vectors (8 fp32 of w: two 16-byte loads a thread 32 bytes
-    apart, each warp load spanning 1 KiB, each sector looked up twice)."""
+    loaded into registers right after x's cp.async is issued, and in the y loop the loads of
+    vector k + wb_ahead go out before vector k's y stores. Without it each vector's w / b
+    loads follow the previous vector's y stores in program order (stores that may alias
+    them: neither LLVM nor ptxas moves a load above them), ``nvec`` dependent L2 round trips
+    a CTA. Measured (round 7, docs/kernels.md): it loses on rows over 16 CTAs (LayerNorm fp32
+    w + b 1307 -> 1352 us with 1 vector ahead, more with more) and on one-CTA rows of 16384
+    (no gain); the 4096 rows' default (``_ln_row.ROW_SMALL``) has it."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
@@ -407,85 +398,40 @@ def xs_rows_kernel(
                 rstd = cute.math.rsqrt(ss * inv_n + eps, fastmath=True)
             t.write_row_scalar(mRstd, rstd)
             rstds.append(rstd)
-        if const_expr(wb_coal):
-            # the y loop over the plan of the weight's 16-byte vectors (same CTA slice, same
-            # threads); every thread's cp.async of every row has completed (each waited for
-            # its own groups before its reductions): the barrier makes them visible to the
-            # threads that read them here
-            p2 = _coal_plan(plan, mW if const_expr(mW is not None) else mB)
-            cute.arch.barrier()
-            t2 = [rr.RowTiles(p2, dt, m, tidx, bidx * rows + r, cluster_y) for r in range(rows)]
-            gW2 = t2[0].part_bcast(mW) if const_expr(mW is not None) else None
-            gB2 = t2[0].part_bcast(mB) if const_expr(mB is not None) else None
-            for k in cutlass.range_constexpr(p2.nvec):
-                rw, rb = _load_wb(gW2, gB2, k)
-                for r in cutlass.range_constexpr(rows):
-                    t = t2[r]
-                    xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
-                    if const_expr(layer):
-                        yk = (xk - means[r]) * rstds[r]
-                    else:
-                        yk = xk * rstds[r]
-                    if const_expr(mW is not None):
-                        yk = yk * rw.load().to(Float32)
-                    if const_expr(mB is not None):
-                        yk = yk + rb.load().to(Float32)
-                    gY = t.part(mY)
-                    ry = cute.make_rmem_tensor_like(gY[None, 0, k])
-                    ry.store(yk.to(gY.element_type))
-                    if bidx * rows + r < m:
-                        cute.autovec_copy(ry, gY[None, 0, k])
-        else:
-            if const_expr(wb_ahead == 0):
-                gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
-                gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
-            for k in cutlass.range_constexpr(plan.nvec):
-                if const_expr(wb_ahead > 0):
-                    # the loads of vector k + wb_ahead go out before this vector's y stores
-                    if const_expr(k + wb_ahead < plan.nvec):
-                        ahead.append(_load_wb(gW, gB, k + wb_ahead))
-                    rw, rb = ahead[k]
+        if const_expr(wb_ahead == 0):
+            gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
+            gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
+        for k in cutlass.range_constexpr(plan.nvec):
+            if const_expr(wb_ahead > 0):
+                # the loads of vector k + wb_ahead go out before this vector's y stores
+                if const_expr(k + wb_ahead < plan.nvec):
+                    ahead.append(_load_wb(gW, gB, k + wb_ahead))
+                rw, rb = ahead[k]
+            else:
+                if const_expr(mW is not None):
+                    rw = cute.make_rmem_tensor_like(gW[None, 0, k])
+                    cute.autovec_copy(gW[None, 0, k], rw)
+                if const_expr(mB is not None):
+                    rb = cute.make_rmem_tensor_like(gB[None, 0, k])
+                    cute.autovec_copy(gB[None, 0, k], rb)
+            for r in cutlass.range_constexpr(rows):
+                t = tiles[r]
+                xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
+                if const_expr(layer):
+                    yk = (xk - means[r]) * rstds[r]
                 else:
-                    if const_expr(mW is not None):
-                        rw = cute.make_rmem_tensor_like(gW[None, 0, k])
-                        cute.autovec_copy(gW[None, 0, k], rw)
-                    if const_expr(mB is not None):
-                        rb = cute.make_rmem_tensor_like(gB[None, 0, k])
-                        cute.autovec_copy(gB[None, 0, k], rb)
-                for r in cutlass.range_constexpr(rows):
-                    t = tiles[r]
-                    xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
-                    if const_expr(layer):
-                        yk = (xk - means[r]) * rstds[r]
-                    else:
-                        yk = xk * rstds[r]
-                    if const_expr(mW is not None):
-                        yk = yk * rw.load().to(Float32)
-                    if const_expr(mB is not None):
-                        yk = yk + rb.load().to(Float32)
-                    gY = t.part(mY)
-                    ry = cute.make_rmem_tensor_like(gY[None, 0, k])
-                    ry.store(yk.to(gY.element_type))
-                    if bidx * rows + r < m:
-                        cute.autovec_copy(ry, gY[None, 0, k])
+                    yk = xk * rstds[r]
+                if const_expr(mW is not None):
+                    yk = yk * rw.load().to(Float32)
+                if const_expr(mB is not None):
+                    yk = yk + rb.load().to(Float32)
+                gY = t.part(mY)
+                ry = cute.make_rmem_tensor_like(gY[None, 0, k])
+                ry.store(yk.to(gY.element_type))
+                if bidx * rows + r < m:
+                    cute.autovec_copy(ry, gY[None, 0, k])
 
     return kernel
-
-
-def _coal_plan(plan, mV):
-    """``plan`` over the 16-byte vectors of ``mV``'s dtype (4 fp32): same CTA slice, same
-    threads, more vectors a thread."""
-    from ._plan import RowPlan
-
-    wv = 128 // mV.element_type.width
-    return RowPlan(
-        n=plan.n,
-        vec=wv,
-        threads_per_row=plan.threads_per_row,
-        num_threads=plan.num_threads,
-        cluster_n=plan.cluster_n,
-        nvec=plan.nvec * plan.vec // wv,
-    )
 
 
 def _load_wb(gW, gB, k):

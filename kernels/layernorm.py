@@ -52,21 +52,13 @@ def compile_layernorm_fwd(
     # reduction
     x_smem = x_smem_ok(plan, dt.width, kn) and not stage_wb
     x_rows = int(kn.get("x_rows", 1)) if x_smem else 1
-    # round 7 knob "wb_coal" (``xs_rows_kernel``, also for one row a CTA)
-    rows_kernel = x_rows > 1 or (x_smem and bool(kn.get("wb_coal", False)))
     if x_smem:
         min_blocks = int(kn.get("x_min_blocks", X_MIN_BLOCKS))
         kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
-        if rows_kernel:
+        if x_rows > 1:
             # round 5 knob "x_rows": that many rows a CTA, w / b read once for all of them
             kernel_xs = xs_rows_kernel(
-                "layer",
-                plan,
-                dt,
-                x_rows,
-                bool(kn.get("x_ca", False)),
-                int(kn.get("wb_ahead", 0)),
-                bool(kn.get("wb_coal", False)),
+                "layer", plan, dt, x_rows, bool(kn.get("x_ca", False)), int(kn.get("wb_ahead", 0))
             )
     wb_vec = bool(kn.get("wb_vec", False)) and plan.even and plan.rows_per_cta == 1 and not stage_wb
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, kn)
@@ -158,7 +150,7 @@ def compile_layernorm_fwd(
         if const_expr(rcfg is not None):
             kw = ring_launch_kwargs(rplan, m, stream, num_blocks, rcfg)
             ring(mX, mW, mB, mY, mMean, mRstd, eps).launch(**kw)
-        elif const_expr(rows_kernel):
+        elif const_expr(x_rows > 1):
             kernel_xs(mX, mW, mB, mY, mMean, mRstd, eps).launch(
                 **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks)
             )

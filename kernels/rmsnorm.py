@@ -76,18 +76,8 @@ def compile_rmsnorm_fwd(
     # round 5 knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
     # the weight read from L2 once for all of them (``_norm_fwd.xs_rows_kernel``)
     x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
-    # round 7 knob "wb_coal" (``xs_rows_kernel``, also for one row a CTA)
-    rows_kernel = x_rows > 1 or (x_smem and not has_residual and bool(kn.get("wb_coal", False)))
-    if rows_kernel:
-        kernel_xr = xs_rows_kernel(
-            "rms",
-            plan,
-            dt,
-            x_rows,
-            bool(xs["ca"]),
-            int(kn.get("wb_ahead", 0)),
-            bool(kn.get("wb_coal", False)),
-        )
+    if x_rows > 1:
+        kernel_xr = xs_rows_kernel("rms", plan, dt, x_rows, bool(xs["ca"]))
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
     if rcfg is not None:
         from ._norm_fwd import ring_kernel, ring_launch_kwargs, ring_plan
@@ -211,7 +201,7 @@ def compile_rmsnorm_fwd(
         if const_expr(rcfg is not None):
             kw = ring_launch_kwargs(rplan, m, stream, num_blocks, rcfg)
             ring(mX, mW, mB, mY, None, mRstd, eps).launch(**kw)
-        elif const_expr(rows_kernel):
+        elif const_expr(x_rows > 1):
             kernel_xr(mX, mW, mB, mY, None, mRstd, eps).launch(
                 **xs_rows_launch_kwargs(plan, m, stream, x_rows, min_blocks)
             )
@@ -294,24 +284,6 @@ def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: di
 WIDE_VARIANTS: dict = {
     "xs2 mb3": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3},
 }
-# Round 7 (benchmarks/tune_k7h.py): the two-row kernel with the weight vectors loaded ahead
-# ("wb_ahead", ``_norm_fwd.xs_rows_kernel``).
-_XS2 = WIDE_VARIANTS["xs2 mb3"]
-WIDE_VARIANTS.update(
-    {
-        "xs2 mb3 wba4": _XS2 | {"wb_ahead": 4},
-        "xs2 mb3 wba8": _XS2 | {"wb_ahead": 8},
-        "xs2 mb2 wba8": _XS2 | {"x_min_blocks": 2, "wb_ahead": 8},
-        "xs2 mb3 wbc": _XS2 | {"wb_coal": True},
-        "xs mb4 wbc": {
-            "ring": False,
-            "x_smem": True,
-            "x_smem_wide": True,
-            "x_min_blocks": 4,
-            "wb_coal": True,
-        },
-    }
-)
 WIDE_FWD: dict = {"4": "xs2 mb3"}
 
 
