@@ -55,6 +55,30 @@ ROW_CLUSTER_VARIANTS: dict = {
 }
 ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
 
+# Round 7 (issue 14 part 6; docs/kernels.md "Round 7"): for 16-bit rows whose default plan
+# holds 2+ rows a CTA (``plan_rows`` with 64 elements a thread: N <= 4096), the knob set by
+# weight kind ("same" / "wide"; absent: the register row tile) — "xs4 b32 mb3 wba4": the
+# one-CTA plan of 32 elements a thread ("row_budget": N = 4096 over one 128-thread CTA
+# instead of two rows of 64 threads), x of FOUR rows a CTA through shared memory, each w / b
+# vector read once for the four (``_norm_fwd.xs_rows_kernel``), all of the thread's w / b
+# vectors loaded before the reductions ("wb_ahead"), 3 CTAs / SM asked of ptxas (126
+# registers). Measured (benchmarks/tune_k7h.py, bf16 x, 32768x4096, fp32 w + b, same
+# process): the register row tile 141.3 us, this 134.4 (same-dtype default 136-137). The
+# variants that lost (w / b loaded ahead or in 16-byte fp32 order elsewhere, two rows on the
+# 4096 plan) and the sweep are at commit e3992f2.
+ROW_SMALL_VARIANTS: dict = {
+    "xs4 b32 mb3 wba4": {
+        "ring": False,
+        "stage_wb": False,
+        "row_budget": 32,
+        "x_smem": True,
+        "x_rows": 4,
+        "x_min_blocks": 3,
+        "wb_ahead": 4,
+    },
+}
+ROW_SMALL: dict = {"wide": "xs4 b32 mb3 wba4"}
+
 
 def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
     """The LayerNorm forward's knobs: ``ROW_CTA``'s set for 16-bit rows of one 256-thread
@@ -75,17 +99,27 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
         label = ROW_CLUSTER.get(f"{'wide' if wide else 'same'}@{p.cluster_n}")
         if label:
             kn.update(ROW_CLUSTER_VARIANTS[label])
+    elif on and width == 16 and p.cluster_n == 1 and p.rows_per_cta > 1:
+        label = ROW_SMALL.get("wide" if wide else "same")
+        if label:
+            kv = ROW_SMALL_VARIANTS[label]
+            q = plan_rows(n, width, budget=int(kv.get("row_budget", 64)))
+            # only where that plan is one row a CTA with an even tiling (the kernel's needs)
+            if q.rows_per_cta == 1 and q.even and q.vec * width == 128:
+                kn.update(kv)
     kn.update(tune)
     return kn
 
 
 def row_plan(n: int, width: int, kn: dict):
-    """The row-tile forward's plan: ``plan_rows`` with 64 elements a thread, or with the
-    "threads" knob (512) the same one-CTA row over more threads (even rows whose vectors
-    split evenly over them: N = 12288 / 16384 for 16-bit rows; otherwise unchanged)."""
+    """The row-tile forward's plan: ``plan_rows`` with 64 elements a thread ("row_budget":
+    another budget, e.g. 32: rows of 4096 16-bit elements over one 128-thread CTA instead
+    of two rows of 64 threads), or with the "threads" knob (512) the same one-CTA row over
+    more threads (even rows whose vectors split evenly over them: N = 12288 / 16384 for
+    16-bit rows; otherwise unchanged)."""
     from ._plan import RowPlan
 
-    plan = plan_rows(n, width, budget=64)
+    plan = plan_rows(n, width, budget=int(kn.get("row_budget", 64)))
     threads = int(kn.get("threads", 0))
     nvecs = n // plan.vec
     if (

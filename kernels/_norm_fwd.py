@@ -309,7 +309,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     return kernel
 
 
-def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
+def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: int = 0):
     """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
     knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
     of each row cp.async'ed (one commit group a row), each row reduced in turn (its own
@@ -318,7 +318,16 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
     (fp32) costs the SMs' L2 traffic of a same-width one. Grid: ceil(M / rows) CTAs (per
     cluster rank); ``rms_launch`` / the caller's launch. kernel(mX, mW, mB, mY, mMean|None,
     mRstd, eps); "layer": per-thread (mean, M2) one vector at a time (``_ln_row``), one
-    welford all-reduce a row."""
+    welford all-reduce a row.
+
+    ``wb_ahead`` (round 7 knob "wb_ahead", 0: off): the w / b vectors 0 .. wb_ahead-1 are
+    loaded into registers right after x's cp.async is issued, and in the y loop the loads of
+    vector k + wb_ahead go out before vector k's y stores. Without it each vector's w / b
+    loads follow the previous vector's y stores in program order (stores that may alias
+    them: neither LLVM nor ptxas moves a load above them), ``nvec`` dependent L2 round trips
+    a CTA. Measured (round 7, docs/kernels.md): it loses on rows over 16 CTAs (LayerNorm fp32
+    w + b 1307 -> 1352 us with 1 vector ahead, more with more) and on one-CTA rows of 16384
+    (no gain); the 4096 rows' default (``_ln_row.ROW_SMALL``) has it."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
@@ -350,6 +359,12 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
                     thr.partition_D(sX[None, None, r]),
                 )
             cute.arch.cp_async_commit_group()
+        ahead = []  # (w, b) register vectors loaded ahead, by vector index
+        if const_expr(wb_ahead > 0):
+            gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
+            gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
+            for k in cutlass.range_constexpr(min(wb_ahead, plan.nvec)):
+                ahead.append(_load_wb(gW, gB, k))
         red.wait_cluster()
         rbuf, rmbar = red.buf, red.mbar
         tiles = [rr.RowTiles(plan, dt, m, tidx, bidx * rows + r, cluster_y) for r in range(rows)]
@@ -383,15 +398,22 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
                 rstd = cute.math.rsqrt(ss * inv_n + eps, fastmath=True)
             t.write_row_scalar(mRstd, rstd)
             rstds.append(rstd)
-        gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
-        gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
+        if const_expr(wb_ahead == 0):
+            gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
+            gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
         for k in cutlass.range_constexpr(plan.nvec):
-            if const_expr(mW is not None):
-                rw = cute.make_rmem_tensor_like(gW[None, 0, k])
-                cute.autovec_copy(gW[None, 0, k], rw)
-            if const_expr(mB is not None):
-                rb = cute.make_rmem_tensor_like(gB[None, 0, k])
-                cute.autovec_copy(gB[None, 0, k], rb)
+            if const_expr(wb_ahead > 0):
+                # the loads of vector k + wb_ahead go out before this vector's y stores
+                if const_expr(k + wb_ahead < plan.nvec):
+                    ahead.append(_load_wb(gW, gB, k + wb_ahead))
+                rw, rb = ahead[k]
+            else:
+                if const_expr(mW is not None):
+                    rw = cute.make_rmem_tensor_like(gW[None, 0, k])
+                    cute.autovec_copy(gW[None, 0, k], rw)
+                if const_expr(mB is not None):
+                    rb = cute.make_rmem_tensor_like(gB[None, 0, k])
+                    cute.autovec_copy(gB[None, 0, k], rb)
             for r in cutlass.range_constexpr(rows):
                 t = tiles[r]
                 xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
@@ -410,6 +432,21 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False):
                     cute.autovec_copy(ry, gY[None, 0, k])
 
     return kernel
+
+
+def _load_wb(gW, gB, k):
+    """(w, b) of fragment vector ``k`` loaded into registers (16-byte loads; None where
+    absent). Traced inline from a kernel body."""
+    import cutlass.cute as cute
+
+    out = []
+    for g in (gW, gB):
+        r = None
+        if g is not None:
+            r = cute.make_rmem_tensor_like(g[None, 0, k])
+            cute.autovec_copy(g[None, 0, k], r)
+        out.append(r)
+    return tuple(out)
 
 
 def xs_rows_launch_kwargs(plan, m, stream, rows: int, min_blocks: int):

@@ -57,7 +57,9 @@ def compile_layernorm_fwd(
         kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
         if x_rows > 1:
             # round 5 knob "x_rows": that many rows a CTA, w / b read once for all of them
-            kernel_xs = xs_rows_kernel("layer", plan, dt, x_rows, bool(kn.get("x_ca", False)))
+            kernel_xs = xs_rows_kernel(
+                "layer", plan, dt, x_rows, bool(kn.get("x_ca", False)), int(kn.get("wb_ahead", 0))
+            )
     wb_vec = bool(kn.get("wb_vec", False)) and plan.even and plan.rows_per_cta == 1 and not stage_wb
     rcfg = _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, kn)
     if rcfg is not None:

@@ -19,6 +19,7 @@ def knobs(monkeypatch):
     def set_(row_cta=None, tune=None):
         monkeypatch.setattr(_ln_row, "ROW_CTA", row_cta or {"same": "", "wide": ""})
         monkeypatch.setattr(_ln_row, "ROW_CLUSTER", {})
+        monkeypatch.setattr(_ln_row, "ROW_SMALL", {})  # round 7's table (rows of 2+ a CTA): out
         monkeypatch.setattr(layernorm, "_TUNE", dict(tune or {}))
 
     return set_
