@@ -48,6 +48,21 @@ X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 # (benchmarks/tune_k5f.py) are at commit 6e935f3; round 6's cache-hinted ones and the
 # ring with x's cp.async hinted (benchmarks/tune_k6g.py) at 66f11e8; removed since.
 ROW_CTA_VARIANTS["xs2 mb3"] = {"x_smem": True, "x_rows": 2, "x_min_blocks": 3}
+# Round 8 candidates (benchmarks/tune_k8i.py): round 7's 4096 structure at 16384 — R rows a
+# CTA ("xsR"), w / b vectors loaded ahead of the reductions ("wbaD"), 256 / 512 threads.
+for _lab, _r, _mb, _wba, _thr in (
+    ("xs2 mb3 wba2", 2, 3, 2, 0),
+    ("xs2 mb2 wba4", 2, 2, 4, 0),
+    ("xs3 mb2", 3, 2, 0, 0),
+    ("xs3 mb2 wba4", 3, 2, 4, 0),
+    ("xs4 mb1 wba8", 4, 1, 8, 0),
+    ("xs4 t512 mb1 wba4", 4, 1, 4, 512),
+    ("xs4 t512 mb1 wba2", 4, 1, 2, 512),
+    ("xs3 t512 mb2", 3, 2, 0, 512),
+):
+    ROW_CTA_VARIANTS[_lab] = {"x_smem": True, "x_rows": _r, "x_min_blocks": _mb, "wb_ahead": _wba} | (
+        {"threads": _thr} if _thr else {}
+    )
 _XS_CLUSTER = {"ring": False, "stage_wb": False, "x_smem": True, "x_smem_cluster": True}
 ROW_CLUSTER_VARIANTS: dict = {
     "xs mb3": _XS_CLUSTER | {"x_min_blocks": 3},
