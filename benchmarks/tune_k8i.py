@@ -199,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     ap.add_argument("--workdir", default="/tmp/tune_k8i")
     ap.add_argument("--ns", default=None, help="comma-separated N (default: the class)")
+    ap.add_argument("--cands", default=None, help="comma-separated labels (default: CANDIDATES)")
     ap.add_argument("--decide", nargs="*", default=None, help="JSON files of earlier runs")
     ap.add_argument("--apply", action="store_true")
     ap.add_argument("--ptxas", default=None, help="CPU: keep the PTX here and print ptxas -v")
@@ -219,11 +220,16 @@ def main(argv=None):
         return
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     ns = tuple(int(x) for x in args.ns.split(",")) if args.ns else CLASS_N
-    vs = variants(ns)
+    vs = variants(ns, tuple(args.cands.split(",")) if args.cands else CANDIDATES)
     if args.ptxas:
         ptxas_report(vs, Path(args.ptxas), args.jobs)
         return
-    wd = Path(args.workdir)
+    # objects are reused within a tree only: a knob-less label ("w32 (default)") compiles to
+    # whatever the tables name, so the kernels' sources are part of the directory's name
+    import hashlib
+
+    src = b"".join(p.read_bytes() for p in sorted((ROOT / "kernels").glob("*.py")))
+    wd = Path(args.workdir) / hashlib.sha256(src).hexdigest()[:12]
     # the objects of an earlier process of this call are reused (same key = same knobs)
     todo = [v for v in vs if not (wd / f"{compile_key(v)}.o").exists()]
     errors = compile_all(todo, wd, args.jobs) if todo else {}

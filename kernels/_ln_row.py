@@ -36,7 +36,7 @@ ROW_CTA_VARIANTS: dict = {
 }
 # The label used by weight kind ("same" dtype as x; "wide": fp32 beside 16-bit x; "": round
 # 3's kernel, for "wide" the clusterless ring). benchmarks/tune_k4c.py rewrites the line.
-ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs2 mb3"}
+ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs2 mb3 wba2"}
 X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 
 # Round 5: the knob sets adopted for rows of one CTA with a wide weight ("xs2 mb3": two rows
