@@ -48,21 +48,14 @@ X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 # (benchmarks/tune_k5f.py) are at commit 6e935f3; round 6's cache-hinted ones and the
 # ring with x's cp.async hinted (benchmarks/tune_k6g.py) at 66f11e8; removed since.
 ROW_CTA_VARIANTS["xs2 mb3"] = {"x_smem": True, "x_rows": 2, "x_min_blocks": 3}
-# Round 8 candidates (benchmarks/tune_k8i.py): round 7's 4096 structure at 16384 — R rows a
-# CTA ("xsR"), w / b vectors loaded ahead of the reductions ("wbaD"), 256 / 512 threads.
-for _lab, _r, _mb, _wba, _thr in (
-    ("xs2 mb3 wba2", 2, 3, 2, 0),
-    ("xs2 mb2 wba4", 2, 2, 4, 0),
-    ("xs3 mb2", 3, 2, 0, 0),
-    ("xs3 mb2 wba4", 3, 2, 4, 0),
-    ("xs4 mb1 wba8", 4, 1, 8, 0),
-    ("xs4 t512 mb1 wba4", 4, 1, 4, 512),
-    ("xs4 t512 mb1 wba2", 4, 1, 2, 512),
-    ("xs3 t512 mb2", 3, 2, 0, 512),
-):
-    ROW_CTA_VARIANTS[_lab] = {"x_smem": True, "x_rows": _r, "x_min_blocks": _mb, "wb_ahead": _wba} | (
-        {"threads": _thr} if _thr else {}
-    )
+# Round 8 (issue 14 part 6; docs/kernels.md "Round 8"): "xs2 mb3" with the w / b vectors 0-1
+# loaded right after x's cp.async and each vector k + 2 before vector k's y stores
+# (``_norm_fwd.xs_rows_kernel`` "wb_ahead"; 80 registers, no spills). Measured (bf16 x, M =
+# 32768, fp32 w + b, same process, benchmarks/tune_k8i.py): 16384 541 / 531 us (the old
+# default's two states over processes) -> 528-530 in every process, 14336 482 -> 461, 12288
+# 403 -> 395, 10240 331 -> 327. The candidates that lost (three / four rows a CTA, 512 threads,
+# 1-2 CTAs / SM, more vectors ahead) and the sweep are at commit bfa2a86.
+ROW_CTA_VARIANTS["xs2 mb3 wba2"] = ROW_CTA_VARIANTS["xs2 mb3"] | {"wb_ahead": 2}
 _XS_CLUSTER = {"ring": False, "stage_wb": False, "x_smem": True, "x_smem_cluster": True}
 ROW_CLUSTER_VARIANTS: dict = {
     "xs mb3": _XS_CLUSTER | {"x_min_blocks": 3},

@@ -326,8 +326,9 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: i
     loads follow the previous vector's y stores in program order (stores that may alias
     them: neither LLVM nor ptxas moves a load above them), ``nvec`` dependent L2 round trips
     a CTA. Measured (round 7, docs/kernels.md): it loses on rows over 16 CTAs (LayerNorm fp32
-    w + b 1307 -> 1352 us with 1 vector ahead, more with more) and on one-CTA rows of 16384
-    (no gain); the 4096 rows' default (``_ln_row.ROW_SMALL``) has it."""
+    w + b 1307 -> 1352 us with 1 vector ahead, more with more); the 4096 rows' default
+    (``_ln_row.ROW_SMALL``) has it, and since round 8 the one-CTA rows' (N = 10240 .. 16384,
+    ``_ln_row.ROW_CTA["wide"]``: 2 vectors ahead, 14336 482 -> 461 us, 16384 531-541 -> 529)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr
