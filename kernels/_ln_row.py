@@ -56,6 +56,20 @@ ROW_CTA_VARIANTS["xs2 mb3"] = {"x_smem": True, "x_rows": 2, "x_min_blocks": 3}
 # 403 -> 395, 10240 331 -> 327. The candidates that lost (three / four rows a CTA, 512 threads,
 # 1-2 CTAs / SM, more vectors ahead) and the sweep are at commit bfa2a86.
 ROW_CTA_VARIANTS["xs2 mb3 wba2"] = ROW_CTA_VARIANTS["xs2 mb3"] | {"wb_ahead": 2}
+# By (weight kind, N), over ``ROW_CTA``: N = 16384 with an fp32 w / b, FOUR rows a 512-thread
+# CTA (each w / b vector read once for the four, 4 vectors a thread: all loaded ahead of the
+# reductions), 1 CTA / SM. Round 8 measured it the fastest at 16384 (bf16 x, M = 32768, same
+# process: 519.0 us in each of 3 processes vs "xs2 mb3 wba2" 528-530, same-dtype 513.8:
+# 0.990) and 3-17 % slower at the class's other lengths (10240 / 12288 / 14336: fewer,
+# uneven vectors a thread), hence a key of its own.
+ROW_CTA_VARIANTS["xs4 t512 mb1 wba4"] = {
+    "x_smem": True,
+    "x_rows": 4,
+    "x_min_blocks": 1,
+    "wb_ahead": 4,
+    "threads": 512,
+}
+ROW_CTA_BY_N: dict = {("wide", 16384): "xs4 t512 mb1 wba4"}
 _XS_CLUSTER = {"ring": False, "stage_wb": False, "x_smem": True, "x_smem_cluster": True}
 ROW_CLUSTER_VARIANTS: dict = {
     "xs mb3": _XS_CLUSTER | {"x_min_blocks": 3},
@@ -98,7 +112,8 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
     on = tune.get("row_cta", True)
     wide = WIDTHS[resolve_weight_dtype(dtype, weight_dtype)] > width
     if on and width == 16 and p.threads_per_row == p.num_threads == 256 and p.cluster_n == 1 and p.even:
-        label = ROW_CTA.get("wide" if wide else "same")
+        kind = "wide" if wide else "same"
+        label = ROW_CTA_BY_N.get((kind, n)) or ROW_CTA.get(kind)
         if label:
             kn.update(ROW_CTA_VARIANTS[label])
             if wide:

@@ -1,6 +1,6 @@
 """CPU tier: round 8's LayerNorm forward default for 16-bit rows of one 256-thread CTA with an
 fp32 weight / bias (issue 14 part 6; the sweep, benchmarks/tune_k8i.py, is at commit bfa2a86):
-``_ln_row.ROW_CTA["wide"]`` names a measured knob set, reaches exactly N = 10240 / 12288 /
+``_ln_row.ROW_CTA["wide"]`` names a measured knob set (N = 16384: ``ROW_CTA_BY_N``), reaches exactly N = 10240 / 12288 /
 14336 / 16384 with bf16 / fp16 x and an fp32 weight, and its kernel compiles for sm_90a with
 two rows a CTA and the first two w / b vectors loaded before the reductions ("wb_ahead", read
 back from the PTX)."""
@@ -30,8 +30,12 @@ def test_row_cta_wide_reaches_only_16bit_rows_of_one_cta_with_an_fp32_weight():
     }
     want = {(dt, "float32", n) for dt in ("bfloat16", "float16") for n in (10240, 12288, 14336, 16384)}
     assert reached == want
-    kn = _ln_row.fwd_knobs("bfloat16", 16384, "float32", {})
+    kn = _ln_row.fwd_knobs("bfloat16", 14336, "float32", {})
     assert kn["ring"] is False and kn["x_rows"] == 2 and kn["wb_ahead"] == 2
+    # N = 16384 has a key of its own (ROW_CTA_BY_N): four rows a 512-thread CTA
+    kn = _ln_row.fwd_knobs("bfloat16", 16384, "float32", {})
+    assert kn["ring"] is False and kn["x_rows"] == 4 and kn["wb_ahead"] == 4 and kn["threads"] == 512
+    assert set(_ln_row.ROW_CTA_BY_N) == {("wide", 16384)}
     # the same-dtype default is not touched
     assert "wb_ahead" not in _ln_row.fwd_knobs("bfloat16", 16384, "same", {})
 
@@ -53,7 +57,7 @@ def _ptx_of(tmp_path, args):
     return ptx.read_text()
 
 
-@pytest.mark.parametrize(("n", "nvec"), [(16384, 8), (10240, 5)])
+@pytest.mark.parametrize(("n", "nvec"), [(14336, 7), (10240, 5)])
 def test_row_cta_wide_kernel_loads_two_wb_vectors_before_the_reductions(tmp_path, n, nvec):
     ptx = _ptx_of(tmp_path, f"'bfloat16', {n}, True, True, 'float32'")
     body = ptx[ptx.index(".entry") :]
@@ -63,3 +67,15 @@ def test_row_cta_wide_kernel_loads_two_wb_vectors_before_the_reductions(tmp_path
     assert len(re.findall(r"ld\.global\.v4", body[:first_wait])) == 2 * 2 * 2
     assert len(re.findall(r"ld\.global\.v4", body[first_wait:])) == 2 * 2 * (nvec - 2)
     assert len(re.findall(r"st\.global\.v4", body)) == 2 * nvec  # 2 rows x nvec vectors of y
+
+
+def test_n16384_kernel_reads_each_wb_vector_once_for_four_rows_all_ahead(tmp_path):
+    """ROW_CTA_BY_N[("wide", 16384)]: 4 vectors a thread (512 threads x 8 x 4 = 16384), all
+    of a thread's w / b loaded before the first row's wait, none in the y loop; y of four
+    rows stored."""
+    ptx = _ptx_of(tmp_path, "'bfloat16', 16384, True, True, 'float32'")
+    body = ptx[ptx.index(".entry") :]
+    first_wait = body.index("cp.async.wait_group")
+    assert len(re.findall(r"ld\.global\.v4", body[:first_wait])) == 4 * 2 * 2
+    assert len(re.findall(r"ld\.global\.v4", body[first_wait:])) == 0
+    assert len(re.findall(r"st\.global\.v4", body)) == 4 * 4  # 4 rows x 4 vectors of y
