@@ -35,13 +35,12 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import threading
 import time
 from typing import Any
 
 from quack.errors import CompileError, ExecutorError
-from quack_build.executors import DONE, FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
-from quack_build.executors.publish import publish_result
+from quack_build.executors import FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
+from quack_build.executors.publish import PUBLISH_THREADS, Publisher
 from quack_build.executors.ray_actors import START_TIMEOUT_S, Actor, ActorPool
 from quack_build.executors.ray_cluster import (
     ACTOR_ENV,
@@ -55,13 +54,10 @@ from quack_build.executors.ray_cluster import (
 log = logging.getLogger("quack")
 
 MAX_RETRIES = 2  # a key whose actor died is tried at most 1 + MAX_RETRIES times
-# Publishing (verify, lock, write, fsync x2, .so) is I/O-bound: threads overlap the fsyncs,
-# so the one coordinator keeps up with many nodes (see benchmarks/bench_ray.py).
-PUBLISH_THREADS = 8
 # Test hook: a stamp every actor of this process's next builds reports instead of its own
 # (how the tests fake a node with another toolchain). None in normal use.
 TEST_ACTOR_STAMP: str | None = None
-# The order of stats()'s counters (``--json``'s executor_stats); the pool keeps some of them.
+# The order of stats()'s counters (``--json``'s executor_stats); the pool and the publisher keep some.
 _STATS_ORDER = (
     "actors_started",
     "actors_refused",
@@ -119,21 +115,18 @@ class RayExecutor:
         self._busy: dict = {}  # ObjectRef -> (Actor, WorkItem, attempt)
         self._queue: collections.deque = collections.deque()
         self._pending_notes: list[Event] = []
-        # The pool counts actors_started, actors_refused, warm_s and nodes (see stats()).
+        # The pool counts actors_started, actors_refused, warm_s and nodes, the publisher
+        # published and publish_s (see stats()).
         self.counts: dict[str, Any] = {
             "actor_deaths": 0,
             "retries": 0,
             "dispatched": 0,
-            "published": 0,
             "timeouts": 0,
             "actor_compile_wall_s": 0.0,
             "roundtrip_s": 0.0,
-            "publish_s": 0.0,
         }
         self._dispatched_at: dict = {}
-        self._publisher: Any = None  # ThreadPoolExecutor, from start()
-        self._publishing: set = set()  # its futures, each giving a list of events
-        self._counts_lock = threading.Lock()
+        self._publisher = Publisher(store)  # its threads start in start()
         self._cpu_ready = 0.0
 
     # -- start-up -------------------------------------------------------------------------
@@ -153,9 +146,7 @@ class RayExecutor:
             )
             self._owned = True
             self._pool.attach(self._ray, want=keys.toolchain_stamp(self._arch), address=self.address)
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="quack-publish")
+            self._publisher.open(self.address)
             cpus = int(self._ray.cluster_resources().get("CPU", 0))
             n = self.requested or cpus or 1
             if cpus and n > cpus:
@@ -215,23 +206,16 @@ class RayExecutor:
             ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
         return ready
 
-    def _published(self) -> list[Event]:
-        out: list[Event] = []
-        for f in [f for f in self._publishing if f.done()]:
-            self._publishing.discard(f)
-            out += f.result()  # _finish never raises: a failure is a FAILED event
-        return out
-
     def poll(self, timeout: float) -> list[Event]:
-        out = self._pending_notes + self._dispatch() + self._published()
+        out = self._pending_notes + self._dispatch() + self._publisher.done()
         self._pending_notes = []
         if self._closed:
             return out
-        if self._publishing:  # come back soon for what the publisher threads finish
+        if self._publisher.pending:  # come back soon for what the publisher threads finish
             timeout = min(timeout, 0.02)
         out += self._handle(self._wait(0 if out else timeout))
         out += self._check_deadlines()
-        out += self._dispatch() + self._published()
+        out += self._dispatch() + self._publisher.done()
         if self._queue and not self._pool.idle and not self._busy and not self._pool.warming:
             raise self._pool.no_actor_error()
         return out
@@ -281,7 +265,7 @@ class RayExecutor:
         # write, fsync): publishing stays off the actors' critical path.
         started = self._dispatch()
         for item, res, a in done:
-            self._publishing.add(self._publisher.submit(self._finish, item, res, a))
+            self._publisher.submit(item, res, worker=f"Ray {a.label}", lane=a.label, pid=a.pid)
         return out + started
 
     def _may_replace(self) -> bool:
@@ -323,30 +307,6 @@ class RayExecutor:
         self.counts["actor_compile_wall_s"] += float(res.get("wall_s") or 0.0)
         return item, res, a
 
-    def _finish(self, item: WorkItem, res: dict, a: Actor) -> list[Event]:
-        """In a publisher thread: publish one result; the events for it (never raises)."""
-        p0 = time.perf_counter()
-        try:
-            compiled = publish_result(self.store, item, res, worker=f"Ray {a.label}", address=self.address)
-            if compiled:
-                with self._counts_lock:
-                    self.counts["published"] += 1
-        except Exception as e:  # noqa: BLE001 - ExecutorError, CacheError, OSError, LockTimeout
-            return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=e)]
-        finally:
-            with self._counts_lock:
-                self.counts["publish_s"] += time.perf_counter() - p0
-        return [
-            Event(
-                DONE,
-                item.key,
-                lane=a.label,
-                pid=a.pid,
-                compiled=compiled,
-                compile_s=float(res.get("compile_s") or 0.0) if compiled else 0.0,
-            )
-        ]
-
     def _on_actor_death(self, a: Actor, item: WorkItem, attempt: int, e: BaseException) -> list[Event]:
         self._pool.drop(a)
         self.counts["actor_deaths"] += 1
@@ -384,7 +344,7 @@ class RayExecutor:
         )
         return out
 
-    # -- publishing (the coordinator is the only writer) -------------------------------------
+    # -- the scheduler's question: who compiles this key ------------------------------------
     def worker_pid(self, key: str) -> int:
         for a, item, _ in self._busy.values():
             if item.key == key:
@@ -400,9 +360,7 @@ class RayExecutor:
         self._queue.clear()
         self._pool.drop_all()
         self._busy.clear()
-        if self._publisher is not None:
-            self._publisher.shutdown(wait=True, cancel_futures=True)
-            self._publisher = None
+        self._publisher.shutdown()
 
     def close(self) -> None:
         if self._stage:
@@ -430,7 +388,7 @@ class RayExecutor:
         )
 
     def stats(self) -> dict:
-        got = {**self._pool.counts, **self.counts}
+        got = {**self._pool.counts, **self._publisher.counts, **self.counts}
         d = {k: got[k] for k in _STATS_ORDER if k in got}
         d["nodes"] = sorted(d["nodes"])
         d["jobs"] = self.jobs
