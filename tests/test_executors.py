@@ -317,3 +317,93 @@ def test_publish_result_refuses_a_mismatch_and_publishes_nothing(tmp_path, field
     assert says in str(ei.value) and "from Ray actor 3 (n pid 9)" in str(ei.value)
     assert "nothing was published" in str(ei.value)
     assert not list((tmp_path / "cache").glob("v1/*/*/*/*"))
+
+
+def _wait_events(pub, n: int, timeout: float = 60.0) -> list[Event]:
+    """The publisher's events until there are ``n`` (bounded: fails after ``timeout``)."""
+    import time
+
+    out: list[Event] = []
+    deadline = time.monotonic() + timeout
+    while len(out) < n and time.monotonic() < deadline:
+        out += pub.done()
+        time.sleep(0.01)
+    assert len(out) == n, f"{len(out)} events of {n} within {timeout} s: {out}"
+    return out
+
+
+def test_publisher_threads_publish_once_report_failures_as_events_and_stop(tmp_path):
+    from quack_build.executors.publish import Publisher
+
+    a, b = _cfg(64), _cfg(128)
+    pub = Publisher(DiskStore(tmp_path / "cache", fsync=False))
+    pub.open("10.0.0.5:6379")
+    try:
+        pub.submit(_item(a), _remote_result(a), worker="Ray actor 1", lane="actor 1", pid=11)
+        pub.submit(_item(b), _remote_result(b, size=3), worker="Ray actor 2", lane="actor 2", pid=22)
+        got = {e.key: e for e in _wait_events(pub, 2)}
+        assert not pub.pending and pub.done() == []
+        assert got[a.key].kind == DONE and got[a.key].compiled and got[a.key].compile_s == 0.25
+        assert (got[a.key].lane, got[a.key].pid) == ("actor 1", 11)
+        bad = got[b.key]
+        assert bad.kind == FAILED and (bad.lane, bad.pid) == ("actor 2", 22)
+        assert isinstance(bad.error, ExecutorError) and "truncated in transit" in str(bad.error)
+        assert "from Ray actor 2" in str(bad.error) and bad.error.address == "10.0.0.5:6379"
+        # the same key again: another process (here: this one) published it first
+        pub.submit(_item(a), _remote_result(a), worker="Ray actor 1", lane="actor 1", pid=11)
+        (again,) = _wait_events(pub, 1)
+        assert again.kind == DONE and not again.compiled and again.compile_s == 0.0
+        assert pub.counts["published"] == 1
+    finally:
+        pub.shutdown()
+    pub.shutdown()  # idempotent
+    with pytest.raises(ExecutorError, match="shut down"):
+        pub.submit(_item(a), _remote_result(a), worker="w", lane="w", pid=0)
+
+
+def test_vet_hello_admits_a_matching_actor_and_refuses_naming_both_values():
+    from quack.cache import keys
+    from quack_build.executors.ray_actors import vet_hello
+
+    want = keys.toolchain_stamp("sm_90a")
+    fp = registry.get("toy_scale").source_fingerprint()
+    assert vet_hello({"stamp": want, "srcfps": {"toy_scale": fp}}, want, "actor 1", "h:1") is None
+    other = "py3.9-cutlass0.1-cu12-tvmffi0.1-sm_90a"
+    err = vet_hello({"stamp": other}, want, "actor 2 (n pid 9)", "h:1")
+    assert isinstance(err, ToolchainMismatch) and (err.worker_stamp, err.coordinator_stamp) == (other, want)
+    assert f"refusing Ray actor 2 (n pid 9): its toolchain stamp is {other!r}" in str(err)
+    err = vet_hello({"stamp": want, "srcfps": {"toy_scale": "feedface"}}, want, "actor 3", "h:1")
+    assert isinstance(err, ToolchainMismatch) and (err.worker_stamp, err.coordinator_stamp) == (
+        "feedface",
+        fp,
+    )
+    assert "it sees kernel toy_scale with source fingerprint feedface but this checkout has" in str(err)
+
+
+def test_ray_executor_stats_list_every_counter_in_order_before_start(tmp_path):
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from quack_build.executors.ray_executor import PUBLISH_THREADS, RayExecutor
+
+    s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
+    ex = RayExecutor("ray", jobs=2, settings=s, store=DiskStore(tmp_path / "c"))
+    st = ex.stats()
+    assert list(st) == [
+        "actors_started",
+        "actors_refused",
+        "actor_deaths",
+        "retries",
+        "dispatched",
+        "published",
+        "timeouts",
+        "actor_compile_wall_s",
+        "roundtrip_s",
+        "publish_s",
+        "warm_s",
+        "nodes",
+        "jobs",
+        "publish_threads",
+        "start_s",
+        "address",
+    ]
+    assert st["nodes"] == [] and st["published"] == 0 and st["publish_threads"] == PUBLISH_THREADS == 8
+    ex.close()  # never started: nothing to stop

@@ -1,5 +1,6 @@
-"""Reaching a Ray cluster for ``quack build``: the address check, the connection, and the
-code the actors need (shipped as ``runtime_env.py_modules``)."""
+"""Reaching a Ray cluster for ``quack build``: importing ray (the optional ``[ray]`` extra),
+the address check, the connection, and the code the actors need (shipped as
+``runtime_env.py_modules``)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,29 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
 from quack.errors import ExecutorError
+from quack_build.executors import RAY_INSTALL_HINT
 
 CONNECT_TIMEOUT_S = 5.0  # reaching a cluster's address; an unreachable one fails fast
 # What every actor runs with: GPU-blind, no second (hidden) CuTe DSL cache, no forkserver preload.
 ACTOR_ENV = {"CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_DISABLE_FILE_CACHING": "1", "QUACK_NO_PRELOAD": "1"}
+
+
+def import_ray(local_only: bool = False):
+    """``ray``, or ExecutorError with the install line. ``local_only``: the build starts its
+    own single-host instance; keep all of it on 127.0.0.1 (Ray otherwise binds the host's
+    outward IP). Read by Ray when it is first imported, so set before."""
+    if local_only and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+    except ImportError:
+        raise ExecutorError(RAY_INSTALL_HINT, executor="ray") from None
+    return ray
 
 
 def first_line(e: BaseException) -> str:

@@ -1,5 +1,11 @@
 """Build on a Ray cluster: ``quack build --executor ray | auto | ray://HOST:PORT | HOST:PORT``.
 
+This module is the coordinator's side: it connects, hands keys to warm actors, collects
+their results, retries a key whose actor died and kills a wedged one. Its neighbours:
+ray_cluster (importing ray, connecting, shipping the code), ray_actors (the pool of
+actors: start, admit or refuse, kill), ray_worker (the actor itself, run on the nodes)
+and publish (checking and publishing what an actor returns).
+
 Ray does the placement, the transport and the failure detection; quack keeps its
 own scheduler (longest first, fail-fast, display, trace) and its cache rules:
 
@@ -27,62 +33,46 @@ own scheduler (longest first, fail-fast, display, trace) and its cache rules:
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
-import sys
-import threading
 import time
 from typing import Any
 
-from quack.errors import CompileError, ExecutorError, ToolchainMismatch
-from quack_build.executors import DONE, FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
-from quack_build.executors.publish import publish_result
+from quack.errors import CompileError, ExecutorError
+from quack_build.executors import FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
+from quack_build.executors.publish import PUBLISH_THREADS, Publisher
+from quack_build.executors.ray_actors import START_TIMEOUT_S, Actor, ActorPool
 from quack_build.executors.ray_cluster import (
     ACTOR_ENV,
     CONNECT_TIMEOUT_S,
     connect,
     first_line,
+    import_ray,
     stage_packages,
 )
 
 log = logging.getLogger("quack")
 
 MAX_RETRIES = 2  # a key whose actor died is tried at most 1 + MAX_RETRIES times
-# Publishing (verify, lock, write, fsync x2, .so) is I/O-bound: threads overlap the fsyncs,
-# so the one coordinator keeps up with many nodes (see benchmarks/bench_ray.py).
-PUBLISH_THREADS = 8
-# How long start() waits for the first warm, accepted actor (a cluster may be scaling up).
-START_TIMEOUT_S = 600.0
 # Test hook: a stamp every actor of this process's next builds reports instead of its own
 # (how the tests fake a node with another toolchain). None in normal use.
 TEST_ACTOR_STAMP: str | None = None
-
-
-def import_ray(local_only: bool = False):
-    """``ray``, or ExecutorError with the install line. ``local_only``: the build starts its
-    own single-host instance; keep all of it on 127.0.0.1 (Ray otherwise binds the host's
-    outward IP). Read by Ray when it is first imported, so set before."""
-    if local_only and "ray" not in sys.modules:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    try:
-        import ray
-    except ImportError:
-        raise ExecutorError(RAY_INSTALL_HINT, executor="ray") from None
-    return ray
-
-
-# --- the coordinator ----------------------------------------------------------------------
-
-
-@dataclasses.dataclass(eq=False)
-class _Actor:
-    handle: Any
-    index: int
-    label: str = ""
-    pid: int = 0
-    node: str = ""
-    node_id: str = ""
+# The order of stats()'s counters (``--json``'s executor_stats); the pool and the publisher keep some.
+_STATS_ORDER = (
+    "actors_started",
+    "actors_refused",
+    "actor_deaths",
+    "retries",
+    "dispatched",
+    "published",
+    "timeouts",
+    "actor_compile_wall_s",
+    "roundtrip_s",
+    "publish_s",
+    "warm_s",
+    "nodes",
+    "coordinator_cpu_s",
+)
 
 
 class RayExecutor:
@@ -120,52 +110,26 @@ class RayExecutor:
         self._owned = False
         self._closed = False
         self._arch = settings.arch
-        self._want = ""
         self._stage = ""
-        self._actors: list[_Actor] = []
-        self._idle: list[_Actor] = []
-        self._hellos: dict = {}  # ObjectRef -> _Actor (warming up)
-        self._busy: dict = {}  # ObjectRef -> (_Actor, WorkItem, attempt)
+        self._pool = ActorPool(list(settings.kernel_packages), self._arch, self.stamp_override)
+        self._busy: dict = {}  # ObjectRef -> (Actor, WorkItem, attempt)
         self._queue: collections.deque = collections.deque()
-        self._refused: list[ToolchainMismatch] = []
-        self._start_errors: list[str] = []
-        self._spawned = 0
         self._pending_notes: list[Event] = []
+        # The pool counts actors_started, actors_refused, warm_s and nodes, the publisher
+        # published and publish_s (see stats()).
         self.counts: dict[str, Any] = {
-            "actors_started": 0,
-            "actors_refused": 0,
             "actor_deaths": 0,
             "retries": 0,
             "dispatched": 0,
-            "published": 0,
             "timeouts": 0,
             "actor_compile_wall_s": 0.0,
             "roundtrip_s": 0.0,
-            "publish_s": 0.0,
-            "warm_s": [],
-            "nodes": set(),
         }
         self._dispatched_at: dict = {}
-        self._publisher: Any = None  # ThreadPoolExecutor, from start()
-        self._publishing: set = set()  # its futures, each giving a list of events
-        self._counts_lock = threading.Lock()
+        self._publisher = Publisher(store)  # its threads start in start()
         self._cpu_ready = 0.0
 
     # -- start-up -------------------------------------------------------------------------
-    def _spawn(self) -> None:
-        from quack_build.executors.ray_worker import BuildWorker
-
-        ray = self._ray
-        cls = ray.remote(BuildWorker)
-        handle = cls.options(
-            num_cpus=1, num_gpus=0, max_restarts=0, max_task_retries=0, scheduling_strategy="SPREAD"
-        ).remote(list(self.settings.kernel_packages), self._arch, self.stamp_override)
-        self._spawned += 1
-        a = _Actor(handle, self._spawned, label=f"actor {self._spawned}")
-        self._actors.append(a)
-        self._hellos[handle.hello.remote()] = a
-        self.counts["actors_started"] += 1
-
     def start(self, max_jobs: int) -> None:
         from quack.cache import keys
 
@@ -181,10 +145,8 @@ class RayExecutor:
                 connect_timeout=self.connect_timeout,
             )
             self._owned = True
-            self._want = keys.toolchain_stamp(self._arch)
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._publisher = ThreadPoolExecutor(PUBLISH_THREADS, thread_name_prefix="quack-publish")
+            self._pool.attach(self._ray, want=keys.toolchain_stamp(self._arch), address=self.address)
+            self._publisher.open(self.address)
             cpus = int(self._ray.cluster_resources().get("CPU", 0))
             n = self.requested or cpus or 1
             if cpus and n > cpus:
@@ -194,43 +156,20 @@ class RayExecutor:
                 n = cpus
             self.jobs = max(1, min(n, max_jobs))
             for _ in range(self.jobs):
-                self._spawn()
+                self._pool.spawn()
             deadline = time.monotonic() + START_TIMEOUT_S
             # Dispatch starts with the first warm, accepted actor; the others join as they come.
-            while not self._idle and self._hellos and time.monotonic() < deadline:
+            while not self._pool.idle and self._pool.warming and time.monotonic() < deadline:
                 self._pending_notes += self._handle(
                     self._wait(min(1.0, max(0.0, deadline - time.monotonic())))
                 )
-            if not self._idle:
-                raise self._no_actor_error()
+            if not self._pool.idle:
+                raise self._pool.no_actor_error()
         except BaseException:
             self.close()
             raise
         self.start_s = time.monotonic() - t0
         self._cpu_ready = time.process_time()
-
-    def _no_actor_error(self) -> ExecutorError:
-        if self._refused and not self._start_errors:
-            e = self._refused[0]
-            return ToolchainMismatch(
-                f"{e} (every actor refused: nothing built)",
-                worker_stamp=e.worker_stamp,
-                coordinator_stamp=e.coordinator_stamp,
-                worker=e.worker,
-                executor="ray",
-                address=self.address,
-            )
-        if self._start_errors or self._refused:
-            why = "; ".join(self._start_errors[:3] + [str(r) for r in self._refused[:1]])
-            return ExecutorError(
-                f"no Ray actor could start on {self.address}: {why}", executor="ray", address=self.address
-            )
-        return ExecutorError(
-            f"no Ray actor became ready on {self.address} within {START_TIMEOUT_S:.0f} s; "
-            f"does the cluster have free CPUs?",
-            executor="ray",
-            address=self.address,
-        )
 
     # -- work -------------------------------------------------------------------------------
     def submit(self, item: WorkItem) -> None:
@@ -240,9 +179,9 @@ class RayExecutor:
 
     def _dispatch(self) -> list[Event]:
         out = []
-        while self._queue and self._idle:
+        while self._queue and self._pool.idle:
             item, attempt = self._queue.popleft()
-            a = self._idle.pop()
+            a = self._pool.idle.pop()
             payload = {
                 "key": item.key,
                 "kernel": item.kernel,
@@ -258,7 +197,7 @@ class RayExecutor:
         return out
 
     def _wait(self, timeout: float) -> list:
-        refs = list(self._busy) + list(self._hellos)
+        refs = list(self._busy) + list(self._pool.warming)
         if not refs:
             time.sleep(min(timeout, 0.05))
             return []
@@ -267,25 +206,18 @@ class RayExecutor:
             ready, _ = self._ray.wait(refs, num_returns=len(refs), timeout=0)
         return ready
 
-    def _published(self) -> list[Event]:
-        out: list[Event] = []
-        for f in [f for f in self._publishing if f.done()]:
-            self._publishing.discard(f)
-            out += f.result()  # _finish never raises: a failure is a FAILED event
-        return out
-
     def poll(self, timeout: float) -> list[Event]:
-        out = self._pending_notes + self._dispatch() + self._published()
+        out = self._pending_notes + self._dispatch() + self._publisher.done()
         self._pending_notes = []
         if self._closed:
             return out
-        if self._publishing:  # come back soon for what the publisher threads finish
+        if self._publisher.pending:  # come back soon for what the publisher threads finish
             timeout = min(timeout, 0.02)
         out += self._handle(self._wait(0 if out else timeout))
         out += self._check_deadlines()
-        out += self._dispatch() + self._published()
-        if self._queue and not self._idle and not self._busy and not self._hellos:
-            raise self._no_actor_error()
+        out += self._dispatch() + self._publisher.done()
+        if self._queue and not self._pool.idle and not self._busy and not self._pool.warming:
+            raise self._pool.no_actor_error()
         return out
 
     def _check_deadlines(self) -> list[Event]:
@@ -302,10 +234,10 @@ class RayExecutor:
                 continue
             del self._busy[ref]
             self._dispatched_at.pop(ref, None)
-            self._drop(a)
+            self._pool.drop(a)
             self.counts["timeouts"] += 1
-            if self._spawned < 2 * self.jobs + 2 * self.max_retries + 2:
-                self._spawn()
+            if self._may_replace():
+                self._pool.spawn()
             out.append(
                 Event(
                     FAILED,
@@ -321,8 +253,8 @@ class RayExecutor:
         out: list[Event] = []
         done = []
         for ref in ready:
-            if ref in self._hellos:
-                out += self._on_hello(ref, self._hellos.pop(ref))
+            if ref in self._pool.warming:
+                out += self._pool.on_hello(ref)
             elif ref in self._busy:
                 got = self._collect(ref, *self._busy.pop(ref))
                 if isinstance(got, list):
@@ -333,80 +265,14 @@ class RayExecutor:
         # write, fsync): publishing stays off the actors' critical path.
         started = self._dispatch()
         for item, res, a in done:
-            self._publishing.add(self._publisher.submit(self._finish, item, res, a))
+            self._publisher.submit(item, res, worker=f"Ray {a.label}", lane=a.label, pid=a.pid)
         return out + started
 
-    def _on_hello(self, ref, a: _Actor) -> list[Event]:
-        ray = self._ray
-        try:
-            info = ray.get(ref)
-        except Exception as e:  # noqa: BLE001 - the actor's constructor failed or it died
-            self._drop(a)
-            self._start_errors.append(f"{a.label}: {first_line(e)}")
-            log.warning("quack: Ray %s failed to start: %s", a.label, first_line(e))
-            return [Event(NOTE, text=f"warning: Ray {a.label} failed to start: {first_line(e)}")]
-        a.pid, a.node = int(info.get("pid") or 0), str(info.get("node") or info.get("host") or "?")
-        a.node_id = str(info.get("node_id") or "")
-        a.label = f"actor {a.index} ({a.node} pid {a.pid})"
-        self.counts["warm_s"].append(info.get("warm_s"))
-        got, want = str(info.get("stamp") or ""), self._want
-        if got != want:
-            return self._refuse(
-                a,
-                ToolchainMismatch(
-                    f"refusing Ray {a.label}: its toolchain stamp is {got!r} but this coordinator's is "
-                    f"{want!r}; install the same Python, nvidia-cutlass-dsl and apache-tvm-ffi on every "
-                    f"node (its objects would not match their keys)",
-                    worker_stamp=got,
-                    coordinator_stamp=want,
-                    worker=a.label,
-                    executor="ray",
-                    address=self.address,
-                ),
-            )
-        from quack import registry
+    def _may_replace(self) -> bool:
+        """Whether a lost actor may be replaced: bounded, so a crashing node can't loop forever."""
+        return self._pool.spawned < 2 * self.jobs + 2 * self.max_retries + 2
 
-        theirs = info.get("srcfps") or {}
-        for name, spec in registry.all_specs().items():
-            if name in theirs and spec.shippable:
-                mine = spec.source_fingerprint()
-                if theirs[name] != mine:
-                    return self._refuse(
-                        a,
-                        ToolchainMismatch(
-                            f"refusing Ray {a.label}: it sees kernel {name} with source fingerprint "
-                            f"{theirs[name]} but this checkout has {mine} (another version of "
-                            f"{spec.module} shadows the shipped one on that node)",
-                            worker_stamp=theirs[name],
-                            coordinator_stamp=mine,
-                            worker=a.label,
-                            executor="ray",
-                            address=self.address,
-                        ),
-                    )
-        self._idle.append(a)
-        self.counts["nodes"].add(a.node_id)
-        log.info("quack: Ray %s ready (warm-up %.1fs)", a.label, info.get("warm_s") or 0.0)
-        return []
-
-    def _refuse(self, a: _Actor, err: ToolchainMismatch) -> list[Event]:
-        self._drop(a)
-        self._refused.append(err)
-        self.counts["actors_refused"] += 1
-        log.warning("quack: %s", err)
-        return [Event(NOTE, text=f"warning: {err}")]
-
-    def _drop(self, a: _Actor) -> None:
-        if a in self._actors:
-            self._actors.remove(a)
-        if a in self._idle:
-            self._idle.remove(a)
-        try:
-            self._ray.kill(a.handle, no_restart=True)
-        except Exception:  # noqa: BLE001 - already gone
-            pass
-
-    def _collect(self, ref, a: _Actor, item: WorkItem, attempt: int):
+    def _collect(self, ref, a: Actor, item: WorkItem, attempt: int):
         """A finished task: (item, result, actor) to publish, or the events it gives."""
         ray = self._ray
         t_disp = self._dispatched_at.pop(ref, time.perf_counter())
@@ -420,7 +286,7 @@ class RayExecutor:
         ) as e:
             return self._on_actor_death(a, item, attempt, e)
         except Exception as e:  # noqa: BLE001 - a Ray-level failure of this task: report it
-            self._idle.append(a)
+            self._pool.idle.append(a)
             return [
                 Event(
                     FAILED,
@@ -434,44 +300,20 @@ class RayExecutor:
                     ),
                 )
             ]
-        self._idle.append(a)
+        self._pool.idle.append(a)
         self.counts["roundtrip_s"] += time.perf_counter() - t_disp
         if res.get("error") is not None:
             return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=res["error"])]
         self.counts["actor_compile_wall_s"] += float(res.get("wall_s") or 0.0)
         return item, res, a
 
-    def _finish(self, item: WorkItem, res: dict, a: _Actor) -> list[Event]:
-        """In a publisher thread: publish one result; the events for it (never raises)."""
-        p0 = time.perf_counter()
-        try:
-            compiled = publish_result(self.store, item, res, worker=f"Ray {a.label}", address=self.address)
-            if compiled:
-                with self._counts_lock:
-                    self.counts["published"] += 1
-        except Exception as e:  # noqa: BLE001 - ExecutorError, CacheError, OSError, LockTimeout
-            return [Event(FAILED, item.key, lane=a.label, pid=a.pid, error=e)]
-        finally:
-            with self._counts_lock:
-                self.counts["publish_s"] += time.perf_counter() - p0
-        return [
-            Event(
-                DONE,
-                item.key,
-                lane=a.label,
-                pid=a.pid,
-                compiled=compiled,
-                compile_s=float(res.get("compile_s") or 0.0) if compiled else 0.0,
-            )
-        ]
-
-    def _on_actor_death(self, a: _Actor, item: WorkItem, attempt: int, e: BaseException) -> list[Event]:
-        self._drop(a)
+    def _on_actor_death(self, a: Actor, item: WorkItem, attempt: int, e: BaseException) -> list[Event]:
+        self._pool.drop(a)
         self.counts["actor_deaths"] += 1
         why = first_line(e)
         out: list[Event] = []
-        if not self._closed and self._spawned < 2 * self.jobs + 2 * self.max_retries + 2:
-            self._spawn()  # keep the worker count; bounded, so a crashing node can't loop forever
+        if not self._closed and self._may_replace():
+            self._pool.spawn()  # keep the worker count
         if attempt < self.max_retries:
             self.counts["retries"] += 1
             self._queue.appendleft((item, attempt + 1))
@@ -502,7 +344,7 @@ class RayExecutor:
         )
         return out
 
-    # -- publishing (the coordinator is the only writer) -------------------------------------
+    # -- the scheduler's question: who compiles this key ------------------------------------
     def worker_pid(self, key: str) -> int:
         for a, item, _ in self._busy.values():
             if item.key == key:
@@ -516,14 +358,9 @@ class RayExecutor:
         published once this returns."""
         self._closed = True
         self._queue.clear()
-        for a in list(self._actors):
-            self._drop(a)
+        self._pool.drop_all()
         self._busy.clear()
-        self._hellos.clear()
-        self._idle.clear()
-        if self._publisher is not None:
-            self._publisher.shutdown(wait=True, cancel_futures=True)
-            self._publisher = None
+        self._publisher.shutdown()
 
     def close(self) -> None:
         if self._stage:
@@ -544,14 +381,15 @@ class RayExecutor:
                 pass
 
     def describe(self) -> str:
-        ready = len(self._idle) + len(self._busy)
+        ready = len(self._pool.idle) + len(self._busy)
         return (
             f"Ray {self.address}: {self.jobs} actor{'s' if self.jobs != 1 else ''} (1 CPU each, "
             f"GPU-blind), {ready} warm after {self.start_s:.1f}s"
         )
 
     def stats(self) -> dict:
-        d = dict(self.counts)
+        got = {**self._pool.counts, **self._publisher.counts, **self.counts}
+        d = {k: got[k] for k in _STATS_ORDER if k in got}
         d["nodes"] = sorted(d["nodes"])
         d["jobs"] = self.jobs
         d["publish_threads"] = PUBLISH_THREADS
