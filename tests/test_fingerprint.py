@@ -87,3 +87,28 @@ def test_edit_seen_without_clearing_the_memo(pkg):
     assert keys.source_fingerprint("fpkern.softmax") == soft  # memoized
     (pkg / "_common.py").write_text("X = 12345  # longer\n")
     assert keys.source_fingerprint("fpkern.softmax") != soft  # a long-lived process sees the edit
+
+
+def test_fingerprinting_imports_none_of_the_modules_it_reads(pkg):
+    """``from .mod import name`` asks whether ``pkg.mod.name`` is a module; finding that
+    out must not import ``pkg.mod`` (a kernel helper imports cutlass at its top: a process
+    that only loads prebuilt objects would pay for it). Subpackages are still followed."""
+    (pkg / "_heavy.py").write_text("raise RuntimeError('imported while fingerprinting')\nZ = 1\n")
+    sub = pkg / "sub"
+    sub.mkdir()
+    (sub / "__init__.py").write_text("raise RuntimeError('imported while fingerprinting')\n")
+    (sub / "leaf.py").write_text("W = 1\n")
+    (pkg / "ce.py").write_text(
+        textwrap.dedent("""
+        from ._heavy import Z
+        from .sub import leaf
+        def compile_ce():
+            from fpkern.sub.leaf import W
+            return Z + leaf.W + W
+    """)
+    )
+    before = set(sys.modules)
+    files = keys.source_files("fpkern.ce")
+    assert sorted(files) == ["fpkern._heavy", "fpkern.ce", "fpkern.sub", "fpkern.sub.leaf"]
+    assert files["fpkern._heavy"] == pkg / "_heavy.py" and files["fpkern.sub.leaf"] == sub / "leaf.py"
+    assert not {m for m in set(sys.modules) - before if m.startswith("fpkern")}

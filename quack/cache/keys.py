@@ -9,6 +9,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib.machinery
 import importlib.metadata as md
 import importlib.util
 import json
@@ -83,12 +84,31 @@ def toolchain_tag() -> str:
 # --- source fingerprints -------------------------------------------------------
 
 
+def _spec(name: str):
+    """``name``'s module spec, found WITHOUT importing it or its parent packages (beyond
+    what is imported already). ``importlib.util.find_spec("a.b.c")`` imports ``a.b``: for
+    ``from .mod import name`` the fingerprint asks whether ``pkg.mod.name`` is a module,
+    and that import ran ``pkg.mod`` (and its cutlass import) in a process that only loads
+    prebuilt objects. A name under a plain module (not a package) is an attribute: None."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return getattr(mod, "__spec__", None)
+    parent, _, _ = name.rpartition(".")
+    if not parent:
+        return importlib.util.find_spec(name)  # top level: searched, not imported
+    pspec = _spec(parent)
+    locs = pspec.submodule_search_locations if pspec is not None else None
+    if not locs:
+        return None
+    return importlib.machinery.PathFinder.find_spec(name, list(locs))
+
+
 def _module_file(name: str) -> Path | None:
     mod = sys.modules.get(name)
     f = getattr(mod, "__file__", None) if mod is not None else None
     if f is None:
         try:
-            spec = importlib.util.find_spec(name)
+            spec = _spec(name)
         except (ImportError, ValueError):
             return None
         f = spec.origin if spec is not None else None
