@@ -38,3 +38,28 @@ COMPILE_FNS = {
 def tol(dtype: str):
     """(atol, rtol) for outputs of O(1) magnitude."""
     return {"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 2e-2)}[dtype]
+
+
+def cuda_rand(shape, dt, seed, shift=0.0):
+    """Seeded normal values (+ ``shift``) on the GPU in dtype ``dt``, drawn in fp32."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return (torch.randn(shape, device="cuda", generator=g) + shift).to(dt)
+
+
+def layernorm_fwd_ptx(tmp_path, args: str) -> str:
+    """PTX of ``compile_layernorm_fwd.raw(<args>)`` for sm_90a, compiled in a child process
+    (CUTE_DSL_KEEP is read once a process), dumped under ``tmp_path``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, sys; os.environ.update(CUTE_DSL_KEEP='ptx', CUTE_DSL_DUMP_DIR=sys.argv[1], "
+        "CUTE_DSL_ARCH='sm_90a')\n"
+        "from quack_kernels import layernorm\n"
+        f"layernorm.compile_layernorm_fwd.raw({args})\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=600)
+    (ptx,) = tmp_path.glob("*.ptx")
+    return ptx.read_text()

@@ -8,6 +8,7 @@ import os
 import re
 
 import pytest
+from _cases import layernorm_fwd_ptx
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -49,25 +50,9 @@ def test_row_budget_gives_one_row_a_cta(n):
     assert _ln_row.x_smem_ok(p, 16, _ln_row.ROW_SMALL_VARIANTS[_ln_row.ROW_SMALL["wide"]])
 
 
-def _ptx_of(tmp_path, fn):
-    """PTX of the kernel ``fn`` compiles (CUTE_DSL_KEEP is read once a process: a child)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import os, sys; os.environ.update(CUTE_DSL_KEEP='ptx', CUTE_DSL_DUMP_DIR=sys.argv[1], "
-        "CUTE_DSL_ARCH='sm_90a')\n"
-        "from quack_kernels import layernorm\n"
-        f"layernorm.compile_layernorm_fwd.raw({fn})\n"
-    )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=600)
-    (ptx,) = tmp_path.glob("*.ptx")
-    return ptx.read_text()
-
-
 @pytest.mark.parametrize(("w", "b"), [(True, True), (True, False), (False, True)])
 def test_row_small_kernel_compiles_and_loads_wb_before_the_reductions(tmp_path, w, b):
-    ptx = _ptx_of(tmp_path, f"'bfloat16', 4096, {w}, {b}, 'float32'")
+    ptx = layernorm_fwd_ptx(tmp_path, f"'bfloat16', 4096, {w}, {b}, 'float32'")
     body = ptx[ptx.index(".entry") :]
     # 4 rows' cp.async, then every w / b vector of the thread (4 a tensor: 2 16-byte loads
     # each), then the first reduction's wait; y's 16-byte stores after it

@@ -8,6 +8,7 @@ default tables name. Outputs are poisoned with NaN first (``poison_allocations``
 so an unwritten element fails."""
 
 import pytest
+from _cases import cuda_rand
 from _fixtures import oom_pressure, poison_allocations  # noqa: F401  (fixtures, used by name)
 
 torch = pytest.importorskip("torch")
@@ -24,11 +25,6 @@ def _cases():
 
     # the 4096 rows measured, 3072 the class's other row length
     return [("layer", n, label, kn) for label, kn in _ln_row.ROW_SMALL_VARIANTS.items() for n in (3072, 4096)]
-
-
-def _rand(shape, dt, seed, shift=0.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(shape, device="cuda", generator=g) + shift).to(dt)
 
 
 def _ms(n):
@@ -81,9 +77,9 @@ def test_round7_variants_match_torch(case, monkeypatch, tmp_path):
         compiled = rmsnorm.compile_rmsnorm_fwd.raw("bfloat16", n, True, False, False, "float32")
     fn, _module = _load(compiled, tmp_path)
     for m in _ms(n):
-        x = _rand((m, n), torch.bfloat16, 0, shift=3.0)  # a mean far from 0
-        w = _rand((n,), torch.float32, 1)
-        b = _rand((n,), torch.float32, 2)
+        x = cuda_rand((m, n), torch.bfloat16, 0, shift=3.0)  # a mean far from 0
+        w = cuda_rand((n,), torch.float32, 1)
+        b = cuda_rand((n,), torch.float32, 2)
         y = torch.full_like(x, float("nan"))
         mean = torch.full((m,), float("nan"), device="cuda")
         rstd = torch.full((m,), float("nan"), device="cuda")
@@ -105,9 +101,9 @@ def test_public_forwards_with_fp32_weights(xdt, kind, n):
 
     dt = getattr(torch, xdt)
     for m in _ms(n):
-        x = _rand((m, n), dt, 0, shift=3.0)
-        w = _rand((n,), torch.float32, 1)
-        b = _rand((n,), torch.float32, 2)
+        x = cuda_rand((m, n), dt, 0, shift=3.0)
+        w = cuda_rand((n,), torch.float32, 1)
+        b = cuda_rand((n,), torch.float32, 2)
         if kind == "layer":
             y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
         else:

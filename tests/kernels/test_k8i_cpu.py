@@ -9,6 +9,7 @@ import os
 import re
 
 import pytest
+from _cases import layernorm_fwd_ptx
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 
@@ -40,26 +41,9 @@ def test_row_cta_wide_reaches_only_16bit_rows_of_one_cta_with_an_fp32_weight():
     assert "wb_ahead" not in _ln_row.fwd_knobs("bfloat16", 16384, "same", {})
 
 
-def _ptx_of(tmp_path, args):
-    """PTX of ``compile_layernorm_fwd.raw(args)`` (CUTE_DSL_KEEP is read once a process: a
-    child process)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import os, sys; os.environ.update(CUTE_DSL_KEEP='ptx', CUTE_DSL_DUMP_DIR=sys.argv[1], "
-        "CUTE_DSL_ARCH='sm_90a')\n"
-        "from quack_kernels import layernorm\n"
-        f"layernorm.compile_layernorm_fwd.raw({args})\n"
-    )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=600)
-    (ptx,) = tmp_path.glob("*.ptx")
-    return ptx.read_text()
-
-
 @pytest.mark.parametrize(("n", "nvec"), [(14336, 7), (10240, 5)])
 def test_row_cta_wide_kernel_loads_two_wb_vectors_before_the_reductions(tmp_path, n, nvec):
-    ptx = _ptx_of(tmp_path, f"'bfloat16', {n}, True, True, 'float32'")
+    ptx = layernorm_fwd_ptx(tmp_path, f"'bfloat16', {n}, True, True, 'float32'")
     body = ptx[ptx.index(".entry") :]
     first_wait = body.index("cp.async.wait_group")
     # 2 vectors of fp32 w and of b (8 fp32 a vector: 2 16-byte loads each) ahead of the first
@@ -73,7 +57,7 @@ def test_n16384_kernel_reads_each_wb_vector_once_for_four_rows_all_ahead(tmp_pat
     """ROW_CTA_BY_N[("wide", 16384)]: 4 vectors a thread (512 threads x 8 x 4 = 16384), all
     of a thread's w / b loaded before the first row's wait, none in the y loop; y of four
     rows stored."""
-    ptx = _ptx_of(tmp_path, "'bfloat16', 16384, True, True, 'float32'")
+    ptx = layernorm_fwd_ptx(tmp_path, "'bfloat16', 16384, True, True, 'float32'")
     body = ptx[ptx.index(".entry") :]
     first_wait = body.index("cp.async.wait_group")
     assert len(re.findall(r"ld\.global\.v4", body[:first_wait])) == 4 * 2 * 2

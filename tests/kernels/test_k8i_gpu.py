@@ -6,6 +6,7 @@ against float32 torch over M = 1, 7 and several waves of CTAs (odd). Outputs are
 NaN first (``poison_allocations``), so an unwritten element fails."""
 
 import pytest
+from _cases import cuda_rand
 from _fixtures import oom_pressure, poison_allocations  # noqa: F401  (fixtures, used by name)
 
 torch = pytest.importorskip("torch")
@@ -17,11 +18,6 @@ pytestmark = [
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
-def _rand(shape, dt, seed, shift=0.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(shape, device="cuda", generator=g) + shift).to(dt)
-
-
 @pytest.mark.parametrize("xdt", ("bfloat16", "float16"))
 @pytest.mark.parametrize("n", (10240, 12288, 14336, 16384))
 def test_layernorm_fwd_fp32_wb_row_cta_class(xdt, n):
@@ -30,9 +26,9 @@ def test_layernorm_fwd_fp32_wb_row_cta_class(xdt, n):
     dt = getattr(torch, xdt)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for m in (1, 7, 3 * sms + 5):  # 3 * 132 + 5 = 401: not a multiple of 2, 3 or 4
-        x = _rand((m, n), dt, 0, shift=3.0)  # a mean far from 0
-        w = _rand((n,), torch.float32, 1)
-        b = _rand((n,), torch.float32, 2)
+        x = cuda_rand((m, n), dt, 0, shift=3.0)  # a mean far from 0
+        w = cuda_rand((n,), torch.float32, 1)
+        b = cuda_rand((n,), torch.float32, 2)
         y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
         xf = x.float()
         torch.testing.assert_close(mean, xf.mean(-1), atol=1e-4, rtol=1e-4)

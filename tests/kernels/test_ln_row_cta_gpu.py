@@ -5,6 +5,7 @@ and bias, M = 1, 7 and several waves of CTAs. Outputs are poisoned with NaN firs
 (``poison_allocations``), so an unwritten element fails."""
 
 import pytest
+from _cases import cuda_rand
 from _fixtures import oom_pressure, poison_allocations  # noqa: F401  (fixtures, used by name)
 
 torch = pytest.importorskip("torch")
@@ -16,11 +17,6 @@ pytestmark = [
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
 
 
-def _rand(shape, dt, seed, shift=0.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(shape, device="cuda", generator=g) + shift).to(dt)
-
-
 @pytest.mark.parametrize("xdt", ("bfloat16", "float16"))
 @pytest.mark.parametrize("affine", ("same", "float32", "weight", "none"))
 @pytest.mark.parametrize("n", (10240, 16384))
@@ -30,10 +26,10 @@ def test_layernorm_fwd_row_cta(xdt, affine, n):
     dt = getattr(torch, xdt)
     big = 4 * torch.cuda.get_device_properties(0).multi_processor_count * 6 + 5
     for m in (1, 7, big):
-        x = _rand((m, n), dt, 0, shift=3.0)  # a mean far from 0: the variance's cancellation
+        x = cuda_rand((m, n), dt, 0, shift=3.0)  # a mean far from 0: the variance's cancellation
         wdt = torch.float32 if affine == "float32" else dt
-        w = _rand((n,), wdt, 1) if affine != "none" else None
-        b = _rand((n,), wdt, 2) if affine in ("same", "float32") else None
+        w = cuda_rand((n,), wdt, 1) if affine != "none" else None
+        b = cuda_rand((n,), wdt, 2) if affine in ("same", "float32") else None
         y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
         xf = x.float()
         ref = torch.nn.functional.layer_norm(
