@@ -361,6 +361,39 @@ def test_publisher_threads_publish_once_report_failures_as_events_and_stop(tmp_p
         pub.submit(_item(a), _remote_result(a), worker="w", lane="w", pid=0)
 
 
+def test_publisher_shutdown_with_more_queued_than_threads_drops_the_queue_cleanly(tmp_path, monkeypatch):
+    """Shutdown drops the queued results (never published) and lets the ones in progress
+    finish: ``done`` returns just the finished ones' events, and then nothing is pending (a
+    cancelled future left behind made ``done`` raise and ``pending`` true for ever)."""
+    import threading
+    import time
+
+    from quack_build.executors import publish
+
+    started = threading.Semaphore(0)
+    published = []
+
+    def slow(store, item, res, **kw):
+        started.release()
+        time.sleep(0.2)
+        published.append(item.key)
+        return True
+
+    monkeypatch.setattr(publish, "publish_result", slow)
+    cfgs = [_cfg(32 + 32 * i) for i in range(3 * publish.PUBLISH_THREADS)]
+    pub = publish.Publisher(DiskStore(tmp_path / "cache", fsync=False))
+    pub.open("h:1")
+    for c in cfgs:
+        pub.submit(_item(c), _remote_result(c), worker="w", lane="w", pid=0)
+    assert started.acquire(timeout=30)  # the first publishes are under way
+    pub.shutdown()
+    events = pub.done()
+    assert not pub.pending
+    assert 1 <= len(events) <= publish.PUBLISH_THREADS < len(cfgs)
+    assert sorted(e.key for e in events) == sorted(published) and all(e.kind == DONE for e in events)
+    assert pub.counts["published"] == len(published) and pub.done() == []
+
+
 def test_vet_hello_admits_a_matching_actor_and_refuses_naming_both_values():
     from quack.cache import keys
     from quack_build.executors.ray_actors import vet_hello

@@ -153,6 +153,9 @@ class Publisher:
         if self._threads is not None:
             self._threads.shutdown(wait=True, cancel_futures=True)
             self._threads = None
+            # A cancelled future never had events, and its result() raises CancelledError:
+            # kept, it would leave ``pending`` true for ever and make ``done`` raise.
+            self._futures = {f for f in self._futures if not f.cancelled()}
 
     def _finish(self, item: WorkItem, res: dict, worker: str, lane: str, pid: int) -> list[Event]:
         """In a publisher thread: publish one result; the events for it (never raises)."""
