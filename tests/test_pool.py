@@ -218,6 +218,32 @@ def test_prewarm_returns_at_once_and_shutdown_never_waits(quack_settings):
         pass
 
 
+def test_a_shut_down_pool_fails_every_key_submitted_after_instead_of_hanging(quack_settings):
+    """Submitted after shutdown (started or never started), each key fails at once as
+    cancelled; before, it stayed pending in a queue no thread read and wait() without a
+    time-out never returned. More keys than workers, and through the runtime's miss path."""
+    spec = toykernels.toy_scale.spec
+    for started in (True, False):
+        p = qpool.CompilePool(1)
+        if started:
+            p.prewarm()
+            assert _wait_for(lambda: p.stats()["workers"] == 1, timeout=120)
+        p.shutdown()
+        keys = []
+        for block in (32, 64, 96):
+            params = {"dtype": "float32", "block": block, "bias": False}
+            key = spec.key(params, "sm_90a")
+            keys.append(key)
+            assert p.submit(spec, params, "sm_90a", key) == qpool.FAILED
+        for key in keys:
+            st, err = p.wait(key, timeout=5)
+            assert st == qpool.FAILED and "shut down" in str(err)
+        assert p.stats()["pending"] == 0
+        with qpool.pool_scope(p):
+            with pytest.raises(CompileError, match="shut down"):
+                toykernels.toy_scale("float32", 128 + _tag() % 512, False)
+
+
 def test_state_is_per_cache_root(pool, tmp_path):
     roots = [tmp_path / "a", tmp_path / "b"]
     for r in roots:

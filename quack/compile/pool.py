@@ -176,6 +176,12 @@ class CompilePool:
                 timeout if timeout is not None else s.compile_timeout,
             )
             self._book.begin(task)
+            if self.closed:
+                # A shut-down pool runs nothing: the key fails now, cancelled as shutdown
+                # fails the keys it finds, instead of pending for ever in a queue no thread
+                # reads (wait() without a time-out never returned).
+                self._book.cancel(task)
+                return FAILED
             if not force:
                 ext = external.paths(spec, params, arch, s)
                 if ext is not None and external.lock_held(ext[0]):

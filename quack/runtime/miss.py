@@ -267,6 +267,8 @@ def settle_in_pool(
     st, err = pool.poll(key, root)
     if st == _pool.NEW:
         st = pool.submit(k.spec, params, arch, key, settings=s)
+        if st != _pool.PENDING:  # settled at once (a shut-down pool): its error with it
+            st, err = pool.poll(key, root)
     if st == _pool.PENDING:
         if scoped:
             exc = CompilePending(k.spec.name, key)
