@@ -362,8 +362,7 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: i
             cute.arch.cp_async_commit_group()
         ahead = []  # (w, b) register vectors loaded ahead, by vector index
         if const_expr(wb_ahead > 0):
-            gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
-            gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
+            gW, gB = _bcast_wb(t0, mW, mB)
             for k in cutlass.range_constexpr(min(wb_ahead, plan.nvec)):
                 ahead.append(_load_wb(gW, gB, k))
         red.wait_cluster()
@@ -400,8 +399,7 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: i
             t.write_row_scalar(mRstd, rstd)
             rstds.append(rstd)
         if const_expr(wb_ahead == 0):
-            gW = t0.part_bcast(mW) if const_expr(mW is not None) else None
-            gB = t0.part_bcast(mB) if const_expr(mB is not None) else None
+            gW, gB = _bcast_wb(t0, mW, mB)
         for k in cutlass.range_constexpr(plan.nvec):
             if const_expr(wb_ahead > 0):
                 # the loads of vector k + wb_ahead go out before this vector's y stores
@@ -409,12 +407,7 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: i
                     ahead.append(_load_wb(gW, gB, k + wb_ahead))
                 rw, rb = ahead[k]
             else:
-                if const_expr(mW is not None):
-                    rw = cute.make_rmem_tensor_like(gW[None, 0, k])
-                    cute.autovec_copy(gW[None, 0, k], rw)
-                if const_expr(mB is not None):
-                    rb = cute.make_rmem_tensor_like(gB[None, 0, k])
-                    cute.autovec_copy(gB[None, 0, k], rb)
+                rw, rb = _load_wb(gW, gB, k)
             for r in cutlass.range_constexpr(rows):
                 t = tiles[r]
                 xk = t.thr.partition_S(sX[None, None, r])[None, 0, k].load().to(Float32)
@@ -433,6 +426,11 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: i
                     cute.autovec_copy(ry, gY[None, 0, k])
 
     return kernel
+
+
+def _bcast_wb(t0, mW, mB):
+    """The thread's broadcast partitions of w and b (None where absent). Traced inline."""
+    return (t0.part_bcast(mW) if mW is not None else None, t0.part_bcast(mB) if mB is not None else None)
 
 
 def _load_wb(gW, gB, k):
