@@ -158,7 +158,7 @@ def _entry(i: int, raw) -> IndexEntry:
     )
     stamp = field("stamp", str)
     try:
-        from quack.cache.store import EntryRef
+        from quack.cache.entry import EntryRef
 
         EntryRef(kernel, key, arch, srcfp)  # the store's path rules: no '..', '/', NUL
     except ParamError as e:

@@ -23,7 +23,8 @@ from pathlib import Path
 from quack.bundles import index as _index
 from quack.bundles.index import Index, IndexEntry
 from quack.cache import fsutil, keys
-from quack.cache.store import Entry, EntryRef, warn_once
+from quack.cache.entry import Entry, EntryRef
+from quack.cache.problems import warn_once
 from quack.errors import BundleError, KeyFileError
 
 log = logging.getLogger("quack")

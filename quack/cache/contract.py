@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from quack.cache.store import Entry, EntryRef
+    from quack.cache.entry import Entry, EntryRef
 
 #: ``Inspection.status`` values.
 Status = Literal["ok", "missing", "corrupt"]

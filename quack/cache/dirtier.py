@@ -9,7 +9,9 @@ from pathlib import Path
 
 from quack.cache import fsutil
 from quack.cache.contract import CORRUPT, Fetched
-from quack.cache.store import DiskStore, EntryRef, warn_once
+from quack.cache.entry import EntryRef
+from quack.cache.problems import warn_once
+from quack.cache.store import DiskStore
 from quack.errors import CacheError
 
 

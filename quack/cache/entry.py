@@ -1,7 +1,8 @@
 """What names one cache entry: ``EntryRef`` (kernel, key, arch, source fingerprint),
 every component checked before it becomes part of a path, and ``Entry``, a store's
 verified entry (its ref, metadata and files). Used by every store and tier
-(quack.cache.store, quack.bundles, quack.remote) and by the runtime's lookup.
+(quack.cache.store, quack.bundles, quack.remote) and by the runtime (quack.runtime.jit,
+quack.runtime.tiers).
 """
 
 from __future__ import annotations

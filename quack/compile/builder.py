@@ -13,7 +13,8 @@ import time
 import traceback
 from typing import TYPE_CHECKING
 
-from quack.cache.store import Entry, EntryRef, write_error
+from quack.cache.entry import Entry, EntryRef
+from quack.cache.problems import write_error
 from quack.errors import CacheError, CompileError
 from quack.registry import KernelSpec
 from quack.runtime import loader

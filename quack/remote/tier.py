@@ -31,7 +31,7 @@ from typing import Any
 
 from quack.cache import fsutil
 from quack.cache.contract import Fetched
-from quack.cache.store import Entry, EntryRef
+from quack.cache.entry import Entry, EntryRef
 from quack.errors import KeyFileError, ObjectRejected, RemoteError, RemoteWarning
 from quack.remote import objects
 from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact

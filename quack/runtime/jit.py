@@ -165,7 +165,7 @@ class JitKernel:
         quack.runtime.tiers; docs/architecture.md)."""
         # The ref from the key already made, not builder.entry_ref: a hit never imports
         # the builder (its imports were ~1.5 ms of a fresh process's first load).
-        from quack.cache.store import EntryRef
+        from quack.cache.entry import EntryRef
 
         ref = EntryRef(self.spec.name, key, s.arch, self.spec.source_fingerprint())
         store, loaded, unusable = self._from_local(ref, params, key, s)
@@ -185,7 +185,7 @@ class JitKernel:
         # Prebuilt mode never compiles, whatever the cache's state: every path after
         # this one that would compile raises KernelNotPrebuilt instead, saying why when
         # it is not a plain miss (a disabled or unusable cache).
-        from quack.cache.store import local_store, warn_once
+        from quack.cache.store import local_store
 
         if not s.cache_enabled:
             return None, None, "the cache is disabled (QUACK_CACHE_ENABLED=0 or [cache] enabled = false)"
@@ -194,6 +194,8 @@ class JitKernel:
             entry = store.lookup(ref)
         except (CacheError, OSError) as e:
             if s.mode == "prebuilt":
+                from quack.cache.problems import warn_once
+
                 warn_once(
                     f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})", stacklevel=6
                 )

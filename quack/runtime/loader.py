@@ -28,7 +28,7 @@ from quack.errors import EntryVanished, LinkError
 
 if TYPE_CHECKING:
     from quack.cache.contract import Store
-    from quack.cache.store import Entry
+    from quack.cache.entry import Entry
 
 FUNCTION_NAME = "func"
 

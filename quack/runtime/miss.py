@@ -84,7 +84,7 @@ def on_miss(k: JitKernel, ref, store, params, key, s, unusable: str) -> Loaded:
         return compile_in_process(k, params, key, arch)
     if not store.writable():
         log.info("%s is not writable: compiling %s %s in this process", s.cache_dir, k.spec.name, key[:16])
-        from quack.cache.store import warn_once
+        from quack.cache.problems import warn_once
 
         # Read-only cache: hits still load from it; misses run uncached, one warning.
         warn_once(

@@ -26,7 +26,7 @@ from quack.cache.contract import Fetched, ReadTier, Store
 from quack.errors import CacheError, LockTimeout
 
 if TYPE_CHECKING:
-    from quack.cache.store import Entry, EntryRef
+    from quack.cache.entry import Entry, EntryRef
     from quack.settings import Settings
 
 log = logging.getLogger("quack.tiers")
@@ -75,7 +75,7 @@ def read_tiers(settings: Settings) -> tuple[ReadTier, ...]:
         try:
             t = r.factory(settings)
         except Exception as e:  # noqa: BLE001 - a tier's set-up problem is a miss, shown once
-            from quack.cache.store import warn_once
+            from quack.cache.problems import warn_once
 
             warn_once(
                 f"tier:{r.name}", f"quack: cache tier {r.name!r} is unusable ({e}); looking up without it"
@@ -102,7 +102,7 @@ def fetch_into(store: Store, ref: EntryRef, tiers: tuple[ReadTier, ...]) -> tupl
         try:
             got = tier.fetch(ref)
         except Exception as e:  # noqa: BLE001 - the contract says None; a bug is a miss + warning
-            from quack.cache.store import warn_once
+            from quack.cache.problems import warn_once
 
             warn_once(
                 f"tier-bug:{tier.name}",
