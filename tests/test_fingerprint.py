@@ -112,3 +112,26 @@ def test_fingerprinting_imports_none_of_the_modules_it_reads(pkg):
     assert sorted(files) == ["fpkern._heavy", "fpkern.ce", "fpkern.sub", "fpkern.sub.leaf"]
     assert files["fpkern._heavy"] == pkg / "_heavy.py" and files["fpkern.sub.leaf"] == sub / "leaf.py"
     assert not {m for m in set(sys.modules) - before if m.startswith("fpkern")}
+
+
+def test_a_module_served_by_a_meta_path_finder_is_followed_without_importing(pkg, tmp_path, monkeypatch):
+    """A dependency found by a finder on sys.meta_path (an editable install's, a zip's)
+    counts as an import would see it: searching the parent's directory alone missed it,
+    so an edit to it went unseen."""
+    import importlib.abc
+    import importlib.util
+
+    elsewhere = tmp_path / "elsewhere.py"
+    elsewhere.write_text("raise RuntimeError('imported while fingerprinting')\nQ = 1\n")
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "fpkern._elsewhere":
+                return importlib.util.spec_from_file_location(name, elsewhere)
+            return None
+
+    monkeypatch.setattr(sys, "meta_path", [Finder(), *sys.meta_path])
+    (pkg / "mp.py").write_text("def compile_mp():\n    from ._elsewhere import Q\n    return Q\n")
+    files = keys.source_files("fpkern.mp")
+    assert files["fpkern._elsewhere"] == elsewhere
+    assert "fpkern._elsewhere" not in sys.modules

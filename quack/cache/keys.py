@@ -9,7 +9,6 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
-import importlib.machinery
 import importlib.metadata as md
 import importlib.util
 import json
@@ -89,18 +88,30 @@ def _spec(name: str):
     what is imported already). ``importlib.util.find_spec("a.b.c")`` imports ``a.b``: for
     ``from .mod import name`` the fingerprint asks whether ``pkg.mod.name`` is a module,
     and that import ran ``pkg.mod`` (and its cutlass import) in a process that only loads
-    prebuilt objects. A name under a plain module (not a package) is an attribute: None."""
+    prebuilt objects. A name under a plain module (not a package) is an attribute: None.
+    The finders asked are the import system's own (``sys.meta_path``, with the parent's
+    search path), as an import would ask them."""
     mod = sys.modules.get(name)
     if mod is not None:
         return getattr(mod, "__spec__", None)
     parent, _, _ = name.rpartition(".")
     if not parent:
         return importlib.util.find_spec(name)  # top level: searched, not imported
-    pspec = _spec(parent)
-    locs = pspec.submodule_search_locations if pspec is not None else None
-    if not locs:
+    pmod = sys.modules.get(parent)
+    if pmod is not None:
+        path = getattr(pmod, "__path__", None)
+    else:
+        pspec = _spec(parent)
+        path = pspec.submodule_search_locations if pspec is not None else None
+    if not path:
         return None
-    return importlib.machinery.PathFinder.find_spec(name, list(locs))
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is not None:
+            spec = find(name, list(path))
+            if spec is not None:
+                return spec
+    return None
 
 
 def _module_file(name: str) -> Path | None:
