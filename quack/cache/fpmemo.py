@@ -32,7 +32,6 @@ import json
 import logging
 import os
 import threading
-import time
 import warnings
 from pathlib import Path
 
@@ -59,8 +58,6 @@ def _sig(path: str) -> list[int] | None:
 def _valid_record(rec) -> bool:
     """Shape check of one record as read from disk: anything else is damage."""
     if not isinstance(rec, dict) or not isinstance(rec.get("fp"), str) or len(rec["fp"]) != 16:
-        return False
-    if not isinstance(rec.get("t"), int):
         return False
     files, dirs = rec.get("files"), rec.get("dirs")
     if not isinstance(files, list) or not files or not isinstance(dirs, list):
@@ -207,7 +204,8 @@ class DiskFingerprintMemo:
             if origin is None:
                 return
             k = self._id(module, os.path.abspath(origin))
-            rec = {"fp": fp, "t": time.time_ns(), "files": fl, "dirs": list(dirs.values())}
+            # (No time stamp: the record's age, for pruning, is its file's mtime.)
+            rec = {"fp": fp, "files": fl, "dirs": list(dirs.values())}
             with self._lock:
                 self._records[k] = rec
                 self._dirty[k] = rec
