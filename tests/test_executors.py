@@ -439,4 +439,6 @@ def test_ray_executor_stats_list_every_counter_in_order_before_start(tmp_path):
         "address",
     ]
     assert st["nodes"] == [] and st["published"] == 0 and st["publish_threads"] == PUBLISH_THREADS == 8
+    ex.counts["a_new_counter"] = 3  # one _STATS_ORDER does not list: reported, not dropped
+    assert ex.stats()["a_new_counter"] == 3
     ex.close()  # never started: nothing to stop

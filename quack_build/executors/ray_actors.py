@@ -21,9 +21,6 @@ from quack_build.executors.ray_cluster import first_line
 
 log = logging.getLogger("quack")
 
-# How long start() waits for the first warm, accepted actor (a cluster may be scaling up).
-START_TIMEOUT_S = 600.0
-
 
 @dataclasses.dataclass(eq=False)
 class Actor:
@@ -155,8 +152,9 @@ class ActorPool:
         self.warming.clear()
         self.idle.clear()
 
-    def no_actor_error(self) -> ExecutorError:
-        """Why the build has no actor to run on (none admitted, none warming)."""
+    def no_actor_error(self, waited_s: float) -> ExecutorError:
+        """Why the build has no actor to run on (none admitted, none warming, or none
+        ready within ``waited_s``, the start's time-out)."""
         if self.refused and not self.start_errors:
             e = self.refused[0]
             return ToolchainMismatch(
@@ -173,7 +171,7 @@ class ActorPool:
                 f"no Ray actor could start on {self.address}: {why}", executor="ray", address=self.address
             )
         return ExecutorError(
-            f"no Ray actor became ready on {self.address} within {START_TIMEOUT_S:.0f} s; "
+            f"no Ray actor became ready on {self.address} within {waited_s:.0f} s; "
             f"does the cluster have free CPUs?",
             executor="ray",
             address=self.address,

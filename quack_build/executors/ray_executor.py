@@ -41,7 +41,7 @@ from typing import Any
 from quack.errors import CompileError, ExecutorError
 from quack_build.executors import FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
 from quack_build.executors.publish import PUBLISH_THREADS, Publisher
-from quack_build.executors.ray_actors import START_TIMEOUT_S, Actor, ActorPool
+from quack_build.executors.ray_actors import Actor, ActorPool
 from quack_build.executors.ray_cluster import (
     ACTOR_ENV,
     CONNECT_TIMEOUT_S,
@@ -52,6 +52,10 @@ from quack_build.executors.ray_cluster import (
 )
 
 log = logging.getLogger("quack")
+
+# How long start() waits for the first warm, accepted actor (a cluster may be scaling up);
+# the error when none came names it (ActorPool.no_actor_error).
+START_TIMEOUT_S = 600.0
 
 MAX_RETRIES = 2  # a key whose actor died is tried at most 1 + MAX_RETRIES times
 # Test hook: a stamp every actor of this process's next builds reports instead of its own
@@ -164,7 +168,7 @@ class RayExecutor:
                     self._wait(min(1.0, max(0.0, deadline - time.monotonic())))
                 )
             if not self._pool.idle:
-                raise self._pool.no_actor_error()
+                raise self._pool.no_actor_error(START_TIMEOUT_S)
         except BaseException:
             self.close()
             raise
@@ -217,7 +221,7 @@ class RayExecutor:
         out += self._check_deadlines()
         out += self._dispatch() + self._publisher.done()
         if self._queue and not self._pool.idle and not self._busy and not self._pool.warming:
-            raise self._pool.no_actor_error()
+            raise self._pool.no_actor_error(START_TIMEOUT_S)
         return out
 
     def _check_deadlines(self) -> list[Event]:
@@ -390,6 +394,7 @@ class RayExecutor:
     def stats(self) -> dict:
         got = {**self._pool.counts, **self._publisher.counts, **self.counts}
         d = {k: got[k] for k in _STATS_ORDER if k in got}
+        d.update((k, v) for k, v in got.items() if k not in d)  # a counter not listed: last, not lost
         d["nodes"] = sorted(d["nodes"])
         d["jobs"] = self.jobs
         d["publish_threads"] = PUBLISH_THREADS
