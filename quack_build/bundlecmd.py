@@ -16,6 +16,8 @@ from typing import List, Optional
 
 import typer
 
+from quack_build.buildcmd import run_build
+from quack_build.clirun import expand_manifests, local_store, run_command
 from quack_build.common import Fail, cli_settings, console, emit_json, load_kernels
 from quack_build.options import cache_dir_option, manifests_argument, max_configs_option
 
@@ -30,9 +32,8 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'quack_build.bundlecmd' has no attribute {name!r}")
 
 
-def register(app: typer.Typer, run, build, expand, store_of) -> None:
-    """Add the bundle commands. ``run``/``build``/``expand``/``store_of``: the app's
-    own runner, build step, manifest expansion and store factory."""
+def register(app: typer.Typer) -> None:
+    """Add the bundle commands to ``app``."""
 
     @app.command("bundle")
     def bundle(
@@ -58,7 +59,7 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
     ):
         """Build what is missing, then write a wheel of the manifests' prebuilt kernels.
         (`quack bundle inspect WHEEL` shows a wheel's contents without installing it.)"""
-        run(
+        run_command(
             lambda: _bundle(
                 manifests or [],
                 name,
@@ -71,9 +72,6 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
                 as_json,
                 cache_dir,
                 max_configs,
-                build,
-                expand,
-                store_of,
             )
         )
 
@@ -83,7 +81,7 @@ def register(app: typer.Typer, run, build, expand, store_of) -> None:
         as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     ):
         """Print a bundle wheel's contents and check them, without installing it."""
-        run(lambda: _inspect(wheel, as_json))
+        run_command(lambda: _inspect(wheel, as_json))
 
 
 def _bundle(
@@ -98,9 +96,6 @@ def _bundle(
     as_json,
     cache_dir,
     max_configs,
-    build,
-    expand,
-    store_of,
 ) -> int:
     from quack.bundles import index as _index
     from quack_build import bundle as bw
@@ -136,16 +131,16 @@ def _bundle(
 
     # With --json, stdout carries only the bundle's result: the build step reports on stderr.
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-        rc = build(manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False)
+        rc = run_build(manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False)
     if rc:
         raise Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
     build_s = time.time() - t0
     s = cli_settings(cache_dir, jobs, manifests=manifests)
     load_kernels(s)
-    exp = expand(s, manifests, arch, max_configs)
+    exp = expand_manifests(s, manifests, arch, max_configs)
     from quack.errors import BundleError
 
-    files, problems = bw.collect(exp.configs, store_of(s))
+    files, problems = bw.collect(exp.configs, local_store(s))
     if problems:
         raise Fail("error: " + "\n".join(problems) + "\nno bundle written")
     try:

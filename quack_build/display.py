@@ -24,7 +24,6 @@ from quack_build.scheduler import (
     BuildResult,
     Task,
 )
-from quack_build.units import human_bytes  # noqa: F401  (re-exported for the CLI)
 
 
 def _err_line(t: Task) -> str:
