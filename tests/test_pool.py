@@ -227,7 +227,7 @@ def test_a_shut_down_pool_fails_every_key_submitted_after_instead_of_hanging(qua
         p = qpool.CompilePool(1)
         if started:
             p.prewarm()
-            assert _wait_for(lambda: p.stats()["workers"] == 1, timeout=120)
+            assert _wait_for(lambda p=p: p.stats()["workers"] == 1, timeout=120)
         p.shutdown()
         keys = []
         for block in (32, 64, 96):
