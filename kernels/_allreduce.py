@@ -275,3 +275,89 @@ def reduce_stage(val, kind: str, plan: RowPlan, buf, mbar, stage, phase=0):
     b = buf[None, None, stage] if const_expr(buf is not None) else None
     mb = (mbar + stage) if const_expr(mbar is not None) else None
     return row_allreduce(Float32(val), kind, plan.threads_per_row, plan.cluster_n, b, mb, phase)
+
+
+# ---- split cluster all-reduces (the pipelined ring, ``_ring_pipe``): ``send_*`` reduces
+# within the warp and pushes each warp's partial to every CTA of the cluster; ``finish_*``
+# waits for the row's partials and reduces them. Between the two the CTA works on another
+# row, so the cluster round trip overlaps it. Cluster plans with one row a CTA only.
+
+
+@cute.jit
+def send_sum(val: Float32, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int], buf, mbar):
+    """Warp sum of ``val``, pushed into slot (0, rank * warps + warp) of ``buf`` in every
+    CTA of the cluster (completing bytes on their ``mbar``)."""
+    val = cute.arch.warp_reduction(val, operator.add, threads_in_group=32)
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    warps = const_expr(threads_per_row // 32)
+    rank = cute.arch.block_idx_in_cluster()
+    if warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, warps * cluster_n * 4)
+    if lane < cluster_n:
+        slot = buf.iterator + cute.crd2idx((0, rank * warps + warp), buf.layout)
+        store_remote_f32(val, slot, mbar, lane)
+
+
+@cute.jit
+def finish_sum(total: cutlass.Constexpr[int], buf, mbar, phase):
+    """Wait for the ``total`` partials of ``send_sum`` in ``buf`` and sum them."""
+    cute.arch.mbarrier_wait(mbar, phase=phase)
+    lane = cute.arch.lane_idx()
+    v = Float32(0.0)
+    for i in cutlass.range_constexpr((total + 31) // 32):
+        idx = lane + i * 32
+        if idx < total:
+            v = v + buf[0, idx]
+    return cute.arch.warp_reduction(v, operator.add)
+
+
+@cute.jit
+def send_welford(
+    a: Float32,
+    b: Float32,
+    threads_per_row: cutlass.Constexpr[int],
+    cluster_n: cutlass.Constexpr[int],
+    buf_a,
+    buf_b,
+    mbar,
+    count: cutlass.Constexpr[int],
+):
+    """Warp (mean, M2) of the threads' (mean, M2) over ``count`` elements each (Chan's
+    formula, equal counts), pushed like ``send_sum`` into ``buf_a`` / ``buf_b``."""
+    ma = cute.arch.warp_reduction(a, operator.add, threads_in_group=32) * (1.0 / 32)
+    d = a - ma
+    b = cute.arch.warp_reduction(b + d * d * float(count), operator.add, threads_in_group=32)
+    lane = cute.arch.lane_idx()
+    warp = cute.arch.warp_idx()
+    warps = const_expr(threads_per_row // 32)
+    rank = cute.arch.block_idx_in_cluster()
+    if warp == 0:
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(mbar, warps * cluster_n * 8)
+    if lane < cluster_n:
+        ci = (0, rank * warps + warp)
+        store_remote_f32(ma, buf_a.iterator + cute.crd2idx(ci, buf_a.layout), mbar, lane)
+        store_remote_f32(b, buf_b.iterator + cute.crd2idx(ci, buf_b.layout), mbar, lane)
+
+
+@cute.jit
+def finish_welford(total: cutlass.Constexpr[int], count: cutlass.Constexpr[int], buf_a, buf_b, mbar, phase):
+    """Wait for the ``total`` warp pairs of ``send_welford`` (``count`` elements each) and
+    merge them: (row mean, row M2)."""
+    cute.arch.mbarrier_wait(mbar, phase=phase)
+    lane = cute.arch.lane_idx()
+    sa = Float32(0.0)
+    for i in cutlass.range_constexpr((total + 31) // 32):
+        idx = lane + i * 32
+        if idx < total:
+            sa = sa + buf_a[0, idx]
+    mean = cute.arch.warp_reduction(sa, operator.add) * (1.0 / total)
+    sb = Float32(0.0)
+    for i in cutlass.range_constexpr((total + 31) // 32):
+        idx = lane + i * 32
+        if idx < total:
+            dd = buf_a[0, idx] - mean
+            sb = sb + buf_b[0, idx] + dd * dd * float(count)
+    return mean, cute.arch.warp_reduction(sb, operator.add)

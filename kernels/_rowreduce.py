@@ -33,6 +33,10 @@ reduce_stage = _allreduce.reduce_stage
 row_allreduce = _allreduce.row_allreduce
 row_allreduce_pair = _allreduce.row_allreduce_pair
 store_remote_f32 = _allreduce.store_remote_f32
+send_sum = _allreduce.send_sum
+finish_sum = _allreduce.finish_sum
+send_welford = _allreduce.send_welford
+finish_welford = _allreduce.finish_welford
 CUTLASS_DTYPES = _launch.CUTLASS_DTYPES
 cutlass_dtype = _launch.cutlass_dtype
 fake_rows = _launch.fake_rows
@@ -57,6 +61,8 @@ __all__ = [
     "cta_coords",
     "cutlass_dtype",
     "fake_rows",
+    "finish_sum",
+    "finish_welford",
     "fake_vec",
     "launch_kwargs",
     "make_tiled_copy",
@@ -64,6 +70,8 @@ __all__ = [
     "reduce_stage",
     "row_allreduce",
     "row_allreduce_pair",
+    "send_sum",
+    "send_welford",
     "smem_rows_ok",
     "start_ring",
     "start_rows",
@@ -80,7 +88,7 @@ def cta_coords(plan: RowPlan):
     return tidx, bidx, (cy if const_expr(plan.cluster_n > 1) else 0)
 
 
-def start_ring(plan: RowPlan, dtype, mX: cute.Tensor, stages: int, count: int):
+def start_ring(plan: RowPlan, dtype, mX: cute.Tensor, stages: int, count: int, red_stages: int = 4):
     """The persistent cp.async-ring kernels' common prologue (the norm forward's ring,
     the norm backward's shared-memory path): coordinates, the reducer (4 stages) with its
     cluster barriers signalled, ``count`` ring buffers of ``stages`` row tiles each, and the
@@ -88,7 +96,7 @@ def start_ring(plan: RowPlan, dtype, mX: cute.Tensor, stages: int, count: int):
     tidx, bidx, cluster_y = cta_coords(plan)
     m = cute.size(mX, mode=[0])
     smem = cutlass.memory.SmemAllocator()
-    red = Reducer(plan, stages=4)
+    red = Reducer(plan, stages=red_stages)
     red.allocate(smem)
     sl = cute.make_layout((1, plan.tile_n, stages), stride=(plan.tile_n, 1, plan.tile_n))
     bufs = [smem.allocate_tensor(dtype, sl, byte_alignment=128) for _ in range(count)]

@@ -1,0 +1,96 @@
+"""Issue 14 part 6, round 9: the ring forward with the weight / bias slice in registers
+(knob "ring_wregs", ``kernels/_norm_fwd.py``) against the two mixed-precision misses at
+4096x262144 (bf16 x, fp32 weight (+ bias) vs the same-dtype default), side by side.
+
+Why: round 7's profile has the RMSNorm ring (w in shared memory, 4 x stages, 7 clusters of
+16) at 82 % DRAM busy and the LayerNorm ring (w AND b in shared memory: 128 KiB a CTA, room
+for only 2 x stages) at 65 %. With w / b in registers (64 / 128 a thread at 64 elements a
+thread; ptxas: RMSNorm 100 registers, LayerNorm 188, no spills), shared memory holds x
+stages only: 6 at clusters of 16; 3 at 2 CTAs / SM ("2x64", RMSNorm, 127 registers) or at
+clusters of 8 ("c8": 128 elements a thread, 120 SMs instead of 112, 164 registers).
+
+Kernels: ``.raw`` compiles with the modules' ``_TUNE`` knobs (``benchmarks/tune_k2.py``'s
+machinery: each checked against fp32 torch on 256 rows, outputs poisoned first; bf16 rows,
+L2 flushed, median of 20, the group's variants interleaved over ``--rounds`` rounds).
+
+    python benchmarks/prof_k9.py --compile            # compile every variant (workdir)
+    python benchmarks/prof_k9.py --time [--groups g]  # interleaved timing, one process
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.tune_k2 import V, compile_all, compile_key, load, run_group  # noqa: E402
+
+W32 = "float32"
+M, N = 4096, 262144
+WR = {"ring_wregs": True}
+PIPE = {"ring_pipe": True}
+XR = {"pipe_xregs": True}
+BULK = {"x_bulk": True}
+LNR = {"row_cta": False}  # LayerNorm: the ring in place of ROW_CLUSTER's x-in-shared-memory kernels
+
+
+def variants():
+    g = "rms"
+    out = [
+        V(g, "same xs (default)", "rms_fwd", M, N, "same", {}),
+        V(g, "w32 ring (default)", "rms_fwd", M, N, W32, {}, "api"),
+        V(g, "w32 ring 1x128 (c8)", "rms_fwd", M, N, W32, {"ring_budget": 128}, "api"),
+        V(g, "w32 pipe wregs s4", "rms_fwd", M, N, W32, PIPE | WR | {"stages": 4}, "api"),
+    ]
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--jobs", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--workdir", default="/tmp/prof_k9")
+    ap.add_argument("--groups", default=None)
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--time", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    vs = variants()
+    if args.groups:
+        vs = [v for v in vs if v["group"] in set(args.groups.split(","))]
+        if not vs:
+            raise SystemExit(f"--groups {args.groups!r}: no such group")
+    wd = Path(args.workdir)
+    if args.compile:
+        for k, e in compile_all(vs, wd, args.jobs).items():
+            print(f"compile {k} failed: {e}", flush=True)
+    if args.profile:
+        from benchmarks.prof_k7h import profile
+
+        profile(vs, wd)
+    if args.time:
+        fns, mods = {}, []  # the modules stay referenced while their functions run
+        for v in vs:
+            p = wd / f"{compile_key(v)}.o"
+            if p.exists():
+                fn, mod = load(p)
+                fns[compile_key(v)] = fn
+                mods.append(mod)
+        results: list = []
+        groups: dict = {}
+        for v in vs:
+            groups.setdefault(v["group"], []).append(v)
+        for name, gvs in groups.items():
+            t0 = time.time()
+            run_group(name, gvs, fns, args.rounds, results)
+            print(f"[{name}: {time.time() - t0:.1f} s]", flush=True)
+
+
+if __name__ == "__main__":
+    main()
