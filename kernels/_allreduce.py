@@ -284,7 +284,9 @@ def reduce_stage(val, kind: str, plan: RowPlan, buf, mbar, stage, phase=0):
 
 
 @cute.jit
-def send_sum(val: Float32, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int], buf, mbar):
+def send_sum(
+    val: Float32, threads_per_row: cutlass.Constexpr[int], cluster_n: cutlass.Constexpr[int], buf, mbar
+):
     """Warp sum of ``val``, pushed into slot (0, rank * warps + warp) of ``buf`` in every
     CTA of the cluster (completing bytes on their ``mbar``)."""
     val = cute.arch.warp_reduction(val, operator.add, threads_in_group=32)

@@ -75,7 +75,25 @@ ROW_CLUSTER_VARIANTS: dict = {
     "xs mb3": _XS_CLUSTER | {"x_min_blocks": 3},
     "xs2 mb3": _XS_CLUSTER | {"x_rows": 2, "x_min_blocks": 3},
 }
-ROW_CLUSTER: dict = {"wide@16": "xs2 mb3", "same@16": "xs mb3"}
+# Round 9 (issue 14 part 6; docs/kernels.md "Round 9"): the pipelined ring forward
+# (``_ring_pipe``: two rows in flight a CTA, so one row's cluster round trip overlaps the
+# other's work) for rows over 16 CTAs. fp32 w + b: the bias slice in registers, the weight in
+# shared memory, 3 x stages (142 registers). Where the ring does not apply (no weight and no
+# bias, or an uneven tiling) the x-through-shared-memory kernels above stay. Measured (bf16 x,
+# fp32 w + b, M = 4096, benchmarks/prof_k9.py, same process): 262144 1301 -> 1088-1098 us,
+# 196608 1084 -> 850, 163840 974 -> 750. The same-dtype rows keep "xs mb3" but at 262144
+# (``ROW_CLUSTER_BY_N``): 1164-1179 -> 1069-1089 us with the pipelined ring (w + b in shared
+# memory, 4 stages), which is 3 % slower than "xs mb3" at 196608 (917 vs 891) and no faster
+# at 163840. The variants that lost (the ring with w / b in registers without the pipeline,
+# x kept in registers across the pipeline, cp.async.bulk x tiles, more or fewer stages) and
+# the sweeps are at commit 499a617.
+_PIPE = {"ring": True, "ring_pipe": True}
+ROW_CLUSTER_VARIANTS["pipe wregs=b s3"] = (
+    ROW_CLUSTER_VARIANTS["xs2 mb3"] | _PIPE | {"ring_wregs": "b", "stages": 3}
+)
+ROW_CLUSTER_VARIANTS["pipe s4"] = ROW_CLUSTER_VARIANTS["xs mb3"] | _PIPE | {"stages": 4}
+ROW_CLUSTER: dict = {"wide@16": "pipe wregs=b s3", "same@16": "xs mb3"}
+ROW_CLUSTER_BY_N: dict = {("same", 262144): "pipe s4"}
 
 # Round 7 (issue 14 part 6; docs/kernels.md "Round 7"): for 16-bit rows whose default plan
 # holds 2+ rows a CTA (``plan_rows`` with 64 elements a thread: N <= 4096), the knob set by
@@ -119,7 +137,8 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
             if wide:
                 kn["ring"] = False  # any choice there replaces round 3's ring
     elif on and width == 16 and p.cluster_n > 1:
-        label = ROW_CLUSTER.get(f"{'wide' if wide else 'same'}@{p.cluster_n}")
+        kind = "wide" if wide else "same"
+        label = ROW_CLUSTER_BY_N.get((kind, n)) or ROW_CLUSTER.get(f"{kind}@{p.cluster_n}")
         if label:
             kn.update(ROW_CLUSTER_VARIANTS[label])
     elif on and width == 16 and p.cluster_n == 1 and p.rows_per_cta > 1:

@@ -44,14 +44,6 @@ WIDE_PERM = {"rms": False, "layer": True}
 # clusterless ring 3.80-3.84 vs row tile 4.04 (kept off), fp32 w + b 3.83 vs 3.69 (on).
 RING_CLUSTERLESS = {"rms_wide": False, "layer": False, "layer_wide": True}
 RING_SHAPE: dict = {"rms_wide@4": "1x128p"}
-# Round 9 (benchmarks/prof_k9.py): the weight / bias slice kept in registers for the whole
-# loop, by "key@cluster" of the default plan (knob "ring_wregs"), and that ring's default
-# depth (knob "stages"). Measured: see docs/kernels.md, "Round 9".
-RING_WREGS: dict = {}
-RING_WREGS_STAGES = 6
-RING_PIPE: dict = {}
-RING_PIPE_XREGS: dict = {}
-RING_BULK: dict = {}
 SM_SMEM = 228 * 1024  # sm_90's shared memory per SM (each resident CTA reserves 1 KiB of it)
 
 
@@ -106,7 +98,10 @@ def _ring_cfg(
     2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one persistent loop).
     ``tune``: "ring" (False: off), "ring_min_cluster", "ring_same" (RMSNorm with
     same-width weights too), "stages" (max depth, 4), "smem_kb", "wide_perm",
-    "ring_clusters" (a fixed grid instead of the occupancy calculator's)."""
+    "ring_clusters" (a fixed grid instead of the occupancy calculator's); round 9's
+    "ring_pipe" (two rows in flight a CTA: ``_ring_pipe``, clusters only, 3+ stages) and
+    "ring_wregs" (with "ring_pipe": "w" / "b" / "wb", the weight / bias slice kept in
+    registers instead of shared memory, which then holds more x stages)."""
     tune = dict(tune_items)
     if not tune.get("ring", True) or has_residual or not (has_weight or has_bias):
         return None
@@ -128,28 +123,22 @@ def _ring_cfg(
     plan = plan_rows(n, width, budget=elems)
     if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128 or plan.num_threads != 256:
         return None
-    # round 9 knob "ring_pipe": two rows in flight a CTA (``_ring_pipe``; its reducer has
-    # 4 stages a reduction: 8 for LayerNorm's pairs)
-    pipe = bool(tune.get("ring_pipe", RING_PIPE.get(f"{key}@{base.cluster_n}", False))) and plan.cluster_n > 1
-    # round 9 knob "ring_wregs": the weight / bias slice in registers (loaded once, fp32
-    # after conversion) instead of shared memory, which then holds x stages only; True /
-    # "wb" both, "w" / "b" one of them (the pipelined ring only)
-    wregs = tune.get("ring_wregs", RING_WREGS.get(f"{key}@{base.cluster_n}", False))
-    wregs = {True: "wb", False: ""}.get(wregs, wregs)
-    if wregs not in ("", "wb", "w", "b") or (wregs in ("w", "b") and not pipe):
-        raise ValueError(f"ring_wregs={wregs!r}: True, False, 'wb', or with ring_pipe 'w' / 'b'")
-    in_smem = (int(has_weight and "w" not in wregs) + int(has_bias and "b" not in wregs))
+    pipe = bool(tune.get("ring_pipe", False)) and plan.cluster_n > 1
+    wregs = {True: "wb", False: ""}.get(tune.get("ring_wregs", False), tune.get("ring_wregs"))
+    if wregs not in ("", "w", "b", "wb") or (wregs and not pipe):
+        raise ValueError(f"ring_wregs={wregs!r}: '', 'w', 'b' or 'wb', and only with ring_pipe on a cluster")
+    in_smem = int(has_weight and "w" not in wregs) + int(has_bias and "b" not in wregs)
     wb_bytes = in_smem * plan.tile_n * wbits // 8
     stage_bytes = plan.tile_n * width // 8
+    # the pipelined ring keeps 4 reductions in flight (8 buffers for LayerNorm's pairs)
     red_stages = 8 if pipe and kind == "layer" else 4
-    bulk = bool(tune.get("x_bulk", RING_BULK.get(f"{key}@{base.cluster_n}", False))) and not (pipe or wregs)
-    fixed = reducer_bytes(plan, red_stages) + wb_bytes + (128 if bulk else 0)  # + the stages' mbarriers
+    fixed = reducer_bytes(plan, red_stages) + wb_bytes
     budget = min(SMEM_MAX, tune.get("smem_kb", RING_SMEM_KB) * 1024, SM_SMEM // ctas - 1024)
-    stages = min(tune.get("stages", RING_WREGS_STAGES if wregs else 4), (budget - fixed) // stage_bytes)
+    stages = min(tune.get("stages", 4), (budget - fixed) // stage_bytes)
     # one stage (read, then refill with the next row) where the shared memory is shared
-    # by 2+ CTAs or holds a larger slice; 2+ otherwise (the round-1 / 2 ring) and with the
-    # weight in registers (x is re-read from its stage after the reduction)
-    if stages < (1 if (ctas > 1 or elems > 64) and not (wregs or pipe) else 3 if pipe else 2):
+    # by 2+ CTAs or holds a larger slice; 2+ otherwise (the round-1 / 2 ring); 3+ for the
+    # pipelined ring (rows it and it+1 resident while row it+2 comes in)
+    if stages < (3 if pipe else 1 if ctas > 1 or elems > 64 else 2):
         return None
     return dict(
         stages=stages,
@@ -159,11 +148,8 @@ def _ring_cfg(
         clusters=tune.get("ring_clusters"),
         ctas_per_sm=ctas,
         budget=elems,
-        wregs=wregs,
-        wb_late=bool(tune.get("wb_late", False)),
-        x_bulk=bulk,
-        xregs=bool(tune.get("pipe_xregs", RING_PIPE_XREGS.get(f"{key}@{base.cluster_n}", False))),
         pipe=pipe,
+        wregs=wregs,
         red_stages=red_stages,
     )
 
@@ -202,10 +188,11 @@ def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:
         clusters = kt.sm_count(device) * ctas
     else:
         guess = kt.sm_count(device) * ctas // plan.cluster_n - (1 if plan.cluster_n >= 4 else 0)
-        # the probe kernel asks for the CTA's whole share of the SM's shared memory, not
-        # just what the ring uses: the ring is sized for ``ctas`` CTAs an SM, and a lighter
-        # ring (the weight in registers: up to ~210 of them) would otherwise be counted at
-        # two CTAs an SM that its registers cannot hold -- a persistent grid of two waves
+        # the probe kernel asks for the CTA's whole share of the SM's shared memory, not just
+        # what the ring uses: the ring is sized for ``ctas`` CTAs an SM, and a lighter one
+        # (round 9: a pipelined ring with w / b in registers, 100-210 of them, 100-170 KiB)
+        # would otherwise be counted at CTAs an SM that its registers cannot hold -- a
+        # persistent grid run as two waves (measured: 14 clusters of 16 where 7 fit)
         share = max(cfg["smem_bytes"], SM_SMEM // ctas - 1024)
         clusters = _occupancy.max_active_clusters(
             kt.device_index(device), plan.cluster_n, plan.num_threads, share, max(1, guess)
@@ -231,11 +218,9 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     ``plan`` is ``ring_plan``'s."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass import Float32, Int64, const_expr
+    from cutlass import Float32, const_expr
 
     from . import _rowreduce as rr
-
-    from ._ln_row import thread_welford
 
     if cfg.get("pipe", False):
         from ._ring_pipe import ring_pipe_kernel
@@ -243,12 +228,6 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         return ring_pipe_kernel(kind, plan, dt, wdt, cfg)
     layer = kind == "layer"
     stages = cfg["stages"]
-    wregs = cfg.get("wregs", "") == "wb"
-    wb_late = cfg.get("wb_late", False)
-    bulk = cfg.get("x_bulk", False)
-    # the bulk refill relies on x being read into registers before the row's reduction
-    assert not bulk or (stages >= 2 and not wregs)
-    assert cfg.get("wregs", "") in ("", "wb") and (stages >= 2 or not wregs)
     inv_n = 1.0 / plan.n
     e = plan.elems_per_thread
 
@@ -259,20 +238,15 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         # wait_group below also covers it; fp32 beside 16-bit rows: element-wise)
         sW = None
         sB = None
-        if const_expr(wregs):
-            pass  # into registers after the prologue's x copies are issued
-        elif const_expr(cfg["cp_async_wb"]):
+        if const_expr(cfg["cp_async_wb"]):
             sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
         else:
             if const_expr(mW is not None):
                 sW = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
+                t0.stage_bcast_own(mW, sW)
             if const_expr(mB is not None):
                 sB = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
-            if const_expr(not wb_late):
-                if const_expr(mW is not None):
-                    t0.stage_bcast_own(mW, sW)
-                if const_expr(mB is not None):
-                    t0.stage_bcast_own(mB, sB)
+                t0.stage_bcast_own(mB, sB)
         tc = cute.make_tiled_copy_tv(
             rr.cp_async_atom(dt, plan.vec * dt.width),
             cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
@@ -280,64 +254,22 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         )
         thr = tc.get_slice(tidx)
         grid_m = cute.arch.grid_dim()[0]
-        full = None
-        if const_expr(bulk):
-            # knob "x_bulk": each row tile (the CTA's contiguous slice of the row) comes in
-            # ONE cp.async.bulk issued by thread 0, completing bytes on its stage's
-            # mbarrier, instead of 16-byte cp.async by every thread
-            full = smem.allocate_array(Int64, num_elems=stages)
-            if tidx == 0:
-                for s in cutlass.range_constexpr(stages):
-                    cute.arch.mbarrier_init(full + s, 1)
-            cute.arch.mbarrier_init_fence()
-            cute.arch.barrier()
         # prologue: row tiles 0 .. stages-2 of this CTA (with one stage: tile 0)
         for s in cutlass.range_constexpr(max(stages - 1, 1)):
             ts = bidx + s * grid_m
-            if const_expr(bulk):
-                if tidx == 0:
-                    if ts < m:
-                        bulk_copy(full + s, sX[None, None, s], cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y)))
-            else:
-                if ts < m:
-                    cute.copy(
-                        tc,
-                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
-                        thr.partition_D(sX[None, None, s]),
-                    )
-                cute.arch.cp_async_commit_group()
-        if const_expr(wb_late and not wregs and not cfg["cp_async_wb"]):
-            # round 9 knob "wb_late": the element-wise (synchronous) weight / bias staging
-            # after the prologue's x copies are issued, not before
-            if const_expr(mW is not None):
-                t0.stage_bcast_own(mW, sW)
-            if const_expr(mB is not None):
-                t0.stage_bcast_own(mB, sB)
-        rW = None
-        rB = None
-        if const_expr(wregs):
-            # the weight / bias slice into registers once (the loads overlap the x copies
-            # just issued); live for the whole loop: 64 (RMSNorm) / 128 (LayerNorm)
-            # registers a thread at 64 elements a thread
-            if const_expr(mW is not None):
-                rW = t0.load_bcast(t0.part_bcast(mW))
-            if const_expr(mB is not None):
-                rB = t0.load_bcast(t0.part_bcast(mB))
+            if ts < m:
+                cute.copy(
+                    tc,
+                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
+                    thr.partition_D(sX[None, None, s]),
+                )
+            cute.arch.cp_async_commit_group()
         red.wait_cluster()
         rbuf, rmbar = red.buf, red.mbar
         for tile in cutlass.range(bidx, m, grid_m, unroll=1):
             it = (tile - bidx) // grid_m
             t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
-            if const_expr(bulk):
-                # the stage of row it-1: every thread of this CTA read it before sending its
-                # partial of row it-1, which thread 0 waited for in that iteration
-                tn = tile + (stages - 1) * grid_m
-                if tidx == 0:
-                    if tn < m:
-                        sn = (it + stages - 1) % stages
-                        bulk_copy(full + sn, sX[None, None, sn], cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y)))
-                cute.arch.mbarrier_wait(full + it % stages, phase=(it // stages) % 2)
-            elif const_expr(stages > 1):
+            if const_expr(stages > 1):
                 # refill the stage read by the previous iteration with tile it + stages - 1
                 tn = tile + (stages - 1) * grid_m
                 if tn < m:
@@ -350,23 +282,10 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 cute.arch.cp_async_wait_group(stages - 1)
             else:
                 cute.arch.cp_async_wait_group(0)
-            tX = t.thr.partition_S(sX[None, None, it % stages])
+            x = t.thr.partition_S(sX[None, None, it % stages]).load().to(Float32)
             j = it % 2
             ph = (it // 2) % 2
-            if const_expr(wregs):
-                # x stays in its stage: the partials one vector at a time, y re-read below
-                if const_expr(layer):
-                    mt, m2t = thread_welford(tX)
-                else:
-                    sst = Float32(0.0)
-                    for k in cutlass.range_constexpr(plan.nvec):
-                        xk = tX[None, 0, k].load().to(Float32)
-                        sst = sst + (xk * xk).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
-            else:
-                x = tX.load().to(Float32)
-            if const_expr(wregs):
-                pass
-            elif const_expr(layer):
+            if const_expr(layer):
                 # per-thread (mean, M2) merged with Chan's formula in one round trip
                 mt = x.reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0) * (1.0 / e)
                 d = x - mt
@@ -401,51 +320,17 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                     ph,
                 )
                 rstd = cute.math.rsqrt(m2 * inv_n + eps, fastmath=True)
+                y = (x - mean) * rstd
                 t.write_row_scalar(mMean, mean)
             else:
                 ss = rr.reduce_stage(sst, "sum", plan, rbuf, rmbar, j, ph)
                 rstd = cute.math.rsqrt(ss * inv_n + eps, fastmath=True)
-            if const_expr(wregs):
-                gY = t.part(mY)
-                ry = cute.make_rmem_tensor_like(gY)
-                for k in cutlass.range_constexpr(plan.nvec):
-                    yk = tX[None, 0, k].load().to(Float32)
-                    if const_expr(layer):
-                        yk = (yk - mean) * rstd
-                    else:
-                        yk = yk * rstd
-                    if const_expr(mW is not None):
-                        yk = yk * rW[None, 0, k].load().to(Float32)
-                    if const_expr(mB is not None):
-                        yk = yk + rB[None, 0, k].load().to(Float32)
-                    ry[None, 0, k].store(yk.to(gY.element_type))
-                cute.copy(t.tiled_copy, ry, gY)
-            else:
-                if const_expr(layer):
-                    y = (x - mean) * rstd
-                else:
-                    y = x * rstd
-                t.store_affine_smem(y, t.part(mY), sW, sB, mW, mB, wait=False)
+                y = x * rstd
+            t.store_affine_smem(y, t.part(mY), sW, sB, mW, mB, wait=False)
             t.write_row_scalar(mRstd, rstd)
-        if const_expr(not bulk):
-            cute.arch.cp_async_wait_group(0)
+        cute.arch.cp_async_wait_group(0)
 
     return kernel
-
-
-def bulk_copy(mbar, dst, src):
-    """cp.async.bulk of the contiguous tile ``src`` (global) into ``dst`` (this CTA's
-    shared memory, same size), completing its bytes on ``mbar`` (armed here with them).
-    One thread issues it. Traced inline from a kernel body."""
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-
-    nbytes = cute.size(dst) * dst.element_type.width // 8
-    cute.arch.mbarrier_arrive_and_expect_tx(mbar, nbytes)
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[Int32(dst.iterator.toint()), Int64(src.iterator.toint()), Int32(nbytes), Int32(mbar.toint())],
-    )
 
 
 def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: int = 0):

@@ -3,7 +3,11 @@
 TWO rows in flight a CTA. Iteration ``it`` sends row it+1's partials to the cluster, then
 waits for row it's (sent one iteration earlier) and writes row it's y: the cluster round
 trip of one row overlaps the other row's work instead of idling the CTA (the ring runs one
-CTA an SM, and two CTAs of one cluster on an SM wait in lockstep: round 9's "2x64").
+CTA an SM with 8 warps; a second CTA an SM would be of the same cluster, on the same row).
+Measured on the H200 (round 9, bf16 x, 4096x262144, benchmarks/prof_k9.py): LayerNorm, whose
+per-row work (two-pass mean / M2, the pair round trip) is the heavier, 1266 -> 1088-1101 us
+with fp32 w + b, 1164-1179 -> 1069-1089 with same-dtype ones (ROW_CLUSTER / _BY_N in
+``_ln_row``); RMSNorm gains nothing (fp32 w 1076 -> 1080-1115): not its default.
 
 Rows stay in their x stage until their y is written (3+ stages: rows it and it+1 resident,
 the rest in flight); each thread copies and reads back only its own vectors (no CTA
@@ -29,7 +33,6 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
     layer = kind == "layer"
     stages = cfg["stages"]
     wregs = cfg.get("wregs", "")  # "wb" / "w" / "b": which of w / b are in registers
-    xregs = cfg.get("xregs", False)
     assert stages >= 3 and plan.cluster_n > 1 and plan.rows_per_cta == 1 and plan.threads_per_row % 32 == 0
     inv_n = 1.0 / plan.n
     e = plan.elems_per_thread
@@ -103,14 +106,7 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
         rbuf, rmbar = red.buf, red.mbar
         # row 0's partials (the grid never exceeds M: every CTA has a row 0)
         cute.arch.cp_async_wait_group(stages - 2)
-        x0 = t0.thr.partition_S(sX[None, None, 0]).load().to(Float32)
-        send(x0, rbuf, rmbar, 0)
-        xc = None
-        if const_expr(xregs):
-            # knob "pipe_xregs": row it's x kept in registers from its partial to its y
-            # (loaded once from its stage, converted once; 64 more registers)
-            xc = cute.make_rmem_tensor(x0.shape, Float32)
-            xc.store(x0)
+        send(t0.thr.partition_S(sX[None, None, 0]).load().to(Float32), rbuf, rmbar, 0)
         for tile in cutlass.range(bidx, m, grid_m, unroll=1):
             it = (tile - bidx) // grid_m
             t = rr.RowTiles(plan, dt, m, tidx, tile, cluster_y)
@@ -125,14 +121,16 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
             cute.arch.cp_async_commit_group()
             # row it+1 resident: its partials go out before row it's wait
             cute.arch.cp_async_wait_group(stages - 2)
-            # (loaded whether or not there is a row it+1: a stale stage is read, never used)
-            xn = t.thr.partition_S(sX[None, None, (it + 1) % stages]).load().to(Float32)
+            # (partitioned outside the ``if``: the DSL cannot carry a RowTiles through it)
+            tXn = t.thr.partition_S(sX[None, None, (it + 1) % stages])
             if tile + grid_m < m:
-                send(xn, rbuf, rmbar, it + 1)
+                send(tXn.load().to(Float32), rbuf, rmbar, it + 1)
             b = it % 4
             ph = (it // 4) % 2
             if const_expr(layer):
-                mean, m2 = rr.finish_welford(total, e * 32, rbuf[None, None, 2 * b], rbuf[None, None, 2 * b + 1], rmbar + b, ph)
+                mean, m2 = rr.finish_welford(
+                    total, e * 32, rbuf[None, None, 2 * b], rbuf[None, None, 2 * b + 1], rmbar + b, ph
+                )
                 rstd = cute.math.rsqrt(m2 * inv_n + eps, fastmath=True)
                 t.write_row_scalar(mMean, mean)
             else:
@@ -149,10 +147,7 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
             if const_expr(sB is not None):
                 tB = t.thr.partition_S(sB)
             for k in cutlass.range_constexpr(plan.nvec):
-                if const_expr(xregs):
-                    yk = xc[None, 0, k].load()
-                else:
-                    yk = tX[None, 0, k].load().to(Float32)
+                yk = tX[None, 0, k].load().to(Float32)
                 if const_expr(layer):
                     yk = (yk - mean) * rstd
                 else:
@@ -168,8 +163,6 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
                 ry[None, 0, k].store(yk.to(gY.element_type))
             cute.copy(t.tiled_copy, ry, gY)
             t.write_row_scalar(mRstd, rstd)
-            if const_expr(xregs):
-                xc.store(xn)
         cute.arch.cp_async_wait_group(0)
 
     return kernel

@@ -199,7 +199,8 @@ def test_ring_grid_is_the_occupancy_calculators_cached_per_shape(fake_gpu):
     cfg4 = _ring("layer", n=65536, b=True, wdt="same", tune={"ring_min_cluster": 4})
     assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, cfg4, _Dev()) == 30
     assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, cfg4, _Dev()) == 30
-    assert calls == [(0, 4, 256, cfg4["smem_bytes"])]  # asked once, with the kernel's shape
+    # asked once, with the kernel's shape and the CTA's whole share of the SM's shared memory
+    assert calls == [(0, 4, 256, max(cfg4["smem_bytes"], SM_SMEM - 1024))]
     assert _norm_fwd.ring_grid(5, "bfloat16", 65536, cfg4, _Dev()) == 5  # never more CTAs than rows
     cfg16 = _ring()
     assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, cfg16, _Dev()) == 7
@@ -217,7 +218,7 @@ def test_ring_grid_two_ctas_per_sm_and_clusterless(fake_gpu):
     answers.update({4: 66})
     two = _ring(n=65536, tune={"ctas_per_sm": 2, "ring_budget": 64})
     assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, two, _Dev()) == 66
-    assert calls == [(0, 4, 256, two["smem_bytes"])] and two["smem_bytes"] <= SM_SMEM // 2 - 1024
+    assert calls == [(0, 4, 256, SM_SMEM // 2 - 1024)] and two["smem_bytes"] <= SM_SMEM // 2 - 1024
     on = {"ring_clusterless": True}
     one = _ring("layer", n=16384, b=True, wdt="same", tune=on)
     assert _norm_fwd.ring_grid(32768, "bfloat16", 16384, one, _Dev()) == 132

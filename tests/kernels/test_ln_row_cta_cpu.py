@@ -20,6 +20,7 @@ def knobs(monkeypatch):
         monkeypatch.setattr(_ln_row, "ROW_CTA", row_cta or {"same": "", "wide": ""})
         monkeypatch.setattr(_ln_row, "ROW_CTA_BY_N", {})  # round 8's N = 16384 key: out
         monkeypatch.setattr(_ln_row, "ROW_CLUSTER", {})
+        monkeypatch.setattr(_ln_row, "ROW_CLUSTER_BY_N", {})  # round 9's N = 262144 key: out
         monkeypatch.setattr(_ln_row, "ROW_SMALL", {})  # round 7's table (rows of 2+ a CTA): out
         monkeypatch.setattr(layernorm, "_TUNE", dict(tune or {}))
 

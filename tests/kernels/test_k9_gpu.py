@@ -1,0 +1,67 @@
+"""GPU tier: round 9's pipelined ring forward (issue 14 part 6; kernels/_ring_pipe.py), the
+LayerNorm forward's default for 16-bit rows over 16 CTAs with an fp32 weight / bias (N =
+163840 / 196608 / 262144) and for same-dtype rows at N = 262144, through the public forward
+against float32 torch. M = 1 (one CTA cluster, no second row in flight), 7 (one row a
+cluster of the 7-cluster grid) and 401 (57 or 58 rows a cluster: the pipeline's steady
+state, and clusters whose last row has no successor at different iterations). Outputs are
+poisoned with NaN first (``poison_allocations``), so an unwritten element fails."""
+
+import pytest
+from _cases import cuda_rand
+from _fixtures import oom_pressure, poison_allocations  # noqa: F401  (fixtures, used by name)
+
+torch = pytest.importorskip("torch")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("poison_allocations", "oom_pressure"),
+]
+
+TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3}
+MS = (1, 7, 401)
+
+
+def _check(x, w, b):
+    from quack_kernels.layernorm import layernorm_fwd
+
+    n = x.shape[-1]
+    y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
+    xf = x.float()
+    torch.testing.assert_close(mean, xf.mean(-1), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(rstd, torch.rsqrt(xf.var(-1, unbiased=False) + 1e-5), atol=1e-4, rtol=1e-4)
+    ref = torch.nn.functional.layer_norm(
+        xf, (n,), None if w is None else w.float(), None if b is None else b.float(), 1e-5
+    )
+    torch.testing.assert_close(y.float(), ref, atol=TOL[x.dtype], rtol=TOL[x.dtype])
+    assert y.dtype == x.dtype
+
+
+@pytest.mark.parametrize("xdt", ("bfloat16", "float16"))
+@pytest.mark.parametrize("n", (163840, 196608, 262144))
+def test_layernorm_fwd_fp32_wb_pipelined_ring(xdt, n):
+    dt = getattr(torch, xdt)
+    for m in MS:
+        x = cuda_rand((m, n), dt, 0, shift=3.0)  # a mean far from 0
+        _check(x, cuda_rand((n,), torch.float32, 1), cuda_rand((n,), torch.float32, 2))
+
+
+@pytest.mark.parametrize(("has_w", "has_b"), ((True, False), (False, True)))
+def test_layernorm_fwd_fp32_weight_or_bias_alone(has_w, has_b):
+    """The bias-in-registers kernel without a bias (the weight alone in shared memory) and
+    without a weight (nothing in shared memory but x)."""
+    n = 262144
+    for m in MS:
+        x = cuda_rand((m, n), torch.bfloat16, 0, shift=3.0)
+        w = cuda_rand((n,), torch.float32, 1) if has_w else None
+        b = cuda_rand((n,), torch.float32, 2) if has_b else None
+        _check(x, w, b)
+
+
+@pytest.mark.parametrize("xdt", ("bfloat16", "float16"))
+def test_layernorm_fwd_same_dtype_pipelined_ring(xdt):
+    """Same-dtype w + b at 262144 (w and b in shared memory, 4 x stages); 196608 keeps the
+    x-in-shared-memory kernel, checked beside it."""
+    dt = getattr(torch, xdt)
+    for n in (262144, 196608):
+        for m in MS:
+            x = cuda_rand((m, n), dt, 0, shift=3.0)
+            _check(x, cuda_rand((n,), dt, 1), cuda_rand((n,), dt, 2))
