@@ -40,7 +40,7 @@ ROW_CTA: dict = {"same": "xs512 mb3", "wide": "xs2 mb3 wba2"}
 X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 
 # Round 5: the knob sets adopted for rows of one CTA with a wide weight ("xs2 mb3": two rows
-# a CTA, w / b read once for both, ``_norm_fwd.xs_rows_kernel``) and for rows over a
+# a CTA, w / b read once for both, ``_xs_rows.xs_rows_kernel``) and for rows over a
 # cluster ("x_smem_cluster": ``xs_kernel`` there too, in place of the ring forward), and
 # the defaults by "kind@cluster" of the default plan (kind "same" / "wide"; absent: round
 # 4's kernels). "row_cta": False also leaves ROW_CLUSTER out. The variants that lost
@@ -50,7 +50,7 @@ X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 ROW_CTA_VARIANTS["xs2 mb3"] = {"x_smem": True, "x_rows": 2, "x_min_blocks": 3}
 # Round 8 (issue 14 part 6; docs/kernels.md "Round 8"): "xs2 mb3" with the w / b vectors 0-1
 # loaded right after x's cp.async and each vector k + 2 before vector k's y stores
-# (``_norm_fwd.xs_rows_kernel`` "wb_ahead"; 80 registers, no spills). Measured (bf16 x, M =
+# (``_xs_rows.xs_rows_kernel`` "wb_ahead"; 80 registers, no spills). Measured (bf16 x, M =
 # 32768, fp32 w + b, same process, benchmarks/tune_k8i.py): 16384 541 / 531 us (the old
 # default's two states over processes) -> 528-530 in every process, 14336 482 -> 461, 12288
 # 403 -> 395, 10240 331 -> 327. The candidates that lost (three / four rows a CTA, 512 threads,
@@ -100,7 +100,7 @@ ROW_CLUSTER_BY_N: dict = {("same", 262144): "pipe s4"}
 # weight kind ("same" / "wide"; absent: the register row tile) — "xs4 b32 mb3 wba4": the
 # one-CTA plan of 32 elements a thread ("row_budget": N = 4096 over one 128-thread CTA
 # instead of two rows of 64 threads), x of FOUR rows a CTA through shared memory, each w / b
-# vector read once for the four (``_norm_fwd.xs_rows_kernel``), all of the thread's w / b
+# vector read once for the four (``_xs_rows.xs_rows_kernel``), all of the thread's w / b
 # vectors loaded before the reductions ("wb_ahead"), 3 CTAs / SM asked of ptxas (126
 # registers). Measured (benchmarks/tune_k7h.py, bf16 x, 32768x4096, fp32 w + b, same
 # process): the register row tile 141.3 us, this 134.4 (same-dtype default 136-137). The

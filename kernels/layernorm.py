@@ -39,8 +39,8 @@ def compile_layernorm_fwd(
 
     from . import _rowreduce as rr
     from ._ln_row import X_MIN_BLOCKS, affine_vec, fwd_knobs, row_plan, x_smem_ok, xs_kernel
-    from ._norm_fwd import xs_rows_kernel, xs_rows_launch_kwargs
     from ._plan import resolve_weight_dtype, smem_bcast_ok
+    from ._xs_rows import xs_rows_kernel, xs_rows_launch_kwargs
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))

@@ -47,8 +47,8 @@ def compile_rmsnorm_fwd(
     from cutlass import Float32, Int32, const_expr
 
     from . import _rowreduce as rr
-    from ._norm_fwd import xs_rows_kernel, xs_rows_launch_kwargs
     from ._plan import smem_bcast_ok
+    from ._xs_rows import xs_rows_kernel, xs_rows_launch_kwargs
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
@@ -74,7 +74,7 @@ def compile_rmsnorm_fwd(
         stage_wb = stage_wb and not w_regs
         min_blocks = int(xs["min_blocks"])
     # round 5 knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
-    # the weight read from L2 once for all of them (``_norm_fwd.xs_rows_kernel``)
+    # the weight read from L2 once for all of them (``_xs_rows.xs_rows_kernel``)
     x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
     if x_rows > 1:
         kernel_xr = xs_rows_kernel("rms", plan, dt, x_rows, bool(xs["ca"]))
@@ -276,7 +276,7 @@ def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: di
 # 16-bit x) by the default plan's cluster size (str), a label of WIDE_VARIANTS; absent or
 # "": round 3's kernel (the ring forward at clusters of 4+). Knobs: "ring" (False: the row
 # tile), "x_smem" + "x_smem_wide" (x through shared memory, the weight from L2 after the
-# reduction), "x_rows" (that many rows a CTA, ``_norm_fwd.xs_rows_kernel``), "x_min_blocks".
+# reduction), "x_rows" (that many rows a CTA, ``_xs_rows.xs_rows_kernel``), "x_min_blocks".
 # The variants that lost (the weight cp.async'ed into shared memory, x_rows 3, both rows'
 # sums in one round trip, carveouts, the ring's shape at clusters of 16) and their sweep
 # (benchmarks/tune_k5f.py) are at commit 6e935f3; round 6's cache-hinted ones
