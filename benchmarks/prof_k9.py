@@ -9,6 +9,11 @@ thread; ptxas: RMSNorm 100 registers, LayerNorm 188, no spills), shared memory h
 stages only: 6 at clusters of 16; 3 at 2 CTAs / SM ("2x64", RMSNorm, 127 registers) or at
 clusters of 8 ("c8": 128 elements a thread, 120 SMs instead of 112, 164 registers).
 
+The last sweep (in ``variants`` now): the ring over clusters of 8 CTAs of 512 threads (knob
+"ring_threads", 120 SMs), which made the RMSNorm default at 262144 (``rmsnorm.WIDE_FWD_BY_N``;
+with it adopted, the variants here that only add knobs run on top of it). The earlier sweeps'
+variant lists are in docs/kernels.md ("Round 9") and at commit 499a617.
+
 Kernels: ``.raw`` compiles with the modules' ``_TUNE`` knobs (``benchmarks/tune_k2.py``'s
 machinery: each checked against fp32 torch on 256 rows, outputs poisoned first; bf16 rows,
 L2 flushed, median of 20, the group's variants interleaved over ``--rounds`` rounds).
@@ -41,11 +46,23 @@ LNR = {"row_cta": False}  # LayerNorm: the ring in place of ROW_CLUSTER's x-in-s
 
 def variants():
     g = "rms"
+    t512 = {"ring_threads": 512}
     out = [
         V(g, "same xs (default)", "rms_fwd", M, N, "same", {}),
         V(g, "w32 ring (default)", "rms_fwd", M, N, W32, {}, "api"),
-        V(g, "w32 ring 1x128 (c8)", "rms_fwd", M, N, W32, {"ring_budget": 128}, "api"),
-        V(g, "w32 pipe wregs s4", "rms_fwd", M, N, W32, PIPE | WR | {"stages": 4}, "api"),
+        V(g, "w32 ring s3", "rms_fwd", M, N, W32, {"stages": 3}, "api"),
+        V(g, "w32 c8 t512 ring", "rms_fwd", M, N, W32, t512, "api"),
+        V(g, "w32 c8 t512 pipe wregs s3", "rms_fwd", M, N, W32, t512 | PIPE | WR | {"stages": 3}, "api"),
+        V(
+            g,
+            "w32 c8 t512 pipe wregs s3 g16",
+            "rms_fwd",
+            M,
+            N,
+            W32,
+            t512 | PIPE | WR | {"stages": 3, "ring_clusters": 16},
+            "api",
+        ),
     ]
     return out
 

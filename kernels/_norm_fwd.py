@@ -101,7 +101,8 @@ def _ring_cfg(
     "ring_clusters" (a fixed grid instead of the occupancy calculator's); round 9's
     "ring_pipe" (two rows in flight a CTA: ``_ring_pipe``, clusters only, 3+ stages) and
     "ring_wregs" (with "ring_pipe": "w" / "b" / "wb", the weight / bias slice kept in
-    registers instead of shared memory, which then holds more x stages)."""
+    registers instead of shared memory, which then holds more x stages) and "ring_threads"
+    (512: the row over half the CTAs of 512 threads each, ``_ring_rows``)."""
     tune = dict(tune_items)
     if not tune.get("ring", True) or has_residual or not (has_weight or has_bias):
         return None
@@ -120,8 +121,9 @@ def _ring_cfg(
     ctas, elems, spread = parse_shape(RING_SHAPE.get(f"{key}@{base.cluster_n}", "1x64"))
     ctas = int(tune.get("ctas_per_sm", ctas))
     elems = int(tune.get("ring_budget", elems))
-    plan = plan_rows(n, width, budget=elems)
-    if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128 or plan.num_threads != 256:
+    threads = int(tune.get("ring_threads", 256))
+    plan = _ring_rows(n, width, elems, threads)
+    if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128 or plan.num_threads != threads:
         return None
     pipe = bool(tune.get("ring_pipe", False)) and plan.cluster_n > 1
     wregs = {True: "wb", False: ""}.get(tune.get("ring_wregs", False), tune.get("ring_wregs"))
@@ -138,7 +140,7 @@ def _ring_cfg(
     # one stage (read, then refill with the next row) where the shared memory is shared
     # by 2+ CTAs or holds a larger slice; 2+ otherwise (the round-1 / 2 ring); 3+ for the
     # pipelined ring (rows it and it+1 resident while row it+2 comes in)
-    if stages < (3 if pipe else 1 if ctas > 1 or elems > 64 else 2):
+    if stages < (3 if pipe else 1 if ctas > 1 or elems > 64 or threads > 256 else 2):
         return None
     return dict(
         stages=stages,
@@ -151,6 +153,7 @@ def _ring_cfg(
         pipe=pipe,
         wregs=wregs,
         red_stages=red_stages,
+        threads=threads,
     )
 
 
@@ -164,7 +167,18 @@ def parse_shape(spec: str):
 
 def ring_plan(n: int, dtype: str, cfg):
     """The row plan of a ring configuration (its elements a thread: ``cfg["budget"]``)."""
-    return plan_rows(n, WIDTHS[dtype], budget=cfg.get("budget", 64))
+    return _ring_rows(n, WIDTHS[dtype], cfg.get("budget", 64), cfg.get("threads", 256))
+
+
+def _ring_rows(n: int, width: int, elems: int, threads: int):
+    """``plan_rows``'s plan, or with ``threads`` = 512 the same row over HALF the CTAs of
+    twice the threads (knob "ring_threads": 512 threads a CTA, the elements a thread kept)."""
+    plan = plan_rows(n, width, budget=elems)
+    if threads == 512 and plan.num_threads == 256 and plan.threads_per_row == 256 and plan.cluster_n >= 4:
+        import dataclasses
+
+        plan = dataclasses.replace(plan, threads_per_row=512, num_threads=512, cluster_n=plan.cluster_n // 2)
+    return plan
 
 
 def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:

@@ -7,7 +7,9 @@ CTA an SM with 8 warps; a second CTA an SM would be of the same cluster, on the 
 Measured on the H200 (round 9, bf16 x, 4096x262144, benchmarks/prof_k9.py): LayerNorm, whose
 per-row work (two-pass mean / M2, the pair round trip) is the heavier, 1266 -> 1088-1101 us
 with fp32 w + b, 1164-1179 -> 1069-1089 with same-dtype ones (ROW_CLUSTER / _BY_N in
-``_ln_row``); RMSNorm gains nothing (fp32 w 1076 -> 1080-1115): not its default.
+``_ln_row``); RMSNorm over clusters of 16 gains nothing (fp32 w 1076 -> 1080-1115), but over
+clusters of 8 CTAs of 512 threads with the weight in registers (120 SMs instead of 112) 1079 ->
+1061 us: its default at N = 262144 (``rmsnorm.WIDE_FWD_BY_N``).
 
 Rows stay in their x stage until their y is written (3+ stages: rows it and it+1 resident,
 the rest in flight); each thread copies and reads back only its own vectors (no CTA

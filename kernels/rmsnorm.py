@@ -285,6 +285,18 @@ WIDE_VARIANTS: dict = {
     "xs2 mb3": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3},
 }
 WIDE_FWD: dict = {"4": "xs2 mb3"}
+# Round 9 (docs/kernels.md "Round 9"), by N over ``WIDE_FWD``: at N = 262144 the pipelined
+# ring (``_ring_pipe``) over clusters of 8 CTAs of 512 threads ("ring_threads": 15 clusters =
+# 120 SMs where clusters of 16 fit 7 = 112), the weight in registers, 3 x stages (112
+# registers). Measured (bf16 x, fp32 w, 4096x262144, benchmarks/prof_k9.py, same process): the
+# ring 1079-1080 -> 1061-1063 us (same-dtype 1042). Not measured at the class's other N.
+WIDE_VARIANTS["c8 t512 pipe wregs s3"] = {
+    "ring_threads": 512,
+    "ring_pipe": True,
+    "ring_wregs": True,
+    "stages": 3,
+}
+WIDE_FWD_BY_N: dict = {262144: "c8 t512 pipe wregs s3"}
 
 
 def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
@@ -299,7 +311,7 @@ def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
         and width == 16
         and WIDTHS[resolve_weight_dtype(dtype, weight_dtype)] > width
     ):
-        label = WIDE_FWD.get(str(plan_rows(n, width, budget=64).cluster_n))
+        label = WIDE_FWD_BY_N.get(n) or WIDE_FWD.get(str(plan_rows(n, width, budget=64).cluster_n))
         if label:
             kn.update(WIDE_VARIANTS[label])
     kn.update(tune)

@@ -17,6 +17,7 @@ def tables(monkeypatch):
 
     def set_(wide_fwd=None, row_cluster=None, w_smem=None):
         monkeypatch.setattr(rmsnorm, "WIDE_FWD", dict(wide_fwd or {}))
+        monkeypatch.setattr(rmsnorm, "WIDE_FWD_BY_N", {})  # round 9's N = 262144 key: out
         monkeypatch.setattr(rmsnorm, "_TUNE", {})
         monkeypatch.setattr(_ln_row, "ROW_CLUSTER", dict(row_cluster or {}))
         monkeypatch.setattr(_ln_row, "ROW_SMALL", {})  # round 7's table (rows of 2+ a CTA): out

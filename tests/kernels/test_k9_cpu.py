@@ -46,7 +46,8 @@ def test_fp32_weight_rows_over_16_ctas_take_the_pipelined_ring():
     assert not _pipe(_ln_row.fwd_knobs("float32", 262144, "same", {}))
     assert not _pipe(_ln_row.fwd_knobs("bfloat16", 65536, "float32", {}))
     assert not _pipe(_ln_row.fwd_knobs("float16", 196608, "bfloat16", {}))
-    assert rmsnorm.fwd_ring_cfg("bfloat16", 262144, True, False, False, "float32")["pipe"] is False
+    # RMSNorm: below 262144 (rmsnorm.WIDE_FWD_BY_N, the last test) the one-row ring
+    assert rmsnorm.fwd_ring_cfg("bfloat16", 196608, True, False, False, "float32")["pipe"] is False
     # the benchmarks' baseline switch still leaves it out
     assert not _pipe(_ln_row.fwd_knobs("bfloat16", 262144, "float32", {"row_cta": False}))
 
@@ -61,7 +62,7 @@ def test_fp32_weight_rows_over_16_ctas_take_the_pipelined_ring():
     ],
 )
 def test_ring_cfg_of_the_defaults(w, b, wdt, smem_wb):
-    """The configuration the forward compiles: the pipeline, 8 reducer stages (4 rows of
+    """The LayerNorm configuration the forward compiles: the pipeline, 8 reducer stages (4 rows of
     (mean, M2) pairs in flight), and shared memory = reducer + the slices kept there (the
     fp32 weight; not the bias, in registers) + x stages, within one CTA an SM."""
     cfg = layernorm.fwd_ring_cfg("bfloat16", 262144, w, b, wdt)
@@ -103,3 +104,29 @@ def test_pipelined_kernel_pushes_partials_and_keeps_the_bias_in_registers(tmp_pa
     assert len(re.findall(r"ld\.global\.v4", body)) == 2 * 16  # w staged + b into registers
     assert len(re.findall(r"cp\.async\.cg\.shared\.global", body)) == 8 * 3  # prologue (2 rows) + refill
     assert len(re.findall(r"ld\.shared\.v4\.b32", body)) >= 16  # the fp32 weight, 2 a vector
+
+
+def test_rmsnorm_fp32_weight_at_262144_takes_the_pipelined_ring_over_clusters_of_8():
+    """``rmsnorm.WIDE_FWD_BY_N``: 16-bit x with a wider weight at N = 262144 only; the row over
+    8 CTAs of 512 threads (64 elements a thread, as over 16 CTAs of 256), the weight (and
+    bias) in registers, 3 x stages, no weight in shared memory."""
+    for dt in ("bfloat16", "float16"):
+        kn = rmsnorm.fwd_knobs(dt, 262144, "float32", {})
+        assert kn["ring_threads"] == 512 and kn["ring_pipe"] and kn["ring_wregs"] is True
+        for n in CLASS16[:-1]:
+            assert "ring_threads" not in rmsnorm.fwd_knobs(dt, n, "float32", {})
+    assert "ring_threads" not in rmsnorm.fwd_knobs("bfloat16", 262144, "same", {})
+    assert "ring_threads" not in rmsnorm.fwd_knobs("float32", 262144, "float16", {})
+    for b in (False, True):
+        cfg = rmsnorm.fwd_ring_cfg("bfloat16", 262144, True, b, False, "float32")
+        assert cfg["pipe"] and cfg["wregs"] == "wb" and cfg["threads"] == 512 and cfg["stages"] == 3
+        plan = ring_plan(262144, "bfloat16", cfg)
+        assert (plan.cluster_n, plan.num_threads, plan.threads_per_row, plan.elems_per_thread) == (
+            8,
+            512,
+            512,
+            64,
+        )
+        assert plan.even and cfg["smem_bytes"] == reducer_bytes(plan, 4) + 3 * plan.tile_n * 2 <= SMEM_MAX
+    # a residual keeps the one-row-tile path (no ring)
+    assert rmsnorm.fwd_ring_cfg("bfloat16", 262144, True, False, True, "float32") is None

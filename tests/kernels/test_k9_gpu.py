@@ -65,3 +65,28 @@ def test_layernorm_fwd_same_dtype_pipelined_ring(xdt):
         for m in MS:
             x = cuda_rand((m, n), dt, 0, shift=3.0)
             _check(x, cuda_rand((n,), dt, 1), cuda_rand((n,), dt, 2))
+
+
+@pytest.mark.parametrize("xdt", ("bfloat16", "float16"))
+@pytest.mark.parametrize("has_b", (False, True))
+def test_rmsnorm_fwd_fp32_weight_pipelined_ring_over_clusters_of_8(xdt, has_b):
+    """RMSNorm at N = 262144 with an fp32 weight (+ bias): the pipelined ring over 8 CTAs of
+    512 threads a row, w / b in registers (``rmsnorm.WIDE_FWD_BY_N``); 15 clusters, so M = 7
+    leaves clusters without a row and 401 gives 26 or 27 rows a cluster."""
+    from quack_kernels.rmsnorm import rmsnorm_fwd
+
+    dt = getattr(torch, xdt)
+    n = 262144
+    for m in MS:
+        x = cuda_rand((m, n), dt, 0, shift=1.0)
+        w = cuda_rand((n,), torch.float32, 1)
+        b = cuda_rand((n,), torch.float32, 2) if has_b else None
+        y, rstd, _ = rmsnorm_fwd(x, w, b, eps=1e-6)
+        xf = x.float()
+        want_rstd = torch.rsqrt(xf.pow(2).mean(-1) + 1e-6)
+        torch.testing.assert_close(rstd, want_rstd, atol=1e-4, rtol=1e-4)
+        ref = xf * want_rstd[:, None] * w
+        if b is not None:
+            ref = ref + b
+        torch.testing.assert_close(y.float(), ref, atol=TOL[dt], rtol=TOL[dt])
+        assert y.dtype == dt
