@@ -277,11 +277,7 @@ def xs_kernel(plan, dt, ca: bool):
         sX = smem.allocate_tensor(
             dt, cute.make_ordered_layout(rr.tiler(plan), order=(1, 0)), byte_alignment=128
         )
-        tc = cute.make_tiled_copy_tv(
-            rr.cp_async_atom(dt, plan.vec * dt.width, bypass_l1=not ca),
-            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
-            cute.make_layout((1, plan.vec)),
-        )
+        tc = rr.cp_async_tiled_copy(dt, plan, bypass_l1=not ca)
         thr = tc.get_slice(tidx)
         if t.row < m:
             cute.copy(tc, thr.partition_S(cute.local_tile(mX, rr.tiler(plan), t.coord)), thr.partition_D(sX))

@@ -141,11 +141,7 @@ def compile_norm_bwd(
         # tile is reduced, so loads stay in flight across the cluster round trip.
         # Each thread copies and reads back only its own vectors: no CTA barrier.
         tidx, bidx, cluster_y, m, smem, red, (sX, sdY), t0 = rr.start_ring(plan, dt, mX, stages, 2)
-        tc = cute.make_tiled_copy_tv(
-            rr.cp_async_atom(dt, plan.vec * dt.width),
-            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
-            cute.make_layout((1, plan.vec)),
-        )
+        tc = rr.cp_async_tiled_copy(dt, plan)
         thr = tc.get_slice(tidx)
         num_tiles = m
         grid_m = cute.arch.grid_dim()[0]
@@ -153,18 +149,8 @@ def compile_norm_bwd(
         for s in cutlass.range_constexpr(stages - 1):
             ts = bidx + s * grid_m
             if ts < num_tiles:
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
-                    thr.partition_D(sX[None, None, s]),
-                    pred=t0.pred,
-                )
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (ts, cluster_y))),
-                    thr.partition_D(sdY[None, None, s]),
-                    pred=t0.pred,
-                )
+                rr.copy_row_tile(tc, thr, plan, mX, ts, cluster_y, sX[None, None, s], t0.pred)
+                rr.copy_row_tile(tc, thr, plan, mdY, ts, cluster_y, sdY[None, None, s], t0.pred)
             cute.arch.cp_async_commit_group()
         sW = None
         rW = None
@@ -198,18 +184,8 @@ def compile_norm_bwd(
             tn = tile + (stages - 1) * grid_m
             sn = (it + stages - 1) % stages
             if tn < num_tiles:
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
-                    thr.partition_D(sX[None, None, sn]),
-                    pred=t.pred,
-                )
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mdY, rr.tiler(plan), (tn, cluster_y))),
-                    thr.partition_D(sdY[None, None, sn]),
-                    pred=t.pred,
-                )
+                rr.copy_row_tile(tc, thr, plan, mX, tn, cluster_y, sX[None, None, sn], t.pred)
+                rr.copy_row_tile(tc, thr, plan, mdY, tn, cluster_y, sdY[None, None, sn], t.pred)
             cute.arch.cp_async_commit_group()
             cute.arch.cp_async_wait_group(stages - 1)
             sc = it % stages

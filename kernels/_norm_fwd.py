@@ -15,6 +15,7 @@ Imported only from inside compile functions and torch wrappers (the kernel build
 imports cutlass inside).
 """
 
+import dataclasses
 import functools
 
 from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
@@ -126,7 +127,8 @@ def _ring_cfg(
     if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128 or plan.num_threads != threads:
         return None
     pipe = bool(tune.get("ring_pipe", False)) and plan.cluster_n > 1
-    wregs = {True: "wb", False: ""}.get(tune.get("ring_wregs", False), tune.get("ring_wregs"))
+    wregs = tune.get("ring_wregs", "")
+    wregs = "wb" if wregs is True else "" if wregs is False else wregs
     if wregs not in ("", "w", "b", "wb") or (wregs and not pipe):
         raise ValueError(f"ring_wregs={wregs!r}: '', 'w', 'b' or 'wb', and only with ring_pipe on a cluster")
     in_smem = int(has_weight and "w" not in wregs) + int(has_bias and "b" not in wregs)
@@ -170,13 +172,13 @@ def ring_plan(n: int, dtype: str, cfg):
     return _ring_rows(n, WIDTHS[dtype], cfg.get("budget", 64), cfg.get("threads", 256))
 
 
+# Memoized like ``plan_rows``: every eager forward with a ring plans its grid through it.
+@functools.lru_cache(maxsize=1024)
 def _ring_rows(n: int, width: int, elems: int, threads: int):
     """``plan_rows``'s plan, or with ``threads`` = 512 the same row over HALF the CTAs of
     twice the threads (knob "ring_threads": 512 threads a CTA, the elements a thread kept)."""
     plan = plan_rows(n, width, budget=elems)
     if threads == 512 and plan.num_threads == 256 and plan.threads_per_row == 256 and plan.cluster_n >= 4:
-        import dataclasses
-
         plan = dataclasses.replace(plan, threads_per_row=512, num_threads=512, cluster_n=plan.cluster_n // 2)
     return plan
 
@@ -225,6 +227,28 @@ def ring_launch_kwargs(plan, m, stream, num_blocks, cfg):
     return kw
 
 
+def stage_ring_wb(t0, smem, wdt, mW, mB, cfg):
+    """The ring's weight / bias slices into shared memory once, (sW, sB) (None where the
+    vector is None): cp.async (one commit group, first, so the ring's waits cover it) where
+    a vector of them fits a 16-byte copy, else element-wise by the thread that reads them
+    back (fp32 beside 16-bit rows; ``cfg["wide_perm"]``: the conflict-free layout). Traced
+    inline from a kernel body."""
+    from cutlass import const_expr
+
+    sW = None
+    sB = None
+    if const_expr(cfg["cp_async_wb"]):
+        sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
+    else:
+        if const_expr(mW is not None):
+            sW = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
+            t0.stage_bcast_own(mW, sW)
+        if const_expr(mB is not None):
+            sB = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
+            t0.stage_bcast_own(mB, sB)
+    return sW, sB
+
+
 def ring_kernel(kind: str, plan, dt, wdt, cfg):
     """The ring forward kernel of ``kind`` ("rms" or "layer"), traced by the caller's
     ``cute.compile``: kernel(mX, mW, mB, mY, mMean|None, mRstd, eps), grid
@@ -250,33 +274,15 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
         tidx, bidx, cluster_y, m, smem, red, (sX,), t0 = rr.start_ring(plan, dt, mX, stages, 1)
         # weight / bias slice of this CTA: once (cp.async group first, so the ring's
         # wait_group below also covers it; fp32 beside 16-bit rows: element-wise)
-        sW = None
-        sB = None
-        if const_expr(cfg["cp_async_wb"]):
-            sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
-        else:
-            if const_expr(mW is not None):
-                sW = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
-                t0.stage_bcast_own(mW, sW)
-            if const_expr(mB is not None):
-                sB = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
-                t0.stage_bcast_own(mB, sB)
-        tc = cute.make_tiled_copy_tv(
-            rr.cp_async_atom(dt, plan.vec * dt.width),
-            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
-            cute.make_layout((1, plan.vec)),
-        )
+        sW, sB = stage_ring_wb(t0, smem, wdt, mW, mB, cfg)
+        tc = rr.cp_async_tiled_copy(dt, plan)
         thr = tc.get_slice(tidx)
         grid_m = cute.arch.grid_dim()[0]
         # prologue: row tiles 0 .. stages-2 of this CTA (with one stage: tile 0)
         for s in cutlass.range_constexpr(max(stages - 1, 1)):
             ts = bidx + s * grid_m
             if ts < m:
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
-                    thr.partition_D(sX[None, None, s]),
-                )
+                rr.copy_row_tile(tc, thr, plan, mX, ts, cluster_y, sX[None, None, s])
             cute.arch.cp_async_commit_group()
         red.wait_cluster()
         rbuf, rmbar = red.buf, red.mbar
@@ -287,6 +293,8 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 # refill the stage read by the previous iteration with tile it + stages - 1
                 tn = tile + (stages - 1) * grid_m
                 if tn < m:
+                    # inline, not ``copy_row_tile``: the stage index after the source tile, the order
+                    # every object of this kernel was built and GPU-tested with
                     cute.copy(
                         tc,
                         thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
@@ -313,11 +321,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
                 # next row's loads are in flight across this row's reduction and store
                 tn = tile + grid_m
                 if tn < m:
-                    cute.copy(
-                        tc,
-                        thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),
-                        thr.partition_D(sX[None, None, 0]),
-                    )
+                    rr.copy_row_tile(tc, thr, plan, mX, tn, cluster_y, sX[None, None, 0])
                 cute.arch.cp_async_commit_group()
             if const_expr(layer):
                 mb = (rmbar + j) if const_expr(plan.cluster_n > 1) else None

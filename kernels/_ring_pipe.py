@@ -31,6 +31,7 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
     from cutlass import Float32, const_expr
 
     from . import _rowreduce as rr
+    from ._norm_fwd import stage_ring_wb
 
     layer = kind == "layer"
     stages = cfg["stages"]
@@ -66,37 +67,23 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
         tidx, bidx, cluster_y, m, smem, red, (sX,), t0 = rr.start_ring(
             plan, dt, mX, stages, 1, red_stages=cfg["red_stages"]
         )
-        # the weight / bias slices kept in shared memory: once (cp.async group first, so
-        # the waits below cover it; fp32 beside 16-bit rows: element-wise)
-        sW = None
-        sB = None
-        gWs = mW if const_expr("w" not in wregs) else None
-        gBs = mB if const_expr("b" not in wregs) else None
-        if const_expr(cfg["cp_async_wb"]):
-            sW, sB = t0.stage_bcast(smem, wdt, gWs, gBs)
-        else:
-            if const_expr(gWs is not None):
-                sW = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
-                t0.stage_bcast_own(gWs, sW)
-            if const_expr(gBs is not None):
-                sB = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
-                t0.stage_bcast_own(gBs, sB)
-        tc = cute.make_tiled_copy_tv(
-            rr.cp_async_atom(dt, plan.vec * dt.width),
-            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
-            cute.make_layout((1, plan.vec)),
+        # the weight / bias slices kept in shared memory (those not in registers)
+        sW, sB = stage_ring_wb(
+            t0,
+            smem,
+            wdt,
+            mW if const_expr("w" not in wregs) else None,
+            mB if const_expr("b" not in wregs) else None,
+            cfg,
         )
+        tc = rr.cp_async_tiled_copy(dt, plan)
         thr = tc.get_slice(tidx)
         grid_m = cute.arch.grid_dim()[0]
         # prologue: this CTA's rows 0 .. stages-2, one commit group each
         for s in cutlass.range_constexpr(stages - 1):
             ts = bidx + s * grid_m
             if ts < m:
-                cute.copy(
-                    tc,
-                    thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (ts, cluster_y))),
-                    thr.partition_D(sX[None, None, s]),
-                )
+                rr.copy_row_tile(tc, thr, plan, mX, ts, cluster_y, sX[None, None, s])
             cute.arch.cp_async_commit_group()
         rW = None
         rB = None
@@ -115,6 +102,8 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
             # refill the stage of row it-1 (written last iteration) with row it+stages-1
             tn = tile + (stages - 1) * grid_m
             if tn < m:
+                # inline, not ``copy_row_tile``: the stage index after the source tile, the order
+                # every object of this kernel was built and GPU-tested with
                 cute.copy(
                     tc,
                     thr.partition_S(cute.local_tile(mX, rr.tiler(plan), (tn, cluster_y))),

@@ -46,6 +46,8 @@ RowTiles = _rowtiles.RowTiles
 broadcast_rows = _rowtiles.broadcast_rows
 column_predicate = _rowtiles.column_predicate
 cp_async_atom = _rowtiles.cp_async_atom
+cp_async_tiled_copy = _rowtiles.cp_async_tiled_copy
+copy_row_tile = _rowtiles.copy_row_tile
 make_tiled_copy = _rowtiles.make_tiled_copy
 smem_rows_ok = _rowtiles.smem_rows_ok
 tiler = _rowtiles.tiler
@@ -58,6 +60,8 @@ __all__ = [
     "broadcast_rows",
     "column_predicate",
     "cp_async_atom",
+    "cp_async_tiled_copy",
+    "copy_row_tile",
     "cta_coords",
     "cutlass_dtype",
     "fake_rows",

@@ -61,6 +61,28 @@ def tiler(plan: RowPlan):
     return (plan.rows_per_cta, plan.tile_n)
 
 
+def cp_async_tiled_copy(dtype, plan: RowPlan, bypass_l1: bool = True):
+    """cp.async of (M, N) row tiles into shared memory in the plan's thread / value layout
+    (``plan.vec`` elements a thread a vector): each thread copies, and later reads back
+    through ``RowTiles.thr``, its own vectors, so no CTA barrier is needed between."""
+    return cute.make_tiled_copy_tv(
+        cp_async_atom(dtype, plan.vec * dtype.width, bypass_l1=bypass_l1),
+        cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
+        cute.make_layout((1, plan.vec)),
+    )
+
+
+def copy_row_tile(tc, thr, plan: RowPlan, mT: cute.Tensor, tile, cluster_y, dst: cute.Tensor, pred=None):
+    """cp.async this CTA's tile ``tile`` of ``mT`` (its ``cluster_y`` slice) into ``dst`` (a
+    shared-memory stage) with ``tc`` (``cp_async_tiled_copy``) and ``thr``, its thread slice.
+    Issues the copies only; the caller commits the group. Traced inline."""
+    src = thr.partition_S(cute.local_tile(mT, tiler(plan), (tile, cluster_y)))
+    if const_expr(pred is None):
+        cute.copy(tc, src, thr.partition_D(dst))
+    else:
+        cute.copy(tc, src, thr.partition_D(dst), pred=pred)
+
+
 def broadcast_rows(vec_tensor: cute.Tensor, rows: int) -> cute.Tensor:
     """View a (N,) tensor as (rows, N) with row stride 0, to share a row tiling."""
     n = vec_tensor.shape[0]

@@ -42,11 +42,7 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: i
     @cute.kernel
     def kernel(mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean, mRstd: cute.Tensor, eps: Float32):
         tidx, bidx, cluster_y, m, smem, red, t0 = rr.start_rows(plan, dt, mX, stages=2 * rows)
-        tc = cute.make_tiled_copy_tv(
-            rr.cp_async_atom(dt, plan.vec * dt.width, bypass_l1=not ca),
-            cute.make_ordered_layout((plan.rows_per_cta, plan.threads_per_row), order=(1, 0)),
-            cute.make_layout((1, plan.vec)),
-        )
+        tc = rr.cp_async_tiled_copy(dt, plan, bypass_l1=not ca)
         thr = tc.get_slice(tidx)
         sl = cute.make_layout((1, plan.tile_n, rows), stride=(plan.tile_n, 1, plan.tile_n))
         sX = smem.allocate_tensor(dt, sl, byte_alignment=128)
