@@ -20,13 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tune_k2 import V, compile_all, compile_key, load, ring_grid_of, run_group  # noqa: E402
+from benchmarks.tune_k2 import V, compile_all, compile_key, load, ring_grid_of, time_groups  # noqa: E402
 
 W32 = "float32"
 M, N = 4096, 262144
@@ -95,42 +94,38 @@ def profile(vs, wd: Path) -> None:
         print(f"profiled #{i}: {v['label']} (grid {grid}, api {api})", flush=True)
 
 
-def main(argv=None):
+def run_cli(vs, workdir: str, argv=None, profile_pick=lambda v: True) -> None:
+    """The profiling scripts' command line over the variants ``vs``: --compile (into
+    ``--workdir``), --time (``tune_k2.time_groups``), --profile (``profile`` of the variants
+    ``profile_pick`` keeps), --groups to select."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--jobs", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workdir", default="/tmp/prof_k7h")
+    ap.add_argument("--workdir", default=workdir)
     ap.add_argument("--groups", default=None)
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--time", action="store_true")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args(argv)
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    vs = variants()
     if args.groups:
         vs = [v for v in vs if v["group"] in set(args.groups.split(","))]
         if not vs:
             raise SystemExit(f"--groups {args.groups!r}: no such group")
     wd = Path(args.workdir)
+    failed: dict = {}
     if args.compile:
-        for k, e in compile_all(vs, wd, args.jobs).items():
+        failed = compile_all(vs, wd, args.jobs)
+        for k, e in failed.items():
             print(f"compile {k} failed: {e}", flush=True)
     if args.profile:
-        profile([v for v in vs if v["group"] == "p262144"], wd)
+        profile([v for v in vs if profile_pick(v)], wd)
     if args.time:
-        fns, mods = {}, []  # the modules stay referenced while their functions run
-        for v in vs:
-            fn, mod = load(wd / f"{compile_key(v)}.o")
-            fns[compile_key(v)] = fn
-            mods.append(mod)
-        results: list = []
-        groups: dict = {}
-        for v in vs:
-            groups.setdefault(v["group"], []).append(v)
-        for name, gvs in groups.items():
-            t0 = time.time()
-            run_group(name, gvs, fns, args.rounds, results)
-            print(f"[{name}: {time.time() - t0:.1f} s]", flush=True)
+        time_groups(vs, wd, args.rounds, failed=failed)
+
+
+def main(argv=None):
+    run_cli(variants(), "/tmp/prof_k7h", argv, profile_pick=lambda v: v["group"] == "p262144")
 
 
 if __name__ == "__main__":

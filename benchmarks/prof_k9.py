@@ -24,16 +24,13 @@ L2 flushed, median of 20, the group's variants interleaved over ``--rounds`` rou
 
 from __future__ import annotations
 
-import argparse
-import os
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.tune_k2 import V, compile_all, compile_key, load, run_group  # noqa: E402
+from benchmarks.tune_k2 import V  # noqa: E402
 
 W32 = "float32"
 M, N = 4096, 262144
@@ -68,45 +65,9 @@ def variants():
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--jobs", type=int, default=16)
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--workdir", default="/tmp/prof_k9")
-    ap.add_argument("--groups", default=None)
-    ap.add_argument("--compile", action="store_true")
-    ap.add_argument("--time", action="store_true")
-    ap.add_argument("--profile", action="store_true")
-    args = ap.parse_args(argv)
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    vs = variants()
-    if args.groups:
-        vs = [v for v in vs if v["group"] in set(args.groups.split(","))]
-        if not vs:
-            raise SystemExit(f"--groups {args.groups!r}: no such group")
-    wd = Path(args.workdir)
-    if args.compile:
-        for k, e in compile_all(vs, wd, args.jobs).items():
-            print(f"compile {k} failed: {e}", flush=True)
-    if args.profile:
-        from benchmarks.prof_k7h import profile
+    from benchmarks.prof_k7h import run_cli
 
-        profile(vs, wd)
-    if args.time:
-        fns, mods = {}, []  # the modules stay referenced while their functions run
-        for v in vs:
-            p = wd / f"{compile_key(v)}.o"
-            if p.exists():
-                fn, mod = load(p)
-                fns[compile_key(v)] = fn
-                mods.append(mod)
-        results: list = []
-        groups: dict = {}
-        for v in vs:
-            groups.setdefault(v["group"], []).append(v)
-        for name, gvs in groups.items():
-            t0 = time.time()
-            run_group(name, gvs, fns, args.rounds, results)
-            print(f"[{name}: {time.time() - t0:.1f} s]", flush=True)
+    run_cli(variants(), "/tmp/prof_k9", argv)
 
 
 if __name__ == "__main__":

@@ -270,6 +270,28 @@ def ring_grid_of(v, device):
     return int(gr), api, cfg
 
 
+def time_groups(vs, wd: Path, rounds: int, failed=()) -> list:
+    """Load each variant's object from ``wd`` (none for a key in ``failed``, whose compile
+    failed -- a file there would be an earlier run's -- or without a file: its group
+    reports it) and time every group (``run_group``) in the variants' order; the results."""
+    fns, mods = {}, []  # the modules stay referenced while their functions run
+    for v in vs:
+        k = compile_key(v)
+        p = wd / f"{k}.o"
+        if k not in fns and k not in failed and p.exists():
+            fns[k], mod = load(p)
+            mods.append(mod)
+    results: list = []
+    groups: dict = {}
+    for v in vs:
+        groups.setdefault(v["group"], []).append(v)
+    for name, gvs in groups.items():
+        t0 = time.time()
+        run_group(name, gvs, fns, rounds, results)
+        print(f"[{name}: {time.time() - t0:.1f} s]", flush=True)
+    return results
+
+
 def run_group(name, vs, fns, rounds, results):
     import torch
     import torch.nn.functional as F
@@ -607,22 +629,7 @@ def main():
 
     print(torch.cuda.get_device_name(), flush=True)
     occupancy_report()
-    fns, mods = {}, []
-    for v in vs:
-        k = compile_key(v)
-        if k in fns or k in errors:
-            continue
-        fn, mod = load(wd / f"{k}.o")
-        fns[k] = fn
-        mods.append(mod)
-    results: list = []
-    groups: dict = {}
-    for v in vs:
-        groups.setdefault(v["group"], []).append(v)
-    for name, gvs in groups.items():
-        t0 = time.time()
-        run_group(name, gvs, fns, args.rounds, results)
-        print(f"[{name}: {time.time() - t0:.1f} s]", flush=True)
+    results = time_groups(vs, wd, args.rounds, failed=errors)
     edits, why = decide(results)
     for line in why:
         print("decide:", line, flush=True)
