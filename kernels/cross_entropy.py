@@ -13,7 +13,7 @@ the per-row scalars (w[t], a, b, c) are formed by the torch wrapper (O(M) work).
 
 Here: the knobs, the registered compile functions (the register-path forward, the backward)
 and the torch-facing ops. Elsewhere: the large-N streaming forward (``_ce_stream``), the ops'
-argument checks (``_ce_args``), the reference hooks of ``quack verify --run`` (``_ce_verify``).
+argument checks (``_ce_args``), the reference hooks of ``quack verify --run`` (``_verify``).
 
 Top level imports only quack (and ``_ce_stream``, which imports only math): torch and cutlass
 are imported inside functions.
@@ -67,7 +67,7 @@ def stream_cfg(dtype: str, n: int, smoothing: str = "none") -> dict | None:
 @jit_cache(
     "cross_entropy_fwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
-    reference=f"{__package__}._ce_verify:verify_cross_entropy_fwd",
+    reference=f"{__package__}._verify:verify_cross_entropy_fwd",
 )
 def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
     """Runtime signature: fn(logits, target(int64, M), loss(fp32, M), lse(fp32, M), ignore_index)
@@ -189,7 +189,7 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
 @jit_cache(
     "cross_entropy_bwd",
     params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
-    reference=f"{__package__}._ce_verify:verify_cross_entropy_bwd",
+    reference=f"{__package__}._verify:verify_cross_entropy_bwd",
 )
 def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     """Runtime signature: fn(logits, target(int64, M), a(fp32, M), lse(fp32, M), dlogits,

@@ -25,7 +25,7 @@ _TUNE: dict = {}
         "has_bias": Bool(),
         "weight_dtype": WeightDtype(),
     },
-    reference=f"{__name__}:_verify_layernorm_fwd",
+    reference=f"{__package__}._verify:verify_layernorm_fwd",
 )
 def compile_layernorm_fwd(
     dtype: str, n: int, has_weight: bool = True, has_bias: bool = True, weight_dtype: str = "same"
@@ -206,7 +206,7 @@ def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
         "has_bias": Bool(),
         "weight_dtype": WeightDtype(),
     },
-    reference=f"{__name__}:_verify_layernorm_bwd",
+    reference=f"{__package__}._verify:verify_layernorm_bwd",
 )
 def compile_layernorm_bwd(
     dtype: str, n: int, has_weight: bool = True, has_bias: bool = True, weight_dtype: str = "same"
@@ -267,51 +267,3 @@ def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
     from . import _ops
 
     return _ops.layernorm(x, weight, bias, eps)
-
-
-def _verify_layernorm_fwd(params: dict, device) -> None:
-    import torch
-
-    dt = getattr(torch, params["dtype"])
-    n = params["n"]
-    g = torch.Generator(device="cpu").manual_seed(0)
-    wname = params.get("weight_dtype", "same")
-    wdt = getattr(torch, params["dtype"] if wname in (None, "same") else wname)
-    x = (torch.randn(37, n, generator=g) + 0.5).to(device=device, dtype=dt)
-    w = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_weight", True) else None
-    b = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_bias", True) else None
-    y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
-    ref = torch.nn.functional.layer_norm(
-        x.float(), (n,), w.float() if w is not None else None, b.float() if b is not None else None, 1e-5
-    )
-    tol = 1e-4 if dt == torch.float32 else (2e-2 if dt == torch.bfloat16 else 5e-3)
-    torch.testing.assert_close(mean, x.float().mean(-1), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(y.float(), ref, atol=tol * 4, rtol=tol)
-
-
-def _verify_layernorm_bwd(params: dict, device) -> None:
-    import torch
-
-    dt = getattr(torch, params["dtype"])
-    n = params["n"]
-    wname = params.get("weight_dtype", "same")
-    wdt = getattr(torch, params["dtype"] if wname in (None, "same") else wname)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = (torch.randn(37, n, generator=g) + 0.5).to(device=device, dtype=dt)
-    dy = torch.randn(37, n, generator=g).to(device=device, dtype=dt)
-    w = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_weight", True) else None
-    b = torch.randn(n, generator=g).to(device=device, dtype=wdt) if params.get("has_bias", True) else None
-    xr = x.float().requires_grad_()
-    wr = w.float().requires_grad_() if w is not None else None
-    br = b.float().requires_grad_() if b is not None else None
-    torch.nn.functional.layer_norm(xr, (n,), wr, br, 1e-5).backward(dy.float())
-    mean = x.float().mean(-1)
-    rstd = torch.rsqrt(x.float().var(-1, unbiased=False) + 1e-5)
-    dx, dw, db = layernorm_bwd(x, w, dy, mean, rstd, b)
-    tol = 1e-3 if dt == torch.float32 else 3e-2
-    torch.testing.assert_close(dx.float(), xr.grad, atol=tol, rtol=tol)
-    if w is not None:
-        assert dw.dtype == wdt
-        torch.testing.assert_close(dw.float(), wr.grad, atol=tol * 10, rtol=tol)
-    if b is not None:
-        torch.testing.assert_close(db.float(), br.grad, atol=tol * 10, rtol=tol)

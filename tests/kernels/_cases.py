@@ -35,11 +35,6 @@ COMPILE_FNS = {
 }
 
 
-def tol(dtype: str):
-    """(atol, rtol) for outputs of O(1) magnitude."""
-    return {"float32": (1e-4, 1e-4), "float16": (4e-3, 4e-3), "bfloat16": (3e-2, 2e-2)}[dtype]
-
-
 def cuda_rand(shape, dt, seed, shift=0.0):
     """Seeded normal values (+ ``shift``) on the GPU in dtype ``dt``, drawn in fp32."""
     import torch

@@ -8,9 +8,9 @@ import pytest
 
 @pytest.fixture(scope="module")
 def kernel_cache():
-    """The session's cache (QUACK_CACHE_DIR, quack.toml): `quack build manifests/tests.toml`
-    fills it, so under `pytest --quack-prebuilt` (CI) these tests prove every prebuilt
-    entry loads, and without it they compile what is missing in the workers.
+    """The session's cache (QUACK_CACHE_DIR, quack.toml): README command 2's `quack build
+    manifests/tests.toml manifests/training.toml` fills it, so under `pytest --quack-prebuilt`
+    (CI) these tests prove every prebuilt entry loads, and without it they compile what is missing in the workers.
     QUACK_TEST_KERNEL_CACHE points them at another cache instead."""
     from quack import settings
 

@@ -3,11 +3,8 @@ wrapper (the torch.library custom ops), forward AND backward, against float32 to
 references, over M in {1, 7, large odd} x N from 1 to 262,144 (many not a multiple of 8)
 x every (input, weight) dtype pair; then the same ops under torch.compile(fullgraph=True).
 
-Tolerances (relative and absolute) by the compared tensor's dtype: bf16 1e-2, fp16 1e-3,
-fp32 1e-4; gradients reduced over the M rows (dweight, dbias) scale atol by sqrt(M).
-Outputs are poisoned with NaN first, so an unwritten element fails."""
-
-import math
+References and tolerances: quack_kernels._reference (the one definition `quack verify --run`
+uses too: by the compared tensor's dtype, N and the rows summed into it). Outputs are poisoned with NaN first, so an unwritten element fails."""
 
 import pytest
 from _cases import DTYPES
@@ -19,8 +16,9 @@ pytestmark = [
     pytest.mark.usefixtures("poison_allocations", "oom_pressure"),
 ]
 
+from quack_kernels import _reference as R  # noqa: E402  (torch first: skipped without it)
+
 NS = (1, 3, 8, 100, 192, 668, 1000, 4100, 16385, 65536, 131074, 262144)
-TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 TD = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 PAIRS = [(x, w) for x in DTYPES for w in DTYPES]
 
@@ -44,14 +42,11 @@ def _rand(shape, dt, seed, scale=1.0, shift=0.0):
     return (torch.randn(shape, device="cuda", generator=g) * scale + shift).to(dt)
 
 
-def close(got, ref, what, m_rows=1):
-    """got (any dtype) vs the fp32 reference with the tolerance of got's dtype."""
-    assert got is not None, what
-    assert not torch.isnan(got).any(), f"{what}: NaN (unwritten element?)"
-    tol = TOL[got.dtype]
-    torch.testing.assert_close(
-        got.float(), ref.float(), atol=tol * math.sqrt(m_rows), rtol=tol, msg=lambda s: f"{what}: {s}"
-    )
+def close(got, ref, what, m_rows=1, rounded_to=None):
+    """got vs the fp32 reference with ``_reference``'s tolerance of got's dtype (rows of
+    got's last dimension; ``m_rows``: rows summed into it)."""
+    n = got.shape[-1] if got.dim() else 1
+    R.assert_close(got, ref, what, n=n, rows=m_rows, rounded_to=rounded_to)
 
 
 def leaf(t):
@@ -59,16 +54,6 @@ def leaf(t):
 
 
 # ------------------------------------------------------------------------- RMSNorm
-
-
-def rms_ref(x, w, b, r, eps):
-    h = x + r if r is not None else x
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    if w is not None:
-        y = y * w
-    if b is not None:
-        y = y + b
-    return y, h
 
 
 @pytest.mark.parametrize("xdt,wdt,m,n", _grid(PAIRS))
@@ -81,13 +66,8 @@ def test_rmsnorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
     y = rmsnorm(xs, ws, eps=1e-6)
     assert y.dtype == x.dtype
     y.backward(dy)
-    xr, wr = leaf(x.float()), leaf(w.float())
-    yr, _ = rms_ref(xr, wr, None, None, 1e-6)
-    yr.backward(dy.float())
-    close(y, yr, "y")
-    close(xs.grad, xr.grad, "dx")
-    assert ws.grad.dtype == w.dtype
-    close(ws.grad, wr.grad, "dweight", m)
+    R.check_rmsnorm_fwd(x, w, None, None, 1e-6, y=y)
+    R.check_rmsnorm_bwd(x, w, dy, 1e-6, dx=xs.grad, dw=ws.grad)
 
 
 @pytest.mark.parametrize("xdt,wdt,m,n", _grid([(d, d) for d in DTYPES]))
@@ -99,19 +79,16 @@ def test_rmsnorm_bias_residual_fwd_bwd(xdt, wdt, m, n):
     xs, rs, bs = leaf(x), leaf(r), leaf(b)
     y, h = rmsnorm(xs, None, bs, rs, 1e-6)
     torch.autograd.backward([y, h], [dy, dh])
-    br = leaf(b.float())
-    close(h, x.float() + r.float(), "residual_out")
-    # The kernels normalize and differentiate at the stored residual h (x's dtype): the
-    # fp32 reference does the same (at N = 1, where y = h / |h|, dx ~ eps / |h|^3 is
-    # ill-conditioned in h, so the unrounded sum would differ).
-    hq = leaf(h.detach().float())
-    yq = rms_ref(hq, None, br, None, 1e-6)[0]
-    close(y, yq, "y")
-    yq.backward(dy.float())
-    dh_ref = hq.grad + dh.float()
+    # The kernels normalize and differentiate at the stored residual h (x's dtype), and so
+    # does the reference (at N = 1, where y = h / |h|, dx ~ eps / |h|^3 is ill-conditioned
+    # in h, so the unrounded sum would differ).
+    R.check_rmsnorm_fwd(x, None, b, r, 1e-6, y=y, residual_out=h)
+    hq = R.rmsnorm_fwd_ref(x, None, None, r, 1e-6)["residual_out"].to(x.dtype)
+    bwd = R.rmsnorm_bwd_ref(hq, None, dy, 1e-6, has_bias=True)
+    dh_ref = bwd["dx"] + dh.float()
     close(xs.grad, dh_ref, "dx")
     close(rs.grad, dh_ref, "dresidual")
-    close(bs.grad, br.grad, "dbias", m)
+    R.check_rmsnorm_bwd(hq, None, dy, 1e-6, b.dtype, db=bs.grad)
 
 
 # ------------------------------------------------------------------------- LayerNorm
@@ -127,14 +104,8 @@ def test_layernorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
     xs, ws, bs = leaf(x), leaf(w), leaf(b)
     y = layernorm(xs, ws, bs, 1e-5)
     y.backward(dy)
-    xr, wr, br = leaf(x.float()), leaf(w.float()), leaf(b.float())
-    yr = torch.nn.functional.layer_norm(xr, (n,), wr, br, 1e-5)
-    yr.backward(dy.float())
-    close(y, yr, "y")
-    close(xs.grad, xr.grad, "dx")
-    assert ws.grad.dtype == w.dtype and bs.grad.dtype == b.dtype
-    close(ws.grad, wr.grad, "dweight", m)
-    close(bs.grad, br.grad, "dbias", m)
+    R.check_layernorm_fwd(x, w, b, 1e-5, y=y)
+    R.check_layernorm_bwd(x, w, b, dy, 1e-5, dx=xs.grad, dw=ws.grad, db=bs.grad)
 
 
 @pytest.mark.parametrize("kind", ("rms", "layer"))
@@ -151,18 +122,12 @@ def test_norm_fwd_every_ring_cluster_size(kind, wdt, n):
     m = 4 * torch.cuda.get_device_properties(0).multi_processor_count + 5
     x = _rand((m, n), torch.bfloat16, 0, shift=0.5)
     w, b = _rand((n,), TD[wdt], 1), _rand((n,), TD[wdt], 2)
-    xf = x.float()
     if kind == "rms":
         y, rstd, _ = rmsnorm_fwd(x, w, None, None, 1e-6)
-        ref_rstd = torch.rsqrt(xf.pow(2).mean(-1) + 1e-6)
-        ref = xf * ref_rstd[:, None] * w.float()
+        R.check_rmsnorm_fwd(x, w, None, None, 1e-6, y=y, rstd=rstd)
     else:
         y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
-        ref = torch.nn.functional.layer_norm(xf, (n,), w.float(), b.float(), 1e-5)
-        ref_rstd = torch.rsqrt(xf.var(-1, unbiased=False) + 1e-5)
-        close(mean, xf.mean(-1), "mean")
-    close(y, ref, "y")
-    close(rstd, ref_rstd, "rstd")
+        R.check_layernorm_fwd(x, w, b, 1e-5, y=y, mean=mean, rstd=rstd)
 
 
 @pytest.mark.parametrize("n, cluster", ((65536, 4), (131072, 8), (262144, 16)))
@@ -188,10 +153,7 @@ def test_layernorm_bwd_without_affine(n):
     x, dy = _rand((m, n), torch.bfloat16, 0), _rand((m, n), torch.bfloat16, 1)
     _, mean, rstd = layernorm_fwd(x)
     dx, dw, db = layernorm_bwd(x, None, dy, mean, rstd)
-    assert dw is None and db is None
-    xr = leaf(x.float())
-    torch.nn.functional.layer_norm(xr, (n,), eps=1e-5).backward(dy.float())
-    close(dx, xr.grad, "dx")
+    R.check_layernorm_bwd(x, None, None, dy, 1e-5, dx=dx, dw=dw, db=db)
 
 
 # ------------------------------------------------------------------------- softmax
@@ -205,13 +167,9 @@ def test_softmax_fwd_bwd(xdt, _w, m, n):
     xs = leaf(x)
     y = softmax(xs)
     y.backward(dy)
-    xr = leaf(x.float())
-    yr = torch.softmax(xr, -1)
-    # the backward uses the stored (rounded) y: reference from the same y
-    yq = y.detach().float()
-    dxr = yq * (dy.float() - (yq * dy.float()).sum(-1, keepdim=True))
-    close(y, yr, "y")
-    close(xs.grad, dxr, "dx")
+    R.check_softmax_fwd(x, y=y)
+    # the backward uses the stored (rounded) y: so does the reference
+    R.check_softmax_bwd(dy, y.detach(), dx=xs.grad)
 
 
 # ------------------------------------------------------------------------- cross-entropy
@@ -242,12 +200,9 @@ def test_cross_entropy_fwd_bwd(variant, xdt, _w, m, n):
         torch.rand(loss.shape, device="cuda", generator=g) if loss.dim() else torch.tensor(0.7, device="cuda")
     )
     loss.backward(up)
-    xr = leaf(x.float())
-    ref = torch.nn.functional.cross_entropy(xr, t, ignore_index=-100, **kw)
-    ref.backward(up)
-    assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, ref, atol=TOL[TD[xdt]], rtol=TOL[TD[xdt]])
-    close(xs.grad, xr.grad, "dlogits")
+    ref = R.cross_entropy_ref(x, t, -100, **kw)
+    R.assert_close(loss, ref, "loss", n=n, dtype=torch.float32)
+    R.check_cross_entropy_bwd(x, t, up, -100, **kw, dx=xs.grad)
 
 
 # ------------------------------------------------------------------------- torch.compile
@@ -313,7 +268,8 @@ def test_compile_fullgraph_softmax_cross_entropy(xdt):
         lc.backward()
         le = f(x2, t, w)
         le.backward()
-        torch.testing.assert_close(lc, le, atol=TOL[TD[xdt]] * 10, rtol=TOL[TD[xdt]])
+        # fp32 sums of outputs rounded to xdt (softmax's y): xdt's tolerance, 100 rows' atol
+        close(lc, le, f"compiled loss {m}x{n}", 100, rounded_to=TD[xdt])
         close(x1.grad, x2.grad, f"compiled dlogits {m}x{n}")
         xr = leaf(x.float())
         ref = (
@@ -321,7 +277,7 @@ def test_compile_fullgraph_softmax_cross_entropy(xdt):
             + torch.nn.functional.cross_entropy(xr, t, weight=w, label_smoothing=0.1)
             + torch.nn.functional.cross_entropy(xr, t, reduction="sum")
         )
-        torch.testing.assert_close(lc, ref, atol=TOL[TD[xdt]] * math.sqrt(m * n), rtol=TOL[TD[xdt]])
+        R.assert_close(lc, ref, f"loss {m}x{n}", n=n, rows=m * n, rounded_to=TD[xdt])
 
 
 def test_opcheck_on_gpu():

@@ -1,0 +1,151 @@
+"""The kernels' reference hooks (``reference=`` of their ``@jit_cache`` registrations; what
+``quack verify --run`` calls with a configuration's params): each runs the torch-facing op on
+generated inputs (37 rows, every variant its params name) and asserts with the family's
+``_reference.check_*``, the same function the GPU tests use.
+
+Not among the kernels' sources: the kernel modules name this module only in strings, so an
+edit here leaves the kernels' cache keys alone. torch is imported inside functions.
+"""
+
+M = 37  # rows: not a multiple of any row tile, so the last tile is partial
+
+
+def _dtypes(params):
+    import torch
+
+    dt = getattr(torch, params["dtype"])
+    name = params.get("weight_dtype", "same")
+    return dt, (dt if name in (None, "same") else getattr(torch, name))
+
+
+def _randn(shape, dt, g, device, shift=0.0, scale=1.0):
+    import torch
+
+    return (torch.randn(shape, generator=g) * scale + shift).to(device=device, dtype=dt)
+
+
+def _gen(seed=0):
+    import torch
+
+    return torch.Generator(device="cpu").manual_seed(seed)
+
+
+def verify_rmsnorm_fwd(params: dict, device) -> None:
+    from . import _reference as R
+    from .rmsnorm import rmsnorm_fwd
+
+    dt, wdt = _dtypes(params)
+    n, g = params["n"], _gen()
+    x = _randn((M, n), dt, g, device)
+    w = _randn(n, wdt, g, device) if params.get("has_weight", True) else None
+    b = _randn(n, wdt, g, device) if params.get("has_bias") else None
+    r = _randn((M, n), dt, g, device) if params.get("has_residual") else None
+    y, rstd, ro = rmsnorm_fwd(x, w, b, r, 1e-6)
+    R.check_rmsnorm_fwd(x, w, b, r, 1e-6, y=y, rstd=rstd, residual_out=ro)
+
+
+def verify_rmsnorm_bwd(params: dict, device) -> None:
+    import torch
+
+    from . import _reference as R
+    from .rmsnorm import rmsnorm_bwd
+
+    dt, wdt = _dtypes(params)
+    n, g = params["n"], _gen()
+    x, dy = _randn((M, n), dt, g, device), _randn((M, n), dt, g, device)
+    w = _randn(n, wdt, g, device) if params.get("has_weight", True) else None
+    b = torch.zeros(n, device=device, dtype=wdt) if params.get("has_bias") else None
+    rstd = R.rmsnorm_fwd_ref(x, None, None, None, 1e-6)["rstd"]
+    dx, dw, *db = rmsnorm_bwd(x, w, dy, rstd, b)
+    got = dict(dx=dx, dw=dw) | (dict(db=db[0]) if b is not None else {})
+    R.check_rmsnorm_bwd(x, w, dy, 1e-6, b.dtype if b is not None else None, **got)
+
+
+def verify_layernorm_fwd(params: dict, device) -> None:
+    from . import _reference as R
+    from .layernorm import layernorm_fwd
+
+    dt, wdt = _dtypes(params)
+    n, g = params["n"], _gen()
+    x = _randn((M, n), dt, g, device, shift=0.5)
+    w = _randn(n, wdt, g, device) if params.get("has_weight", True) else None
+    b = _randn(n, wdt, g, device) if params.get("has_bias", True) else None
+    y, mean, rstd = layernorm_fwd(x, w, b, 1e-5)
+    R.check_layernorm_fwd(x, w, b, 1e-5, y=y, mean=mean, rstd=rstd)
+
+
+def verify_layernorm_bwd(params: dict, device) -> None:
+    from . import _reference as R
+    from .layernorm import layernorm_bwd
+
+    dt, wdt = _dtypes(params)
+    n, g = params["n"], _gen()
+    x = _randn((M, n), dt, g, device, shift=0.5)
+    dy = _randn((M, n), dt, g, device)
+    w = _randn(n, wdt, g, device) if params.get("has_weight", True) else None
+    b = _randn(n, wdt, g, device) if params.get("has_bias", True) else None
+    fwd = R.layernorm_fwd_ref(x, None, None, 1e-5)
+    dx, dw, db = layernorm_bwd(x, w, dy, fwd["mean"], fwd["rstd"], b)
+    R.check_layernorm_bwd(x, w, b, dy, 1e-5, dx=dx, dw=dw, db=db)
+
+
+def verify_softmax_fwd(params: dict, device) -> None:
+    from . import _reference as R
+    from .softmax import softmax_fwd
+
+    dt, _ = _dtypes(params)
+    x = _randn((M, params["n"]), dt, _gen(), device, scale=3.0)
+    R.check_softmax_fwd(x, y=softmax_fwd(x))
+
+
+def verify_softmax_bwd(params: dict, device) -> None:
+    import torch
+
+    from . import _reference as R
+    from .softmax import softmax_bwd
+
+    dt, _ = _dtypes(params)
+    n, g = params["n"], _gen()
+    y = torch.softmax(_randn((M, n), torch.float32, g, device), -1).to(dt)
+    dy = _randn((M, n), dt, g, device)
+    R.check_softmax_bwd(dy, y, dx=softmax_bwd(dy, y))
+
+
+def _ce_inputs(params, device):
+    """logits (scale 2), targets with every 5th row ignored, and the weight / label_smoothing
+    of the configuration's smoothing variant."""
+    import torch
+
+    dt, _ = _dtypes(params)
+    n, g = params["n"], _gen()
+    x = _randn((M, n), dt, g, device, scale=2.0)
+    t = torch.randint(0, n, (M,), generator=g)
+    t[::5] = -100
+    v = params.get("smoothing", "none")
+    kw: dict = {}
+    if v != "none":
+        w = torch.rand(n, generator=_gen(1)).to(device) + 0.1 if v == "weighted" else None
+        kw = dict(weight=w, label_smoothing=0.1)
+    return x, t.to(device), kw
+
+
+def verify_cross_entropy_fwd(params: dict, device) -> None:
+    from . import _reference as R
+    from .cross_entropy import cross_entropy_fwd
+
+    x, t, kw = _ce_inputs(params, device)
+    loss, lse = cross_entropy_fwd(x, t, -100, **kw)
+    R.check_cross_entropy_fwd(x, t, -100, **kw, loss=loss, lse=lse)
+
+
+def verify_cross_entropy_bwd(params: dict, device) -> None:
+    import torch
+
+    from . import _reference as R
+    from .cross_entropy import cross_entropy_bwd
+
+    x, t, kw = _ce_inputs(params, device)
+    dloss = torch.rand(M, generator=_gen(2)).to(device)
+    lse = R.cross_entropy_fwd_ref(x, t, -100)["lse"]
+    dx = cross_entropy_bwd(x, t, dloss, lse, -100, **kw)
+    R.check_cross_entropy_bwd(x, t, dloss, -100, **kw, dx=dx)

@@ -1,0 +1,199 @@
+"""The kernel configurations each GPU test requests, from the GPU tests' own parameters (issue
+24 item 2): ``requested()`` walks every test function of tests/kernels/*_gpu.py, expands its
+real ``@pytest.mark.parametrize`` marks (the same data pytest runs on a GPU) and maps each case
+to the compile calls its torch-facing ops make (``REQUESTS``: the wrappers' compile arguments,
+weight_dtype "same" when the weight's dtype is x's). Without a GPU, so a CPU test can prove
+that README command 2's manifests hold everything the GPU tests will ask for."""
+
+import glob
+import importlib
+import itertools
+import os
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+F32 = "float32"
+
+
+def _w(x, w):
+    return "same" if w in (x, "same") else w
+
+
+def rms_fwd(x, n, w=True, b=False, r=False, wdt="same"):
+    return [
+        ("rmsnorm_fwd", dict(dtype=x, n=n, has_weight=w, has_bias=b, has_residual=r, weight_dtype=_w(x, wdt)))
+    ]
+
+
+def rms_bwd(x, n, w=True, b=False, wdt="same"):
+    # the backward's weight_dtype is the weight's (none: "same", whatever the bias's dtype)
+    return [
+        (
+            "rmsnorm_bwd",
+            dict(dtype=x, n=n, has_weight=w, has_bias=b, weight_dtype=_w(x, wdt) if w else "same"),
+        )
+    ]
+
+
+def ln_fwd(x, n, w=True, b=True, wdt="same"):
+    return [("layernorm_fwd", dict(dtype=x, n=n, has_weight=w, has_bias=b, weight_dtype=_w(x, wdt)))]
+
+
+def ln_bwd(x, n, w=True, b=True, wdt="same"):
+    return [
+        (
+            "layernorm_bwd",
+            dict(dtype=x, n=n, has_weight=w, has_bias=b, weight_dtype=_w(x, wdt) if w else "same"),
+        )
+    ]
+
+
+def softmax(x, n):
+    return [("softmax_fwd", dict(dtype=x, n=n)), ("softmax_bwd", dict(dtype=x, n=n))]
+
+
+def ce(x, n, smoothing="none"):
+    return [(k, dict(dtype=x, n=n, smoothing=smoothing)) for k in ("cross_entropy_fwd", "cross_entropy_bwd")]
+
+
+# test_training_gpu.CE_VARIANTS -> the kernels' smoothing variant (_ce_args.variant: a class
+# weight without label smoothing is applied in torch, "none")
+CE_SMOOTHING = {"plain": "none", "weighted-smooth": "weighted", "smooth": "uniform", "weighted": "none"}
+BF, COMPILE_NS = "bfloat16", (1, 668, 4100, 65536)
+
+
+def _hook_calls(kernel, dtype):
+    """test_reference_hooks' GPU test: the hook of ``kernel`` at its default params, n = 4096."""
+    from quack import registry
+
+    importlib.import_module("quack_kernels." + kernel.rsplit("_", 1)[0])
+    return [(kernel, registry.get(kernel).plain(registry.get(kernel).bind((), dict(dtype=dtype, n=4096))))]
+
+
+# "file::test" -> f(**case params) -> [(kernel, params)]; None: the test requests no cached
+# kernel (raw compiles, input validation, driver queries).
+REQUESTS = {
+    "test_kernels_gpu.py::test_rmsnorm_fwd": lambda dt, n, variant, **_: (
+        rms_fwd(dt, n) if variant == "w" else rms_fwd(dt, n, w=False, b=True, r=True)
+    ),
+    "test_kernels_gpu.py::test_rmsnorm_bwd": lambda dt, n, has_weight, **_: rms_bwd(dt, n, w=has_weight),
+    "test_kernels_gpu.py::test_softmax_fwd": lambda dt, n, **_: softmax(dt, n)[:1],
+    "test_kernels_gpu.py::test_softmax_bwd": lambda dt, n, **_: softmax(dt, n)[1:],
+    "test_kernels_gpu.py::test_layernorm_fwd": lambda dt, n, **_: ln_fwd(dt, n),
+    "test_kernels_gpu.py::test_cross_entropy_fwd": lambda dt, n, **_: ce(dt, n)[:1],
+    "test_kernels_gpu.py::test_cross_entropy_bwd": lambda dt, n, **_: ce(dt, n)[1:],
+    "test_kernels_gpu.py::test_autograd_wrappers": lambda: (
+        rms_fwd(BF, 4096) + rms_bwd(BF, 4096) + softmax(F32, 1000) + ce(F32, 1000)
+    ),
+    "test_kernels_gpu.py::test_bad_inputs": None,
+    "test_training_gpu.py::test_rmsnorm_fwd_bwd_weight_dtypes": lambda xdt, wdt, n, **_: (
+        rms_fwd(xdt, n, wdt=wdt) + rms_bwd(xdt, n, wdt=wdt)
+    ),
+    "test_training_gpu.py::test_rmsnorm_bias_residual_fwd_bwd": lambda xdt, wdt, n, **_: (
+        rms_fwd(xdt, n, w=False, b=True, r=True, wdt=wdt) + rms_bwd(xdt, n, w=False, b=True)
+    ),
+    "test_training_gpu.py::test_layernorm_fwd_bwd_weight_dtypes": lambda xdt, wdt, n, **_: (
+        ln_fwd(xdt, n, wdt=wdt) + ln_bwd(xdt, n, wdt=wdt)
+    ),
+    "test_training_gpu.py::test_norm_fwd_every_ring_cluster_size": lambda kind, wdt, n: (
+        rms_fwd(BF, n, wdt=wdt) if kind == "rms" else ln_fwd(BF, n, wdt=wdt)
+    ),
+    "test_training_gpu.py::test_ring_grid_is_the_drivers_occupancy": None,
+    "test_training_gpu.py::test_layernorm_bwd_without_affine": lambda n: (
+        ln_fwd(BF, n, w=False, b=False) + ln_bwd(BF, n, w=False, b=False)
+    ),
+    "test_training_gpu.py::test_softmax_fwd_bwd": lambda xdt, n, **_: softmax(xdt, n),
+    "test_training_gpu.py::test_cross_entropy_fwd_bwd": lambda variant, xdt, n, **_: ce(
+        xdt, n, CE_SMOOTHING[variant]
+    ),
+    "test_training_gpu.py::test_compile_fullgraph_norms": lambda xdt, wdt: [
+        c
+        for n in COMPILE_NS
+        for c in rms_fwd(xdt, n, r=True, wdt=wdt)
+        + rms_bwd(xdt, n, wdt=wdt)
+        + ln_fwd(xdt, n, wdt=wdt)
+        + ln_bwd(xdt, n, wdt=wdt)
+    ],
+    "test_training_gpu.py::test_compile_fullgraph_softmax_cross_entropy": lambda xdt: [
+        c for n in COMPILE_NS for c in softmax(xdt, n) + ce(xdt, n, "weighted") + ce(xdt, n)
+    ],
+    "test_training_gpu.py::test_opcheck_on_gpu": lambda: (
+        rms_fwd(BF, 668, wdt=F32)
+        + rms_bwd(BF, 668, wdt=F32)
+        + ln_fwd(BF, 668, wdt=F32)
+        + ln_bwd(BF, 668, wdt=F32)
+        + softmax(BF, 668)
+        + ce(BF, 668, "weighted")
+    ),
+    "test_k7h_gpu.py::test_round7_variants_match_torch": None,  # .raw compiles, loaded directly
+    "test_k7h_gpu.py::test_public_forwards_with_fp32_weights": lambda xdt, kind, n: (
+        ln_fwd(xdt, n, wdt=F32) if kind == "layer" else rms_fwd(xdt, n, wdt=F32)
+    ),
+    "test_k8i_gpu.py::test_layernorm_fwd_fp32_wb_row_cta_class": lambda xdt, n: ln_fwd(xdt, n, wdt=F32),
+    "test_k9_gpu.py::test_layernorm_fwd_fp32_wb_pipelined_ring": lambda xdt, n: ln_fwd(xdt, n, wdt=F32),
+    "test_k9_gpu.py::test_layernorm_fwd_fp32_weight_or_bias_alone": lambda has_w, has_b: ln_fwd(
+        BF, 262144, w=has_w, b=has_b, wdt=F32
+    ),
+    "test_k9_gpu.py::test_layernorm_fwd_same_dtype_pipelined_ring": lambda xdt: (
+        ln_fwd(xdt, 262144) + ln_fwd(xdt, 196608)
+    ),
+    "test_k9_gpu.py::test_rmsnorm_fwd_fp32_weight_pipelined_ring_over_clusters_of_8": lambda xdt, has_b: (
+        rms_fwd(xdt, 262144, b=has_b, wdt=F32)
+    ),
+    "test_ln_row_cta_gpu.py::test_layernorm_fwd_row_cta": lambda xdt, affine, n: ln_fwd(
+        xdt,
+        n,
+        w=affine != "none",
+        b=affine in ("same", "float32"),
+        wdt=F32 if affine == "float32" else "same",
+    ),
+    "test_reference_hooks.py::test_reference_hook_passes_on_gpu": lambda kernel, dtype: _hook_calls(
+        kernel, dtype
+    ),
+    "test_reference_hooks.py::test_every_kernel_has_an_importable_reference_hook": None,
+    # builds every shipped manifest itself before `quack verify --run`
+    "test_reference_hooks.py::test_verify_run_passes_over_every_shipped_manifest": None,
+    "test_reference_hooks.py::test_verify_run_without_gpu_says_kernels_were_not_run": None,
+}
+
+
+def _cases(fn):
+    """Every parameter combination of ``fn``'s parametrize marks (pytest.param values too)."""
+    axes = []
+    for mark in getattr(fn, "pytestmark", []):
+        if mark.name != "parametrize":
+            continue
+        names, values = mark.args[0], mark.args[1]
+        names = [s.strip() for s in names.split(",")] if isinstance(names, str) else list(names)
+        rows = []
+        for v in values:
+            v = v.values if hasattr(v, "values") and hasattr(v, "marks") else v
+            v = v if len(names) > 1 else (v[0] if isinstance(v, tuple) and len(v) == 1 else v,)
+            rows.append(dict(zip(names, v)))
+        axes.append(rows)
+    for combo in itertools.product(*axes):
+        yield {k: v for d in combo for k, v in d.items()}
+
+
+def gpu_test_functions():
+    """(\"file::test\", function) of every test function of the GPU test modules."""
+    paths = sorted(glob.glob(os.path.join(HERE, "*_gpu.py"))) + [
+        os.path.join(HERE, "test_reference_hooks.py")
+    ]
+    for path in paths:
+        mod = importlib.import_module(os.path.basename(path)[:-3])
+        for name in sorted(vars(mod)):
+            if name.startswith("test_") and callable(getattr(mod, name)):
+                yield f"{os.path.basename(path)}::{name}", getattr(mod, name)
+
+
+def requested() -> dict:
+    """(kernel, sorted params items) -> the first "file::test" that requests it."""
+    out: dict = {}
+    for test, fn in gpu_test_functions():
+        if test not in REQUESTS:
+            raise KeyError(f"{test}: not in _requests.REQUESTS (say which kernels it requests, or None)")
+        f = REQUESTS[test]
+        for case in _cases(fn) if f is not None else ():
+            for kernel, params in f(**case):
+                out.setdefault((kernel, tuple(sorted(params.items()))), test)
+    return out
