@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -214,6 +215,25 @@ def test_symlinked_package_directory_is_refused(site, s, tmp_path):
     pkg.symlink_to(tmp_path / "elsewhere")
     hit, msgs = lookup_twice(ref, s)
     assert hit is None and len(msgs) == 1 and "symbolic link" in msgs[0], msgs
+
+
+def test_fifo_in_place_of_an_object_is_a_miss_not_a_hang(site, s):
+    import threading
+
+    ref = ref_for()
+    pkg = install(site, [bfile(ref)], name="fifo")
+    (obj,) = pkg.rglob("*.o")
+    obj.unlink()
+    os.mkfifo(obj)  # open() without O_NONBLOCK waits for a writer for ever
+    done, out = threading.Event(), {}
+
+    def look():
+        out["hit"], out["msgs"] = lookup_twice(ref, s)
+        done.set()
+
+    threading.Thread(target=look, daemon=True).start()
+    assert done.wait(timeout=60), "the lookup blocked on a FIFO"
+    assert out["hit"] is None and len(out["msgs"]) == 1 and "not a regular file" in out["msgs"][0], out
 
 
 # --- item 7: quack bundle inspect on hostile wheels ------------------------------
