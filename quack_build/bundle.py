@@ -8,6 +8,7 @@ format (RECORD with every file's hash, the dist-info directory) is written by th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -20,7 +21,7 @@ from pathlib import Path
 from quack import __version__ as QUACK_VERSION
 from quack.bundles import index as _index
 from quack.bundles.index import Index, IndexEntry
-from quack.cache import fsutil, keys
+from quack.cache import fsutil
 from quack.errors import BundleError, LinkError
 from quack.runtime import loader
 
@@ -138,6 +139,41 @@ def _wheelfile():
     return WheelFile, WheelError
 
 
+def _write_members(wf, files, name, version, pkg, distinfo, idx, index_bytes, signing_key) -> None:
+    wf.writestr(f"{pkg}/__init__.py", _init_py(name, version))
+    for f in files:
+        e = f.entry
+        wf.writestr(f"{pkg}/{e.rel_obj}", f.obj)
+        wf.writestr(f"{pkg}/{e.rel_meta}", json.dumps(f.meta, sort_keys=True, indent=1))
+        if f.so is not None:
+            wf.writestr(f"{pkg}/{e.rel_so}", f.so)
+            wf.writestr(f"{pkg}/{e.rel_so_meta}", json.dumps({"o_sha256": e.sha256, "sha256": e.so_sha256}))
+    wf.writestr(f"{pkg}/{_index.INDEX_NAME}", index_bytes)
+    if signing_key is not None:
+        from quack.bundles import trust
+
+        wf.writestr(f"{pkg}/{_index.SIG_NAME}", trust.signature_bytes(index_bytes, signing_key))
+    wf.writestr(f"{distinfo}/METADATA", _metadata(name, version, idx))
+    wf.writestr(
+        f"{distinfo}/WHEEL",
+        f"Wheel-Version: 1.0\nGenerator: {GENERATOR}\n"
+        f"Root-Is-Purelib: false\nTag: py3-none-{platform_tag()}\n",
+    )
+    wf.writestr(f"{distinfo}/entry_points.txt", f"[{_index.ENTRY_POINT_GROUP}]\n{name} = {pkg}\n")
+
+
+def _abandon(wf) -> None:
+    """Close a wheel being written without finishing it. Issue 30: on a full disk,
+    ``with WheelFile(...)`` re-ran close() (RECORD, central directory) into the same
+    full disk, failed again, and left the file open, so ZipFile.__del__ tried once more
+    at exit and printed a 20-line "Exception ignored" traceback. The half-written file
+    is removed with its temp directory by the caller."""
+    fp, wf.fp = wf.fp, None  # close() and __del__ do nothing once fp is None
+    if fp is not None:
+        with contextlib.suppress(OSError):  # flushing the buffer into a full disk fails again
+            fp.close()
+
+
 def write_wheel(
     files: list[BundleFile],
     *,
@@ -167,140 +203,19 @@ def write_wheel(
     distinfo = f"{_index.dist_name(name)}-{version}.dist-info"
     with tempfile.TemporaryDirectory(prefix=".quack-bundle-", dir=out_dir) as tmpd:
         tmp = Path(tmpd) / fname
-        with WheelFile(tmp, "w") as wf:
-            wf.writestr(f"{pkg}/__init__.py", _init_py(name, version))
-            for f in files:
-                e = f.entry
-                wf.writestr(f"{pkg}/{e.rel_obj}", f.obj)
-                wf.writestr(f"{pkg}/{e.rel_meta}", json.dumps(f.meta, sort_keys=True, indent=1))
-                if f.so is not None:
-                    wf.writestr(f"{pkg}/{e.rel_so}", f.so)
-                    wf.writestr(
-                        f"{pkg}/{e.rel_so_meta}", json.dumps({"o_sha256": e.sha256, "sha256": e.so_sha256})
-                    )
-            wf.writestr(f"{pkg}/{_index.INDEX_NAME}", index_bytes)
-            if signing_key is not None:
-                from quack.bundles import trust
-
-                wf.writestr(f"{pkg}/{_index.SIG_NAME}", trust.signature_bytes(index_bytes, signing_key))
-            wf.writestr(f"{distinfo}/METADATA", _metadata(name, version, idx))
-            wf.writestr(
-                f"{distinfo}/WHEEL",
-                f"Wheel-Version: 1.0\nGenerator: {GENERATOR}\n"
-                f"Root-Is-Purelib: false\nTag: py3-none-{platform_tag()}\n",
-            )
-            wf.writestr(f"{distinfo}/entry_points.txt", f"[{_index.ENTRY_POINT_GROUP}]\n{name} = {pkg}\n")
+        wf = WheelFile(tmp, "w")
+        try:
+            _write_members(wf, files, name, version, pkg, distinfo, idx, index_bytes, signing_key)
+            wf.close()  # writes RECORD and the central directory: may fail too (disk full)
+        except BaseException:
+            _abandon(wf)
+            raise
         os.replace(tmp, out_dir / fname)
     return out_dir / fname, idx
 
 
-# --- inspect ---------------------------------------------------------------------
-
-
 def inspect_wheel(path: Path, trusted=None) -> dict:
-    """What a bundle wheel holds, checked without installing it: the wheel's RECORD
-    hashes (WheelFile verifies each member as it is read), the index, each entry's
-    files against the index, the signature (verified when ``trusted`` keys are given).
-    Raises BundleError when it is not a readable bundle wheel at all."""
-    WheelFile, WheelError = _wheelfile()
+    """What a bundle wheel holds, checked without installing it: quack_build.bundleinspect."""
+    from quack_build import bundleinspect
 
-    try:
-        wf = WheelFile(path, "r")
-    except (OSError, WheelError, ValueError) as e:
-        raise BundleError(f"{path}: not a readable wheel ({e})", path=str(path)) from None
-    problems: list[str] = []
-    with wf:
-        names = set(wf.namelist())
-
-        def read(member: str) -> bytes | None:
-            try:
-                return wf.read(member)
-            except WheelError as e:  # RECORD hash or size mismatch
-                problems.append(f"{member}: {e}")
-            except KeyError:
-                problems.append(f"{member}: missing from the wheel")
-            return None
-
-        eps = [n for n in names if n.endswith(".dist-info/entry_points.txt")]
-        pkg = name = None
-        if eps:
-            text = (read(eps[0]) or b"").decode("utf-8", "replace")
-            section = None
-            for line in text.splitlines():
-                line = line.strip()
-                if line.startswith("["):
-                    section = line.strip("[]")
-                elif section == _index.ENTRY_POINT_GROUP and "=" in line:
-                    name, _, pkg = (x.strip() for x in line.partition("="))
-        if pkg is None:
-            raise BundleError(
-                f"{path}: no {_index.ENTRY_POINT_GROUP} entry point: not a quack bundle", path=str(path)
-            )
-        data = read(f"{pkg}/{_index.INDEX_NAME}")
-        if data is None:
-            raise BundleError(
-                f"{path}: {pkg}/{_index.INDEX_NAME} unreadable: " + "; ".join(problems), path=str(path)
-            )
-        idx = _index.parse(data)
-        signer, signed = "", f"{pkg}/{_index.SIG_NAME}" in names
-        if signed:
-            from quack.bundles import trust
-
-            sig = read(f"{pkg}/{_index.SIG_NAME}") or b""
-            try:
-                signer, raw = trust.parse_signature(sig, _index.SIG_NAME)
-                if trusted is not None:
-                    trusted.verify(signer, data, raw)
-            except Exception as e:  # noqa: BLE001 - BundleError / SignatureError: reported
-                problems.append(f"signature: {e}")
-        elif trusted is not None:
-            problems.append("not signed, and trusted keys are configured")
-        rows = []
-        for ent in idx.entries:
-            bad = []
-            obj = read(f"{pkg}/{ent.rel_obj}")
-            if obj is not None and (len(obj) != ent.size or hashlib.sha256(obj).hexdigest() != ent.sha256):
-                bad.append("object does not match the index")
-            if ent.so_sha256 is not None:
-                so = read(f"{pkg}/{ent.rel_so}")
-                if so is not None and hashlib.sha256(so).hexdigest() != ent.so_sha256:
-                    bad.append("shared object does not match the index")
-            cur = keys.toolchain_stamp(ent.arch) == ent.stamp
-            rows.append(
-                {
-                    "kernel": ent.kernel,
-                    "params": ent.params,
-                    "arch": ent.arch,
-                    "key": ent.key,
-                    "stamp": ent.stamp,
-                    "current_stamp": cur,
-                    "size": ent.size,
-                    "so_size": ent.so_size,
-                    "problems": bad,
-                }
-            )
-            problems.extend(f"{ent.kernel} key {ent.key[:16]}: {b}" for b in bad)
-        # Members whose RECORD hash is wrong but that no entry names (e.g. __init__.py).
-        for n in sorted(names):
-            if n.endswith("/RECORD") or any(n == f"{pkg}/{x}" for x in (_index.INDEX_NAME, _index.SIG_NAME)):
-                continue
-            if n.startswith(f"{pkg}/v1/"):
-                continue
-            read(n)
-    return {
-        "wheel": str(path),
-        "name": idx.name,
-        "version": idx.version,
-        "package": pkg,
-        "entry_point": name,
-        "created": idx.created,
-        "quack": idx.quack,
-        "signed": signed,
-        "signer": signer,
-        "entries": rows,
-        "stamps": idx.stamps,
-        "bytes": idx.bytes,
-        "wheel_bytes": os.path.getsize(path),
-        "problems": problems,
-        "ok": not problems,
-    }
+    return bundleinspect.inspect_wheel(path, trusted)

@@ -17,8 +17,9 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
     toolchain and target arch can use is a problem; entries for other toolchains or
     archs in a bundle that has some for this one are listed, not counted as problems."""
     from quack import registry
+    from quack.bundles import files as bfiles
     from quack.bundles import tier as bt
-    from quack.cache import fsutil, keys
+    from quack.cache import keys
     from quack_build import verify as v
     from quack_build.cubin import arch_matches, gpu_codes
 
@@ -71,7 +72,7 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             if problem:
                 r["problems"].append(problem)
             else:
-                codes = gpu_codes(fsutil.read_nofollow(b.path / e.rel_obj))
+                codes = gpu_codes(bfiles.read_under(b.path, e.rel_obj, e.size))
                 if not arch_matches(e.arch, codes):
                     r["problems"].append(
                         f"built for {', '.join(c.arch for c in codes) or 'no GPU code'}, "

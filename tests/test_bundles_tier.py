@@ -46,7 +46,10 @@ def bfile(ref, obj=b"placeholder object bytes", so=b"placeholder shared object",
         hashlib.sha256(so).hexdigest() if so is not None else None,
         len(so) if so is not None else None,
     )
-    return bw.BundleFile(e, obj, {"key": ref.key}, so)
+    # The store's metadata, as quack bundle ships it (checked against the index).
+    meta = {"format": 1, "key": e.key, "kernel": e.kernel, "arch": e.arch, "stamp": e.stamp}
+    meta.update(srcfp=e.srcfp, sha256=e.sha256, size=e.size, params=dict(PARAMS))
+    return bw.BundleFile(e, obj, meta, so)
 
 
 @pytest.fixture

@@ -18,7 +18,14 @@ index.json::
 Paths are never taken from the index: they are rebuilt from the entry's validated
 fields (``EntryRef`` refuses anything that could leave the package), and ``file``
 must equal the rebuilt path or the entry is refused. Pure Python, no quack imports
-beyond the store's path rules: the runtime reads it at its first bundle lookup."""
+beyond the store's path rules: the runtime reads it at its first bundle lookup.
+
+Caps (issue 30; a bundle is untrusted input until its signature checks): an index of
+more than ``MAX_INDEX_BYTES`` is refused by its size, before it is read; one of more
+than ``MAX_ENTRIES`` entries right after parsing, before any entry is validated; an
+entry whose object or .so is over ``MAX_FILE_BYTES``, and a per-entry metadata file
+or signature over ``MAX_META_BYTES`` / ``MAX_SIG_BYTES``, are refused unread. A 200 MB
+index cost every process's first lookup 7 s and 850 MB before these."""
 
 from __future__ import annotations
 
@@ -36,6 +43,18 @@ LAYOUT = "v1"
 ENTRY_POINT_GROUP = "quack.bundles"
 NAME_RE = re.compile(r"^[a-z0-9](?:[a-z0-9._-]{0,62}[a-z0-9])?$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MIB = 1024 * 1024
+# ~700 bytes an entry: 16 MiB holds 20,000 entries, 20x the largest bundle we ship
+# (training + tests: 1,015). What a bundle may hold beyond that is not worth parsing.
+MAX_INDEX_BYTES = 16 * MIB
+MAX_ENTRIES = 20_000
+# Kernel objects and their .so are ~40 KB; 64 MiB is far beyond any real one.
+MAX_FILE_BYTES = 64 * MIB
+MAX_META_BYTES = 64 * 1024  # one entry's <key>.json / <key>.so.json (~600 bytes)
+MAX_SIG_BYTES = 64 * 1024  # index.json.sig (~150 bytes)
+# The fields of an entry's <key>.json (the store's metadata, shipped as is) that must
+# equal the index entry's: a file swapped in from another kernel or key names its own.
+META_FIELDS = ("key", "kernel", "arch", "stamp", "srcfp", "sha256", "size")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,8 +185,8 @@ def _entry(i: int, raw) -> IndexEntry:
     if keys.safe_component(stamp) != stamp or not stamp.endswith("-" + arch):
         raise BundleError(f"{where}.stamp = {stamp!r} is not a toolchain stamp for {arch}")
     sha, size = field("sha256", str), field("size", int)
-    if not _HEX64.fullmatch(sha) or size < 0:
-        raise BundleError(f"{where}: sha256/size malformed")
+    if not _HEX64.fullmatch(sha) or not 0 <= size <= MAX_FILE_BYTES:
+        raise BundleError(f"{where}: sha256/size malformed (size: 0 to {MAX_FILE_BYTES} bytes)")
     so = raw.get("so")
     so_sha = so_size = None
     if so is not None:
@@ -176,8 +195,10 @@ def _entry(i: int, raw) -> IndexEntry:
             or not isinstance(so.get("sha256"), str)
             or not _HEX64.fullmatch(so["sha256"])
             or not isinstance(so.get("size"), int)
+            or isinstance(so["size"], bool)
+            or not 0 <= so["size"] <= MAX_FILE_BYTES
         ):
-            raise BundleError(f"{where}.so is malformed")
+            raise BundleError(f"{where}.so is malformed (sha256: 64 hex; size: 0 to {MAX_FILE_BYTES} bytes)")
         so_sha, so_size = so["sha256"], so["size"]
     params = raw.get("params", {})
     if not isinstance(params, dict):
@@ -190,8 +211,17 @@ def _entry(i: int, raw) -> IndexEntry:
     return ent
 
 
+def too_large(what: str, size: int, cap: int) -> str:
+    """The refusal for a file over its cap (one wording for the runtime and inspect)."""
+    return f"{what} is {size} bytes, more than the {cap} a bundle allows (refused unread)"
+
+
 def parse(data: bytes) -> Index:
-    """Parse and validate index.json. Raises BundleError naming the bad field."""
+    """Parse and validate index.json. Raises BundleError naming the bad field. The
+    caller checks the signature first, when one is needed: this parses untrusted bytes,
+    bounded by MAX_INDEX_BYTES and MAX_ENTRIES."""
+    if len(data) > MAX_INDEX_BYTES:
+        raise BundleError(too_large(INDEX_NAME, len(data), MAX_INDEX_BYTES))
     try:
         doc = json.loads(data)
     except ValueError as e:
@@ -206,6 +236,8 @@ def parse(data: bytes) -> Index:
     raw = doc.get("entries")
     if not isinstance(raw, list):
         raise BundleError("entries is not a list")
+    if len(raw) > MAX_ENTRIES:
+        raise BundleError(f"entries has {len(raw)} items, more than the {MAX_ENTRIES} a bundle may hold")
     created = doc.get("created", 0)
     return Index(
         name,
@@ -214,3 +246,40 @@ def parse(data: bytes) -> Index:
         str(doc.get("quack", "")),
         tuple(_entry(i, r) for i, r in enumerate(raw)),
     )
+
+
+def check_meta(e: IndexEntry, data: bytes) -> str:
+    """'' if ``data`` (the entry's ``<key>.json``) names the same key, kernel, arch,
+    stamp, source, digest and size as the index entry; else the problem. Guards against
+    an index entry pointed at another kernel's files (issue 30: with no trusted keys
+    nothing else ties the object to what the index says it is)."""
+    if len(data) > MAX_META_BYTES:
+        return too_large("its metadata", len(data), MAX_META_BYTES)
+    try:
+        meta = json.loads(data)
+    except ValueError as err:
+        return f"its metadata is not valid JSON ({err})"
+    if not isinstance(meta, dict):
+        return "its metadata is not a JSON object"
+    want: dict[str, object] = {"key": e.key, "kernel": e.kernel, "arch": e.arch, "stamp": e.stamp}
+    want.update(srcfp=e.srcfp, sha256=e.sha256, size=e.size)
+    for f in META_FIELDS:
+        if f not in meta:
+            return f"its metadata has no {f} (the index says {want[f]!r})"
+        if meta[f] != want[f]:
+            return f"its metadata says {f}={meta.get(f)!r}, the index {want[f]!r} (another entry's files)"
+    return ""
+
+
+def check_so_meta(e: IndexEntry, data: bytes) -> str:
+    """'' if ``data`` (the entry's ``<key>.so.json``) ties the .so to this entry's
+    object and the index's .so digest; else the problem."""
+    if len(data) > MAX_META_BYTES:
+        return too_large("its .so metadata", len(data), MAX_META_BYTES)
+    try:
+        side = json.loads(data)
+    except ValueError as err:
+        return f"its .so metadata is not valid JSON ({err})"
+    if not isinstance(side, dict) or (side.get("o_sha256"), side.get("sha256")) != (e.sha256, e.so_sha256):
+        return "its .so metadata does not match the index (another entry's .so)"
+    return ""

@@ -5,12 +5,16 @@ lookup that reaches this tier (a process that never misses its local cache, or n
 asks for a kernel, pays nothing). A bundle's package is never imported: its
 directory comes from the distribution that declared the entry point.
 
-A bundle is refused as a whole (one warning) when its index is unreadable or
-malformed, or when trusted keys are configured and its index is unsigned or not
-signed by one of them. An entry is used only if its toolchain stamp, arch, kernel
-and source fingerprint are this process's, and its files' sizes and SHA-256 match
-the index (a mismatch: one warning, never loaded; the next bundle holding the key is
-tried)."""
+A bundle is refused as a whole (one warning) when its entry point does not name its
+own package (``quack_bundle_<name>``) or its distribution's RECORD does not list that
+package's index, when its index is unreadable, over the caps of quack.bundles.index
+or malformed, or when trusted keys are configured and its index is unsigned or not
+signed by one of them (checked over the raw bytes before they are parsed). An entry
+is used only if its toolchain stamp, arch, kernel and source fingerprint are this
+process's, its files are reached with no symlink on the way (quack.bundles.files),
+their sizes and SHA-256 match the index and the entry's own metadata names the same
+key, kernel and digest (a mismatch: one warning, never loaded; the next bundle holding
+the key is tried)."""
 
 from __future__ import annotations
 
@@ -20,9 +24,10 @@ import logging
 import threading
 from pathlib import Path
 
+from quack.bundles import files
 from quack.bundles import index as _index
 from quack.bundles.index import Index, IndexEntry
-from quack.cache import fsutil, keys
+from quack.cache import keys
 from quack.cache.entry import Entry, EntryRef
 from quack.cache.problems import warn_once
 from quack.errors import BundleError, KeyFileError
@@ -64,40 +69,79 @@ class Bundle:
 
 
 def open_bundle(
-    name: str, dist: str, version: str, path: Path | None, trusted, *, trust_problem: str = ""
+    name: str, dist: str, version: str, path: Path | None, trusted, *, problem: str = ""
 ) -> Bundle:
-    """Read and check one bundle's index (no import of its package)."""
+    """Read and check one bundle's index (no import of its package). Order (issue 30):
+    the index's size from fstat (over MAX_INDEX_BYTES: refused unread), then, with
+    trusted keys, its signature over the raw bytes, and only then the JSON parse."""
     b = Bundle(name, dist, version, path)
-    if trust_problem:
-        b.problem = trust_problem
+    if problem:
+        b.problem = problem
         return b
     if path is None or not path.is_dir():
         b.problem = f"package directory {path} not found (broken install?)"
         return b
+    where = path / _index.INDEX_NAME
     try:
-        data = fsutil.read_nofollow(path / _index.INDEX_NAME)
-        b.index = _index.parse(data)
+        data = files.read_under(path, _index.INDEX_NAME, _index.MAX_INDEX_BYTES)
     except OSError as e:
-        b.problem = f"cannot read {path / _index.INDEX_NAME} ({e.strerror or e})"
+        b.problem = f"cannot read {where} ({e.strerror or e})"
         return b
     except BundleError as e:
-        b.problem = f"{path / _index.INDEX_NAME} is malformed: {e}"
-        return b
-    b.version = b.index.version
-    if b.index.name != name:
-        b.problem = f"its index names bundle {b.index.name!r}, its entry point {name!r}"
+        b.problem = str(e)
         return b
     if trusted is not None:
         from quack.bundles import trust
 
         try:
-            b.signer = trust.verify_index(data, path / _index.SIG_NAME, trusted, bundle=name)
+            b.signer = trust.verify_index(data, path, trusted, bundle=name)
         except BundleError as e:
             b.problem = str(e)
             return b
+    try:
+        b.index = _index.parse(data)
+    except BundleError as e:
+        b.problem = f"{where} is malformed: {e}"
+        return b
+    b.version = b.index.version
+    if b.index.name != name:
+        b.problem = f"its index names bundle {b.index.name!r}, its entry point {name!r}"
+        return b
     for ent in b.index.entries:
         b.by_key.setdefault(ent.key, []).append(ent)
     return b
+
+
+def package_dir(ep) -> tuple[Path | None, str]:
+    """(the package directory of entry point ``ep``, '' or why it is refused). The
+    value must be the package ``quack bundle`` names (``quack_bundle_<name>``, one
+    path component: issue 30, a value of ``..`` made the runtime read site/../), and
+    the distribution's RECORD must list that package's index.json (the files pip
+    installed for it, not another distribution's)."""
+    pkg = ep.value.strip()
+    try:
+        want = _index.package_name(ep.name)
+    except ValueError as e:
+        return None, f"its entry point name is invalid: {e}"
+    if pkg != want:
+        return None, f"its entry point value {pkg!r} is not its package {want!r}"
+    dist = getattr(ep, "dist", None)
+    if dist is None:
+        return None, "its entry point has no distribution (broken install?)"
+    try:
+        # RECORD's text searched for the line, not dist.files: parsing every line into
+        # PackagePath objects took 118 ms for a 1,000-entry bundle, this ~2 ms. The
+        # package's own paths have no character that CSV would quote.
+        record = dist.read_text("RECORD") or ""
+        path = Path(dist.locate_file(pkg))
+    except Exception as e:  # noqa: BLE001 - a distribution whose files can't be listed
+        return None, f"its distribution's RECORD can't be read ({e})"
+    if f"\n{pkg}/{_index.INDEX_NAME}," not in "\n" + record:
+        return None, (
+            f"its distribution's RECORD does not list {pkg}/{_index.INDEX_NAME} "
+            f"(files not installed by it; reinstall the bundle)"
+        )
+    return path, ""
 
 
 def discover(settings) -> list[Bundle]:
@@ -118,17 +162,11 @@ def discover(settings) -> list[Bundle]:
     for ep in entry_points(group=_index.ENTRY_POINT_GROUP):
         # Name and version come from the bundle's own index, not the distribution's
         # METADATA: parsing that imports the email package (~10 ms) for nothing.
-        dist = getattr(ep, "dist", None)
-        path = None
-        if dist is not None:
-            try:
-                path = Path(dist.locate_file(ep.module))
-            except Exception:  # noqa: BLE001 - a distribution we can't locate files of
-                path = None
+        path, problem = package_dir(ep)
         if (ep.name, path) in seen:
             continue  # the same distribution reached twice through sys.path
         seen.add((ep.name, path))
-        out.append(open_bundle(ep.name, ep.name, "?", path, trusted, trust_problem=trust_problem))
+        out.append(open_bundle(ep.name, ep.name, "?", path, trusted, problem=trust_problem or problem))
     out.sort(key=lambda b: (b.name, b.version))
     for b in out:
         if b.problem:
@@ -148,29 +186,46 @@ def discover(settings) -> list[Bundle]:
     return out
 
 
+def _read(b: Bundle, rel: str, cap: int) -> tuple[bytes | None, str]:
+    assert b.path is not None
+    try:
+        return files.read_under(b.path, rel, cap), ""
+    except BundleError as err:
+        return None, str(err)
+    except OSError as err:
+        return None, f"{b.path / rel} unreadable ({err.strerror or err})"
+
+
 def check_files(b: Bundle, e: IndexEntry) -> tuple[str, Path | None]:
-    """('' or the problem, verified .so path or None) for one entry's files."""
+    """('' or the problem, verified .so path or None) for one entry's files: read with
+    no symlink on the way (quack.bundles.files), sizes and SHA-256 against the index,
+    and the entry's own metadata against the index (another kernel's files, moved under
+    this entry's name, carry their own key: refused)."""
     if b.path is None:
         return "the bundle's package directory was not found", None
-    obj = b.path / e.rel_obj
-    try:
-        data = fsutil.read_nofollow(obj)
-    except OSError as err:
-        return f"object {obj} unreadable ({err.strerror or err})", None
+    data, problem = _read(b, e.rel_obj, e.size)
+    if data is None:
+        return f"object: {problem}", None
     if len(data) != e.size:
         return f"object is {len(data)} bytes, the index says {e.size}", None
     if hashlib.sha256(data).hexdigest() != e.sha256:
         return "object checksum mismatch (altered after the bundle was built)", None
+    meta, problem = _read(b, e.rel_meta, _index.MAX_META_BYTES)
+    problem = problem or _index.check_meta(e, meta or b"")
+    if problem:
+        return f"metadata: {problem}", None
     if e.so_sha256 is None:
         return "", None
-    so = b.path / e.rel_so
-    try:
-        sdata = fsutil.read_nofollow(so)
-    except OSError as err:
-        return f"shared object {so} unreadable ({err.strerror or err})", None
+    sdata, problem = _read(b, e.rel_so, e.so_size or 0)
+    if sdata is None:
+        return f"shared object: {problem}", None
     if len(sdata) != e.so_size or hashlib.sha256(sdata).hexdigest() != e.so_sha256:
         return "shared object checksum mismatch (altered after the bundle was built)", None
-    return "", so
+    side, problem = _read(b, e.rel_so_meta, _index.MAX_META_BYTES)
+    problem = problem or _index.check_so_meta(e, side or b"")
+    if problem:
+        return f"shared object: {problem}", None
+    return "", b.path / e.rel_so
 
 
 def summary(settings) -> list[dict]:
@@ -293,16 +348,20 @@ class BundleView:
     def fetch(self, ref: EntryRef):
         from quack.cache.contract import Fetched
 
-        entry = self.open(ref)
-        if entry is None:
+        found = tier().lookup(ref, self.settings)
+        if found is None:
             return None
+        entry, b = found
+        assert b.path is not None  # lookup returns entries of usable bundles only
+        rel = entry.obj_path.relative_to(b.path).as_posix()
         try:
-            data = fsutil.read_nofollow(entry.obj_path)
-        except OSError:
-            return None
+            data = files.read_under(b.path, rel, int(entry.meta["size"]))
+        except (OSError, BundleError):
+            return None  # removed or replaced since lookup: a miss
         if hashlib.sha256(data).hexdigest() != entry.meta["sha256"]:
-            return None  # replaced since open(): a miss
-        return Fetched(ref, data, {"params": entry.meta.get("params", {})}, entry.meta["source"])
+            return None  # replaced since lookup: a miss
+        source = f"bundle:{b.name}"
+        return Fetched(ref, data, {"params": entry.meta.get("params", {})}, source)
 
     def searched(self) -> tuple[str, ...]:
         return tier().searched(self.settings)

@@ -12,7 +12,7 @@ import binascii
 import json
 from pathlib import Path
 
-from quack.cache import fsutil
+from quack.bundles.index import MAX_SIG_BYTES
 from quack.errors import BundleError, KeyFileError, SignatureError
 
 SIG_FORMAT = 1
@@ -39,6 +39,8 @@ def signature_bytes(index_bytes: bytes, key) -> bytes:
 
 
 def parse_signature(data: bytes, where: str) -> tuple[str, bytes]:
+    if len(data) > MAX_SIG_BYTES:
+        raise BundleError(f"{where} is {len(data)} bytes, more than {MAX_SIG_BYTES}", path=where)
     try:
         doc = json.loads(data)
         if not isinstance(doc, dict) or doc.get("format") != SIG_FORMAT:
@@ -51,11 +53,18 @@ def parse_signature(data: bytes, where: str) -> tuple[str, bytes]:
         raise BundleError(f"{where} is malformed ({e})", path=where) from None
 
 
-def verify_index(index_bytes: bytes, sig_path: Path, trusted, *, bundle: str = "") -> str:
-    """The name of the trusted key that signed ``index_bytes``; BundleError if the
-    signature is missing, malformed, untrusted or bad."""
+def verify_index(index_bytes: bytes, pkg_dir: Path, trusted, *, bundle: str = "") -> str:
+    """The name of the trusted key that signed ``index_bytes`` (the raw bytes, before
+    they are parsed); BundleError if the signature in ``pkg_dir`` is missing, over
+    MAX_SIG_BYTES, malformed, untrusted or bad."""
+    from quack.bundles import files
+    from quack.bundles.index import SIG_NAME
+
+    sig_path = pkg_dir / SIG_NAME
     try:
-        data = fsutil.read_nofollow(sig_path)
+        data = files.read_under(pkg_dir, SIG_NAME, MAX_SIG_BYTES)
+    except BundleError as e:
+        raise BundleError(f"its signature: {e}", bundle=bundle, path=str(sig_path)) from None
     except FileNotFoundError:
         names = ", ".join(trusted.names) or "none"
         raise BundleError(
