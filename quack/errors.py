@@ -138,6 +138,35 @@ class CompileError(QuackError, RuntimeError):
         )
 
 
+class PreloadError(CompileError):
+    """A module named in ``[build] preload`` (QUACK_PRELOAD) failed to import in a compile
+    worker: no key can compile there. A CompileError (a runtime call that needed the
+    worker raises it as one) that names the module and where it was set, with the
+    import's traceback; ``quack build`` stops at the first and exits non-zero."""
+
+    def __init__(self, module: str, source: str, detail: str, *, kernel: str = "", arch: str = ""):
+        where = f" (set in {source})" if source else ""
+        last = next((ln.strip() for ln in reversed(detail.splitlines()) if ln.strip()), "")
+        # An "error:" line first: the one line `quack build` shows for a failed key.
+        head = f"error: preload module {module!r}{where} failed to import in the compile worker: {last}"
+        super().__init__(kernel or "?", {}, arch or "?", f"{head}\n\n{detail}")
+        self.module, self.source = module, source
+        Exception.__init__(self, self.detail)
+
+
+class OccupancyError(QuackError, RuntimeError):
+    """``quack.runtime.max_active_clusters``: the driver could not say how many clusters
+    of this shape fit (no GPU, no cuda.bindings, a driver error, or none fit)."""
+
+    def __init__(self, device: int, cluster_size: int, threads: int, smem_bytes: int, reason: str):
+        super().__init__(
+            f"occupancy query failed on CUDA device {device} for clusters of {cluster_size} CTAs x "
+            f"{threads} threads, {smem_bytes} B dynamic shared memory: {reason}"
+        )
+        self.device, self.cluster_size, self.threads = device, cluster_size, threads
+        self.smem_bytes, self.reason = smem_bytes, reason
+
+
 class CacheError(QuackError, OSError):
     """The cache directory is unusable (unsafe permissions, symlink, not writable)."""
 

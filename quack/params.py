@@ -12,9 +12,17 @@ from typing import Any
 
 from quack.errors import ParamError
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16")  # Dtype()'s default choices (unchanged: issue 27)
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+INT_DTYPES = ("int8", "uint8", "int16", "int32", "int64")
+# Every canonical name Dtype(choices=...) may list. fp8 and integer dtypes are opt-in
+# (``Dtype(choices=DTYPES + FP8_DTYPES)``): a kernel declared with ``Dtype()`` keeps
+# refusing them, and the key of an existing value (["dtype", name]) never changes.
+ALL_DTYPES = DTYPES + FP8_DTYPES + INT_DTYPES
 # Spellings accepted for a dtype, beside the canonical names: torch's and
-# cutlass's names, so callers can pass ``torch.bfloat16`` or ``cutlass.BFloat16``.
+# cutlass's names, so callers can pass ``torch.bfloat16`` or ``cutlass.BFloat16``
+# (``torch.float8_e4m3fn`` / ``cutlass.Float8E4M3FN``, ``torch.int8`` / ``cutlass.Int8``).
+# Each maps to one canonical name, so every spelling gives the same key.
 _DTYPE_ALIASES = {
     "float32": "float32",
     "fp32": "float32",
@@ -25,6 +33,21 @@ _DTYPE_ALIASES = {
     "half": "float16",
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8e4m3fn": "float8_e4m3fn",  # cutlass.Float8E4M3FN
+    "float8e4m3": "float8_e4m3fn",  # cutlass.Float8E4M3 (the same finite-only format)
+    "fp8_e4m3fn": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+    "float8e5m2": "float8_e5m2",  # cutlass.Float8E5M2
+    "fp8_e5m2": "float8_e5m2",
+    "e5m2": "float8_e5m2",
+    "int8": "int8",
+    "uint8": "uint8",
+    "int16": "int16",
+    "int32": "int32",
+    "int64": "int64",
 }
 
 
@@ -100,13 +123,24 @@ def dtype_name(value: Any) -> str | None:
 
 
 class Dtype(Param):
-    """A floating dtype, by canonical name ('float32', 'float16', 'bfloat16')."""
+    """A dtype, by canonical name: 'float32', 'float16', 'bfloat16' by default; fp8
+    ('float8_e4m3fn', 'float8_e5m2') and integers ('int8', 'uint8', 'int16', 'int32',
+    'int64') when ``choices`` lists them (``DTYPES + FP8_DTYPES``). torch's and cutlass's
+    names are accepted and canonicalised, so ``torch.float8_e4m3fn`` and
+    ``cutlass.Float8E4M3FN`` give the same key as ``"float8_e4m3fn"``."""
 
     kind = "dtype"
     _fields = ("choices",)
     choices: tuple[str, ...]
 
     def __init__(self, choices: tuple[str, ...] = DTYPES):
+        bad = [c for c in choices if c not in ALL_DTYPES] if isinstance(choices, tuple) else [choices]
+        if bad or not choices:
+            # A typo here would refuse every value with a message blaming the caller.
+            raise TypeError(
+                f"Dtype(choices=...) needs a non-empty tuple of canonical dtype names "
+                f"({', '.join(ALL_DTYPES)}); got {bad[0] if bad else choices!r}"
+            )
         self._set(choices=choices)
 
     def check(self, name, value):
@@ -227,6 +261,43 @@ class Choice(Param):
         return "one of " + ", ".join(repr(c) for c in self.choices)
 
 
+class Tuple(Param):
+    """A fixed-length tuple, each element its own Param: ``Tuple(Int(min=1), Int(min=1))``
+    for a tile shape. A call passes a tuple (or list) of exactly that length; a manifest
+    writes each value as a TOML array inside the list of values: ``tile = [[128, 256]]``
+    is one value, ``tile = [[128, 256], [256, 128]]`` two (the outer list is always the
+    list of values, so a flat ``tile = [128, 256]`` is refused with that hint). Encoded
+    as ``["tuple", [<each element's tagged encoding>]]``."""
+
+    kind = "tuple"
+    _fields = ("items",)
+    items: tuple[Param, ...]
+
+    def __init__(self, *items: Param):
+        if not items or not all(isinstance(p, Param) and not isinstance(p, Config) for p in items):
+            raise TypeError(f"Tuple(...) needs one or more scalar quack.params.Param elements, got {items!r}")
+        self._set(items=tuple(items))
+
+    def check(self, name, value):
+        if isinstance(value, (str, bytes)) or not isinstance(value, (tuple, list)):
+            raise self._fail(name, value)
+        if len(value) != len(self.items):
+            raise self._fail(name, value, f" (it has {len(value)} elements)")
+        out = []
+        for i, (p, v) in enumerate(zip(self.items, value)):
+            try:
+                out.append(p.check(f"{name}[{i}]", v))
+            except ParamError as e:
+                raise self._fail(name, value, f" (element {i}: {e})") from None
+        return tuple(out)
+
+    def encode(self, value):
+        return ["tuple", [p.encode(v) for p, v in zip(self.items, value)]]
+
+    def describe(self):
+        return f"a tuple of {len(self.items)} (" + "; ".join(p.describe() for p in self.items) + ")"
+
+
 class Config(Param):
     """A small frozen dataclass of ints / bools / floats / strs. A manifest
     gives it as an inline table; a runtime call as an instance or a dict."""
@@ -291,6 +362,8 @@ def plain(value: Any) -> Any:
     """A JSON/TOML-friendly form of a canonical parameter value."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return dataclasses.asdict(value)
+    if isinstance(value, tuple):  # a Tuple parameter: a TOML / JSON array
+        return list(value)
     return value
 
 
@@ -303,7 +376,11 @@ class Rule(_Frozen):
 
     ``check(params)`` gets the bound, canonical parameters (defaults applied) and
     returns True when the combination is allowed; ``param`` is the parameter the
-    message names, ``allowed`` says what is allowed, in words. A refusal is a
+    message names, ``allowed`` says what is allowed, in words. A rule whose ``param`` is
+    ``"arch"`` is applied where the target arch is known (each arch of a manifest table
+    at expansion: ``quack build -n`` lists the refusal and exits 1; every run-time call)
+    and its ``check`` finds the arch in ``params["arch"]``:
+    ``Rule("arch", "SM90 only (wgmma)", lambda p: p["arch"].startswith("sm_90"))``. A refusal is a
     ParamError: ``<kernel>: <param> = <value> is not allowed with <the others>:
     <allowed>``."""
 

@@ -12,6 +12,9 @@ from quack.errors import ParamError, UnknownKernel
 from quack.params import Param, Rule, plain
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# The target arch: not a parameter (it is already in every key), but a compile function
+# that declares it gets it, and a Rule naming it sees it (issue 27).
+ARCH = "arch"
 _REGISTRY: dict[str, "KernelSpec"] = {}
 
 
@@ -26,10 +29,12 @@ class KernelSpec:
     version: int = 0
     reference: str | None = None  # "module:function" for `quack verify --run`
     rules: tuple[Rule, ...] = ()  # cross-parameter constraints (quack.params.Rule)
+    takes_arch: bool = False  # the compile function declares `arch`: it gets the target arch
 
-    def bind(self, args: tuple = (), kwargs: dict | None = None) -> dict[str, Any]:
+    def bind(self, args: tuple = (), kwargs: dict | None = None, arch: str | None = None) -> dict[str, Any]:
         """Check and canonicalize a call's or a manifest's parameters, defaults applied,
-        in declaration order. Raises ParamError naming the kernel and parameter."""
+        in declaration order. Raises ParamError naming the kernel and parameter. With
+        ``arch``, the rules naming ``arch`` are applied too (``check_arch``)."""
         kwargs = dict(kwargs or {})
         names = list(self.params)
         if len(args) > len(names):
@@ -64,8 +69,19 @@ class KernelSpec:
             except ParamError as e:
                 raise ParamError(f"{self.name}: {e}", kernel=self.name, param=n) from None
         for rule in self.rules:  # after each value is valid alone: the combination
-            rule.apply(self.name, out)
+            if rule.param != ARCH:
+                rule.apply(self.name, out)
+        if arch is not None:
+            self.check_arch(out, arch)
         return out
+
+    def check_arch(self, params: dict[str, Any], arch: str) -> None:
+        """Apply the rules naming ``arch`` to bound ``params`` for target ``arch`` (manifest
+        expansion, once per arch; every run-time call): an SM90-only kernel listed for
+        sm_100a is refused here, with the rule's words, not inside the compiler."""
+        for rule in self.rules:
+            if rule.param == ARCH:
+                rule.apply(self.name, dict(params, arch=arch))
 
     def encode(self, params: dict[str, Any]) -> dict:
         return {n: self.params[n].encode(v) for n, v in params.items()}
@@ -120,10 +136,19 @@ def register(
     for pn, p in params.items():
         if not isinstance(p, Param):
             raise TypeError(f"kernel {name}: parameter {pn!r} must be a quack.params.Param, got {p!r}")
+    if ARCH in params:
+        raise TypeError(
+            f"kernel {name}: {ARCH!r} is reserved, not a parameter (the target arch is in every "
+            f"key already): declare it in the compile function's signature to receive it, and "
+            f"refuse archs with quack.params.Rule('arch', ...)"
+        )
     sig = inspect.signature(fn)
     sig_names = [
-        n for n, prm in sig.parameters.items() if prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY)
+        n
+        for n, prm in sig.parameters.items()
+        if prm.kind in (prm.POSITIONAL_OR_KEYWORD, prm.KEYWORD_ONLY) and n != ARCH
     ]
+    takes_arch = ARCH in sig.parameters
     if sorted(sig_names) != sorted(params):
         raise TypeError(
             f"kernel {name}: compile function parameters {sig_names} "
@@ -131,14 +156,25 @@ def register(
         )
     rules = tuple(rules)
     for r in rules:
-        if not isinstance(r, Rule) or r.param not in params or not callable(r.check):
+        if not isinstance(r, Rule) or (r.param not in params and r.param != ARCH) or not callable(r.check):
             raise TypeError(
                 f"kernel {name}: rules must be quack.params.Rule(param, allowed, check) "
-                f"naming one of its parameters {list(params)}, got {r!r}"
+                f"naming one of its parameters {list(params)} or {ARCH!r}, got {r!r}"
             )
-    defaults = {n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty}
+    defaults = {
+        n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty and n != ARCH
+    }
     spec = KernelSpec(
-        name, fn, dict(params), defaults, fn.__module__, fn.__qualname__, version, reference, rules
+        name,
+        fn,
+        dict(params),
+        defaults,
+        fn.__module__,
+        fn.__qualname__,
+        version,
+        reference,
+        rules,
+        takes_arch,
     )
     old = _REGISTRY.get(name)
     if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):

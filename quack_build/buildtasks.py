@@ -95,6 +95,8 @@ class BuildResult:
     plan_s: float = 0.0
     compile_wall_s: float = 0.0
     pool_start_s: float = 0.0
+    preload: tuple = ()  # [build] preload modules
+    preload_s: float = 0.0  # of pool_start_s: importing them (per worker start, the longest)
     interrupted: bool = False
     executor: str = "local"
     executor_stats: dict = dataclasses.field(default_factory=dict)  # a cluster's: nodes, retries, ...
@@ -153,6 +155,8 @@ class BuildResult:
             "wall_s": round(self.wall_s, 3),
             "plan_s": round(self.plan_s, 3),
             "pool_start_s": round(self.pool_start_s, 3),
+            "preload": list(self.preload),
+            "preload_s": round(self.preload_s, 3),
             "compile_wall_s": round(self.compile_wall_s, 3),
             "keys_per_s": round(compiled / self.compile_wall_s, 3) if self.compile_wall_s > 0 else None,
             "efficiency": round(eff, 4) if eff is not None else None,

@@ -14,6 +14,7 @@ from typing import Callable
 from quack.cache import orphans
 from quack.cache.store import LAYOUT
 from quack_build.inventory import (
+    LOG_NAME,
     SCRATCH_MAX_AGE,
     FpDir,
     KeyFiles,
@@ -191,6 +192,8 @@ def clean(
     logs = Path(root) / "logs"
     if logs.is_dir():
         for e in os.scandir(logs):
+            if not LOG_NAME.fullmatch(e.name):
+                continue  # not a build log of ours: a shared root's other tool (issue 27)
             try:
                 st = e.stat(follow_symlinks=False)
             except OSError:

@@ -244,8 +244,11 @@ def print_summary(console: Console, res: BuildResult) -> None:
             if res.executor == "ray"
             else "worker start-up (forkserver import + warm-up compile)"
         )
+        pre = ""
+        if res.preload:
+            pre = f" (of it preload {', '.join(res.preload)}: {res.preload_s:.1f}s)"
         console.print(
-            f"{what}: {res.pool_start_s:.1f}s; compile phase {res.compile_wall_s:.1f}s", markup=False
+            f"{what}: {res.pool_start_s:.1f}s{pre}; compile phase {res.compile_wall_s:.1f}s", markup=False
         )
     failed = [t for t in res.tasks if t.status == FAILED]
     if failed:

@@ -24,11 +24,13 @@ from quack.cache.store import LAYOUT, SCRATCH
 from quack_build.units import human_bytes, parse_age, parse_size
 
 __all__ = [
+    "LOG_NAME",
     "SCRATCH_MAX_AGE",
     "FpDir",
     "KeyFiles",
     "disk_usage",
     "human_bytes",
+    "is_layout_name",
     "parse_age",
     "parse_size",
     "planted",
@@ -62,6 +64,30 @@ def __getattr__(name: str):
 
 
 _TMP_RE = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)-[0-9a-f]+$")
+# The names quack's layout gives its directories (quack.cache.keys.toolchain_stamp, the
+# registry's kernel names, 16-hex source fingerprints). The cache root may be shared with
+# another tool that reads the same QUACK_CACHE_DIR (the reference QuACK library does):
+# a directory or file under v1/ whose name does not fit is foreign, and stats, clean and
+# verify neither count, remove nor report it (issue 27). Without this, a foreign folder
+# in v1/ was taken for a stale toolchain stamp and deleted by `quack cache clean`.
+_LAYOUT_NAMES = (
+    re.compile(
+        r"^py[0-9]+\.[0-9]+-cutlass[A-Za-z0-9._+]+-[A-Za-z0-9._+-]+-tvmffi[A-Za-z0-9._+]+-sm_[0-9]+[a-z]?$"
+    ),
+    re.compile(r"^[a-z][a-z0-9_]{0,63}$"),  # quack.registry.NAME_RE
+    re.compile(r"^[0-9a-f]{16}$"),
+)
+
+
+_SCRATCH_NAME = re.compile(r"^cc[A-Za-z0-9]{6}\.[A-Za-z0-9]+$")
+LOG_NAME = re.compile(r"^build-[0-9]{8}-[0-9]{6}-[0-9]+\.log$")  # the scheduler's failure logs
+
+
+def is_layout_name(name: str, depth: int) -> bool:
+    """Could quack have made ``name`` at ``depth`` under v1/ (0 stamp, 1 kernel, 2 fingerprint)?"""
+    return bool(_LAYOUT_NAMES[depth].fullmatch(name))
+
+
 _SUFFIXES = (".so.json", ".json", ".o", ".so", ".lock")  # longest first
 # What counts as debris (temps of dead writers, objects without metadata) is
 # decided by the one rule in quack.cache.orphans.
@@ -132,11 +158,11 @@ def walk(root: Path, current_srcfp: dict[str, str] | None = None) -> Iterator[Fp
     base = Path(root) / LAYOUT
     current_srcfp = current_srcfp or {}
     cur_stamp: dict[str, bool] = {}
-    for st in _subdirs(base):
+    for st in _subdirs(base, 0):
         if st.name not in cur_stamp:
             cur_stamp[st.name] = stamp_is_current(st.name)
-        for kd in _subdirs(Path(st.path)):
-            for fd in _subdirs(Path(kd.path)):
+        for kd in _subdirs(Path(st.path), 1):
+            for fd in _subdirs(Path(kd.path), 2):
                 if not cur_stamp[st.name]:
                     status, why = "stale", "toolchain changed"
                 elif kd.name not in current_srcfp:
@@ -148,10 +174,14 @@ def walk(root: Path, current_srcfp: dict[str, str] | None = None) -> Iterator[Fp
                 yield _scan(FpDir(Path(fd.path), st.name, kd.name, fd.name, status, why))
 
 
-def _subdirs(path: Path):
+def _subdirs(path: Path, depth: int):
+    """The layout's directories in ``path`` (foreign names skipped: ``is_layout_name``)."""
     try:
         with os.scandir(path) as it:
-            return sorted((e for e in it if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
+            return sorted(
+                (e for e in it if e.is_dir(follow_symlinks=False) and is_layout_name(e.name, depth)),
+                key=lambda e: e.name,
+            )
     except (FileNotFoundError, NotADirectoryError):
         return []
 
@@ -231,6 +261,8 @@ def planted(root: Path) -> list[tuple[Path, str]]:
             return
         with it:
             for e in sorted(it, key=lambda e: e.name):
+                if depth < 3 and not is_layout_name(e.name, depth):
+                    continue  # foreign (another tool's): never ours to report or remove
                 if e.is_symlink():
                     out.append((Path(e.path), "symbolic link"))
                 elif depth < 3:
@@ -256,7 +288,9 @@ def scratch_files(root: Path) -> list[tuple[Path, int, float]]:
     try:
         with os.scandir(d) as it:
             for e in it:
-                if e.is_file(follow_symlinks=False):
+                # Only the linker's own names (gcc's mkstemp: cc + 6 characters + a suffix):
+                # a shared root's tmp/ may hold another tool's files (issue 27).
+                if e.is_file(follow_symlinks=False) and _SCRATCH_NAME.fullmatch(e.name):
                     try:
                         st = e.stat(follow_symlinks=False)
                     except OSError:

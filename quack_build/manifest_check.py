@@ -13,6 +13,7 @@ from typing import Any
 from quack import settings as _settings
 from quack.errors import ParamError, TomlFileError
 from quack.params import Config as ConfigParam
+from quack.params import Tuple as TupleParam
 from quack.tomlfile import escape
 
 _SCALARS = (str, int, float, bool)
@@ -23,6 +24,8 @@ def show_value(v: Any) -> str:
         s = "true" if v else "false"
     elif isinstance(v, str):
         s = '"' + escape(v) + '"'  # a NUL or ESC in a value is shown, never printed raw
+    elif isinstance(v, (tuple, list)):  # a Tuple parameter's value, as TOML writes it
+        s = "[" + ", ".join(show_value(x) for x in v) + "]"
     else:
         s = repr(v)
     return s if len(s) <= 80 else s[:77] + "..."
@@ -100,6 +103,16 @@ def check_values(ctx: FileCheck, where: str, spec, pname: str, raw: Any) -> list
     """Check one params entry (scalar or list) against the kernel's parameter."""
     p = spec.params[pname]
     is_config = isinstance(p, ConfigParam)
+    is_tuple = isinstance(p, TupleParam)
+    if is_tuple and not (isinstance(raw, list) and raw and all(isinstance(v, list) for v in raw)):
+        # The outer list is always the list of values: [128, 256] would be two values.
+        ctx.err(
+            where,
+            f"params.{pname} = {show_value(raw)}: {pname} is a tuple parameter ({p.describe()}); "
+            f"write each value as an array inside the list of values: {pname} = [[128, 256]] is "
+            f"one value, {pname} = [[128, 256], [256, 128]] two",
+        )
+        return None
     if isinstance(raw, list):
         if not raw:
             ctx.err(where, f"params.{pname} = [] is empty; allowed: {p.describe()}")
@@ -111,9 +124,9 @@ def check_values(ctx: FileCheck, where: str, spec, pname: str, raw: Any) -> list
     bad: list[str] = []
     for v in items:
         if (
-            isinstance(v, list)
+            (isinstance(v, list) and not is_tuple)
             or (isinstance(v, dict) and not is_config)
-            or not isinstance(v, (*_SCALARS, dict))
+            or not isinstance(v, (*_SCALARS, dict, list))
         ):
             tn = type_name(v)
             bad.append(

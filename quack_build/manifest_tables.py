@@ -243,6 +243,16 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                 refused.append("")  # counted, not listed
             return
         for arch in t.archs:
+            try:
+                t.spec.check_arch(b, arch)  # the rules naming `arch` (quack.params.Rule)
+            except ParamError as e:
+                refused.append(
+                    f"{e}; build it for another arch (--arch, archs = [...]) "
+                    f"or drop the kernel from this manifest"
+                    if len(refused) < SHOW_BAD
+                    else ""
+                )
+                continue
             yield BuildConfig(t.name, b, arch, t.spec.key(b, arch), t.origin, t.spec)
 
     for values in itertools.product(*t.axes):

@@ -19,6 +19,7 @@ from pathlib import Path
 from quack.cache import journal, orphans
 from quack.cache.store import DiskStore
 from quack.compile import builder
+from quack.errors import PreloadError
 from quack_build.buildtasks import (
     CACHED,
     COMPILED,
@@ -205,7 +206,9 @@ def run(
                     t.error = _first_line(err)
                     t.detail = getattr(err, "detail", None) or str(err)
                     log_path = _log_failure(log_dir, log_path, t)
-                    if not keep_going:
+                    # A preload that fails to import fails every key a worker gets: stop
+                    # even with --keep-going (nothing can compile).
+                    if not keep_going or isinstance(err, PreloadError):
                         stop = True
                 rep.finished(t)
             rep.tick()
@@ -238,6 +241,8 @@ def run(
             res.compile_wall_s = time.time() - t_compile
         res.log_path = str(log_path) if log_path else ""
         res.executor = ex.name
+        res.preload = tuple(s.preload)
+        res.preload_s = float(getattr(ex, "preload_s", 0.0) or 0.0)
         res.executor_stats = ex.stats() if hasattr(ex, "stats") else {}
         for t in tasks:
             if t.status in ("todo", "queued", "running"):

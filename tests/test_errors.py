@@ -29,6 +29,12 @@ CASES = [
         RuntimeError,
         ("kernel", "params", "arch", "detail", "log_path"),
     ),
+    (
+        E.PreloadError("pkg.heavy", "/p/quack.toml", "ImportError: no", kernel="k", arch="sm_90a"),
+        RuntimeError,
+        ("module", "source", "detail", "kernel", "arch"),
+    ),
+    (E.OccupancyError(0, 2, 128, 0, "no driver"), RuntimeError, ("device", "cluster_size", "reason")),
     (E.CacheError("unusable", path="/c"), OSError, ("path",)),
     (E.CacheWriteError("full", path="/c", reason="disk full", code=28), OSError, ("path", "reason", "code")),
     (E.CacheWarning("recovered"), UserWarning, ()),

@@ -1,5 +1,6 @@
 """Imported once in the compile forkserver: every worker forks from here with
-cutlass imported, the kernel packages registered and one compile done.
+cutlass imported, the ``[build] preload`` modules imported (quack.compile.preload), the
+kernel packages registered and one compile done.
 
 torch is hidden while cutlass and tvm_ffi import (tvm_ffi imports torch when
 it can: ~3 s that a compile never needs; the .o is bit-identical), then
@@ -25,9 +26,11 @@ def _preload() -> None:
             return
         os.environ.setdefault("CUTE_DSL_ARCH", s.arch)
         packages = s.kernel_packages
+        modules, source = s.preload, s.sources.get("preload", "")
     except Exception:  # noqa: BLE001 - a bad quack.toml is reported by the caller, not here
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         packages = ()
+        modules, source = (), ""
     hidden = "torch" not in sys.modules
     if hidden:
         sys.modules["torch"] = None  # type: ignore[assignment]
@@ -39,6 +42,12 @@ def _preload() -> None:
     finally:
         if hidden and sys.modules.get("torch", 0) is None:
             del sys.modules["torch"]
+    # [build] preload: after cutlass (and with torch importable again), before the kernel
+    # packages, whose modules may import them at the top. A failure is recorded: each
+    # task a worker gets then fails with it (quack.compile.preload).
+    from quack.compile import preload
+
+    preload.run(modules, source)
     try:
         from quack import registry
         from quack.compile._warmup import warm_up

@@ -39,6 +39,13 @@ def pin_arch(arch: str) -> None:
         CuTeDSL._get_dsl().envar.arch = arch
 
 
+def call_compile(spec: KernelSpec, params: dict, arch: str):
+    """Run the compile function: with ``arch=`` when it declares an ``arch`` parameter
+    (not one of its params: the arch is in the key already), so a kernel need not read
+    CUTE_DSL_ARCH from the environment."""
+    return spec.fn(**params, arch=arch) if spec.takes_arch else spec.fn(**params)
+
+
 def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
     """Compile and export to ``out_path``; returns compile seconds. Raises CompileError
     for the compile, and the OSError itself when writing the export fails (disk full,
@@ -46,7 +53,7 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
     pin_arch(arch)
     t0 = time.perf_counter()
     try:
-        compiled = spec.fn(**params)
+        compiled = call_compile(spec, params, arch)
         if not hasattr(compiled, "export_to_c"):
             raise TypeError(
                 f"compile function {spec.module}.{spec.qualname} returned "

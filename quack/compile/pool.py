@@ -163,7 +163,16 @@ class CompilePool:
                 return st
             plain = spec.plain(params)
             args = WorkerRequest(
-                spec.module, spec.name, plain, arch, str(s.cache_dir), s.fsync, s.lock_timeout, force
+                spec.module,
+                spec.name,
+                plain,
+                arch,
+                str(s.cache_dir),
+                s.fsync,
+                s.lock_timeout,
+                force,
+                s.preload,
+                s.sources.get("preload", ""),
             )
             task = Task(
                 ident,

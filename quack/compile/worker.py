@@ -38,6 +38,8 @@ class WorkerRequest:
     fsync: bool
     lock_timeout: float
     force: bool = False
+    preload: tuple = ()  # [build] preload: imported before the first task (quack.compile.preload)
+    preload_source: str = ""  # where it was set (a quack.toml, QUACK_PRELOAD), for the error
 
 
 # -- worker side ---------------------------------------------------------------------------
@@ -45,8 +47,14 @@ def worker_build(req: WorkerRequest) -> dict:
     """Task run in a worker: import, compile, publish. Returns a small report."""
     from quack import registry
     from quack.cache.store import DiskStore
-    from quack.compile import builder
+    from quack.compile import builder, preload
+    from quack.errors import PreloadError
 
+    try:  # before the kernel's module: it may import them at its top
+        preload_s = preload.ensure(req.preload, req.preload_source)
+    except PreloadError as e:
+        e.kernel, e.arch = req.kernel, req.arch
+        raise
     spec = registry.import_spec(req.module, req.kernel)
     bound = spec.bind((), req.params)
     store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
@@ -59,6 +67,7 @@ def worker_build(req: WorkerRequest) -> dict:
         "compile_s": entry.meta.get("compile_s", 0.0) if compiled else 0.0,
         "wall_s": time.perf_counter() - t0,
         "obj": str(entry.obj_path),
+        "preload_s": round(preload_s, 3),
     }
 
 

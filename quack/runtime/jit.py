@@ -101,8 +101,9 @@ class JitKernel:
     def key(self, *args, arch: str | None = None, **kwargs) -> str:
         from quack import settings as _settings
 
-        params = self.spec.bind(args, kwargs)
-        return self.spec.key(params, arch or _settings.get().arch)
+        arch = arch or _settings.get().arch
+        params = self.spec.bind(args, kwargs, arch=arch)
+        return self.spec.key(params, arch)
 
     def _slow(self, args, kwargs):
         from quack import settings as _settings
@@ -114,7 +115,7 @@ class JitKernel:
                 self._failed.clear()
                 self._gen = _generation.value
             s = _settings.get()
-            params = self.spec.bind(args, kwargs)
+            params = self.spec.bind(args, kwargs, arch=s.arch)
             key = self.spec.key(params, s.arch)
             loaded = self._by_key.get(key)
             if loaded is None:

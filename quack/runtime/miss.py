@@ -315,7 +315,7 @@ def compile_in_process(k: JitKernel, params, key, arch) -> Loaded:
     builder.pin_arch(arch)
     t0 = time.perf_counter()
     try:
-        fn = k.spec.fn(**params)
+        fn = builder.call_compile(k.spec, params, arch)
     except Exception as e:  # noqa: BLE001 - any error of the kernel's code is its CompileError
         import traceback
 

@@ -140,6 +140,18 @@ def _str_list(v: Any) -> list[str]:
     return list(v)
 
 
+_MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
+
+
+def _module_list(v: Any) -> list[str]:
+    """Module names to import: a list (quack.toml) or a ``,``-separated string (QUACK_PRELOAD)."""
+    mods = [x.strip() for x in v.split(",") if x.strip()] if isinstance(v, str) else _str_list(v)
+    for m in mods:
+        if not re.fullmatch(_MODULE, m):
+            raise ValueError(f"{m!r} is not a module name (dotted Python identifiers, like 'pkg.mod')")
+    return mods
+
+
 class Field:
     """Where one setting is read from and how it is parsed. A plain slotted class, not a
     dataclass: a dataclass is generated (exec) at import, ~0.3 ms of every fresh
@@ -178,6 +190,13 @@ FIELDS: dict[str, Field] = {
         "build", "archs", (), lambda v: [check_arch(a) for a in _str_list(v)], "a list of CUDA archs"
     ),
     "kernel_packages": Field("build", "kernel_packages", (), _str_list, "a list of package names"),
+    "preload": Field(
+        "build",
+        "preload",
+        ("QUACK_PRELOAD",),
+        _module_list,
+        "a list of module names to import once in every compile worker (comma-separated in QUACK_PRELOAD)",
+    ),
     "remote_url": Field(
         "remote",
         "url",

@@ -36,6 +36,9 @@ class Settings:
     archs: tuple[str, ...] = ()
     # Without any quack.toml: quack's bundled kernels; with one: what it lists, else none.
     kernel_packages: tuple[str, ...] = ("quack_kernels",)
+    # Modules imported once per compile worker (forkserver, Ray actor) before any key:
+    # a heavy library a compile function imports ([build] preload, QUACK_PRELOAD).
+    preload: tuple[str, ...] = ()
     remote_url: str | None = None
     remote_write: bool = False
     remote_timeout: float = 5.0  # per operation; connecting waits at most 0.5 s

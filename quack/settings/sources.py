@@ -144,7 +144,7 @@ def resolve(
         # A project with its own quack.toml gets the kernels it lists, not quack's bundled
         # demo kernels (quack_kernels is installed, so importable from anywhere).
         values["kernel_packages"] = ()
-    for k in ("manifests", "archs", "kernel_packages", "trusted_keys"):
+    for k in ("manifests", "archs", "kernel_packages", "trusted_keys", "preload"):
         if k in values:
             values[k] = tuple(values[k])
     return Settings(cache_dir=cache_path, config_file=config, sources=sources, **values)

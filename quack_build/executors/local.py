@@ -16,6 +16,7 @@ class LocalExecutor:
         self.jobs = max(1, jobs)
         self.settings = settings
         self.start_s = 0.0  # the pool starts on the first submit; the scheduler measures it
+        self.preload_s = 0.0  # [build] preload import time of the workers' forkserver (reports)
         self._pool: Any = None  # a quack.compile.pool.CompilePool, from start()
         self._gen = 0
         self._items: dict[str, WorkItem] = {}
@@ -56,6 +57,7 @@ class LocalExecutor:
                     )
             if st == qpool.DONE:
                 r = self._pool.report(key, self._root) or {}
+                self.preload_s = max(self.preload_s, float(r.get("preload_s") or 0.0))
                 del self._items[key]
                 self._started.discard(key)
                 out.append(

@@ -78,6 +78,8 @@ class ActorPool:
         self.packages = packages
         self.arch = arch
         self.stamp_override = stamp_override
+        self.preload: tuple = ()  # [build] preload, and where it was set: each actor imports it
+        self.preload_source = ""
         self.ray: Any = None  # the ray module, from attach()
         self.want = ""  # the coordinator's toolchain stamp
         self.address = ""
@@ -99,7 +101,7 @@ class ActorPool:
         cls = self.ray.remote(BuildWorker)
         handle = cls.options(
             num_cpus=1, num_gpus=0, max_restarts=0, max_task_retries=0, scheduling_strategy="SPREAD"
-        ).remote(list(self.packages), self.arch, self.stamp_override)
+        ).remote(list(self.packages), self.arch, self.stamp_override, list(self.preload), self.preload_source)
         self.spawned += 1
         a = Actor(handle, self.spawned, label=f"actor {self.spawned}")
         self.actors.append(a)

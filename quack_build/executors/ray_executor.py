@@ -116,6 +116,8 @@ class RayExecutor:
         self._arch = settings.arch
         self._stage = ""
         self._pool = ActorPool(list(settings.kernel_packages), self._arch, self.stamp_override)
+        self._pool.preload = tuple(settings.preload)
+        self._pool.preload_source = settings.sources.get("preload", "")
         self._busy: dict = {}  # ObjectRef -> (Actor, WorkItem, attempt)
         self._queue: collections.deque = collections.deque()
         self._pending_notes: list[Event] = []

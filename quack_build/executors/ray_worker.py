@@ -21,7 +21,14 @@ class BuildWorker:
     """The body of a Ray actor: a warm, GPU-blind compile worker that never writes to a
     cache. Constructed once per actor (compiler import + warm-up compile)."""
 
-    def __init__(self, packages: list[str], arch: str, stamp_override: str | None = None):
+    def __init__(
+        self,
+        packages: list[str],
+        arch: str,
+        stamp_override: str | None = None,
+        preload: list[str] = (),  # type: ignore[assignment]
+        preload_source: str = "",
+    ):
         t0 = time.perf_counter()
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
@@ -38,8 +45,12 @@ class BuildWorker:
             if hidden and sys.modules.get("torch", 0) is None:
                 del sys.modules["torch"]
         from quack import registry
+        from quack.compile import preload as _preload
         from quack.compile._warmup import warm_up
 
+        # [build] preload, once per actor, after cutlass: a module that fails to import
+        # fails the actor's start with PreloadError naming it (the coordinator reports it).
+        self.preload_s = _preload.ensure(preload, preload_source)
         registry.load_packages(packages)
         warm_up()
         self.arch = arch
@@ -65,6 +76,7 @@ class BuildWorker:
             "toolchain": keys.toolchain(),
             "srcfps": srcfps,
             "warm_s": round(self.warm_s, 3),
+            "preload_s": round(self.preload_s, 3),
         }
 
     def stamp(self, arch: str) -> str:

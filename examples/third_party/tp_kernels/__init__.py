@@ -1,0 +1,1 @@
+"""The example's kernel package ([build] kernel_packages): one registered kernel."""

@@ -1,0 +1,109 @@
+"""examples/third_party (issue 27): a kernel package with a helper package outside it, a
+preloaded module, an SM90-only rule, a tuple and an fp8 parameter. Built for sm_90a on
+CPU into a temporary cache, refused for sm_100a at expansion, loaded in prebuilt mode
+without the compiler; on a GPU, launched against torch."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from conftest import requires_gpu
+from reliability_support import ROOT, env, run_quack
+
+EXAMPLE = ROOT / "examples" / "third_party"
+
+_PREBUILT = r"""
+import json, sys
+from tp_kernels.dequant import compile_tp_dequant
+fn = compile_tp_dequant("float8_e4m3fn", "bfloat16", (256, 2))
+u = compile_tp_dequant.usage()[0]
+print(json.dumps({"callable": callable(fn), "how": u["how"], "compiles": u["compiles"],
+                  "cutlass_dsl": "cutlass.cutlass_dsl" in sys.modules}))
+"""
+
+_LAUNCH = r"""
+import json, torch
+from tp_kernels.dequant import tp_dequant
+x = (torch.randn(4096, 8, device="cuda") * 4).to(torch.float8_e4m3fn)
+worst = 0.0
+for out, tile in ((torch.float32, (128, 4)), (torch.bfloat16, (256, 2))):
+    y = tp_dequant(x, 0.5, out, tile)
+    ref = (x.float() * 0.5).to(out)
+    torch.testing.assert_close(y, ref, rtol=0, atol=0)
+print(json.dumps({"ok": True}))
+"""
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp")
+    proj = tmp / "third_party"
+    shutil.copytree(EXAMPLE, proj, ignore=shutil.ignore_patterns("__pycache__"))
+    e = env(QUACK_CACHE_DIR=tmp / "cache")
+    e.pop("CUTE_DSL_ARCH", None)  # the example's quack.toml says the arch
+    r = run_quack(["build", "--jobs", "2", "--json"], cwd=proj, timeout=600, env_=e)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return proj, e, json.loads(r.stdout)
+
+
+def test_example_builds_for_sm90_with_its_preload(built):
+    _proj, _e, res = built
+    assert (res["total"], res["compiled"], res["failed"]) == (8, 8, 0), res
+    assert res["preload"] == ["tp_helpers.dequant"] and res["preload_s"] > 0, res
+    assert {k["arch"] for k in res["keys"]} == {"sm_90a"}
+    assert {tuple(k["params"]["tile"]) for k in res["keys"]} == {(128, 4), (256, 2)}
+
+
+def test_example_rule_refuses_sm100a_at_expansion(built):
+    proj, e, _ = built
+    r = run_quack(["build", "-n", "--arch", "sm_100a"], cwd=proj, timeout=120, env_=e)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "tp_dequant: arch = 'sm_100a' is not allowed" in out and "tp_dequant is SM90 only" in out, out
+
+
+def test_example_preload_that_fails_stops_the_build_naming_module_and_file(built, tmp_path):
+    proj, e, _ = built
+    bad = tmp_path / "bad"
+    shutil.copytree(proj, bad, ignore=shutil.ignore_patterns("__pycache__"))
+    toml = bad / "quack.toml"
+    toml.write_text(
+        toml.read_text().replace('preload = ["tp_helpers.dequant"]', 'preload = ["tp_helpers.missing"]')
+    )
+    e2 = dict(e, QUACK_CACHE_DIR=str(tmp_path / "cache"))
+    r = run_quack(["build", "--jobs", "2", "--keep-going", "--json"], cwd=bad, timeout=300, env_=e2)
+    assert r.returncode != 0
+    res = json.loads(r.stdout)
+    assert res["compiled"] == 0 and res["failed"] >= 1, res
+    errs = {k.get("error", "") for k in res["keys"] if k["status"] == "failed"}
+    assert errs == {
+        f"error: preload module 'tp_helpers.missing' (set in {toml}) failed to import in the compile "
+        "worker: ModuleNotFoundError: No module named 'tp_helpers.missing'"
+    }, errs
+
+
+def test_example_loads_prebuilt_without_the_compiler(built):
+    proj, e, _ = built
+    e = dict(e, QUACK_MODE="prebuilt", PYTHONPATH=f"{proj}:{e['PYTHONPATH']}")
+    p = subprocess.run(
+        [sys.executable, "-c", _PREBUILT], cwd=proj, env=e, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out == {"callable": True, "how": out["how"], "compiles": 0, "cutlass_dsl": False}, out
+    assert out["how"] in ("so", "o")
+
+
+@requires_gpu
+def test_example_launches_against_torch(built):
+    proj, e, _ = built
+    e = dict(e, QUACK_MODE="prebuilt", PYTHONPATH=f"{proj}:{e['PYTHONPATH']}")
+    p = subprocess.run(
+        [sys.executable, "-c", _LAUNCH], cwd=proj, env=e, capture_output=True, text=True, timeout=300
+    )
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"ok": True}
