@@ -142,6 +142,7 @@ def cache_push(
 
 def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
     from quack.errors import KeyFileError
+    from quack.remote.tier import offline_reason as remote_offline_reason
     from quack_build import remote_sync
 
     # quack.toml from the first manifest's directory, as `quack build` finds it: a project's
@@ -179,7 +180,8 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
         if what == "pull":
             con.print(
                 f"pulled {rep.pulled} of {rep.total} from {rep.url} ({rep.local} already local, "
-                f"{rep.missing} not available; {c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
+                f"{rep.missing} not available, {rep.failed} not stored locally; "
+                f"{c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
                 markup=False,
             )
         else:
@@ -189,5 +191,15 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
                 markup=False,
             )
         if rep.offline:
-            con.print(f"error: the remote {rep.url} is unreachable", markup=False)
+            why = remote_offline_reason(rep.url)
+            con.print(f"error: the remote {rep.url} is off: {why}", markup=False)
+    if what == "pull" and rep.failed:
+        # On stderr whatever the output mode: the cause (a full disk, a read-only cache) is
+        # the point, and --json's stdout carries the counts (issue 30: it was silent).
+        err = console(to_stderr=True)
+        err.print(
+            f"error: {rep.failed} of {rep.total} objects pulled from {rep.url} could not be stored in "
+            f"the local cache {s.cache_dir}; first: {rep.errors[0]}",
+            markup=False,
+        )
     return 1 if rep.offline or rep.failed else 0

@@ -100,14 +100,21 @@ def run(
     s = settings or qs.get()
     rep = reporter or NullReporter()
     t_begin = time.time() - plan_s
+    pull_interrupted = False
     if remote is not None and not force:
         from quack_build.remote_sync import pull
 
         try:
             pull(tasks, store, remote, on_pulled=on_pulled)
         except KeyboardInterrupt:
-            pass  # what was pulled is published; the rest is reported not built below
+            # What was pulled is published; the rest is interrupted, not compiled (issue 30:
+            # the build went on compiling after Ctrl-C / SIGTERM during the pull).
+            pull_interrupted = True
     todo = [t for t in tasks if t.status not in (CACHED, REMOTE)]
+    if pull_interrupted:
+        for t in todo:
+            t.status = INTERRUPTED
+        todo = []
     if todo and order == "longest":
         todo = order_longest_first(todo, past_compile_times(store.root, todo))
     ex = executor
@@ -124,6 +131,7 @@ def run(
     else:
         jobs = max(1, jobs)
     res = BuildResult(tasks, jobs, plan_s=plan_s, t0=t_begin)
+    res.interrupted = pull_interrupted
     rep.planned(tasks, todo, jobs)
     if remote is not None:
         res.remote_url = remote.url

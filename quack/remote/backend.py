@@ -17,6 +17,13 @@ from quack.errors import RemoteError
 CONNECT_TIMEOUT = 0.5
 OP_TIMEOUT = 5.0
 SCHEMES = ("redis", "rediss", "s3", "file")
+# The size caps (issue 30): what a backend reads for one object is bounded, and checked
+# before reading (STRLEN, ContentLength, fstat), so a hostile 200 MB value at an object's
+# name costs one small request, not the memory and time of downloading it. A compiled
+# kernel is tens of KB to a few MB; a header a few hundred bytes.
+MAX_BODY = 64 * 1024 * 1024  # the .o bytes of one object
+MAX_HEADER = 64 * 1024  # the signed header line (quack.remote.objects)
+MAX_VALUE = MAX_BODY + MAX_HEADER + 64  # a whole stored object: magic + header + newline + body
 
 
 class Backend(Protocol):
@@ -34,6 +41,7 @@ class Backend(Protocol):
     backend never retries on its own: the caller decides."""
 
     url: str
+    max_bytes: int
 
     def get(self, name: str) -> bytes | None: ...
     def put_if_absent(self, name: str, data: bytes) -> bool: ...
@@ -42,37 +50,56 @@ class Backend(Protocol):
 
 
 def redact(url: str) -> str:
-    """The URL without a password, for messages and logs."""
-    parts = urlsplit(url)
-    if parts.password:
-        netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (
-            f":{parts.port}" if parts.port else ""
-        )
-        return parts._replace(netloc=netloc).geturl()
-    return url
+    """The URL without a password, for messages and logs (also for a malformed URL,
+    which is named in the error that refuses it)."""
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (
+                f":{parts.port}" if parts.port else ""
+            )
+            return parts._replace(netloc=netloc).geturl()
+        return url
+    except ValueError:  # a bad port or IPv6 bracket: hide all of the user part
+        head, sep, rest = url.partition("://")
+        netloc, slash, tail = rest.partition("/")
+        if "@" in netloc:
+            netloc = "***@" + netloc.rpartition("@")[2]
+        return head + sep + netloc + slash + tail
 
 
 def open_backend(
-    url: str, *, connect_timeout: float = CONNECT_TIMEOUT, op_timeout: float = OP_TIMEOUT
+    url: str,
+    *,
+    connect_timeout: float = CONNECT_TIMEOUT,
+    op_timeout: float = OP_TIMEOUT,
+    max_bytes: int = MAX_VALUE,
 ) -> Backend:
     """The backend for ``url``. Raises ValueError for an unsupported or malformed
     URL (a settings problem, named with the fix). Connects lazily: opening never
-    touches the network."""
-    scheme = urlsplit(url).scheme.lower()
+    touches the network. ``max_bytes``: the largest value ``get`` reads (tests lower it)."""
+    scheme = url.partition("://")[0].lower() if "://" in url else ""
+    if scheme in SCHEMES:
+        from quack.settings.fields import check_remote_url
+
+        try:
+            check_remote_url(url)
+        except ValueError as e:
+            raise ValueError(f"remote URL {redact(url)!r}: {e}") from None
     if scheme in ("redis", "rediss"):
         _need("redis", scheme)
         from quack.remote.redis_backend import RedisBackend
 
-        return RedisBackend(url, connect_timeout=connect_timeout, op_timeout=op_timeout)
+        return RedisBackend(url, connect_timeout=connect_timeout, op_timeout=op_timeout, max_bytes=max_bytes)
     if scheme == "s3":
         _need("boto3", scheme)
         from quack.remote.s3_backend import S3Backend
 
-        return S3Backend(url, connect_timeout=connect_timeout, op_timeout=op_timeout)
+        return S3Backend(url, connect_timeout=connect_timeout, op_timeout=op_timeout, max_bytes=max_bytes)
     if scheme == "file":
         from quack.remote.file_backend import FileBackend
 
-        return FileBackend(url)
+        return FileBackend(url, op_timeout=op_timeout, max_bytes=max_bytes)
     raise ValueError(
         f"remote URL {redact(url)!r}: unsupported scheme {scheme or '(none)'!r}; use "
         "redis://host:port/db, s3://bucket/prefix or file:///shared/path"
@@ -86,6 +113,17 @@ def _need(module: str, scheme: str) -> None:
         raise ImportError(
             f"the {scheme}:// remote cache needs the {module} package: pip install 'quack-cache[remote]'"
         )
+
+
+def too_large(url: str, name: str, size: int | None, limit: int) -> RemoteError:
+    """The refusal of a value over the cap; ``size`` None when only a bounded read found it."""
+    got = f"{size} bytes" if size is not None else "more than that"
+    return RemoteError(
+        f"remote cache {redact(url)}: {name} is {got}, over the {limit}-byte cap on an object; "
+        "refused unread",
+        url=redact(url),
+        reason="size",
+    )
 
 
 def unreachable(url: str, e: BaseException, reason: str = "unreachable") -> RemoteError:

@@ -4,35 +4,119 @@ Objects are files under the root, named as everywhere (``quack/v1/...``).
 put_if_absent writes a private temp file, fsyncs it and hard-links it into
 place: link(2) fails if the name exists (first writer wins, also over NFS,
 where O_EXCL on create historically was not atomic), and a reader sees either
-no file or the whole object, never a partial one."""
+no file or the whole object, never a partial one.
+
+What a shared directory can hold that a server cannot (issue 30), each refused:
+
+* Anything but a regular file at an object's name. A FIFO there made ``open``
+  block for ever (a build hung, and Ctrl-C could not end it): every object is
+  ``lstat``-ed, then opened ``O_NONBLOCK | O_NOFOLLOW`` and ``fstat``-ed.
+* A symbolic link on the way down: every directory under the root is opened
+  relative to its parent with ``O_NOFOLLOW`` (an ``openat`` walk), so a link
+  planted at ``quack/v1/<stamp>`` is neither read through nor written through.
+* A root anyone can write (mode o+w), like the local cache's root; and a root
+  that is not a store: it must hold quack's marker file ``.quack-remote``, or
+  nothing but quack's own ``quack/`` tree (an empty directory is a new store; a
+  writer then adds the marker). ``file:///etc`` or a home directory is refused.
+* A value over the size cap (``fstat`` before reading, and a bounded read).
+
+A hung file system (a dead NFS server) blocks in the kernel where no time-out
+reaches, so every operation runs on a daemon thread and the caller waits at most
+the remote time-out, as with redis and S3; past it the remote is reported timed
+out (and switched off by the tier). The stuck thread is a daemon: it cannot keep
+the process from exiting."""
 
 from __future__ import annotations
 
 import errno
 import os
 import secrets
+import stat
+import threading
 from pathlib import Path
+from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
 from quack.errors import RemoteError
+from quack.remote.backend import MAX_VALUE, OP_TIMEOUT, too_large
 
+MARKER = ".quack-remote"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+    stat.S_IFLNK: "a symbolic link",
+}
+
+
+def _kind(mode: int) -> str:
+    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
 
 
 class FileBackend:
-    def __init__(self, url: str):
+    def __init__(self, url: str, *, op_timeout: float = OP_TIMEOUT, max_bytes: int = MAX_VALUE):
         parts = urlsplit(url)
         if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
             raise ValueError(f"remote URL {url!r}: expected file:///absolute/path (three slashes)")
         self.url = url
         self.root = Path(unquote(parts.path))
+        self.op_timeout = float(op_timeout)
+        self.max_bytes = int(max_bytes)
+        # The root was found to be a store: 1 checked (a reader needs no more), 2 marked.
+        self._store_ok = 0
 
-    def _path(self, name: str) -> Path:
+    # -- the contract: each operation bounded by the time-out -----------------------------
+    def get(self, name: str) -> bytes | None:
+        parts = self._parts(name)
+        return self._bounded(f"reading {name}", self._get, parts)
+
+    def put_if_absent(self, name: str, data: bytes) -> bool:
+        parts = self._parts(name)
+        return self._bounded(f"writing {name}", self._put, parts, bytes(data))
+
+    def exists(self, name: str) -> bool:
+        parts = self._parts(name)
+        return self._bounded(f"looking up {name}", self._exists, parts)
+
+    def close(self) -> None:
+        pass
+
+    def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["value"] = fn(*args)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                box["error"] = e
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="quack-remote-file", daemon=True).start()
+        if not done.wait(self.op_timeout):
+            raise RemoteError(
+                f"remote cache {self.url}: {what} took longer than {self.op_timeout:g}s "
+                f"(is the file system under {self.root} hung?)",
+                url=self.url,
+                reason="timeout",
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    # -- helpers ----------------------------------------------------------------------------
+    @staticmethod
+    def _parts(name: str) -> list[str]:
         parts = name.split("/")
         if any(p in ("", ".", "..") or "\0" in p for p in parts):
             raise ValueError(f"invalid object name {name!r}")
-        return self.root.joinpath(*parts)
+        return parts
 
     def _err(self, e: OSError, what: str) -> RemoteError:
         reason = "full" if e.errno in _FULL else "denied" if e.errno in _DENIED else "unreachable"
@@ -40,46 +124,175 @@ class FileBackend:
             f"remote cache {self.url}: {what} failed: {e.strerror or e}", url=self.url, reason=reason
         )
 
-    def get(self, name: str) -> bytes | None:
-        p = self._path(name)
+    def _refuse(self, message: str, reason: str = "protocol") -> RemoteError:
+        return RemoteError(f"remote cache {self.url}: {message}", url=self.url, reason=reason)
+
+    def _open_root(self, *, writing: bool) -> int:
+        """A descriptor of the root, checked: a directory, not writable by others, a store."""
         try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
-            if not self.root.is_dir():
-                raise RemoteError(
-                    f"remote cache {self.url}: directory {self.root} does not exist",
-                    url=self.url,
-                    reason="unreachable",
-                ) from None
+            raise self._refuse(f"directory {self.root} does not exist", "unreachable") from None
+        except NotADirectoryError:
+            raise self._refuse(f"{self.root} is not a directory", "denied") from None
+        except OSError as e:
+            raise self._err(e, f"opening {self.root}") from None
+        try:
+            mode = os.fstat(fd).st_mode
+            if mode & stat.S_IWOTH:
+                # As the local cache's root (quack.cache.fsutil.check_root): anyone could
+                # plant links, FIFOs or huge files, or delete the objects.
+                raise self._refuse(
+                    f"directory {self.root} is writable by anyone (mode {stat.S_IMODE(mode):o}); "
+                    f"refused. Share it through a group instead: chmod o-w {self.root}",
+                    "denied",
+                )
+            if self._store_ok < (2 if writing else 1):
+                self._check_store(fd, writing=writing)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _check_store(self, fd: int, *, writing: bool) -> None:
+        """The root must be a quack store: the marker, or nothing but ``quack/`` (an
+        empty directory is a new store). A writer marks a store it starts."""
+        try:
+            st = os.stat(MARKER, dir_fd=fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise self._err(e, f"looking for {self.root / MARKER}") from None
+        if st is None:
+            with os.scandir(fd) as it:
+                foreign = next((e.name for e in it if e.name not in ("quack", MARKER)), None)
+            if foreign is not None:
+                raise self._refuse(
+                    f"{self.root} is not a quack remote cache: it holds {foreign!r} and no "
+                    f"{MARKER} marker. Point the URL at an empty directory (quack marks it "
+                    f"on its first write), or mark this one: touch {self.root / MARKER}",
+                    "denied",
+                )
+            if writing:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                try:
+                    os.close(os.open(MARKER, flags, 0o644, dir_fd=fd))
+                except FileExistsError:
+                    pass
+                except OSError as e:
+                    raise self._err(e, f"marking {self.root} as a quack store") from None
+                self._store_ok = 2
+            else:
+                self._store_ok = max(self._store_ok, 1)
+        elif not stat.S_ISREG(st.st_mode):
+            raise self._refuse(
+                f"{self.root / MARKER} is {_kind(st.st_mode)}, not quack's marker file", "denied"
+            )
+        else:
+            self._store_ok = 2
+
+    def _walk(self, root_fd: int, dirs: list[str], *, create: bool) -> int | None:
+        """A descriptor of the object's directory, opened component by component with
+        O_NOFOLLOW (a symlinked directory is refused, never followed); None if a
+        component is missing and ``create`` is false."""
+        fd = os.dup(root_fd)
+        here = self.root
+        try:
+            for part in dirs:
+                here = here / part
+                if create:
+                    try:
+                        os.mkdir(part, 0o777, dir_fd=fd)
+                    except FileExistsError:
+                        pass
+                try:
+                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                except FileNotFoundError:
+                    if create:
+                        raise
+                    os.close(fd)
+                    return None
+                except OSError as e:
+                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
+                        raise
+                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                    raise self._refuse(f"{here} is {_kind(st.st_mode)}, not a directory; refused") from None
+                os.close(fd)
+                fd = nfd
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # -- the operations (on the daemon thread) ------------------------------------------------
+    def _get(self, parts: list[str]) -> bytes | None:
+        p = self.root.joinpath(*parts)
+        root_fd = self._open_root(writing=False)
+        try:
+            dfd = self._walk(root_fd, parts[:-1], create=False)
+        except OSError as e:
+            raise e if isinstance(e, RemoteError) else self._err(e, f"reading {p}") from None
+        finally:
+            os.close(root_fd)
+        if dfd is None:
+            return None
+        try:
+            try:
+                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                return None
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refuse(f"{p} is {_kind(st.st_mode)}, not a regular file; refused")
+            # O_NONBLOCK: should a FIFO be swapped in after the lstat, open returns at once.
+            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise self._refuse(f"{p} is {_kind(st.st_mode)}, not a regular file; refused")
+                if st.st_size > self.max_bytes:
+                    raise too_large(self.url, str(p), st.st_size, self.max_bytes)
+                chunks, n = [], 0
+                while n <= self.max_bytes:  # bounded even if the file grows while read
+                    b = os.read(fd, min(1 << 20, self.max_bytes + 1 - n))
+                    if not b:
+                        break
+                    chunks.append(b)
+                    n += len(b)
+                if n > self.max_bytes:
+                    raise too_large(self.url, str(p), None, self.max_bytes)
+                return b"".join(chunks)
+            finally:
+                os.close(fd)
+        except FileNotFoundError:
             return None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise RemoteError(
-                    f"remote cache {self.url}: {p} is a symbolic link; refused",
-                    url=self.url,
-                    reason="protocol",
-                ) from None
-            raise self._err(e, f"reading {p}") from None
-        try:
-            with os.fdopen(fd, "rb") as f:
-                return f.read()
-        except OSError as e:
-            raise self._err(e, f"reading {p}") from None
+                raise self._refuse(f"{p} is a symbolic link; refused") from None
+            raise e if isinstance(e, RemoteError) else self._err(e, f"reading {p}") from None
+        finally:
+            os.close(dfd)
 
-    def put_if_absent(self, name: str, data: bytes) -> bool:
-        p = self._path(name)
-        if not self.root.is_dir():
-            raise RemoteError(
-                f"remote cache {self.url}: directory {self.root} does not exist",
-                url=self.url,
-                reason="unreachable",
-            )
+    def _put(self, parts: list[str], data: bytes) -> bool:
+        p = self.root.joinpath(*parts)
+        root_fd = self._open_root(writing=True)
         try:
-            p.parent.mkdir(parents=True, exist_ok=True)
-            if os.path.lexists(p):
+            dfd = self._walk(root_fd, parts[:-1], create=True)
+        except OSError as e:
+            raise e if isinstance(e, RemoteError) else self._err(e, f"writing {p}") from None
+        finally:
+            os.close(root_fd)
+        assert dfd is not None  # create=True never answers None
+        leaf = parts[-1]
+        try:
+            try:
+                os.stat(leaf, dir_fd=dfd, follow_symlinks=False)
                 return False
-            tmp = p.with_name(f".{p.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+            except FileNotFoundError:
+                pass
+            tmp = f".{leaf}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            fd = os.open(
+                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+            )
             try:
                 try:
                     view = memoryview(data)
@@ -89,20 +302,37 @@ class FileBackend:
                 finally:
                     os.close(fd)
                 try:
-                    os.link(tmp, p)
+                    os.link(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
                 except FileExistsError:
                     return False
                 return True
             finally:
                 try:
-                    os.unlink(tmp)
+                    os.unlink(tmp, dir_fd=dfd)
                 except FileNotFoundError:
                     pass
         except OSError as e:
-            raise self._err(e, f"writing {p}") from None
+            raise e if isinstance(e, RemoteError) else self._err(e, f"writing {p}") from None
+        finally:
+            os.close(dfd)
 
-    def exists(self, name: str) -> bool:
-        return os.path.lexists(self._path(name))
-
-    def close(self) -> None:
-        pass
+    def _exists(self, parts: list[str]) -> bool:
+        p = self.root.joinpath(*parts)
+        root_fd = self._open_root(writing=False)
+        try:
+            dfd = self._walk(root_fd, parts[:-1], create=False)
+        except OSError as e:
+            raise e if isinstance(e, RemoteError) else self._err(e, f"looking up {p}") from None
+        finally:
+            os.close(root_fd)
+        if dfd is None:
+            return False
+        try:
+            os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise self._err(e, f"looking up {p}") from None
+        finally:
+            os.close(dfd)

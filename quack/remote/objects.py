@@ -35,14 +35,15 @@ import time
 
 from quack.cache import keys
 from quack.errors import ObjectRejected, SignatureError
+from quack.remote.backend import MAX_BODY, MAX_HEADER
 from quack.signing import SigningKey, TrustedKeys
 
 MAGIC = b"QUACK-OBJECT 1\n"
 FORMAT = 1
 PREFIX = "quack/v1"
-# A header is a few hundred bytes; a bound keeps a hostile object from making
-# the reader scan or parse megabytes before refusing it.
-MAX_HEADER = 64 * 1024
+# A header is a few hundred bytes; a bound (MAX_HEADER, quack.remote.backend) keeps a
+# hostile object from making the reader scan or parse megabytes before refusing it.
+# MAX_BODY caps the .o bytes: a writer never signs more, a backend never reads more.
 SIGNED_FIELDS = (
     "format",
     "key",
@@ -80,7 +81,10 @@ def _signed_bytes(header: dict) -> bytes:
 
 
 def pack(ref, params: dict, data: bytes, signer: SigningKey, *, compile_s: float | None = None) -> bytes:
-    """The signed object for ``ref`` holding ``data`` (the .o bytes)."""
+    """The signed object for ``ref`` holding ``data`` (the .o bytes). ValueError over
+    MAX_BODY: no reader would take it (the backends refuse larger values unread)."""
+    if len(data) > MAX_BODY:
+        raise ValueError(f"{ref.kernel} key {ref.key[:16]}: {len(data)} bytes, over the {MAX_BODY}-byte cap")
     header = {
         "format": FORMAT,
         "key": ref.key,
@@ -100,7 +104,7 @@ def pack(ref, params: dict, data: bytes, signer: SigningKey, *, compile_s: float
     return MAGIC + keys.canonical_json(header).encode() + b"\n" + bytes(data)
 
 
-def _reject(ref, reason: str, detail: str, signer: str = "") -> ObjectRejected:
+def reject(ref, reason: str, detail: str, signer: str = "") -> ObjectRejected:
     return ObjectRejected(
         f"remote object for {ref.kernel} key {ref.key[:16]} refused ({reason}): {detail}",
         key=ref.key,
@@ -133,24 +137,24 @@ def unpack(blob: bytes, ref, trusted: TrustedKeys) -> tuple[bytes, dict]:
     try:
         header, body = parse_header(blob)
     except ObjectRejected as e:
-        raise _reject(ref, "malformed", str(e)) from None
+        raise reject(ref, "malformed", str(e)) from None
     signer, sig_b64 = header.get("signer"), header.get("signature")
     if not sig_b64 or not signer:
-        raise _reject(ref, "unsigned", "the object carries no signature; unsigned objects are never accepted")
+        raise reject(ref, "unsigned", "the object carries no signature; unsigned objects are never accepted")
     if not isinstance(signer, str) or not isinstance(sig_b64, str):
-        raise _reject(ref, "malformed", "signer/signature are not strings")
+        raise reject(ref, "malformed", "signer/signature are not strings")
     try:
         sig = base64.b64decode(sig_b64, validate=True)
     except (binascii.Error, ValueError):
-        raise _reject(ref, "malformed", "the signature is not base64", signer) from None
+        raise reject(ref, "malformed", "the signature is not base64", signer) from None
     # 1. Signature by a trusted key, over every signed header field.
     try:
         trusted.verify(signer, _signed_bytes(header), sig)
     except SignatureError as e:
-        raise _reject(ref, e.reason or "bad-signature", str(e), signer) from None
+        raise reject(ref, e.reason or "bad-signature", str(e), signer) from None
     # 2. The key asked for: a validly signed object of another key, copied here, is refused.
     if header.get("key") != ref.key or header.get("kernel") != ref.kernel or header.get("arch") != ref.arch:
-        raise _reject(
+        raise reject(
             ref,
             "wrong-key",
             f"the object is signed for {header.get('kernel')} key "
@@ -159,24 +163,24 @@ def unpack(blob: bytes, ref, trusted: TrustedKeys) -> tuple[bytes, dict]:
         )
     # 3. Toolchain and kernel source: same key, but built by another cutlass or from other code.
     if header.get("stamp") != ref.stamp:
-        raise _reject(
+        raise reject(
             ref,
             "wrong-stamp",
             f"built with toolchain {header.get('stamp')}, this process uses {ref.stamp}",
             signer,
         )
     if header.get("srcfp") != ref.srcfp:
-        raise _reject(
+        raise reject(
             ref,
             "wrong-source",
             f"built from kernel source {header.get('srcfp')}, this process has {ref.srcfp}",
             signer,
         )
     if header.get("format") != FORMAT:
-        raise _reject(ref, "malformed", f"object format {header.get('format')!r}, expected {FORMAT}", signer)
+        raise reject(ref, "malformed", f"object format {header.get('format')!r}, expected {FORMAT}", signer)
     # 4. Size and checksum of the bytes the signature vouches for.
-    if len(body) != header.get("size"):
-        raise _reject(
+    if len(body) > MAX_BODY or len(body) != header.get("size"):
+        raise reject(
             ref,
             "size",
             f"{len(body)} bytes, the signed header says {header.get('size')} (truncated or padded)",
@@ -184,7 +188,7 @@ def unpack(blob: bytes, ref, trusted: TrustedKeys) -> tuple[bytes, dict]:
         )
     data = bytes(body)
     if hashlib.sha256(data).hexdigest() != header.get("sha256"):
-        raise _reject(
+        raise reject(
             ref,
             "checksum",
             "SHA-256 of the bytes does not match the signed header (altered in storage or transit)",

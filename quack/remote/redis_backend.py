@@ -8,11 +8,18 @@ once and the tier switches the remote off."""
 from __future__ import annotations
 
 from quack.errors import RemoteError
-from quack.remote.backend import CONNECT_TIMEOUT, OP_TIMEOUT, redact, unreachable
+from quack.remote.backend import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, redact, too_large, unreachable
 
 
 class RedisBackend:
-    def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT, op_timeout: float = OP_TIMEOUT):
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        op_timeout: float = OP_TIMEOUT,
+        max_bytes: int = MAX_VALUE,
+    ):
         import threading
 
         import redis
@@ -20,6 +27,7 @@ class RedisBackend:
         from redis.retry import Retry
 
         self.url = url
+        self.max_bytes = int(max_bytes)
         kw = dict(
             socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), 0),
@@ -88,7 +96,25 @@ class RedisBackend:
     def get(self, name: str) -> bytes | None:
         if not self._probed:
             self._probe()
-        v = self._call(self._r.get, name)
+        # STRLEN first: a value over the cap is refused without transferring it; then
+        # GETRANGE bounded by the cap, so one grown in between is not read whole either.
+        n = self._call(self._r.strlen, name)
+        if not isinstance(n, int):
+            raise RemoteError(
+                f"remote cache {redact(self.url)}: STRLEN {name} gave {type(n).__name__}",
+                url=redact(self.url),
+                reason="protocol",
+            )
+        if n > self.max_bytes:
+            raise too_large(self.url, name, n, self.max_bytes)
+        if n == 0:
+            v = self._call(self._r.get, name)  # absent (None), or an empty value
+        else:
+            v = self._call(self._r.getrange, name, 0, self.max_bytes)
+            if isinstance(v, bytes) and len(v) > self.max_bytes:
+                raise too_large(self.url, name, None, self.max_bytes)
+            if v == b"" and not self._call(self._r.exists, name):
+                v = None  # deleted between the two calls
         if v is not None and not isinstance(v, bytes):
             raise RemoteError(
                 f"remote cache {redact(self.url)}: GET {name} gave {type(v).__name__}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from quack.errors import RemoteError
-from quack.remote.backend import CONNECT_TIMEOUT, OP_TIMEOUT, unreachable
+from quack.remote.backend import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, too_large, unreachable
 
 _ABSENT = ("NoSuchKey", "404", "NotFound")
 _EXISTS = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
@@ -27,7 +27,14 @@ _FULL = ("QuotaExceeded", "EntityTooLarge", "XMinioStorageFull", "507")
 
 
 class S3Backend:
-    def __init__(self, url: str, *, connect_timeout: float = CONNECT_TIMEOUT, op_timeout: float = OP_TIMEOUT):
+    def __init__(
+        self,
+        url: str,
+        *,
+        connect_timeout: float = CONNECT_TIMEOUT,
+        op_timeout: float = OP_TIMEOUT,
+        max_bytes: int = MAX_VALUE,
+    ):
         parts = urlsplit(url)
         if not parts.netloc:
             raise ValueError(f"remote URL {url!r}: expected s3://bucket/prefix")
@@ -35,6 +42,7 @@ class S3Backend:
         from botocore.config import Config
 
         self.url = url
+        self.max_bytes = int(max_bytes)
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         # Path-style addressing: works on AWS and on every S3-compatible server
@@ -104,7 +112,21 @@ class S3Backend:
 
         try:
             r = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))
-            return r["Body"].read()
+            body = r["Body"]
+            try:
+                # The declared length first: a value over the cap is refused before its
+                # body is read; the read itself is bounded too (a length that lies).
+                n = r.get("ContentLength")
+                if isinstance(n, int) and n > self.max_bytes:
+                    raise too_large(self.url, name, n, self.max_bytes)
+                data = body.read(self.max_bytes + 1)
+                if len(data) > self.max_bytes:
+                    raise too_large(self.url, name, None, self.max_bytes)
+                return data
+            finally:
+                body.close()
+        except RemoteError:
+            raise
         except bx.ClientError as e:
             code, status = self._code(e)
             if code in _ABSENT or status == "404" and code != "NoSuchBucket":

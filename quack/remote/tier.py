@@ -111,6 +111,19 @@ class RemoteTier:
         else:
             _warn_once(self.url, "error-" + op, f"quack: {why}; treated as a miss")
 
+    def _rejected(self, e: ObjectRejected) -> None:
+        with self._lock:
+            self.counters.rejected += 1
+            self.counters.rejected_by_reason[e.reason] += 1
+        log.info("remote object refused: %s", e)
+        _warn_once(
+            self.url,
+            "rejected",
+            f"quack: {e}. Refused objects are never loaded nor stored; "
+            "the kernel is compiled locally (rejections are counted in `quack cache stats` "
+            "and the build summary)",
+        )
+
     # -- reading (the ReadTier contract, quack.cache.contract) -------------------------
     def fetch(self, ref: EntryRef) -> Fetched | None:
         """The verified object for ``ref``, or None. Never raises for a remote or
@@ -122,7 +135,10 @@ class RemoteTier:
         try:
             blob = self.backend.get(name)
         except RemoteError as e:
-            self._failed(e, "get")
+            if e.reason == "size":  # over the cap, refused unread: an object refused for its size
+                self._rejected(objects.reject(ref, "size", str(e)))
+            else:
+                self._failed(e, "get")
             return None
         if blob is None:
             self._count(misses=1)
@@ -132,17 +148,7 @@ class RemoteTier:
         try:
             data, header = objects.unpack(blob, ref, self.trusted)
         except ObjectRejected as e:
-            with self._lock:
-                self.counters.rejected += 1
-                self.counters.rejected_by_reason[e.reason] += 1
-            log.info("remote object refused: %s", e)
-            _warn_once(
-                self.url,
-                "rejected",
-                f"quack: {e}. Refused objects are never loaded nor stored; "
-                "the kernel is compiled locally (rejections are counted in `quack cache stats` "
-                "and the build summary)",
-            )
+            self._rejected(e)
             return None
         self._count(hits=1)
         log.info(
@@ -183,9 +189,14 @@ class RemoteTier:
             return "failed"
         signer = self.signer
         assert signer is not None  # self.write implies a signer (see __init__)
-        blob = objects.pack(
-            ref, entry.meta.get("params") or {}, data, signer, compile_s=entry.meta.get("compile_s")
-        )
+        try:
+            blob = objects.pack(
+                ref, entry.meta.get("params") or {}, data, signer, compile_s=entry.meta.get("compile_s")
+            )
+        except ValueError as e:  # over the object size cap: no reader would take it
+            self._count(push_failed=1)
+            _warn_once(self.url, "push-size", f"quack: not pushing {e}")
+            return "failed"
         try:
             stored = self.backend.put_if_absent(objects.object_name(ref), blob)
         except RemoteError as e:
@@ -295,6 +306,12 @@ def _record_current() -> None:
     cur = _current
     if cur is not None and cur[1] is not None:
         cur[1].record(Path(cur[0].cache_dir))
+
+
+def offline_reason(url: str) -> str:
+    """Why the remote ``url`` (redacted) is off in this process ("" if it is not)."""
+    with _state_lock:
+        return _offline.get(url, "")
 
 
 def forget_offline() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from quack.cache.contract import Fetched, ReadTier, Store
@@ -136,27 +137,7 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
         )
         return None
     try:
-        with store.lock(ref):
-            e = store.lookup(ref)
-            if e is not None:
-                return e  # another process published it meanwhile
-            tmp = store.tmp_obj(ref)
-            try:
-                with open(tmp, "wb") as f:
-                    f.write(got.data)
-                # Only the documented fields (docs/cache-layout.md); the store sets
-                # the identity, size and checksum fields itself.
-                meta = {
-                    k: v
-                    for k, v in got.meta.items()
-                    if k in ("params", "compile_s", "host", "pid", "created")
-                }
-                return store.publish(ref, tmp, meta)
-            finally:
-                try:
-                    tmp.unlink()
-                except FileNotFoundError:
-                    pass
+        return store_fetched(store, got)
     except (CacheError, LockTimeout, OSError) as e:
         log.warning(
             "tier %s: could not publish %s %s into %s: %s",
@@ -167,6 +148,44 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
             e,
         )
         return None
+
+
+def store_fetched(store: Store, got: Fetched) -> Entry:
+    """As publish_fetched, but a store that can't take the object raises: CacheError
+    (not writable), CacheWriteError (disk full, read-only: quack.cache.problems), or
+    LockTimeout. ``quack cache pull`` reports these as failures (issue 30: a full disk
+    was counted as remote misses and the command exited 0)."""
+    from quack.cache.problems import write_error
+
+    ref = got.ref
+    if not store.writable():
+        raise CacheError(
+            f"the quack cache {store.root} is not writable: {ref.kernel} key {ref.key[:16]} "
+            f"from {got.source} not stored",
+            path=str(store.root),
+        )
+    with store.lock(ref):
+        e = store.lookup(ref)
+        if e is not None:
+            return e  # another process published it meanwhile
+        tmp = store.tmp_obj(ref)
+        try:
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(got.data)
+            except OSError as err:
+                raise write_error(err, Path(store.root), f"storing {ref.kernel} key {ref.key[:16]}") from None
+            # Only the documented fields (docs/cache-layout.md); the store sets
+            # the identity, size and checksum fields itself.
+            meta = {
+                k: v for k, v in got.meta.items() if k in ("params", "compile_s", "host", "pid", "created")
+            }
+            return store.publish(ref, tmp, meta)
+        finally:
+            try:
+                tmp.unlink()
+            except FileNotFoundError:
+                pass
 
 
 def _installed_bundles(settings: Settings) -> ReadTier:

@@ -94,13 +94,63 @@ def _auto_bool(text: str | bool) -> bool | None:
     return parse_bool(text)
 
 
-def _remote_url(text: str) -> str:
+REMOTE_FORMS = "redis://host:port/db, s3://bucket/prefix or file:///shared/path"
+_S3_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
+_CONTROL = re.compile(r"[\x00-\x20\x7f]")
+
+
+def check_remote_url(text: str) -> str:
+    """``text`` if it is a well-formed remote cache URL, else ValueError naming what
+    is wrong and the allowed forms. One rule for the settings and the backends: a
+    malformed URL must never quietly mean something else (``redis://:@@/`` was read
+    as localhost:6379 by the client library)."""
+    from urllib.parse import urlsplit
+
     if not isinstance(text, str):
         raise ValueError("expected a URL string")
     scheme = text.partition("://")[0].lower()
     if scheme not in ("redis", "rediss", "s3", "file") or "://" not in text:
-        raise ValueError("expected redis://host:port/db, s3://bucket/prefix or file:///shared/path")
+        raise ValueError(f"expected {REMOTE_FORMS}")
+    if _CONTROL.search(text):
+        raise ValueError(f"a space or control character in the URL; expected {REMOTE_FORMS}")
+    try:
+        parts = urlsplit(text)
+        port = parts.port  # raises for a non-numeric or out-of-range port
+    except ValueError as e:
+        raise ValueError(f"malformed URL ({e}); expected {REMOTE_FORMS}") from None
+    if parts.fragment:
+        raise ValueError(f"a '#' fragment has no meaning here; expected {REMOTE_FORMS}")
+    segments = parts.path.split("/")[1:]
+    if scheme in ("redis", "rediss"):
+        form = f"expected {scheme}://[user:password@]host[:port][/db]"
+        if parts.netloc.count("@") > 1:
+            raise ValueError(
+                f"more than one '@' in {parts.netloc!r} (percent-encode '@' in a password); {form}"
+            )
+        if not parts.hostname:
+            raise ValueError(f"no host name; {form}")
+        if port == 0:
+            raise ValueError(f"port 0; {form}")
+        db = parts.path.strip("/")
+        if "/" in parts.path.rstrip("/")[1:] or (db and not db.isdigit()):
+            raise ValueError(f"database {parts.path!r} is not a number; {form}")
+    elif scheme == "s3":
+        form = "expected s3://bucket/prefix (a bucket name of 3-63 lowercase letters, digits, '.', '-')"
+        if "@" in parts.netloc or ":" in parts.netloc or not _S3_BUCKET.fullmatch(parts.netloc):
+            raise ValueError(f"bucket {parts.netloc!r} is not a valid bucket name; {form}")
+        if parts.query or any(s in (".", "..") for s in segments) or "" in segments[:-1]:
+            raise ValueError(f"prefix {parts.path!r} has an empty, '.' or '..' part or a query; {form}")
+    else:
+        form = "expected file:///absolute/path (three slashes)"
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(form)
+        if parts.query or any(s in (".", "..") for s in segments):
+            raise ValueError(f"path {parts.path!r} has a '.' or '..' part or a query; {form}")
     return text
+
+
+def _remote_url(text: str) -> str:
+    return check_remote_url(text)
 
 
 def _remote_timeout(text: str | float) -> float:
@@ -202,7 +252,7 @@ FIELDS: dict[str, Field] = {
         "url",
         ("QUACK_REMOTE",),
         _remote_url,
-        "redis://host:port/db, s3://bucket/prefix or file:///path",
+        REMOTE_FORMS,
     ),
     "remote_write": Field("remote", "write", ("QUACK_REMOTE_WRITE",), parse_bool, "true or false"),
     "remote_timeout": Field(
