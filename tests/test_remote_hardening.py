@@ -313,10 +313,20 @@ def test_well_formed_urls_are_accepted(url, tmp_path):
     assert settings.resolve(env={"QUACK_REMOTE": url}, cwd=tmp_path).remote_url == url
 
 
-def test_a_malformed_url_in_an_error_hides_the_password():
+def test_a_malformed_url_in_an_error_hides_the_password(tmp_path):
     with pytest.raises(ValueError) as e:
         open_backend("redis://u:hunter2@h:x/0")
     assert "hunter2" not in str(e.value)
+    # The settings error names the variable and the URL, never the password: it is what a
+    # CI log shows for a mistyped QUACK_REMOTE.
+    for bad in ("redis://u:hunter2@h:x/0", "redis://u:hunter2@h:6379/db", "redis://u:hunter2@@h/0"):
+        with pytest.raises(SettingsError) as e:
+            settings.resolve(env={"QUACK_REMOTE": bad}, cwd=tmp_path)
+        assert "QUACK_REMOTE=" in str(e.value) and "hunter2" not in str(e.value), str(e.value)
+    (tmp_path / "quack.toml").write_text('[remote]\nurl = "redis://u:hunter2@h:6379/db"\n')
+    with pytest.raises(SettingsError) as e:
+        settings.resolve(env={}, cwd=tmp_path)
+    assert "remote.url" in str(e.value) and "hunter2" not in str(e.value), str(e.value)
 
 
 # --- 1. the pull's wait, and 2. a local write failure ---------------------------------------------

@@ -8,7 +8,6 @@ configures a remote never imports redis or boto3."""
 from __future__ import annotations
 
 from typing import Protocol
-from urllib.parse import urlsplit
 
 from quack.errors import RemoteError
 
@@ -50,22 +49,11 @@ class Backend(Protocol):
 
 
 def redact(url: str) -> str:
-    """The URL without a password, for messages and logs (also for a malformed URL,
-    which is named in the error that refuses it)."""
-    try:
-        parts = urlsplit(url)
-        if parts.password:
-            netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (
-                f":{parts.port}" if parts.port else ""
-            )
-            return parts._replace(netloc=netloc).geturl()
-        return url
-    except ValueError:  # a bad port or IPv6 bracket: hide all of the user part
-        head, sep, rest = url.partition("://")
-        netloc, slash, tail = rest.partition("/")
-        if "@" in netloc:
-            netloc = "***@" + netloc.rpartition("@")[2]
-        return head + sep + netloc + slash + tail
+    """The URL without a password, for messages and logs (one definition, shared with the
+    settings' error messages)."""
+    from quack.settings.fields import redact_url
+
+    return redact_url(url)
 
 
 def open_backend(

@@ -125,7 +125,9 @@ def check_remote_url(text: str) -> str:
         form = f"expected {scheme}://[user:password@]host[:port][/db]"
         if parts.netloc.count("@") > 1:
             raise ValueError(
-                f"more than one '@' in {parts.netloc!r} (percent-encode '@' in a password); {form}"
+                # Name the host only: what stands before the '@' may be a password.
+                f"more than one '@' before host {parts.netloc.rpartition('@')[2]!r} "
+                f"(percent-encode '@' in a password); {form}"
             )
         if not parts.hostname:
             raise ValueError(f"no host name; {form}")
@@ -151,6 +153,31 @@ def check_remote_url(text: str) -> str:
 
 def _remote_url(text: str) -> str:
     return check_remote_url(text)
+
+
+def redact_url(url: str) -> str:
+    """The URL without a password, for messages and logs (also for a malformed URL,
+    which is named in the error that refuses it)."""
+    from urllib.parse import urlsplit
+
+    try:
+        parts = urlsplit(url)
+        if parts.password:
+            netloc = f"{parts.username or ''}:***@{parts.hostname or ''}" + (
+                f":{parts.port}" if parts.port else ""
+            )
+            return parts._replace(netloc=netloc).geturl()
+        return url
+    except ValueError:  # a bad port or IPv6 bracket: hide all of the user part
+        head, sep, rest = url.partition("://")
+        netloc, slash, tail = rest.partition("/")
+        if "@" in netloc:
+            netloc = "***@" + netloc.rpartition("@")[2]
+        return head + sep + netloc + slash + tail
+
+
+def _show_url(value: Any) -> str:
+    return repr(redact_url(value)) if isinstance(value, str) else repr(value)
 
 
 def _remote_timeout(text: str | float) -> float:
@@ -207,10 +234,21 @@ class Field:
     dataclass: a dataclass is generated (exec) at import, ~0.3 ms of every fresh
     process's first kernel load for a record nothing compares or copies."""
 
-    __slots__ = ("section", "key", "env", "parse", "form")
+    __slots__ = ("section", "key", "env", "parse", "form", "show")
 
-    def __init__(self, section: str, key: str, env: tuple[str, ...], parse: Callable[[Any], Any], form: str):
+    def __init__(
+        self,
+        section: str,
+        key: str,
+        env: tuple[str, ...],
+        parse: Callable[[Any], Any],
+        form: str,
+        show: Callable[[Any], str] = repr,
+    ):
         self.section, self.key, self.env, self.parse, self.form = section, key, env, parse, form
+        # How an invalid value is quoted in an error: a remote URL's password must never
+        # reach a terminal or a CI log through a settings error.
+        self.show = show
 
 
 FIELDS: dict[str, Field] = {
@@ -253,6 +291,7 @@ FIELDS: dict[str, Field] = {
         ("QUACK_REMOTE",),
         _remote_url,
         REMOTE_FORMS,
+        _show_url,
     ),
     "remote_write": Field("remote", "write", ("QUACK_REMOTE_WRITE",), parse_bool, "true or false"),
     "remote_timeout": Field(

@@ -76,7 +76,7 @@ def read_config(path: Path) -> dict[str, Any]:
                 out[name] = f.parse(value)
             except (ValueError, TypeError) as e:
                 raise SettingsError(
-                    f"{path}: {section}.{key} = {value!r} is invalid: {e} ({f.form})",
+                    f"{path}: {section}.{key} = {f.show(value)} is invalid: {e} ({f.form})",
                     source=str(path),
                     key=f"{section}.{key}",
                 ) from None
@@ -104,7 +104,7 @@ def resolve(
                 values[name] = f.parse(text)
             except (ValueError, TypeError) as e:
                 raise SettingsError(
-                    f"environment variable {var}={text!r} is invalid: {e}", source=var, key=var
+                    f"environment variable {var}={f.show(text)} is invalid: {e}", source=var, key=var
                 ) from None
             sources[name] = var
             break
