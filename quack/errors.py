@@ -45,6 +45,16 @@ class ParamError(QuackError, ValueError):
         self.param = param
 
 
+class KernelDependencyError(QuackError, ValueError):
+    """A kernel's ``depends_on`` entry is malformed or names nothing that exists."""
+
+    def __init__(self, kernel: str, entry: str, reason: str):
+        super().__init__(f"kernel {kernel or '?'}: depends_on entry {entry!r}: {reason}")
+        self.kernel = kernel
+        self.entry = entry
+        self.reason = reason
+
+
 class UnknownKernel(QuackError, KeyError):
     """No kernel is registered under this name."""
 

@@ -30,6 +30,8 @@ class KernelSpec:
     reference: str | None = None  # "module:function" for `quack verify --run`
     rules: tuple[Rule, ...] = ()  # cross-parameter constraints (quack.params.Rule)
     takes_arch: bool = False  # the compile function declares `arch`: it gets the target arch
+    # Extra files / modules its fingerprint covers (quack.cache.sources; docs/writing-kernels.md)
+    depends_on: tuple[str, ...] = ()
 
     def bind(self, args: tuple = (), kwargs: dict | None = None, arch: str | None = None) -> dict[str, Any]:
         """Check and canonicalize a call's or a manifest's parameters, defaults applied,
@@ -106,7 +108,15 @@ class KernelSpec:
             return "main"
         from quack.cache import keys
 
-        return keys.source_fingerprint(self.module, memo=_fingerprint_memo())
+        return keys.source_fingerprint(
+            self.module, memo=_fingerprint_memo(), depends_on=self.depends_on, kernel=self.name
+        )
+
+    def coverage(self):
+        """What source_fingerprint covers (a quack.cache.sources.Coverage), walked afresh."""
+        from quack.cache import keys
+
+        return keys.coverage(self.module, self.depends_on, self.name)
 
 
 def _fingerprint_memo():
@@ -130,6 +140,7 @@ def register(
     version: int = 0,
     reference: str | None = None,
     rules=(),
+    depends_on=(),
 ) -> KernelSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
@@ -161,6 +172,7 @@ def register(
                 f"kernel {name}: rules must be quack.params.Rule(param, allowed, check) "
                 f"naming one of its parameters {list(params)} or {ARCH!r}, got {r!r}"
             )
+    depends_on = _check_depends_on(name, fn, depends_on)
     defaults = {
         n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty and n != ARCH
     }
@@ -175,12 +187,29 @@ def register(
         reference,
         rules,
         takes_arch,
+        depends_on,
     )
     old = _REGISTRY.get(name)
     if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):
         raise ValueError(f"kernel name {name!r} already registered by {old.module}.{old.qualname}")
     _REGISTRY[name] = spec
     return spec
+
+
+def _check_depends_on(name: str, fn: Callable, entries) -> tuple[str, ...]:
+    """Checked at registration: a typo fails the kernel module's import, naming the kernel
+    and the entry, rather than its first call. Raises KernelDependencyError."""
+    if not entries:
+        return ()
+    import sys
+    from pathlib import Path
+
+    from quack.cache import sources
+
+    out = sources.check_entries(name, entries)
+    f = getattr(sys.modules.get(fn.__module__), "__file__", None)
+    sources.resolve(name, out, Path(f).parent if f else Path.cwd())
+    return out
 
 
 def get(name: str) -> KernelSpec:

@@ -54,7 +54,13 @@ def build(
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON file."),
     cache_dir: Optional[Path] = cache_dir_option(),
     max_configs: int = max_configs_option(),
-    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also list cached and started keys."),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help="Also list cached and started keys, and the files and distributions each kernel's "
+        "fingerprint covers.",
+    ),
     executor: Optional[str] = typer.Option(
         None,
         "--executor",
@@ -110,11 +116,23 @@ def run_build(
         paths = manifest_paths(s, manifests)
         store = local_store(s)
         return dryrun.run(
-            s, paths, arch=arch, max_configs=max_configs, store=store, con=con, force=force, as_json=as_json
+            s,
+            paths,
+            arch=arch,
+            max_configs=max_configs,
+            store=store,
+            con=con,
+            force=force,
+            as_json=as_json,
+            verbose=verbose,
         )
     exp = expand_manifests(s, manifests, arch, max_configs)
     for w in exp.warnings:
         con.print(f"warning: {w}", markup=False)
+    if verbose:
+        from quack_build import sourcelist
+
+        sourcelist.print_sources(con, (c.kernel for c in exp.configs))
     store = local_store(s)
     try:
         tasks = scheduler.plan(exp.configs, store, force=force)

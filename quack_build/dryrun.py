@@ -46,18 +46,27 @@ class _Lines:
             self.buf.clear()
 
 
-def run(s, paths, *, arch, max_configs: int, store, con, force: bool, as_json: bool) -> int:
+def run(
+    s, paths, *, arch, max_configs: int, store, con, force: bool, as_json: bool, verbose: bool = False
+) -> int:
+    """``verbose``: then what each listed kernel's fingerprint covers (quack_build.sourcelist)."""
     stream = ExpansionStream(
         paths, archs=s.build_archs(), arch_override=arch or None, max_configs=max_configs
     )
     out = _Lines(con)
+    kernels: set[str] = set()
     try:
-        return _list(stream, store, out, force=force, as_json=as_json)
+        rc = _list(stream, store, out, force=force, as_json=as_json, kernels=kernels)
     finally:
         out.flush()
+    if verbose:
+        from quack_build import sourcelist
+
+        sourcelist.print_sources(con, kernels)
+    return rc
 
 
-def _list(stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool) -> int:
+def _list(stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool, kernels: set) -> int:
     times = scheduler.PastTimes(store.root)
     tasks: list[scheduler.Task] = []  # kept for --json only: plain output holds nothing
     n_total = n_cached = 0
@@ -74,6 +83,7 @@ def _list(stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: 
             if len(stream.warnings) > warned:
                 warn()
             t = scheduler.plan_one(cfg, store, force=force)
+            kernels.add(cfg.kernel)
             n_total += 1
             if t.status == scheduler.CACHED:
                 n_cached += 1

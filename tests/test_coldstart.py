@@ -76,13 +76,26 @@ def truth(module="csk.softmax"):
 
 
 class Unparsed:
-    """Fails the test if the sources are parsed (the memo must answer)."""
+    """Fails the test if the imports are walked, a source parsed or hashed (the memo
+    must answer: it re-stats, it never re-walks)."""
 
     def __init__(self, monkeypatch):
-        monkeypatch.setattr(keys, "source_files", self)
+        from quack.cache import sources
 
-    def __call__(self, module):
-        raise AssertionError(f"{module} was parsed although the memo holds it")
+        for mod, fn in (
+            (keys, "coverage"),
+            (keys, "_hash"),
+            (sources, "coverage"),
+            (sources, "imported_names"),
+        ):
+            monkeypatch.setattr(mod, fn, self._fail(fn))
+
+    @staticmethod
+    def _fail(fn):
+        def fail(*a, **k):
+            raise AssertionError(f"{fn}{a} called although the memo holds the fingerprint")
+
+        return fail
 
 
 def test_memo_survives_the_process_and_parses_nothing(pkg, root, no_racy_window, monkeypatch):
@@ -530,3 +543,79 @@ def test_a_kernel_module_imports_only_the_registry_and_a_hit_never_the_tier_chai
     # benchmark's third-party share), and not before.
     assert b["runtime_before"] is None
     assert isinstance(b["runtime_after"], float) and b["runtime_after"] > 0
+
+
+# --- issue 24: the memo holds every file and distribution the fingerprint covers ----------
+
+
+@pytest.fixture
+def with_dist(pkg, tmp_path, monkeypatch):
+    """csk.softmax also imports an installed distribution (a dist-info lists its files)."""
+    site = tmp_path / "site"
+    (site / "cskdist").mkdir(parents=True)
+    (site / "cskdist" / "__init__.py").write_text("D = 1\n")
+
+    def install(version):
+        info = site / f"cskdist-{version}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: cskdist\nVersion: {version}\n\n")
+        (info / "RECORD").write_text(f"cskdist/__init__.py,,\n{info.name}/METADATA,,\n")
+        return info
+
+    install("1.0")
+    monkeypatch.syspath_prepend(str(site))
+    (pkg / "_later.py").write_text("import cskdist\nZ = 1  # pad: aaaa\n")
+    yield site, install
+    sys.modules.pop("cskdist", None)
+
+
+def test_a_distribution_upgrade_is_seen_through_the_memo(with_dist, root, no_racy_window, monkeypatch):
+    import shutil
+
+    site, install = with_dist
+    m1 = fpmemo.DiskFingerprintMemo(root)
+    before = fresh_fp(m1)
+    assert m1.flush() is True
+    doc = json.loads(next(m1.dir.glob("*.memo")).read_text())
+    assert [d[:2] for d in doc["dists"]] == [["cskdist", "1.0"]]
+    m2 = fpmemo.DiskFingerprintMemo(root)
+    with monkeypatch.context() as mp:
+        Unparsed(mp)
+        assert fresh_fp(m2) == before and m2.hits == 1  # a hit re-stats, never re-walks
+    shutil.rmtree(site / "cskdist-1.0.dist-info")
+    install("1.1")
+    m3 = fpmemo.DiskFingerprintMemo(root)
+    after = fresh_fp(m3)
+    assert (m3.hits, m3.misses) == (0, 1) and after != before and after == truth()
+
+
+def test_a_record_of_the_previous_format_is_a_silent_miss_and_is_rewritten(pkg, root, no_racy_window):
+    """Format 2 covered the kernel's own package only: its fingerprint can't be trusted,
+    but it is no damage either (no warning)."""
+    m1 = fpmemo.DiskFingerprintMemo(root)
+    want = fresh_fp(m1)
+    m1.flush()
+    doc = json.loads(rec_path(m1, pkg).read_text())
+    doc["format"] = 2
+    doc["fp"] = "0" * 16
+    del doc["dists"]
+    rec_path(m1, pkg).write_text(json.dumps(doc))
+    m2 = fpmemo.DiskFingerprintMemo(root)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fresh_fp(m2) == want and (m2.hits, m2.misses) == (0, 1)
+    assert m2.flush() is True and json.loads(rec_path(m1, pkg).read_text())["format"] == fpmemo.FORMAT
+
+
+def test_kernels_of_one_module_with_different_depends_on_get_their_own_records(pkg, root, no_racy_window):
+    (pkg / "extra.txt").write_text("e\n")
+    m1 = fpmemo.DiskFingerprintMemo(root)
+    plain = fresh_fp(m1)
+    keys.source_fingerprint.cache_clear()
+    extra = keys.source_fingerprint("csk.softmax", memo=m1, depends_on=("./extra.txt",))
+    assert extra != plain and m1.flush() is True and len(list(m1.dir.glob("*.memo"))) == 2
+    m2 = fpmemo.DiskFingerprintMemo(root)
+    assert fresh_fp(m2) == plain
+    keys.source_fingerprint.cache_clear()
+    assert keys.source_fingerprint("csk.softmax", memo=m2, depends_on=("./extra.txt",)) == extra
+    assert m2.hits == 2

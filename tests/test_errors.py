@@ -18,6 +18,7 @@ from quack import errors as E
 CASES = [
     (E.SettingsError("bad", source="quack.toml", key="arch"), ValueError, ("source", "key")),
     (E.ParamError("bad n", kernel="k", param="n"), ValueError, ("kernel", "param")),
+    (E.KernelDependencyError("k", "../x/", "no such file"), ValueError, ("kernel", "entry", "reason")),
     (E.UnknownKernel("nope", ("a", "b")), KeyError, ("name", "known")),
     (
         E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", '[[kernel]]\nname = "k"'),

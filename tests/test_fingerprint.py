@@ -109,7 +109,8 @@ def test_fingerprinting_imports_none_of_the_modules_it_reads(pkg):
     )
     before = set(sys.modules)
     files = keys.source_files("fpkern.ce")
-    assert sorted(files) == ["fpkern._heavy", "fpkern.ce", "fpkern.sub", "fpkern.sub.leaf"]
+    # (fpkern itself too: importing fpkern.ce runs fpkern/__init__.py first)
+    assert sorted(files) == ["fpkern", "fpkern._heavy", "fpkern.ce", "fpkern.sub", "fpkern.sub.leaf"]
     assert files["fpkern._heavy"] == pkg / "_heavy.py" and files["fpkern.sub.leaf"] == sub / "leaf.py"
     assert not {m for m in set(sys.modules) - before if m.startswith("fpkern")}
 
@@ -135,3 +136,135 @@ def test_a_module_served_by_a_meta_path_finder_is_followed_without_importing(pkg
     files = keys.source_files("fpkern.mp")
     assert files["fpkern._elsewhere"] == elsewhere
     assert "fpkern._elsewhere" not in sys.modules
+
+
+# --- issue 24, item 3: what the fingerprint covers beyond the kernel's own package --------
+
+
+def _dist(root, name, version, files, editable=False):
+    info = root / f"{name}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n\n")
+    (info / "RECORD").write_text("".join(f"{f},,\n" for f in files) + f"{info.name}/RECORD,,\n")
+    if editable:
+        (info / "direct_url.json").write_text('{"url": "file:///x", "dir_info": {"editable": true}}')
+
+
+@pytest.fixture
+def world(tmp_path, monkeypatch):
+    """fpk (the kernel package) imports: fphelp (a package beside it), ppmod (another
+    sys.path folder), json (stdlib), instdist (installed: a dist-info lists its files),
+    edpkg (an editable install: its dist-info lists only a .pth, its files are elsewhere)."""
+    proj, pp, site, edsrc = (tmp_path / d for d in ("proj", "pp", "site", "edsrc"))
+    files = {
+        proj / "fpk" / "__init__.py": "",
+        proj / "fpk" / "k.py": "import json\nimport fphelp.a\ndef compile_k():\n"
+        "    import ppmod, instdist, edpkg\n    return 1\n",
+        proj / "fphelp" / "__init__.py": "",
+        proj / "fphelp" / "a.py": "from . import b\n",
+        proj / "fphelp" / "b.py": "B = 1\n",
+        proj / "fphelp" / "unused.py": "U = 1\n",
+        proj / "data" / "t.txt": "1\n",
+        proj / "data" / "sub" / "u.txt": "2\n",
+        pp / "ppmod.py": "P = 1\n",
+        site / "instdist" / "__init__.py": "import instdist.inner\n",
+        site / "instdist" / "inner.py": "I = 1\n",
+        edsrc / "edpkg" / "__init__.py": "E = 1\n",
+    }
+    for f, text in files.items():
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text(text)
+    _dist(site, "instdist", "1.0", ["instdist/__init__.py", "instdist/inner.py"])
+    _dist(site, "edpkg", "0.3", ["__editable__.edpkg-0.3.pth"], editable=True)
+    for d in (edsrc, site, pp, proj):
+        monkeypatch.syspath_prepend(str(d))
+    keys.source_fingerprint.cache_clear()
+    yield {"proj": proj, "pp": pp, "site": site, "edsrc": edsrc}
+    keys.source_fingerprint.cache_clear()
+    for m in [m for m in sys.modules if m.split(".")[0] in ("fpk", "fphelp", "ppmod", "instdist", "edpkg")]:
+        del sys.modules[m]
+    importlib.invalidate_caches()
+
+
+def fp(depends_on=()):
+    keys.source_fingerprint.cache_clear()
+    return keys.source_fingerprint("fpk.k", depends_on=tuple(depends_on), kernel="k")
+
+
+def test_the_coverage_reaches_beyond_the_kernel_package(world):
+    cov = keys.coverage("fpk.k")
+    assert sorted(cov.files) == ["edpkg", "fphelp", "fphelp.a", "fphelp.b", "fpk", "fpk.k", "ppmod"]
+    assert cov.files["edpkg"] == world["edsrc"] / "edpkg" / "__init__.py"  # editable: hashed
+    assert {n: v for n, (v, _) in cov.dists.items()} == {"instdist": "1.0"}
+    assert cov.dists["instdist"][1] == world["site"] / "instdist-1.0.dist-info" / "METADATA"
+
+
+@pytest.mark.parametrize(
+    "edit", ["fphelp/b.py", "pp/ppmod.py", "edsrc/edpkg/__init__.py", "version", "not_the_unused_module"]
+)
+def test_an_edit_outside_the_package_changes_the_fingerprint(world, edit):
+    before = fp()
+    if edit == "version":
+        (world["site"] / "instdist-1.0.dist-info").rename(world["site"] / "instdist-1.1.dist-info")
+        meta = world["site"] / "instdist-1.1.dist-info" / "METADATA"
+        meta.write_text(meta.read_text().replace("Version: 1.0", "Version: 1.1"))
+        rec = world["site"] / "instdist-1.1.dist-info" / "RECORD"
+        rec.write_text(rec.read_text().replace("1.0", "1.1"))
+        importlib.invalidate_caches()
+    elif edit == "not_the_unused_module":
+        (world["proj"] / "fphelp" / "unused.py").write_text("U = 2\n")
+        (world["site"] / "instdist" / "inner.py").write_text("I = 2  # an installed file\n")
+        assert fp() == before  # neither imported nor hashed: installed files go by version
+        return
+    else:
+        root = world["proj"] if edit.startswith("fphelp") else world[edit.split("/")[0]]
+        f = root / edit.split("/", 1)[1] if not edit.startswith("fphelp") else root / edit
+        f.write_text(f.read_text() + "# edited\n")
+    assert fp() != before
+
+
+def test_depends_on_paths_and_modules(world):
+    base = fp()
+    with_deps = fp(["../data/", "fphelp"])
+    assert with_deps != base
+    cov = keys.coverage("fpk.k", ("../data/", "fphelp"))
+    assert {"path:../data//t.txt", "path:../data//sub/u.txt", "fphelp.unused"} <= set(cov.files)
+    (world["proj"] / "data" / "sub" / "new.txt").write_text("3\n")  # a new file deep inside
+    assert fp(["../data/", "fphelp"]) != with_deps
+    (world["proj"] / "fphelp" / "unused.py").write_text("U = 9\n")  # every module of a package
+    assert fp(["../data/", "fphelp"]) != with_deps
+
+
+@pytest.mark.parametrize(
+    "entries, entry, says",
+    [
+        ("fphelp", "'fphelp'", "must be a list of strings"),
+        ([3], "3", "non-empty string"),
+        (["not a module!"], "not a module!", "neither a module name"),
+        (["../nothing/here.py"], "../nothing/here.py", "no such file or directory"),
+        (["no_such_module_xyz"], "no_such_module_xyz", "no module of this name"),
+    ],
+)
+def test_a_bad_depends_on_entry_fails_registration_naming_kernel_and_entry(world, entries, entry, says):
+    import pickle
+
+    import fpk.k
+
+    from quack import registry
+    from quack.errors import KernelDependencyError
+
+    with pytest.raises(KernelDependencyError) as ei:
+        registry.register("fp_bad_deps", fpk.k.compile_k, {}, depends_on=entries)
+    e = ei.value
+    assert e.kernel == "fp_bad_deps" and e.entry == entry and says in str(e)
+    assert str(e).startswith(f"kernel fp_bad_deps: depends_on entry {entry!r}: ")
+    assert isinstance(e, ValueError) and str(pickle.loads(pickle.dumps(e))) == str(e)
+    assert "fp_bad_deps" not in registry.all_specs()
+
+
+def test_a_vanished_depends_on_entry_is_an_error_at_fingerprint_time(world):
+    from quack.errors import KernelDependencyError
+
+    (world["proj"] / "data" / "t.txt").rename(world["proj"] / "t.txt")
+    with pytest.raises(KernelDependencyError, match="'../data/t.txt'.*no such file"):
+        fp(["../data/t.txt"])

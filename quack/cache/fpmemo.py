@@ -2,11 +2,13 @@
 
 A kernel's fingerprint (keys.source_fingerprint) parses the kernel's module and
 the helpers it imports and hashes their bytes: 5-20 ms per family, paid again
-by every fresh process. The memo keeps, per (module, its file), the fingerprint
-with the stat signature (size, mtime_ns, ctime_ns, inode, device) of every file
-it covers and of the directories they live in (a module appearing there could
-change what an import resolves to). A lookup re-stats them; any difference is a
-miss and the fingerprint is computed again. ctime can't be set back by a user
+by every fresh process. The memo keeps, per (module, its file, the kernel's
+depends_on), the fingerprint with the stat signature (size, mtime_ns, ctime_ns,
+inode, device) of every file it covers, of the directories they live in (a module
+appearing there could change what an import resolves to) and of the METADATA file of
+every installed distribution it names with its version (an upgrade renames the
+dist-info directory, a reinstall rewrites the file). A lookup re-stats them, never
+re-walks the imports; any difference is a miss and the fingerprint is computed again. ctime can't be set back by a user
 (utime, ``cp -p``, ``git`` keep or choose mtime, never ctime), so an edit that
 keeps size and mtime is still seen.
 
@@ -35,10 +37,14 @@ import threading
 import warnings
 from pathlib import Path
 
-from quack.cache import fsutil, keys
+from quack.cache import fsutil, keys, sources
 from quack.errors import CacheError, CacheWarning
 
-FORMAT = 2  # 1: every record in one file <root>/srcfp/<tag>.memo (removed when seen)
+# 1: every record in one file <root>/srcfp/<tag>.memo (removed when seen). 2: files
+# of the kernel's own package only. 3: every file outside the standard library and the
+# installed distributions, and those distributions (issue 24): an older record is a plain
+# miss, rewritten, since it covers less than a fingerprint must.
+FORMAT = 3
 DIRNAME = "srcfp"
 RACY_NS = 1_000_000_000
 MAX_RECORDS = 1024  # per toolchain; the oldest files go first: one per (kernel module, checkout)
@@ -59,9 +65,17 @@ def _valid_record(rec) -> bool:
     """Shape check of one record as read from disk: anything else is damage."""
     if not isinstance(rec, dict) or not isinstance(rec.get("fp"), str) or len(rec["fp"]) != 16:
         return False
-    files, dirs = rec.get("files"), rec.get("dirs")
-    if not isinstance(files, list) or not files or not isinstance(dirs, list):
+    files, dirs, dists = rec.get("files"), rec.get("dirs"), rec.get("dists")
+    if not isinstance(files, list) or not files or not isinstance(dirs, list) or not isinstance(dists, list):
         return False
+    for d in dists:
+        if not (
+            isinstance(d, list)
+            and len(d) == 8
+            and all(isinstance(x, str) for x in d[:3])
+            and all(isinstance(x, int) for x in d[3:])
+        ):
+            return False
     for f in files:
         if not (
             isinstance(f, list)
@@ -96,12 +110,17 @@ class DiskFingerprintMemo:
         self.hits = self.misses = 0
 
     @staticmethod
-    def _id(module: str, origin: Path | str) -> str:
-        return f"{module}@{os.fspath(origin)}"
+    def _id(module: str, origin: Path | str, depends_on: tuple[str, ...] = ()) -> str:
+        # depends_on is part of the identity: two kernels of one module may declare
+        # different extra files.
+        deps = "".join(f"|{d}" for d in depends_on)
+        return f"{module}@{os.path.abspath(origin)}{deps}"
 
-    def path(self, module: str, origin: Path | str) -> Path:
+    def path(self, module: str, origin: Path | str, depends_on: tuple[str, ...] = ()) -> Path:
         """The file of the record of ``module`` loaded from ``origin``."""
-        ident = self._id(module, os.path.abspath(origin))
+        return self._path(self._id(module, origin, tuple(depends_on)))
+
+    def _path(self, ident: str) -> Path:
         return self.dir / (hashlib.sha256(ident.encode()).hexdigest()[:32] + SUFFIX)
 
     def _usable_dir(self) -> bool:
@@ -117,12 +136,12 @@ class DiskFingerprintMemo:
                 self._dir_ok = False
         return self._dir_ok
 
-    def _read(self, module: str, origin: Path | str) -> dict | None:
-        """The record on disk (None when absent, unreadable, another toolchain's or
-        damaged: damage is one warning per process)."""
+    def _read(self, ident: str) -> dict | None:
+        """The record on disk (None when absent, unreadable, another toolchain's, of an
+        older format or damaged: damage is one warning per process)."""
         if not self._usable_dir():
             return None
-        path = self.path(module, origin)
+        path = self._path(ident)
         try:
             doc = json.loads(fsutil.read_nofollow(path))
         except FileNotFoundError:
@@ -130,12 +149,15 @@ class DiskFingerprintMemo:
         except (OSError, ValueError) as e:
             self._damaged(path, f"unreadable ({e})")
             return None
-        if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        fmt = doc.get("format") if isinstance(doc, dict) else None
+        if isinstance(fmt, int) and 0 < fmt < FORMAT:
+            return None  # superseded, not damaged: computed again and rewritten
+        if fmt != FORMAT:
             self._damaged(path, "not a fingerprint memo record of this format")
             return None
         if doc.get("toolchain") != keys.toolchain():
             return None  # another toolchain behind the same tag (a Python patch release)
-        if doc.get("id") != self._id(module, os.path.abspath(origin)) or not _valid_record(doc):
+        if doc.get("id") != ident or not _valid_record(doc):
             self._damaged(path, "the record is malformed")
             return None
         return doc
@@ -150,12 +172,14 @@ class DiskFingerprintMemo:
                 stacklevel=5,
             )
 
-    def lookup(self, module: str, origin: Path) -> tuple[dict[str, Path], str] | None:
+    def lookup(
+        self, module: str, origin: Path, depends_on: tuple[str, ...] = ()
+    ) -> tuple[sources.Coverage, str] | None:
         try:
-            k = self._id(module, os.path.abspath(origin))
+            k = self._id(module, origin, tuple(depends_on))
             with self._lock:
                 if k not in self._records:
-                    self._records[k] = self._read(module, origin)
+                    self._records[k] = self._read(k)
                 rec = self._records[k]
             if rec is None:
                 self._miss(module, "no record")
@@ -166,6 +190,12 @@ class DiskFingerprintMemo:
                     self._miss(module, f"{path} changed")
                     return None
                 files[name] = Path(path)
+            dists: dict[str, tuple[str, Path]] = {}
+            for name, version, path, *sig in rec["dists"]:
+                if _sig(path) != sig:
+                    self._miss(module, f"distribution {name} changed ({path})")
+                    return None
+                dists[name] = (version, Path(path))
             for path, *sig in rec["dirs"]:
                 if _sig(path) != sig:
                     self._miss(module, f"directory {path} changed")
@@ -175,7 +205,7 @@ class DiskFingerprintMemo:
                 return None
             self.hits += 1
             log.debug("source fingerprint of %s from the memo", module)
-            return files, rec["fp"]
+            return sources.Coverage(files, dists, {Path(d[0]) for d in rec["dirs"]}), rec["fp"]
         except Exception as e:  # noqa: BLE001 - a memo problem must only cost the recompute
             self._miss(module, f"memo error {type(e).__name__}: {e}")
             return None
@@ -184,28 +214,43 @@ class DiskFingerprintMemo:
         self.misses += 1
         log.debug("source fingerprint of %s computed (%s)", module, why)
 
-    def record(self, module: str, files: dict[str, Path], fp: str, started_ns: int) -> None:
+    def record(
+        self, module: str, cov: sources.Coverage, fp: str, started_ns: int, depends_on: tuple[str, ...] = ()
+    ) -> None:
         try:
             limit = started_ns - RACY_NS
-            fl, dirs = [], {}
-            for name, path in sorted(files.items()):
-                p = os.path.abspath(path)
+
+            def fresh(p: str) -> list[int] | None:  # None: gone, or changed too recently
                 sig = _sig(p)
-                if sig is None or max(sig[1], sig[2]) >= limit:
-                    return  # gone, or changed too recently to be sure what was read
+                return None if sig is None or max(sig[1], sig[2]) >= limit else sig
+
+            fl: list[list] = []
+            dl: list[list] = []
+            dirnames = {os.path.abspath(d) for d in cov.dirs}
+            for name, path in sorted(cov.files.items()):
+                p = os.path.abspath(path)
+                sig = fresh(p)
+                if sig is None:
+                    return  # to be sure what was read
                 fl.append([name, p, *sig])
-                d = os.path.dirname(p)
-                if d not in dirs:
-                    dsig = _sig(d)
-                    if dsig is None or max(dsig[1], dsig[2]) >= limit:
-                        return
-                    dirs[d] = [d, *dsig]
-            origin = files.get(module)
+                dirnames.add(os.path.dirname(p))
+            for name, (version, meta) in sorted(cov.dists.items()):
+                sig = fresh(os.path.abspath(meta))
+                if sig is None:
+                    return
+                dl.append([name, version, os.path.abspath(meta), *sig])
+            dirs: dict[str, list[int]] = {}
+            for d in sorted(dirnames):
+                dsig = fresh(d)
+                if dsig is None:
+                    return
+                dirs[d] = dsig
+            origin = cov.files.get(module)
             if origin is None:
                 return
-            k = self._id(module, os.path.abspath(origin))
+            k = self._id(module, origin, tuple(depends_on))
             # (No time stamp: the record's age, for pruning, is its file's mtime.)
-            rec = {"fp": fp, "files": fl, "dirs": list(dirs.values())}
+            rec = {"fp": fp, "files": fl, "dists": dl, "dirs": [[d, *ds] for d, ds in dirs.items()]}
             with self._lock:
                 self._records[k] = rec
                 self._dirty[k] = rec
@@ -227,10 +272,9 @@ class DiskFingerprintMemo:
             fsutil.check_root(self.root)
             fsutil.ensure_dir(self.dir, self.root)
             for k, rec in dirty.items():
-                module, _, origin = k.partition("@")
                 doc = {"format": FORMAT, "toolchain": keys.toolchain(), "id": k, **rec}
                 data = json.dumps(doc, separators=(",", ":")).encode()
-                fsutil.write_atomic(self.path(module, origin), data, fsync=False)
+                fsutil.write_atomic(self._path(k), data, fsync=False)
                 wrote = True
             self._prune()
         except (OSError, ValueError) as e:  # read-only / full cache: the memo only saves time

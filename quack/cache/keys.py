@@ -6,11 +6,9 @@ same in every process and Python version, unlike pickle or hash()."""
 
 from __future__ import annotations
 
-import ast
 import functools
 import hashlib
 import importlib.metadata as md
-import importlib.util
 import json
 import re
 import sys
@@ -81,102 +79,29 @@ def toolchain_tag() -> str:
 
 
 # --- source fingerprints -------------------------------------------------------
-
-
-def _spec(name: str):
-    """``name``'s module spec, found WITHOUT importing it or its parent packages (beyond
-    what is imported already). ``importlib.util.find_spec("a.b.c")`` imports ``a.b``: for
-    ``from .mod import name`` the fingerprint asks whether ``pkg.mod.name`` is a module,
-    and that import ran ``pkg.mod`` (and its cutlass import) in a process that only loads
-    prebuilt objects. A name under a plain module (not a package) is an attribute: None.
-    The finders asked are the import system's own (``sys.meta_path``, with the parent's
-    search path), as an import would ask them."""
-    mod = sys.modules.get(name)
-    if mod is not None:
-        return getattr(mod, "__spec__", None)
-    parent, _, _ = name.rpartition(".")
-    if not parent:
-        return importlib.util.find_spec(name)  # top level: searched, not imported
-    pmod = sys.modules.get(parent)
-    if pmod is not None:
-        path = getattr(pmod, "__path__", None)
-    else:
-        pspec = _spec(parent)
-        path = pspec.submodule_search_locations if pspec is not None else None
-    if not path:
-        return None
-    for finder in sys.meta_path:
-        find = getattr(finder, "find_spec", None)
-        if find is not None:
-            spec = find(name, list(path))
-            if spec is not None:
-                return spec
-    return None
-
-
-def _module_file(name: str) -> Path | None:
-    mod = sys.modules.get(name)
-    f = getattr(mod, "__file__", None) if mod is not None else None
-    if f is None:
-        try:
-            spec = _spec(name)
-        except (ImportError, ValueError):
-            return None
-        f = spec.origin if spec is not None else None
-    if not f or not f.endswith(".py"):
-        return None
-    return Path(f)
-
-
-def _imported_names(path: Path, modname: str, is_pkg: bool) -> set[str]:
-    """Module names imported anywhere in the file (function-local imports too,
-    since kernels import their helpers lazily)."""
-    tree = ast.parse(path.read_bytes(), filename=str(path))
-    pkg = modname if is_pkg else modname.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                if node.level > 1:
-                    base = base[: len(base) - node.level + 1]
-                prefix = ".".join(base)
-                mod = f"{prefix}.{node.module}" if node.module else prefix
-            else:
-                mod = node.module or ""
-            out.add(mod)
-            out.update(f"{mod}.{a.name}" for a in node.names)
-    return out
+# What a fingerprint covers is found by quack.cache.sources (imported on a memo miss
+# only: a fresh process's hit reads the memo and parses nothing).
 
 
 def source_files(module: str) -> dict[str, Path]:
-    """The kernel's module plus the modules of its own top-level package that it
-    imports, transitively: editing softmax.py leaves rmsnorm's set alone."""
-    top = module.split(".")[0]
-    seen: dict[str, Path] = {}
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        path = _module_file(name)
-        if path is None:
-            continue
-        seen[name] = path
-        for dep in _imported_names(path, name, path.name == "__init__.py"):
-            if dep.split(".")[0] == top and dep not in seen and _module_file(dep) is not None:
-                todo.append(dep)
-    return seen
+    """The files the fingerprint of ``module`` hashes (name -> file): see coverage."""
+    return coverage(module).files
 
 
-_FP_CACHE: dict[str, tuple[dict, tuple, str]] = {}
+def coverage(module: str, depends_on: tuple[str, ...] = (), kernel: str = ""):
+    """Every file and installed distribution the fingerprint of ``module`` (and a
+    kernel's ``depends_on``) covers: a quack.cache.sources.Coverage. Walks the imports."""
+    from quack.cache import sources
+
+    return sources.coverage(module, tuple(depends_on), kernel=kernel)
 
 
-def _stat_sig(files: dict[str, Path]) -> tuple:
+_FP_CACHE: dict[str, tuple[object, tuple, str]] = {}
+
+
+def _stat_sig(cov) -> tuple:
     sig: list[tuple] = []
-    for name, path in sorted(files.items()):
+    for name, path in cov.watched():
         try:
             st = path.stat()
             sig.append((name, st.st_mtime_ns, st.st_size, st.st_ino))
@@ -188,50 +113,69 @@ def _stat_sig(files: dict[str, Path]) -> tuple:
 class FingerprintMemo(Protocol):
     """A store of fingerprints that outlives the process (quack.cache.fpmemo).
 
-    lookup: the fingerprint and files recorded for ``module`` whose file is ``origin``,
-      or None when there is none or any recorded file or directory changed since (a
-      miss; a damaged memo is a miss plus one warning). Never raises.
+    lookup: the coverage and fingerprint recorded for ``module`` (with ``depends_on``)
+      whose file is ``origin``, or None when there is none or any recorded file,
+      directory or distribution changed since (a miss; a damaged memo is a miss plus one
+      warning). Never raises.
     record: remember a fingerprint computed from reading the files after ``started_ns``
       (time.time_ns()); skipped when a file may have changed since then. Never raises.
     """
 
-    def lookup(self, module: str, origin: Path) -> tuple[dict[str, Path], str] | None: ...
-    def record(self, module: str, files: dict[str, Path], fp: str, started_ns: int) -> None: ...
+    def lookup(
+        self, module: str, origin: Path, depends_on: tuple[str, ...] = ()
+    ) -> tuple[object, str] | None: ...
+    def record(
+        self, module: str, cov, fp: str, started_ns: int, depends_on: tuple[str, ...] = ()
+    ) -> None: ...
 
 
-def _hash_files(files: dict[str, Path]) -> str:
+def _hash(cov) -> str:
+    """Files by name and bytes, then distributions by name and version."""
     h = hashlib.sha256()
-    for name, path in sorted(files.items()):
+    for name, path in sorted(cov.files.items()):
         h.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    for name, (version, _) in sorted(cov.dists.items()):
+        h.update(b"dist\0" + name.encode() + b"\0" + version.encode() + b"\0")
     return h.hexdigest()[:16]
 
 
-def source_fingerprint(module: str, memo: FingerprintMemo | None = None) -> str:
-    """SHA-256 (first 16 hex digits) over the names and bytes of source_files(module).
+def source_fingerprint(
+    module: str, memo: FingerprintMemo | None = None, depends_on: tuple[str, ...] = (), kernel: str = ""
+) -> str:
+    """SHA-256 (first 16 hex digits) over what ``coverage(module, depends_on)`` covers.
 
     Memoized per process but re-checked against the files' stat signature: a
     long-lived process (a notebook, a compile worker) whose kernel source is
     edited must see the new fingerprint, or it would look for (and a worker
     would publish) entries under different directories. ``memo`` carries it
-    across processes (same stat check), so a fresh process parses nothing."""
-    hit = _FP_CACHE.get(module)
+    across processes (same stat check), so a fresh process parses nothing.
+    Raises KernelDependencyError for a ``depends_on`` entry that names nothing."""
+    depends_on = tuple(depends_on)
+    ident = module if not depends_on else module + "|" + "|".join(depends_on)
+    hit = _FP_CACHE.get(ident)
     if hit is not None and _stat_sig(hit[0]) == hit[1]:
         return hit[2]
     origin = _module_file(module) if memo is not None else None
     if memo is not None and origin is not None:
-        got = memo.lookup(module, origin)
+        got = memo.lookup(module, origin, depends_on)
         if got is not None:
-            files, fp = got
-            _FP_CACHE[module] = (files, _stat_sig(files), fp)
+            cov, fp = got
+            _FP_CACHE[ident] = (cov, _stat_sig(cov), fp)
             return fp
     started = time.time_ns()  # before any read: an edit from here on is never memoized
-    files = source_files(module)
-    sig = _stat_sig(files)
-    fp = _hash_files(files)
-    _FP_CACHE[module] = (files, sig, fp)
+    cov = coverage(module, depends_on, kernel)
+    sig = _stat_sig(cov)
+    fp = _hash(cov)
+    _FP_CACHE[ident] = (cov, sig, fp)
     if memo is not None and origin is not None:
-        memo.record(module, files, fp, started)
+        memo.record(module, cov, fp, started, depends_on)
     return fp
+
+
+def _module_file(name: str) -> Path | None:
+    from quack.cache import sources
+
+    return sources.module_file(name)
 
 
 source_fingerprint.cache_clear = _FP_CACHE.clear  # type: ignore[attr-defined]

@@ -257,15 +257,26 @@ def load(store, entry, params, key, arch, *, miss: bool) -> Loaded:
 
 
 def jit_cache(
-    name: str, params: dict[str, Param], *, version: int = 0, reference: str | None = None, rules=()
+    name: str,
+    params: dict[str, Param],
+    *,
+    version: int = 0,
+    reference: str | None = None,
+    rules=(),
+    depends_on=(),
 ) -> Callable[[Callable], JitKernel]:
     """Register a tensor-free compile function as kernel ``name`` and cache it.
     ``rules``: quack.params.Rule constraints across parameters, checked (with each
-    parameter's own check) by manifests and on every call, before anything compiles."""
+    parameter's own check) by manifests and on every call, before anything compiles.
+    ``depends_on``: files, directories (paths containing '/', relative to the module's
+    directory) or modules (dotted names) the fingerprint covers beyond what the kernel's
+    module imports (docs/writing-kernels.md)."""
 
     def deco(fn: Callable) -> JitKernel:
         return JitKernel(
-            registry.register(name, fn, params, version=version, reference=reference, rules=rules)
+            registry.register(
+                name, fn, params, version=version, reference=reference, rules=rules, depends_on=depends_on
+            )
         )
 
     return deco
