@@ -223,6 +223,21 @@ def test_an_edit_outside_the_package_changes_the_fingerprint(world, edit):
     assert fp() != before
 
 
+def test_a_launch_side_framework_is_not_covered_unless_declared(world, monkeypatch):
+    """torch tensors reach a kernel at call time only: keyed on torch's version, every
+    object built in CI (torch 2.13) was a miss on the H200 (torch 2.11)."""
+    _dist(world["site"], "torch", "9.9", ["torch/__init__.py"])
+    (world["site"] / "torch").mkdir()
+    (world["site"] / "torch" / "__init__.py").write_text("T = 1\n")
+    k = world["proj"] / "fpk" / "k.py"
+    k.write_text(k.read_text() + "def op(x):\n    import torch\n    return torch\n")
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # found by the walk, never imported
+    importlib.invalidate_caches()
+    assert "torch" not in keys.coverage("fpk.k").dists
+    cov = keys.coverage("fpk.k", ("torch",))
+    assert cov.dists["torch"][0] == "9.9"
+
+
 def test_depends_on_paths_and_modules(world):
     base = fp()
     with_deps = fp(["../data/", "fphelp"])

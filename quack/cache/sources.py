@@ -34,6 +34,12 @@ from pathlib import Path
 from quack.errors import KernelDependencyError
 
 SELF = "quack"
+# Launch-side frameworks: their tensors reach a kernel at call time only (compile functions
+# are tensor-free: docs/writing-kernels.md), so their version never changes an object.
+# Keyed on, torch would make every object a CI machine built (torch 2.13 here) a miss on a
+# server that runs another torch (2.11 on the H200), and every installed bundle with it.
+# A compile function that does use torch declares it: depends_on=["torch"].
+LAUNCH_SIDE = frozenset({"torch"})
 _STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | frozenset(sys.builtin_module_names)
 _MODNAME = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _SKIP_DIRS = ("__pycache__",)
@@ -304,11 +310,13 @@ def coverage(module: str, depends_on: tuple[str, ...] = (), *, kernel: str = "")
     todo = [module]
     origin = module_file(module)
     base = origin.parent if origin is not None else Path.cwd()
+    declared: set[str] = set()  # top-level names depends_on names: never LAUNCH_SIDE-skipped
     for e in depends_on:
         if "/" in e or os.sep in e:
             _add_path(cov, kernel, e, base)
         else:
             todo.extend(_entry_modules(kernel, e))
+            declared.add(e.split(".")[0])
     seen: set[str] = set()
     while todo:
         name = todo.pop()
@@ -316,7 +324,7 @@ def coverage(module: str, depends_on: tuple[str, ...] = (), *, kernel: str = "")
             continue
         seen.add(name)
         top = name.split(".")[0]
-        if top != own and top in _STDLIB:
+        if top != own and (top in _STDLIB or (top in LAUNCH_SIDE and top not in declared)):
             continue
         kind = tops.get(top)
         if kind is None:
