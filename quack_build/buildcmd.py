@@ -5,7 +5,6 @@ quack_build.dryrun. Registered on the typer app by quack_build.app (``register``
 from __future__ import annotations
 
 import contextlib
-import signal
 import sys
 import time
 from pathlib import Path
@@ -146,9 +145,6 @@ def run_build(
         raise Fail(f"error: {e}") from None
     rep = display.make_reporter(con, verbose=verbose)
     remote = remote_tier(s)
-    old_term = signal.getsignal(signal.SIGTERM)
-    if old_term in (signal.SIG_DFL, None):
-        signal.signal(signal.SIGTERM, _term_to_interrupt)
     # --json: stdout carries the JSON only; what others print there meanwhile (Ray's driver
     # prints its cluster's error messages on sys.stdout) goes to stderr.
     quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
@@ -170,8 +166,6 @@ def run_build(
     except ExecutorError as e:
         raise Fail(f"error: {e}") from None
     finally:
-        if old_term in (signal.SIG_DFL, None):
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if remote is not None:
             remote.record(Path(s.cache_dir))
             remote.close()
@@ -184,9 +178,5 @@ def run_build(
     if as_json:
         emit_json(res.to_json())
     if res.interrupted:
-        return 130
+        return 130  # 143 after SIGTERM: quack_build.cli.main maps it (quack_build.interrupts)
     return 0 if res.ok else 1
-
-
-def _term_to_interrupt(signum, frame):  # noqa: ARG001
-    raise KeyboardInterrupt

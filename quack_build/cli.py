@@ -1,7 +1,9 @@
 """The ``quack`` console script: build, verify, prewarm, cache stats|clean.
 
 Exit status: 0 success; 1 a problem (invalid manifest or settings, a failed
-compile, a missing or broken entry); 2 a usage error; 130 interrupted.
+compile, a missing or broken entry); 2 a usage error; 130 interrupted (Ctrl-C, SIGINT);
+143 terminated (SIGTERM). Both signals are handled from the first line of ``main`` on
+(quack_build.interrupts): any phase ends within a few seconds, no process left behind.
 
 ``quack cache stats [--json]`` takes a fast path that does not import typer
 (nor, like every command here, cutlass or torch): it is meant to be cheap
@@ -14,7 +16,25 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else list(argv)
+    from quack_build import interrupts
+
+    # Installed for the rest of the process, interpreter exit included: that is where a
+    # thread stuck in a blocking call is joined (the watchdog ends that wait).
+    interrupts.install()
+    try:
+        _main(sys.argv[1:] if argv is None else list(argv))
+    except SystemExit as e:
+        if interrupts.received() is None:
+            raise
+        sys.exit(interrupts.exit_code(e.code))
+    except KeyboardInterrupt:
+        # Interrupted outside a command's body (imports, argument parsing): no traceback.
+        print("interrupted", file=sys.stderr)
+        sys.exit(interrupts.exit_code(130))
+    sys.exit(interrupts.exit_code(0))
+
+
+def _main(args: list[str]) -> None:
     if args[:2] == ["cache", "stats"] and set(args[2:]) <= {"--json"}:
         # Stats is not a typer command here, so warnings print plainly.
         import warnings

@@ -20,6 +20,7 @@ from quack.cache import journal, orphans
 from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import PreloadError
+from quack_build import interrupts
 from quack_build.buildtasks import (
     CACHED,
     COMPILED,
@@ -107,14 +108,12 @@ def run(
         try:
             pull(tasks, store, remote, on_pulled=on_pulled)
         except KeyboardInterrupt:
-            # What was pulled is published; the rest is interrupted, not compiled (issue 30:
-            # the build went on compiling after Ctrl-C / SIGTERM during the pull).
+            # What was pulled is published; the rest is not built. (This used to go on
+            # to compile everything: the Ctrl-C was swallowed and the build exited 0.)
             pull_interrupted = True
     todo = [t for t in tasks if t.status not in (CACHED, REMOTE)]
     if pull_interrupted:
-        for t in todo:
-            t.status = INTERRUPTED
-        todo = []
+        return _interrupted_before_compiling(tasks, todo, jobs, plan_s, t_begin, rep, remote)
     if todo and order == "longest":
         todo = order_longest_first(todo, past_compile_times(store.root, todo))
     ex = executor
@@ -125,13 +124,15 @@ def run(
             ex = LocalExecutor(jobs, settings=s)
         t_start = time.time()
         ex.start(len(todo))
+        # A library the executor started may have replaced the build's signal handlers
+        # (ray.init installs a SIGTERM handler that exits 15 without the cleanup below).
+        interrupts.reassert()
         jobs = ex.jobs
         if hasattr(ex, "describe"):
             rep.note(ex.describe())
     else:
         jobs = max(1, jobs)
     res = BuildResult(tasks, jobs, plan_s=plan_s, t0=t_begin)
-    res.interrupted = pull_interrupted
     rep.planned(tasks, todo, jobs)
     if remote is not None:
         res.remote_url = remote.url
@@ -259,6 +260,19 @@ def run(
     if not res.interrupted:
         res.missing_after = _missing(tasks, store)
     _journal_compiles(store.root, tasks)
+    _remote_done(res, remote)
+    rep.close()
+    return res
+
+
+def _interrupted_before_compiling(tasks, todo, jobs, plan_s, t_begin, rep, remote) -> BuildResult:
+    """The result of a build interrupted before any compile started (in the pull)."""
+    res = BuildResult(tasks, max(1, jobs), plan_s=plan_s, t0=t_begin)
+    res.interrupted = True
+    for t in todo:
+        t.status = INTERRUPTED
+    rep.note("interrupted: nothing compiled")
+    res.wall_s = time.time() - t_begin
     _remote_done(res, remote)
     rep.close()
     return res

@@ -12,10 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
+from interrupt_support import busy_machine, scaled, wait_for
 from typer.testing import CliRunner
 
 from quack import settings
+from quack_build import interrupts
 from quack_build.cli import app
+
+__all__ = ["busy_machine"]  # the fixture, used by name
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -35,7 +39,11 @@ from quack.params import Int
 
 @jit_cache("qbt_slow", params={"n": Int(min=0, max=100)})
 def qbt_slow(n: int):
+    import os
     import time
+
+    if os.environ.get("QBT_MARKS"):  # the event a Ctrl-C test waits for: this compile runs
+        open(os.path.join(os.environ["QBT_MARKS"], "%d-%d" % (n, os.getpid())), "w").close()
     time.sleep(120)
 """
 
@@ -200,7 +208,7 @@ params = { dtype = ["float16", "bfloat16"], block = [64, 128] }
     assert len(metas) == 4
 
 
-def test_ctrl_c_stops_workers_and_leaves_no_partial_entry(tmp_path):
+def test_ctrl_c_stops_workers_and_leaves_no_partial_entry(tmp_path, busy_machine):
     pkg = tmp_path / "pkgs" / "qbt_slowpkg"
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
@@ -217,6 +225,9 @@ params = { n = [1, 2] }
     )
     cache = tmp_path / "cache"
     env = sub_env(cache, str(tmp_path / "pkgs"))
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env["QBT_MARKS"] = str(marks)
     p = subprocess.Popen(
         [sys.executable, "-m", "quack_build.cli", "build", "-j", "2", "-v"],
         cwd=proj,
@@ -226,7 +237,7 @@ params = { n = [1, 2] }
         text=True,
     )
     lines = []
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + scaled(120)
     while time.monotonic() < deadline:
         ln = p.stdout.readline()
         if not ln:
@@ -235,9 +246,15 @@ params = { n = [1, 2] }
         if "start     qbt_slow" in ln:
             break
     assert any("start     qbt_slow" in ln for ln in lines), "".join(lines)
-    time.sleep(0.5)
+    # The event, not a sleep: a worker is inside the compile.
+    assert wait_for(lambda: list(marks.iterdir()), scaled(60)), "".join(lines)
     p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=60)
+    try:
+        out, _ = p.communicate(timeout=scaled(30) + interrupts.GRACE_S)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate(timeout=60)
     text = "".join(lines) + out
     assert p.returncode == 130, text
     assert "interrupted" in text

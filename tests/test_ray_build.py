@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+from interrupt_support import busy_machine, scaled
 from test_cli_build import quack_sub, sub_env, write_project
 from typer.testing import CliRunner
 
@@ -25,6 +26,9 @@ from quack import settings
 from quack.cache import keys
 from quack.cache.store import DiskStore
 from quack.compile import builder
+from quack_build import interrupts
+
+__all__ = ["busy_machine"]  # the fixture, used by name
 
 # Ray rewrites a 127.0.0.1 address to the host's outward IP (where our loopback-only test
 # cluster does not listen) unless multi-host clusters are off: off for this process (set
@@ -250,7 +254,7 @@ params = { dtype = "float32", block = [32, 64] }
     assert len(entries(cache, "toy_scale")) == 2 and not entries(cache, "toy_fail")
 
 
-def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path):
+def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path, busy_machine):
     proj, marks, env = slow_project(tmp_path, sleep=60)
     p = subprocess.Popen(
         [sys.executable, "-m", "quack_build.cli", "build", "--executor", cluster, "-v"],
@@ -261,10 +265,11 @@ def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path):
         text=True,
     )
     try:
-        started = wait_for(lambda: sorted(marks.iterdir()), timeout=240)
+        started = wait_for(lambda: sorted(marks.iterdir()), timeout=scaled(240))
         assert started, "no compile started"
         p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=60)
+        # Within the interrupt's grace (quack_build.interrupts): past it the build stops itself.
+        out, _ = p.communicate(timeout=scaled(60) + interrupts.GRACE_S)
     finally:
         if p.poll() is None:
             p.kill()

@@ -218,6 +218,10 @@ class Dispatcher:
         A worker that can't start fails what is queued. Returns False if the pool was
         shut down meanwhile (the new worker is killed)."""
         try:
+            with self.lock:
+                if self.closed:
+                    return False
+                worker.ensure_forkserver(self.start_method)
             w = self._spawn()
         except Exception as e:  # noqa: BLE001 - can't start workers: fail what is queued
             with self.lock:

@@ -172,6 +172,38 @@ def _block_sigint_for_children() -> None:
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
 
 
+def ensure_forkserver(start_method: str) -> None:
+    """Spawn the forkserver now if it is not running (quick: its preload then runs in
+    the child). The dispatcher calls this under the pool's lock, so a shutdown either
+    sees the forkserver's pid (and :func:`stop_forkserver` can kill it) or comes first
+    and no forkserver starts: one spawned after an interrupt's shutdown outlived the
+    build for as long as its preload took (its stdout still open: a caller reading the
+    build's output to EOF waited for it)."""
+    if start_method != "forkserver":
+        return
+    _block_sigint_for_children()
+    _context(start_method)
+    from multiprocessing import forkserver
+
+    forkserver.ensure_running()
+
+
+def stop_forkserver() -> None:
+    """SIGKILL this process's forkserver, if one runs. For a process that is being
+    interrupted: a forkserver still importing cutlass or compiling its warm-up (seconds,
+    minutes on a loaded machine) only notices its parent's exit when that is done, and
+    meanwhile holds the parent's stdout open. Not reaped here: multiprocessing's next
+    ``ensure_running`` reaps it (WNOHANG) and starts a new one."""
+    from multiprocessing import forkserver
+
+    pid = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    if pid:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def start_worker(start_method: str) -> tuple[BaseProcess, Connection]:
     """Start one compile worker; returns (process, the parent's end of its pipe). Called
     on the pool's dispatcher thread (the first forkserver start waits for its preload)."""

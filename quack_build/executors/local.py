@@ -83,6 +83,12 @@ class LocalExecutor:
     def cancel(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
+            # The build is being stopped: a forkserver still in its preload would outlive
+            # it (holding its stdout) until the preload ends. After shutdown() no new one
+            # starts (quack.compile.worker.ensure_forkserver runs under the pool's lock).
+            from quack.compile import worker
+
+            worker.stop_forkserver()
 
     def close(self) -> None:
         if self._pool is not None:
