@@ -150,9 +150,7 @@ def render(path: str) -> tuple[str, str]:
     """(current text, text with the generated block regenerated) of one target file."""
     name, make = TARGETS[path]
     text = (ROOT / path).read_text()
-    pat = re.compile(
-        rf"(<!-- generated: {re.escape(name)} -->)(.*?)(<!-- end generated -->)", re.S
-    )
+    pat = re.compile(rf"(<!-- generated: {re.escape(name)} -->)(.*?)(<!-- end generated -->)", re.S)
     if not pat.search(text):
         raise SystemExit(f"{path}: no '<!-- generated: {name} -->' ... '<!-- end generated -->' block")
     body = make()

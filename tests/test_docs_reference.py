@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from reliability_support import ROOT
 
 
@@ -47,6 +46,16 @@ def test_a_setting_without_a_meaning_stops_the_generator(monkeypatch):
 
 def test_every_command_is_in_the_cli_reference():
     text = (ROOT / "docs" / "cli.md").read_text()
-    for cmd in ("build", "verify", "prewarm", "keygen", "bundle", "bundle inspect", "cache stats",
-                "cache clean", "cache pull", "cache push"):
+    for cmd in (
+        "build",
+        "verify",
+        "prewarm",
+        "keygen",
+        "bundle",
+        "bundle inspect",
+        "cache stats",
+        "cache clean",
+        "cache pull",
+        "cache push",
+    ):
         assert f"### `quack {cmd}`" in text, cmd
