@@ -56,7 +56,7 @@ def _project(d: Path, packages: list[str], manifest: Path) -> Path:
 def _quack(args: list[str], proj: Path, cache: Path) -> tuple[dict, float, str]:
     t0 = time.perf_counter()
     r = subprocess.run(
-        [sys.executable, "-m", "quack_build.cli", *args],
+        [sys.executable, "-m", "quack_build.cli.main", *args],
         cwd=proj,
         env=_env(cache),
         capture_output=True,
@@ -126,7 +126,7 @@ def bench_overhead(work: Path, n_keys: int) -> dict:
     sys.path[:0] = [str(ROOT), str(TESTS)]
     import toykernels  # noqa: F401
 
-    from quack_build.manifest import expand
+    from quack_build.manifest.read import expand
 
     n_blocks = max(1, min(993, -(-n_keys // 6)))
     blocks = list(range(32, 32 + n_blocks))
@@ -183,10 +183,10 @@ def bench_stats(work: Path, n: int) -> dict:
         res, wall, _ = _quack(["cache", "stats", "--json"], proj, cache)
         assert res["totals"]["entries"] == n, res["totals"]
         times.append(wall)
-    from quack_build import inventory
+    from quack_build.cachedir import stats as cachestats
 
     t0 = time.perf_counter()
-    inventory.summarize(cache, {"toy_scale": fp})
+    cachestats.summarize(cache, {"toy_scale": fp})
     walk_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "pass"], check=True)
