@@ -63,7 +63,7 @@ def _project(d: Path, packages: list[str], manifest: Path) -> Path:
 def _quack(args: list[str], proj: Path, cache: Path) -> tuple[dict, float, str]:
     t0 = time.perf_counter()
     r = subprocess.run(
-        [sys.executable, "-m", "quack_build.cli", *args],
+        [sys.executable, "-m", "quack_build.cli.main", *args],
         cwd=proj,
         env=_env(cache),
         capture_output=True,
@@ -133,7 +133,7 @@ def bench_overhead(work: Path, n_keys: int) -> dict:
     sys.path[:0] = [str(ROOT), str(TESTS)]
     import toykernels  # noqa: F401
 
-    from quack_build.manifest import expand
+    from quack_build.manifest.read import expand
 
     n_blocks = max(1, min(993, -(-n_keys // 6)))
     blocks = list(range(32, 32 + n_blocks))
@@ -201,10 +201,10 @@ def bench_stats(work: Path, n: int) -> dict:
         )
         table.append(time.perf_counter() - t0)
         assert r.returncode == 0 and f"{n} entries" in r.stdout, r.stderr[-2000:]
-    from quack_build import inventory
+    from quack_build.cachedir import stats as cachestats
 
     t0 = time.perf_counter()
-    inventory.summarize(cache, {"toy_scale": fp})
+    cachestats.summarize(cache, {"toy_scale": fp})
     walk_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     subprocess.run([sys.executable, "-c", "pass"], check=True)

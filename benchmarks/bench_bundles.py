@@ -69,7 +69,7 @@ from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.runtime import loader, tiers
 registry.load_packages(["quack_kernels"])
-from quack_build.manifest import expand
+from quack_build.manifest.read import expand
 s = settings.get()
 cfgs = expand([sys.argv[1]], archs=("sm_90a",)).configs
 store = DiskStore(s.cache_dir)

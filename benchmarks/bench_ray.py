@@ -37,25 +37,28 @@ sys.path.insert(0, str(ROOT))
 def _build(executor_name: str, manifests, jobs: int, cache: Path, address: str = ""):
     from quack import settings as qs
     from quack.cache.store import DiskStore
-    from quack_build import scheduler
-    from quack_build.common import load_kernels
-    from quack_build.executors.local import LocalExecutor
-    from quack_build.executors.ray_executor import RayExecutor
-    from quack_build.manifest import expand
+    from quack_build.build import plan as planning
+    from quack_build.build import scheduler
+    from quack_build.build.executors.local import LocalExecutor
+    from quack_build.build.executors.ray.executor import RayExecutor
+    from quack_build.cli.context import load_kernels
+    from quack_build.manifest.read import expand
 
     s = qs.resolve({"cache_dir": str(cache), "jobs": jobs, "fsync": True})
     qs.set_current(s)
     load_kernels(s)
     exp = expand([Path(m) for m in manifests], archs=s.build_archs())
     store = DiskStore(s.cache_dir, fsync=s.fsync, lock_timeout=s.lock_timeout)
-    tasks = scheduler.plan(exp.configs, store)
+    tasks = planning.plan(exp.configs, store)
     ex = (
         LocalExecutor(jobs, settings=s)
         if executor_name == "local"
         else RayExecutor(address, jobs=jobs, settings=s, store=store)
     )
     cpu0, t0 = time.process_time(), time.perf_counter()
-    res = scheduler.run(tasks, store, jobs=jobs, settings=s, executor=ex)
+    res = scheduler.BuildSession(
+        tasks, store, scheduler.BuildOptions(jobs=jobs, settings=s, executor=ex)
+    ).run()
     wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     assert res.ok, [t.error for t in res.tasks if t.error][:3]
     return res, ex, wall, cpu

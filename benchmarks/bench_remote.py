@@ -75,8 +75,8 @@ RUNTIME = r"""
 import json, sys, time
 from quack import settings
 from quack.runtime import jit
-from quack_build.common import load_kernels
-from quack_build.manifest import expand
+from quack_build.cli.context import load_kernels
+from quack_build.manifest.read import expand
 s = settings.get()
 load_kernels(s)
 configs = expand({manifests!r}, archs=("sm_90a",)).configs[:{n} + 1]
@@ -223,18 +223,19 @@ def main() -> None:
                 "remote_hit_median_ms": round(statistics.median(fresh) * 1e3, 3),
             }
         # 4. a down remote, over every configuration's pull (all local misses).
-        from quack_build import remote_sync, scheduler
-        from quack_build.common import load_kernels
-        from quack_build.manifest import expand
+        from quack_build.build import plan as planning
+        from quack_build.build import remote as remote_sync
+        from quack_build.cli.context import load_kernels
+        from quack_build.manifest.read import expand
 
         load_kernels(settings.resolve(env=env_for(td / "x")))
         configs = expand([ROOT / m for m in args.manifests], archs=("sm_90a",)).configs
 
         def pull_phase(u: str, where: str) -> float:
-            tier.forget_offline()
+            tier.reset_offline_for_tests()
             store = DiskStore(td / where, fsync=True)
             remote = tier.from_settings(settings.resolve(env=env_for(td / where, u, keydir)))
-            tasks = scheduler.plan(configs, store)
+            tasks = planning.plan(configs, store)
             t = time.perf_counter()
             remote_sync.pull(tasks, store, remote)
             return round(time.perf_counter() - t, 3)

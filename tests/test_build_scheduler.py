@@ -10,8 +10,9 @@ import toykernels  # noqa: F401
 from quack import registry
 from quack.cache import journal
 from quack.cache.store import DiskStore
-from quack_build import scheduler
-from quack_build.manifest import BuildConfig
+from quack_build.build import plan as planning
+from quack_build.build import results, scheduler
+from quack_build.manifest.read import BuildConfig
 
 
 def _cfg(block: int) -> BuildConfig:
@@ -43,10 +44,10 @@ def test_longest_first_from_metadata_of_any_fingerprint_and_journal(tmp_path):
             }
         ],
     )
-    tasks = [scheduler.Task(c) for c in cfgs]
-    known = scheduler.past_compile_times(root, tasks)
+    tasks = [results.Task(c) for c in cfgs]
+    known = planning.past_compile_times(root, tasks)
     assert known == {cfgs[1].key: 5.0, cfgs[3].key: 1.0, cfgs[4].key: 9.0}
-    ordered = scheduler.order_longest_first(tasks, known)
+    ordered = planning.order_longest_first(tasks, known)
     assert [t.cfg.params["block"] for t in ordered][:2] == [512, 64]
     # unknown keys get the kernel's mean (5.0), after the known key with the same time
     assert ordered[2].est_s == ordered[3].est_s == (5.0 + 1.0 + 9.0) / 3
@@ -55,9 +56,9 @@ def test_longest_first_from_metadata_of_any_fingerprint_and_journal(tmp_path):
 
 def test_plan_marks_cached_and_run_with_nothing_to_do(tmp_path):
     store = DiskStore(tmp_path / "cache", fsync=False)
-    tasks = scheduler.plan([_cfg(32)], store)
+    tasks = planning.plan([_cfg(32)], store)
     assert tasks[0].status == "todo"
-    tasks[0].status = scheduler.CACHED  # pretend; run() must not start a pool for it
-    res = scheduler.run(tasks, store, jobs=4)
-    assert res.jobs == 4 and res.count(scheduler.CACHED) == 1
+    tasks[0].status = results.CACHED  # pretend; run() must not start a pool for it
+    res = scheduler.BuildSession(tasks, store, scheduler.BuildOptions(jobs=4)).run()
+    assert res.jobs == 4 and res.count(results.CACHED) == 1
     assert res.missing_after == [tasks[0].cfg.key] and not res.ok

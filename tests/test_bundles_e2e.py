@@ -44,7 +44,7 @@ def project_cache() -> Path:
 
 def default_configs() -> list[dict]:
     from quack import registry
-    from quack_build.manifest import expand
+    from quack_build.manifest.read import expand
 
     registry.load_packages(["quack_kernels"])
     exp = expand([DEFAULT], archs=("sm_90a",))
@@ -291,8 +291,8 @@ def test_two_bundles_with_the_same_keys_both_checked(default_wheel, tmp_path):
 def test_other_toolchain_bundle_ignored_and_reported(tmp_path):
     from quack import registry
     from quack.cache.store import DiskStore
-    from quack_build import bundle as bw
-    from quack_build.manifest import expand
+    from quack_build.bundle import wheel as bw
+    from quack_build.manifest.read import expand
 
     registry.load_packages(["quack_kernels"])
     cfgs = expand([DEFAULT], archs=("sm_90a",)).configs[:2]
@@ -378,7 +378,7 @@ def test_signed_bundle_trusted_and_refused(tmp_path):
     py = fresh_venv(tmp_path / "v")
     pip(py, "install", "--no-deps", "--no-index", whl)
     from quack import registry
-    from quack_build.manifest import expand
+    from quack_build.manifest.read import expand
 
     registry.load_packages(["quack_kernels"])
     cfgs = [
@@ -415,8 +415,8 @@ def noso(tmp_path_factory):
     compiler (objects only), installed into a fresh venv: (python, configs, files)."""
     from quack import registry
     from quack.cache.store import DiskStore
-    from quack_build import bundle as bw
-    from quack_build.manifest import expand
+    from quack_build.bundle import wheel as bw
+    from quack_build.manifest.read import expand
 
     tmp = tmp_path_factory.mktemp("noso")
     registry.load_packages(["quack_kernels"])

@@ -25,7 +25,8 @@ from test_bundles_tier import PARAMS, _trusting, bfile, install, ref_for
 from quack.bundles import index as bindex
 from quack.bundles import tier as bt
 from quack.errors import BundleError, CacheWarning
-from quack_build import bundle as bw
+from quack_build.bundle import inspect as bundle_inspect
+from quack_build.bundle import wheel as bw
 
 MIB = 1024 * 1024
 
@@ -159,7 +160,7 @@ def test_inspect_refuses_an_entry_pointed_at_another_kernels_files(tmp_path):
     with zipfile.ZipFile(whl) as z:
         z.extractall(tree)
     _point_a_at_b(tree / bindex.package_name("mixed"), a, b)
-    info = bw.inspect_wheel(rezip(tree, whl, tmp_path / "out"))
+    info = bundle_inspect.inspect_wheel(rezip(tree, whl, tmp_path / "out"))
     assert not info["ok"]
     (row,) = [r for r in info["entries"] if r["key"] == a.key]
     assert len(row["problems"]) == 1 and "metadata" in row["problems"][0], row
@@ -271,7 +272,9 @@ def wheel_tree(tmp_path):
 
 def test_rezipped_wheel_is_ok(wheel_tree, tmp_path):
     whl, tree = wheel_tree
-    assert bw.inspect_wheel(rezip(tree, whl, tmp_path / "same"))["ok"]  # the helper alone refuses nothing
+    assert bundle_inspect.inspect_wheel(rezip(tree, whl, tmp_path / "same"))[
+        "ok"
+    ]  # the helper alone refuses nothing
 
 
 @pytest.mark.parametrize(
@@ -280,14 +283,14 @@ def test_rezipped_wheel_is_ok(wheel_tree, tmp_path):
 )
 def test_inspect_refuses_unsafe_member_names(wheel_tree, tmp_path, member):
     whl, tree = wheel_tree
-    info = bw.inspect_wheel(rezip(tree, whl, tmp_path / "bad", {member: b"planted"}))
+    info = bundle_inspect.inspect_wheel(rezip(tree, whl, tmp_path / "bad", {member: b"planted"}))
     assert not info["ok"]
     assert [p for p in info["problems"] if repr(member) in p], info["problems"]
 
 
 def test_inspect_refuses_a_member_outside_the_package(wheel_tree, tmp_path):
     whl, tree = wheel_tree
-    info = bw.inspect_wheel(rezip(tree, whl, tmp_path / "pth", {"evil.pth": b"import os"}))
+    info = bundle_inspect.inspect_wheel(rezip(tree, whl, tmp_path / "pth", {"evil.pth": b"import os"}))
     assert not info["ok"] and any("evil.pth" in p and "outside" in p for p in info["problems"])
 
 
@@ -298,7 +301,7 @@ def test_inspect_refuses_an_oversized_member_unread(wheel_tree, tmp_path):
     del zeros
     tracemalloc.start()
     try:
-        info = bw.inspect_wheel(bad)
+        info = bundle_inspect.inspect_wheel(bad)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -312,7 +315,7 @@ def test_inspect_streams_object_hashes(tmp_path):
     del obj
     tracemalloc.start()
     try:
-        info = bw.inspect_wheel(whl)
+        info = bundle_inspect.inspect_wheel(whl)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -329,7 +332,7 @@ def test_inspect_refuses_an_oversized_index_unread(wheel_tree, tmp_path):
     tracemalloc.start()
     try:
         with pytest.raises(BundleError, match=f"more than the {bindex.MAX_INDEX_BYTES}"):
-            bw.inspect_wheel(bad)
+            bundle_inspect.inspect_wheel(bad)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -350,7 +353,7 @@ def test_inspect_with_trusted_keys_does_not_parse_a_badly_signed_index(tmp_path,
     doc["pad"] = "x" * (2 * MIB)
     idx.write_text(json.dumps(doc))
     trusted = signing.trusted_keys_from_settings(_trusting(tmp_path / "c", keys["pub"]))
-    info = bw.inspect_wheel(rezip(tree, whl, tmp_path / "bad"), trusted)
+    info = bundle_inspect.inspect_wheel(rezip(tree, whl, tmp_path / "bad"), trusted)
     assert not info["ok"] and info["entries"] == [] and big_loads == []
     assert any("bad signature" in p for p in info["problems"]), info["problems"]
 
@@ -362,7 +365,8 @@ import errno, gc, io, json, os, sys, zipfile
 from pathlib import Path
 sys.path.insert(0, sys.argv[2])
 from test_bundles_tier import bfile, ref_for
-from quack_build import bundle as bw
+from quack_build.bundle import inspect as bundle_inspect
+from quack_build.bundle import wheel as bw
 
 class Full(io.FileIO):
     # ENOSPC once 64 KiB are written, like a full disk.

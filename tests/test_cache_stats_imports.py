@@ -31,7 +31,7 @@ def hook(event, args):
     if event == "open" and isinstance(args[0], str) and args[0].endswith((".o", ".so")):
         opened.append(args[0])
 sys.addaudithook(hook)
-from quack_build.cli import main
+from quack_build.cli.main import main
 try:
     main(sys.argv[1:])
 except SystemExit as e:

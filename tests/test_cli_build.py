@@ -16,8 +16,8 @@ from interrupt_support import busy_machine, scaled, wait_for
 from typer.testing import CliRunner
 
 from quack import settings
-from quack_build import interrupts
-from quack_build.cli import app
+from quack_build.build import interrupts
+from quack_build.cli.app import app
 
 __all__ = ["busy_machine"]  # the fixture, used by name
 
@@ -81,7 +81,7 @@ def sub_env(cache: Path, extra_path: str = "") -> dict:
 
 # Runs the CLI and reports whether torch / cutlass got imported into the build process.
 WRAP = (
-    "import sys\nfrom quack_build.cli import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n"
+    "import sys\nfrom quack_build.cli.app import app\ntry:\n    app(sys.argv[1:])\nexcept SystemExit as e:\n"
     "    code = e.code\nprint('IMPORTED torch=%s cutlass=%s' % ('torch' in sys.modules, "
     "'cutlass' in sys.modules), file=sys.stderr)\nsys.exit(code)\n"
 )
@@ -190,7 +190,7 @@ params = { dtype = ["float16", "bfloat16"], block = [64, 128] }
 """,
     )
     env = sub_env(tmp_path / "cache")
-    cmd = [sys.executable, "-m", "quack_build.cli", "build", "-j", "1", "--json"]
+    cmd = [sys.executable, "-m", "quack_build.cli.main", "build", "-j", "1", "--json"]
     procs = [
         subprocess.Popen(cmd, cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -229,7 +229,7 @@ params = { n = [1, 2] }
     marks.mkdir()
     env["QBT_MARKS"] = str(marks)
     p = subprocess.Popen(
-        [sys.executable, "-m", "quack_build.cli", "build", "-j", "2", "-v"],
+        [sys.executable, "-m", "quack_build.cli.main", "build", "-j", "2", "-v"],
         cwd=proj,
         env=env,
         stdout=subprocess.PIPE,
@@ -261,3 +261,22 @@ params = { n = [1, 2] }
     assert not [m for m in cache.glob("v1/*/qbt_slow/*/*.json") if not m.name.endswith(".so.json")]
     assert not list(cache.glob("v1/*/qbt_slow/*/*.o"))
     assert not list(cache.glob("v1/*/qbt_slow/*/*.tmp-*"))
+
+
+def test_commands_register_in_the_order_help_lists_them():
+    import typer
+
+    from quack_build.cli import app
+
+    group = typer.main.get_command(app.app)
+    assert list(group.commands) == [
+        "build",
+        "verify",
+        "keygen",
+        "prewarm",
+        "bundle",
+        "bundle-inspect",
+        "cache",
+    ]
+    assert [n for n, c in group.commands.items() if c.hidden] == ["bundle-inspect"]
+    assert list(group.commands["cache"].commands) == ["stats", "clean", "pull", "push"]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from quack import registry, settings
 from quack.cache import journal, keys
-from quack_build.cli import app
+from quack_build.cli.app import app
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -129,9 +129,9 @@ def test_stats_json(cache):
 @pytest.mark.parametrize("entry", ["main", "typer"])
 def test_stats_imports_neither_cutlass_nor_torch(cache, entry):
     call = (
-        "from quack_build.cli import main\nmain(['cache', 'stats', '--json'])"
+        "from quack_build.cli.main import main\nmain(['cache', 'stats', '--json'])"
         if entry == "main"
-        else "from quack_build.cli import app\napp(['cache', 'stats', '--json'])"
+        else "from quack_build.cli.app import app\napp(['cache', 'stats', '--json'])"
     )
     heavy = (
         "('torch', 'cutlass', 'tvm_ffi', 'typer')" if entry == "main" else "('torch', 'cutlass', 'tvm_ffi')"

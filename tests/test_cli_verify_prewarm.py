@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from quack import registry, settings
 from quack.cache import journal
-from quack_build.cli import app
-from quack_build.manifest import expand
+from quack_build.cli.app import app
+from quack_build.manifest.read import expand
 
 runner = CliRunner()
 

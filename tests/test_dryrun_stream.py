@@ -23,7 +23,7 @@ from reliability_support import QUACK, env, run_quack
 from quack import registry
 from quack.errors import ManifestError
 from quack.params import Int, Rule
-from quack_build.manifest import ExpansionStream, expand
+from quack_build.manifest.read import ExpansionStream, expand
 
 N = 5000  # far more lines than a pipe holds (64 KiB, ~60 bytes a line)
 

@@ -15,9 +15,12 @@ from typer.testing import CliRunner
 from quack import registry, settings
 from quack.cache.store import DiskStore
 from quack.errors import CompileError, ExecutorError, SettingsError, ToolchainMismatch
-from quack_build import executors, scheduler
-from quack_build.executors import DONE, FAILED, NOTE, STARTED, Event
-from quack_build.manifest import BuildConfig
+from quack_build.build import executors, results, scheduler
+from quack_build.build import plan as planning
+from quack_build.build import trace as tracing
+from quack_build.build.executors import base
+from quack_build.build.executors.base import DONE, FAILED, NOTE, STARTED, Event
+from quack_build.manifest.read import BuildConfig
 
 
 def _cfg(block: int) -> BuildConfig:
@@ -59,7 +62,7 @@ class ScriptedExecutor:
         return {"retries": 1}
 
 
-class Recorder(scheduler.NullReporter):
+class Recorder(results.NullReporter):
     def __init__(self):
         self.notes, self.started_lanes = [], []
 
@@ -91,13 +94,15 @@ def test_scheduler_drives_an_executor_retry_note_lanes_failure_and_trace(tmp_pat
     ex = ScriptedExecutor(script)
     rep = Recorder()
     store = DiskStore(tmp_path / "cache", fsync=False)
-    tasks = scheduler.plan([a, b], store)
-    res = scheduler.run(
-        tasks, store, jobs=8, reporter=rep, keep_going=True, executor=ex, log_dir=tmp_path / "logs"
-    )
+    tasks = planning.plan([a, b], store)
+    res = scheduler.BuildSession(
+        tasks,
+        store,
+        scheduler.BuildOptions(jobs=8, reporter=rep, keep_going=True, executor=ex, log_dir=tmp_path / "logs"),
+    ).run()
     assert ex.calls == ["start 2", "close"] and sorted(ex.submitted) == sorted(k.values())
     assert res.jobs == 2 and res.executor == "scripted" and res.executor_stats == {"retries": 1}
-    assert res.count(scheduler.COMPILED) == 1 and res.count(scheduler.FAILED) == 1
+    assert res.count(results.COMPILED) == 1 and res.count(results.FAILED) == 1
     assert rep.notes == ["Ray actor 1 died while compiling; retrying on another actor (retry 1 of 2)"]
     # the retry moved the key to another lane and gave its slot back first
     assert [lane for lane, _ in rep.started_lanes] == [
@@ -106,13 +111,13 @@ def test_scheduler_drives_an_executor_retry_note_lanes_failure_and_trace(tmp_pat
         "actor 2 (n2 pid 22)",
     ]
     assert len({slot for _, slot in rep.started_lanes[1:]}) == 2
-    failed = next(t for t in res.tasks if t.status == scheduler.FAILED)
+    failed = next(t for t in res.tasks if t.status == results.FAILED)
     assert failed.error == "ValueError: the compiler says no"
     assert "the compiler says no" in (tmp_path / "logs").glob("build-*.log").__next__().read_text()
     doc = res.to_json()
     assert doc["executor"] == "scripted" and {kk.get("lane") for kk in doc["keys"]} == {"actor 2 (n2 pid 22)"}
     trace = tmp_path / "t.json"
-    scheduler.write_trace(trace, res, res.t0)
+    tracing.write_trace(trace, res, res.t0)
     names = [
         e["args"]["name"] for e in json.loads(trace.read_text())["traceEvents"] if e["name"] == "thread_name"
     ]
@@ -124,7 +129,7 @@ def test_scheduler_drives_an_executor_retry_note_lanes_failure_and_trace(tmp_pat
 def test_fail_fast_stops_submitting_and_ends_with_keys_still_queued(tmp_path):
     cfgs = [_cfg(b) for b in (32, 64, 128, 256, 512, 1024)]
     store = DiskStore(tmp_path / "cache", fsync=False)
-    tasks = scheduler.plan(cfgs, store)
+    tasks = planning.plan(cfgs, store)
     first, second, third = (t.cfg.key for t in tasks[:3])  # no known times: manifest order
     err = CompileError("toy_scale", {}, "sm_90a", "boom")
     # jobs=1: a window of 3 submitted; the first fails, the two in flight finish, the
@@ -137,10 +142,10 @@ def test_fail_fast_stops_submitting_and_ends_with_keys_still_queued(tmp_path):
         ],
         jobs=1,
     )
-    res = scheduler.run(tasks, store, jobs=1, executor=ex)
+    res = scheduler.BuildSession(tasks, store, scheduler.BuildOptions(jobs=1, executor=ex)).run()
     assert ex.submitted == [first, second, third] and not ex.script
-    assert res.count(scheduler.FAILED) == 1 and res.count(scheduler.COMPILED) == 2
-    assert res.count(scheduler.SKIPPED) == 3 and ex.calls[-1] == "close"
+    assert res.count(results.FAILED) == 1 and res.count(results.COMPILED) == 2
+    assert res.count(results.SKIPPED) == 3 and ex.calls[-1] == "close"
 
 
 def test_executor_start_failure_propagates_and_nothing_is_planned(tmp_path):
@@ -154,7 +159,9 @@ def test_executor_start_failure_propagates_and_nothing_is_planned(tmp_path):
 
     store = DiskStore(tmp_path / "cache", fsync=False)
     with pytest.raises(ExecutorError) as ei:
-        scheduler.run(scheduler.plan([_cfg(32)], store), store, jobs=1, executor=Refusing([]))
+        scheduler.BuildSession(
+            planning.plan([_cfg(32)], store), store, scheduler.BuildOptions(jobs=1, executor=Refusing([]))
+        ).run()
     e = ei.value
     assert isinstance(e, RuntimeError) and (e.worker_stamp, e.coordinator_stamp) == ("x", "y")
     import pickle
@@ -186,7 +193,7 @@ def test_executor_setting_errors_name_the_source(tmp_path):
 
 
 def test_cli_executor_flag_usage_error_is_exit_2(tmp_path, monkeypatch):
-    from quack_build.cli import app
+    from quack_build.cli.app import app
 
     proj = write_project(tmp_path / "proj")
     monkeypatch.chdir(proj)
@@ -209,7 +216,7 @@ def test_factory_local_is_the_default(tmp_path):
 
 NO_RAY = (
     "import sys\nsys.modules['ray'] = None  # as if the [ray] extra were not installed\n"
-    "from quack_build.cli import main\nmain(sys.argv[1:])\n"
+    "from quack_build.cli.main import main\nmain(sys.argv[1:])\n"
 )
 
 
@@ -228,7 +235,7 @@ def test_executor_ray_without_ray_is_one_line_with_the_install_command(tmp_path)
             timeout=120,
         )
         assert r.returncode == 1, r.stderr
-        assert r.stderr.strip() == "error: " + executors.RAY_INSTALL_HINT
+        assert r.stderr.strip() == "error: " + base.RAY_INSTALL_HINT
         assert "pip install 'quack-cache[ray]'" in r.stderr
     assert not list((tmp_path / "cache").glob("v1/*/*/*/*.o"))
 
@@ -257,8 +264,8 @@ def _remote_result(cfg: BuildConfig, data: bytes = b"\x7fELF not really an objec
     return res
 
 
-def _item(cfg: BuildConfig, force: bool = False) -> executors.WorkItem:
-    return executors.WorkItem(
+def _item(cfg: BuildConfig, force: bool = False) -> base.WorkItem:
+    return base.WorkItem(
         cfg.key,
         cfg.kernel,
         cfg.spec.module,
@@ -272,7 +279,7 @@ def _item(cfg: BuildConfig, force: bool = False) -> executors.WorkItem:
 
 def test_publish_result_verifies_and_publishes_once_with_metadata_last(tmp_path):
     from quack.compile import builder
-    from quack_build.executors.publish import publish_result
+    from quack_build.build.executors.publish import publish_result
 
     cfg = _cfg(256)
     store = DiskStore(tmp_path / "cache", fsync=False)
@@ -306,7 +313,7 @@ def test_publish_result_verifies_and_publishes_once_with_metadata_last(tmp_path)
     ],
 )
 def test_publish_result_refuses_a_mismatch_and_publishes_nothing(tmp_path, field, value, says):
-    from quack_build.executors.publish import publish_result
+    from quack_build.build.executors.publish import publish_result
 
     cfg = _cfg(512)
     store = DiskStore(tmp_path / "cache", fsync=False)
@@ -333,7 +340,7 @@ def _wait_events(pub, n: int, timeout: float = 60.0) -> list[Event]:
 
 
 def test_publisher_threads_publish_once_report_failures_as_events_and_stop(tmp_path):
-    from quack_build.executors.publish import Publisher
+    from quack_build.build.executors.publish import Publisher
 
     a, b = _cfg(64), _cfg(128)
     pub = Publisher(DiskStore(tmp_path / "cache", fsync=False))
@@ -368,7 +375,7 @@ def test_publisher_shutdown_with_more_queued_than_threads_drops_the_queue_cleanl
     import threading
     import time
 
-    from quack_build.executors import publish
+    from quack_build.build.executors import publish
 
     started = threading.Semaphore(0)
     published = []
@@ -396,7 +403,7 @@ def test_publisher_shutdown_with_more_queued_than_threads_drops_the_queue_cleanl
 
 def test_vet_hello_admits_a_matching_actor_and_refuses_naming_both_values():
     from quack.cache import keys
-    from quack_build.executors.ray_actors import vet_hello
+    from quack_build.build.executors.ray.actors import vet_hello
 
     want = keys.toolchain_stamp("sm_90a")
     fp = registry.get("toy_scale").source_fingerprint()
@@ -415,7 +422,7 @@ def test_vet_hello_admits_a_matching_actor_and_refuses_naming_both_values():
 
 def test_ray_executor_stats_list_every_counter_in_order_before_start(tmp_path):
     pytest.importorskip("ray", reason="the [ray] extra is not installed")
-    from quack_build.executors.ray_executor import PUBLISH_THREADS, RayExecutor
+    from quack_build.build.executors.ray.executor import PUBLISH_THREADS, RayExecutor
 
     s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
     ex = RayExecutor("ray", jobs=2, settings=s, store=DiskStore(tmp_path / "c"))

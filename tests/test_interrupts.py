@@ -16,18 +16,19 @@ import pytest
 from interrupt_support import busy_machine, gate_env, scaled, session_processes, wait_for, write_gate_project
 
 from quack.cache.store import DiskStore
-from quack_build import scheduler
+from quack_build.build import plan as planning
+from quack_build.build import results, scheduler
 
 __all__ = ["busy_machine"]  # the fixture, used by name
 
-GRACE_S = 8.0  # quack_build.interrupts.GRACE_S: the longest a cleanup may take
+GRACE_S = 8.0  # quack_build.build.interrupts.GRACE_S: the longest a cleanup may take
 
 
 def _start(tmp_path: Path, block: str, **extra: str):
     proj, pkgs, marks = write_gate_project(tmp_path)
     cache = tmp_path / "cache"
     p = subprocess.Popen(
-        [sys.executable, "-m", "quack_build.cli", "build", "-j", "2", "-v"],
+        [sys.executable, "-m", "quack_build.cli.main", "build", "-j", "2", "-v"],
         cwd=proj,
         env=gate_env(cache, pkgs, marks, block, **extra),
         stdout=subprocess.PIPE,
@@ -133,8 +134,10 @@ def test_ctrl_c_during_the_pull_stops_the_build(tmp_path):
     from test_build_scheduler import _cfg
 
     store = DiskStore(tmp_path / "cache", fsync=False)
-    tasks = scheduler.plan([_cfg(32), _cfg(64)], store)
+    tasks = planning.plan([_cfg(32), _cfg(64)], store)
     ex = _RecordingExecutor()
-    res = scheduler.run(tasks, store, jobs=1, remote=_InterruptedRemote(), executor=ex)
+    res = scheduler.BuildSession(
+        tasks, store, scheduler.BuildOptions(jobs=1, remote=_InterruptedRemote(), executor=ex)
+    ).run()
     assert res.interrupted and not ex.started
-    assert res.count(scheduler.INTERRUPTED) == 2 and not res.ok
+    assert res.count(results.INTERRUPTED) == 2 and not res.ok

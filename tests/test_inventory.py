@@ -1,4 +1,4 @@
-"""quack_build.inventory (cache walk, sizes, ages) and quack_build.cubin (arch of an object), no compiles."""
+"""quack_build.cachedir.walk (cache walk, sizes, ages) and quack_build.verify.cubin (arch of an object), no compiles."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from quack_build import inventory
-from quack_build.cubin import arch_matches, decode_e_flags, gpu_codes
+from quack_build.cachedir import units
+from quack_build.verify.cubin import arch_matches, decode_e_flags, gpu_codes
 
 
 def _cubin(e_flags: int, abi: int) -> bytes:
@@ -64,18 +64,18 @@ def test_arch_mismatch_and_ptx():
 
 
 def test_parse_size_and_age():
-    assert inventory.parse_size("5G") == 5 << 30
-    assert inventory.parse_size("1.5GiB") == int(1.5 * (1 << 30))
-    assert inventory.parse_size("500m") == 500 << 20
-    assert inventory.parse_size("1024") == 1024
-    assert inventory.parse_age("30d") == 30 * 86400
-    assert inventory.parse_age("12h") == 12 * 3600
-    assert inventory.parse_age("2w") == 14 * 86400
+    assert units.parse_size("5G") == 5 << 30
+    assert units.parse_size("1.5GiB") == int(1.5 * (1 << 30))
+    assert units.parse_size("500m") == 500 << 20
+    assert units.parse_size("1024") == 1024
+    assert units.parse_age("30d") == 30 * 86400
+    assert units.parse_age("12h") == 12 * 3600
+    assert units.parse_age("2w") == 14 * 86400
     for bad in ("lots", "5X", "-1G", ""):
         with pytest.raises(ValueError):
-            inventory.parse_size(bad)
+            units.parse_size(bad)
     with pytest.raises(ValueError):
-        inventory.parse_age("soon")
+        units.parse_age("soon")
 
 
 def test_tmp_debris_rules():
@@ -94,8 +94,8 @@ def test_tmp_debris_rules():
 
 
 def test_human_bytes():
-    assert inventory.human_bytes(512) == "512 B"
-    assert inventory.human_bytes(3 << 20) == "3.0 MiB"
+    assert units.human_bytes(512) == "512 B"
+    assert units.human_bytes(3 << 20) == "3.0 MiB"
 
 
 # The fatbin entry header of a real CUDA 13 (nvidia-cutlass-dsl-libs-cu13 4.8.1) sm_90a

@@ -12,7 +12,7 @@ from quack import registry
 from quack.errors import ManifestError
 from quack.manifest_line import manifest_line
 from quack.params import Config, Int
-from quack_build.manifest import expand
+from quack_build.manifest.read import expand
 
 CORPUS = Path(__file__).parent / "data" / "manifests"
 

@@ -18,6 +18,8 @@ from conftest import use_settings
 from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.compile import pool as qpool
+from quack.compile import scope as qscope
+from quack.compile import tasks as qtasks
 from quack.errors import CacheWarning, CompileError, CompilePending
 
 
@@ -45,18 +47,18 @@ def test_scope_raises_pending_compiles_in_parallel_then_loads(pool, cache_dir):
     n0 = len(toykernels.COMPILES)
     keys = []
     t0 = time.perf_counter()
-    with qpool.pool_scope(pool):
+    with qscope.pool_scope(pool):
         for block in (64, 96):
             with pytest.raises(CompilePending) as ei:
                 toykernels.toy_scale("float16", block, True)
             keys.append(ei.value.key)
-            assert ei.value.pool is pool and pool.state(ei.value.key) == qpool.PENDING
+            assert ei.value.pool is pool and pool.state(ei.value.key) == qtasks.PENDING
         assert time.perf_counter() - t0 < 0.5, "submit must not block on worker start-up"
         # A second call while pending doesn't submit again.
         with pytest.raises(CompilePending):
             toykernels.toy_scale("float16", 64, True)
         for k in keys:
-            assert pool.wait(k, timeout=120) == (qpool.DONE, None)
+            assert pool.wait(k, timeout=120) == (qtasks.DONE, None)
         fns = [toykernels.toy_scale("float16", b, True) for b in (64, 96)]
     assert all(callable(f) for f in fns)
     assert len(toykernels.COMPILES) == n0, "compiles happen in workers only"
@@ -66,7 +68,7 @@ def test_scope_raises_pending_compiles_in_parallel_then_loads(pool, cache_dir):
 
 
 def test_swallowing_except_exception_cannot_hide_pending(pool):
-    with qpool.pool_scope(pool):
+    with qscope.pool_scope(pool):
         with pytest.raises(CompilePending):
             try:
                 toykernels.toy_scale("float32", 160, False)
@@ -76,10 +78,10 @@ def test_swallowing_except_exception_cannot_hide_pending(pool):
 
 def test_compile_error_reraised_once_with_worker_traceback(pool):
     tag = _tag()
-    with qpool.pool_scope(pool):
+    with qscope.pool_scope(pool):
         with pytest.raises(CompilePending) as ei:
             poolkernels.pool_fault("raise", tag)
-        assert pool.wait(ei.value.key, timeout=120)[0] == qpool.FAILED
+        assert pool.wait(ei.value.key, timeout=120)[0] == qtasks.FAILED
         with pytest.raises(CompileError) as ce:
             poolkernels.pool_fault("raise", tag)
         text = str(ce.value)
@@ -101,7 +103,7 @@ def test_compile_error_outside_scope_waits_and_raises(quack_settings):
 def test_killed_worker_fails_its_key_only_and_pool_recovers(pool):
     tag = _tag()
     pf = poolkernels.pid_file(tag)
-    with qpool.pool_scope(pool):
+    with qscope.pool_scope(pool):
         with pytest.raises(CompilePending) as victim:
             poolkernels.pool_fault("die", tag)
         with pytest.raises(CompilePending) as bystander:
@@ -110,14 +112,14 @@ def test_killed_worker_fails_its_key_only_and_pool_recovers(pool):
         os.kill(int(open(pf).read()), signal.SIGKILL)
         os.unlink(pf)
         st, err = pool.wait(victim.value.key, timeout=60)
-        assert st == qpool.FAILED and "SIGKILL" in str(err), err
-        assert pool.wait(bystander.value.key, timeout=120) == (qpool.DONE, None)
+        assert st == qtasks.FAILED and "SIGKILL" in str(err), err
+        assert pool.wait(bystander.value.key, timeout=120) == (qtasks.DONE, None)
         with pytest.raises(CompileError, match="killed by SIGKILL"):
             poolkernels.pool_fault("die", tag)
         # The pool replaced the worker: a new key still compiles.
         with pytest.raises(CompilePending) as after:
             poolkernels.pool_fault("ok", tag)
-        assert pool.wait(after.value.key, timeout=120) == (qpool.DONE, None)
+        assert pool.wait(after.value.key, timeout=120) == (qtasks.DONE, None)
     st = pool.stats()
     assert st["worker_deaths"] == 1 and st["failed"] == 1
 
@@ -175,22 +177,22 @@ with store.lock(ref):
 def test_key_locked_by_another_process_is_awaited_not_compiled_twice(pool, cache_dir, publish):
     proc = _lock_holder(cache_dir, publish)
     try:
-        with qpool.pool_scope(pool):
+        with qscope.pool_scope(pool):
             with pytest.raises(CompilePending) as ei:
                 toykernels.toy_scale("float32", 224, True)
             st = pool.stats()
             assert st["awaited_external"] == 1 and st["submitted"] == 0
             state, err = pool.wait(ei.value.key, timeout=120)
             if publish:
-                assert (state, err) == (qpool.DONE, None)
+                assert (state, err) == (qtasks.DONE, None)
                 assert callable(toykernels.toy_scale("float32", 224, True))
                 assert pool.stats()["compiled"] == 0, "compiled twice"
             else:
                 # The other process let go without publishing: new again, ours to compile.
-                assert state == qpool.NEW
+                assert state == qtasks.NEW
                 with pytest.raises(CompilePending):
                     toykernels.toy_scale("float32", 224, True)
-                assert pool.wait(ei.value.key, timeout=120)[0] == qpool.DONE
+                assert pool.wait(ei.value.key, timeout=120)[0] == qtasks.DONE
                 assert pool.stats()["compiled"] == 1
     finally:
         proc.wait(60)
@@ -203,7 +205,7 @@ def test_prewarm_returns_at_once_and_shutdown_never_waits(quack_settings):
     assert time.perf_counter() - t0 < 0.2
     assert _wait_for(lambda: p.stats()["workers"] == 2, timeout=120)
     tag = _tag()
-    with qpool.pool_scope(p):
+    with qscope.pool_scope(p):
         with pytest.raises(CompilePending) as ei:
             poolkernels.pool_fault("wedge", tag)
     assert _wait_for(lambda: p.stats()["running"] == 1)
@@ -211,7 +213,7 @@ def test_prewarm_returns_at_once_and_shutdown_never_waits(quack_settings):
     p.shutdown()
     assert time.perf_counter() - t0 < 0.5, "shutdown waited for a compile"
     st, err = p.poll(ei.value.key)
-    assert st == qpool.FAILED and "shut down" in str(err)
+    assert st == qtasks.FAILED and "shut down" in str(err)
     try:
         os.unlink(poolkernels.pid_file(tag))
     except FileNotFoundError:
@@ -234,12 +236,12 @@ def test_a_shut_down_pool_fails_every_key_submitted_after_instead_of_hanging(qua
             params = {"dtype": "float32", "block": block, "bias": False}
             key = spec.key(params, "sm_90a")
             keys.append(key)
-            assert p.submit(spec, params, "sm_90a", key) == qpool.FAILED
+            assert p.submit(spec, params, "sm_90a", key) == qtasks.FAILED
         for key in keys:
             st, err = p.wait(key, timeout=5)
-            assert st == qpool.FAILED and "shut down" in str(err)
+            assert st == qtasks.FAILED and "shut down" in str(err)
         assert p.stats()["pending"] == 0
-        with qpool.pool_scope(p):
+        with qscope.pool_scope(p):
             with pytest.raises(CompileError, match="shut down"):
                 toykernels.toy_scale("float32", 128 + _tag() % 512, False)
 
@@ -248,7 +250,7 @@ def test_state_is_per_cache_root(pool, tmp_path):
     roots = [tmp_path / "a", tmp_path / "b"]
     for r in roots:
         use_settings(cache_dir=str(r))
-        with qpool.pool_scope(pool):
+        with qscope.pool_scope(pool):
             with pytest.raises(CompilePending) as ei:
                 toykernels.toy_scale("float32", 256, False)
             pool.wait(ei.value.key, timeout=120)

@@ -1,40 +1,16 @@
-"""The compile pool's modules (pool, worker, tasks, external, scope): the names
-callers import from ``quack.compile.pool`` are the objects of their home modules;
-what is sent to a worker is pickled by reference to its home; the per-key book
-keeps its rules (stale outcomes dropped, a pending key never forgotten, a shutdown
+"""The compile pool's modules (pool, worker, tasks, external, scope): what is sent to
+a worker is pickled by reference to its home; the per-key book keeps its rules (stale outcomes dropped, a pending key never forgotten, a shutdown
 fails what is pending without counting it as a failure)."""
 
 import pickle
 
-from quack.compile import external, pool, scope, tasks, worker
+from quack.compile import tasks, worker
 from quack.errors import CompileError
-
-
-def test_pool_reexports_are_the_home_modules_objects():
-    homes = {
-        scope: (
-            "pool_scope",
-            "suppress_pool",
-            "active_pool",
-            "recording_pending",
-            "recording_not_prebuilt",
-            "note_pending",
-            "note_not_prebuilt",
-        ),
-        worker: ("WorkerRequest", "worker_build", "masked_main"),
-        tasks: ("TaskInfo", "NEW", "PENDING", "DONE", "FAILED"),
-        external: ("lock_held",),
-    }
-    for home, names in homes.items():
-        for n in names:
-            assert getattr(pool, n) is getattr(home, n), n
-            assert n in pool.__all__, n
-    assert len(pool.__all__) == 19
 
 
 def test_worker_task_is_pickled_by_reference_to_the_worker_module():
     req = worker.WorkerRequest("m", "k", {"n": 1}, "sm_90a", "/tmp/c", False, 5.0)
-    blob = pickle.dumps((pool.worker_build, req))
+    blob = pickle.dumps((worker.worker_build, req))
     assert b"quack.compile.worker" in blob and b"worker_build" in blob
     fn, back = pickle.loads(blob)
     assert fn is worker.worker_build and back == req

@@ -26,7 +26,7 @@ from quack import settings
 from quack.cache import keys
 from quack.cache.store import DiskStore
 from quack.compile import builder
-from quack_build import interrupts
+from quack_build.build import interrupts
 
 __all__ = ["busy_machine"]  # the fixture, used by name
 
@@ -167,8 +167,8 @@ def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_pat
     # when it holds them all, e.g. after CI's `quack build`; else built here).
     settings.set_current(None)
     s = settings.resolve(cwd=ROOT)
-    from quack_build.common import load_kernels
-    from quack_build.manifest import expand
+    from quack_build.cli.context import load_kernels
+    from quack_build.manifest.read import expand
 
     load_kernels(s)
     configs = expand(s.manifest_paths(), archs=s.build_archs()).configs
@@ -197,7 +197,7 @@ def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_pat
 def test_actor_killed_mid_compile_is_retried_on_another_actor(cluster, tmp_path):
     proj, marks, env = slow_project(tmp_path, sleep=3)
     p = subprocess.Popen(
-        [sys.executable, "-m", "quack_build.cli", "build", "--executor", cluster, "--json"],
+        [sys.executable, "-m", "quack_build.cli.main", "build", "--executor", cluster, "--json"],
         cwd=proj,
         env=env,
         stdout=subprocess.PIPE,
@@ -257,7 +257,7 @@ params = { dtype = "float32", block = [32, 64] }
 def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path, busy_machine):
     proj, marks, env = slow_project(tmp_path, sleep=60)
     p = subprocess.Popen(
-        [sys.executable, "-m", "quack_build.cli", "build", "--executor", cluster, "-v"],
+        [sys.executable, "-m", "quack_build.cli.main", "build", "--executor", cluster, "-v"],
         cwd=proj,
         env=env,
         stdout=subprocess.PIPE,
@@ -268,7 +268,7 @@ def test_ctrl_c_kills_the_actors_and_leaves_no_partial_entry(cluster, tmp_path, 
         started = wait_for(lambda: sorted(marks.iterdir()), timeout=scaled(240))
         assert started, "no compile started"
         p.send_signal(signal.SIGINT)
-        # Within the interrupt's grace (quack_build.interrupts): past it the build stops itself.
+        # Within the interrupt's grace (quack_build.build.interrupts): past it the build stops itself.
         out, _ = p.communicate(timeout=scaled(60) + interrupts.GRACE_S)
     finally:
         if p.poll() is None:
@@ -343,8 +343,8 @@ def test_compile_past_the_time_out_kills_its_actor_and_fails_the_key(cluster, tm
 
 
 def test_toolchain_stamp_mismatch_is_refused_naming_both(cluster, tmp_path, monkeypatch):
-    from quack_build.cli import app
-    from quack_build.executors import ray_executor
+    from quack_build.build.executors.ray import executor as ray_executor
+    from quack_build.cli.app import app
 
     proj = write_project(tmp_path / "proj")
     monkeypatch.chdir(proj)
@@ -394,7 +394,7 @@ params = { dtype = "bfloat16", block = 64 }
     env["QUACK_BUILD_EXECUTOR"] = "ray"  # the setting, not the flag
     env.pop("RAY_ADDRESS", None)
     p = subprocess.Popen(
-        [sys.executable, "-m", "quack_build.cli", "build", "-j", "1", "--json"],
+        [sys.executable, "-m", "quack_build.cli.main", "build", "-j", "1", "--json"],
         cwd=proj,
         env=env,
         stdout=subprocess.PIPE,

@@ -21,7 +21,7 @@ from reliability_support import PY, QUACK, TESTS, debris, env, session_objects, 
 
 from quack.cache.store import DiskStore, EntryRef
 from quack.runtime import loader
-from quack_build.interrupts import GRACE_S
+from quack_build.build.interrupts import GRACE_S
 
 __all__ = ["busy_machine"]  # the fixture, used by name
 

@@ -14,7 +14,8 @@ import remote_services
 from remote_services import moto_s3, redis_server, silent_socket
 
 from quack.errors import RemoteError
-from quack.remote.backend import open_backend, redact
+from quack.remote.backend import open_backend
+from quack.remote.base import redact
 
 remote_services.require_modules("redis", "boto3", "moto")
 

@@ -309,15 +309,16 @@ def test_redis_stopped_mid_build(toy, keydir, tmp_path):
     import warnings
 
     from quack.cache.store import DiskStore
-    from quack_build import scheduler
-    from quack_build.manifest import expand
+    from quack_build.build import plan as planning
+    from quack_build.build import results, scheduler
+    from quack_build.manifest.read import expand
 
     with redis_server(tmp_path / "redis") as s:
         c = s.client()
         src_blobs = _toy_blobs(toy, keydir)
         for name in sorted(src_blobs)[:3]:
             c.set(name, src_blobs[name])
-        tier.forget_offline()
+        tier.reset_offline_for_tests()
         s_settings = settings.resolve(env=env_for(tmp_path / "c", s.url, keydir=keydir), cwd=toy["proj"])
         settings.set_current(s_settings)
         try:
@@ -325,23 +326,27 @@ def test_redis_stopped_mid_build(toy, keydir, tmp_path):
 
             configs = expand([toy["proj"] / "m.toml"], archs=("sm_90a",)).configs
             store = DiskStore(s_settings.cache_dir, fsync=False)
-            tasks = scheduler.plan(configs, store)
+            tasks = planning.plan(configs, store)
             remote = tier.from_settings(s_settings)
             with warnings.catch_warnings(record=True) as w:
                 warnings.simplefilter("always")
-                res = scheduler.run(
-                    tasks, store, jobs=2, remote=remote, settings=s_settings, on_pulled=lambda t: s.stop()
-                )
+                res = scheduler.BuildSession(
+                    tasks,
+                    store,
+                    scheduler.BuildOptions(
+                        jobs=2, remote=remote, settings=s_settings, on_pulled=lambda t: s.stop()
+                    ),
+                ).run()
             assert res.ok
             # Pulls run on a few threads: those in flight when Redis stopped may
             # have finished; every key is there, pulled or compiled.
-            hits, compiled = res.count(scheduler.REMOTE), res.count(scheduler.COMPILED)
+            hits, compiled = res.count(results.REMOTE), res.count(results.COMPILED)
             assert 1 <= hits <= 3 and hits + compiled == 6
             assert res.remote["errors"] >= 1 and res.remote_offline
             assert len([x for x in w if issubclass(x.category, tier.RemoteWarning)]) == 1
         finally:
             settings.set_current(None)
-            tier.forget_offline()
+            tier.reset_offline_for_tests()
 
 
 def _toy_blobs(toy, keydir) -> dict[str, bytes]:

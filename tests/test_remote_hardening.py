@@ -23,7 +23,7 @@ from quack.errors import RemoteError, RemoteWarning, SettingsError
 from quack.remote import file_backend, objects, tier
 from quack.remote.backend import open_backend
 from quack.runtime import tiers
-from quack_build import remote_sync
+from quack_build.build import remote as remote_sync
 
 remote_services.require_modules("redis", "boto3", "moto")
 
@@ -53,9 +53,9 @@ def bounded(fn, *args):
 
 @pytest.fixture(autouse=True)
 def _fresh_remote_state():
-    tier.forget_offline()
+    tier.reset_offline_for_tests()
     yield
-    tier.forget_offline()
+    tier.reset_offline_for_tests()
 
 
 @pytest.fixture
@@ -380,7 +380,7 @@ def test_pull_wait_ends_on_interrupt_while_a_fetch_hangs(fake_refs):
 
 
 def test_build_interrupted_during_the_pull_compiles_nothing(fake_refs):
-    from quack_build import scheduler
+    from quack_build.build import scheduler
 
     class InterruptingRemote:
         offline = False
@@ -397,7 +397,9 @@ def test_build_interrupted_during_the_pull_compiles_nothing(fake_refs):
             raise AssertionError("the build compiled after Ctrl-C in the pull")
 
     tasks = [_Task(i) for i in range(2)]
-    res = scheduler.run(tasks, None, jobs=1, remote=InterruptingRemote(), executor=NoExecutor())
+    res = scheduler.BuildSession(
+        tasks, None, scheduler.BuildOptions(jobs=1, remote=InterruptingRemote(), executor=NoExecutor())
+    ).run()
     assert res.interrupted and [t.status for t in tasks] == ["interrupted", "interrupted"]
 
 

@@ -42,7 +42,7 @@ def keydir(tmp_path_factory) -> Path:
 def toy_refs(proj: Path, cache: Path) -> list:
     """The (config, EntryRef) of every key of ``proj``'s manifest, as its build computes them."""
     from quack.compile import builder
-    from quack_build.manifest import expand
+    from quack_build.manifest.read import expand
 
     settings.set_current(settings.resolve(env=env_for(cache), cwd=proj))
     try:
@@ -52,7 +52,7 @@ def toy_refs(proj: Path, cache: Path) -> list:
         return [(c, builder.entry_ref(c.spec, c.params, c.arch)) for c in configs]
     finally:
         settings.set_current(None)
-        tier.forget_offline()
+        tier.reset_offline_for_tests()
 
 
 def test_fifo_at_object_names_build_compiles_with_one_warning(tmp_path, keydir):

@@ -33,9 +33,9 @@ def ref(i: int = 0, *, kernel: str = "toy_scale", srcfp: str = SRCFP) -> EntryRe
 
 @pytest.fixture(autouse=True)
 def _fresh_remote_state():
-    tier.forget_offline()
+    tier.reset_offline_for_tests()
     yield
-    tier.forget_offline()
+    tier.reset_offline_for_tests()
 
 
 @pytest.fixture
@@ -279,9 +279,9 @@ def test_from_settings(keyring, tmp_path):
     assert tier.from_settings(settings.resolve(env={}, cwd=tmp_path)) is None
     # The runtime's chain: remote after the local store (and bundles), before compiling.
     s = settings.resolve(env=env, cwd=tmp_path)
-    order = tiers.lookup_order(s)
-    assert order[:2] == ["memory", "local"] and order[-2:] == ["remote", "compile"]
-    assert "remote" not in tiers.lookup_order(settings.resolve(env={}, cwd=tmp_path))
+    order = [t.name for t in tiers.read_tiers(s)]
+    assert order[-1:] == ["remote"]
+    assert "remote" not in [t.name for t in tiers.read_tiers(settings.resolve(env={}, cwd=tmp_path))]
     with pytest.raises(settings.SettingsError, match="QUACK_REMOTE"):
         settings.resolve(env={"QUACK_REMOTE": "http://x"}, cwd=tmp_path)
     with pytest.raises(settings.SettingsError, match="QUACK_REMOTE_TIMEOUT"):
@@ -312,8 +312,8 @@ def test_summary_table_shows_the_remote():
 
     from rich.console import Console
 
-    from quack_build import display
-    from quack_build.scheduler import BuildResult
+    from quack_build.build import progress as display
+    from quack_build.build.results import BuildResult
 
     res = BuildResult(
         [],

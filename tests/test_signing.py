@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from quack import settings, signing
 from quack.errors import KeyFileError, QuackError, SignatureError
-from quack_build.cli import app
+from quack_build.cli.app import app
 
 runner = CliRunner()
 

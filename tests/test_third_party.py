@@ -68,7 +68,7 @@ def _tuple_kernel():
 
 
 def test_manifest_tuple_values_are_arrays_in_the_list_of_values(tmp_path):
-    from quack_build import manifest
+    from quack_build.manifest import read as manifest
 
     _tuple_kernel()
     m = tmp_path / "m.toml"
@@ -98,7 +98,7 @@ def test_compile_function_gets_the_arch_and_arch_rules_refuse():
 
 
 def test_manifest_expansion_refuses_an_arch_a_rule_forbids(tmp_path):
-    from quack_build import manifest
+    from quack_build.manifest import read as manifest
 
     _tuple_kernel()
     m = tmp_path / "m.toml"
@@ -186,9 +186,9 @@ def _plant_foreign(root):
 
 
 def test_stats_clean_verify_never_touch_a_foreign_tree(tmp_path):
-    from quack_build import inventory
-    from quack_build.cacheclean import clean
-    from quack_build.cachestats import summarize
+    from quack_build.cachedir import walk as inventory
+    from quack_build.cachedir.clean import clean
+    from quack_build.cachedir.stats import summarize
 
     root = tmp_path / "cache"
     foreign = _plant_foreign(root)

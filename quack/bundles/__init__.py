@@ -1,6 +1,6 @@
 """Deployment bundles: prebuilt kernels installed as Python distributions.
 
-``quack bundle`` (quack_build.bundle) writes a wheel whose package holds objects in
+``quack bundle`` (quack_build.bundle.wheel) writes a wheel whose package holds objects in
 the store's layout and an index (quack.bundles.index); once installed, the runtime
 finds it through the ``quack.bundles`` entry point group and uses it as a read-only
 tier after the local cache (quack.bundles.tier). Importing this package is cheap:

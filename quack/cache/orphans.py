@@ -1,7 +1,7 @@
 """The one routine that removes what interrupted writers left in a cache
 directory, and its one age rule. Used by ``DiskStore.sweep_debris``,
-``quack cache clean`` (quack_build.inventory) and ``quack build`` after Ctrl-C
-(quack_build.scheduler).
+``quack cache clean`` (quack_build.cachedir.walk) and ``quack build`` after Ctrl-C
+(quack_build.build.scheduler).
 
 The rule: a file an interrupted writer left is debris once it is at least
 ``grace`` seconds old and its writer is provably gone:

@@ -19,6 +19,8 @@ import time
 from typing import Any, Callable, Sequence
 
 from quack.compile import pool as _pool
+from quack.compile import scope
+from quack.compile.tasks import PENDING
 from quack.errors import CompileError, CompilePending
 
 
@@ -66,7 +68,7 @@ def autotune(
             errors.append((cfg, str(e)))
             return None, None
 
-    with _pool.pool_scope(pool) as p:
+    with scope.pool_scope(pool) as p:
         for cfg in configs:  # submit everything before benchmarking anything
             fn, pend = attempt(dict(cfg))
             if pend is not None:
@@ -81,7 +83,7 @@ def autotune(
             ready = []
             still = []
             for cfg, pend in waiting:
-                if p.state(pend.key, getattr(pend, "root", None)) == _pool.PENDING:
+                if p.state(pend.key, getattr(pend, "root", None)) == PENDING:
                     still.append((cfg, pend))
                     continue
                 fn, again = attempt(cfg)

@@ -31,8 +31,7 @@ collect, reap, time-outs, keys awaited elsewhere) are ``quack/compile/dispatch.p
 the worker process (its request, main loop and start) is
 ``quack/compile/worker.py``; the per-key states, outcomes and counters are
 ``quack/compile/tasks.py``; the scopes (``pool_scope``, ``suppress_pool``, the
-per-attempt records) are ``quack/compile/scope.py``. The names callers used to
-import from here still are."""
+per-attempt records) are ``quack/compile/scope.py``."""
 
 from __future__ import annotations
 
@@ -43,40 +42,10 @@ import time
 
 from quack.compile import external, tasks
 from quack.compile.dispatch import Dispatcher
-from quack.compile.external import lock_held
-from quack.compile.scope import (  # re-exported: callers import them from here
-    active_pool,
-    note_not_prebuilt,
-    note_pending,
-    pool_scope,
-    recording_not_prebuilt,
-    recording_pending,
-    suppress_pool,
-)
-from quack.compile.tasks import DONE, FAILED, NEW, PENDING, Task, TaskInfo
-from quack.compile.worker import WorkerRequest, masked_main, worker_build
+from quack.compile.tasks import DONE, FAILED, PENDING, Task, TaskInfo
+from quack.compile.worker import WorkerRequest
 
-__all__ = [
-    "DONE",
-    "FAILED",
-    "NEW",
-    "PENDING",
-    "CompilePool",
-    "TaskInfo",
-    "WorkerRequest",
-    "active_pool",
-    "configure_default",
-    "default_pool",
-    "lock_held",
-    "masked_main",
-    "note_not_prebuilt",
-    "note_pending",
-    "pool_scope",
-    "recording_not_prebuilt",
-    "recording_pending",
-    "suppress_pool",
-    "worker_build",
-]
+__all__ = ["CompilePool", "configure_default", "default_pool"]
 
 log = logging.getLogger("quack.pool")
 

@@ -15,8 +15,7 @@ own; a pending compile raised there reaches the test through autograd's own erro
 relay, and is recorded for the runner in any case.
 
 The functions that enter the scopes (``pool_scope``, ``suppress_pool``, the
-``recording_*`` blocks, ``note_*``, ``active_pool``) live here too;
-``quack.compile.pool`` re-exports them."""
+``recording_*`` blocks, ``note_*``, ``active_pool``) live here too."""
 
 from __future__ import annotations
 
@@ -157,7 +156,7 @@ def pool_scope(pool: CompilePool | None = None, *, root=None):
     """In this block a miss submits to ``pool`` and raises CompilePending at once
     (only for misses in cache ``root``, if given)."""
     if pool is None:
-        # Here, not at the top: the pool module imports this one (and re-exports these).
+        # Here, not at the top: a prebuilt hit never needs the pool module.
         from quack.compile.pool import default_pool
 
         pool = default_pool()

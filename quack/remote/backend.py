@@ -1,59 +1,10 @@
-"""The contract every remote backend implements, and the URL dispatch.
-
-A backend moves opaque bytes under names (``quack/v1/...``); it knows nothing
-of signatures, keys or the local store (quack.remote.tier does). Backends live
-one per module and import their client library lazily, so a process that never
-configures a remote never imports redis or boto3."""
+"""The URL dispatch: a remote URL -> its backend (the contract they implement is
+quack.remote.base). Backends live one per module and import their client library
+lazily, so a process that never configures a remote never imports redis or boto3."""
 
 from __future__ import annotations
 
-from typing import Protocol
-
-from quack.errors import RemoteError
-
-# Bounds on every network wait (issue 11): a dead host costs at most the
-# connect time-out once, then the remote is off for the process.
-CONNECT_TIMEOUT = 0.5
-OP_TIMEOUT = 5.0
-SCHEMES = ("redis", "rediss", "s3", "file")
-# The size caps (issue 30): what a backend reads for one object is bounded, and checked
-# before reading (STRLEN, ContentLength, fstat), so a hostile 200 MB value at an object's
-# name costs one small request, not the memory and time of downloading it. A compiled
-# kernel is tens of KB to a few MB; a header a few hundred bytes.
-MAX_BODY = 64 * 1024 * 1024  # the .o bytes of one object
-MAX_HEADER = 64 * 1024  # the signed header line (quack.remote.objects)
-MAX_VALUE = MAX_BODY + MAX_HEADER + 64  # a whole stored object: magic + header + newline + body
-
-
-class Backend(Protocol):
-    """Bytes in, bytes out, one object per name.
-
-    get(name): the object, or None if there is none.
-    put_if_absent(name, data): True if this call stored it, False if an
-      object was already there (first writer wins; it is not replaced).
-    exists(name): whether an object is stored under the name.
-    close(): release connections (idempotent).
-
-    Every method raises :class:`quack.errors.RemoteError` and nothing else for
-    a failure of the remote: ``reason`` ``unreachable`` / ``timeout`` (the
-    caller switches the remote off), ``full``, ``denied``, ``protocol``. The
-    backend never retries on its own: the caller decides."""
-
-    url: str
-    max_bytes: int
-
-    def get(self, name: str) -> bytes | None: ...
-    def put_if_absent(self, name: str, data: bytes) -> bool: ...
-    def exists(self, name: str) -> bool: ...
-    def close(self) -> None: ...
-
-
-def redact(url: str) -> str:
-    """The URL without a password, for messages and logs (one definition, shared with the
-    settings' error messages)."""
-    from quack.settings.fields import redact_url
-
-    return redact_url(url)
+from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, SCHEMES, Backend, redact
 
 
 def open_backend(
@@ -101,23 +52,3 @@ def _need(module: str, scheme: str) -> None:
         raise ImportError(
             f"the {scheme}:// remote cache needs the {module} package: pip install 'quack-cache[remote]'"
         )
-
-
-def too_large(url: str, name: str, size: int | None, limit: int) -> RemoteError:
-    """The refusal of a value over the cap; ``size`` None when only a bounded read found it."""
-    got = f"{size} bytes" if size is not None else "more than that"
-    return RemoteError(
-        f"remote cache {redact(url)}: {name} is {got}, over the {limit}-byte cap on an object; "
-        "refused unread",
-        url=redact(url),
-        reason="size",
-    )
-
-
-def unreachable(url: str, e: BaseException, reason: str = "unreachable") -> RemoteError:
-    return RemoteError(
-        f"remote cache {redact(url)} {'timed out' if reason == 'timeout' else 'unreachable'}: "
-        f"{type(e).__name__}: {e}",
-        url=redact(url),
-        reason=reason,
-    )

@@ -38,7 +38,7 @@ from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
 from quack.errors import RemoteError
-from quack.remote.backend import MAX_VALUE, OP_TIMEOUT, too_large
+from quack.remote.base import MAX_VALUE, OP_TIMEOUT, too_large
 
 MARKER = ".quack-remote"
 _FULL = (errno.ENOSPC, errno.EDQUOT)

@@ -35,7 +35,7 @@ import time
 
 from quack.cache import keys
 from quack.errors import ObjectRejected, SignatureError
-from quack.remote.backend import MAX_BODY, MAX_HEADER
+from quack.remote.base import MAX_BODY, MAX_HEADER
 from quack.signing import SigningKey, TrustedKeys
 
 MAGIC = b"QUACK-OBJECT 1\n"

@@ -8,7 +8,7 @@ once and the tier switches the remote off."""
 from __future__ import annotations
 
 from quack.errors import RemoteError
-from quack.remote.backend import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, redact, too_large, unreachable
+from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, redact, too_large, unreachable
 
 
 class RedisBackend:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from quack.errors import RemoteError
-from quack.remote.backend import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, too_large, unreachable
+from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, too_large, unreachable
 
 _ABSENT = ("NoSuchKey", "404", "NotFound")
 _EXISTS = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")

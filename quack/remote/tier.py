@@ -34,7 +34,8 @@ from quack.cache.contract import Fetched
 from quack.cache.entry import Entry, EntryRef
 from quack.errors import KeyFileError, ObjectRejected, RemoteError, RemoteWarning
 from quack.remote import objects
-from quack.remote.backend import CONNECT_TIMEOUT, Backend, open_backend, redact
+from quack.remote.backend import open_backend
+from quack.remote.base import CONNECT_TIMEOUT, Backend, redact
 from quack.remote.stats import STATS_FILE, Counters
 from quack.signing import SigningKey, TrustedKeys
 
@@ -314,8 +315,9 @@ def offline_reason(url: str) -> str:
         return _offline.get(url, "")
 
 
-def forget_offline() -> None:
-    """Tests: switch every remote back on and re-arm the once-only warnings."""
+def reset_offline_for_tests() -> None:
+    """For tests and benchmarks only (a process that turned a remote off keeps it off, by
+    design): switch every remote back on and re-arm the once-only warnings."""
     with _state_lock:
         _offline.clear()
         _warned.clear()

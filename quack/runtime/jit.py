@@ -14,13 +14,13 @@ import atexit
 import functools
 import logging
 import threading
-import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
 from quack.errors import CacheError, CacheWarning, CompileError, EntryVanished
 from quack.runtime import _generation
+from quack.runtime.loaded import Loaded, load
 
 # Importing a kernel module runs only @jit_cache, which needs the registry; the settings,
 # the store, the loader, the tier chain and the journal are imported on the first call
@@ -32,36 +32,6 @@ if TYPE_CHECKING:
 
 _ALL: list["JitKernel"] = []
 log = logging.getLogger("quack.jit")
-
-
-class Loaded:
-    """One loaded kernel in this process, with its usage counters."""
-
-    __slots__ = (
-        "fn",
-        "module",
-        "key",
-        "params",
-        "arch",
-        "hits",
-        "misses",
-        "compiles",
-        "load_s",
-        "compile_s",
-        "how",
-        "tier",
-        "waits",
-        "wait_s",
-    )
-
-    def __init__(self, fn, module, key, params, arch, how, tier="cache"):
-        self.fn, self.module, self.key, self.params, self.arch, self.how = fn, module, key, params, arch, how
-        self.tier = tier  # where it came from: "cache", "bundle:<name>" or "compile"
-        self.hits = self.misses = self.compiles = 0
-        self.load_s = self.compile_s = 0.0
-        # A miss another process (or worker) was already compiling: waited for, not compiled.
-        self.waits = 0
-        self.wait_s = 0.0
 
 
 class JitKernel:
@@ -238,22 +208,6 @@ class JitKernel:
                 }
             )
         return out
-
-
-def load(store, entry, params, key, arch, *, miss: bool) -> Loaded:
-    """Load a store's entry (its use touched for eviction), counted as a hit or a miss."""
-    from quack.runtime import loader
-
-    t0 = time.perf_counter()
-    fn, module, how = loader.load_entry(store, entry)
-    store.touch(entry)
-    loaded = Loaded(fn, module, key, params, arch, how)
-    loaded.load_s = time.perf_counter() - t0
-    if miss:
-        loaded.misses = 1
-    else:
-        loaded.hits = 1
-    return loaded
 
 
 def jit_cache(

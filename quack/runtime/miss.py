@@ -29,7 +29,7 @@ from quack.errors import (
     KernelNotPrebuilt,
     LockTimeout,
 )
-from quack.runtime.jit import Loaded, load
+from quack.runtime.loaded import Loaded, load
 
 if TYPE_CHECKING:
     from quack.runtime.jit import JitKernel
@@ -210,9 +210,9 @@ def not_prebuilt(k: JitKernel, params, key, s, reason: str):
         ),
         reason=reason,
     )
-    from quack.compile import pool as _pool  # on a miss only: a hit never needs the pool
+    from quack.compile import scope  # on a miss only: a hit never needs the pool
 
-    _pool.note_not_prebuilt(err, s)
+    scope.note_not_prebuilt(err, s)
     raise err
 
 
@@ -226,26 +226,28 @@ def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
     key: ``compiled`` False when another process built it) or (None, None)."""
     from quack import settings as _settings
     from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
+    from quack.compile import scope
+    from quack.compile.tasks import DONE, FAILED, NEW
 
     s = _settings.get()
-    pool = _pool.active_pool(s.cache_dir)
+    pool = scope.active_pool(s.cache_dir)
     scoped = pool is not None
     if pool is None:
         pool = _pool.default_pool()
     root = s.cache_dir
     for _ in range(3):
         st, err = settle_in_pool(k, pool, scoped, params, key, arch, s)
-        if st == _pool.FAILED:
+        if st == FAILED:
             pool.forget(key, root)  # reported once; a later call may retry
             worker_failed(k, err, params, key, arch)
             return None, None
-        if st == _pool.DONE:
+        if st == DONE:
             entry = store.lookup(ref)
             if entry is not None:
                 return entry, pool.report(key, root)
             # Done, yet no valid entry (cleaned, or quarantined as corrupt): build again.
             pool.forget(key, root)
-            if pool.state(key, root) != _pool.NEW:
+            if pool.state(key, root) != NEW:
                 break
     warnings.warn(
         f"quack: the pool reported {k.spec.name} key {key[:16]} done but the cache "
@@ -261,20 +263,21 @@ def settle_in_pool(
 ) -> tuple[str, BaseException | None]:
     """Submit the key unless the pool has it, then wait until it is no longer pending
     (state, error); in a pool_scope a pending key raises CompilePending instead."""
-    from quack.compile import pool as _pool
+    from quack.compile import scope
+    from quack.compile.tasks import NEW, PENDING
 
     root = s.cache_dir
     st, err = pool.poll(key, root)
-    if st == _pool.NEW:
+    if st == NEW:
         st = pool.submit(k.spec, params, arch, key, settings=s)
-        if st != _pool.PENDING:  # settled at once (a shut-down pool): its error with it
+        if st != PENDING:  # settled at once (a shut-down pool): its error with it
             st, err = pool.poll(key, root)
-    if st == _pool.PENDING:
+    if st == PENDING:
         if scoped:
             exc = CompilePending(k.spec.name, key)
             exc.root = str(root)
             exc.pool = pool
-            _pool.note_pending(exc)
+            scope.note_pending(exc)
             raise exc
         st, err = pool.wait(key, root=root)
     return st, err

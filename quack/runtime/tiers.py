@@ -58,6 +58,8 @@ def register_tier(name: str, factory: TierFactory, *, order: int) -> None:
 
 
 def unregister_tier(name: str) -> None:
+    """Remove the tier ``name`` (if registered): the undo of ``register_tier``, for code
+    that adds a tier for a while (a plugin's teardown, a test's)."""
     with _lock:
         _registry.pop(name, None)
         _built.clear()
@@ -88,11 +90,6 @@ def read_tiers(settings: Settings) -> tuple[ReadTier, ...]:
     with _lock:
         _built[id(settings)] = (settings, out)
     return out
-
-
-def lookup_order(settings: Settings) -> list[str]:
-    """The chain's tier names for ``settings`` (for logs, docs and tests)."""
-    return ["memory", "local", *(t.name for t in read_tiers(settings)), "compile"]
 
 
 def fetch_into(store: Store, ref: EntryRef, tiers: tuple[ReadTier, ...]) -> tuple[Entry | None, str]:

@@ -104,7 +104,7 @@ class PendingHooks:
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item, nextitem):
         # Teardown never defers: a miss there waits for its compile.
-        from quack.compile.pool import suppress_pool
+        from quack.compile.scope import suppress_pool
 
         with suppress_pool():
             return (yield)

@@ -85,7 +85,6 @@ class Runner:
     def _protocol(self, item, nextitem, sync: bool):
         from _pytest.runner import runtestprotocol
 
-        from quack.compile import pool as _pool
         from quack.compile import scope
 
         self._fix_setupstate(item)
@@ -101,11 +100,11 @@ class Runner:
                 self.misses = stack.enter_context(self.strict.attempt())
             try:
                 if self.deferring and not sync:
-                    with _pool.pool_scope(self.pool, root=self.scope_root):
-                        with _pool.recording_pending() as log:  # inside: pool_scope masks it
+                    with scope.pool_scope(self.pool, root=self.scope_root):
+                        with scope.recording_pending() as log:  # inside: pool_scope masks it
                             reports = runtestprotocol(item, nextitem=nextitem, log=False)
                 else:
-                    with _pool.suppress_pool():
+                    with scope.suppress_pool():
                         reports = runtestprotocol(item, nextitem=nextitem, log=False)
             finally:
                 self.misses = None
@@ -193,11 +192,11 @@ class Runner:
         return self.interactor
 
     def _ready(self, pending) -> bool:
-        from quack.compile import pool as _pool
+        from quack.compile.tasks import PENDING
 
         pool = getattr(pending, "pool", None) or self.pool
         assert pool is not None  # a pending compile always has its pool
-        return pool.state(pending.key, getattr(pending, "root", None)) != _pool.PENDING
+        return pool.state(pending.key, getattr(pending, "root", None)) != PENDING
 
     # single process: our own loop ----------------------------------------------------------------
     @pytest.hookimpl(tryfirst=True)

@@ -52,10 +52,10 @@ class StrictMode:
     @contextlib.contextmanager
     def attempt(self) -> Iterator[list]:
         """Around one test attempt: records the prebuilt-mode misses."""
-        from quack.compile import pool
+        from quack.compile import scope
 
         self.ensure()
-        with pool.recording_not_prebuilt() as misses:
+        with scope.recording_not_prebuilt() as misses:
             yield misses
 
     def check(self, rep: Any, misses: list) -> bool:

@@ -33,7 +33,7 @@ def test_readme_command2_manifests_hold_every_configuration_the_gpu_tests_reques
     from _requests import requested
 
     from quack import registry, settings
-    from quack_build.manifest import expand
+    from quack_build.manifest.read import expand
 
     registry.load_packages(settings.get().kernel_packages)
     paths = [os.path.join(ROOT, p) for p in readme_command2_manifests()]

@@ -1,0 +1,77 @@
+"""The contract every remote backend implements: the ``Backend`` protocol, the bounds on
+its waits and sizes, and the errors it raises (``too_large``, ``unreachable``).
+
+A backend moves opaque bytes under names (``quack/v1/...``); it knows nothing
+of signatures, keys or the local store (quack.remote.tier does). Kept apart from the
+URL dispatch (quack.remote.backend) so that the backends import the contract without
+importing the module that imports them."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from quack.errors import RemoteError
+
+# Bounds on every network wait (issue 11): a dead host costs at most the
+# connect time-out once, then the remote is off for the process.
+CONNECT_TIMEOUT = 0.5
+OP_TIMEOUT = 5.0
+SCHEMES = ("redis", "rediss", "s3", "file")
+# The size caps (issue 30): what a backend reads for one object is bounded, and checked
+# before reading (STRLEN, ContentLength, fstat), so a hostile 200 MB value at an object's
+# name costs one small request, not the memory and time of downloading it. A compiled
+# kernel is tens of KB to a few MB; a header a few hundred bytes.
+MAX_BODY = 64 * 1024 * 1024  # the .o bytes of one object
+MAX_HEADER = 64 * 1024  # the signed header line (quack.remote.objects)
+MAX_VALUE = MAX_BODY + MAX_HEADER + 64  # a whole stored object: magic + header + newline + body
+
+
+class Backend(Protocol):
+    """Bytes in, bytes out, one object per name.
+
+    get(name): the object, or None if there is none.
+    put_if_absent(name, data): True if this call stored it, False if an
+      object was already there (first writer wins; it is not replaced).
+    exists(name): whether an object is stored under the name.
+    close(): release connections (idempotent).
+
+    Every method raises :class:`quack.errors.RemoteError` and nothing else for
+    a failure of the remote: ``reason`` ``unreachable`` / ``timeout`` (the
+    caller switches the remote off), ``full``, ``denied``, ``protocol``. The
+    backend never retries on its own: the caller decides."""
+
+    url: str
+    max_bytes: int
+
+    def get(self, name: str) -> bytes | None: ...
+    def put_if_absent(self, name: str, data: bytes) -> bool: ...
+    def exists(self, name: str) -> bool: ...
+    def close(self) -> None: ...
+
+
+def redact(url: str) -> str:
+    """The URL without a password, for messages and logs (one definition, shared with the
+    settings' error messages)."""
+    from quack.settings.fields import redact_url
+
+    return redact_url(url)
+
+
+def too_large(url: str, name: str, size: int | None, limit: int) -> RemoteError:
+    """The refusal of a value over the cap; ``size`` None when only a bounded read found it."""
+    got = f"{size} bytes" if size is not None else "more than that"
+    return RemoteError(
+        f"remote cache {redact(url)}: {name} is {got}, over the {limit}-byte cap on an object; "
+        "refused unread",
+        url=redact(url),
+        reason="size",
+    )
+
+
+def unreachable(url: str, e: BaseException, reason: str = "unreachable") -> RemoteError:
+    return RemoteError(
+        f"remote cache {redact(url)} {'timed out' if reason == 'timeout' else 'unreachable'}: "
+        f"{type(e).__name__}: {e}",
+        url=redact(url),
+        reason=reason,
+    )

@@ -1,0 +1,139 @@
+"""Reaching a Ray cluster for ``quack build``: importing ray (the optional ``[ray]`` extra),
+the address check, the connection, and the code the actors need (shipped as
+``runtime_env.py_modules``)."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+from quack.errors import ExecutorError
+from quack_build.build.executors.base import RAY_INSTALL_HINT
+
+CONNECT_TIMEOUT_S = 5.0  # reaching a cluster's address; an unreachable one fails fast
+# What every actor runs with: GPU-blind, no second (hidden) CuTe DSL cache, no forkserver preload.
+ACTOR_ENV = {"CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_DISABLE_FILE_CACHING": "1", "QUACK_NO_PRELOAD": "1"}
+
+
+def import_ray(local_only: bool = False):
+    """``ray``, or ExecutorError with the install line. ``local_only``: the build starts its
+    own single-host instance; keep all of it on 127.0.0.1 (Ray otherwise binds the host's
+    outward IP). Read by Ray when it is first imported, so set before."""
+    if local_only and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    try:
+        import ray
+    except ImportError:
+        raise ExecutorError(RAY_INSTALL_HINT, executor="ray") from None
+    return ray
+
+
+def first_line(e: BaseException) -> str:
+    lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
+    return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:300]
+
+
+def probe(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
+    """A TCP connect to the cluster's HOST:PORT, so an unreachable address fails in
+    seconds with a clear message (Ray's own connect retries for a minute or more).
+    Raises ExecutorError."""
+    hostport = address[len("ray://") :] if address.startswith("ray://") else address
+    host, _, port = hostport.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout).close()
+    except (OSError, ValueError) as e:
+        why = "timed out" if isinstance(e, socket.timeout) else (getattr(e, "strerror", None) or str(e))
+        raise ExecutorError(
+            f"cannot reach the Ray cluster at {address}: {why} (within {timeout:.0f} s). Is it running "
+            f"(`ray start --head` on that host; Ray Client listens on 10001, the GCS on 6379) and is "
+            f"the port open from here? To build on this host instead: --executor local",
+            executor="ray",
+            address=address,
+        ) from None
+
+
+def stage_packages(names) -> tuple[str, list[str]]:
+    """Copy each package (or one-file module) under its import name into a new temp
+    directory; returns (the directory, the paths to ship). Ray names a shipped module
+    after its directory, and an installed package may live in a folder of another name
+    (kernels/ installs as quack_kernels). Raises ExecutorError naming the package."""
+    stage = tempfile.mkdtemp(prefix="quack-ray-ship-")
+    out = []
+    try:
+        for name in names:
+            try:
+                mod = importlib.import_module(name)
+                paths = list(getattr(mod, "__path__", None) or [mod.__file__])
+                if len(paths) != 1 or not paths[0]:
+                    raise ValueError(f"a namespace package spread over {len(paths)} directories")
+                src = Path(paths[0])
+                if src.is_dir():
+                    dst = Path(stage) / name
+                    shutil.copytree(
+                        src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o")
+                    )
+                else:
+                    dst = Path(stage) / f"{name}.py"
+                    shutil.copyfile(src, dst)
+            except Exception as e:  # noqa: BLE001
+                raise ExecutorError(
+                    f"cannot ship the package {name!r} ([build] kernel_packages) to the "
+                    f"Ray actors: {first_line(e)}",
+                    executor="ray",
+                ) from None
+            out.append(str(dst))
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return stage, out
+
+
+def connect(
+    ray, target: str, *, num_cpus: int | None, runtime_env: dict, connect_timeout: float = CONNECT_TIMEOUT_S
+) -> str:
+    """``ray.init`` for ``target`` ("ray": a new local instance, or RAY_ADDRESS when set;
+    "auto"; "ray://HOST:PORT"; "HOST:PORT") with the job's runtime_env; returns the
+    address to show. Raises ExecutorError (unreachable, already connected, Ray's error)."""
+    if ray.is_initialized():
+        # Code ships with the job's runtime_env, which only ray.init sets: a process
+        # already connected can't give its actors our packages.
+        raise ExecutorError(
+            "this process is already connected to Ray; quack build connects by "
+            "itself (call ray.shutdown() first, or run `quack build` in its own "
+            "process)",
+            executor="ray",
+        )
+    # RAY_ADDRESS is Ray's own setting (not quack's): `--executor ray` honours it as ray.init() does.
+    env_addr = os.environ.get("RAY_ADDRESS", "")
+    address = (env_addr or None) if target == "ray" else target
+    if address and address != "auto":
+        probe(address, connect_timeout)
+    kw = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
+    try:
+        if address is None:
+            ray.init(
+                address="local",
+                num_cpus=num_cpus or os.cpu_count() or 1,
+                _node_ip_address="127.0.0.1",
+                include_dashboard=False,
+                **kw,
+            )
+        else:
+            ray.init(address=address, **kw)
+    except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError...
+        where = address or "a new local instance"
+        raise ExecutorError(
+            f"cannot start Ray ({where}): {first_line(e)}", executor="ray", address=address or ""
+        ) from None
+    if address and address != "auto":
+        return address
+    try:
+        return ray.get_runtime_context().gcs_address
+    except Exception:  # noqa: BLE001
+        return address or "?"

@@ -1,0 +1,173 @@
+"""``quack prewarm``: rebuild, for the current fingerprint, the configurations the
+usage journal shows were used recently (most used first), so the next run
+after an edit starts warm; optionally write them out as a manifest."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from quack import registry
+from quack.cache import fsutil, journal
+from quack.errors import ParamError, UnknownKernel
+from quack.settings import KNOWN_ARCHS
+from quack_build.manifest.config import BuildConfig
+
+
+def usage(records: list[dict]) -> list[dict]:
+    """Aggregate journal records per (kernel, arch, params): uses, last seen."""
+    agg: dict[tuple, dict] = {}
+    for r in records:
+        kernel, arch, params = r.get("kernel"), r.get("arch"), r.get("params")
+        if not isinstance(kernel, str) or not isinstance(arch, str) or not isinstance(params, dict):
+            continue
+        if r.get("where") == "build":
+            continue  # a `quack build` compile, not a use
+        ident = (kernel, arch, repr(sorted(params.items())))
+        a = agg.setdefault(
+            ident, {"kernel": kernel, "arch": arch, "params": params, "uses": 0, "compiles": 0, "last": 0.0}
+        )
+        for f in ("hits", "misses"):
+            v = r.get(f, 0)
+            a["uses"] += v if isinstance(v, int) else 0
+        a["compiles"] += r.get("compiles", 0) if isinstance(r.get("compiles"), int) else 0
+        t = r.get("t", 0.0)
+        a["last"] = max(a["last"], t if isinstance(t, (int, float)) else 0.0)
+    return sorted(agg.values(), key=lambda a: (-a["uses"], -a["last"]))
+
+
+def configs_from_usage(used: list[dict]) -> tuple[list[BuildConfig], list[str]]:
+    out, skipped = [], []
+    seen = set()
+    for u in used:
+        try:
+            spec = registry.get(u["kernel"])
+            bound = spec.bind((), u["params"])
+        except UnknownKernel:
+            skipped.append(f"{u['kernel']}: no longer registered")
+            continue
+        except ParamError as e:
+            skipped.append(f"{u['kernel']} {u['params']}: parameters no longer valid ({e})")
+            continue
+        if u["arch"] not in KNOWN_ARCHS:
+            skipped.append(f"{u['kernel']}: unknown arch {u['arch']!r}")
+            continue
+        key = spec.key(bound, u["arch"])
+        if key in seen:
+            continue
+        seen.add(key)
+        out.append(BuildConfig(spec.name, bound, u["arch"], key, "journal", spec))
+    return out, skipped
+
+
+def emit(path: Path, configs: list[BuildConfig]) -> None:
+    import tomli_w
+
+    from quack.manifest_line import manifest_entries
+
+    doc = manifest_entries((c.kernel, c.params, c.arch) for c in configs)
+    text = (
+        "# Written by `quack prewarm --emit-manifest`: the configurations used recently,\n"
+        "# most used first. Build with: quack build " + str(path) + "\n" + tomli_w.dumps(doc)
+    )
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.write_atomic(path.absolute(), text.encode(), fsync=False)
+
+
+def prewarm(
+    s,
+    store,
+    *,
+    since_s: float | None,
+    top: int | None,
+    emit_manifest: Path | None,
+    jobs: int,
+    dry_run: bool,
+    as_json: bool,
+    console,
+    emit_json,
+) -> int:
+    from quack_build.build import plan as planning
+    from quack_build.build import progress as display
+    from quack_build.build import results, scheduler
+
+    t0 = time.time()
+    records = journal.read(Path(s.cache_dir), since=(time.time() - since_s) if since_s else 0.0)
+    used = usage(records)
+    configs, skipped = configs_from_usage(used)
+    if top:
+        configs = configs[:top]
+    for m in skipped:
+        console.print(f"skipped: {m}", markup=False)
+    if emit_manifest:
+        if not configs:  # `kernel = []` is no manifest: nothing written, and say why
+            console.print(
+                f"prewarm: nothing to emit: the usage journal of {s.cache_dir} has no "
+                f"configuration used"
+                + (" in that period (--since)" if since_s else "")
+                + f" ({len(records)} records); {emit_manifest} was not written",
+                markup=False,
+            )
+            return 1
+        emit(emit_manifest, configs)
+        console.print(f"wrote {len(configs)} configurations to {emit_manifest}", markup=False)
+    tasks = planning.plan(configs, store)
+    todo = [t for t in tasks if t.status != results.CACHED]
+    if dry_run or not todo:
+        if as_json:
+            emit_json(
+                {
+                    "dry_run": dry_run,
+                    "records": len(records),
+                    "configurations": len(configs),
+                    "cached": len(tasks) - len(todo),
+                    "to_compile": len(todo),
+                    "skipped": skipped,
+                    "keys": [t.to_json() for t in tasks],
+                }
+            )
+        else:
+            for t in todo:
+                console.print(f"rebuild  {t.cfg.label()}", markup=False, soft_wrap=True)
+            console.print(
+                f"prewarm: {len(records)} journal records, {len(configs)} configurations used, "
+                f"{len(tasks) - len(todo)} cached, {len(todo)} to rebuild"
+                + (" (dry run)" if dry_run and todo else ""),
+                markup=False,
+            )
+        return 0
+    rep = display.make_reporter(console)
+    remote = None
+    if s.remote_url:  # what CI already built for the new fingerprint is pulled, not rebuilt
+        from quack.remote import tier
+
+        remote = tier.from_settings(s)
+    try:
+        res = scheduler.BuildSession(
+            tasks,
+            store,
+            scheduler.BuildOptions(
+                jobs=jobs,
+                reporter=rep,
+                keep_going=True,
+                log_dir=Path(s.cache_dir) / "logs",
+                plan_s=time.time() - t0,
+                order="given",
+                settings=s,
+                remote=remote,
+            ),
+        ).run()
+    finally:
+        if remote is not None:
+            remote.record(Path(s.cache_dir))
+            remote.close()
+    display.print_summary(console, res)
+    if as_json:
+        out = res.to_json()
+        out["skipped"] = skipped
+        emit_json(out)
+    if res.interrupted:
+        return 130
+    return 0 if res.ok else 1

@@ -1,0 +1,187 @@
+"""``quack build``: expand the manifests, plan, compile what is missing through the chosen
+executor, print the summary (``--json``, ``--trace``); ``--dry-run`` goes to
+quack_build.build.dry_run. Registered on the typer app by quack_build.cli.app (``register``)."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
+from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
+from quack_build.cli.run import expand_manifests, local_store, manifest_paths, remote_tier, run_command
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(build)
+
+
+def _check_executor(value: Optional[str]) -> Optional[str]:
+    if value is None:
+        return None
+    from quack.settings import check_executor
+
+    try:
+        return check_executor(value)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
+
+
+def build(
+    manifests: List[Path] = manifests_argument(),
+    jobs: Optional[int] = typer.Option(
+        None,
+        "--jobs",
+        "-j",
+        min=1,
+        help="Compile workers, at least 1 (default: [build] jobs, else CPU count).",
+    ),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."
+    ),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", "-n", help="List what would compile and what is cached."
+    ),
+    keep_going: bool = typer.Option(False, "--keep-going", "-k", help="Go on after a failed compile."),
+    force: bool = typer.Option(False, "--force", help="Rebuild even what is cached."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout (progress on stderr)."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace-event JSON file."),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
+    verbose: bool = typer.Option(
+        False,
+        "--verbose",
+        "-v",
+        help="Also list cached and started keys, and the files and distributions each kernel's "
+        "fingerprint covers.",
+    ),
+    executor: Optional[str] = typer.Option(
+        None,
+        "--executor",
+        callback=_check_executor,
+        help="Where to compile: local (default: this host's worker pool), ray (a Ray instance started "
+        "for the build), auto (the running Ray cluster, or RAY_ADDRESS), ray://HOST:PORT or "
+        "HOST:PORT (a Ray cluster). Default: [build] executor / QUACK_BUILD_EXECUTOR.",
+    ),
+):
+    """Compile the manifests' configurations into the cache, in parallel."""
+    run_command(
+        lambda: run_build(
+            manifests or [],
+            jobs,
+            arch or [],
+            dry_run,
+            keep_going,
+            force,
+            as_json,
+            trace,
+            cache_dir,
+            max_configs,
+            verbose,
+            executor,
+        )
+    )
+
+
+def run_build(
+    manifests,
+    jobs,
+    arch,
+    dry_run,
+    keep_going,
+    force,
+    as_json,
+    trace,
+    cache_dir,
+    max_configs,
+    verbose,
+    executor=None,
+) -> int:
+    from quack.errors import CacheError, ExecutorError
+    from quack_build.build import executors, scheduler
+    from quack_build.build import plan as planning
+    from quack_build.build import progress as display
+    from quack_build.build import trace as tracing
+
+    t0 = time.time()
+    s = cli_settings(cache_dir, jobs, executor, manifests)
+    load_kernels(s)
+    con = console(to_stderr=as_json)
+    if dry_run:
+        from quack_build.build import dry_run as dryrun
+
+        paths = manifest_paths(s, manifests)
+        store = local_store(s)
+        return dryrun.run(
+            s,
+            paths,
+            arch=arch,
+            max_configs=max_configs,
+            store=store,
+            con=con,
+            force=force,
+            as_json=as_json,
+            verbose=verbose,
+        )
+    exp = expand_manifests(s, manifests, arch, max_configs)
+    for w in exp.warnings:
+        con.print(f"warning: {w}", markup=False)
+    if verbose:
+        from quack_build.build import sourcelist
+
+        sourcelist.print_sources(con, (c.kernel for c in exp.configs))
+    store = local_store(s)
+    try:
+        tasks = planning.plan(exp.configs, store, force=force)
+    except (CacheError, OSError) as e:
+        raise Fail(f"error: cache {s.cache_dir}: {e}") from None
+    plan_s = time.time() - t0
+    n_jobs = s.effective_jobs(jobs)
+    try:
+        ex = executors.create(s, jobs=jobs or s.jobs or None, store=store)
+    except ExecutorError as e:
+        raise Fail(f"error: {e}") from None
+    rep = display.make_reporter(con, verbose=verbose)
+    remote = remote_tier(s)
+    # --json: stdout carries the JSON only; what others print there meanwhile (Ray's driver
+    # prints its cluster's error messages on sys.stdout) goes to stderr.
+    quiet_stdout = contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext()
+    try:
+        with quiet_stdout:
+            res = scheduler.BuildSession(
+                tasks,
+                store,
+                scheduler.BuildOptions(
+                    jobs=n_jobs,
+                    reporter=rep,
+                    keep_going=keep_going,
+                    force=force,
+                    log_dir=Path(s.cache_dir) / "logs",
+                    plan_s=plan_s,
+                    settings=s,
+                    remote=remote,
+                    executor=ex,
+                ),
+            ).run()
+    except ExecutorError as e:
+        raise Fail(f"error: {e}") from None
+    finally:
+        if remote is not None:
+            remote.record(Path(s.cache_dir))
+            remote.close()
+    if trace:
+        tracing.write_trace(trace, res, res.t0)
+        res.trace_path = str(trace)
+    display.print_summary(con, res)
+    if trace:
+        con.print(f"trace: {trace} (open in ui.perfetto.dev)", markup=False)
+    if as_json:
+        emit_json(res.to_json())
+    if res.interrupted:
+        return 130  # 143 after SIGTERM: quack_build.cli.main.main maps it (quack_build.build.interrupts)
+    return 0 if res.ok else 1

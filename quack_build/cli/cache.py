@@ -1,0 +1,206 @@
+"""The typer commands of ``quack cache``: stats (rendered by quack_build.cachedir.stats_view, which
+the typer-free fast path of quack_build.cli.main shares), clean, pull and push. Registered
+on the ``cache`` sub-app by quack_build.cli.app (``register``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from quack_build.cli import context as _common
+from quack_build.cli.context import Fail, cli_settings, console, current_srcfps, emit_json, load_kernels
+from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
+from quack_build.cli.run import expand_manifests, local_store, remote_tier, run_command
+
+
+def register(cache_app: typer.Typer) -> None:
+    cache_app.command("stats")(cache_stats)
+    cache_app.command("clean")(cache_clean)
+    cache_app.command("pull")(cache_pull)
+    cache_app.command("push")(cache_push)
+
+
+def cache_stats(
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    top: int = typer.Option(10, "--top", min=0, help="How many of the slowest compiles to list."),
+):
+    """Entries and bytes per fingerprint (current vs stale) and kernel; usage from the journal."""
+    run_command(lambda: _common.stats(as_json, cache_dir, top))
+
+
+def cache_clean(
+    remove_all: bool = typer.Option(False, "--all", help="Remove every entry (entries in use are skipped)."),
+    max_size: Optional[str] = typer.Option(
+        None, "--max-size", help="Shrink to this size, least recently used first (e.g. 5G)."
+    ),
+    older_than: Optional[str] = typer.Option(
+        None, "--older-than", help="Remove entries unused for this long (e.g. 30d, 12h)."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="List every file removed."),
+):
+    """Remove stale fingerprints, quarantined entries and debris (safe while the cache is in use)."""
+    run_command(lambda: _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbose))
+
+
+def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbose) -> int:
+    from quack_build.cachedir import clean as cacheclean
+    from quack_build.cachedir import units
+
+    try:
+        ms = units.parse_size(max_size) if max_size is not None else None
+        age = units.parse_age(older_than) if older_than is not None else None
+    except ValueError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from None
+    s = cli_settings(cache_dir)
+    _common.check_root(s.cache_dir)
+    load_kernels(s, required=False)
+    con = console(to_stderr=as_json)
+    if not Path(s.cache_dir).is_dir():
+        if as_json:
+            emit_json({"removed": 0, "freed_bytes": 0, "busy": 0, "dry_run": dry_run})
+        else:
+            con.print(f"cache {s.cache_dir} does not exist: nothing to clean", markup=False)
+        return 0
+
+    def log(r):
+        if verbose:
+            con.print(
+                f"{'would remove' if dry_run else 'removed'} {r.path} ({r.why})", markup=False, soft_wrap=True
+            )
+
+    rep = cacheclean.clean(
+        s.cache_dir,
+        current_srcfps(),
+        remove_all=remove_all,
+        max_size=ms,
+        older_than=age,
+        dry_run=dry_run,
+        log=log,
+    )
+    by_why: dict = {}
+    for r in rep.removed:
+        d = by_why.setdefault(r.why, [0, 0])
+        d[0] += 1
+        d[1] += r.bytes
+    if as_json:
+        emit_json(
+            {
+                "dry_run": dry_run,
+                "removed": len(rep.removed),
+                "freed_bytes": rep.freed,
+                "by_reason": {k: {"files": v[0], "bytes": v[1]} for k, v in by_why.items()},
+                "busy": [str(p) for p, _ in rep.busy],
+                "errors": [f"{p}: {e}" for p, e in rep.errors],
+            }
+        )
+    else:
+        verb = "would free" if dry_run else "freed"
+        for why, (n, b) in sorted(by_why.items()):
+            con.print(f"  {n:>6} files  {units.human_bytes(b):>10}  {why}", markup=False)
+        con.print(
+            f"{verb} {units.human_bytes(rep.freed)} ({len(rep.removed)} files) in {s.cache_dir}",
+            markup=False,
+        )
+        if rep.busy:
+            con.print(f"skipped {len(rep.busy)} in use by other processes", markup=False)
+        for p, err in rep.errors:
+            con.print(f"error: {p}: {err}", markup=False)
+    return 1 if rep.errors else 0
+
+
+def cache_pull(
+    manifests: List[Path] = manifests_argument(),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="For this arch instead of the manifests' (repeatable)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
+):
+    """Fetch the manifests' configurations missing locally from the remote cache (signatures verified)."""
+    run_command(lambda: _sync("pull", manifests or [], arch or [], as_json, cache_dir, max_configs))
+
+
+def cache_push(
+    manifests: List[Path] = manifests_argument(),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="For this arch instead of the manifests' (repeatable)."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
+):
+    """Sign and upload the manifests' configurations from the local cache to the remote (needs write = true and a signing key)."""
+    run_command(lambda: _sync("push", manifests or [], arch or [], as_json, cache_dir, max_configs))
+
+
+def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
+    from quack.errors import KeyFileError
+    from quack.remote.tier import offline_reason as remote_offline_reason
+    from quack_build.build import remote as remote_sync
+
+    # quack.toml from the first manifest's directory, as `quack build` finds it: a project's
+    # [remote] and kernel_packages must not depend on where the command is run from.
+    s = cli_settings(cache_dir, manifests=manifests)
+    if not s.remote_url:
+        raise Fail(
+            "error: no remote cache configured: set QUACK_REMOTE or [remote] url in quack.toml "
+            "(redis://host:port/db, s3://bucket/prefix, file:///path)"
+        )
+    if what == "push" and not (s.remote_write and s.signing_key):
+        raise Fail(
+            "error: pushing needs write access and a signing key: set QUACK_REMOTE_WRITE=1 and "
+            "QUACK_SIGNING_KEY=PATH.key ([remote] write = true, signing_key = ...); "
+            "create a key with `quack keygen NAME`"
+        )
+    load_kernels(s)
+    exp = expand_manifests(s, manifests, arch, max_configs)
+    con = console(to_stderr=as_json)
+    try:
+        remote = remote_tier(s, strict=True)
+    except (ValueError, KeyFileError, ImportError) as e:
+        raise Fail(f"error: remote cache: {e}") from None
+    store = local_store(s)
+    try:
+        fn = remote_sync.pull_configs if what == "pull" else remote_sync.push_configs
+        rep = fn(exp.configs, store, remote)
+    finally:
+        remote.record(Path(s.cache_dir))
+        remote.close()
+    if as_json:
+        emit_json(rep.to_json())
+    else:
+        c = rep.counters
+        if what == "pull":
+            con.print(
+                f"pulled {rep.pulled} of {rep.total} from {rep.url} ({rep.local} already local, "
+                f"{rep.missing} not available, {rep.failed} not stored locally; "
+                f"{c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
+                markup=False,
+            )
+        else:
+            con.print(
+                f"pushed {rep.pushed} of {rep.total} to {rep.url} ({rep.exists} already there, "
+                f"{rep.missing} not in the local cache, {rep.failed} failed) in {rep.wall_s:.2f}s",
+                markup=False,
+            )
+        if rep.offline:
+            why = remote_offline_reason(rep.url)
+            con.print(f"error: the remote {rep.url} is off: {why}", markup=False)
+    if what == "pull" and rep.failed:
+        # On stderr whatever the output mode: the cause (a full disk, a read-only cache) is
+        # the point, and --json's stdout carries the counts (issue 30: it was silent).
+        err = console(to_stderr=True)
+        err.print(
+            f"error: {rep.failed} of {rep.total} objects pulled from {rep.url} could not be stored in "
+            f"the local cache {s.cache_dir}; first: {rep.errors[0]}",
+            markup=False,
+        )
+    return 1 if rep.offline or rep.failed else 0

@@ -1,0 +1,77 @@
+"""What every typer command of ``quack`` shares: running a command's body (a Fail is its
+message and exit status, Ctrl-C is 130, warnings print as one ``warning:`` line), the
+manifests given or configured and their expansion, the local store, the remote tier."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List
+
+import typer
+
+from quack_build.cli import context as _common
+from quack_build.cli.context import Fail
+
+
+def manifest_paths(s, given: List[Path]) -> list:
+    if given:
+        return list(given)
+    paths = s.manifest_paths()
+    if not paths:
+        raise Fail(
+            "error: no manifest given and none listed in quack.toml ([build] manifests = [...])", code=2
+        )
+    return paths
+
+
+def expand_manifests(s, manifests, arch, max_configs):
+    from quack.errors import ManifestError
+    from quack_build.manifest.read import expand
+
+    try:
+        return expand(
+            manifest_paths(s, manifests),
+            archs=s.build_archs(),
+            arch_override=arch or None,
+            max_configs=max_configs,
+        )
+    except ManifestError as e:
+        raise _common.manifest_fail(e) from None
+
+
+def local_store(s):
+    from quack.cache.store import local_store
+
+    return local_store(s)
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):  # noqa: ARG001
+    typer.echo(f"warning: {message}", err=True)
+
+
+def run_command(fn):
+    import warnings
+
+    saved = warnings.showwarning
+    warnings.showwarning = _show_warning
+    try:
+        code = fn()
+    except Fail as e:
+        typer.echo(str(e), err=True)
+        raise typer.Exit(e.code) from None
+    except KeyboardInterrupt:
+        typer.echo("interrupted", err=True)
+        raise typer.Exit(130) from None
+    finally:
+        warnings.showwarning = saved
+    raise typer.Exit(code or 0)
+
+
+def remote_tier(s, *, strict: bool = False):
+    """The remote tier configured for this command, or None. In a build, a bad
+    remote configuration is one warning (the build goes on without it)."""
+    if not s.remote_url:
+        return None
+    from quack.remote import tier
+
+    return tier.from_settings(s, strict=strict)

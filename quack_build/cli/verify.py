@@ -1,0 +1,57 @@
+"""``quack verify``: every configuration present, intact, loadable, for the right arch
+(the check itself is quack_build.verify.manifest; ``--bundles`` quack_build.verify.bundles)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
+from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
+from quack_build.cli.run import expand_manifests, local_store, run_command
+
+
+def verify(
+    manifests: List[Path] = manifests_argument(),
+    arch: List[str] = typer.Option(
+        None, "--arch", help="Verify for this arch instead of the manifests' (repeatable)."
+    ),
+    run: bool = typer.Option(False, "--run", help="GPU only: run each kernel against its reference."),
+    no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
+    bundles: bool = typer.Option(
+        False, "--bundles", help="Check the installed bundles instead of the cache."
+    ),
+):
+    """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
+    if bundles:
+        from quack_build.verify import bundles as bundleverify
+
+        run_command(lambda: bundleverify.run_verify_bundles(as_json, cache_dir, no_load, run))
+    run_command(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))
+
+
+def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> int:
+    from quack_build.verify import manifest as v
+
+    s = cli_settings(cache_dir, manifests=manifests)
+    load_kernels(s)
+    exp = expand_manifests(s, manifests, arch, max_configs)
+    con = console(to_stderr=as_json)
+    from quack.errors import CacheError
+
+    try:
+        res = v.verify(
+            exp.configs, local_store(s), load=not no_load, run=run, console=None if as_json else con
+        )
+    except CacheError as e:  # an unsafe root: refused like build, stats and clean do
+        raise Fail(f"error: {e}") from None
+    if as_json:
+        emit_json(res)
+    else:
+        v.print_report(con, res)
+    return 0 if res["ok"] else 1

@@ -1,0 +1,39 @@
+"""One configuration to build, the unit everything downstream of a manifest works on
+(the scheduler, prewarm, verify, bundles), and how its parameters are printed.
+Produced by quack_build.manifest.read (``expand``); kept apart so that those modules need
+not import the manifest parser."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildConfig:
+    """One (kernel, canonical parameters, arch) to build, with its cache key."""
+
+    kernel: str
+    params: dict
+    arch: str
+    key: str
+    origin: str
+    spec: Any = dataclasses.field(compare=False, repr=False, hash=False)
+
+    @property
+    def plain_params(self) -> dict:
+        return self.spec.plain(self.params)
+
+    def label(self) -> str:
+        return f"{self.kernel}({format_params(self.plain_params)}) {self.arch}"
+
+
+def format_params(params: dict) -> str:
+    out = []
+    for k, v in params.items():
+        if isinstance(v, bool):
+            v = "true" if v else "false"
+        elif isinstance(v, dict):
+            v = "{" + ",".join(f"{a}={b}" for a, b in v.items()) + "}"
+        out.append(f"{k}={v}")
+    return " ".join(out)

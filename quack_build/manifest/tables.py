@@ -1,0 +1,333 @@
+"""Manifest tables: validate each [[kernel]] table (and a file's [defaults] and
+top-level keys), count its configurations against the build's budget before anything
+is expanded, then expand a valid table one configuration at a time.
+quack_build.manifest.read drives them over every file given."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import itertools
+import math
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+from quack import registry
+from quack import settings as _settings
+from quack.errors import ParamError, UnknownKernel
+from quack.tomlfile import escape
+from quack_build.manifest.config import BuildConfig
+from quack_build.manifest.values import (
+    SHOW_BAD,
+    FileCheck,
+    check_archs,
+    check_matcher,
+    check_values,
+    matches,
+    report_unknown_param,
+    show_value,
+)
+
+DEFAULT_MAX_CONFIGS = 10_000
+TOP_KEYS = ("defaults", "kernel")
+DEFAULTS_KEYS = ("archs", "params")
+KERNEL_KEYS = ("name", "archs", "params", "exclude", "include")
+
+
+@dataclasses.dataclass
+class Budget:
+    """The limit on configurations after expansion, over every table of every manifest
+    given at once (a per-table limit alone is bypassed by many tables). A table counts
+    its whole cross product (before ``exclude``) plus its ``include`` entries: the count
+    is known before anything is expanded, so a refused build costs nothing."""
+
+    limit: int = DEFAULT_MAX_CONFIGS
+    used: int = 0
+    exceeded: bool = False
+
+
+@dataclasses.dataclass
+class KernelTable:
+    """One [[kernel]] table that passed validation: what ``generate`` expands."""
+
+    where: str
+    origin: str
+    name: str
+    spec: Any
+    names: list[str]
+    axes: list[list]
+    archs: list[str]
+    excludes: list[dict]
+    includes: list[dict]
+
+
+def prepare_kernel(
+    ctx: FileCheck,
+    idx: int,
+    table: Any,
+    defaults: dict,
+    default_archs: list[str],
+    arch_override: list[str] | None,
+    budget: Budget,
+    used_defaults: set,
+) -> KernelTable | None:
+    """Validate one table and count it against the budget; expands nothing."""
+    label = f"[[kernel]] #{idx + 1}"
+    if not isinstance(table, dict):
+        ctx.err(ctx.where(label, idx), f"must be a table, got {show_value(table)}")
+        return None
+    name = table.get("name")
+    if name is None:
+        ctx.err(ctx.where(label, idx), "missing key 'name' (the registered kernel name)")
+        return None
+    if not isinstance(name, str):
+        ctx.err(ctx.where(label, idx), f"name = {show_value(name)} must be a string")
+        return None
+    where = ctx.where(f"{label} ({escape(name)[:80]})", idx)
+    try:
+        spec = registry.get(name)
+    except UnknownKernel as e:
+        known = list(e.known)
+        close = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        cur = _settings.get()
+        pk = ", ".join(cur.kernel_packages) or "none"
+        src = (
+            f"[build] kernel_packages in {cur.config_file}"
+            if cur.config_file
+            else "the default (no quack.toml found)"
+        )
+        ctx.err(
+            where,
+            f"name = {show_value(name)}: no kernel is registered under this name{hint}; "
+            f"registered kernels: {', '.join(known) or '(none)'}. Kernels are registered from "
+            f"{src}: {pk}; scanned: {registry.SCANNED}",
+        )
+        return None
+    used_defaults.add("\0resolved")
+    ok = True
+    for k in table:
+        if k not in KERNEL_KEYS:
+            ok = False
+            if k in spec.params:
+                ctx.err(
+                    where,
+                    f"unknown key {k!r}: parameters go under params, e.g. "
+                    f"params = {{ {k} = {show_value(table[k])} }}",
+                )
+            else:
+                ctx.err(where, f"unknown key {k!r}; allowed keys: {', '.join(KERNEL_KEYS)}")
+    archs: list[str] | None = default_archs
+    if "archs" in table:
+        archs = check_archs(ctx, where, table["archs"])
+        ok = ok and archs is not None
+    if arch_override:
+        archs = arch_override
+    params = table.get("params", {})
+    if not isinstance(params, dict):
+        ctx.err(where, f"params = {show_value(params)} must be a table of parameter = value or list")
+        return None
+    # `exclude = [...]` written after a [kernel.params] header lands inside params in
+    # TOML; take it as the kernel's (no kernel parameter has these names).
+    table = dict(table)
+    params = dict(params)
+    for k in ("exclude", "include"):
+        if k in params and k not in spec.params:
+            if k in table:
+                ctx.err(where, f"{k} given twice (in the table and under params)")
+                return None
+            table[k] = params.pop(k)
+    given: dict[str, list] = {}
+    invalid: set[str] = set()  # given, but with a bad value: reported once, not also "missing"
+    for k, v in params.items():
+        if k not in spec.params:
+            report_unknown_param(ctx, where, spec, k)
+            ok = False
+            continue
+        vals = check_values(ctx, where, spec, k, v)
+        if vals is None:
+            ok = False
+            invalid.add(k)
+        else:
+            given[k] = vals
+    for k, v in defaults.items():
+        if k in spec.params and k not in params:
+            used_defaults.add(k)
+            vals = check_values(ctx, f"{ctx.where('[defaults]')} (for {label} {name})", spec, k, v)
+            if vals is None:
+                ok = False
+                invalid.add(k)
+            else:
+                given[k] = vals
+        elif k in spec.params:
+            used_defaults.add(k)
+    for n, p in spec.params.items():
+        if n not in given and n not in invalid and n not in spec.defaults:
+            ok = False
+            ctx.err(
+                where, f"missing parameter {n!r} (no default in {spec.qualname}); expected {p.describe()}"
+            )
+    excludes: list = []
+    includes: list = []
+    for what, dest in (("exclude", excludes), ("include", includes)):
+        raw = table.get(what, [])
+        if not isinstance(raw, list):
+            raw = [raw]
+        for j, t in enumerate(raw):
+            m = check_matcher(ctx, f"{where}: {what}[{j}]", spec, t, what)
+            if m is None:
+                ok = False
+            else:
+                dest.append(m)
+    if not ok or archs is None:
+        return None
+    names = list(spec.params)
+    axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
+    resolved: list[dict] = []
+    for j, m in enumerate(includes):
+        combo = {}
+        for n in names:
+            if n in m:
+                if len(m[n]) != 1:
+                    ctx.err(f"{where}: include[{j}]", f"{n} must be a single value, got {len(m[n])}")
+                    return None
+                combo[n] = m[n][0]
+            elif len(axes[names.index(n)]) == 1:
+                combo[n] = axes[names.index(n)][0]
+            else:
+                ctx.err(
+                    f"{where}: include[{j}]",
+                    f"must give {n!r}: the kernel table lists several "
+                    f"values for it ({', '.join(map(show_value, axes[names.index(n)]))})",
+                )
+                return None
+        resolved.append(combo)
+    product = math.prod(len(a) for a in axes)
+    total = (product + len(resolved)) * len(archs)
+    if budget.exceeded:
+        return None  # reported once, at the table that crossed the limit
+    if budget.used + total > budget.limit:
+        budget.exceeded = True
+        dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
+        plus = f", plus {len(resolved)} include entries" if resolved else ""
+        before = f"; the tables before it already expand to {budget.used}" if budget.used else ""
+        ctx.err(
+            where,
+            f"the cross product has {total} configurations ({dims} x archs {len(archs)}{plus}){before}: "
+            f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
+            f"the limit with --max-configs",
+        )
+        return None
+    budget.used += total
+    return KernelTable(where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved)
+
+
+def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
+    """The table's configurations, one at a time (the cross product is never held in
+    memory). Problems seen only here (combinations the kernel's rules refuse, every
+    combination excluded) and unused excludes go to ``ctx`` once the table is done."""
+    matched = [False] * len(t.excludes)
+    n_combos = n_kept = 0
+    refused: list[str] = []
+
+    def bound(combo: dict) -> Iterator[BuildConfig]:
+        try:
+            b = t.spec.bind((), combo)
+        except ParamError as e:  # the kernel's rules across parameters (quack.params.Rule)
+            if len(refused) < SHOW_BAD:
+                refused.append(
+                    f"{e}; drop it from the lists or exclude it: exclude = "
+                    f"[{{ {', '.join(f'{k} = {show_value(v)}' for k, v in combo.items())} }}]"
+                )
+            else:
+                refused.append("")  # counted, not listed
+            return
+        for arch in t.archs:
+            try:
+                t.spec.check_arch(b, arch)  # the rules naming `arch` (quack.params.Rule)
+            except ParamError as e:
+                refused.append(
+                    f"{e}; build it for another arch (--arch, archs = [...]) "
+                    f"or drop the kernel from this manifest"
+                    if len(refused) < SHOW_BAD
+                    else ""
+                )
+                continue
+            yield BuildConfig(t.name, b, arch, t.spec.key(b, arch), t.origin, t.spec)
+
+    for values in itertools.product(*t.axes):
+        n_combos += 1
+        combo = dict(zip(t.names, values))
+        hit = False
+        for j, m in enumerate(t.excludes):
+            if matches(combo, m):
+                matched[j] = hit = True
+        if not hit:
+            n_kept += 1
+            yield from bound(combo)
+    for j, ok in enumerate(matched):
+        if not ok:
+            ctx.warnings.append(f"{t.where}: exclude[{j}] matches no combination")
+    for combo in t.includes:
+        n_kept += 1
+        yield from bound(combo)
+    if not n_kept:
+        ctx.err(t.where, f"the cross product is empty: all {n_combos} combinations are excluded")
+    for msg in refused[:SHOW_BAD]:
+        ctx.err(t.where, msg)
+    if len(refused) > SHOW_BAD:
+        ctx.err(
+            t.where,
+            f"{len(refused) - SHOW_BAD} more of its {n_kept} combinations are refused "
+            f"by the kernel's rules (not listed)",
+        )
+
+
+def prepare_document(
+    path: Path, doc: dict, *, archs: Iterable[str], arch_override, budget: Budget
+) -> tuple[FileCheck, list[KernelTable]]:
+    """Validate one parsed manifest: its problems land in the returned context."""
+    kernels = doc.get("kernel", [])
+    ctx = FileCheck(path, len(kernels) if isinstance(kernels, list) else 0)
+    for k in doc:
+        if k not in TOP_KEYS:
+            hint = ""
+            if k in ("kernels", "defaults_", "default"):
+                hint = " (did you mean [[kernel]] or [defaults]?)"
+            ctx.err(
+                str(path), f"unknown top-level key {k!r}{hint}; allowed: [defaults] and [[kernel]] tables"
+            )
+    defaults = doc.get("defaults", {})
+    default_archs = list(archs)
+    dparams: dict = {}
+    if not isinstance(defaults, dict):
+        ctx.err(ctx.where("[defaults]"), "must be a table")
+    else:
+        for k in defaults:
+            if k not in DEFAULTS_KEYS:
+                ctx.err(
+                    ctx.where("[defaults]"), f"unknown key {k!r}; allowed keys: {', '.join(DEFAULTS_KEYS)}"
+                )
+        if "archs" in defaults:
+            a = check_archs(ctx, ctx.where("[defaults]"), defaults["archs"])
+            if a is not None:
+                default_archs = a
+        dparams = defaults.get("params", {})
+        if not isinstance(dparams, dict):
+            ctx.err(ctx.where("[defaults]"), "params must be a table of parameter = value or list")
+            dparams = {}
+    if not isinstance(kernels, list):
+        ctx.err(str(path), "'kernel' must be an array of tables: write [[kernel]], not [kernel]")
+        kernels = []
+    elif not kernels and not ctx.problems:
+        ctx.err(str(path), "no [[kernel]] tables: the manifest builds nothing")
+    tables: list[KernelTable] = []
+    used: set = set()
+    for i, t in enumerate(kernels):
+        tb = prepare_kernel(ctx, i, t, dparams, default_archs, arch_override, budget, used)
+        if tb is not None:
+            tables.append(tb)
+    for k in dparams:
+        if k not in used and "\0resolved" in used:
+            ctx.err(ctx.where("[defaults]"), f"params.{k}: no kernel in this manifest has a parameter {k!r}")
+    return ctx, tables

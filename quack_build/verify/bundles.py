@@ -1,0 +1,197 @@
+"""``quack verify --bundles``: check every installed bundle (refused or not; each entry's
+checksums, arch, toolchain stamp and kernel source against this project's; a load in a
+fresh process) and print the report."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from quack_build.cli.context import cli_settings, console, emit_json, load_kernels
+
+
+def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
+    """Every installed bundle: refused or not, each entry's checksums, arch (from the
+    embedded cubin), toolchain stamp (which names the arch) and kernel source against
+    this process's, and a load in a fresh process. A bundle none of whose entries this
+    toolchain and target arch can use is a problem; entries for other toolchains or
+    archs in a bundle that has some for this one are listed, not counted as problems."""
+    from quack import registry
+    from quack.bundles import files as bfiles
+    from quack.bundles import tier as bt
+    from quack.cache import keys
+    from quack_build.verify import manifest as v
+    from quack_build.verify.cubin import arch_matches, gpu_codes
+
+    t0 = time.time()
+    bundles = bt.discover(s)
+    srcfps = {}
+    for kname, spec in registry.all_specs().items():
+        try:
+            srcfps[kname] = spec.source_fingerprint()
+        except Exception:  # noqa: BLE001
+            pass
+    out, rows, loads = [], [], []
+    for b in bundles:
+        info: dict[str, Any] = {
+            "name": b.name,
+            "version": b.version,
+            "dist": b.dist,
+            "path": str(b.path),
+            "signer": b.signer,
+            "problems": [b.problem] if b.problem else [],
+            "entries": 0,
+            "current": 0,
+            "other_toolchain": 0,
+        }
+        out.append(info)
+        if b.index is None or b.problem or b.path is None:
+            continue
+        for e in b.index.entries:
+            info["entries"] += 1
+            r: dict[str, Any] = {
+                "bundle": b.name,
+                "kernel": e.kernel,
+                "params": e.params,
+                "arch": e.arch,
+                "key": e.key,
+                "stamp": e.stamp,
+                "problems": [],
+                "note": "",
+            }
+            if keys.toolchain_stamp(s.arch) != e.stamp:
+                info["other_toolchain"] += 1
+                r["note"] = (
+                    f"not used: built for {e.stamp}, this toolchain and arch are "
+                    f"{keys.toolchain_stamp(s.arch)}"
+                )
+                rows.append(r)
+                continue
+            info["current"] += 1
+            problem, so = bt.check_files(b, e)
+            if problem:
+                r["problems"].append(problem)
+            else:
+                codes = gpu_codes(bfiles.read_under(b.path, e.rel_obj, e.size))
+                if not arch_matches(e.arch, codes):
+                    r["problems"].append(
+                        f"built for {', '.join(c.arch for c in codes) or 'no GPU code'}, "
+                        f"the index says {e.arch}"
+                    )
+            if e.kernel in srcfps and srcfps[e.kernel] != e.srcfp:
+                r["problems"].append(
+                    f"kernel source differs from this project's ({e.srcfp} vs {srcfps[e.kernel]}): not used"
+                )
+            elif e.kernel not in srcfps:
+                r["note"] = "kernel not registered in this project"
+            if not r["problems"] and (load or run):
+                kspec = registry.all_specs().get(e.kernel)
+                loads.append(
+                    (
+                        r,
+                        {
+                            "key": e.key,
+                            "obj": str(b.path / e.rel_obj),
+                            "so": str(so) if so else None,
+                            "kernel": e.kernel,
+                            "module": kspec.module if kspec else "",
+                            "params": e.params,
+                            "run": run and kspec is not None,
+                        },
+                    )
+                )
+            rows.append(r)
+        if info["current"] == 0 and info["entries"]:
+            info["problems"].append(
+                "none of its entries is for this toolchain and arch "
+                f"({', '.join(b.index.stamps)}; this one: {keys.toolchain_stamp(s.arch)})"
+            )
+    note = ""
+    if loads:
+        answers, note = v.load_fresh([req for _, req in loads], run=run)
+        for (r, _), a in zip(loads, answers):
+            if not a.get("ok"):
+                r["problems"].append(a.get("error", "load failed"))
+            r["loaded"] = a.get("how", "")
+            if "run" in a:
+                r["run"] = a["run"]
+    bad = sum(1 for r in rows if r["problems"]) + sum(1 for b in out if b["problems"])
+    if not bundles:
+        # A deployment check that finds nothing to check must not pass quietly.
+        note = "no quack bundles are installed (entry point group quack.bundles); pip install one"
+    return {
+        "ok": bad == 0 and not note,
+        "bundles": out,
+        "entries": rows,
+        "problems": bad,
+        "note": note,
+        "loaded": load,
+        "seconds": round(time.time() - t0, 3),
+    }
+
+
+def print_bundle_report(con, res: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from quack_build.manifest.config import format_params
+
+    if not res["bundles"]:
+        con.print(f"[red]{escape(res['note'])}[/]")
+        return
+    tb = Table(title="installed bundles", header_style="bold")
+    for c in (
+        "bundle",
+        "version",
+        "entries",
+        "this toolchain+arch",
+        "other toolchains/archs",
+        "signed by",
+        "problem",
+    ):
+        tb.add_column(c)
+    for b in res["bundles"]:
+        tb.add_row(
+            b["name"],
+            b["version"],
+            str(b["entries"]),
+            str(b["current"]),
+            str(b["other_toolchain"]),
+            b["signer"] or "-",
+            escape("; ".join(b["problems"])) or "-",
+        )
+    con.print(tb)
+    bad = [r for r in res["entries"] if r["problems"]]
+    if bad:
+        tb = Table(title="bundle entries with problems", header_style="bold")
+        for c in ("bundle", "kernel", "params", "arch", "key", "problem"):
+            tb.add_column(c)
+        for r in bad:
+            tb.add_row(
+                r["bundle"],
+                r["kernel"],
+                format_params(r["params"]),
+                r["arch"],
+                r["key"][:12],
+                escape("; ".join(r["problems"])),
+            )
+        con.print(tb)
+    if res["note"]:
+        con.print(f"[yellow]{escape(res['note'])}[/]")
+    n = len(res["entries"])
+    con.print(
+        f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
+        + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
+        + f" in {res['seconds']:.1f}s"
+    )
+
+
+def run_verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool) -> int:
+    s = cli_settings(cache_dir)
+    load_kernels(s, required=False)
+    res = verify_bundles(s, load=not no_load, run=run)
+    if as_json:
+        emit_json(res)
+    else:
+        print_bundle_report(console(), res)
+    return 0 if res["ok"] else 1
