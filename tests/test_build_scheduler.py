@@ -62,3 +62,77 @@ def test_plan_marks_cached_and_run_with_nothing_to_do(tmp_path):
     res = scheduler.BuildSession(tasks, store, scheduler.BuildOptions(jobs=4)).run()
     assert res.jobs == 4 and res.count(results.CACHED) == 1
     assert res.missing_after == [tasks[0].cfg.key] and not res.ok
+
+
+class _ScriptedExecutor:
+    """An executor whose events the test orders: each poll answers every key submitted
+    so far, in submission order, failing the keys in ``fail``. What a real pool does when
+    two workers finish together: a key's DONE may come in the same batch as, or before,
+    another key's FAILED."""
+
+    name = "scripted"
+    start_s = 0.0
+
+    def __init__(self, jobs: int, fail: set[str]):
+        self.jobs, self.fail = jobs, fail
+        self.submitted: list[str] = []
+        self.answered = 0
+        self.polls: list[int] = []  # keys submitted when each poll was asked
+
+    def start(self, max_jobs: int) -> None:
+        pass
+
+    def submit(self, item) -> None:
+        self.submitted.append(item.key)
+
+    def poll(self, timeout: float) -> list:
+        from quack_build.build.executors.base import DONE, FAILED, Event
+
+        self.polls.append(len(self.submitted))
+        batch = self.submitted[self.answered :]
+        self.answered = len(self.submitted)
+        return [
+            Event(FAILED, k, error=ValueError("does not compile"))
+            if k in self.fail
+            else Event(DONE, k, compiled=True)
+            for k in reversed(batch)  # the failing key's event comes last in its batch
+        ]
+
+    def cancel(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_fail_fast_submits_nothing_after_a_failure_and_never_more_than_the_window(tmp_path):
+    """More keys than the window (jobs + 2): the first batch holds the failing key and
+    DONE events of its neighbours; the failure stops the build before any refill, so
+    exactly the window was ever submitted. (A real-pool test of this bound depended on
+    which of two workers finished first and failed on a busy machine.)"""
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    cfgs = [_cfg(b) for b in (32, 64, 128, 256, 512)]
+    spec = registry.get("toy_scale")
+    for dt in ("float32", "bfloat16"):
+        for b in (32, 64, 128, 256, 512):
+            p = spec.bind((), {"dtype": dt, "block": b})
+            cfgs.append(BuildConfig("toy_scale", p, "sm_90a", spec.key(p, "sm_90a"), "test", spec))
+    tasks = planning.plan(cfgs, store)
+    first = tasks[0].cfg.key
+    for jobs in (1, 2, 4):
+        for t in tasks:
+            t.status = "todo"
+        ex = _ScriptedExecutor(jobs, {first})
+        opts = scheduler.BuildOptions(jobs=jobs, executor=ex, order="given")
+        res = scheduler.BuildSession(tasks, store, opts).run()
+        assert ex.submitted[0] == first and len(ex.submitted) == jobs + 2, (jobs, ex.submitted)
+        assert res.count(results.FAILED) == 1 and res.count(results.COMPILED) == jobs + 1
+        assert res.to_json()["not_built"] == len(tasks) - (jobs + 2)
+    # --keep-going: every key, still never more than the window in flight
+    for t in tasks:
+        t.status = "todo"
+    ex = _ScriptedExecutor(2, {first})
+    opts = scheduler.BuildOptions(jobs=2, executor=ex, order="given", keep_going=True)
+    res = scheduler.BuildSession(tasks, store, opts).run()
+    assert len(ex.submitted) == len(tasks) and res.count(results.FAILED) == 1
+    assert all(b - a <= 4 for a, b in zip([0, *ex.polls], ex.polls)), ex.polls

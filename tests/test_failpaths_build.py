@@ -32,12 +32,13 @@ def obj(tmp_path_factory) -> str:
     return session_objects(tmp_path_factory)["float32"]["path"]
 
 
-def _build(proj: Path, cache: Path, obj: str, *args, fail=FAIL) -> subprocess.CompletedProcess:
+def _build(proj: Path, cache: Path, obj: str, *args, fail=FAIL, gate=None) -> subprocess.CompletedProcess:
+    extra = {"QUACK_TEST_FAIL_GATE": str(gate)} if gate else {}
     return run_quack(
         ["build", "--json", "--cache-dir", cache, *args],
         cwd=proj,
         timeout=180,
-        env_=env(QUACK_TEST_OBJ=obj, QUACK_TEST_FAIL=",".join(map(str, sorted(fail)))),
+        env_=env(QUACK_TEST_OBJ=obj, QUACK_TEST_FAIL=",".join(map(str, sorted(fail))), **extra),
     )
 
 
@@ -45,7 +46,15 @@ def _build(proj: Path, cache: Path, obj: str, *args, fail=FAIL) -> subprocess.Co
 @pytest.mark.parametrize("keep_going", [False, True], ids=["fail-fast", "keep-going"])
 def test_failed_configuration_ends_the_build(tmp_path, obj, jobs, keep_going):
     proj = _project(tmp_path / "proj")
-    r = _build(proj, tmp_path / "cache", obj, "--jobs", str(jobs), *(["--keep-going"] if keep_going else []))
+    r = _build(
+        proj,
+        tmp_path / "cache",
+        obj,
+        "--jobs",
+        str(jobs),
+        *(["--keep-going"] if keep_going else []),
+        gate=tmp_path / "failed-once",
+    )
     assert r.returncode == 1, r.stdout + r.stderr
     res = json.loads(r.stdout)
     st = {k["params"]["i"]: k["status"] for k in res["keys"]}
@@ -55,8 +64,12 @@ def test_failed_configuration_ends_the_build(tmp_path, obj, jobs, keep_going):
         assert res["compiled"] == N - len(FAIL) and res["not_built"] == 0
     else:
         assert [i for i, s in st.items() if s == "failed"] == [0]
-        # in flight when i=0 failed: at most the window (jobs + 2); the rest never started
-        assert N - (jobs + 2) <= res["not_built"] <= N - 1
+        # The others finish only after i=0 raised (the gate), so what ran is the window
+        # (jobs + 2) plus at most a refill per DONE that reached the scheduler before the
+        # FAILED did; the exact window is tests/test_build_scheduler.py's, with a scripted
+        # executor. Timing-free: on a busy machine two workers finished in either order and
+        # the old bound (N - window) failed.
+        assert N - 2 * (jobs + 2) <= res["not_built"] <= N - 1
         assert res["compiled"] + res["failed"] + res["not_built"] == N
         assert "not built (the build stopped at the first failure; --keep-going builds the rest)" in r.stderr
     assert "rel_fail: configuration i=0 does not compile" in r.stderr
