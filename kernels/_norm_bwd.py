@@ -335,9 +335,10 @@ def compile_norm_bwd(
     )
 
 
-def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, tune: dict):
+def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype):
     """The torch side of both backwards: validate, size the persistent grid, launch,
-    sum the partials (fp32). Returns (dx, dweight|None, dbias|None): dweight in the
+    sum the partials (fp32). ``compile_fn(dt, n, has_w, has_b, wdt)`` returns the compiled
+    kernel and the knobs of the configuration it was compiled with (the grid follows them). Returns (dx, dweight|None, dbias|None): dweight in the
     weight's dtype, dbias in ``bias_dtype`` (None: no bias, no dbias)."""
     import torch
 
@@ -357,6 +358,7 @@ def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, t
         db = torch.zeros(n, dtype=bias_dtype, device=x.device) if has_bias else None
         return dx.view(x.shape), dw, db
     plan = bwd_plan(dt, n, wdt, w is not None)
+    fn, tune = compile_fn(dt, n, w is not None, has_bias, wdt)
     width = kt.DTYPE_BITS[dt]
     w_bytes = 0
     wbits = kt.DTYPE_BITS[resolve_weight_dtype(dt, wdt)]
@@ -366,7 +368,6 @@ def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, t
     rows = grid * plan.rows_per_cta
     dw_part = torch.empty(rows, n, dtype=torch.float32, device=x.device) if w is not None else None
     db_part = torch.empty(rows, n, dtype=torch.float32, device=x.device) if has_bias else None
-    fn = compile_fn(dt, n, w is not None, has_bias, wdt)
     fn(x2, w, dy2, mu, rs, dx, dw_part, db_part, grid)
     dw = dw_part.sum(0).to(weight.dtype) if w is not None else None
     db = db_part.sum(0).to(bias_dtype) if has_bias else None

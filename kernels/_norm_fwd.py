@@ -23,7 +23,7 @@ from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
 SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in to
 
 # Defaults of the knobs (``tune`` overrides each; measured on the H200 with
-# benchmarks/tune_k2.py, which rewrites these three lines): the smallest cluster the ring is
+# the round-2 sweeps): the smallest cluster the ring is
 # used for, by kind and weight ("_wide": wider than the rows, fp32 beside 16-bit x); the
 # shared-memory budget (KiB) the ring's depth is sized by; by kind, the conflict-free layout
 # of a wide weight in shared memory (``RowTiles.alloc_smem_bcast(spread=True)``; LayerNorm
@@ -32,19 +32,16 @@ SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in 
 RING_MIN_CLUSTER = {"rms_wide": 4, "layer": 4, "layer_wide": 4}
 RING_SMEM_KB = 220
 WIDE_PERM = {"rms": False, "layer": True}
-# Round 3 (benchmarks/tune_k3.py rewrites these two lines): the ring also for rows of ONE
-# 256-thread CTA (N in (8192, 16384] for 16-bit x: the weight / bias slice staged once
-# instead of re-read from L2 for every row), by key; and the ring's shape by "key@cluster"
-# of the default plan: "CxE" = C CTAs per SM (C > 1: the shared memory of one SM split C
-# ways, so a 1-stage ring), E elements a thread (128: half the cluster, twice the
-# registers), "p" appended: the spread layout of a wide weight (``WIDE_PERM``) there.
-# Absent: "1x64". GPCs hold whole clusters: clusters of 4 CTAs fill 120 of the H200's 132
-# SMs at one CTA per SM (30 clusters), 248 of 264 CTA slots at 2 (62), and clusters of 2
-# all 132 (66). Measured (tune_k3.py, bf16 x, TB/s): RMSNorm fp32 w 32768x65536 "1x64"
-# 3.76, "2x64" 3.84, "2x64p" 3.87, "1x128" 3.91, "1x128p" 3.92; LayerNorm 32768x16384
-# clusterless ring 3.80-3.84 vs row tile 4.04 (kept off), fp32 w + b 3.83 vs 3.69 (on).
+# Round 3: the ring also for rows of ONE 256-thread CTA (N in (8192, 16384] for 16-bit x:
+# the weight / bias slice staged once instead of re-read from L2 for every row), by key.
+# The ring's shape is a knob ("ctas_per_sm": C CTAs per SM, C > 1 splitting the SM's shared
+# memory, so a 1-stage ring; "ring_budget": elements a thread, 128 halving the cluster;
+# "wide_perm": the spread layout of a wide weight); default 1 CTA, 64 elements. Measured
+# (bf16 x, TB/s): RMSNorm fp32 w 32768x65536 "1x64" 3.76, "2x64" 3.84, "2x64p" 3.87,
+# "1x128" 3.91, "1x128p" 3.92 (a candidate of rmsnorm.search_space; round 5's x-through-
+# shared-memory forward won there since); LayerNorm 32768x16384 clusterless ring 3.80-3.84
+# vs row tile 4.04 (kept off), fp32 w + b 3.83 vs 3.69 (on).
 RING_CLUSTERLESS = {"rms_wide": False, "layer": False, "layer_wide": True}
-RING_SHAPE: dict = {"rms_wide@4": "1x128p"}
 SM_SMEM = 228 * 1024  # sm_90's shared memory per SM (each resident CTA reserves 1 KiB of it)
 
 
@@ -119,9 +116,8 @@ def _ring_cfg(
             return None
     elif base.cluster_n < max(2, tune.get("ring_min_cluster", RING_MIN_CLUSTER.get(key, 16))):
         return None
-    ctas, elems, spread = parse_shape(RING_SHAPE.get(f"{key}@{base.cluster_n}", "1x64"))
-    ctas = int(tune.get("ctas_per_sm", ctas))
-    elems = int(tune.get("ring_budget", elems))
+    ctas = int(tune.get("ctas_per_sm", 1))
+    elems = int(tune.get("ring_budget", 64))
     threads = int(tune.get("ring_threads", 256))
     plan = _ring_rows(n, width, elems, threads)
     if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128 or plan.num_threads != threads:
@@ -147,7 +143,7 @@ def _ring_cfg(
     return dict(
         stages=stages,
         cp_async_wb=32 <= plan.vec * wbits <= 128,
-        wide_perm=bool(tune.get("wide_perm", spread or WIDE_PERM[kind])),
+        wide_perm=bool(tune.get("wide_perm", WIDE_PERM[kind])),
         smem_bytes=fixed + stages * stage_bytes,
         clusters=tune.get("ring_clusters"),
         ctas_per_sm=ctas,
@@ -157,14 +153,6 @@ def _ring_cfg(
         red_stages=red_stages,
         threads=threads,
     )
-
-
-def parse_shape(spec: str):
-    """A ``RING_SHAPE`` value "CxE" or "CxEp" -> (CTAs per SM, elements a thread, spread
-    layout of a wide weight: "p" turns it on for this shape whatever ``WIDE_PERM`` says)."""
-    spread = spec.endswith("p")
-    ctas, elems = spec.removesuffix("p").split("x")
-    return int(ctas), int(elems), spread
 
 
 def ring_plan(n: int, dtype: str, cfg):

@@ -68,12 +68,28 @@ class KernelSpec:
                 out[n] = p.check(n, v)
             except ParamError as e:
                 raise ParamError(f"{self.name}: {e}", kernel=self.name, param=n) from None
+        for n, p in self.params.items():  # a derived default (quack.params.Config(derive=...))
+            if out[n] is None and getattr(p, "derive", None) is not None:
+                out[n] = self._derive(n, p, out, arch)
         for rule in self.rules:  # after each value is valid alone: the combination
             if rule.param != ARCH:
                 rule.apply(self.name, out)
         if arch is not None:
             self.check_arch(out, arch)
         return out
+
+    def _derive(self, n: str, p: Any, out: dict[str, Any], arch: str | None) -> Any:
+        # Without an arch (a worker re-binding a request, a manifest checked before its
+        # archs) the process's target arch: the one a run-time call keys for.
+        if arch is None:
+            from quack import settings
+
+            arch = settings.get().arch
+        others = {k: v for k, v in out.items() if k != n}
+        try:
+            return p.check(n, p.derive(others, arch))
+        except ParamError as e:
+            raise ParamError(f"{self.name}: default {n}: {e}", kernel=self.name, param=n) from None
 
     def check_arch(self, params: dict[str, Any], arch: str) -> None:
         """Apply the rules naming ``arch`` to bound ``params`` for target ``arch`` (manifest
