@@ -24,14 +24,17 @@ def _derive_fwd(params: dict, arch: str) -> LayerNormFwdConfig:
 
 
 def search_space(params: dict) -> list[LayerNormFwdConfig]:
-    """``quack tune``'s forward candidates: the heuristic and the variants of rounds 4-9
-    (docs/kernels.md) for the problem's plan class (``_ln_row.fwd_class``)."""
+    """``quack tune``'s forward candidates: the heuristic and the measured variants for the
+    problem's plan class (``_ln_row.fwd_class``; docs/kernels.md)."""
     C = LayerNormFwdConfig
     cls = fwd_class(params) or ""
     cands = [C()]
     if cls.endswith("/cta256"):
+        # the ring is only ever on for a wider weight: ``ring=False`` elsewhere would be
+        # the same kernel under another key
+        off = False if cls.startswith("wide") else None
         for mb in (3, 4):
-            cands.append(C(x_smem=True, threads=512, x_min_blocks=mb, ring=False))
+            cands.append(C(x_smem=True, threads=512, x_min_blocks=mb, ring=off))
         cands.append(C(x_smem=True, x_rows=2, x_min_blocks=3, wb_ahead=2, ring=False))
         cands.append(C(x_smem=True, x_rows=4, x_min_blocks=1, wb_ahead=4, threads=512, ring=False))
     elif "/cluster" in cls:

@@ -1,5 +1,5 @@
-"""GPU tier: round 9's pipelined ring forward (issue 14 part 6; kernels/_ring_pipe.py), the
-LayerNorm forward's default for 16-bit rows over 16 CTAs with an fp32 weight / bias (N =
+"""GPU tier: the pipelined ring forward (kernels/_ring_pipe.py), the tuning table's
+LayerNorm forward for 16-bit rows over 16 CTAs with an fp32 weight / bias (N =
 163840 / 196608 / 262144) and for same-dtype rows at N = 262144, through the public forward
 against float32 torch. M = 1 (one CTA cluster, no second row in flight), 7 (one row a
 cluster of the 7-cluster grid) and 401 (57 or 58 rows a cluster: the pipeline's steady
