@@ -80,6 +80,8 @@ def derive(kernel: str, cfg_cls, classify, fallback=None):
         return default_config(kernel, cfg_cls, classify(params), params["dtype"], params["n"], arch, fb)
 
     _derive.__qualname__ = f"derive[{kernel}]"
+    _derive.classify = classify  # type: ignore[attr-defined]  # quack tune: a winner's row class
+    _derive.table_path = table_path  # type: ignore[attr-defined]  # quack tune: where rows go
     return _derive
 
 

@@ -96,6 +96,8 @@ def fwd_config(dtype: str, n: int, smoothing: str = "none") -> CrossEntropyFwdCo
         ),
     },
     reference=f"{__package__}._verify:verify_cross_entropy_fwd",
+    search_space=fwd_search_space,
+    bench=f"{__package__}._verify:bench_cross_entropy_fwd",
 )
 def compile_cross_entropy_fwd(
     dtype: str, n: int, smoothing: str = "none", config: CrossEntropyFwdConfig | None = None
@@ -228,6 +230,8 @@ def compile_cross_entropy_fwd(
         ),
     },
     reference=f"{__package__}._verify:verify_cross_entropy_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_cross_entropy_bwd",
 )
 def compile_cross_entropy_bwd(
     dtype: str, n: int, smoothing: str = "none", config: CrossEntropyBwdConfig | None = None

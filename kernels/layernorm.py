@@ -23,6 +23,10 @@ def _derive_fwd(params: dict, arch: str) -> LayerNormFwdConfig:
     return cfg if fits(params["n"], WIDTHS[params["dtype"]], cfg.knobs()) else LayerNormFwdConfig()
 
 
+_derive_fwd.classify = fwd_class  # type: ignore[attr-defined]  # quack tune: a winner's row class
+_derive_fwd.table_path = _tuning.table_path  # type: ignore[attr-defined]
+
+
 def search_space(params: dict) -> list[LayerNormFwdConfig]:
     """``quack tune``'s forward candidates: the heuristic and the measured variants for the
     problem's plan class (``_ln_row.fwd_class``; docs/kernels.md)."""
@@ -63,6 +67,8 @@ def search_space(params: dict) -> list[LayerNormFwdConfig]:
         "config": Config(LayerNormFwdConfig, derive=_derive_fwd),
     },
     reference=f"{__package__}._verify:verify_layernorm_fwd",
+    search_space=search_space,
+    bench=f"{__package__}._verify:bench_layernorm_fwd",
 )
 def compile_layernorm_fwd(
     dtype: str,

@@ -59,6 +59,8 @@ def search_space(params: dict) -> list[RmsNormFwdConfig]:
         "config": Config(RmsNormFwdConfig, derive=_tuning.derive("rmsnorm_fwd", RmsNormFwdConfig, fwd_class)),
     },
     reference=f"{__package__}._verify:verify_rmsnorm_fwd",
+    search_space=search_space,
+    bench=f"{__package__}._verify:bench_rmsnorm_fwd",
 )
 def compile_rmsnorm_fwd(
     dtype: str,
@@ -353,6 +355,8 @@ def bwd_search_space(params: dict) -> list[NormBwdConfig]:
         "config": Config(NormBwdConfig, derive=_tuning.derive("rmsnorm_bwd", NormBwdConfig, bwd_class)),
     },
     reference=f"{__package__}._verify:verify_rmsnorm_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_rmsnorm_bwd",
 )
 def compile_rmsnorm_bwd(
     dtype: str,

@@ -71,6 +71,8 @@ def bwd_budget(dtype: str, n: int, k: dict) -> int:
         ),
     },
     reference=f"{__package__}._verify:verify_softmax_fwd",
+    search_space=fwd_search_space,
+    bench=f"{__package__}._verify:bench_softmax_fwd",
 )
 def compile_softmax_fwd(dtype: str, n: int, config: SoftmaxFwdConfig | None = None):
     """Runtime signature: fn(x, y) with x, y (M, n) of ``dtype``."""
@@ -160,6 +162,8 @@ def _bwd_plan(dtype: str, n: int, width: int, k: dict):
         ),
     },
     reference=f"{__package__}._verify:verify_softmax_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_softmax_bwd",
 )
 def compile_softmax_bwd(dtype: str, n: int, config: SoftmaxBwdConfig | None = None):
     """Runtime signature: fn(dy, y, dx), all (M, n) of ``dtype``."""

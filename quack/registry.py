@@ -30,6 +30,10 @@ class KernelSpec:
     reference: str | None = None  # "module:function" for `quack verify --run`
     rules: tuple[Rule, ...] = ()  # cross-parameter constraints (quack.params.Rule)
     takes_arch: bool = False  # the compile function declares `arch`: it gets the target arch
+    # `quack tune` (docs/tuning.md): search_space(bound params) -> candidate configs;
+    # bench: "module:function" (params, m, device) -> a zero-argument call to time
+    search_space: Callable | None = None
+    bench: str | None = None
 
     def bind(self, args: tuple = (), kwargs: dict | None = None, arch: str | None = None) -> dict[str, Any]:
         """Check and canonicalize a call's or a manifest's parameters, defaults applied,
@@ -86,8 +90,11 @@ class KernelSpec:
 
             arch = settings.get().arch
         others = {k: v for k, v in out.items() if k != n}
+        from quack.tuning.override import override
+
+        forced = override(self.name)  # quack.tuning.use_config: a candidate under test
         try:
-            return p.check(n, p.derive(others, arch))
+            return p.check(n, forced if forced is not None else p.derive(others, arch))
         except ParamError as e:
             raise ParamError(f"{self.name}: default {n}: {e}", kernel=self.name, param=n) from None
 
@@ -146,6 +153,8 @@ def register(
     version: int = 0,
     reference: str | None = None,
     rules=(),
+    search_space: Callable | None = None,
+    bench: str | None = None,
 ) -> KernelSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
@@ -191,6 +200,8 @@ def register(
         reference,
         rules,
         takes_arch,
+        search_space,
+        bench,
     )
     old = _REGISTRY.get(name)
     if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):

@@ -33,6 +33,7 @@ app.add_typer(cache_app, name="cache")
 from quack_build import buildcmd as _buildcmd  # noqa: E402
 from quack_build import bundlecmd as _bundlecmd  # noqa: E402
 from quack_build import cachecli as _cachecli  # noqa: E402
+from quack_build import tunecmd as _tunecmd  # noqa: E402
 from quack_build.buildcmd import build  # noqa: E402
 from quack_build.cachecli import cache_clean, cache_pull, cache_push, cache_stats  # noqa: E402
 from quack_build.clirun import expand_manifests, local_store, run_command  # noqa: E402
@@ -197,4 +198,5 @@ app.command()(verify)
 app.command()(keygen)
 app.command()(prewarm)
 _bundlecmd.register(app)
+_tunecmd.register(app)
 _cachecli.register(cache_app)

@@ -257,16 +257,32 @@ def load(store, entry, params, key, arch, *, miss: bool) -> Loaded:
 
 
 def jit_cache(
-    name: str, params: dict[str, Param], *, version: int = 0, reference: str | None = None, rules=()
+    name: str,
+    params: dict[str, Param],
+    *,
+    version: int = 0,
+    reference: str | None = None,
+    rules=(),
+    search_space: Callable | None = None,
+    bench: str | None = None,
 ) -> Callable[[Callable], JitKernel]:
     """Register a tensor-free compile function as kernel ``name`` and cache it.
     ``rules``: quack.params.Rule constraints across parameters, checked (with each
-    parameter's own check) by manifests and on every call, before anything compiles."""
+    parameter's own check) by manifests and on every call, before anything compiles.
+    ``search_space`` / ``bench``: what ``quack tune`` measures (docs/tuning.md)."""
 
     def deco(fn: Callable) -> JitKernel:
-        return JitKernel(
-            registry.register(name, fn, params, version=version, reference=reference, rules=rules)
+        spec = registry.register(
+            name,
+            fn,
+            params,
+            version=version,
+            reference=reference,
+            rules=rules,
+            search_space=search_space,
+            bench=bench,
         )
+        return JitKernel(spec)
 
     return deco
 

@@ -87,11 +87,12 @@ def poison_allocations(monkeypatch):
 # directory under the kernel's source fingerprint and key, so a later session with the same
 # sources reads it back without compiling (the cache holds cubins only: no PTX to read).
 _PTX_SCRIPT = """
-import glob, json, os, shutil, sys
+import glob, importlib, json, os, shutil, sys
 from quack import registry
 from quack.compile.builder import compile_to
 out, todo = sys.argv[1], json.loads(sys.argv[2])
-for name, params, dest in todo:
+for module, name, params, dest in todo:
+    importlib.import_module(module)
     spec = registry.get(name)
     before = set(glob.glob(os.path.join(out, "*.ptx")))
     compile_to(spec, spec.bind((), params, arch="sm_90a"), "sm_90a", os.path.join(out, "obj.o"))
@@ -119,7 +120,7 @@ def ptx_of(cases: dict, tmp_dir) -> dict:
         path = os.path.join(root, "test-ptx", spec.source_fingerprint(), spec.key(bound, "sm_90a") + ".ptx")
         where[cid] = path
         if not os.path.exists(path):
-            todo.append((spec.name, spec.plain(bound), path))
+            todo.append((spec.module, spec.name, spec.plain(bound), path))
     if todo:
         env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_dir), CUTE_DSL_ARCH="sm_90a")
         r = subprocess.run(

@@ -1,0 +1,124 @@
+"""``quack tune`` on the CPU: --dry-run lists each problem's candidates (compiling nothing),
+--budget parses, a candidate forced with ``use_config`` is in the key, and without a GPU the
+measuring run refuses with a clear error."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _quack(*args, env_extra=None):
+    import os
+
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "quack_build", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_dry_run_lists_candidates_and_compiles_nothing(tmp_path):
+    r = _quack(
+        "tune",
+        "manifests/tuning.toml",
+        "--kernel",
+        "rmsnorm_fwd",
+        "--dry-run",
+        "--json",
+        env_extra={"QUACK_CACHE_DIR": str(tmp_path / "c")},
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["dry_run"] and len(out["problems"]) == 8  # 4 N x 2 weight dtypes
+    (p,) = [
+        p for p in out["problems"] if "n=262144" in p["problem"] and "weight_dtype=float32" in p["problem"]
+    ]
+    assert {"ring_pipe": True, "ring_threads": 512, "ring_wregs": "wb", "stages": 3} in p["candidates"]
+    assert not list((tmp_path / "c").rglob("*.o")), "a dry run compiles nothing"
+    r = _quack("tune", "manifests/tuning.toml", "--kernel", "rmsnorm_fwd", "--dry-run", "--budget", "2c")
+    assert r.returncode == 0 and r.stdout.count("2 candidates") == 8
+
+
+def test_unknown_kernel_and_bad_budget_are_named():
+    r = _quack("tune", "manifests/tuning.toml", "--kernel", "nosuch", "--dry-run")
+    assert r.returncode == 1 and "--kernel nosuch" in r.stdout + r.stderr
+    r = _quack("tune", "manifests/tuning.toml", "--budget", "soon", "--dry-run")
+    assert r.returncode == 2 and "--budget" in r.stdout + r.stderr
+
+
+def test_parse_budget():
+    from quack_build.tunecmd import parse_budget
+
+    assert parse_budget("90s") == (90.0, None) and parse_budget("3") == (3.0, None)
+    assert parse_budget("12c") == (None, 12) and parse_budget(None) == (None, None)
+    for bad in ("0", "-1s", "0c", "x"):
+        with pytest.raises(typer.BadParameter):
+            parse_budget(bad)
+
+
+def test_use_config_is_in_the_key():
+    from quack_kernels import rmsnorm
+    from quack_kernels._configs import RmsNormFwdConfig
+
+    from quack.tuning import use_config
+
+    spec = rmsnorm.compile_rmsnorm_fwd.spec
+    plain = spec.bind(("bfloat16", 4096), {}, arch="sm_90a")
+    cand = RmsNormFwdConfig(x_smem=True, x_min_blocks=3)
+    with use_config("rmsnorm_fwd", cand):
+        forced = spec.bind(("bfloat16", 4096), {}, arch="sm_90a")
+        assert rmsnorm.fwd_config("bfloat16", 4096, True, False, False, "same") == cand  # the grid follows
+    assert forced["config"] == cand and spec.key(forced, "sm_90a") != spec.key(plain, "sm_90a")
+    assert spec.bind(("bfloat16", 4096), {}, arch="sm_90a") == plain  # the block's end restores
+
+
+@pytest.mark.skipif(__import__("conftest").has_gpu(), reason="checks the no-GPU refusal")
+def test_measuring_without_a_gpu_is_refused_clearly(tmp_path):
+    r = _quack(
+        "tune", "manifests/tuning.toml", "--kernel", "softmax_fwd", "--table", str(tmp_path / "t.toml")
+    )
+    assert r.returncode == 1 and "CUDA GPU" in r.stdout + r.stderr
+    assert not (tmp_path / "t.toml").exists()
+
+
+@pytest.mark.skipif(not __import__("conftest").has_gpu(), reason="needs a CUDA GPU")
+def test_tune_writes_a_winner_on_the_gpu(tmp_path):
+    table = tmp_path / "t.toml"
+    m = tmp_path / "m.toml"
+    m.write_text(
+        '[defaults]\narchs = ["sm_90a"]\n[[kernel]]\nname = "rmsnorm_fwd"\n[kernel.params]\n'
+        'dtype = "bfloat16"\nn = 65536\nweight_dtype = "float32"\n'
+    )
+    r = _quack(
+        "tune",
+        str(m),
+        "--kernel",
+        "rmsnorm_fwd",
+        "--budget",
+        "3c",
+        "--rows",
+        "4096",
+        "--table",
+        str(table),
+        "--from-empty",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    (p,) = out["problems"]
+    assert p["new"] and p["written"] and not p["refused"]
+    from quack.tuning import Table
+
+    t = Table.load(table)
+    (row,) = t.rows
+    assert row.kernel == "rmsnorm_fwd" and row.n == (65536, 65536) and row.time_us > 0 and row.date
