@@ -7,7 +7,9 @@ current default configuration plus the candidates, compiled in parallel in the p
 normal build path: cached ones load), each checked with the kernel's reference hook (the
 ``quack verify --run`` one) before it may win, timed with ``quack.tuning.bench.gpu_time``
 at M rows (``--rows``, else 32768, or 4096 for rows over 65536 elements), the close calls
-re-measured interleaved. ``--dry-run`` lists the candidates and compiles nothing."""
+re-measured interleaved. ``--dry-run`` lists the candidates and compiles nothing;
+``--compile-only`` builds every candidate into the cache (no GPU needed: a CPU build farm,
+``--executor ray``) and stops there, so the measuring run on the GPU machine only loads."""
 
 from __future__ import annotations
 
@@ -60,6 +62,11 @@ def tune(
     ),
     rows: Optional[int] = typer.Option(None, "--rows", min=1, help="Rows (M) of the timed problems."),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List the candidates; compile nothing."),
+    compile_only: bool = typer.Option(
+        False,
+        "--compile-only",
+        help="Build every candidate into the cache and stop (no GPU needed); measure later.",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers."),
     executor: Optional[str] = typer.Option(None, "--executor", help="local, ray, auto, ray://HOST:PORT."),
@@ -68,6 +75,8 @@ def tune(
 ):
     """Measure the kernels' search spaces on this GPU; write the winners to the tuning table."""
     seconds, count = parse_budget(budget)
+    if dry_run and compile_only:
+        raise typer.BadParameter("--dry-run compiles nothing, --compile-only compiles: give one of them")
     run_command(
         lambda: run_tune(
             manifests or [],
@@ -83,6 +92,7 @@ def tune(
             executor,
             cache_dir,
             max_configs,
+            compile_only,
         )
     )
 
@@ -132,6 +142,7 @@ def run_tune(
     executor,
     cache_dir,
     max_configs,
+    compile_only=False,
 ) -> int:
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
@@ -148,6 +159,8 @@ def run_tune(
         if as_json:
             emit_json(dict(dry_run=True, problems=out))
         return 0
+    if compile_only:
+        return _compile_only(s, con, probs, count, jobs, as_json)
     import torch
 
     if not torch.cuda.is_available():
@@ -157,3 +170,28 @@ def run_tune(
     return tunerun.measure_and_write(
         s, con, probs, seconds, count, table, from_empty, rows, as_json, _label, default_rows
     )
+
+
+def candidate_configs(probs, count) -> list:
+    """Each problem's candidates (the first ``count`` with a candidate budget) as the
+    BuildConfigs ``quack build`` builds: the same keys the measuring run asks for."""
+    from quack_build.buildconfig import BuildConfig
+
+    out: dict = {}
+    for c, spec, base, cands, _current in probs:
+        for cand in cands[:count] if count else cands:
+            params = spec.bind((), dict(base, config=cand), arch=c.arch)
+            key = spec.key(params, c.arch)
+            # two problems may share a candidate's kernel (one key): built once
+            out.setdefault(
+                key, BuildConfig(c.kernel, params, c.arch, key, f"{c.origin} (tune candidate)", spec)
+            )
+    return list(out.values())
+
+
+def _compile_only(s, con, probs, count, jobs, as_json) -> int:
+    from quack_build.buildcmd import build_configs
+
+    configs = candidate_configs(probs, count)
+    con.print(f"quack tune --compile-only: {len(configs)} candidates of {len(probs)} problems", markup=False)
+    return build_configs(s, con, configs, jobs, keep_going=True, force=False, as_json=as_json)

@@ -1,5 +1,6 @@
 """``quack tune`` on the CPU: --dry-run lists each problem's candidates (compiling nothing),
---budget parses, a candidate forced with ``use_config`` is in the key, and without a GPU the
+--compile-only builds a small search's candidates through the real pool into the cache, each
+under its own key (what a CPU build farm does before the GPU machine measures), --budget parses, a candidate forced with ``use_config`` is in the key, and without a GPU the
 measuring run refuses with a clear error."""
 
 import json
@@ -47,6 +48,49 @@ def test_dry_run_lists_candidates_and_compiles_nothing(tmp_path):
     assert not list((tmp_path / "c").rglob("*.o")), "a dry run compiles nothing"
     r = _quack("tune", "manifests/tuning.toml", "--kernel", "rmsnorm_fwd", "--dry-run", "--budget", "2c")
     assert r.returncode == 0 and r.stdout.count("2 candidates") == 8
+
+
+def test_compile_only_builds_each_candidate_under_its_own_key(tmp_path):
+    """The whole path but the GPU: manifest -> search space -> the build scheduler and its
+    compile workers -> the cache. Three candidates of one small RMSNorm problem; each one's
+    object is in the cache under the key the measuring run asks for, with its config."""
+    from quack_kernels import rmsnorm
+
+    from quack.cache.store import DiskStore
+    from quack.compile import builder
+
+    m = tmp_path / "m.toml"
+    m.write_text(
+        '[defaults]\narchs = ["sm_90a"]\n[[kernel]]\nname = "rmsnorm_fwd"\n[kernel.params]\n'
+        'dtype = "bfloat16"\nn = 4096\n'
+    )
+    cache = tmp_path / "c"
+    r = _quack(
+        "tune", str(m), "--compile-only", "--budget", "3c", "-j", "2", "--json",
+        env_extra={"QUACK_CACHE_DIR": str(cache)},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    assert out["ok"] and out["total"] == out["compiled"] == 3
+    spec = rmsnorm.compile_rmsnorm_fwd.spec
+    base = spec.bind((), dict(dtype="bfloat16", n=4096), arch="sm_90a")
+    cands = list(dict.fromkeys([base["config"], *rmsnorm.search_space(base)]))[:3]
+    assert len(cands) == 3
+    store = DiskStore(cache)
+    keys = set()
+    for cand in cands:
+        params = spec.bind((), dict(dtype="bfloat16", n=4096, config=cand), arch="sm_90a")
+        entry = store.lookup(builder.entry_ref(spec, params, "sm_90a"))
+        assert entry is not None, f"candidate {cand.label()} not in the cache"
+        assert entry.meta["params"]["config"] == spec.plain(params)["config"]
+        keys.add(entry.ref.key)
+    assert len(keys) == 3, "every candidate is its own kernel under its own key"
+    assert len(list(cache.rglob("*.o"))) == 3  # nothing else was built
+
+
+def test_dry_run_and_compile_only_together_are_refused():
+    r = _quack("tune", "manifests/tuning.toml", "--dry-run", "--compile-only")
+    assert r.returncode == 2 and "--compile-only" in r.stdout + r.stderr
 
 
 def test_unknown_kernel_and_bad_budget_are_named():
