@@ -1,4 +1,4 @@
-"""The typed launch configurations of the kernel families (issue 25; docs/tuning.md).
+"""The typed launch configurations of the kernel families (docs/tuning.md).
 
 Each field is a knob the compile function reads; ``None`` = the kernel's own heuristic
 (the plan-derived default written beside the ``.get`` that reads it). The defaults come

@@ -1,12 +1,12 @@
-"""The LayerNorm forward of 16-bit rows of one 256-thread CTA (N in (8192, 16384]; issue 14
-part 6, round 4): its defaults by weight kind, the knobs, and the kernel pieces they pick.
+"""The LayerNorm forward of 16-bit rows of one 256-thread CTA (N in (8192, 16384]): its
+defaults by weight kind, the knobs, and the kernel pieces they pick.
 
-Round 3's row tile there keeps 64 elements a thread in fp32 registers and loads w / b after
+The plain row tile there keeps 64 elements a thread in fp32 registers and loads w / b after
 the reduction: 127 registers (ptxas), 2 CTAs / SM, 64 KiB of x in flight per SM. Measured
-on the H200 (benchmarks/tune_k4c.py, bf16 x, 32768x16384, TB/s, same process): that row
-tile 4.05, torch.compile 4.21; x cp.async'ed into shared memory (``xs_kernel``) over 512
-threads, 3 CTAs / SM (40 registers) 4.20. With fp32 w + b: round 3's clusterless ring 3.86,
-``xs_kernel`` at 256 threads and 5 CTAs / SM (48 registers) 3.99, torch.compile 4.09.
+on the H200 (bf16 x, 32768x16384, TB/s, same process): that row tile 4.05, torch.compile
+4.21; x cp.async'ed into shared memory (``xs_kernel``) over 512 threads, 3 CTAs / SM (40
+registers) 4.20. With fp32 w + b: the clusterless ring 3.86, ``xs_kernel`` at 256 threads
+and 5 CTAs / SM (48 registers) 3.99, torch.compile 4.09.
 
 Imported only from inside compile functions and torch wrappers (pure Python at top level).
 """
@@ -17,8 +17,8 @@ from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
 
 X_MIN_BLOCKS = 4  # "x_min_blocks" when absent
 
-# The measured knob sets (rounds 4-9, docs/kernels.md) are rows of kernels/tuned/sm_90a.toml
-# now, by ``fwd_class``: one-CTA rows ("same/cta256": x through shared memory over 512
+# The measured knob sets (docs/kernels.md) are rows of kernels/tuned/sm_90a.toml, by
+# ``fwd_class``: one-CTA rows ("same/cta256": x through shared memory over 512
 # threads, 3 CTAs / SM; "wide/cta256": two rows a CTA, w / b 2 vectors ahead, and at N =
 # 16384 four rows a 512-thread CTA), rows over 16-CTA clusters ("same/cluster16": x through
 # shared memory; at 262144 the pipelined ring with 4 stages; "wide/cluster16": the
@@ -170,7 +170,7 @@ def xs_kernel(plan, dt, ca: bool):
 
     from . import _rowreduce as rr
 
-    # named as round 4's sweep compiled it (the PTX is the one measured and tested)
+    # the kernel's name is part of the generated code: kept as measured and tested
     @cute.kernel
     def kernel_xs(
         mX: cute.Tensor, mW, mB, mY: cute.Tensor, mMean: cute.Tensor, mRstd: cute.Tensor, eps: Float32
@@ -188,7 +188,7 @@ def xs_kernel(plan, dt, ca: bool):
         tX = t.thr.partition_S(sX)
         mt, m2t = thread_welford(tX)
         # the cluster's mbarriers are initialized (no-op without a cluster: the one-CTA rows'
-        # PTX is round 4's)
+        # PTX is the measured one)
         red.wait_cluster()
         mean, m2 = red.reduce_pair(mt, m2t, "welford", count=plan.elems_per_thread)
         rstd = cute.math.rsqrt(m2 * (1.0 / plan.n) + eps, fastmath=True)

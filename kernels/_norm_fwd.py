@@ -22,8 +22,8 @@ from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
 
 SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in to
 
-# Defaults of the knobs (``tune`` overrides each; measured on the H200 with
-# the round-2 sweeps): the smallest cluster the ring is
+# Defaults of the knobs (the configuration overrides each; measured on the H200): the
+# smallest cluster the ring is
 # used for, by kind and weight ("_wide": wider than the rows, fp32 beside 16-bit x); the
 # shared-memory budget (KiB) the ring's depth is sized by; by kind, the conflict-free layout
 # of a wide weight in shared memory (``RowTiles.alloc_smem_bcast(spread=True)``; LayerNorm
@@ -32,14 +32,14 @@ SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in 
 RING_MIN_CLUSTER = {"rms_wide": 4, "layer": 4, "layer_wide": 4}
 RING_SMEM_KB = 220
 WIDE_PERM = {"rms": False, "layer": True}
-# Round 3: the ring also for rows of ONE 256-thread CTA (N in (8192, 16384] for 16-bit x:
+# The ring also for rows of ONE 256-thread CTA (N in (8192, 16384] for 16-bit x:
 # the weight / bias slice staged once instead of re-read from L2 for every row), by key.
 # The ring's shape is a knob ("ctas_per_sm": C CTAs per SM, C > 1 splitting the SM's shared
 # memory, so a 1-stage ring; "ring_budget": elements a thread, 128 halving the cluster;
 # "wide_perm": the spread layout of a wide weight); default 1 CTA, 64 elements. Measured
 # (bf16 x, TB/s): RMSNorm fp32 w 32768x65536 "1x64" 3.76, "2x64" 3.84, "2x64p" 3.87,
-# "1x128" 3.91, "1x128p" 3.92 (a candidate of rmsnorm.search_space; round 5's x-through-
-# shared-memory forward won there since); LayerNorm 32768x16384 clusterless ring 3.80-3.84
+# "1x128" 3.91, "1x128p" 3.92 (a candidate of rmsnorm.search_space; the x-through-
+# shared-memory forward wins there); LayerNorm 32768x16384 clusterless ring 3.80-3.84
 # vs row tile 4.04 (kept off), fp32 w + b 3.83 vs 3.69 (on).
 RING_CLUSTERLESS = {"rms_wide": False, "layer": False, "layer_wide": True}
 SM_SMEM = 228 * 1024  # sm_90's shared memory per SM (each resident CTA reserves 1 KiB of it)
@@ -96,7 +96,7 @@ def _ring_cfg(
     2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one persistent loop).
     ``tune``: "ring" (False: off), "ring_min_cluster", "ring_same" (RMSNorm with
     same-width weights too), "stages" (max depth, 4), "smem_kb", "wide_perm",
-    "ring_clusters" (a fixed grid instead of the occupancy calculator's); round 9's
+    "ring_clusters" (a fixed grid instead of the occupancy calculator's);
     "ring_pipe" (two rows in flight a CTA: ``_ring_pipe``, clusters only, 3+ stages) and
     "ring_wregs" (with "ring_pipe": "w" / "b" / "wb", the weight / bias slice kept in
     registers instead of shared memory, which then holds more x stages) and "ring_threads"
@@ -136,7 +136,7 @@ def _ring_cfg(
     budget = min(SMEM_MAX, tune.get("smem_kb", RING_SMEM_KB) * 1024, SM_SMEM // ctas - 1024)
     stages = min(tune.get("stages", 4), (budget - fixed) // stage_bytes)
     # one stage (read, then refill with the next row) where the shared memory is shared
-    # by 2+ CTAs or holds a larger slice; 2+ otherwise (the round-1 / 2 ring); 3+ for the
+    # by 2+ CTAs or holds a larger slice; 2+ otherwise (the plain ring); 3+ for the
     # pipelined ring (rows it and it+1 resident while row it+2 comes in)
     if stages < (3 if pipe else 1 if ctas > 1 or elems > 64 or threads > 256 else 2):
         return None
@@ -194,7 +194,7 @@ def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:
         guess = kt.sm_count(device) * ctas // plan.cluster_n - (1 if plan.cluster_n >= 4 else 0)
         # the probe kernel asks for the CTA's whole share of the SM's shared memory, not just
         # what the ring uses: the ring is sized for ``ctas`` CTAs an SM, and a lighter one
-        # (round 9: a pipelined ring with w / b in registers, 100-210 of them, 100-170 KiB)
+        # (a pipelined ring with w / b in registers, 100-210 of them, 100-170 KiB)
         # would otherwise be counted at CTAs an SM that its registers cannot hold -- a
         # persistent grid run as two waves (measured: 14 clusters of 16 where 7 fit)
         share = max(cfg["smem_bytes"], SM_SMEM // ctas - 1024)

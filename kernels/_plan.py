@@ -149,12 +149,12 @@ def check_n(n) -> int:
 
 
 def size_class(dtype: str, n: int):
-    """The row-length class a measured default applies to (softmax's and cross-entropy's
-    ``DEFAULTS``, keyed by it; benchmarks/tune_k3b.py decides them): "small" (4096 <= N <=
+    """The row-length class a measured default applies to (the tuning table's ``class`` of
+    softmax's and cross-entropy's rows; ``quack tune`` measures them): "small" (4096 <= N <=
     8192: one CTA of 64-128 threads a row), "mid" (8192 < N <= 16384: one 256-thread CTA,
     or 2 with the softmax backward's budget), "large" (N > 131072: clusters of 16); None
-    elsewhere and for float32 (not measured). A class without an entry in a kernel's
-    ``DEFAULTS`` (cross-entropy has no "large") keeps that kernel's own default."""
+    elsewhere and for float32 (not measured). A class without a row for a kernel
+    (cross-entropy has no "large") keeps that kernel's own default."""
     if dtype == "float32":
         return None
     if 4096 <= n <= 8192:

@@ -1,4 +1,4 @@
-"""Default configurations from the tuning tables (``kernels/tuned/<arch>.toml``; issue 25,
+"""Default configurations from the tuning tables (``kernels/tuned/<arch>.toml``;
 docs/tuning.md): ``default_config`` = the kernel's problem class (its readable heuristic:
 which kind of plan the problem gets) + a table lookup by (kernel, GPU model, class, dtype,
 N). No row: the config the caller's heuristic gives (``fallback``).

@@ -34,7 +34,7 @@ LN_2 = math.log(2.0)
 
 # Defaults: the forward's by ``_ce_stream.default_tune`` (the streaming shapes by row
 # length: the heuristic), the backward's by row-length class from the tuning table
-# (kernels/tuned/sm_90a.toml; "mid": a budget of 128 through shared memory, round 3). A
+# (kernels/tuned/sm_90a.toml; "mid": a budget of 128 through shared memory). A
 # table row for the forward replaces ``default_tune``'s set whole.
 
 
@@ -44,7 +44,7 @@ def _size_class(params: dict) -> str | None:
 
 def fwd_search_space(params: dict) -> list[CrossEntropyFwdConfig]:
     """``quack tune``'s forward candidates: the heuristic's streaming shape, the register
-    path, and the streaming shapes measured in round 2 (one warp a row, one CTA a row,
+    path, and the other measured streaming shapes (one warp a row, one CTA a row,
     clusters of 2)."""
     C = CrossEntropyFwdConfig
     cands = [C(**_ce_stream.default_tune(params["n"])), C(), C(fwd_smem=True)]
@@ -122,7 +122,7 @@ def compile_cross_entropy_fwd(
     plan = plan_rows(n, io_width(dtype, "float32" if weighted else None), budget=64)
     k = config.knobs()  # type: ignore[union-attr]
     min_blocks = k.get("min_blocks", 0) if plan.cluster_n > 1 else 0
-    # Round-3 variant (benchmarks/tune_k3b.py, with stream=False): the logits tile
+    # Variant (with stream=False): the logits tile
     # cp.async'ed into shared memory, the target logit read while it is in flight.
     smem_x = k.get("fwd_smem", False) and plan.even and plan.vec * dt.width == 128
 
@@ -252,7 +252,7 @@ def compile_cross_entropy_bwd(
     weighted = smoothing == "weighted"
     # No reduction in the backward (lse is given): a row may span several CTAs without a
     # cluster; the element budget per thread sets registers, hence occupancy. Measured on
-    # the H200 (bf16, `tune_variants.py cross_entropy_bwd`, us for budget 64 / 32 / 16):
+    # the H200 (bf16, us for budget 64 / 32 / 16):
     # 4096: 145 / 134 / 141; 16384: 654 / 538 / 548; 65536: 2134 / 2174 / 2356;
     # 262144: 1100 / 1100 / 1101.
     k = config.knobs()  # type: ignore[union-attr]  # derived by bind (_tuning)
@@ -260,7 +260,7 @@ def compile_cross_entropy_bwd(
     budget = 32 if n <= 32768 else 64
     plan = plan_rows(n, width, budget=k.get("bwd_budget", budget))
 
-    # Round-3 variant (benchmarks/tune_k3b.py): the CTA's logits tile cp.async'ed into shared
+    # Variant: the CTA's logits tile cp.async'ed into shared
     # memory, the per-row scalars read while it is in flight, then read into registers (the
     # reference library's copy path); even 16-byte tilings only.
     smem_x = k.get("bwd_smem", False) and plan.even and plan.vec * dt.width == 128

@@ -104,7 +104,7 @@ def compile_layernorm_fwd(
         min_blocks = int(kn.get("x_min_blocks", X_MIN_BLOCKS))
         kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
         if x_rows > 1:
-            # round 5 knob "x_rows": that many rows a CTA, w / b read once for all of them
+            # knob "x_rows": that many rows a CTA, w / b read once for all of them
             kernel_xs = xs_rows_kernel(
                 "layer", plan, dt, x_rows, bool(kn.get("x_ca", False)), int(kn.get("wb_ahead", 0))
             )
@@ -249,6 +249,14 @@ def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
     return ring_grid(m, dtype, n, rcfg, device)
 
 
+def bwd_search_space(params: dict) -> list[NormBwdConfig]:
+    """``quack tune``'s backward candidates (``_norm_bwd.search_space``, shared with
+    RMSNorm's backward)."""
+    from ._norm_bwd import search_space
+
+    return search_space("layer", params)
+
+
 @jit_cache(
     "layernorm_bwd",
     params={
@@ -263,6 +271,8 @@ def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
         ),
     },
     reference=f"{__package__}._verify:verify_layernorm_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_layernorm_bwd",
 )
 def compile_layernorm_bwd(
     dtype: str,

@@ -27,7 +27,7 @@ def fwd_class(params: dict) -> str | None:
 
 def search_space(params: dict) -> list[RmsNormFwdConfig]:
     """``quack tune``'s candidates for a forward problem: the table's default, the
-    heuristic, and the variants measured in rounds 3-9 that apply to the problem's plan."""
+    heuristic, and the measured variants that apply to the problem's plan."""
     width = WIDTHS[params["dtype"]]
     wide = WIDTHS[resolve_weight_dtype(params["dtype"], params["weight_dtype"])] > width
     cands = [RmsNormFwdConfig()]
@@ -97,7 +97,7 @@ def compile_rmsnorm_fwd(
     min_blocks = kn.get("min_blocks", 3) if stage_wb else kn.get("late_min_blocks", 0)
     # x through shared memory (``x_smem_ok``): cp.async'ed, read for the reduction and read
     # again for y, so x is not live in registers across the cluster reduction (a wide weight
-    # only with the round 5 knob "x_smem_wide": read from L2 after the reduction)
+    # only with the knob "x_smem_wide": read from L2 after the reduction)
     x_smem = x_smem_ok(plan, dt.width, has_residual, kn) and (
         not late_wb or bool(kn.get("x_smem_wide", False))
     )
@@ -107,7 +107,7 @@ def compile_rmsnorm_fwd(
         w_regs = bool(xs["w_regs"]) and not late_wb
         stage_wb = stage_wb and not w_regs
         min_blocks = int(xs["min_blocks"])
-    # round 5 knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
+    # knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
     # the weight read from L2 once for all of them (``_xs_rows.xs_rows_kernel``)
     x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
     if x_rows > 1:
@@ -313,9 +313,9 @@ def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: di
     return ring_cfg("rms", dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
 
 
-# The forward's measured knob sets (round 5: x through shared memory, two rows a CTA, for
-# a weight wider than the rows at clusters of 4; round 9: the pipelined ring over clusters
-# of 8 CTAs of 512 threads at N = 262144) are rows of kernels/tuned/sm_90a.toml now, by
+# The forward's measured knob sets (x through shared memory, two rows a CTA, for a weight
+# wider than the rows at clusters of 4; the pipelined ring over clusters of 8 CTAs of 512
+# threads at N = 262144) are rows of kernels/tuned/sm_90a.toml, by
 # ``fwd_class``; ``search_space`` lists them as candidates (docs/kernels.md, docs/tuning.md).
 
 
@@ -335,13 +335,11 @@ def bwd_class(params: dict) -> str | None:
 
 
 def bwd_search_space(params: dict) -> list[NormBwdConfig]:
-    """``quack tune``'s backward candidates: the heuristic, the register path, other depths
-    and shared-memory budgets."""
-    return (
-        [NormBwdConfig()]
-        + [NormBwdConfig(smem=False)]
-        + [NormBwdConfig(stages=st, smem_kb=kb) for st in (2, 3) for kb in (128, 192)]
-    )
+    """``quack tune``'s backward candidates (``_norm_bwd.search_space``, shared with
+    LayerNorm's backward)."""
+    from ._norm_bwd import search_space
+
+    return search_space("rms", params)
 
 
 @jit_cache(

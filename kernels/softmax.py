@@ -19,14 +19,14 @@ LOG2_E = math.log2(math.e)
 
 # The backward plan's budget (row elements a thread keeps, fp32, two rows) for 16-bit
 # dtypes by row length: 4096 <= N <= 8192 (one CTA a row), 8192 < N <= 16384; 32 elsewhere
-# (the "bwd_budget" knob overrides; measured on the H200 in rounds 2-3).
+# (the "bwd_budget" knob overrides; measured on the H200).
 BWD_BUDGET_SMALL = 32
 BWD_BUDGET_MID = 16
 
 # The measured knob sets by row-length class (``size_class``: "mid": 4 CTAs / SM asked of
 # ptxas; "small": the backward as torch.compile's kernel: the row over 512 threads, dy / y
-# loaded with evict_last hints, re-read after the reduction with evict_first; rounds 3 and
-# 5, docs/kernels.md) are rows of kernels/tuned/sm_90a.toml now.
+# loaded with evict_last hints, re-read after the reduction with evict_first;
+# docs/kernels.md) are rows of kernels/tuned/sm_90a.toml.
 
 
 def _size_class(params: dict) -> str | None:
@@ -42,7 +42,7 @@ def fwd_search_space(params: dict) -> list[SoftmaxFwdConfig]:
 
 def bwd_search_space(params: dict) -> list[SoftmaxBwdConfig]:
     """``quack tune``'s backward candidates: budgets, shared-memory rows, CTAs / SM, the
-    512-thread two-pass kernel with its cache hints (round 5)."""
+    512-thread two-pass kernel with its cache hints."""
     C = SoftmaxBwdConfig
     cands = [C()] + [C(bwd_budget=b) for b in (16, 32, 64)] + [C(bwd_smem=True), C(bwd_min_blocks=4)]
     cands.append(C(bwd_ld="last:evict_last", bwd_ld2="first:evict_first", bwd_tpr=512, bwd_twopass=True))
@@ -90,7 +90,7 @@ def compile_softmax_fwd(dtype: str, n: int, config: SoftmaxFwdConfig | None = No
     # waits for the slowest CTA of the cluster.
     k = config.knobs()  # type: ignore[union-attr]  # derived by bind (_tuning)
     online = k.get("online", plan.cluster_n > 1)
-    # Round-3 variants (benchmarks/tune_k3b.py): x cp.async'ed into shared memory, then read
+    # Variants: x cp.async'ed into shared memory, then read
     # into registers (the reference library's copy path: no registers held by the loads in
     # flight); even 16-byte tilings only. ``fwd_min_blocks``: resident CTAs / SM for ptxas.
     smem_x = k.get("fwd_smem", False) and plan.even and plan.vec * dt.width == 128
@@ -138,7 +138,7 @@ def compile_softmax_fwd(dtype: str, n: int, config: SoftmaxFwdConfig | None = No
 
 
 def _bwd_plan(dtype: str, n: int, width: int, k: dict):
-    """The backward's row plan: ``plan_rows`` with the budget, or with the round-5 knob
+    """The backward's row plan: ``plan_rows`` with the budget, or with the knob
     ``bwd_tpr`` = 512 a row of one CTA spread over 512 threads (even tilings only)."""
     from ._plan import RowPlan, plan_rows
 
@@ -193,8 +193,8 @@ def compile_softmax_bwd(dtype: str, n: int, config: SoftmaxBwdConfig | None = No
         if k["bwd_smem"] and not smem_rows:
             plan = plan_rows(n, dt.width, budget=32)
     min_blocks = k.get("bwd_min_blocks", 0)
-    # Round-5 knobs of the register path (benchmarks/tune_k5e.py at commit aac952b, which
-    # also measured hinted stores and createpolicy'd operands, removed since): cache hints
+    # Knobs of the register path (hinted stores and createpolicy'd operands lost, see
+    # ``_cachehint``): cache hints
     # on the loads of dy / y (``bwd_ld``; ``bwd_ld2`` for the re-read, see
     # ``_cachehint.io_copy``), and ``bwd_twopass``: dy and y re-read after the reduction (L1 / L2 hits)
     # instead of kept as fp32 through it, as torch.compile's looped reduction does. The small

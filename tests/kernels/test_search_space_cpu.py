@@ -19,6 +19,7 @@ FAMILIES = {
     "rmsnorm_fwd": (rmsnorm.compile_rmsnorm_fwd, rmsnorm.search_space),
     "rmsnorm_bwd": (rmsnorm.compile_rmsnorm_bwd, rmsnorm.bwd_search_space),
     "layernorm_fwd": (layernorm.compile_layernorm_fwd, layernorm.search_space),
+    "layernorm_bwd": (layernorm.compile_layernorm_bwd, layernorm.bwd_search_space),
     "softmax_fwd": (softmax.compile_softmax_fwd, softmax.fwd_search_space),
     "softmax_bwd": (softmax.compile_softmax_bwd, softmax.bwd_search_space),
     "cross_entropy_fwd": (cross_entropy.compile_cross_entropy_fwd, cross_entropy.fwd_search_space),
@@ -42,6 +43,19 @@ def test_candidates_are_distinct_valid_configs(kernel, dtype, n):
     assert len(set(cands)) == len(cands), "a duplicate would be compiled and measured twice"
     for c in cands:  # each one binds as a call's explicit config (the key tune compiles)
         assert _bind(kernel, dtype=dtype, n=n, config=c)["config"] == c
+
+
+@pytest.mark.parametrize("kernel", ["rmsnorm_bwd", "layernorm_bwd"])
+def test_norm_backward_searches_its_shared_memory_knobs_where_they_apply(kernel):
+    """Both norm backwards (one kernel, ``_norm_bwd``) search the pipeline depth, the
+    register path and where the weight lives on rows of one CTA or more; on rows several
+    a CTA (the register path whatever the knobs say) the heuristic is the only kernel."""
+    fn, space = FAMILIES[kernel]
+    for wdt in ("same", F32):
+        labels = {c.label() for c in space(_bind(kernel, dtype="bfloat16", n=16384, weight_dtype=wdt))}
+        assert {"default", "smem=false", "smem_kb=128 stages=2"} <= labels
+        assert any("w_smem" in x for x in labels)
+    assert [c.label() for c in space(_bind(kernel, dtype="bfloat16", n=1024))] == ["default"]
 
 
 def test_every_table_row_is_a_candidate_of_the_problems_it_reaches():
