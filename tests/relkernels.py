@@ -54,7 +54,7 @@ def rel_fail(i: int = 0):
             f.write(f"{os.getpid()} {i}\n")
     if str(i) in os.environ.get("QUACK_TEST_FAIL", "").split(","):
         raise ValueError(f"rel_fail: configuration i={i} does not compile")
-    return rel_copy.raw(i)
+    return rel_copy.compile_uncached(i)
 
 
 def _even_when_big(p: dict) -> bool:
@@ -68,4 +68,4 @@ def _even_when_big(p: dict) -> bool:
 )
 def rel_ruled(i: int = 0):
     """rel_copy behind a cross-parameter rule: refused configurations never compile."""
-    return rel_copy.raw(i)
+    return rel_copy.compile_uncached(i)
