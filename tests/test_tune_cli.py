@@ -166,3 +166,33 @@ def test_tune_writes_a_winner_on_the_gpu(tmp_path):
     t = Table.load(table)
     (row,) = t.rows
     assert row.kernel == "rmsnorm_fwd" and row.n == (65536, 65536) and row.time_us > 0 and row.date
+
+
+def test_verify_run_checks_the_entrys_own_configuration(monkeypatch):
+    """``quack verify --run`` calls the reference hook, which runs the kernel's own op, which
+    derives its configuration: the op must run the ENTRY's (an explicit candidate of a
+    manifest), not today's table default. Before: the hook ran the table's kernel and an
+    explicit candidate was reported ok unchecked."""
+    from quack_kernels import _verify, softmax
+    from quack_kernels._configs import SoftmaxFwdConfig
+
+    from quack.runtime import loader
+    from quack_build import _verify_child
+
+    spec = softmax.compile_softmax_fwd.spec
+    seen = []
+
+    def hook(params, device):  # what the op binds inside the hook, beside the entry's
+        op = spec.bind((), dict(dtype=params["dtype"], n=params["n"]))["config"]
+        seen.append((params["config"], op))
+
+    monkeypatch.setattr(loader, "load_object", lambda path: (lambda *a: None, object()))
+    monkeypatch.setattr(_verify, "verify_softmax_fwd", hook)
+    cand = SoftmaxFwdConfig(online=True, fwd_min_blocks=3)
+    assert spec.bind((), dict(dtype="bfloat16", n=4096))["config"] != cand
+    plain = spec.plain(spec.bind((), dict(dtype="bfloat16", n=4096, config=cand)))
+    req = dict(key="k", obj="unused.o", kernel="softmax_fwd", module=spec.module, params=plain, run=True)
+    out = _verify_child._one(req, [])
+    assert out["ok"] and out["run"] == "ok", out
+    assert seen == [(cand, cand)]
+    assert spec.bind((), dict(dtype="bfloat16", n=4096))["config"] != cand  # only inside the run

@@ -28,3 +28,16 @@ def use_config(kernel: str, config: Any) -> Iterator[None]:
 def override(kernel: str) -> Any:
     """The configuration ``use_config`` set for ``kernel`` here, or None."""
     return (_OVERRIDES.get() or {}).get(kernel)
+
+
+def as_bound(spec: Any, params: dict) -> contextlib.AbstractContextManager:
+    """Within the block, calls of ``spec``'s kernel derive the configuration bound in
+    ``params`` (a manifest entry's, explicit or derived) instead of today's table default:
+    ``quack verify --run`` runs a configuration's reference hook through the kernel's own
+    op, which derives its configuration, so without this an entry with an explicit
+    candidate would be checked by running another kernel. A no-op for a kernel without a
+    derived parameter."""
+    for name, p in spec.params.items():
+        if getattr(p, "derive", None) is not None and params.get(name) is not None:
+            return use_config(spec.name, params[name])
+    return contextlib.nullcontext()
