@@ -93,7 +93,7 @@ def test_ring_forward_tune_knobs():
 
 
 def test_ring_one_stage_shapes():
-    """Round 3's ring shapes (``RING_SHAPE`` / knobs): 2 CTAs per SM split the SM's shared
+    """The ring's shape knobs ("ctas_per_sm", "ring_budget"): 2 CTAs per SM split the SM's shared
     memory (one x stage beside the fp32 weight slice), 128 elements a thread halve the
     cluster (clusters of 2 at N = 65536); both fit, with a single stage."""
     two = _ring(n=65536, tune={"ctas_per_sm": 2, "ring_budget": 64})
@@ -105,13 +105,13 @@ def test_ring_one_stage_shapes():
     assert plan.cluster_n == 2 and plan.elems_per_thread == 128 and plan.even
     # fp32 weight + bias (128 KiB a CTA at clusters of 4) leave no stage at 2 CTAs per SM
     assert _ring("layer", n=65536, b=True, tune={"ctas_per_sm": 2}) is None
-    # the round-1 / 2 ring keeps at least 2 stages: a stage limit of 1 is refused there
+    # the plain ring keeps at least 2 stages: a stage limit of 1 is refused there
     assert _ring(n=65536, tune={"stages": 1, "ring_budget": 64, "ctas_per_sm": 1}) is None
 
 
 def test_ring_shape_knobs_apply():
-    """Round 3's ring shape for RMSNorm fp32 w at N = 65536 (128 elements a thread, the
-    spread weight: a candidate of ``rmsnorm.search_space`` now, the hand table is gone)
+    """The measured ring shape for RMSNorm fp32 w at N = 65536 (128 elements a thread, the
+    spread weight: a candidate of ``rmsnorm.search_space``)
     yields a ring that fits (clusters of 2); without knobs every size keeps 1x64."""
     cfg = _ring(n=65536, tune={"ring_budget": 128, "wide_perm": True})
     assert (cfg["ctas_per_sm"], cfg["budget"]) == (1, 128) and _fits(cfg, 65536, 1, 32)

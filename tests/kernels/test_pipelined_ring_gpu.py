@@ -63,7 +63,7 @@ def test_layernorm_fwd_same_dtype_pipelined_ring(xdt):
 @pytest.mark.parametrize("has_b", (False, True))
 def test_rmsnorm_fwd_fp32_weight_pipelined_ring_over_clusters_of_8(xdt, has_b):
     """RMSNorm at N = 262144 with an fp32 weight (+ bias): the pipelined ring over 8 CTAs of
-    512 threads a row, w / b in registers (``rmsnorm.WIDE_FWD_BY_N``); 15 clusters, so M = 7
+    512 threads a row, w / b in registers (the table's "wide/cluster16" row); 15 clusters, so M = 7
     leaves clusters without a row and 401 gives 26 or 27 rows a cluster."""
     from quack_kernels import _reference as R
     from quack_kernels.rmsnorm import rmsnorm_fwd

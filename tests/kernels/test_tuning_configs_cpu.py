@@ -35,15 +35,15 @@ def test_config_fields_are_checked():
         rmsnorm.compile_rmsnorm_fwd.spec.bind(("bfloat16", 4096), {"config": {"x_rowz": 2}}, arch=A)
 
 
-def test_migrated_rows_reproduce_the_hand_tables():
-    # RMSNorm fp32 weight beside 16-bit rows at clusters of 4 (round 5) and N = 262144 (round 9)
+def test_table_rows_select_the_measured_configurations():
+    # RMSNorm fp32 weight beside 16-bit rows at clusters of 4 and at N = 262144
     kn = cfg(rmsnorm.compile_rmsnorm_fwd, "bfloat16", 65536, True, False, False, "float32").knobs()
     assert kn == {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3}
     kn = cfg(rmsnorm.compile_rmsnorm_fwd, "float16", 262144, True, False, False, "float32").knobs()
     assert kn == {"ring_threads": 512, "ring_pipe": True, "ring_wregs": "wb", "stages": 3}
     assert cfg(rmsnorm.compile_rmsnorm_fwd, "bfloat16", 65536, True, False, False, "same").knobs() == {}
     assert cfg(rmsnorm.compile_rmsnorm_fwd, "float32", 65536, True, False, False, "same").knobs() == {}
-    # LayerNorm: the exact-N row beats the class's range (round 8), rows / clusters / small
+    # LayerNorm: the exact-N row beats the class's range; rows / clusters / small
     ln = layernorm.compile_layernorm_fwd
     assert cfg(ln, "bfloat16", 16384, True, True, "float32").knobs()["x_rows"] == 4
     assert cfg(ln, "bfloat16", 14336, True, True, "float32").knobs()["x_rows"] == 2
