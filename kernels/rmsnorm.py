@@ -16,13 +16,14 @@ from ._plan import N_MAX, N_MIN, WIDTHS, WeightDtype, plan_rows, resolve_weight_
 
 
 def fwd_class(params: dict) -> str | None:
-    """The forward's tuning-table class (kernels/tuned/*.toml): 16-bit rows with a weight
-    wider than them, by the default plan's cluster size ("wide/cluster4"); None elsewhere
-    (the kernel's heuristic: no measured table)."""
+    """The forward's tuning-table class (kernels/tuned/*.toml): for 16-bit rows, the weight
+    kind ("same" / "wide": wider than the rows) and the default plan's cluster size
+    ("wide/cluster4"); None for fp32 rows (the kernel's heuristic)."""
     dtype, width = params["dtype"], WIDTHS[params["dtype"]]
-    if width != 16 or WIDTHS[resolve_weight_dtype(dtype, params["weight_dtype"])] <= width:
+    if width != 16:
         return None
-    return f"wide/cluster{plan_rows(params['n'], width, budget=64).cluster_n}"
+    kind = "wide" if WIDTHS[resolve_weight_dtype(dtype, params["weight_dtype"])] > width else "same"
+    return f"{kind}/cluster{plan_rows(params['n'], width, budget=64).cluster_n}"
 
 
 def search_space(params: dict) -> list[RmsNormFwdConfig]:

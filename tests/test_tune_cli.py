@@ -196,3 +196,23 @@ def test_verify_run_checks_the_entrys_own_configuration(monkeypatch):
     assert out["ok"] and out["run"] == "ok", out
     assert seen == [(cand, cand)]
     assert spec.bind((), dict(dtype="bfloat16", n=4096))["config"] != cand  # only inside the run
+
+
+def test_every_tuning_problem_has_a_table_class():
+    """A winner is written under its problem's class (the key the kernel's derive looks up):
+    a problem whose class is None was measured and then could not be written. Before: 10 of
+    manifests/tuning.toml's 40 problems (N = 65536 of softmax / cross-entropy / the norm
+    backwards, RMSNorm forwards with a same-width weight)."""
+    from quack import registry, settings
+    from quack_build.tunecmd import problems
+
+    s = settings.get()
+    registry.load_packages(s.kernel_packages)
+    probs = problems(s, [ROOT / "manifests" / "tuning.toml"], None, 10_000)
+    assert len(probs) == 40
+    unclassed = [
+        (c.kernel, base["n"], base.get("weight_dtype"))
+        for c, spec, base, _cands, _cur in probs
+        if spec.params["config"].derive.classify(base) is None
+    ]
+    assert not unclassed
