@@ -95,6 +95,8 @@ def test_autotune_candidate_budget_and_argument_checks(quack_settings):
         common={"dtype": "float32", "bias": True},
         max_candidates=2,
     )
-    assert [c["block"] for c, _ in res.times] == [32, 64] and res.best == {"block": 64}
+    # the first two candidates only; measured in the order they are ready (one another test
+    # of the session compiled already is measured first), so compared as a set
+    assert sorted(c["block"] for c, _ in res.times) == [32, 64] and res.best == {"block": 64}
     with pytest.raises(ValueError, match="close"):
         autotune(toykernels.toy_scale, [], lambda fn, cfg: 0.0, close=-1)
