@@ -26,8 +26,7 @@ step build_scaling 100 python3 benchmarks/bench_build.py --jobs 1 4 8 16 --manif
 tail -12 "$OUT/build_scaling.log"
 step verify_run 75 bash -c "python3 -m quack_build build -j 16 && python3 -m quack_build verify --run"
 tail -8 "$OUT/verify_run.log"
-if [ "${RUN_CE:-0}" = 1 ]; then
-  CE_VARIANTS=${CE_VARIANTS:-reg,w32k4s4,w32k4s3c8,cta256,cl2,cl4} \
-    step ce_variants 120 python3 benchmarks/tune_variants.py cross_entropy_fwd
-  tail -22 "$OUT/ce_variants.log"
+if [ "${RUN_TUNE:-0}" = 1 ]; then
+  step tune 600 python3 -m quack_build tune manifests/tuning.toml --from-empty --table "$OUT/tuned.toml" --json
+  tail -30 "$OUT/tune.log"
 fi

@@ -33,5 +33,5 @@ case ",$STEPS," in *,bench,*)
     --compile-ops "${COMPILE_OPS:-layernorm_bwd,layernorm_bwd_w32}" --json "$OUT/bench.json"
   grep -vE "Warning|warn" "$OUT/bench.log" | tail -52;; esac
 case ",$STEPS," in *,variants,*)
-  step variants "${VARIANTS_LIMIT:-120}" python3 benchmarks/tune_variants.py "${VARIANTS:-cross_entropy_bwd,rmsnorm_fwd}"
+  step tune "${TUNE_LIMIT:-300}" python3 -m quack_build tune manifests/tuning.toml --kernel "${TUNE_KERNEL:-rmsnorm_fwd}" --table "$OUT/tuned.toml"
   grep -E "^(cross_entropy_bwd|rmsnorm_fwd)" "$OUT/variants.log";; esac

@@ -55,6 +55,10 @@ MEANING: dict[str, tuple[str, str | None]] = {
     ),
     "preload": ("modules imported once in every compile worker before any key", None),
     "remote_url": ("the shared remote cache (docs/remote-cache.md)", None),
+    "tune_gpu": (
+        "the GPU model whose tuning-table rows choose default kernel configurations (docs/tuning.md)",
+        "the detected GPU once CUDA is up, else the table's `default_gpu`",
+    ),
     "remote_write": ("may this process push to the remote (needs a signing key)", None),
     "remote_timeout": ("seconds per remote operation (connecting waits at most 0.5 s)", None),
     "signing_key": ("private Ed25519 key that signs pushed objects and bundles", None),
@@ -101,13 +105,12 @@ def settings_table() -> str:
 
 
 def _typer_app():
-    # quack_build.cli.app once the CLI is a package (issue 26), quack_build.app before.
-    for mod in ("quack_build.cli.app", "quack_build.app"):
+    for mod in ("quack_build.cli.app",):
         try:
             return importlib.import_module(mod).app
         except (ImportError, AttributeError):
             continue
-    raise SystemExit("docs/refgen.py: found the typer app in neither quack_build.cli.app nor quack_build.app")
+    raise SystemExit("docs/refgen.py: found no typer app in quack_build.cli.app")
 
 
 # `quack bundle inspect WHEEL` reaches the hidden command `bundle-inspect` (quack_build.cli):

@@ -1,13 +1,11 @@
-"""Cache hints of global loads (issue 14 part 6): the L2 cache-policy operands and hinted
-tiled loads of a row plan's fragments (round 5, engineer E: moved here from ``softmax.py``;
-the softmax backward's "small" default uses them).
+"""Cache hints of global loads: the L2 cache-policy operands and hinted tiled loads of a
+row plan's fragments (the softmax backward's "small" default uses them).
 
-Measured on the H200 (softmax bwd, docs/kernels.md "Round 5, softmax backward"): an L2
-evict_last policy on data read again made 3 % where nothing else did, a createpolicy'd
-operand lost 12 %, evict-first hints on a first read cost 10-13 %, store hints nothing.
-Round 5's losing variants (hinted stores, createpolicy'd operands) and round 6's (wide
-hinted loads, hinted stores and cp.async with an L2 policy for the norm forwards) are at
-commits aac952b and 66f11e8, removed since.
+Measured on the H200 (softmax bwd, docs/kernels.md): an L2 evict_last policy on data read
+again made 3 % where nothing else did, a createpolicy'd operand lost 12 %, evict-first
+hints on a first read cost 10-13 %, store hints nothing; hinted stores, createpolicy'd
+operands, and wide hinted loads or cp.async with an L2 policy for the norm forwards lost,
+so they are not offered.
 
 Imported only from inside compile functions (cutlass is imported inside the functions).
 """

@@ -15,18 +15,17 @@ Imported only from inside compile functions and torch wrappers (no cutlass, no t
 the top level: the builder imports them inside).
 """
 
-from ._plan import io_width, plan_rows, resolve_weight_dtype
+from ._plan import WIDTHS, io_width, plan_rows, resolve_weight_dtype
 
 BWD_BUDGET = 32  # row elements per thread kept in registers (two rows: x and dy)
 
-# Default of the "w_perm" knob (``tune`` overrides; measured on the H200 with
-# benchmarks/tune_k2.py, which rewrites this line): a weight wider than 16 bytes a fragment
-# vector (fp32 beside 16-bit rows) kept in shared memory in the conflict-free layout
-# (``RowTiles.alloc_smem_bcast(spread=True)``).
+# Default of the "w_perm" knob (the configuration overrides; measured on the H200): a
+# weight wider than 16 bytes a fragment vector (fp32 beside 16-bit rows) kept in shared
+# memory in the conflict-free layout (``RowTiles.alloc_smem_bcast(spread=True)``).
 W_PERM = True
-# Round 5 (decided by benchmarks/tune_k5f.py, at commit 6e935f3): a wide weight (fp32 beside 16-bit rows)
-# in shared memory, read per use, also on rows of one CTA (N in [4096, 16384] for 16-bit
-# rows) instead of in registers for the whole loop, by kind.
+# A wide weight (fp32 beside 16-bit rows) in shared memory, read per use (measured, see
+# ``w_smem_ok``), also on rows of one CTA (N in [4096, 16384] for 16-bit rows) instead of
+# in registers for the whole loop, by kind.
 W_SMEM_WIDE_ONE_CTA = {"rms": True, "layer": False}
 
 
@@ -64,6 +63,34 @@ def w_smem_ok(plan, tune: dict | None = None, wide: bool = False, kind: str = "r
     tune = tune or {}
     default = plan.cluster_n >= 16 or (wide and plan.cluster_n == 1 and W_SMEM_WIDE_ONE_CTA[kind])
     return tune.get("w_smem", default)
+
+
+def search_space(kind: str, params: dict) -> list:
+    """``quack tune``'s backward candidates of ``kind`` ("rms" / "layer"; they share this
+    kernel): the heuristic, the register path, other pipeline depths and shared-memory
+    budgets, and the other choice of where the weight lives. Pruned to one candidate per
+    kernel they build: the compiled code and the grid depend only on the resolved (stages,
+    weight in shared memory, its layout), so e.g. on rows the register path takes every
+    shared-memory knob would compile the same kernel under another key."""
+    from ._configs import NormBwdConfig as C
+
+    dt, n = params["dtype"], params["n"]
+    has_w = params.get("has_weight", True)
+    width = WIDTHS[dt]
+    wide = WIDTHS[resolve_weight_dtype(dt, params.get("weight_dtype", "same"))] > width
+    plan = bwd_plan(dt, n)
+    raw = [C(), C(smem=False), *(C(stages=st, smem_kb=kb) for st in (2, 3) for kb in (128, 192))]
+    raw += [C(w_smem=True), C(w_smem=False), C(w_smem=True, w_perm=not W_PERM)]
+    out, seen = [], set()
+    for c in raw:
+        k = c.knobs()
+        st = bwd_smem_stages(plan, width, k)
+        ws = bool(has_w and st >= 2 and w_smem_ok(plan, k, wide, kind))
+        sig = (st, ws, ws and bool(k.get("w_perm", W_PERM)))
+        if sig not in seen:
+            seen.add(sig)
+            out.append(c)
+    return out
 
 
 def bwd_grid(m: int, plan, width: int, device, tune: dict | None = None, w_bytes: int = 0) -> int:
@@ -335,9 +362,10 @@ def compile_norm_bwd(
     )
 
 
-def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, tune: dict):
+def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype):
     """The torch side of both backwards: validate, size the persistent grid, launch,
-    sum the partials (fp32). Returns (dx, dweight|None, dbias|None): dweight in the
+    sum the partials (fp32). ``compile_fn(dt, n, has_w, has_b, wdt)`` returns the compiled
+    kernel and the knobs of the configuration it was compiled with (the grid follows them). Returns (dx, dweight|None, dbias|None): dweight in the
     weight's dtype, dbias in ``bias_dtype`` (None: no bias, no dbias)."""
     import torch
 
@@ -357,6 +385,7 @@ def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, t
         db = torch.zeros(n, dtype=bias_dtype, device=x.device) if has_bias else None
         return dx.view(x.shape), dw, db
     plan = bwd_plan(dt, n, wdt, w is not None)
+    fn, tune = compile_fn(dt, n, w is not None, has_bias, wdt)
     width = kt.DTYPE_BITS[dt]
     w_bytes = 0
     wbits = kt.DTYPE_BITS[resolve_weight_dtype(dt, wdt)]
@@ -366,7 +395,6 @@ def run_norm_bwd(kind: str, compile_fn, x, weight, dy, mean, rstd, bias_dtype, t
     rows = grid * plan.rows_per_cta
     dw_part = torch.empty(rows, n, dtype=torch.float32, device=x.device) if w is not None else None
     db_part = torch.empty(rows, n, dtype=torch.float32, device=x.device) if has_bias else None
-    fn = compile_fn(dt, n, w is not None, has_bias, wdt)
     fn(x2, w, dy2, mu, rs, dx, dw_part, db_part, grid)
     dw = dw_part.sum(0).to(weight.dtype) if w is not None else None
     db = db_part.sum(0).to(bias_dtype) if has_bias else None

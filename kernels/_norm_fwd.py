@@ -22,8 +22,8 @@ from ._plan import WIDTHS, plan_rows, resolve_weight_dtype
 
 SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in to
 
-# Defaults of the knobs (``tune`` overrides each; measured on the H200 with
-# benchmarks/tune_k2.py, which rewrites these three lines): the smallest cluster the ring is
+# Defaults of the knobs (the configuration overrides each; measured on the H200): the
+# smallest cluster the ring is
 # used for, by kind and weight ("_wide": wider than the rows, fp32 beside 16-bit x); the
 # shared-memory budget (KiB) the ring's depth is sized by; by kind, the conflict-free layout
 # of a wide weight in shared memory (``RowTiles.alloc_smem_bcast(spread=True)``; LayerNorm
@@ -32,19 +32,16 @@ SMEM_MAX = 227 * 1024  # sm_90's largest dynamic shared memory a CTA may opt in 
 RING_MIN_CLUSTER = {"rms_wide": 4, "layer": 4, "layer_wide": 4}
 RING_SMEM_KB = 220
 WIDE_PERM = {"rms": False, "layer": True}
-# Round 3 (benchmarks/tune_k3.py rewrites these two lines): the ring also for rows of ONE
-# 256-thread CTA (N in (8192, 16384] for 16-bit x: the weight / bias slice staged once
-# instead of re-read from L2 for every row), by key; and the ring's shape by "key@cluster"
-# of the default plan: "CxE" = C CTAs per SM (C > 1: the shared memory of one SM split C
-# ways, so a 1-stage ring), E elements a thread (128: half the cluster, twice the
-# registers), "p" appended: the spread layout of a wide weight (``WIDE_PERM``) there.
-# Absent: "1x64". GPCs hold whole clusters: clusters of 4 CTAs fill 120 of the H200's 132
-# SMs at one CTA per SM (30 clusters), 248 of 264 CTA slots at 2 (62), and clusters of 2
-# all 132 (66). Measured (tune_k3.py, bf16 x, TB/s): RMSNorm fp32 w 32768x65536 "1x64"
-# 3.76, "2x64" 3.84, "2x64p" 3.87, "1x128" 3.91, "1x128p" 3.92; LayerNorm 32768x16384
-# clusterless ring 3.80-3.84 vs row tile 4.04 (kept off), fp32 w + b 3.83 vs 3.69 (on).
+# The ring also for rows of ONE 256-thread CTA (N in (8192, 16384] for 16-bit x:
+# the weight / bias slice staged once instead of re-read from L2 for every row), by key.
+# The ring's shape is a knob ("ctas_per_sm": C CTAs per SM, C > 1 splitting the SM's shared
+# memory, so a 1-stage ring; "ring_budget": elements a thread, 128 halving the cluster;
+# "wide_perm": the spread layout of a wide weight); default 1 CTA, 64 elements. Measured
+# (bf16 x, TB/s): RMSNorm fp32 w 32768x65536 "1x64" 3.76, "2x64" 3.84, "2x64p" 3.87,
+# "1x128" 3.91, "1x128p" 3.92 (a candidate of rmsnorm.search_space; the x-through-
+# shared-memory forward wins there); LayerNorm 32768x16384 clusterless ring 3.80-3.84
+# vs row tile 4.04 (kept off), fp32 w + b 3.83 vs 3.69 (on).
 RING_CLUSTERLESS = {"rms_wide": False, "layer": False, "layer_wide": True}
-RING_SHAPE: dict = {"rms_wide@4": "1x128p"}
 SM_SMEM = 228 * 1024  # sm_90's shared memory per SM (each resident CTA reserves 1 KiB of it)
 
 
@@ -99,7 +96,7 @@ def _ring_cfg(
     2.25 / 2.67 (a 16-CTA cluster launch per row costs more than one persistent loop).
     ``tune``: "ring" (False: off), "ring_min_cluster", "ring_same" (RMSNorm with
     same-width weights too), "stages" (max depth, 4), "smem_kb", "wide_perm",
-    "ring_clusters" (a fixed grid instead of the occupancy calculator's); round 9's
+    "ring_clusters" (a fixed grid instead of the occupancy calculator's);
     "ring_pipe" (two rows in flight a CTA: ``_ring_pipe``, clusters only, 3+ stages) and
     "ring_wregs" (with "ring_pipe": "w" / "b" / "wb", the weight / bias slice kept in
     registers instead of shared memory, which then holds more x stages) and "ring_threads"
@@ -119,9 +116,8 @@ def _ring_cfg(
             return None
     elif base.cluster_n < max(2, tune.get("ring_min_cluster", RING_MIN_CLUSTER.get(key, 16))):
         return None
-    ctas, elems, spread = parse_shape(RING_SHAPE.get(f"{key}@{base.cluster_n}", "1x64"))
-    ctas = int(tune.get("ctas_per_sm", ctas))
-    elems = int(tune.get("ring_budget", elems))
+    ctas = int(tune.get("ctas_per_sm", 1))
+    elems = int(tune.get("ring_budget", 64))
     threads = int(tune.get("ring_threads", 256))
     plan = _ring_rows(n, width, elems, threads)
     if plan.rows_per_cta != 1 or not plan.even or plan.vec * width != 128 or plan.num_threads != threads:
@@ -140,14 +136,14 @@ def _ring_cfg(
     budget = min(SMEM_MAX, tune.get("smem_kb", RING_SMEM_KB) * 1024, SM_SMEM // ctas - 1024)
     stages = min(tune.get("stages", 4), (budget - fixed) // stage_bytes)
     # one stage (read, then refill with the next row) where the shared memory is shared
-    # by 2+ CTAs or holds a larger slice; 2+ otherwise (the round-1 / 2 ring); 3+ for the
+    # by 2+ CTAs or holds a larger slice; 2+ otherwise (the plain ring); 3+ for the
     # pipelined ring (rows it and it+1 resident while row it+2 comes in)
     if stages < (3 if pipe else 1 if ctas > 1 or elems > 64 or threads > 256 else 2):
         return None
     return dict(
         stages=stages,
         cp_async_wb=32 <= plan.vec * wbits <= 128,
-        wide_perm=bool(tune.get("wide_perm", spread or WIDE_PERM[kind])),
+        wide_perm=bool(tune.get("wide_perm", WIDE_PERM[kind])),
         smem_bytes=fixed + stages * stage_bytes,
         clusters=tune.get("ring_clusters"),
         ctas_per_sm=ctas,
@@ -157,14 +153,6 @@ def _ring_cfg(
         red_stages=red_stages,
         threads=threads,
     )
-
-
-def parse_shape(spec: str):
-    """A ``RING_SHAPE`` value "CxE" or "CxEp" -> (CTAs per SM, elements a thread, spread
-    layout of a wide weight: "p" turns it on for this shape whatever ``WIDE_PERM`` says)."""
-    spread = spec.endswith("p")
-    ctas, elems = spec.removesuffix("p").split("x")
-    return int(ctas), int(elems), spread
 
 
 def ring_plan(n: int, dtype: str, cfg):
@@ -206,7 +194,7 @@ def ring_grid(m: int, dtype: str, n: int, cfg, device) -> int:
         guess = kt.sm_count(device) * ctas // plan.cluster_n - (1 if plan.cluster_n >= 4 else 0)
         # the probe kernel asks for the CTA's whole share of the SM's shared memory, not just
         # what the ring uses: the ring is sized for ``ctas`` CTAs an SM, and a lighter one
-        # (round 9: a pipelined ring with w / b in registers, 100-210 of them, 100-170 KiB)
+        # (a pipelined ring with w / b in registers, 100-210 of them, 100-170 KiB)
         # would otherwise be counted at CTAs an SM that its registers cannot hold -- a
         # persistent grid run as two waves (measured: 14 clusters of 16 where 7 fit)
         share = max(cfg["smem_bytes"], SM_SMEM // ctas - 1024)

@@ -148,15 +148,23 @@ def check_n(n) -> int:
     return n
 
 
-def size_class(dtype: str, n: int):
-    """The row-length class a measured default applies to (softmax's and cross-entropy's
-    ``DEFAULTS``, keyed by it; benchmarks/tune_k3b.py decides them): "small" (4096 <= N <=
-    8192: one CTA of 64-128 threads a row), "mid" (8192 < N <= 16384: one 256-thread CTA,
-    or 2 with the softmax backward's budget), "large" (N > 131072: clusters of 16); None
-    elsewhere and for float32 (not measured). A class without an entry in a kernel's
-    ``DEFAULTS`` (cross-entropy has no "large") keeps that kernel's own default."""
-    if dtype == "float32":
-        return None
+def size_class(dtype: str, n: int) -> str:
+    """The row-length class of softmax's and cross-entropy's tuning-table rows (and the
+    norm backwards'): "small" (4096 <= N <= 8192: one CTA of 64-128 threads a row), "mid"
+    (8192 < N <= 16384: one 256-thread CTA, or 2 with the softmax backward's budget),
+    "cluster" (16384 < N <= 131072), "large" (N > 131072: clusters of 16), "tiny" (N <
+    4096); float32 rows their own classes ("f32/<class>"), so a 16-bit row never reaches
+    them. Every problem has a class, so ``quack tune`` can write any winner; a class
+    without a row for a kernel keeps that kernel's own default."""
+    if 4096 <= n <= 8192:
+        cls = "small"
+    elif 8192 < n <= 16384:
+        cls = "mid"
+    elif n > 131072:
+        cls = "large"
+    else:
+        cls = "cluster" if n > 16384 else "tiny"
+    return f"f32/{cls}" if dtype == "float32" else cls
     if 4096 <= n <= 8192:
         return "small"
     if 8192 < n <= 16384:

@@ -1,15 +1,15 @@
-"""The pipelined ring forward of RMSNorm and LayerNorm (round 9 knob "ring_pipe",
+"""The pipelined ring forward of RMSNorm and LayerNorm (knob "ring_pipe",
 ``_norm_fwd.ring_cfg``): the persistent cp.async ring of ``_norm_fwd.ring_kernel`` with
 TWO rows in flight a CTA. Iteration ``it`` sends row it+1's partials to the cluster, then
 waits for row it's (sent one iteration earlier) and writes row it's y: the cluster round
 trip of one row overlaps the other row's work instead of idling the CTA (the ring runs one
 CTA an SM with 8 warps; a second CTA an SM would be of the same cluster, on the same row).
-Measured on the H200 (round 9, bf16 x, 4096x262144, benchmarks/prof_k9.py): LayerNorm, whose
+Measured on the H200 (bf16 x, 4096x262144): LayerNorm, whose
 per-row work (two-pass mean / M2, the pair round trip) is the heavier, 1266 -> 1088-1101 us
-with fp32 w + b, 1164-1179 -> 1069-1089 with same-dtype ones (ROW_CLUSTER / _BY_N in
-``_ln_row``); RMSNorm over clusters of 16 gains nothing (fp32 w 1076 -> 1080-1115), but over
+with fp32 w + b, 1164-1179 -> 1069-1089 with same-dtype ones (the "cluster16" rows of
+the tuning table); RMSNorm over clusters of 16 gains nothing (fp32 w 1076 -> 1080-1115), but over
 clusters of 8 CTAs of 512 threads with the weight in registers (120 SMs instead of 112) 1079 ->
-1061 us: its default at N = 262144 (``rmsnorm.WIDE_FWD_BY_N``).
+1061 us: its default at N = 262144 (the table's "wide/cluster16" row).
 
 Rows stay in their x stage until their y is written (3+ stages: rows it and it+1 resident,
 the rest in flight); each thread copies and reads back only its own vectors (no CTA

@@ -149,3 +149,117 @@ def verify_cross_entropy_bwd(params: dict, device) -> None:
     lse = R.cross_entropy_fwd_ref(x, t, -100)["lse"]
     dx = cross_entropy_bwd(x, t, dloss, lse, -100, **kw)
     R.check_cross_entropy_bwd(x, t, dloss, -100, **kw, dx=dx)
+
+
+# --------------------------------------------------------------------------- benchmarks
+# ``bench=`` of the registrations (``quack tune``): the torch-facing op on inputs of m rows
+# made once on the device, returned as a zero-argument call to time. The configuration the
+# call runs is the caller's (``quack.tuning.use_config``), through the cache like any call.
+
+
+def _dev_randn(shape, dt, device, seed, shift=0.0, scale=1.0):
+    import torch
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=g, device=device) * scale + shift).to(dt)
+
+
+def _norm_inputs(params, m, device, shift=0.0):
+    dt, wdt = _dtypes(params)
+    n = params["n"]
+    x = _dev_randn((m, n), dt, device, 0, shift=shift)
+    w = _dev_randn(n, wdt, device, 1) if params.get("has_weight", True) else None
+    return dt, wdt, n, x, w
+
+
+def bench_rmsnorm_fwd(params: dict, m: int, device):
+    from .rmsnorm import rmsnorm_fwd
+
+    dt, wdt, n, x, w = _norm_inputs(params, m, device)
+    b = _dev_randn(n, wdt, device, 2) if params.get("has_bias") else None
+    r = _dev_randn((m, n), dt, device, 3) if params.get("has_residual") else None
+    return lambda: rmsnorm_fwd(x, w, b, r, 1e-6)
+
+
+def bench_rmsnorm_bwd(params: dict, m: int, device):
+    import torch
+
+    from .rmsnorm import rmsnorm_bwd
+
+    dt, wdt, n, x, w = _norm_inputs(params, m, device)
+    dy = _dev_randn((m, n), dt, device, 4)
+    b = torch.zeros(n, device=device, dtype=wdt) if params.get("has_bias") else None
+    rstd = torch.rand(m, device=device) + 0.5
+    return lambda: rmsnorm_bwd(x, w, dy, rstd, b)
+
+
+def bench_layernorm_fwd(params: dict, m: int, device):
+    from .layernorm import layernorm_fwd
+
+    dt, wdt, n, x, w = _norm_inputs(params, m, device, shift=0.5)
+    b = _dev_randn(n, wdt, device, 2) if params.get("has_bias", True) else None
+    return lambda: layernorm_fwd(x, w, b, 1e-5)
+
+
+def bench_layernorm_bwd(params: dict, m: int, device):
+    import torch
+
+    from .layernorm import layernorm_bwd
+
+    dt, wdt, n, x, w = _norm_inputs(params, m, device, shift=0.5)
+    dy = _dev_randn((m, n), dt, device, 4)
+    b = _dev_randn(n, wdt, device, 2) if params.get("has_bias", True) else None
+    mean, rstd = torch.zeros(m, device=device), torch.rand(m, device=device) + 0.5
+    return lambda: layernorm_bwd(x, w, dy, mean, rstd, b)
+
+
+def bench_softmax_fwd(params: dict, m: int, device):
+    from .softmax import softmax_fwd
+
+    dt, _ = _dtypes(params)
+    x = _dev_randn((m, params["n"]), dt, device, 0, scale=3.0)
+    return lambda: softmax_fwd(x)
+
+
+def bench_softmax_bwd(params: dict, m: int, device):
+    import torch
+
+    from .softmax import softmax_bwd
+
+    dt, _ = _dtypes(params)
+    y = torch.softmax(_dev_randn((m, params["n"]), torch.float32, device, 0), -1).to(dt)
+    dy = _dev_randn((m, params["n"]), dt, device, 1)
+    return lambda: softmax_bwd(dy, y)
+
+
+def _ce_bench_inputs(params, m, device):
+    import torch
+
+    dt, _ = _dtypes(params)
+    n = params["n"]
+    x = _dev_randn((m, n), dt, device, 0, scale=2.0)
+    t = torch.randint(0, n, (m,), device=device)
+    v = params.get("smoothing", "none")
+    kw: dict = {}
+    if v != "none":
+        w = torch.rand(n, device=device) + 0.1 if v == "weighted" else None
+        kw = dict(weight=w, label_smoothing=0.1)
+    return x, t, kw
+
+
+def bench_cross_entropy_fwd(params: dict, m: int, device):
+    from .cross_entropy import cross_entropy_fwd
+
+    x, t, kw = _ce_bench_inputs(params, m, device)
+    return lambda: cross_entropy_fwd(x, t, -100, **kw)
+
+
+def bench_cross_entropy_bwd(params: dict, m: int, device):
+    import torch
+
+    from .cross_entropy import cross_entropy_bwd
+
+    x, t, kw = _ce_bench_inputs(params, m, device)
+    dloss = torch.rand(m, device=device)
+    lse = torch.logsumexp(x.float(), -1)
+    return lambda: cross_entropy_bwd(x, t, dloss, lse, -100, **kw)

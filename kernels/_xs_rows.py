@@ -1,5 +1,5 @@
 """The row-tile forward of RMSNorm and LayerNorm with x through shared memory for several rows
-a CTA (round 5 knob "x_rows"; ``xs_rows_kernel``): the weight / bias read from L2 once for all
+a CTA (knob "x_rows"; ``xs_rows_kernel``): the weight / bias read from L2 once for all
 of a CTA's rows. Split from ``_norm_fwd`` (the persistent ring forward), which it shares nothing
 with but the row plans.
 
@@ -9,8 +9,8 @@ cutlass inside).
 
 
 def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: int = 0):
-    """The row-tile forward with x through shared memory for ``rows`` rows a CTA (round 5
-    knob "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
+    """The row-tile forward with x through shared memory for ``rows`` rows a CTA (knob
+    "x_rows"; 16-bit rows of one CTA or a cluster, even tiling, 16-byte vectors): x
     of each row cp.async'ed (one commit group a row), each row reduced in turn (its own
     reducer stage), then y written one vector at a time with the weight / bias vector read
     from L2 ONCE for all ``rows`` rows (16-byte loads), so that a weight wider than the rows
@@ -19,15 +19,15 @@ def xs_rows_kernel(kind: str, plan, dt, rows: int, ca: bool = False, wb_ahead: i
     mRstd, eps); "layer": per-thread (mean, M2) one vector at a time (``_ln_row``), one
     welford all-reduce a row.
 
-    ``wb_ahead`` (round 7 knob "wb_ahead", 0: off): the w / b vectors 0 .. wb_ahead-1 are
+    ``wb_ahead`` (knob "wb_ahead", 0: off): the w / b vectors 0 .. wb_ahead-1 are
     loaded into registers right after x's cp.async is issued, and in the y loop the loads of
     vector k + wb_ahead go out before vector k's y stores. Without it each vector's w / b
     loads follow the previous vector's y stores in program order (stores that may alias
     them: neither LLVM nor ptxas moves a load above them), ``nvec`` dependent L2 round trips
-    a CTA. Measured (round 7, docs/kernels.md): it loses on rows over 16 CTAs (LayerNorm fp32
+    a CTA. Measured (docs/kernels.md): it loses on rows over 16 CTAs (LayerNorm fp32
     w + b 1307 -> 1352 us with 1 vector ahead, more with more); the 4096 rows' default
-    (``_ln_row.ROW_SMALL``) has it, and since round 8 the one-CTA rows' (N = 10240 .. 16384,
-    ``_ln_row.ROW_CTA["wide"]``: 2 vectors ahead, 14336 482 -> 461 us, 16384 531-541 -> 529)."""
+    (the table's "wide/rows" row) has it, and so do the one-CTA rows' (N = 10240 .. 16384,
+    "wide/cta256": 2 vectors ahead, 14336 482 -> 461 us, 16384 531-541 -> 529)."""
     import cutlass
     import cutlass.cute as cute
     from cutlass import Float32, const_expr

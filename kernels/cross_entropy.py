@@ -22,34 +22,43 @@ are imported inside functions.
 import math
 
 from quack import jit_cache
-from quack.params import Choice, Dtype, Int
+from quack.params import Choice, Config, Dtype, Int
 
-from . import _ce_stream
+from . import _ce_stream, _tuning
 from ._ce_stream import stream_grid
+from ._configs import CrossEntropyBwdConfig, CrossEntropyFwdConfig
 from ._plan import N_MAX, N_MIN, size_class
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 
-# Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
-# Forward streaming variant (``stream_cfg``): stream=True switches to it; tpr (32 = one warp
-# per row, or the CTA size = one row per CTA / cluster), threads, cluster, k (vectors per
-# thread per stage), stages, ctas_per_sm, min_n.
-_TUNE: dict = {}
+# Defaults: the forward's by ``_ce_stream.default_tune`` (the streaming shapes by row
+# length: the heuristic), the backward's by row-length class from the tuning table
+# (kernels/tuned/sm_90a.toml; "mid": a budget of 128 through shared memory). A
+# table row for the forward replaces ``default_tune``'s set whole.
 
 
-# Round-3 defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on
-# the H200 by benchmarks/tune_k3b.py, which rewrites this line. A forward class's set
-# replaces ``_ce_stream.default_tune``'s whole; an explicit ``_TUNE`` replaces both.
-DEFAULTS: dict = {"bwd_mid": {"bwd_budget": 128, "bwd_smem": True}}
+def _size_class(params: dict) -> str | None:
+    return size_class(params["dtype"], params["n"])
 
 
-def fwd_knobs(dtype: str, n: int) -> dict:
-    return _TUNE or DEFAULTS.get("fwd_" + (size_class(dtype, n) or ""), {}) or _ce_stream.default_tune(n)
+def fwd_search_space(params: dict) -> list[CrossEntropyFwdConfig]:
+    """``quack tune``'s forward candidates: the heuristic's streaming shape, the register
+    path, and the other measured streaming shapes (one warp a row, one CTA a row,
+    clusters of 2)."""
+    C = CrossEntropyFwdConfig
+    cands = [C(**_ce_stream.default_tune(params["n"])), C(), C(fwd_smem=True)]
+    cands += [C(stream=True, stages=st, ctas_per_sm=c) for st in (3, 4) for c in (4, 8)]
+    cands += [C(stream=True, tpr=256), C(stream=True, tpr=256, cluster=2)]
+    return list(dict.fromkeys(cands))
 
 
-def bwd_knobs(dtype: str, n: int) -> dict:
-    return _TUNE or DEFAULTS.get("bwd_" + (size_class(dtype, n) or ""), {})
+def bwd_search_space(params: dict) -> list[CrossEntropyBwdConfig]:
+    """``quack tune``'s backward candidates: budgets, the shared-memory tile, CTAs / SM."""
+    C = CrossEntropyBwdConfig
+    cands = [C()] + [C(bwd_budget=b) for b in (16, 32, 64)]
+    cands += [C(bwd_budget=b, bwd_smem=True) for b in (64, 128)] + [C(bwd_min_blocks=2)]
+    return cands
 
 
 # label_smoothing compile variants: "none"; "uniform" (the forward also sums x over the
@@ -57,19 +66,42 @@ def bwd_knobs(dtype: str, n: int) -> dict:
 SMOOTHING = ("none", "uniform", "weighted")
 
 
-def stream_cfg(dtype: str, n: int, smoothing: str = "none") -> dict | None:
-    """Launch shape of the streaming forward (``_ce_stream.launch_shape``) under this
-    module's knobs, or None for the register path (the default)."""
-    # _TUNE: an explicit variant (tune_variants.py, tune_k3b.py)
-    return _ce_stream.launch_shape(fwd_knobs(dtype, n), dtype, n, smoothing)
+def stream_cfg(dtype: str, n: int, smoothing: str, config: CrossEntropyFwdConfig) -> dict | None:
+    """Launch shape of the streaming forward (``_ce_stream.launch_shape``) under the
+    forward's ``config``, or None for the register path."""
+    return _ce_stream.launch_shape(config.knobs(), dtype, n, smoothing)
+
+
+def fwd_config(dtype: str, n: int, smoothing: str = "none") -> CrossEntropyFwdConfig:
+    """The configuration a call with these parameters compiles (the launch grid follows it)."""
+    return compile_cross_entropy_fwd.spec.bind((dtype, n, smoothing), {}, arch=_tuning.runtime_arch())[
+        "config"
+    ]
 
 
 @jit_cache(
     "cross_entropy_fwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "smoothing": Choice(SMOOTHING),
+        "config": Config(
+            CrossEntropyFwdConfig,
+            derive=_tuning.derive(
+                "cross_entropy_fwd",
+                CrossEntropyFwdConfig,
+                _size_class,
+                lambda p: CrossEntropyFwdConfig(**_ce_stream.default_tune(p["n"])),
+            ),
+        ),
+    },
     reference=f"{__package__}._verify:verify_cross_entropy_fwd",
+    search_space=fwd_search_space,
+    bench=f"{__package__}._verify:bench_cross_entropy_fwd",
 )
-def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
+def compile_cross_entropy_fwd(
+    dtype: str, n: int, smoothing: str = "none", config: CrossEntropyFwdConfig | None = None
+):
     """Runtime signature: fn(logits, target(int64, M), loss(fp32, M), lse(fp32, M), ignore_index)
     (+ num_blocks for the streaming variant, ``stream_cfg``); with smoothing "uniform" /
     "weighted": fn(logits, target, loss, lse, ignore_index, weight(fp32, N)|None, sx(fp32, M))
@@ -82,15 +114,15 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
     from ._plan import io_width, plan_rows
 
     dt = rr.cutlass_dtype(dtype)
-    cfg = stream_cfg(dtype, n, smoothing)
+    cfg = stream_cfg(dtype, n, smoothing, config)  # type: ignore[arg-type]  # derived by bind
     if cfg is not None:
         return _ce_stream.compile_fwd_stream(dtype, n, cfg)
     smooth = smoothing != "none"
     weighted = smoothing == "weighted"
     plan = plan_rows(n, io_width(dtype, "float32" if weighted else None), budget=64)
-    k = fwd_knobs(dtype, n)
+    k = config.knobs()  # type: ignore[union-attr]
     min_blocks = k.get("min_blocks", 0) if plan.cluster_n > 1 else 0
-    # Round-3 variant (benchmarks/tune_k3b.py, with stream=False): the logits tile
+    # Variant (with stream=False): the logits tile
     # cp.async'ed into shared memory, the target logit read while it is in flight.
     smem_x = k.get("fwd_smem", False) and plan.even and plan.vec * dt.width == 128
 
@@ -188,10 +220,22 @@ def compile_cross_entropy_fwd(dtype: str, n: int, smoothing: str = "none"):
 
 @jit_cache(
     "cross_entropy_bwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX), "smoothing": Choice(SMOOTHING)},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "smoothing": Choice(SMOOTHING),
+        "config": Config(
+            CrossEntropyBwdConfig,
+            derive=_tuning.derive("cross_entropy_bwd", CrossEntropyBwdConfig, _size_class),
+        ),
+    },
     reference=f"{__package__}._verify:verify_cross_entropy_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_cross_entropy_bwd",
 )
-def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
+def compile_cross_entropy_bwd(
+    dtype: str, n: int, smoothing: str = "none", config: CrossEntropyBwdConfig | None = None
+):
     """Runtime signature: fn(logits, target(int64, M), a(fp32, M), lse(fp32, M), dlogits,
     ignore_index, b(fp32, M)|None, c(fp32, M)|None, weight(fp32, N)|None):
     dlogits = a * softmax(x) - b * onehot(target) - c * w  (0 rows where ignored). With
@@ -208,19 +252,19 @@ def compile_cross_entropy_bwd(dtype: str, n: int, smoothing: str = "none"):
     weighted = smoothing == "weighted"
     # No reduction in the backward (lse is given): a row may span several CTAs without a
     # cluster; the element budget per thread sets registers, hence occupancy. Measured on
-    # the H200 (bf16, `tune_variants.py cross_entropy_bwd`, us for budget 64 / 32 / 16):
+    # the H200 (bf16, us for budget 64 / 32 / 16):
     # 4096: 145 / 134 / 141; 16384: 654 / 538 / 548; 65536: 2134 / 2174 / 2356;
     # 262144: 1100 / 1100 / 1101.
-    k = bwd_knobs(dtype, n)
+    k = config.knobs()  # type: ignore[union-attr]  # derived by bind (_tuning)
     width = io_width(dtype, "float32" if weighted else None)
     budget = 32 if n <= 32768 else 64
     plan = plan_rows(n, width, budget=k.get("bwd_budget", budget))
 
-    # Round-3 variant (benchmarks/tune_k3b.py): the CTA's logits tile cp.async'ed into shared
+    # Variant: the CTA's logits tile cp.async'ed into shared
     # memory, the per-row scalars read while it is in flight, then read into registers (the
     # reference library's copy path); even 16-byte tilings only.
     smem_x = k.get("bwd_smem", False) and plan.even and plan.vec * dt.width == 128
-    if k.get("bwd_smem", False) and not smem_x and not _TUNE:
+    if k.get("bwd_smem", False) and not smem_x:
         # a default knob set measured with the shared-memory path, where it cannot apply
         # (an odd tiling, fp32 class weights' 8-byte vectors): the register path's budget
         # (a budget of 128 in registers would spill)
@@ -357,7 +401,8 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, weight=None, lab
     if m == 0:
         return loss.view(shape), lse.view(shape)
     dtn = kt.dtype_name(x2, "logits")
-    fn = compile_cross_entropy_fwd(dtn, n, variant)
+    cfg = fwd_config(dtn, n, variant)
+    fn = compile_cross_entropy_fwd(dtn, n, variant, cfg)
     if variant != "none":
         sx = torch.empty(m, dtype=torch.float32, device=x2.device)
         fn(x2, t, loss, lse, ignore_index, w, sx)
@@ -366,9 +411,9 @@ def cross_entropy_fwd(logits, target, ignore_index: int = -100, weight=None, lab
         # loss holds nll = lse - x[t] (0 on ignored rows)
         loss = (1.0 - eps) * wt * loss + (eps / n) * torch.where(valid, wsum * lse - sx, 0.0)
         return loss.view(shape), lse.view(shape)
-    cfg = stream_cfg(dtn, n)
-    if cfg is not None:
-        fn(x2, t, loss, lse, ignore_index, stream_grid(cfg, m, x2.device))
+    scfg = stream_cfg(dtn, n, "none", cfg)
+    if scfg is not None:
+        fn(x2, t, loss, lse, ignore_index, stream_grid(scfg, m, x2.device))
     else:
         fn(x2, t, loss, lse, ignore_index)
     if w is not None:

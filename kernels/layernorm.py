@@ -8,12 +8,52 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 """
 
 from quack import jit_cache
-from quack.params import Bool, Dtype, Int
+from quack.params import Bool, Config, Dtype, Int
 
-from ._plan import N_MAX, N_MIN, WeightDtype
+from . import _tuning
+from ._configs import LayerNormFwdConfig, NormBwdConfig
+from ._ln_row import fits, fwd_class
+from ._plan import N_MAX, N_MIN, WIDTHS, WeightDtype, size_class
 
-# Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
-_TUNE: dict = {}
+
+def _derive_fwd(params: dict, arch: str) -> LayerNormFwdConfig:
+    cfg = _tuning.default_config(
+        "layernorm_fwd", LayerNormFwdConfig, fwd_class(params), params["dtype"], params["n"], arch
+    )
+    return cfg if fits(params["n"], WIDTHS[params["dtype"]], cfg.knobs()) else LayerNormFwdConfig()
+
+
+_derive_fwd.classify = fwd_class  # type: ignore[attr-defined]  # quack tune: a winner's row class
+_derive_fwd.table_path = _tuning.table_path  # type: ignore[attr-defined]
+
+
+def search_space(params: dict) -> list[LayerNormFwdConfig]:
+    """``quack tune``'s forward candidates: the heuristic and the measured variants for the
+    problem's plan class (``_ln_row.fwd_class``; docs/kernels.md)."""
+    C = LayerNormFwdConfig
+    cls = fwd_class(params) or ""
+    cands = [C()]
+    if cls.endswith("/cta256"):
+        # the ring is only ever on for a wider weight: ``ring=False`` elsewhere would be
+        # the same kernel under another key
+        off = False if cls.startswith("wide") else None
+        for mb in (3, 4):
+            cands.append(C(x_smem=True, threads=512, x_min_blocks=mb, ring=off))
+        cands.append(C(x_smem=True, x_rows=2, x_min_blocks=3, wb_ahead=2, ring=False))
+        cands.append(C(x_smem=True, x_rows=4, x_min_blocks=1, wb_ahead=4, threads=512, ring=False))
+    elif "/cluster" in cls:
+        xs = dict(ring=False, stage_wb=False, x_smem=True, x_smem_cluster=True)
+        cands.append(C(**xs, x_min_blocks=3))
+        cands.append(C(**xs, x_rows=2, x_min_blocks=3))
+        cands.append(C(**{**xs, "ring": True}, ring_pipe=True, x_min_blocks=3, stages=4))
+        cands.append(
+            C(**{**xs, "ring": True}, ring_pipe=True, x_rows=2, x_min_blocks=3, ring_wregs="b", stages=3)
+        )
+    elif cls.endswith("/rows"):
+        cands.append(
+            C(ring=False, stage_wb=False, row_budget=32, x_smem=True, x_rows=4, x_min_blocks=3, wb_ahead=4)
+        )
+    return [c for c in cands if fits(params["n"], WIDTHS[params["dtype"]], c.knobs())]
 
 
 @jit_cache(
@@ -24,11 +64,19 @@ _TUNE: dict = {}
         "has_weight": Bool(),
         "has_bias": Bool(),
         "weight_dtype": WeightDtype(),
+        "config": Config(LayerNormFwdConfig, derive=_derive_fwd),
     },
     reference=f"{__package__}._verify:verify_layernorm_fwd",
+    search_space=search_space,
+    bench=f"{__package__}._verify:bench_layernorm_fwd",
 )
 def compile_layernorm_fwd(
-    dtype: str, n: int, has_weight: bool = True, has_bias: bool = True, weight_dtype: str = "same"
+    dtype: str,
+    n: int,
+    has_weight: bool = True,
+    has_bias: bool = True,
+    weight_dtype: str = "same",
+    config: LayerNormFwdConfig | None = None,
 ):
     """Runtime signature: fn(x, w|None, b|None, y, mean, rstd, eps, num_blocks); w / b of
     ``weight_dtype`` ("same": ``dtype``); num_blocks is the grid of the persistent ring
@@ -38,13 +86,13 @@ def compile_layernorm_fwd(
     from cutlass import Float32, Int32, const_expr
 
     from . import _rowreduce as rr
-    from ._ln_row import X_MIN_BLOCKS, affine_vec, fwd_knobs, row_plan, x_smem_ok, xs_kernel
+    from ._ln_row import X_MIN_BLOCKS, affine_vec, row_plan, x_smem_ok, xs_kernel
     from ._plan import resolve_weight_dtype, smem_bcast_ok
     from ._xs_rows import xs_rows_kernel, xs_rows_launch_kwargs
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
-    kn = fwd_knobs(dtype, n, weight_dtype, _TUNE)
+    kn = config.knobs()  # type: ignore[union-attr]  # derived by bind (_tuning)
     plan = row_plan(n, dt.width, kn)
     stage_wb = kn.get("stage_wb", True) and smem_bcast_ok(plan, wdt.width, int(has_weight) + int(has_bias))
     min_blocks = kn.get("min_blocks", 0) if stage_wb else kn.get("rt_min_blocks", 0)
@@ -56,7 +104,7 @@ def compile_layernorm_fwd(
         min_blocks = int(kn.get("x_min_blocks", X_MIN_BLOCKS))
         kernel_xs = xs_kernel(plan, dt, bool(kn.get("x_ca", False)))
         if x_rows > 1:
-            # round 5 knob "x_rows": that many rows a CTA, w / b read once for all of them
+            # knob "x_rows": that many rows a CTA, w / b read once for all of them
             kernel_xs = xs_rows_kernel(
                 "layer", plan, dt, x_rows, bool(kn.get("x_ca", False)), int(kn.get("wb_ahead", 0))
             )
@@ -175,13 +223,17 @@ def compile_layernorm_fwd(
     )
 
 
-def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
+def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str, config):
     """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
     over clusters of ``RING_MIN_CLUSTER`` (4) CTAs or more with a weight / bias, or None
-    (one row tile per CTA); knobs: ``fwd_knobs`` (``ring_cfg``)."""
-    from ._ln_row import fwd_knobs
+    (one row tile per CTA); knobs: the forward's ``config`` (``ring_cfg``)."""
+    return _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, config.knobs())
 
-    return _ring_cfg(dtype, n, has_weight, has_bias, weight_dtype, fwd_knobs(dtype, n, weight_dtype, _TUNE))
+
+def fwd_config(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
+    """The configuration a call with these parameters compiles (the launch grid follows it)."""
+    args = (dtype, n, has_weight, has_bias, weight_dtype)
+    return compile_layernorm_fwd.spec.bind(args, {}, arch=_tuning.runtime_arch())["config"]
 
 
 def _ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str, kn: dict):
@@ -197,6 +249,14 @@ def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
     return ring_grid(m, dtype, n, rcfg, device)
 
 
+def bwd_search_space(params: dict) -> list[NormBwdConfig]:
+    """``quack tune``'s backward candidates (``_norm_bwd.search_space``, shared with
+    RMSNorm's backward)."""
+    from ._norm_bwd import search_space
+
+    return search_space("layer", params)
+
+
 @jit_cache(
     "layernorm_bwd",
     params={
@@ -205,22 +265,29 @@ def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
         "has_weight": Bool(),
         "has_bias": Bool(),
         "weight_dtype": WeightDtype(),
+        "config": Config(
+            NormBwdConfig,
+            derive=_tuning.derive("layernorm_bwd", NormBwdConfig, lambda p: size_class(p["dtype"], p["n"])),
+        ),
     },
     reference=f"{__package__}._verify:verify_layernorm_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_layernorm_bwd",
 )
 def compile_layernorm_bwd(
-    dtype: str, n: int, has_weight: bool = True, has_bias: bool = True, weight_dtype: str = "same"
+    dtype: str,
+    n: int,
+    has_weight: bool = True,
+    has_bias: bool = True,
+    weight_dtype: str = "same",
+    config: NormBwdConfig | None = None,
 ):
     """Compile LayerNorm backward (persistent, like RMSNorm's; ``quack_kernels._norm_bwd``).
     Runtime signature: fn(x, w|None, dy, mean, rstd, dx, dw_partial|None, db_partial|None,
     num_blocks), partials (num_blocks * rows_per_cta, n) fp32 summed by the caller."""
     from ._norm_bwd import compile_norm_bwd
 
-    return compile_norm_bwd("layer", dtype, n, has_weight, has_bias, weight_dtype, _BWD_TUNE)
-
-
-# Backward tuning knobs (see ``quack_kernels._norm_bwd.bwd_smem_stages``).
-_BWD_TUNE: dict = {}
+    return compile_norm_bwd("layer", dtype, n, has_weight, has_bias, weight_dtype, config.knobs())  # type: ignore[union-attr]
 
 
 def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
@@ -240,8 +307,10 @@ def layernorm_fwd(x, weight=None, bias=None, eps: float = 1e-5):
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m > 0:
         dt = kt.dtype_name(x2, "x")
-        fn = compile_layernorm_fwd(dt, n, w is not None, b is not None, wdt)
-        grid = fwd_grid(m, dt, n, fwd_ring_cfg(dt, n, w is not None, b is not None, wdt), x.device)
+        args = (dt, n, w is not None, b is not None, wdt)
+        cfg = fwd_config(*args)
+        fn = compile_layernorm_fwd(*args, cfg)
+        grid = fwd_grid(m, dt, n, fwd_ring_cfg(*args, cfg), x.device)
         fn(x2, w, b, y, mean, rstd, float(eps), grid)
     return y.view(x.shape), mean.view(x.shape[:-1]), rstd.view(x.shape[:-1])
 
@@ -254,10 +323,13 @@ def layernorm_bwd(x, weight, dy, mean, rstd, bias=None):
     from ._norm_bwd import run_norm_bwd
 
     def compile_fn(dt, n, has_w, has_b, wdt):
-        return compile_layernorm_bwd(dt, n, has_w, has_b, wdt)
+        cfg = compile_layernorm_bwd.spec.bind((dt, n, has_w, has_b, wdt), {}, arch=_tuning.runtime_arch())[
+            "config"
+        ]
+        return compile_layernorm_bwd(dt, n, has_w, has_b, wdt, cfg), cfg.knobs()
 
     return run_norm_bwd(
-        "layer", compile_fn, x, weight, dy, mean, rstd, bias.dtype if bias is not None else None, _BWD_TUNE
+        "layer", compile_fn, x, weight, dy, mean, rstd, bias.dtype if bias is not None else None
     )
 
 

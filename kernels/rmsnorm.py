@@ -8,12 +8,42 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 """
 
 from quack import jit_cache
-from quack.params import Bool, Dtype, Int
+from quack.params import Bool, Config, Dtype, Int
 
-from ._plan import N_MAX, N_MIN, WIDTHS, WeightDtype, plan_rows, resolve_weight_dtype
+from . import _tuning
+from ._configs import NormBwdConfig, RmsNormFwdConfig
+from ._plan import N_MAX, N_MIN, WIDTHS, WeightDtype, plan_rows, resolve_weight_dtype, size_class
 
-# Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
-_TUNE: dict = {}
+
+def fwd_class(params: dict) -> str | None:
+    """The forward's tuning-table class (kernels/tuned/*.toml): for 16-bit rows, the weight
+    kind ("same" / "wide": wider than the rows) and the default plan's cluster size
+    ("wide/cluster4"); None for fp32 rows (the kernel's heuristic)."""
+    dtype, width = params["dtype"], WIDTHS[params["dtype"]]
+    if width != 16:
+        return None
+    kind = "wide" if WIDTHS[resolve_weight_dtype(dtype, params["weight_dtype"])] > width else "same"
+    return f"{kind}/cluster{plan_rows(params['n'], width, budget=64).cluster_n}"
+
+
+def search_space(params: dict) -> list[RmsNormFwdConfig]:
+    """``quack tune``'s candidates for a forward problem: the table's default, the
+    heuristic, and the measured variants that apply to the problem's plan."""
+    width = WIDTHS[params["dtype"]]
+    wide = WIDTHS[resolve_weight_dtype(params["dtype"], params["weight_dtype"])] > width
+    cands = [RmsNormFwdConfig()]
+    if width == 16 and not params["has_residual"]:
+        for mb in (3, 4):
+            cands.append(RmsNormFwdConfig(x_smem=True, x_min_blocks=mb, x_smem_wide=wide or None))
+        if wide:
+            cands.append(
+                RmsNormFwdConfig(ring=False, x_smem=True, x_smem_wide=True, x_rows=2, x_min_blocks=3)
+            )
+            cands.append(RmsNormFwdConfig(ring=True, ring_budget=128, wide_perm=True))
+            for st in (3, 4):
+                cands.append(RmsNormFwdConfig(ring_threads=512, ring_pipe=True, ring_wregs="wb", stages=st))
+    return cands
+
 
 # --------------------------------------------------------------------------- forward
 
@@ -27,8 +57,11 @@ _TUNE: dict = {}
         "has_bias": Bool(),
         "has_residual": Bool(),
         "weight_dtype": WeightDtype(),
+        "config": Config(RmsNormFwdConfig, derive=_tuning.derive("rmsnorm_fwd", RmsNormFwdConfig, fwd_class)),
     },
     reference=f"{__package__}._verify:verify_rmsnorm_fwd",
+    search_space=search_space,
+    bench=f"{__package__}._verify:bench_rmsnorm_fwd",
 )
 def compile_rmsnorm_fwd(
     dtype: str,
@@ -37,6 +70,7 @@ def compile_rmsnorm_fwd(
     has_bias: bool = False,
     has_residual: bool = False,
     weight_dtype: str = "same",
+    config: RmsNormFwdConfig | None = None,
 ):
     """Compile RMSNorm forward for rows of ``n`` elements of ``dtype`` (any batch size),
     weight / bias of ``weight_dtype`` ("same": ``dtype``).
@@ -53,7 +87,7 @@ def compile_rmsnorm_fwd(
 
     dt = rr.cutlass_dtype(dtype)
     wdt = rr.cutlass_dtype(resolve_weight_dtype(dtype, weight_dtype))
-    kn = fwd_knobs(dtype, n, weight_dtype, _TUNE)
+    kn = config.knobs()  # type: ignore[union-attr]  # derived by bind (_tuning)
     plan = plan_rows(n, dt.width, budget=64)
     # a weight wider than the rows (fp32 beside 16-bit x) is read after the reduction,
     # element-wise: early, it would hold 2x the registers through the reduction
@@ -64,7 +98,7 @@ def compile_rmsnorm_fwd(
     min_blocks = kn.get("min_blocks", 3) if stage_wb else kn.get("late_min_blocks", 0)
     # x through shared memory (``x_smem_ok``): cp.async'ed, read for the reduction and read
     # again for y, so x is not live in registers across the cluster reduction (a wide weight
-    # only with the round 5 knob "x_smem_wide": read from L2 after the reduction)
+    # only with the knob "x_smem_wide": read from L2 after the reduction)
     x_smem = x_smem_ok(plan, dt.width, has_residual, kn) and (
         not late_wb or bool(kn.get("x_smem_wide", False))
     )
@@ -74,7 +108,7 @@ def compile_rmsnorm_fwd(
         w_regs = bool(xs["w_regs"]) and not late_wb
         stage_wb = stage_wb and not w_regs
         min_blocks = int(xs["min_blocks"])
-    # round 5 knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
+    # knob "x_rows": the x-through-shared-memory forward for that many rows a CTA,
     # the weight read from L2 once for all of them (``_xs_rows.xs_rows_kernel``)
     x_rows = int(kn.get("x_rows", 1)) if x_smem and not has_residual else 1
     if x_rows > 1:
@@ -229,24 +263,22 @@ def compile_rmsnorm_fwd(
 
 
 # The row-tile forward with x through shared memory (the reference library's copy path at
-# large N: cp.async, read twice): by the plan's cluster size, from X_SMEM_MIN_CLUSTER up
-# (benchmarks/tune_k3.py rewrites the two lines); "ca": cp.async through L1 (.ca, as the
+# large N: cp.async, read twice): by the plan's cluster size, from X_SMEM_MIN_CLUSTER up;
+# "ca": cp.async through L1 (.ca, as the
 # reference) instead of .cg; "w_regs": the weight read into registers before the
 # reduction (the reference's order) instead of cp.async'ed into shared memory;
-# "min_blocks": CTAs per SM asked of ptxas. _TUNE overrides: "x_smem", "x_ca", "x_w_regs",
-# "x_min_blocks", "x_smem_min_cluster".
+# "min_blocks": CTAs per SM asked of ptxas. RmsNormFwdConfig overrides: "x_smem", "x_ca",
+# "x_w_regs", "x_min_blocks", "x_smem_min_cluster".
 X_SMEM_MIN_CLUSTER = 8
 X_SMEM = {"ca": False, "w_regs": True, "min_blocks": 4}
 
 
-def x_smem_ok(plan, width: int, has_residual: bool, tune: dict | None = None) -> bool:
+def x_smem_ok(plan, width: int, has_residual: bool, tune: dict) -> bool:
     """The row-tile forward stages x in shared memory (16-bit rows, one row a CTA over a
     cluster of ``X_SMEM_MIN_CLUSTER`` CTAs or more, even tiling, 16-byte vectors, no
     residual; measured only so: fp32 rows would need 64 KiB a CTA, 3 CTAs / SM). The
     caller also leaves out weights wider than the rows (read element-wise from L2) unless
-    its knobs say otherwise. ``tune``: the forward's knobs (``fwd_knobs``; default this
-    module's ``_TUNE``)."""
-    tune = _TUNE if tune is None else tune
+    its knobs say otherwise. ``tune``: the forward's knobs (``RmsNormFwdConfig.knobs()``)."""
     on = tune.get("x_smem", plan.cluster_n >= tune.get("x_smem_min_cluster", X_SMEM_MIN_CLUSTER))
     return bool(on) and (
         width == 16
@@ -258,13 +290,22 @@ def x_smem_ok(plan, width: int, has_residual: bool, tune: dict | None = None) ->
     )
 
 
-def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, has_residual: bool, weight_dtype: str):
+def fwd_ring_cfg(
+    dtype: str, n: int, has_weight: bool, has_bias: bool, has_residual: bool, weight_dtype: str, config
+):
     """The persistent, cp.async-pipelined forward (``quack_kernels._norm_fwd``) for rows
     over clusters of ``RING_MIN_CLUSTER`` (4) CTAs or more (N >= 65536 for 16-bit dtypes)
     with a weight wider than the rows and no residual, or None (one row tile per CTA);
-    knobs: ``fwd_knobs`` (``ring_cfg``)."""
-    kn = fwd_knobs(dtype, n, weight_dtype, _TUNE)
-    return _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
+    knobs: the forward's ``config`` (``ring_cfg``)."""
+    return _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, config.knobs())
+
+
+def fwd_config(dtype: str, n: int, has_weight: bool, has_bias: bool, has_residual: bool, weight_dtype: str):
+    """The configuration a call with these parameters compiles (the table's, by the
+    process's arch and GPU): the launch grid must follow the same one."""
+    spec = compile_rmsnorm_fwd.spec
+    args = (dtype, n, has_weight, has_bias, has_residual, weight_dtype)
+    return spec.bind(args, {}, arch=_tuning.runtime_arch())["config"]
 
 
 def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: dict):
@@ -273,50 +314,10 @@ def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: di
     return ring_cfg("rms", dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn)
 
 
-# Round 5 (issue 14 part 6): the forward with a weight wider than the rows (fp32 beside
-# 16-bit x) by the default plan's cluster size (str), a label of WIDE_VARIANTS; absent or
-# "": round 3's kernel (the ring forward at clusters of 4+). Knobs: "ring" (False: the row
-# tile), "x_smem" + "x_smem_wide" (x through shared memory, the weight from L2 after the
-# reduction), "x_rows" (that many rows a CTA, ``_xs_rows.xs_rows_kernel``), "x_min_blocks".
-# The variants that lost (the weight cp.async'ed into shared memory, x_rows 3, both rows'
-# sums in one round trip, carveouts, the ring's shape at clusters of 16) and their sweep
-# (benchmarks/tune_k5f.py) are at commit 6e935f3; round 6's cache-hinted ones
-# (benchmarks/tune_k6g.py) at 66f11e8; removed since (docs/kernels.md).
-WIDE_VARIANTS: dict = {
-    "xs2 mb3": {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3},
-}
-WIDE_FWD: dict = {"4": "xs2 mb3"}
-# Round 9 (docs/kernels.md "Round 9"), by N over ``WIDE_FWD``: at N = 262144 the pipelined
-# ring (``_ring_pipe``) over clusters of 8 CTAs of 512 threads ("ring_threads": 15 clusters =
-# 120 SMs where clusters of 16 fit 7 = 112), the weight in registers, 3 x stages (112
-# registers). Measured (bf16 x, fp32 w, 4096x262144, benchmarks/prof_k9.py, same process): the
-# ring 1079-1080 -> 1061-1063 us (same-dtype 1042). Not measured at the class's other N.
-WIDE_VARIANTS["c8 t512 pipe wregs s3"] = {
-    "ring_threads": 512,
-    "ring_pipe": True,
-    "ring_wregs": True,
-    "stages": 3,
-}
-WIDE_FWD_BY_N: dict = {262144: "c8 t512 pipe wregs s3"}
-
-
-def fwd_knobs(dtype: str, n: int, weight_dtype: str, tune: dict) -> dict:
-    """The forward's knobs: ``WIDE_FWD``'s set for 16-bit rows with a wider weight (by the
-    default plan's cluster size), ``tune`` (the module's benchmark knobs) over it; "wide_fwd":
-    False in ``tune`` leaves the table out (round 3's kernels: the sweep's baselines). A
-    fresh dict."""
-    kn: dict = {}
-    width = WIDTHS[dtype]
-    if (
-        tune.get("wide_fwd", True)
-        and width == 16
-        and WIDTHS[resolve_weight_dtype(dtype, weight_dtype)] > width
-    ):
-        label = WIDE_FWD_BY_N.get(n) or WIDE_FWD.get(str(plan_rows(n, width, budget=64).cluster_n))
-        if label:
-            kn.update(WIDE_VARIANTS[label])
-    kn.update(tune)
-    return kn
+# The forward's measured knob sets (x through shared memory, two rows a CTA, for a weight
+# wider than the rows at clusters of 4; the pipelined ring over clusters of 8 CTAs of 512
+# threads at N = 262144) are rows of kernels/tuned/sm_90a.toml, by
+# ``fwd_class``; ``search_space`` lists them as candidates (docs/kernels.md, docs/tuning.md).
 
 
 def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
@@ -329,6 +330,19 @@ def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
 # --------------------------------------------------------------------------- backward
 
 
+def bwd_class(params: dict) -> str | None:
+    """The backward's tuning-table class: the row-length class (``_plan.size_class``)."""
+    return size_class(params["dtype"], params["n"])
+
+
+def bwd_search_space(params: dict) -> list[NormBwdConfig]:
+    """``quack tune``'s backward candidates (``_norm_bwd.search_space``, shared with
+    LayerNorm's backward)."""
+    from ._norm_bwd import search_space
+
+    return search_space("rms", params)
+
+
 @jit_cache(
     "rmsnorm_bwd",
     params={
@@ -337,11 +351,19 @@ def fwd_grid(m: int, dtype: str, n: int, rcfg, device) -> int:
         "has_weight": Bool(),
         "has_bias": Bool(),
         "weight_dtype": WeightDtype(),
+        "config": Config(NormBwdConfig, derive=_tuning.derive("rmsnorm_bwd", NormBwdConfig, bwd_class)),
     },
     reference=f"{__package__}._verify:verify_rmsnorm_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_rmsnorm_bwd",
 )
 def compile_rmsnorm_bwd(
-    dtype: str, n: int, has_weight: bool = True, has_bias: bool = False, weight_dtype: str = "same"
+    dtype: str,
+    n: int,
+    has_weight: bool = True,
+    has_bias: bool = False,
+    weight_dtype: str = "same",
+    config: NormBwdConfig | None = None,
 ):
     """Compile RMSNorm backward (persistent; ``quack_kernels._norm_bwd``). Runtime signature:
     fn(x, w|None, dy, None, rstd, dx, dw_partial|None, db_partial|None, num_blocks) where
@@ -349,21 +371,21 @@ def compile_rmsnorm_bwd(
     ``has_bias`` adds db = sum_rows(dy)."""
     from ._norm_bwd import compile_norm_bwd
 
-    return compile_norm_bwd("rms", dtype, n, has_weight, has_bias, weight_dtype, _TUNE)
+    return compile_norm_bwd("rms", dtype, n, has_weight, has_bias, weight_dtype, config.knobs())  # type: ignore[union-attr]
 
 
-def bwd_smem_stages(plan, width: int) -> int:
-    """Pipeline depth of the shared-memory backward (``quack_kernels._norm_bwd``), with this
-    module's ``_TUNE`` knobs."""
+def bwd_smem_stages(plan, width: int, config: NormBwdConfig) -> int:
+    """Pipeline depth of the shared-memory backward (``quack_kernels._norm_bwd``) under
+    ``config``."""
     from ._norm_bwd import bwd_smem_stages as stages
 
-    return stages(plan, width, _TUNE)
+    return stages(plan, width, config.knobs())
 
 
-def _bwd_grid(m: int, plan, width: int, device) -> int:
+def _bwd_grid(m: int, plan, width: int, device, config: NormBwdConfig) -> int:
     from ._norm_bwd import bwd_grid
 
-    return bwd_grid(m, plan, width, device, _TUNE)
+    return bwd_grid(m, plan, width, device, config.knobs())
 
 
 # --------------------------------------------------------------------------- torch-facing
@@ -394,8 +416,10 @@ def rmsnorm_fwd(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     ro = torch.empty_like(x2) if r2 is not None else None
     if m > 0:
-        fn = compile_rmsnorm_fwd(dt, n, w is not None, b is not None, r2 is not None, wdt)
-        rcfg = fwd_ring_cfg(dt, n, w is not None, b is not None, r2 is not None, wdt)
+        args = (dt, n, w is not None, b is not None, r2 is not None, wdt)
+        cfg = fwd_config(*args)
+        fn = compile_rmsnorm_fwd(*args, cfg)
+        rcfg = fwd_ring_cfg(*args, cfg)
         grid = fwd_grid(m, dt, n, rcfg, x.device)
         fn(x2, w, b, r2, y, ro, rstd, eps, grid)
     shape = x.shape
@@ -410,10 +434,13 @@ def rmsnorm_bwd(x, weight, dy, rstd, bias=None):
     from ._norm_bwd import run_norm_bwd
 
     def compile_fn(dt, n, has_w, has_b, wdt):
-        return compile_rmsnorm_bwd(dt, n, has_w, has_b, wdt)
+        cfg = compile_rmsnorm_bwd.spec.bind((dt, n, has_w, has_b, wdt), {}, arch=_tuning.runtime_arch())[
+            "config"
+        ]
+        return compile_rmsnorm_bwd(dt, n, has_w, has_b, wdt, cfg), cfg.knobs()
 
     dx, dw, db = run_norm_bwd(
-        "rms", compile_fn, x, weight, dy, None, rstd, bias.dtype if bias is not None else None, _TUNE
+        "rms", compile_fn, x, weight, dy, None, rstd, bias.dtype if bias is not None else None
     )
     return (dx, dw) if bias is None else (dx, dw, db)
 

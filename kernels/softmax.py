@@ -9,40 +9,49 @@ Top level imports only quack: torch and cutlass are imported inside functions.
 import math
 
 from quack import jit_cache
-from quack.params import Dtype, Int
+from quack.params import Config, Dtype, Int
 
+from . import _tuning
+from ._configs import SoftmaxBwdConfig, SoftmaxFwdConfig, hint_spec
 from ._plan import N_MAX, N_MIN, size_class
 
 LOG2_E = math.log2(math.e)
 
-# Tuning knobs read at compile time (benchmark experiments call ``.raw`` after setting them).
-_TUNE: dict = {}
-
 # The backward plan's budget (row elements a thread keeps, fp32, two rows) for 16-bit
 # dtypes by row length: 4096 <= N <= 8192 (one CTA a row), 8192 < N <= 16384; 32 elsewhere
-# (``_TUNE["bwd_budget"]`` overrides; measured on the H200 with benchmarks/tune_k2.py and
-# tune_k3b.py, which rewrite these two lines).
+# (the "bwd_budget" knob overrides; measured on the H200).
 BWD_BUDGET_SMALL = 32
 BWD_BUDGET_MID = 16
 
-
-# Defaults by row-length class (16-bit dtypes; ``size_class``): knob sets decided on the H200
-# by benchmarks/tune_k3b.py (round 3: "mid"; it rewrites this line, one line: its pattern)
-# and tune_k5e.py (round 5, at commit aac952b: "small", the backward as torch.compile's
-# kernel: the row over 512 threads, dy / y loaded with evict_last hints, re-read after the
-# reduction with evict_first; docs/kernels.md). An explicit ``_TUNE`` (a measured variant) replaces them whole.
-DEFAULTS: dict = {"mid": {"bwd_min_blocks": 4}, "small": {"bwd_ld": {"evict": "last", "l2": "evict_last"}, "bwd_ld2": {"evict": "first", "l2": "evict_first"}, "bwd_tpr": 512, "bwd_twopass": True}}  # fmt: skip
+# The measured knob sets by row-length class (``size_class``: "mid": 4 CTAs / SM asked of
+# ptxas; "small": the backward as torch.compile's kernel: the row over 512 threads, dy / y
+# loaded with evict_last hints, re-read after the reduction with evict_first;
+# docs/kernels.md) are rows of kernels/tuned/sm_90a.toml.
 
 
-def knobs(dtype: str, n: int) -> dict:
-    """The compile-time knobs of a (dtype, n) configuration: ``_TUNE`` when set, else the
-    class's DEFAULTS."""
-    return _TUNE or DEFAULTS.get(size_class(dtype, n) or "", {})
+def _size_class(params: dict) -> str | None:
+    return size_class(params["dtype"], params["n"])
 
 
-def bwd_budget(dtype: str, n: int) -> int:
+def fwd_search_space(params: dict) -> list[SoftmaxFwdConfig]:
+    """``quack tune``'s forward candidates: the heuristic, the online pair off / on, x
+    through shared memory, CTAs / SM asked of ptxas."""
+    C = SoftmaxFwdConfig
+    return [C(), C(online=False), C(online=True), C(fwd_smem=True)] + [C(fwd_min_blocks=b) for b in (2, 3, 4)]
+
+
+def bwd_search_space(params: dict) -> list[SoftmaxBwdConfig]:
+    """``quack tune``'s backward candidates: budgets, shared-memory rows, CTAs / SM, the
+    512-thread two-pass kernel with its cache hints."""
+    C = SoftmaxBwdConfig
+    cands = [C()] + [C(bwd_budget=b) for b in (16, 32, 64)] + [C(bwd_smem=True), C(bwd_min_blocks=4)]
+    cands.append(C(bwd_ld="last:evict_last", bwd_ld2="first:evict_first", bwd_tpr=512, bwd_twopass=True))
+    cands.append(C(bwd_tpr=512, bwd_twopass=True))
+    return cands
+
+
+def bwd_budget(dtype: str, n: int, k: dict) -> int:
     """Row elements a thread of the backward keeps in registers (``plan_rows``' budget)."""
-    k = knobs(dtype, n)
     if "bwd_budget" in k:
         return k["bwd_budget"]
     if dtype != "float32" and 4096 <= n <= 8192:
@@ -54,10 +63,18 @@ def bwd_budget(dtype: str, n: int) -> int:
 
 @jit_cache(
     "softmax_fwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "config": Config(
+            SoftmaxFwdConfig, derive=_tuning.derive("softmax_fwd", SoftmaxFwdConfig, _size_class)
+        ),
+    },
     reference=f"{__package__}._verify:verify_softmax_fwd",
+    search_space=fwd_search_space,
+    bench=f"{__package__}._verify:bench_softmax_fwd",
 )
-def compile_softmax_fwd(dtype: str, n: int):
+def compile_softmax_fwd(dtype: str, n: int, config: SoftmaxFwdConfig | None = None):
     """Runtime signature: fn(x, y) with x, y (M, n) of ``dtype``."""
     import cutlass
     import cutlass.cute as cute
@@ -71,9 +88,9 @@ def compile_softmax_fwd(dtype: str, n: int):
     # Cluster plans (a row over 2..16 CTAs): one all-reduce round trip of the (max, sum of
     # exp) pairs instead of two (max, then sum): each distributed-shared-memory exchange
     # waits for the slowest CTA of the cluster.
-    k = knobs(dtype, n)
+    k = config.knobs()  # type: ignore[union-attr]  # derived by bind (_tuning)
     online = k.get("online", plan.cluster_n > 1)
-    # Round-3 variants (benchmarks/tune_k3b.py): x cp.async'ed into shared memory, then read
+    # Variants: x cp.async'ed into shared memory, then read
     # into registers (the reference library's copy path: no registers held by the loads in
     # flight); even 16-byte tilings only. ``fwd_min_blocks``: resident CTAs / SM for ptxas.
     smem_x = k.get("fwd_smem", False) and plan.even and plan.vec * dt.width == 128
@@ -120,13 +137,12 @@ def compile_softmax_fwd(dtype: str, n: int):
     return cute.compile(launch, x, y, stream, options="--enable-tvm-ffi")
 
 
-def _bwd_plan(dtype: str, n: int, width: int):
-    """The backward's row plan: ``plan_rows`` with the budget, or with the round-5 knob
+def _bwd_plan(dtype: str, n: int, width: int, k: dict):
+    """The backward's row plan: ``plan_rows`` with the budget, or with the knob
     ``bwd_tpr`` = 512 a row of one CTA spread over 512 threads (even tilings only)."""
     from ._plan import RowPlan, plan_rows
 
-    k = knobs(dtype, n)
-    plan = plan_rows(n, width, budget=bwd_budget(dtype, n))
+    plan = plan_rows(n, width, budget=bwd_budget(dtype, n, k))
     tpr = k.get("bwd_tpr", 0)
     # (one CTA a row without a cluster, when the row splits evenly within 32 elements a thread)
     if tpr > 256 and n % (plan.vec * tpr) == 0 and n // tpr <= 32:
@@ -138,10 +154,18 @@ def _bwd_plan(dtype: str, n: int, width: int):
 
 @jit_cache(
     "softmax_bwd",
-    params={"dtype": Dtype(), "n": Int(min=N_MIN, max=N_MAX)},
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=N_MIN, max=N_MAX),
+        "config": Config(
+            SoftmaxBwdConfig, derive=_tuning.derive("softmax_bwd", SoftmaxBwdConfig, _size_class)
+        ),
+    },
     reference=f"{__package__}._verify:verify_softmax_bwd",
+    search_space=bwd_search_space,
+    bench=f"{__package__}._verify:bench_softmax_bwd",
 )
-def compile_softmax_bwd(dtype: str, n: int):
+def compile_softmax_bwd(dtype: str, n: int, config: SoftmaxBwdConfig | None = None):
     """Runtime signature: fn(dy, y, dx), all (M, n) of ``dtype``."""
     import cutlass
     import cutlass.cute as cute
@@ -152,24 +176,25 @@ def compile_softmax_bwd(dtype: str, n: int):
     from ._plan import plan_rows
 
     dt = rr.cutlass_dtype(dtype)
-    plan = _bwd_plan(dtype, n, dt.width)
+    k = config.knobs()  # type: ignore[union-attr]  # derived by bind (_tuning)
+    k.update({h: hint_spec(k[h]) for h in ("bwd_ld", "bwd_ld2") if h in k})
+    plan = _bwd_plan(dtype, n, dt.width, k)
     # Cluster plans with an even tiling: dy and y are cp.async'ed into shared memory and
     # read from there twice (the dot product, then dx after the reduction) instead of
     # living in registers as fp32 through the reduction (170 registers at N = 262144:
     # 1 CTA / SM, 2.46 TB/s on the H200; 64 this way, 3 CTAs / SM by shared memory, 3.76
     # TB/s); 2 x 32 KiB of shared memory a CTA at most.
-    k = knobs(dtype, n)
     smem_rows = rr.smem_rows_ok(plan, dt.width, 2)
     if "bwd_smem" in k:
         # the knob applies to even 16-byte tilings only (cp.async leaves no column
         # predicate); a knob set measured with it falls back to the default budget where
         # it cannot apply (a budget of 64 in registers spills: two rows of fp32)
         smem_rows = k["bwd_smem"] and plan.even and plan.vec * dt.width == 128
-        if k["bwd_smem"] and not smem_rows and not _TUNE:
+        if k["bwd_smem"] and not smem_rows:
             plan = plan_rows(n, dt.width, budget=32)
     min_blocks = k.get("bwd_min_blocks", 0)
-    # Round-5 knobs of the register path (benchmarks/tune_k5e.py at commit aac952b, which
-    # also measured hinted stores and createpolicy'd operands, removed since): cache hints
+    # Knobs of the register path (hinted stores and createpolicy'd operands lost, see
+    # ``_cachehint``): cache hints
     # on the loads of dy / y (``bwd_ld``; ``bwd_ld2`` for the re-read, see
     # ``_cachehint.io_copy``), and ``bwd_twopass``: dy and y re-read after the reduction (L1 / L2 hits)
     # instead of kept as fp32 through it, as torch.compile's looped reduction does. The small

@@ -353,3 +353,17 @@ class ToolchainMismatch(ExecutorError):
         self.worker_stamp = worker_stamp
         self.coordinator_stamp = coordinator_stamp
         self.worker = worker
+
+
+class TuningTableError(QuackError, ValueError):
+    """A tuning table (kernels/tuned/<arch>.toml; docs/tuning.md) with a bad row: an
+    unknown field, a wrong type, a duplicate key. ``row`` is 1-based (0: the whole file)."""
+
+    def __init__(self, path: str, problem: str, *, row: int = 0, field: str = ""):
+        self.path = str(path)
+        self.problem = problem
+        self.row = row
+        self.field = field
+        super().__init__(
+            f"{self.path}{f': row {row}' if row else ''}{f' ({field})' if field else ''}: {problem}"
+        )

@@ -3,14 +3,56 @@ and ``quack prewarm --emit-manifest``)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from quack.params import plain
+
+
+def _config_value(spec, name: str, params: dict, arch: str) -> Any:
+    """A ``Config`` parameter as a manifest writes it, or None to leave it out.
+
+    Left out when it is the configuration the kernel derives for the other parameters
+    (the tuning table's): the manifest then follows the table, as the calls do, instead
+    of pinning today's winner. Otherwise its fields, less the unset (None) ones: TOML has
+    no null, and a field left out of a manifest's inline table takes its default."""
+    p = spec.params[name]
+    value = params[name]
+    if getattr(p, "derive", None) is not None:
+        rest = {k: v for k, v in params.items() if k != name}
+        try:
+            derived = spec.plain(spec.bind((), rest, arch=arch))[name]
+        except Exception:  # noqa: BLE001 - the line is for a message: write the value out
+            derived = None
+        if derived == value:
+            return None
+    defaults = {f.name: f.default for f in dataclasses.fields(p.cls)}
+    return {k: v for k, v in value.items() if not (v is None and defaults.get(k) is None)}
+
+
+def entry_params(kernel: str, params: dict, arch: str) -> dict:
+    out = {k: plain(v) for k, v in params.items()}
+    from quack import registry
+
+    try:
+        spec = registry.get(kernel)
+    except Exception:  # noqa: BLE001 - not registered here: the parameters as given
+        return out
+    for name, p in spec.params.items():
+        if getattr(p, "kind", None) == "config" and isinstance(out.get(name), dict):
+            v = _config_value(spec, name, out, arch)
+            if v is None:
+                del out[name]
+            else:
+                out[name] = v
+    return out
 
 
 def manifest_entries(configs) -> dict:
     """configs: iterable of (kernel, params, arch) -> a manifest document."""
     out = []
     for kernel, params, arch in configs:
-        out.append({"name": kernel, "archs": [arch], "params": {k: plain(v) for k, v in params.items()}})
+        out.append({"name": kernel, "archs": [arch], "params": entry_params(kernel, params, arch)})
     return {"kernel": out}
 
 

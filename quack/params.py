@@ -303,15 +303,23 @@ class Config(Param):
     gives it as an inline table; a runtime call as an instance or a dict."""
 
     kind = "config"
-    _fields = ("cls",)
+    _fields = ("cls", "derive")
     cls: type
+    # ``derive(params, arch) -> instance``: the default when a call or manifest gives none
+    # (``None``): applied by KernelSpec.bind once the other parameters are checked, so the
+    # derived configuration is in the key (a tuned kernel's ``default_config``; issue 25).
+    derive: Any
 
-    def __init__(self, cls: type = object):
+    def __init__(self, cls: type = object, derive: Any = None):
         if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
             raise TypeError(f"Config needs a frozen dataclass, got {cls!r}")
-        self._set(cls=cls)
+        if derive is not None and not callable(derive):
+            raise TypeError(f"Config(derive=...) needs a callable (params, arch) -> {cls.__name__}")
+        self._set(cls=cls, derive=derive)
 
     def check(self, name, value):
+        if value is None and self.derive is not None:
+            return None  # KernelSpec.bind derives it
         if isinstance(value, dict):
             names = {f.name for f in dataclasses.fields(self.cls)}
             unknown = sorted(set(value) - names)
@@ -319,7 +327,7 @@ class Config(Param):
                 raise self._fail(name, value, f" (unknown fields {unknown}; fields are {sorted(names)})")
             try:
                 value = self.cls(**value)
-            except TypeError as e:
+            except (TypeError, ParamError) as e:  # ParamError: a TuneConfig field's own check
                 raise self._fail(name, value, f" ({e})") from None
         if type(value) is not self.cls:
             raise self._fail(name, value)

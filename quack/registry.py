@@ -32,6 +32,10 @@ class KernelSpec:
     takes_arch: bool = False  # the compile function declares `arch`: it gets the target arch
     # Extra files / modules its fingerprint covers (quack.cache.sources; docs/writing-kernels.md)
     depends_on: tuple[str, ...] = ()
+    # `quack tune` (docs/tuning.md): search_space(bound params) -> candidate configs;
+    # bench: "module:function" (params, m, device) -> a zero-argument call to time
+    search_space: Callable | None = None
+    bench: str | None = None
 
     def bind(self, args: tuple = (), kwargs: dict | None = None, arch: str | None = None) -> dict[str, Any]:
         """Check and canonicalize a call's or a manifest's parameters, defaults applied,
@@ -70,12 +74,31 @@ class KernelSpec:
                 out[n] = p.check(n, v)
             except ParamError as e:
                 raise ParamError(f"{self.name}: {e}", kernel=self.name, param=n) from None
+        for n, p in self.params.items():  # a derived default (quack.params.Config(derive=...))
+            if out[n] is None and getattr(p, "derive", None) is not None:
+                out[n] = self._derive(n, p, out, arch)
         for rule in self.rules:  # after each value is valid alone: the combination
             if rule.param != ARCH:
                 rule.apply(self.name, out)
         if arch is not None:
             self.check_arch(out, arch)
         return out
+
+    def _derive(self, n: str, p: Any, out: dict[str, Any], arch: str | None) -> Any:
+        # Without an arch (a worker re-binding a request, a manifest checked before its
+        # archs) the process's target arch: the one a run-time call keys for.
+        if arch is None:
+            from quack import settings
+
+            arch = settings.get().arch
+        others = {k: v for k, v in out.items() if k != n}
+        from quack.tuning.override import override
+
+        forced = override(self.name)  # quack.tuning.use_config: a candidate under test
+        try:
+            return p.check(n, forced if forced is not None else p.derive(others, arch))
+        except ParamError as e:
+            raise ParamError(f"{self.name}: default {n}: {e}", kernel=self.name, param=n) from None
 
     def check_arch(self, params: dict[str, Any], arch: str) -> None:
         """Apply the rules naming ``arch`` to bound ``params`` for target ``arch`` (manifest
@@ -141,6 +164,8 @@ def register(
     reference: str | None = None,
     rules=(),
     depends_on=(),
+    search_space: Callable | None = None,
+    bench: str | None = None,
 ) -> KernelSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
@@ -188,6 +213,8 @@ def register(
         rules,
         takes_arch,
         depends_on,
+        search_space,
+        bench,
     )
     old = _REGISTRY.get(name)
     if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):

@@ -63,7 +63,7 @@ def rel_fail(i: int = 0):
         deadline = time.monotonic() + 120
         while not os.path.exists(gate) and time.monotonic() < deadline:
             time.sleep(0.01)
-    return rel_copy.raw(i)
+    return rel_copy.compile_uncached(i)
 
 
 def _even_when_big(p: dict) -> bool:
@@ -77,4 +77,4 @@ def _even_when_big(p: dict) -> bool:
 )
 def rel_ruled(i: int = 0):
     """rel_copy behind a cross-parameter rule: refused configurations never compile."""
-    return rel_copy.raw(i)
+    return rel_copy.compile_uncached(i)

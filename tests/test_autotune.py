@@ -4,6 +4,7 @@ benchmarked as soon as it is ready, failures are recorded, the fastest wins."""
 import random
 
 import poolkernels
+import pytest
 import toykernels
 
 from quack.compile import pool as qpool
@@ -53,3 +54,49 @@ def test_autotune_cached_candidates_need_no_compile(quack_settings):
         common={"dtype": "float32", "bias": True},
     )
     assert again.submitted == 0 and again.best == {"block": 64} and not again.errors
+
+
+def test_autotune_refuses_a_wrong_candidate_and_reports_errors(quack_settings):
+    """The fastest candidate fails its check: it never wins; a benchmark that raises is an
+    error, not a crash; the close calls are re-measured and ranked by their median."""
+    blocks = [{"block": b} for b in (32, 64, 96, 128)]
+    calls: dict = {}
+    # 96: bimodal (fast on its first run only): the re-measured median must rank it last
+    seq = {32: [2e-5], 64: [1e-5], 96: [0.99e-5, 3e-5, 3e-5, 3e-5], 128: None}
+
+    def bench(fn, cfg):
+        b = cfg["block"]
+        if seq[b] is None:
+            raise RuntimeError("launch failed")
+        i = calls.get(b, 0)
+        calls[b] = i + 1
+        return seq[b][min(i, len(seq[b]) - 1)]
+
+    def check(fn, cfg):
+        if cfg["block"] == 32:
+            raise AssertionError("y: 17 elements differ")
+
+    seq[32] = [0.5e-5]
+    res = autotune(
+        toykernels.toy_scale, blocks, bench, common={"dtype": "float32", "bias": True}, check=check, rounds=3
+    )
+    assert [c["block"] for c, _ in res.refused] == [32] and "17 elements differ" in res.refused[0][1]
+    assert [c["block"] for c, e in res.errors] == [128] and "launch failed" in res.errors[0][1]
+    assert res.best == {"block": 64} and res.best_time == 1e-5
+    assert res.remeasured == 2 and calls[96] == 4 and calls[64] == 4
+    assert "wrong" in res.table() and "failed" in res.table()
+
+
+def test_autotune_candidate_budget_and_argument_checks(quack_settings):
+    res = autotune(
+        toykernels.toy_scale,
+        [{"block": b} for b in (32, 64, 96)],
+        lambda fn, cfg: 1.0 / cfg["block"],
+        common={"dtype": "float32", "bias": True},
+        max_candidates=2,
+    )
+    # the first two candidates only; measured in the order they are ready (one another test
+    # of the session compiled already is measured first), so compared as a set
+    assert sorted(c["block"] for c, _ in res.times) == [32, 64] and res.best == {"block": 64}
+    with pytest.raises(ValueError, match="close"):
+        autotune(toykernels.toy_scale, [], lambda fn, cfg: 0.0, close=-1)

@@ -49,6 +49,11 @@ CASES = [
     (E.LinkError("cc failed", "/c/x.o"), RuntimeError, ("obj",)),
     (E.ManifestError(["m.toml: a", "m.toml: b"]), ValueError, ("problems",)),
     (
+        E.TuningTableError("kernels/tuned/sm_90a.toml", "unknown field 'x'", row=3, field="x"),
+        ValueError,
+        ("path", "problem", "row", "field"),
+    ),
+    (
         E.KernelNotPrebuilt(
             "k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", bundles=("b 1.0 (2 of 2 entries)",)
         ),

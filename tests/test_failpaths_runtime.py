@@ -94,7 +94,7 @@ mod = Path(sys.argv[1]) / "fp_edit_kernel.py"
 mod.write_text("from relkernels import rel_fail as _f\n"
                "from quack import jit_cache\nfrom quack.params import Int\n\n"
                "@jit_cache('fp_edit', params={'i': Int(min=0)})\n"
-               "def fp_edit(i: int = 0):\n    return _f.raw(i)\n")
+               "def fp_edit(i: int = 0):\n    return _f.compile_uncached(i)\n")
 sys.path.insert(0, sys.argv[1])
 import fp_edit_kernel
 counter = Path(os.environ["QUACK_TEST_FAIL_COUNTER"])

@@ -125,7 +125,7 @@ out["driver_attr"] = core_drv.CUresult.CUDA_SUCCESS == driver.CUresult.CUDA_SUCC
 if mode == "lean":
     # The compiler in the same process after a lean load (jit mode's in-process compile):
     # cutlass imports and uses tvm_ffi itself, and gets the whole package.
-    compiled = toykernels.toy_scale.raw("float32", 64, False)
+    compiled = toykernels.toy_scale.compile_uncached("float32", 64, False)
     out["compiled"] = hasattr(compiled, "export_to_c")
 print(json.dumps(out))
 """

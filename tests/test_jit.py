@@ -13,7 +13,7 @@ import toykernels
 from conftest import use_settings
 
 from quack import jit_cache
-from quack.errors import CacheWarning, CompileError, KernelNotPrebuilt
+from quack.errors import CacheWarning, CompileError, KernelNotPrebuilt, ParamError
 from quack.params import Int
 
 
@@ -108,10 +108,22 @@ def test_worker_compile_error_reaches_caller(quack_settings):
     assert str(pickle.loads(pickle.dumps(e.value))) == str(e.value)
 
 
+def test_compile_uncached_checks_like_a_call_and_touches_no_cache(quack_settings):
+    """The one way to the compile result of a registered kernel (a compile function
+    building its kernel with another's): its arguments checked as a call's, the cache
+    neither read nor written. The old bypass (``.raw``, the bare function) is gone."""
+    with pytest.raises(ParamError, match="block"):
+        toykernels.toy_scale.compile_uncached("float32", 16, False)  # below Int(min=32)
+    compiled = toykernels.toy_scale.compile_uncached("float32", 64, False)
+    assert hasattr(compiled, "export_to_c")
+    assert not list(Path(quack_settings.cache_dir).rglob("*.o"))
+    assert not hasattr(toykernels.toy_scale, "raw")
+
+
 def test_unshippable_compile_function_compiles_here_with_one_warning(quack_settings):
     @jit_cache("test_local_kernel", params={"block": Int(min=32, max=1024)})
     def local(block: int):
-        return toykernels.toy_scale.raw("float32", block, True)
+        return toykernels.toy_scale.compile_uncached("float32", block, True)
 
     with pytest.warns(CacheWarning, match="can't be sent to a compile worker"):
         assert callable(local(64))
@@ -128,7 +140,7 @@ def test_miss_path_warnings_point_at_the_callers_line(quack_settings, tmp_path, 
 
         @jit_cache("test_local_kernel_where", params={"block": Int(min=32, max=1024)})
         def kern(block: int):
-            return toykernels.toy_scale.raw("float32", block, True)
+            return toykernels.toy_scale.compile_uncached("float32", block, True)
 
         args: tuple = (64,)
     else:

@@ -176,6 +176,27 @@ def test_manifest_line_round_trip(tmp_path):
     assert c2.key == spec2.key(params2, "sm_100a")
 
 
+def test_manifest_line_of_a_tuned_kernel_round_trips(tmp_path):
+    """A kernel with a typed configuration (unset knobs are None: TOML has no null). The
+    derived default is left out (the manifest follows the tuning table, as calls do); an
+    explicit candidate is written with its set knobs only; both build exactly the key.
+    Before: tomli_w raised TypeError on the None knobs, so a prebuilt-mode miss of any
+    tuned kernel crashed instead of raising KernelNotPrebuilt."""
+    from quack_kernels import softmax
+    from quack_kernels._configs import SoftmaxFwdConfig
+
+    spec = softmax.compile_softmax_fwd.spec
+    derived = spec.bind((), {"dtype": "bfloat16", "n": 4096}, arch="sm_90a")
+    forced = spec.bind(
+        (), {"dtype": "bfloat16", "n": 4096, "config": SoftmaxFwdConfig(online=True)}, arch="sm_90a"
+    )
+    for i, params in enumerate((derived, spec.plain(derived), forced, spec.plain(forced))):
+        line = manifest_line("softmax_fwd", params, "sm_90a")
+        assert ("config" in line) == (i >= 2), line
+        (c,) = expand([_write(tmp_path, line, f"m{i}.toml")]).configs
+        assert c.key == spec.key(params if i % 2 == 0 else spec.bind((), params, arch="sm_90a"), "sm_90a")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(ManifestError, match="no such manifest file"):
         expand([tmp_path / "nope.toml"])

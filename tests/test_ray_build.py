@@ -57,7 +57,7 @@ def qrt_slow(n: int):
     time.sleep({sleep})
     import toykernels
 
-    return toykernels.toy_scale.raw("float16", 32 * (n + 1), False)
+    return toykernels.toy_scale.compile_uncached("float16", 32 * (n + 1), False)
 """
 
 SLOW_MANIFEST = """

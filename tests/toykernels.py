@@ -43,7 +43,7 @@ def toy_fail(boom: bool = True):
     """Raises inside the compile function: the caller must see this text."""
     if boom:
         raise ValueError("toy_fail: boom requested")
-    return toy_scale.raw("float32", 32, False)
+    return toy_scale.compile_uncached("float32", 32, False)
 
 
 @jit_cache("toy_badcopy", params={"dtype": Dtype()})

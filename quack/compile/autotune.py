@@ -1,20 +1,26 @@
-"""Autotuning on the compile pool: submit every candidate configuration at once,
-benchmark each as soon as its kernel is ready (cached ones first), keep the fastest.
+"""Autotuning on the compile pool, the one engine under ``quack tune`` (docs/tuning.md
+"The autotune API"): submit every candidate at once, check and benchmark each as soon as its
+kernel is ready (cached ones first) while the others compile, re-measure the close calls
+interleaved, keep the fastest correct one.
 
     from quack.compile.autotune import autotune
-    res = autotune(rmsnorm_fwd_compile, [{"block": b} for b in (128, 256, 512)],
-                   bench=lambda fn, cfg: time_it(fn, x, w, y),
+    res = autotune(my_compile, [{"block": b} for b in (128, 256, 512)],
+                   bench=lambda fn, cfg: time_it(fn, x, y),      # seconds, lower wins
+                   check=lambda fn, cfg: check_against_torch(fn), # raises when wrong
                    common={"dtype": "bfloat16", "n": 4096})
-    res.best, res.best_time, res.errors
+    res.best, res.best_time, res.errors, res.refused
 
-A candidate whose compile fails is recorded in ``errors`` and skipped; a wedged
-one falls back to an in-process compile (the pool's time-out rule). Benchmarking
-runs on the caller's thread, in the caller's CUDA context, while the other
-candidates compile in the workers."""
+A candidate whose compile fails, whose benchmark raises or that exceeds the budget is in
+``errors``; one whose ``check`` raises is in ``refused`` and never wins. Timing noise (a
+shape that is bimodal from run to run) is handled by the method, not by hand: every
+candidate within ``close`` of the best is measured again in ``rounds`` interleaved rounds
+(each round visits them in a rotated order) and ranked by the median of its rounds.
+Benchmarking runs on the caller's thread, in the caller's CUDA context."""
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from typing import Any, Callable, Sequence
 
@@ -28,15 +34,23 @@ from quack.errors import CompileError, CompilePending
 class TuneResult:
     best: dict | None
     best_time: float | None
-    times: list[tuple[dict, float]]  # in the order they were benchmarked
-    errors: list[tuple[dict, str]]
+    times: list[tuple[dict, float]]  # final (robust) times, in the order first benchmarked
+    errors: list[tuple[dict, str]]  # failed compiles / benchmarks, the budget's leftovers
     submitted: int  # candidates that had to compile
     wall_s: float
+    refused: list[tuple[dict, str]] = dataclasses.field(default_factory=list)  # wrong results
+    remeasured: int = 0  # candidates measured again as close calls
 
     def table(self) -> str:
         rows = [f"{t * 1e6:10.1f} us  {c}" for c, t in sorted(self.times, key=lambda ct: ct[1])]
+        rows += [f"{'wrong':>13}  {c}: {e.splitlines()[0][:120]}" for c, e in self.refused]
         rows += [f"{'failed':>13}  {c}: {e.splitlines()[0][:120]}" for c, e in self.errors]
         return "\n".join(rows)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip() or type(e).__name__
+    return f"{type(e).__name__}: {text}"
 
 
 def autotune(
@@ -47,17 +61,35 @@ def autotune(
     common: dict | None = None,
     pool: _pool.CompilePool | None = None,
     timeout: float | None = None,
+    check: Callable[[Any, dict], Any] | None = None,
+    max_candidates: int | None = None,
+    close: float = 0.03,
+    rounds: int = 3,
+    on_result: Callable[[str, dict, Any], None] | None = None,
 ) -> TuneResult:
-    """Compile ``kernel(**common, **config)`` for every config in parallel and return
-    the one ``bench(fn, config)`` (seconds; lower wins) rates fastest."""
+    """Compile ``kernel(**common, **config)`` for every config in parallel and return the
+    correct one ``bench(fn, config)`` (seconds) rates fastest. ``timeout``: seconds for the
+    whole search (the budget; what is still compiling then is an error); ``max_candidates``:
+    the first that many configs only; ``close``: the fraction of the best time within which
+    candidates are re-measured ``rounds`` times; ``on_result(kind, config, value)``: each
+    "time" / "wrong" / "error" as it happens (a progress display)."""
     t0 = time.perf_counter()
+    if close < 0 or rounds < 0:
+        raise ValueError(f"autotune: close (got {close}) and rounds (got {rounds}) must be >= 0")
     common = dict(common or {})
+    configs = list(configs)[: max_candidates if max_candidates is not None else None]
     times: list[tuple[dict, float]] = []
+    fns: list[Any] = []  # beside times: the callable of each benchmarked candidate
     errors: list[tuple[dict, str]] = []
+    refused: list[tuple[dict, str]] = []
     waiting: list[tuple[dict, CompilePending]] = []
     ready: list[tuple[dict, Any]] = []
     submitted = 0
     deadline = None if timeout is None else t0 + timeout
+
+    def note(kind: str, cfg: dict, value: Any) -> None:
+        if on_result is not None:
+            on_result(kind, cfg, value)
 
     def attempt(cfg):
         try:
@@ -66,7 +98,26 @@ def autotune(
             return None, p
         except CompileError as e:
             errors.append((cfg, str(e)))
+            note("error", cfg, str(e))
             return None, None
+
+    def measure(cfg, fn) -> None:
+        if check is not None:
+            try:
+                check(fn, cfg)
+            except Exception as e:  # noqa: BLE001 - any failure of the check refuses the candidate
+                refused.append((cfg, _first_line(e)))
+                note("wrong", cfg, _first_line(e))
+                return
+        try:
+            t = float(bench(fn, cfg))
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot run is an error, not a crash
+            errors.append((cfg, f"benchmark: {_first_line(e)}"))
+            note("error", cfg, str(e))
+            return
+        times.append((cfg, t))
+        fns.append(fn)
+        note("time", cfg, t)
 
     with scope.pool_scope(pool) as p:
         for cfg in configs:  # submit everything before benchmarking anything
@@ -79,7 +130,7 @@ def autotune(
         gen = p.generation
         while ready or waiting:
             for cfg, fn in ready:
-                times.append((cfg, float(bench(fn, cfg))))
+                measure(cfg, fn)
             ready = []
             still = []
             for cfg, pend in waiting:
@@ -94,9 +145,12 @@ def autotune(
             waiting = still
             if waiting and not ready:
                 if deadline is not None and time.perf_counter() > deadline:
-                    errors.extend((cfg, "autotune time-out: still compiling") for cfg, _ in waiting)
+                    for cfg, _ in waiting:
+                        errors.append((cfg, "autotune budget spent: still compiling"))
+                        note("error", cfg, "budget spent")
                     break
                 gen = p.wait_change(gen, 0.5)
+    remeasured = _remeasure(times, fns, bench, close, rounds, errors)
     best = min(times, key=lambda ct: ct[1]) if times else None
     return TuneResult(
         best[0] if best else None,
@@ -105,4 +159,34 @@ def autotune(
         errors,
         submitted,
         time.perf_counter() - t0,
+        refused,
+        remeasured,
     )
+
+
+def _remeasure(times, fns, bench, close, rounds, errors) -> int:
+    """Measure the candidates within ``close`` of the best again, ``rounds`` interleaved
+    rounds (rotated order: none always runs first after a cold GPU), and replace each time
+    with the median of its first time and its rounds. Returns how many were re-measured."""
+    if not times or rounds == 0:
+        return 0
+    best = min(t for _, t in times)
+    idx = [i for i, (_, t) in enumerate(times) if t <= best * (1 + close)]
+    if len(idx) < 2:
+        return 0
+    samples = {i: [times[i][1]] for i in idx}
+    dead: set[int] = set()
+    for r in range(rounds):
+        order = idx[r % len(idx) :] + idx[: r % len(idx)]
+        for i in order:
+            if i in dead:
+                continue
+            try:
+                samples[i].append(float(bench(fns[i], times[i][0])))
+            except Exception as e:  # noqa: BLE001 - failed on a re-run: out of the race
+                dead.add(i)
+                errors.append((times[i][0], f"benchmark (re-measure): {_first_line(e)}"))
+    for i in idx:
+        times[i] = (times[i][0], float("inf") if i in dead else statistics.median(samples[i]))
+    times[:] = [ct for ct in times if ct[1] != float("inf")]
+    return len(idx)

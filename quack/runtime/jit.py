@@ -39,7 +39,6 @@ class JitKernel:
 
     def __init__(self, spec: registry.KernelSpec):
         self.spec = spec
-        self.raw = spec.fn
         self._memo: dict = {}
         self._by_key: dict[str, Loaded] = {}
         self._failed: dict[str, tuple[str, CompileError]] = {}  # key -> (source fingerprint, error)
@@ -67,6 +66,20 @@ class JitKernel:
             hit.hits += 1
             return hit.fn
         return self._slow(args, kwargs)
+
+    def compile_uncached(self, *args, arch: str | None = None, **kwargs):
+        """Compile here, now, and return the ``cute.compile`` result: no cache tier is read
+        or written. For one thing only: a compile function that builds its kernel with
+        another's (the outer key caches the result; a cached inner call would hand back a
+        loaded kernel, not a compile result to export). The arguments are bound and checked
+        as a call's are (types, ranges, rules, a derived configuration), so it never runs a
+        configuration the cache would refuse. Tuning does not need it: a candidate is a
+        configuration, which is in the key (``quack.tuning.use_config``)."""
+        from quack import settings as _settings
+        from quack.compile.builder import call_compile
+
+        arch = arch or _settings.get().arch
+        return call_compile(self.spec, self.spec.bind(args, kwargs, arch=arch), arch)
 
     def key(self, *args, arch: str | None = None, **kwargs) -> str:
         from quack import settings as _settings
@@ -218,20 +231,30 @@ def jit_cache(
     reference: str | None = None,
     rules=(),
     depends_on=(),
+    search_space: Callable | None = None,
+    bench: str | None = None,
 ) -> Callable[[Callable], JitKernel]:
     """Register a tensor-free compile function as kernel ``name`` and cache it.
     ``rules``: quack.params.Rule constraints across parameters, checked (with each
     parameter's own check) by manifests and on every call, before anything compiles.
     ``depends_on``: files, directories (paths containing '/', relative to the module's
     directory) or modules (dotted names) the fingerprint covers beyond what the kernel's
-    module imports (docs/writing-kernels.md)."""
+    module imports (docs/writing-kernels.md).
+    ``search_space`` / ``bench``: what ``quack tune`` measures (docs/tuning.md)."""
 
     def deco(fn: Callable) -> JitKernel:
-        return JitKernel(
-            registry.register(
-                name, fn, params, version=version, reference=reference, rules=rules, depends_on=depends_on
-            )
+        spec = registry.register(
+            name,
+            fn,
+            params,
+            version=version,
+            reference=reference,
+            rules=rules,
+            depends_on=depends_on,
+            search_space=search_space,
+            bench=bench,
         )
+        return JitKernel(spec)
 
     return deco
 

@@ -229,6 +229,12 @@ def _module_list(v: Any) -> list[str]:
     return mods
 
 
+def _gpu_model(v: Any) -> str:
+    if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}", v.strip()):
+        raise ValueError("expected a GPU model name of letters, digits, '_', '.', '-' (like 'H200')")
+    return v.strip()
+
+
 class Field:
     """Where one setting is read from and how it is parsed. A plain slotted class, not a
     dataclass: a dataclass is generated (exec) at import, ~0.3 ms of every fresh
@@ -306,5 +312,8 @@ FIELDS: dict[str, Field] = {
         "public key files or directories (a list, or ':'-separated)",
     ),
     "executor": Field("build", "executor", ("QUACK_BUILD_EXECUTOR",), check_executor, EXECUTOR_FORMS),
+    # The GPU model whose tuning-table rows pick default kernel configurations (issue 25;
+    # docs/tuning.md): unset = the detected GPU where CUDA is up, else the table's default.
+    "tune_gpu": Field("tune", "gpu", ("QUACK_TUNE_GPU",), _gpu_model, "a GPU model name like 'H200'"),
 }
 SECTIONS = sorted({f.section for f in FIELDS.values()})

@@ -45,6 +45,7 @@ class Settings:
     signing_key: str | None = None
     trusted_keys: tuple[str, ...] = ()
     executor: str = "local"
+    tune_gpu: str | None = None  # [tune] gpu / QUACK_TUNE_GPU (quack.tuning.gpu)
     config_file: Path | None = None
     sources: dict = dataclasses.field(default_factory=dict, compare=False)
 

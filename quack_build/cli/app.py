@@ -1,6 +1,6 @@
 """The typer application behind ``quack`` (entry point: quack_build.cli.main), and only
 the registration of its commands, in the order ``quack --help`` lists them: build,
-verify, keygen, prewarm, bundle, then the ``cache`` group (stats, clean, pull, push).
+verify, keygen, prewarm, bundle, tune, then the ``cache`` group (stats, clean, pull, push).
 Each command lives in its own module here; what they share is quack_build.cli.run
 (running a command's body) and quack_build.cli.context (settings, consoles, JSON).
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import typer
 
-from quack_build.cli import build, bundle, cache, keygen, prewarm, verify
+from quack_build.cli import build, bundle, cache, keygen, prewarm, tune, verify
 
 app = typer.Typer(
     name="quack",
@@ -31,4 +31,5 @@ app.command()(verify.verify)
 app.command()(keygen.keygen)
 app.command()(prewarm.prewarm)
 bundle.register(app)
+tune.register(app)
 cache.register(cache_app)

@@ -102,12 +102,6 @@ def run_build(
     verbose,
     executor=None,
 ) -> int:
-    from quack.errors import CacheError, ExecutorError
-    from quack_build.build import executors, scheduler
-    from quack_build.build import plan as planning
-    from quack_build.build import progress as display
-    from quack_build.build import trace as tracing
-
     t0 = time.time()
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
@@ -135,9 +129,26 @@ def run_build(
         from quack_build.build import sourcelist
 
         sourcelist.print_sources(con, (c.kernel for c in exp.configs))
+    return build_configs(s, con, exp.configs, jobs, keep_going, force, as_json, trace, verbose, t0=t0)
+
+
+def build_configs(
+    s, con, configs, jobs, keep_going, force, as_json, trace=None, verbose=False, t0=None
+) -> int:
+    """Build ``configs`` (BuildConfigs) into the cache through the scheduler and the
+    configured executor, with the progress display and summary: ``quack build``'s body
+    after its manifests are expanded (``quack tune --compile-only`` builds candidates with
+    it). Returns the exit status."""
+    from quack.errors import CacheError, ExecutorError
+    from quack_build.build import executors, scheduler
+    from quack_build.build import plan as planning
+    from quack_build.build import progress as display
+    from quack_build.build import trace as tracing
+
+    t0 = time.time() if t0 is None else t0
     store = local_store(s)
     try:
-        tasks = planning.plan(exp.configs, store, force=force)
+        tasks = planning.plan(configs, store, force=force)
     except (CacheError, OSError) as e:
         raise Fail(f"error: cache {s.cache_dir}: {e}") from None
     plan_s = time.time() - t0

@@ -242,8 +242,12 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
             else:
                 refused.append("")  # counted, not listed
             return
+        # a configuration derived per arch (its tuning table's default; issue 25)
+        derived = any(getattr(p, "derive", None) is not None for p in t.spec.params.values())
         for arch in t.archs:
             try:
+                if derived:
+                    b = t.spec.bind((), combo, arch=arch)
                 t.spec.check_arch(b, arch)  # the rules naming `arch` (quack.params.Rule)
             except ParamError as e:
                 refused.append(

@@ -49,7 +49,11 @@ def _one(req: dict, keep: list) -> dict:
             else:
                 mname, _, fname = spec.reference.partition(":")
                 ref = getattr(importlib.import_module(mname), fname)
-                ref(spec.bind((), req["params"]), req.get("device", "cuda"))
+                from quack.tuning.override import as_bound
+
+                bound = spec.bind((), req["params"])
+                with as_bound(spec, bound):  # the op runs THIS entry's configuration
+                    ref(bound, req.get("device", "cuda"))
                 out["run"] = "ok"
         except AssertionError as e:
             out["error"] = f"wrong result: {str(e)[:500]}"

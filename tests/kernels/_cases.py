@@ -41,20 +41,3 @@ def cuda_rand(shape, dt, seed, shift=0.0):
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     return (torch.randn(shape, device="cuda", generator=g) + shift).to(dt)
-
-
-def layernorm_fwd_ptx(tmp_path, args: str) -> str:
-    """PTX of ``compile_layernorm_fwd.raw(<args>)`` for sm_90a, compiled in a child process
-    (CUTE_DSL_KEEP is read once a process), dumped under ``tmp_path``."""
-    import subprocess
-    import sys
-
-    code = (
-        "import os, sys; os.environ.update(CUTE_DSL_KEEP='ptx', CUTE_DSL_DUMP_DIR=sys.argv[1], "
-        "CUTE_DSL_ARCH='sm_90a')\n"
-        "from quack_kernels import layernorm\n"
-        f"layernorm.compile_layernorm_fwd.raw({args})\n"
-    )
-    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, timeout=600)
-    (ptx,) = tmp_path.glob("*.ptx")
-    return ptx.read_text()

@@ -80,3 +80,55 @@ def poison_allocations(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", empty_like)
     yield
     torch.cuda.empty_cache()
+
+
+# The PTX a test reads: compiled ONCE a session for every case the session asks for (one
+# child process: CUTE_DSL_KEEP is read once a process), kept in the session's cache
+# directory under the kernel's source fingerprint and key, so a later session with the same
+# sources reads it back without compiling (the cache holds cubins only: no PTX to read).
+_PTX_SCRIPT = """
+import glob, importlib, json, os, shutil, sys
+from quack import registry
+from quack.compile.builder import compile_to
+out, todo = sys.argv[1], json.loads(sys.argv[2])
+for module, name, params, dest in todo:
+    importlib.import_module(module)
+    spec = registry.get(name)
+    before = set(glob.glob(os.path.join(out, "*.ptx")))
+    compile_to(spec, spec.bind((), params, arch="sm_90a"), "sm_90a", os.path.join(out, "obj.o"))
+    (new,) = set(glob.glob(os.path.join(out, "*.ptx"))) - before
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    shutil.move(new, dest + ".tmp")
+    os.replace(dest + ".tmp", dest)
+"""
+
+
+def ptx_of(cases: dict, tmp_dir) -> dict:
+    """``cases``: id -> (kernel compile function, its params dict; config derived when left
+    out) -> id -> the PTX text of that kernel for sm_90a."""
+    import json
+    import subprocess
+    import sys
+
+    from quack import settings
+
+    root = settings.get().cache_dir
+    where, todo = {}, []
+    for cid, (fn, params) in cases.items():
+        spec = fn.spec
+        bound = spec.bind((), params, arch="sm_90a")
+        path = os.path.join(root, "test-ptx", spec.source_fingerprint(), spec.key(bound, "sm_90a") + ".ptx")
+        where[cid] = path
+        if not os.path.exists(path):
+            todo.append((spec.module, spec.name, spec.plain(bound), path))
+    if todo:
+        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_dir), CUTE_DSL_ARCH="sm_90a")
+        r = subprocess.run(
+            [sys.executable, "-c", _PTX_SCRIPT, str(tmp_dir), json.dumps(todo)],
+            env=env,
+            timeout=1200,
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr[-4000:]
+    return {cid: open(p).read() for cid, p in where.items()}

@@ -66,7 +66,10 @@ def _hook_calls(kernel, dtype):
     from quack import registry
 
     importlib.import_module("quack_kernels." + kernel.rsplit("_", 1)[0])
-    return [(kernel, registry.get(kernel).plain(registry.get(kernel).bind((), dict(dtype=dtype, n=4096))))]
+    spec = registry.get(kernel)
+    params = spec.plain(spec.bind((), dict(dtype=dtype, n=4096)))
+    # the configuration is derived from the tuning table where the test's call binds
+    return [(kernel, {k: v for k, v in params.items() if k != "config"})]
 
 
 # "file::test" -> f(**case params) -> [(kernel, params)]; None: the test requests no cached
@@ -124,22 +127,28 @@ REQUESTS = {
         + softmax(BF, 668)
         + ce(BF, 668, "weighted")
     ),
-    "test_k7h_gpu.py::test_round7_variants_match_torch": None,  # .raw compiles, loaded directly
-    "test_k7h_gpu.py::test_public_forwards_with_fp32_weights": lambda xdt, kind, n: (
+    "test_norm_fwd_fp32_weights_gpu.py::test_small_row_candidates_match_torch": lambda n, cand: [
+        ("layernorm_fwd", dict(ln_fwd(BF, n, wdt=F32)[0][1], config=_small_row_candidate(n, cand)))
+    ],
+    "test_norm_fwd_fp32_weights_gpu.py::test_public_forwards_with_fp32_weights": lambda xdt, kind, n: (
         ln_fwd(xdt, n, wdt=F32) if kind == "layer" else rms_fwd(xdt, n, wdt=F32)
     ),
-    "test_k8i_gpu.py::test_layernorm_fwd_fp32_wb_row_cta_class": lambda xdt, n: ln_fwd(xdt, n, wdt=F32),
-    "test_k9_gpu.py::test_layernorm_fwd_fp32_wb_pipelined_ring": lambda xdt, n: ln_fwd(xdt, n, wdt=F32),
-    "test_k9_gpu.py::test_layernorm_fwd_fp32_weight_or_bias_alone": lambda has_w, has_b: ln_fwd(
+    "test_layernorm_one_cta_rows_gpu.py::test_layernorm_fwd_fp32_wb_one_cta_rows": lambda xdt, n: ln_fwd(
+        xdt, n, wdt=F32
+    ),
+    "test_pipelined_ring_gpu.py::test_layernorm_fwd_fp32_wb_pipelined_ring": lambda xdt, n: ln_fwd(
+        xdt, n, wdt=F32
+    ),
+    "test_pipelined_ring_gpu.py::test_layernorm_fwd_fp32_weight_or_bias_alone": lambda has_w, has_b: ln_fwd(
         BF, 262144, w=has_w, b=has_b, wdt=F32
     ),
-    "test_k9_gpu.py::test_layernorm_fwd_same_dtype_pipelined_ring": lambda xdt: (
+    "test_pipelined_ring_gpu.py::test_layernorm_fwd_same_dtype_pipelined_ring": lambda xdt: (
         ln_fwd(xdt, 262144) + ln_fwd(xdt, 196608)
     ),
-    "test_k9_gpu.py::test_rmsnorm_fwd_fp32_weight_pipelined_ring_over_clusters_of_8": lambda xdt, has_b: (
+    "test_pipelined_ring_gpu.py::test_rmsnorm_fwd_fp32_weight_pipelined_ring_over_clusters_of_8": lambda xdt, has_b: (
         rms_fwd(xdt, 262144, b=has_b, wdt=F32)
     ),
-    "test_ln_row_cta_gpu.py::test_layernorm_fwd_row_cta": lambda xdt, affine, n: ln_fwd(
+    "test_layernorm_one_cta_rows_gpu.py::test_layernorm_fwd_row_cta": lambda xdt, affine, n: ln_fwd(
         xdt,
         n,
         w=affine != "none",
@@ -154,6 +163,12 @@ REQUESTS = {
     "test_reference_hooks.py::test_verify_run_passes_over_every_shipped_manifest": None,
     "test_reference_hooks.py::test_verify_run_without_gpu_says_kernels_were_not_run": None,
 }
+
+
+def _small_row_candidate(n, cand):
+    from test_norm_fwd_fp32_weights_gpu import small_row_candidates
+
+    return small_row_candidates(n)[cand]
 
 
 def _cases(fn):

@@ -13,11 +13,9 @@ from quack_kernels import _norm_fwd, _occupancy
 from quack_kernels._norm_bwd import bwd_plan, w_smem_ok
 from quack_kernels._norm_fwd import (
     RING_MIN_CLUSTER,
-    RING_SHAPE,
     SM_SMEM,
     SMEM_MAX,
     WIDE_PERM,
-    parse_shape,
     reducer_bytes,
     ring_cfg,
     ring_plan,
@@ -95,7 +93,7 @@ def test_ring_forward_tune_knobs():
 
 
 def test_ring_one_stage_shapes():
-    """Round 3's ring shapes (``RING_SHAPE`` / knobs): 2 CTAs per SM split the SM's shared
+    """The ring's shape knobs ("ctas_per_sm", "ring_budget"): 2 CTAs per SM split the SM's shared
     memory (one x stage beside the fp32 weight slice), 128 elements a thread halve the
     cluster (clusters of 2 at N = 65536); both fit, with a single stage."""
     two = _ring(n=65536, tune={"ctas_per_sm": 2, "ring_budget": 64})
@@ -107,22 +105,19 @@ def test_ring_one_stage_shapes():
     assert plan.cluster_n == 2 and plan.elems_per_thread == 128 and plan.even
     # fp32 weight + bias (128 KiB a CTA at clusters of 4) leave no stage at 2 CTAs per SM
     assert _ring("layer", n=65536, b=True, tune={"ctas_per_sm": 2}) is None
-    # the round-1 / 2 ring keeps at least 2 stages: a stage limit of 1 is refused there
+    # the plain ring keeps at least 2 stages: a stage limit of 1 is refused there
     assert _ring(n=65536, tune={"stages": 1, "ring_budget": 64, "ctas_per_sm": 1}) is None
 
 
-def test_ring_shape_defaults_parse_and_apply():
-    """Every ``RING_SHAPE`` entry parses ("CxE" / "CxEp") and yields a ring that fits where
-    its key applies (RMSNorm fp32 w at N = 65536: clusters of 2, spread weight)."""
-    for spec in RING_SHAPE.values():
-        ctas, elems, _ = parse_shape(spec)
-        assert ctas >= 1 and elems in (64, 128)
-    assert parse_shape("1x128p") == (1, 128, True) and parse_shape("2x64") == (2, 64, False)
-    cfg = _ring(n=65536)
-    want = parse_shape(RING_SHAPE.get("rms_wide@4", "1x64"))
-    assert (cfg["ctas_per_sm"], cfg["budget"]) == want[:2] and _fits(cfg, 65536, 1, 32)
-    assert cfg["wide_perm"] is (want[2] or WIDE_PERM["rms"])
-    # the other cluster sizes keep the round-2 shape
+def test_ring_shape_knobs_apply():
+    """The measured ring shape for RMSNorm fp32 w at N = 65536 (128 elements a thread, the
+    spread weight: a candidate of ``rmsnorm.search_space``)
+    yields a ring that fits (clusters of 2); without knobs every size keeps 1x64."""
+    cfg = _ring(n=65536, tune={"ring_budget": 128, "wide_perm": True})
+    assert (cfg["ctas_per_sm"], cfg["budget"]) == (1, 128) and _fits(cfg, 65536, 1, 32)
+    assert cfg["wide_perm"] is True
+    plain = _ring(n=65536)
+    assert (plain["ctas_per_sm"], plain["budget"]) == (1, 64) and plain["wide_perm"] is WIDE_PERM["rms"]
     assert _ring()["budget"] == 64 and _ring()["ctas_per_sm"] == 1
 
 
@@ -147,20 +142,13 @@ def test_rmsnorm_x_smem_plans():
     from quack_kernels import rmsnorm
 
     def ok(n, res=False, **tune):
-        old = dict(rmsnorm._TUNE)
-        rmsnorm._TUNE.clear()
-        rmsnorm._TUNE.update(tune)
-        try:
-            return rmsnorm.x_smem_ok(plan_rows(n, 16, budget=64), 16, res)
-        finally:
-            rmsnorm._TUNE.clear()
-            rmsnorm._TUNE.update(old)
+        return rmsnorm.x_smem_ok(plan_rows(n, 16, budget=64), 16, res, tune)
 
     assert ok(262144, x_smem=True) and ok(65536, x_smem=True)
     assert not ok(262144, res=True, x_smem=True)
     assert not ok(262143, x_smem=True)  # odd: a column predicate
     assert not ok(16384, x_smem=True)  # no cluster
-    assert not rmsnorm.x_smem_ok(plan_rows(262144, 32, budget=64), 32, False)  # fp32 rows
+    assert not rmsnorm.x_smem_ok(plan_rows(262144, 32, budget=64), 32, False, {})  # fp32 rows
     assert ok(262144, x_smem_min_cluster=16) and not ok(131072, x_smem_min_cluster=16)
     assert ok(262144) is (16 >= rmsnorm.X_SMEM_MIN_CLUSTER)
 
@@ -286,23 +274,29 @@ def test_softmax_bwd_rows_in_shared_memory(dtype, n, staged):
     from quack_kernels.softmax import bwd_budget
 
     width = {"float32": 32, "float16": 16, "bfloat16": 16}[dtype]
-    assert rr.smem_rows_ok(plan_rows(n, width, budget=bwd_budget(dtype, n)), width, 2) is staged
+    assert (
+        rr.smem_rows_ok(plan_rows(n, width, budget=bwd_budget(dtype, n, _sm_knobs(dtype, n))), width, 2)
+        is staged
+    )
+
+
+def _sm_knobs(dtype, n):
+    """The softmax backward's derived configuration (the tuning table's, sm_90a)."""
+    from quack_kernels import softmax
+
+    return softmax.compile_softmax_bwd.spec.bind((dtype, n), {}, arch="sm_90a")["config"].knobs()
 
 
 def test_softmax_bwd_budget_by_row_length():
     from quack_kernels import softmax
 
-    assert softmax.bwd_budget("bfloat16", 4096) == softmax.BWD_BUDGET_SMALL
-    assert softmax.bwd_budget("float16", 8192) == softmax.BWD_BUDGET_SMALL
-    assert softmax.bwd_budget("bfloat16", 16384) == softmax.BWD_BUDGET_MID
-    assert softmax.bwd_budget("bfloat16", 8193) == softmax.BWD_BUDGET_MID
+    assert softmax.bwd_budget("bfloat16", 4096, _sm_knobs("bfloat16", 4096)) == softmax.BWD_BUDGET_SMALL
+    assert softmax.bwd_budget("float16", 8192, _sm_knobs("float16", 8192)) == softmax.BWD_BUDGET_SMALL
+    assert softmax.bwd_budget("bfloat16", 16384, _sm_knobs("bfloat16", 16384)) == softmax.BWD_BUDGET_MID
+    assert softmax.bwd_budget("bfloat16", 8193, _sm_knobs("bfloat16", 8193)) == softmax.BWD_BUDGET_MID
     for dtype, n in (("bfloat16", 4095), ("bfloat16", 16385), ("float32", 4096), ("float32", 16384)):
-        assert softmax.bwd_budget(dtype, n) == 32
-    softmax._TUNE["bwd_budget"] = 16
-    try:
-        assert softmax.bwd_budget("float32", 100) == 16
-    finally:
-        softmax._TUNE.clear()
+        assert softmax.bwd_budget(dtype, n, _sm_knobs(dtype, n)) == 32
+    assert softmax.bwd_budget("float32", 100, {"bwd_budget": 16}) == 16
 
 
 @pytest.mark.parametrize("n, staged", [(262144, True), (131074, True), (65536, False), (4096, False)])

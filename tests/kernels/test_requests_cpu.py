@@ -40,7 +40,7 @@ def test_readme_command2_manifests_hold_every_configuration_the_gpu_tests_reques
     have = {c.key for c in expand(paths).configs if c.arch == "sm_90a"}
     asked = requested()
     missing = []
-    for (kernel, items), test in sorted(asked.items()):
+    for (kernel, items), test in sorted(asked.items(), key=repr):
         spec = registry.get(kernel)
         if spec.key(spec.bind((), dict(items)), "sm_90a") not in have:
             missing.append(f"{kernel} {dict(items)} (first asked by {test})")
@@ -52,7 +52,7 @@ def test_readme_command2_manifests_hold_every_configuration_the_gpu_tests_reques
 
 def test_the_enumeration_reads_the_gpu_tests_real_parameters():
     """Issue 24's first KernelNotPrebuilt (layernorm_fwd bf16 N = 3072, fp32 weight: from
-    test_k7h_gpu's parametrize) is among the requests, and every GPU test is mapped."""
+    the fp32-weight forwards' parametrize) is among the requests, and every GPU test is mapped."""
     from _requests import REQUESTS, gpu_test_functions, requested
 
     asked = requested()
@@ -64,7 +64,7 @@ def test_the_enumeration_reads_the_gpu_tests_real_parameters():
             )
         ),
     )
-    assert asked[want] == "test_k7h_gpu.py::test_public_forwards_with_fp32_weights"
+    assert asked[want] == "test_norm_fwd_fp32_weights_gpu.py::test_public_forwards_with_fp32_weights"
     tests = {t for t, _ in gpu_test_functions()}
     assert tests == set(REQUESTS), f"stale entries: {set(REQUESTS) - tests}"
     assert len(asked) > 500

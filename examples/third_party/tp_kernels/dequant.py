@@ -27,7 +27,7 @@ SM90 = ("sm_90", "sm_90a")
 )
 def compile_tp_dequant(in_dtype: str, out_dtype: str = "float32", tile=(128, 4), arch: str = "sm_90a"):
     # `arch` is not a parameter: quack passes the target arch (it is in the key already).
-    if arch not in SM90:  # the rule refuses it first; a direct call of .raw still checks
+    if arch not in SM90:  # the rule refuses it first; this guards a call of the bare function
         raise ValueError(f"tp_dequant is SM90 only, asked for {arch}")
     import cutlass
     import cutlass.cute as cute

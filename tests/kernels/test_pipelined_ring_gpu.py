@@ -1,5 +1,5 @@
-"""GPU tier: round 9's pipelined ring forward (issue 14 part 6; kernels/_ring_pipe.py), the
-LayerNorm forward's default for 16-bit rows over 16 CTAs with an fp32 weight / bias (N =
+"""GPU tier: the pipelined ring forward (kernels/_ring_pipe.py), the tuning table's
+LayerNorm forward for 16-bit rows over 16 CTAs with an fp32 weight / bias (N =
 163840 / 196608 / 262144) and for same-dtype rows at N = 262144, through the public forward
 against float32 torch. M = 1 (one CTA cluster, no second row in flight), 7 (one row a
 cluster of the 7-cluster grid) and 401 (57 or 58 rows a cluster: the pipeline's steady
@@ -63,7 +63,7 @@ def test_layernorm_fwd_same_dtype_pipelined_ring(xdt):
 @pytest.mark.parametrize("has_b", (False, True))
 def test_rmsnorm_fwd_fp32_weight_pipelined_ring_over_clusters_of_8(xdt, has_b):
     """RMSNorm at N = 262144 with an fp32 weight (+ bias): the pipelined ring over 8 CTAs of
-    512 threads a row, w / b in registers (``rmsnorm.WIDE_FWD_BY_N``); 15 clusters, so M = 7
+    512 threads a row, w / b in registers (the table's "wide/cluster16" row); 15 clusters, so M = 7
     leaves clusters without a row and 401 gives 26 or 27 rows a cluster."""
     from quack_kernels import _reference as R
     from quack_kernels.rmsnorm import rmsnorm_fwd

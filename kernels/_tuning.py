@@ -1,0 +1,91 @@
+"""Default configurations from the tuning tables (``kernels/tuned/<arch>.toml``;
+docs/tuning.md): ``default_config`` = the kernel's problem class (its readable heuristic:
+which kind of plan the problem gets) + a table lookup by (kernel, GPU model, class, dtype,
+N). No row: the config the caller's heuristic gives (``fallback``).
+
+The derived configuration is a parameter of the compile function, so it is in the cache
+key: editing a table changes exactly the keys whose configuration it changes. The tables
+are read once per process (``reload`` after writing one: ``quack tune``)."""
+
+import functools
+import warnings
+from pathlib import Path
+
+TABLE_DIR = Path(__file__).parent / "tuned"
+_warned: set = set()
+
+
+@functools.lru_cache(maxsize=None)
+def table(arch: str):
+    """The arch's table, or None when there is none (``TuningTableError`` when malformed:
+    a bad table must not silently fall back to untuned defaults)."""
+    from quack.tuning import Table
+
+    path = TABLE_DIR / f"{arch}.toml"
+    return Table.load(path) if path.is_file() else None
+
+
+def table_path(arch: str) -> Path:
+    return TABLE_DIR / f"{arch}.toml"
+
+
+def reload() -> None:
+    table.cache_clear()
+    _lookup.cache_clear()
+    _warned.clear()
+
+
+def gpu_for(arch: str) -> str | None:
+    """The GPU model whose rows apply (``quack.tuning.gpu``), None without a table."""
+    from quack.tuning import current_gpu
+
+    t = table(arch)
+    return current_gpu(t.default_gpu if t is not None else None)
+
+
+@functools.lru_cache(maxsize=4096)
+def _lookup(kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu: str | None):
+    t = table(arch)
+    if t is None or gpu is None or not any(r.gpu == gpu for r in t.rows):
+        if (arch, gpu) not in _warned:
+            _warned.add((arch, gpu))
+            where = f"no tuning table for {arch}" if t is None else f"no tuning-table rows for GPU {gpu!r}"
+            warnings.warn(
+                f"quack_kernels: {where} ({table_path(arch)}): untuned heuristic defaults; run "
+                f"`quack tune --gpu {gpu or '<model>'}` on that GPU to measure winners",
+                stacklevel=4,
+            )
+        return None
+    if cls is None:
+        return None
+    row = t.lookup(kernel, gpu, cls, dtype, n)
+    return None if row is None else (dict(row.config), f"{t.path}: {kernel} {cls} n={list(row.n)}")
+
+
+def default_config(kernel: str, cfg_cls, cls: str | None, dtype: str, n: int, arch: str, fallback=None):
+    """The table's configuration for the problem, else ``fallback`` (else the empty one:
+    every knob at the kernel's heuristic)."""
+    hit = _lookup(kernel, cls, dtype, n, arch, gpu_for(arch))
+    if hit is None:
+        return fallback if fallback is not None else cfg_cls()
+    return cfg_cls.from_dict(hit[0], where=hit[1])
+
+
+def derive(kernel: str, cfg_cls, classify, fallback=None):
+    """A ``quack.params.Config(derive=...)`` callable: ``classify(params) -> class or None``,
+    ``fallback(params) -> config or None`` (the heuristic's own choice)."""
+
+    def _derive(params: dict, arch: str):
+        fb = fallback(params) if fallback is not None else None
+        return default_config(kernel, cfg_cls, classify(params), params["dtype"], params["n"], arch, fb)
+
+    _derive.__qualname__ = f"derive[{kernel}]"
+    _derive.classify = classify  # type: ignore[attr-defined]  # quack tune: a winner's row class
+    _derive.table_path = table_path  # type: ignore[attr-defined]  # quack tune: where rows go
+    return _derive
+
+
+def runtime_arch() -> str:
+    from quack import settings
+
+    return settings.get().arch

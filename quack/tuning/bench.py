@@ -1,0 +1,45 @@
+"""GPU timing for ``quack tune`` (docs/tuning.md "How a candidate is measured").
+
+``gpu_time(call)``: CUDA events around each of ``reps`` calls, the L2 cache flushed before
+each (a write of twice its size, so no call reads its inputs from the previous one's L2),
+after ``warmup`` calls; the median of the reps (a round). The engine
+(``quack.compile.autotune``) ranks by the median of such rounds, interleaved between the
+close candidates. torch is imported here, inside the functions only."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Callable
+
+_FLUSH: dict = {}
+
+
+def _flush_buffer(device):
+    import torch
+
+    key = str(device)
+    if key not in _FLUSH:
+        l2 = int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20))
+        _FLUSH[key] = torch.empty(2 * l2 // 4, dtype=torch.int32, device=device)
+    return _FLUSH[key]
+
+
+def gpu_time(call: Callable[[], object], *, reps: int = 10, warmup: int = 2, device=None) -> float:
+    """Seconds: the median over ``reps`` of one ``call()``, L2 flushed before each."""
+    import torch
+
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"gpu_time: reps (got {reps}) must be >= 1 and warmup (got {warmup}) >= 0")
+    dev = device if device is not None else torch.device("cuda", torch.cuda.current_device())
+    buf = _flush_buffer(dev)
+    for _ in range(warmup):
+        call()
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        buf.zero_()  # L2 flushed; queued with the calls, so the GPU stays busy between them
+        start[i].record()
+        call()
+        end[i].record()
+    torch.cuda.synchronize(dev)
+    return statistics.median(s.elapsed_time(e) for s, e in zip(start, end)) / 1e3

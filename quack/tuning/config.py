@@ -1,0 +1,69 @@
+"""``TuneConfig``: the base of a kernel family's typed launch configuration.
+
+    @dataclasses.dataclass(frozen=True)
+    class SoftmaxFwdConfig(TuneConfig):
+        online: bool | None = knob(Bool(), "one all-reduce round trip of (max, sum exp)")
+        fwd_min_blocks: int | None = knob(Int(min=0, max=32), "CTAs / SM asked of ptxas")
+
+Every field is a ``knob``: a ``quack.params`` scalar Param that checks it, and a line of
+documentation. ``None`` means "the kernel's own heuristic decides" (the compile function
+reads ``cfg.knobs()``, a dict of the fields that are set). Constructing one checks each
+field, so a misspelt or out-of-range knob is refused where it is written (a dict with an
+unknown field: ``from_dict`` / ``quack.params.Config``), never silently ignored."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from quack.errors import ParamError
+from quack.params import Param
+
+
+def knob(param: Param, doc: str = "") -> Any:
+    """A configuration field: checked by ``param`` when set, ``None`` by default."""
+    return dataclasses.field(default=None, metadata={"param": param, "doc": doc})
+
+
+class TuneConfig:
+    """Base of the typed configurations (subclasses are ``@dataclass(frozen=True)``)."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            p = f.metadata.get("param")
+            if p is None:
+                raise TypeError(f"{type(self).__name__}.{f.name}: declare it with quack.tuning.knob(...)")
+            v = getattr(self, f.name)
+            if v is None:
+                continue
+            try:
+                canon = p.check(f.name, v)
+            except ParamError as e:
+                raise ParamError(f"{type(self).__name__}: {e}", param=f.name) from None
+            object.__setattr__(self, f.name, canon)
+
+    @classmethod
+    def from_dict(cls, values: dict, where: str = "") -> "TuneConfig":
+        """An instance from a plain dict (a table row, a manifest); unknown fields refused."""
+        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
+        unknown = sorted(set(values) - set(names))
+        if unknown:
+            raise ParamError(
+                f"{where + ': ' if where else ''}{cls.__name__}: unknown field {unknown[0]!r}; "
+                f"fields are {', '.join(names)}",
+                param=str(unknown[0]),
+            )
+        return cls(**values)
+
+    def knobs(self) -> dict:
+        """The fields that are set, as a fresh dict (what the kernel code reads)."""
+        fields = dataclasses.fields(self)  # type: ignore[arg-type]  # subclasses are dataclasses
+        return {f.name: getattr(self, f.name) for f in fields if getattr(self, f.name) is not None}
+
+    def label(self) -> str:
+        """A short readable form for tables and logs: ``x_rows=2 x_smem=true``."""
+        kn = self.knobs()
+        return (
+            " ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in kn.items())
+            or "default"
+        )

@@ -1,0 +1,43 @@
+"""``use_config``: within a block, calls of one kernel derive THIS configuration instead of
+the tuning table's (``quack tune`` runs a candidate through the kernel's own torch-facing op
+and its reference check this way).
+
+The configuration still goes through ``KernelSpec.bind``, so it is in the key and the
+launch geometry that follows the bound configuration matches the object loaded: nothing
+outside the key changes the compiled code. Context-local (a ``contextvars`` variable): a
+thread or task of its own never sees another's override."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Iterator
+
+_OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("quack_tune_overrides", default=None)
+
+
+@contextlib.contextmanager
+def use_config(kernel: str, config: Any) -> Iterator[None]:
+    token = _OVERRIDES.set({**(_OVERRIDES.get() or {}), kernel: config})
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def override(kernel: str) -> Any:
+    """The configuration ``use_config`` set for ``kernel`` here, or None."""
+    return (_OVERRIDES.get() or {}).get(kernel)
+
+
+def as_bound(spec: Any, params: dict) -> contextlib.AbstractContextManager:
+    """Within the block, calls of ``spec``'s kernel derive the configuration bound in
+    ``params`` (a manifest entry's, explicit or derived) instead of today's table default:
+    ``quack verify --run`` runs a configuration's reference hook through the kernel's own
+    op, which derives its configuration, so without this an entry with an explicit
+    candidate would be checked by running another kernel. A no-op for a kernel without a
+    derived parameter."""
+    for name, p in spec.params.items():
+        if getattr(p, "derive", None) is not None and params.get(name) is not None:
+            return use_config(spec.name, params[name])
+    return contextlib.nullcontext()

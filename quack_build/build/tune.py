@@ -1,0 +1,122 @@
+"""The GPU side of ``quack tune`` (quack_build.cli.tune): measure each problem through
+``quack.compile.autotune`` and write the winners to the tuning table."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+from pathlib import Path
+
+from quack_build.cli.context import Fail, emit_json
+
+
+def _resolve(ref: str):
+    mod, _, fn = ref.partition(":")
+    return getattr(importlib.import_module(mod), fn)
+
+
+def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, as_json, label, default_rows):
+    import torch
+
+    from quack import runtime
+    from quack.compile import pool as qpool
+    from quack.compile.autotune import autotune
+    from quack.tuning import Row, Table, current_gpu, normalise_gpu, use_config
+    from quack.tuning.bench import gpu_time
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    gpu = s.tune_gpu or normalise_gpu(torch.cuda.get_device_name(device))
+    results, tables = [], {}
+    pool = qpool.CompilePool(s.effective_jobs(None))
+    try:
+        for c, spec, base, cands, current in probs:
+            if spec.bench is None or spec.reference is None:
+                raise Fail(f"error: {c.kernel}: declares a search space but no bench= / reference= hook")
+            derive = spec.params["config"].derive
+            m = rows or default_rows(base["n"])
+            plain = spec.plain(dict(base, config=current))
+            call = _resolve(spec.bench)(plain, m, device)
+            ref = _resolve(spec.reference)
+
+            def check(fn, cfg, _c=c, _plain=plain, _ref=ref):
+                with use_config(_c.kernel, cfg["config"]):
+                    _ref(dict(_plain, config=cfg["config"]), device)
+
+            def bench(fn, cfg, _c=c, _call=call):
+                with use_config(_c.kernel, cfg["config"]):
+                    return gpu_time(_call, device=device)
+
+            con.print(
+                f"tuning {label(c, base)}: {len(cands[:count] if count else cands)} candidates", markup=False
+            )
+            res = autotune(
+                runtime.kernel(c.kernel),
+                [{"config": x} for x in cands],
+                bench,
+                common=base,
+                pool=pool,
+                timeout=seconds,
+                check=check,
+                max_candidates=count,
+            )
+            old_t = next((t for cfg, t in res.times if cfg["config"] == current), None)
+            new = res.best["config"] if res.best else None
+            cls = derive.classify(base) if getattr(derive, "classify", None) else None
+            entry = dict(
+                problem=label(c, base),
+                old=current.label(),
+                new=new.label() if new else None,
+                old_us=old_t and old_t * 1e6,
+                new_us=res.best_time and res.best_time * 1e6,
+                speedup=(old_t / res.best_time) if old_t and res.best_time else None,
+                refused=[(cfg["config"].label(), e) for cfg, e in res.refused],
+                errors=[(cfg["config"].label(), e.splitlines()[0][:200]) for cfg, e in res.errors],
+                written=False,
+            )
+            if new is not None and cls is not None:
+                path = Path(table) if table else Path(derive.table_path(c.arch))
+                if path not in tables:
+                    base_t = Table.load(path) if path.is_file() and not from_empty else None
+                    tables[path] = base_t or Table(c.arch, current_gpu(gpu) or gpu, path=str(path))
+                tables[path].put(
+                    Row(
+                        c.kernel,
+                        gpu,
+                        cls,
+                        (base["n"], base["n"]),
+                        new.knobs(),
+                        (base["dtype"],),
+                        float(res.best_time or 0.0) * 1e6,
+                        f"{m}x{base['n']}",
+                        datetime.date.today().isoformat(),
+                    )
+                )
+                entry["written"] = True
+            results.append(entry)
+    finally:
+        pool.shutdown()
+    for path, t in tables.items():
+        t.write(path)
+        con.print(f"wrote {path}", markup=False)
+    _print_table(con, results)
+    if as_json:
+        emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))
+    return 0 if all(r["new"] for r in results) else 1
+
+
+def _print_table(con, results) -> None:
+    from rich.table import Table as RTable
+
+    t = RTable(title="quack tune")
+    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up"):
+        t.add_column(col)
+    for r in results:
+        t.add_row(
+            r["problem"],
+            r["old"],
+            r["new"] or "(none correct)",
+            f"{r['old_us']:.1f}" if r["old_us"] else "-",
+            f"{r['new_us']:.1f}" if r["new_us"] else "-",
+            f"{r['speedup']:.3f}x" if r["speedup"] else "-",
+        )
+    con.print(t)

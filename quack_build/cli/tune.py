@@ -1,0 +1,197 @@
+"""``quack tune [MANIFEST ...]``: measure each configuration's search space on the GPU and
+write the winners to the tuning table (docs/tuning.md). Self-contained: registered on the
+typer app by quack_build.cli.app (``register``); the engine is ``quack.compile.autotune``.
+
+Per problem (a manifest configuration of a kernel that declares ``search_space``): the
+current default configuration plus the candidates, compiled in parallel in the pool (the
+normal build path: cached ones load), each checked with the kernel's reference hook (the
+``quack verify --run`` one) before it may win, timed with ``quack.tuning.bench.gpu_time``
+at M rows (``--rows``, else 32768, or 4096 for rows over 65536 elements), the close calls
+re-measured interleaved. ``--dry-run`` lists the candidates and compiles nothing;
+``--compile-only`` builds every candidate into the cache (no GPU needed: a CPU build farm,
+``--executor ray``) and stops there, so the measuring run on the GPU machine only loads."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
+from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
+from quack_build.cli.run import expand_manifests, run_command
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(tune)
+
+
+def parse_budget(text: Optional[str]) -> tuple[Optional[float], Optional[int]]:
+    """``--budget``: "90s" / "90" (seconds a problem) or "12c" (candidates a problem)."""
+    if text is None:
+        return None, None
+    t = text.strip().lower()
+    try:
+        if t.endswith("c"):
+            n = int(t[:-1])
+            if n >= 1:
+                return None, n
+        else:
+            v = float(t[:-1] if t.endswith("s") else t)
+            if v > 0:
+                return v, None
+    except ValueError:
+        pass
+    raise typer.BadParameter(f"--budget {text!r}: seconds ('90s' or '90') or candidates ('12c'), > 0")
+
+
+def default_rows(n: int) -> int:
+    return 32768 if n <= 65536 else 4096
+
+
+def tune(
+    manifests: List[Path] = manifests_argument(),
+    kernel: Optional[str] = typer.Option(None, "--kernel", help="Only this kernel's configurations."),
+    budget: Optional[str] = typer.Option(
+        None, "--budget", help="A problem's budget: seconds ('90s') or candidates ('12c')."
+    ),
+    table: Optional[Path] = typer.Option(None, "--table", help="Write the winners here instead."),
+    from_empty: bool = typer.Option(
+        False, "--from-empty", help="Ignore the table's rows: write a table of this run's winners only."
+    ),
+    rows: Optional[int] = typer.Option(None, "--rows", min=1, help="Rows (M) of the timed problems."),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List the candidates; compile nothing."),
+    compile_only: bool = typer.Option(
+        False,
+        "--compile-only",
+        help="Build every candidate into the cache and stop (no GPU needed); measure later.",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
+    jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers."),
+    executor: Optional[str] = typer.Option(None, "--executor", help="local, ray, auto, ray://HOST:PORT."),
+    cache_dir: Optional[Path] = cache_dir_option(),
+    max_configs: int = max_configs_option(),
+):
+    """Measure the kernels' search spaces on this GPU; write the winners to the tuning table."""
+    seconds, count = parse_budget(budget)
+    if dry_run and compile_only:
+        raise typer.BadParameter("--dry-run compiles nothing, --compile-only compiles: give one of them")
+    run_command(
+        lambda: run_tune(
+            manifests or [],
+            kernel,
+            seconds,
+            count,
+            table,
+            from_empty,
+            rows,
+            dry_run,
+            as_json,
+            jobs,
+            executor,
+            cache_dir,
+            max_configs,
+            compile_only,
+        )
+    )
+
+
+def problems(s, manifests, kernel, max_configs, from_empty=False) -> list:
+    """(config, spec, bound params without the config, candidates, current default). The
+    current default is a candidate too (its time is the speed-up's base), except from an
+    empty table: then the search space alone must find the winners."""
+    exp = expand_manifests(s, manifests, [], max_configs)
+    out = []
+    seen = set()
+    for c in exp.configs:
+        spec = c.spec
+        if spec.search_space is None or (kernel is not None and c.kernel != kernel):
+            continue
+        base = {k: v for k, v in c.params.items() if k != "config"}
+        ident = (c.kernel, c.arch, tuple(sorted(base.items())))
+        if ident in seen:  # the same problem listed with several configs: tuned once
+            continue
+        seen.add(ident)
+        current = spec.bind((), base, arch=c.arch)["config"]
+        space = spec.search_space(spec.bind((), base, arch=c.arch))
+        cands = list(dict.fromkeys(space if from_empty else [current, *space]))
+        out.append((c, spec, base, cands, current))
+    if kernel is not None and not out:
+        raise Fail(f"error: --kernel {kernel}: no configuration of it with a search space in the manifests")
+    return out
+
+
+def _label(c, base) -> str:
+    from quack_build.manifest.config import format_params
+
+    return f"{c.kernel}({format_params(c.spec.plain(base))}) {c.arch}"
+
+
+def run_tune(
+    manifests,
+    kernel,
+    seconds,
+    count,
+    table,
+    from_empty,
+    rows,
+    dry_run,
+    as_json,
+    jobs,
+    executor,
+    cache_dir,
+    max_configs,
+    compile_only=False,
+) -> int:
+    s = cli_settings(cache_dir, jobs, executor, manifests)
+    load_kernels(s)
+    con = console(to_stderr=as_json)
+    probs = problems(s, manifests, kernel, max_configs, from_empty)
+    if dry_run:
+        out = []
+        for c, _spec, base, cands, current in probs:
+            cands = cands[:count] if count else cands
+            con.print(f"{_label(c, base)}: {len(cands)} candidates", markup=False)
+            for cand in cands:
+                con.print(f"  {'*' if cand == current else ' '} {cand.label()}", markup=False)
+            out.append(dict(problem=_label(c, base), candidates=[cand.knobs() for cand in cands]))
+        if as_json:
+            emit_json(dict(dry_run=True, problems=out))
+        return 0
+    if compile_only:
+        return _compile_only(s, con, probs, count, jobs, as_json)
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
+    from quack_build.build import tune as tunerun
+
+    return tunerun.measure_and_write(
+        s, con, probs, seconds, count, table, from_empty, rows, as_json, _label, default_rows
+    )
+
+
+def candidate_configs(probs, count) -> list:
+    """Each problem's candidates (the first ``count`` with a candidate budget) as the
+    BuildConfigs ``quack build`` builds: the same keys the measuring run asks for."""
+    from quack_build.manifest.config import BuildConfig
+
+    out: dict = {}
+    for c, spec, base, cands, _current in probs:
+        for cand in cands[:count] if count else cands:
+            params = spec.bind((), dict(base, config=cand), arch=c.arch)
+            key = spec.key(params, c.arch)
+            # two problems may share a candidate's kernel (one key): built once
+            out.setdefault(
+                key, BuildConfig(c.kernel, params, c.arch, key, f"{c.origin} (tune candidate)", spec)
+            )
+    return list(out.values())
+
+
+def _compile_only(s, con, probs, count, jobs, as_json) -> int:
+    from quack_build.cli.build import build_configs
+
+    configs = candidate_configs(probs, count)
+    con.print(f"quack tune --compile-only: {len(configs)} candidates of {len(probs)} problems", markup=False)
+    return build_configs(s, con, configs, jobs, keep_going=True, force=False, as_json=as_json)

@@ -1,0 +1,109 @@
+"""CPU tier: properties of the generated code (sm_90a PTX) of the default configurations the
+tuning table selects: the LayerNorm forward's w / b loads issued ahead of the reductions,
+the pipelined ring's cluster pushes, the softmax backward's cache-hinted two-pass kernel.
+
+Every PTX text comes from ONE compile a session, through the session's cache directory
+(``_fixtures.ptx_of``): a later session with the same kernel sources compiles nothing."""
+
+import re
+
+import pytest
+from _fixtures import ptx_of
+from quack_kernels import layernorm, softmax
+
+F32 = "float32"
+
+
+def _ln(n, w=True, b=True, wdt=F32, dt="bfloat16"):
+    p = dict(dtype=dt, n=n, has_weight=w, has_bias=b, weight_dtype=wdt)
+    return (layernorm.compile_layernorm_fwd, p)
+
+
+def _sm_bwd(dt, n):
+    return (softmax.compile_softmax_bwd, dict(dtype=dt, n=n))
+
+
+CASES = {
+    # 16-bit rows of 4096 with an fp32 weight: the table's "wide/rows" row, 4 rows a CTA
+    "ln-4096-wb": _ln(4096),
+    "ln-4096-w": _ln(4096, b=False),
+    "ln-4096-b": _ln(4096, w=False),
+    # one-CTA rows with an fp32 weight ("wide/cta256"): 2 rows a CTA, 2 vectors ahead
+    "ln-14336": _ln(14336),
+    "ln-10240": _ln(10240),
+    # N = 16384: its own row, 4 rows a 512-thread CTA, every w / b vector ahead
+    "ln-16384": _ln(16384),
+    # rows over 16-CTA clusters ("wide/cluster16"): the pipelined ring
+    "ln-262144": _ln(262144),
+    # the softmax backward's small class: torch.compile's kernel; mid class: the plain one
+    "sm-bf16-4096": _sm_bwd("bfloat16", 4096),
+    "sm-f16-8192": _sm_bwd("float16", 8192),
+    "sm-bf16-16384": _sm_bwd("bfloat16", 16384),
+}
+
+
+@pytest.fixture(scope="session")
+def ptx(tmp_path_factory):
+    texts = ptx_of(CASES, tmp_path_factory.mktemp("ptx"))
+    return {cid: t[t.index(".entry") :] for cid, t in texts.items()}
+
+
+@pytest.mark.parametrize("case, w, b", [("ln-4096-wb", 1, 1), ("ln-4096-w", 1, 0), ("ln-4096-b", 0, 1)])
+def test_layernorm_rows_kernel_loads_wb_before_the_reductions(ptx, case, w, b):
+    body = ptx[case]
+    # 4 rows' cp.async, then every w / b vector of the thread (4 a tensor: 2 16-byte loads
+    # each), then the first reduction's wait; y's 16-byte stores after it
+    first_wait = body.index("cp.async.wait_group")
+    assert len(re.findall(r"ld\.global\.v4", body[:first_wait])) == 8 * (w + b)
+    assert "ld.global" not in body[first_wait:]
+    assert len(re.findall(r"st\.global\.v4", body)) == 4 * 4  # 4 rows x 4 vectors
+
+
+@pytest.mark.parametrize(("case", "nvec"), [("ln-14336", 7), ("ln-10240", 5)])
+def test_layernorm_one_cta_rows_load_two_wb_vectors_ahead(ptx, case, nvec):
+    body = ptx[case]
+    first_wait = body.index("cp.async.wait_group")
+    # 2 vectors of fp32 w and of b (8 fp32 a vector: 2 16-byte loads each) ahead of the first
+    # row's wait; the rest of them (nvec - 2 vectors) in the y loop
+    assert len(re.findall(r"ld\.global\.v4", body[:first_wait])) == 2 * 2 * 2
+    assert len(re.findall(r"ld\.global\.v4", body[first_wait:])) == 2 * 2 * (nvec - 2)
+    assert len(re.findall(r"st\.global\.v4", body)) == 2 * nvec  # 2 rows x nvec vectors of y
+
+
+def test_layernorm_16384_reads_each_wb_vector_once_for_four_rows(ptx):
+    """4 vectors a thread (512 threads x 8 x 4 = 16384), all of a thread's w / b loaded
+    before the first row's wait, none in the y loop; y of four rows stored."""
+    body = ptx["ln-16384"]
+    first_wait = body.index("cp.async.wait_group")
+    assert len(re.findall(r"ld\.global\.v4", body[:first_wait])) == 4 * 2 * 2
+    assert len(re.findall(r"ld\.global\.v4", body[first_wait:])) == 0
+    assert len(re.findall(r"st\.global\.v4", body)) == 4 * 4
+
+
+def test_pipelined_ring_pushes_partials_and_keeps_the_bias_in_registers(ptx):
+    """The fp32-w + b kernel at 262144: st.async of each warp's (mean, M2) to the cluster's
+    16 CTAs (2 values a lane, in two places: the first row before the loop and row it+1
+    inside it); the fp32 bias read once, before the loop (16 loads: 64 fp32 a thread); the
+    weight staged into shared memory and read back there; 3 x stages of 16-byte cp.async."""
+    body = ptx["ln-262144"]
+    assert len(re.findall(r"st\.async\.shared::cluster\.mbarrier::complete_tx::bytes\.f32", body)) == 2 * 2
+    assert len(re.findall(r"ld\.global\.v4", body)) == 2 * 16  # w staged + b into registers
+    assert len(re.findall(r"cp\.async\.cg\.shared\.global", body)) == 8 * 3
+    assert len(re.findall(r"ld\.shared\.v4\.b32", body)) >= 16  # the fp32 weight, 2 a vector
+
+
+@pytest.mark.parametrize("case, threads, loads", [("sm-bf16-4096", 512, 4), ("sm-f16-8192", 512, 8)])
+def test_softmax_bwd_small_rows_compile_to_the_hinted_two_pass_kernel(ptx, case, threads, loads):
+    text = ptx[case]
+    assert f".reqntid {threads}, 1, 1" in text
+    first = re.findall(r"ld\.global\.L1::evict_last\.L2::cache_hint\.v4\.b32", text)
+    second = re.findall(r"ld\.global\.L1::evict_first\.L2::cache_hint\.v4\.b32", text)
+    assert len(first) == len(second) == loads // 2
+    assert len(re.findall(r"ld\.global", text)) == loads
+    assert re.findall(r"st\.global[.\w:]*", text) == ["st.global.v4.b32"] * (loads // 4)
+
+
+def test_softmax_bwd_other_rows_keep_the_plain_kernel(ptx):
+    text = ptx["sm-bf16-16384"]  # the mid class (a cluster of 4)
+    assert "cache_hint" not in text and "evict" not in text
+    assert len(re.findall(r"ld\.global\.v4\.b32", text)) == 4

@@ -1,0 +1,146 @@
+"""Typed kernel configurations and the tuning tables (issue 25; docs/tuning.md), CPU only:
+the configuration is validated, derived from kernels/tuned/<arch>.toml at bind time (so it
+is in the key), and the table reproduces the hand tables it replaced."""
+
+import dataclasses
+import warnings
+
+import pytest
+from quack_kernels import _tuning, cross_entropy, layernorm, rmsnorm, softmax
+from quack_kernels._configs import LayerNormFwdConfig, RmsNormFwdConfig, SoftmaxBwdConfig
+
+from quack.errors import ParamError, TuningTableError
+from quack.tuning import Row, Table, normalise_gpu
+
+A = "sm_90a"
+
+
+def cfg(fn, *args):
+    return fn.spec.bind(args, {}, arch=A)["config"]
+
+
+def test_config_fields_are_checked():
+    with pytest.raises(ParamError, match="x_rows"):
+        RmsNormFwdConfig(x_rows=0)
+    with pytest.raises(ParamError, match="threads"):
+        LayerNormFwdConfig(threads=384)
+    with pytest.raises(ParamError, match="unknown field 'x_rowz'"):
+        RmsNormFwdConfig.from_dict({"x_rowz": 2})
+    with pytest.raises(ParamError, match="bwd_ld"):
+        SoftmaxBwdConfig(bwd_ld="last:evict_sometimes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        RmsNormFwdConfig().x_rows = 2  # type: ignore[misc]
+    # a misspelt knob in a call's dict is refused, not ignored
+    with pytest.raises(ParamError, match="unknown fields"):
+        rmsnorm.compile_rmsnorm_fwd.spec.bind(("bfloat16", 4096), {"config": {"x_rowz": 2}}, arch=A)
+
+
+def test_table_rows_select_the_measured_configurations():
+    # RMSNorm fp32 weight beside 16-bit rows at clusters of 4 and at N = 262144
+    kn = cfg(rmsnorm.compile_rmsnorm_fwd, "bfloat16", 65536, True, False, False, "float32").knobs()
+    assert kn == {"ring": False, "x_smem": True, "x_smem_wide": True, "x_rows": 2, "x_min_blocks": 3}
+    kn = cfg(rmsnorm.compile_rmsnorm_fwd, "float16", 262144, True, False, False, "float32").knobs()
+    assert kn == {"ring_threads": 512, "ring_pipe": True, "ring_wregs": "wb", "stages": 3}
+    assert cfg(rmsnorm.compile_rmsnorm_fwd, "bfloat16", 65536, True, False, False, "same").knobs() == {}
+    assert cfg(rmsnorm.compile_rmsnorm_fwd, "float32", 65536, True, False, False, "same").knobs() == {}
+    # LayerNorm: the exact-N row beats the class's range; rows / clusters / small
+    ln = layernorm.compile_layernorm_fwd
+    assert cfg(ln, "bfloat16", 16384, True, True, "float32").knobs()["x_rows"] == 4
+    assert cfg(ln, "bfloat16", 14336, True, True, "float32").knobs()["x_rows"] == 2
+    assert cfg(ln, "bfloat16", 12288, True, True, "same").knobs() == {
+        "x_smem": True,
+        "threads": 512,
+        "x_min_blocks": 3,
+    }
+    assert cfg(ln, "bfloat16", 262144, True, True, "same").knobs()["stages"] == 4
+    assert cfg(ln, "bfloat16", 196608, True, True, "same").knobs().get("ring") is False
+    assert cfg(ln, "bfloat16", 4096, True, True, "float32").knobs()["row_budget"] == 32
+    # the small-rows set only where its 32-element plan is one even row a CTA
+    assert cfg(ln, "bfloat16", 1000, True, True, "float32").knobs() == {}
+    # softmax / cross-entropy by row-length class; cross-entropy's forward: the heuristic
+    assert cfg(softmax.compile_softmax_bwd, "bfloat16", 12288).knobs() == {"bwd_min_blocks": 4}
+    assert cfg(softmax.compile_softmax_bwd, "float32", 12288).knobs() == {}
+    assert cfg(cross_entropy.compile_cross_entropy_bwd, "float16", 16384, "none").knobs()["bwd_budget"] == 128
+    assert cfg(cross_entropy.compile_cross_entropy_fwd, "bfloat16", 262144, "none").knobs() == {
+        "stream": True,
+        "tpr": 256,
+        "cluster": 2,
+    }
+
+
+def test_config_is_in_the_key():
+    spec = rmsnorm.compile_rmsnorm_fwd.spec
+    default = spec.bind(("bfloat16", 65536, True, False, False, "float32"), {}, arch=A)
+    other = dict(default, config=RmsNormFwdConfig(x_rows=1, x_smem=True))
+    assert spec.key(default, A) != spec.key(other, A)
+    # a call that names the default configuration gets the derived one's key
+    same = spec.bind(("bfloat16", 65536, True, False, False, "float32", default["config"]), {}, arch=A)
+    assert spec.key(same, A) == spec.key(default, A)
+
+
+def test_gpu_without_rows_gets_the_heuristic_and_one_warning():
+    from quack import settings
+
+    old = settings.get()
+    settings.set_current(dataclasses.replace(old, tune_gpu="B200"))
+    _tuning.reload()
+    try:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            a = cfg(rmsnorm.compile_rmsnorm_fwd, "bfloat16", 65536, True, False, False, "float32")
+            cfg(softmax.compile_softmax_bwd, "bfloat16", 12288)
+        assert a.knobs() == {}
+        msgs = [str(x.message) for x in w if "quack tune" in str(x.message)]
+        assert len(msgs) == 1 and "B200" in msgs[0]
+    finally:
+        settings.set_current(old)
+        _tuning.reload()
+
+
+def test_table_round_trips_stably(tmp_path):
+    t = Table.load(_tuning.table_path(A))
+    text = t.dumps()
+    p = tmp_path / "t.toml"
+    p.write_text(text)
+    assert Table.load(p).dumps() == text
+    # a re-tune's winner replaces its row in place; the file stays sorted
+    r = Row(
+        "softmax_bwd",
+        "H200",
+        "mid",
+        (12288, 12288),
+        {"bwd_min_blocks": 3},
+        (),
+        101.5,
+        "32768x12288",
+        "2025-01-01",
+    )
+    t.put(r)
+    t.put(Row("softmax_bwd", "H200", "mid", (12288, 12288), {"bwd_min_blocks": 2}, (), 99.0))
+    t.write(p)
+    again = Table.load(p)
+    assert again.lookup("softmax_bwd", "H200", "mid", "bfloat16", 12288).config == {"bwd_min_blocks": 2}
+    assert again.lookup("softmax_bwd", "H200", "mid", "bfloat16", 12289).config == {"bwd_min_blocks": 4}
+    assert Table.load(p).dumps() == p.read_text()
+
+
+def test_bad_table_rows_are_named(tmp_path):
+    p = tmp_path / "t.toml"
+    p.write_text(
+        '[table]\narch = "sm_90a"\ndefault_gpu = "H200"\n[[row]]\nkernel = "x"\ngpu = "H200"\n'
+        'class = "mid"\nn = [5, 2]\nconfig = {}\n'
+    )
+    with pytest.raises(TuningTableError, match=r"row 1 \(n\)"):
+        Table.load(p)
+    p.write_text(
+        '[table]\narch = "sm_90a"\ndefault_gpu = "H200"\n[[row]]\nkernel = "x"\ngpu = "H200"\n'
+        'class = "mid"\nn = [1, 2]\nconfig = {}\nspeed = 3\n'
+    )
+    with pytest.raises(TuningTableError, match="speed"):
+        Table.load(p)
+
+
+def test_gpu_names_normalise():
+    assert normalise_gpu("NVIDIA H200") == "H200"
+    assert normalise_gpu("NVIDIA H100 80GB HBM3") == "H100"
+    assert normalise_gpu("NVIDIA GeForce RTX 4090") == "4090"
