@@ -140,7 +140,23 @@ def cli_help() -> str:
                     walk(sub, [*path, n], ctx)
 
     walk(root, ["quack"], None)
-    return "\n".join(out).rstrip()
+    # typer's help layout changes between releases (0.2x renders list options'
+    # metavars): the stamp lets a check on another typer tell "stale" from "rendered
+    # by a different typer" (tests/test_docs_reference.py).
+    stamp = f"<!-- rendered with typer {typer_version()} -->\n\n"
+    return stamp + "\n".join(out).rstrip()
+
+
+def typer_version() -> str:
+    from importlib.metadata import version
+
+    return version("typer")
+
+
+def rendered_typer(text: str) -> str | None:
+    """The typer version docs/cli.md's help text was rendered with (None: no stamp)."""
+    m = re.search(r"<!-- rendered with typer ([^ ]+) -->", text)
+    return m.group(1) if m else None
 
 
 TARGETS = {

@@ -62,7 +62,7 @@ def qgate(n: int):
     _gate("compile")
     import toykernels
 
-    return toykernels.toy_scale.raw("float16", 32 * (n + 1), False)
+    return toykernels.toy_scale.compile_uncached("float16", 32 * (n + 1), False)
 """
 
 

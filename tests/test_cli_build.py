@@ -276,6 +276,7 @@ def test_commands_register_in_the_order_help_lists_them():
         "prewarm",
         "bundle",
         "bundle-inspect",
+        "tune",
         "cache",
     ]
     assert [n for n, c in group.commands.items() if c.hidden] == ["bundle-inspect"]

@@ -20,7 +20,14 @@ def _refgen():
 
 @pytest.mark.parametrize("path", ["docs/configuration.md", "docs/cli.md"])
 def test_generated_reference_is_current(path):
-    old, new = _refgen().render(path)
+    refgen = _refgen()
+    old, new = refgen.render(path)
+    if path == "docs/cli.md" and refgen.rendered_typer(old) != refgen.typer_version():
+        # Another typer lays out --help differently (seen on the GPU machine's typer):
+        # that is not a stale document. CI installs the same typer the docs were made with.
+        pytest.skip(
+            f"docs/cli.md was rendered with typer {refgen.rendered_typer(old)}, this is {refgen.typer_version()}"
+        )
     assert old == new, f"{path} is stale: run `python docs/refgen.py` and commit the result"
 
 

@@ -61,7 +61,12 @@ def _pip(py: Path, *args: str) -> None:
         timeout=600,
         cwd=str(ROOT.parent),
     )
-    assert r.returncode == 0, f"pip install {' '.join(args)} failed:\n{r.stdout[-3000:]}{r.stderr[-3000:]}"
+    out = r.stdout[-3000:] + r.stderr[-3000:]
+    if r.returncode != 0 and "Failed to establish a new connection" in out and not os.environ.get("CI"):
+        # A machine with no route to the package index (the GPU machine): nothing to
+        # install from. CI has one, and fails there instead of skipping.
+        pytest.skip(f"no package index reachable for pip install {' '.join(args)}")
+    assert r.returncode == 0, f"pip install {' '.join(args)} failed:\n{out}"
 
 
 @pytest.mark.slow

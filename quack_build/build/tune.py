@@ -18,9 +18,9 @@ def _resolve(ref: str):
 def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, as_json, label, default_rows):
     import torch
 
-    from quack import runtime
     from quack.compile import pool as qpool
     from quack.compile.autotune import autotune
+    from quack.runtime.jit import kernel as registered_kernel
     from quack.tuning import Row, Table, current_gpu, normalise_gpu, use_config
     from quack.tuning.bench import gpu_time
 
@@ -50,7 +50,7 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, as
                 f"tuning {label(c, base)}: {len(cands[:count] if count else cands)} candidates", markup=False
             )
             res = autotune(
-                runtime.kernel(c.kernel),
+                registered_kernel(c.kernel),
                 [{"config": x} for x in cands],
                 bench,
                 common=base,
