@@ -215,28 +215,6 @@ def ring_launch_kwargs(plan, m, stream, num_blocks, cfg):
     return kw
 
 
-def stage_ring_wb(t0, smem, wdt, mW, mB, cfg):
-    """The ring's weight / bias slices into shared memory once, (sW, sB) (None where the
-    vector is None): cp.async (one commit group, first, so the ring's waits cover it) where
-    a vector of them fits a 16-byte copy, else element-wise by the thread that reads them
-    back (fp32 beside 16-bit rows; ``cfg["wide_perm"]``: the conflict-free layout). Traced
-    inline from a kernel body."""
-    from cutlass import const_expr
-
-    sW = None
-    sB = None
-    if const_expr(cfg["cp_async_wb"]):
-        sW, sB = t0.stage_bcast(smem, wdt, mW, mB)
-    else:
-        if const_expr(mW is not None):
-            sW = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
-            t0.stage_bcast_own(mW, sW)
-        if const_expr(mB is not None):
-            sB = t0.alloc_smem_bcast(smem, wdt, spread=cfg["wide_perm"])
-            t0.stage_bcast_own(mB, sB)
-    return sW, sB
-
-
 def ring_kernel(kind: str, plan, dt, wdt, cfg):
     """The ring forward kernel of ``kind`` ("rms" or "layer"), traced by the caller's
     ``cute.compile``: kernel(mX, mW, mB, mY, mMean|None, mRstd, eps), grid
@@ -247,6 +225,7 @@ def ring_kernel(kind: str, plan, dt, wdt, cfg):
     from cutlass import Float32, const_expr
 
     from . import _rowreduce as rr
+    from ._ring_wb import stage_ring_wb
 
     if cfg.get("pipe", False):
         from ._ring_pipe import ring_pipe_kernel

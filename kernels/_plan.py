@@ -90,10 +90,6 @@ class RowPlan:
         return self.tile_n * self.cluster_n == self.n
 
 
-def _pow2_ceil(x: int) -> int:
-    return 1 << max(0, (x - 1).bit_length())
-
-
 # Memoized: every eager call of a kernel's torch wrapper plans its launch (a RowPlan is
 # frozen, and a pure function of these integers).
 @functools.lru_cache(maxsize=4096)
@@ -138,14 +134,6 @@ def smem_bcast_ok(plan: RowPlan, width: int, count: int, max_bytes: int = 72 * 1
         and 32 <= plan.vec * width <= 128
         and count * plan.tile_n * width // 8 <= max_bytes
     )
-
-
-def check_n(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int, got {type(n).__name__}")
-    if not (N_MIN <= n <= N_MAX):
-        raise ValueError(f"n (row length) = {n} is out of range [{N_MIN}, {N_MAX}]")
-    return n
 
 
 def size_class(dtype: str, n: int) -> str:

@@ -31,7 +31,7 @@ def ring_pipe_kernel(kind: str, plan, dt, wdt, cfg):
     from cutlass import Float32, const_expr
 
     from . import _rowreduce as rr
-    from ._norm_fwd import stage_ring_wb
+    from ._ring_wb import stage_ring_wb
 
     layer = kind == "layer"
     stages = cfg["stages"]

@@ -455,20 +455,3 @@ def cross_entropy_bwd(
             c = (dl * (eps / n)).contiguous()
             fn(x2, t, a, ls, dx, ignore_index, b, c, w)
     return dx.view(logits.shape)
-
-
-def cross_entropy(
-    logits,
-    target,
-    ignore_index: int = -100,
-    reduction: str = "mean",
-    weight=None,
-    label_smoothing: float = 0.0,
-):
-    """Differentiable cross-entropy with torch's semantics (the
-    ``quack_kernels::cross_entropy_fwd`` custom op with its registered autograd; works
-    under ``torch.compile(fullgraph=True)``). reduction 'none', 'sum' or 'mean' (divided
-    by the summed class weights of the non-ignored targets: their count without weights)."""
-    from . import _ops
-
-    return _ops.cross_entropy(logits, target, ignore_index, reduction, weight, label_smoothing)

@@ -331,11 +331,3 @@ def layernorm_bwd(x, weight, dy, mean, rstd, bias=None):
     return run_norm_bwd(
         "layer", compile_fn, x, weight, dy, mean, rstd, bias.dtype if bias is not None else None
     )
-
-
-def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
-    """Differentiable LayerNorm (the ``quack_kernels::layernorm_fwd`` custom op with its
-    registered autograd; works under ``torch.compile(fullgraph=True)``); returns y."""
-    from . import _ops
-
-    return _ops.layernorm(x, weight, bias, eps)

@@ -443,12 +443,3 @@ def rmsnorm_bwd(x, weight, dy, rstd, bias=None):
         "rms", compile_fn, x, weight, dy, None, rstd, bias.dtype if bias is not None else None
     )
     return (dx, dw) if bias is None else (dx, dw, db)
-
-
-def rmsnorm(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
-    """Differentiable RMSNorm (the ``quack_kernels::rmsnorm_fwd`` custom op with its
-    registered autograd: works under ``torch.compile(fullgraph=True)``). Returns y, or
-    ``(y, x + residual)`` when a residual is given."""
-    from . import _ops
-
-    return _ops.rmsnorm(x, weight, bias, residual, eps)

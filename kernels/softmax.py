@@ -308,11 +308,3 @@ def softmax_bwd(dy, y):
     if m > 0:
         compile_softmax_bwd(kt.dtype_name(y2, "y"), n)(dy2, y2, dx)
     return dx.view(y.shape)
-
-
-def softmax(x):
-    """Differentiable softmax over the last dim (the ``quack_kernels::softmax_fwd`` custom
-    op with its registered autograd; works under ``torch.compile(fullgraph=True)``)."""
-    from . import _ops
-
-    return _ops.softmax(x)

@@ -12,7 +12,7 @@ from quack.cache import journal
 from quack.cache.store import DiskStore
 from quack_build.build import plan as planning
 from quack_build.build import results, scheduler
-from quack_build.manifest.read import BuildConfig
+from quack_build.manifest.config import BuildConfig
 
 
 def _cfg(block: int) -> BuildConfig:

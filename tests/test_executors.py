@@ -20,7 +20,7 @@ from quack_build.build import plan as planning
 from quack_build.build import trace as tracing
 from quack_build.build.executors import base
 from quack_build.build.executors.base import DONE, FAILED, NOTE, STARTED, Event
-from quack_build.manifest.read import BuildConfig
+from quack_build.manifest.config import BuildConfig
 
 
 def _cfg(block: int) -> BuildConfig:

@@ -9,6 +9,21 @@ from quack_build.cachedir.units import human_bytes
 
 
 def print_stats(con: Console, info: dict) -> None:
+    """``quack cache stats``: the totals line, then a section for each part of ``info``
+    that has something to show (each section prints nothing when it is empty)."""
+    _print_totals(con, info)
+    _print_fingerprints(con, info)
+    _print_bundles(con, info)
+    _print_kernels(con, info)
+    _print_slowest(con, info.get("journal", {}))
+    _print_remote(con, info.get("remote") or {})
+    _print_debris(con, info)
+    _print_planted(con, info)
+    _print_stale_hint(con, info)
+
+
+def _print_totals(con: Console, info: dict) -> None:
+    """The one-line summary: entries, bytes, current / stale / unregistered."""
     t = info["totals"]
     con.print(
         f"cache {info['root']}: {t['entries']} entries, {human_bytes(t['bytes'])} "
@@ -16,6 +31,10 @@ def print_stats(con: Console, info: dict) -> None:
         f"{t['unknown_entries']} of kernels not registered here)",
         markup=False,
     )
+
+
+def _print_fingerprints(con: Console, info: dict) -> None:
+    """Entries by toolchain stamp and source fingerprint, with their status."""
     if info["fingerprints"]:
         tb = Table(title="per toolchain stamp / source fingerprint", header_style="bold")
         for c in ("stamp", "kernel", "srcfp", "status", "entries", "bytes"):
@@ -26,6 +45,10 @@ def print_stats(con: Console, info: dict) -> None:
             )
             tb.add_row(f["stamp"], f["kernel"], f["srcfp"], st, str(f["entries"]), human_bytes(f["bytes"]))
         con.print(tb)
+
+
+def _print_bundles(con: Console, info: dict) -> None:
+    """The installed bundles (the read-only tier after this cache) and their status."""
     if info.get("bundles"):
         tb = Table(title="installed bundles (read-only tier after this cache)", header_style="bold")
         for c in ("bundle", "version", "entries", "bytes", "stamps", "status"):
@@ -50,6 +73,10 @@ def print_stats(con: Console, info: dict) -> None:
                 st,
             )
         con.print(tb)
+
+
+def _print_kernels(con: Console, info: dict) -> None:
+    """Entries and journal counts by kernel (registered here or seen in the journal)."""
     j = info.get("journal", {})
     kernels = sorted(set(info["kernels"]) | set(j.get("kernels", {})))
     if kernels:
@@ -84,6 +111,10 @@ def print_stats(con: Console, info: dict) -> None:
                 str(u.get("waits", 0)),
             )
         con.print(tb)
+
+
+def _print_slowest(con: Console, j: dict) -> None:
+    """The journal's slowest compiles."""
     if j.get("slowest"):
         tb = Table(title="slowest compiles (journal)", header_style="bold")
         for c in ("kernel", "params", "arch", "where", "seconds"):
@@ -98,7 +129,10 @@ def print_stats(con: Console, info: dict) -> None:
                 f"{r['compile_s']:.2f}",
             )
         con.print(tb)
-    _print_remote(con, info.get("remote") or {})
+
+
+def _print_debris(con: Console, info: dict) -> None:
+    """Leftovers `quack cache clean` removes: temp files, objects without metadata, quarantine."""
     d = info["debris"]
     if any(d.values()):
         con.print(
@@ -110,6 +144,10 @@ def print_stats(con: Console, info: dict) -> None:
             f"`quack cache clean` removes them",
             markup=False,
         )
+
+
+def _print_planted(con: Console, info: dict) -> None:
+    """Links and other entries planted in the cache (never followed)."""
     planted = info.get("planted") or []
     if planted:
         con.print(
@@ -121,6 +159,11 @@ def print_stats(con: Console, info: dict) -> None:
             con.print(f"  {x['what']}: {x['path']}", markup=False, soft_wrap=True)
         if len(planted) > 20:
             con.print(f"  ... and {len(planted) - 20} more", markup=False)
+
+
+def _print_stale_hint(con: Console, info: dict) -> None:
+    """How much is stale, and the command that removes it."""
+    t = info["totals"]
     if t["stale_entries"]:
         con.print(
             f"{t['stale_entries']} stale entries ({human_bytes(t['stale_bytes'])}): "

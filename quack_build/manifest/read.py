@@ -31,33 +31,15 @@ from typing import Iterable, Iterator
 
 from quack import settings as _settings
 from quack.errors import ManifestError, TomlFileError
-from quack_build.manifest.config import BuildConfig, format_params
+from quack_build.manifest.config import BuildConfig
 from quack_build.manifest.tables import (
     DEFAULT_MAX_CONFIGS,
-    DEFAULTS_KEYS,
-    KERNEL_KEYS,
-    TOP_KEYS,
     Budget,
     KernelTable,
     generate,
     prepare_document,
 )
 from quack_build.manifest.values import FileCheck
-
-# The names other code imports from here (their homes: manifest.config, manifest.tables).
-__all__ = [
-    "DEFAULTS_KEYS",
-    "DEFAULT_MAX_CONFIGS",
-    "KERNEL_KEYS",
-    "TOP_KEYS",
-    "Budget",
-    "BuildConfig",
-    "Expansion",
-    "ExpansionStream",
-    "expand",
-    "format_params",
-    "read_document",
-]
 
 
 def read_document(path: Path) -> dict:

@@ -71,8 +71,43 @@ def prepare_kernel(
     budget: Budget,
     used_defaults: set,
 ) -> KernelTable | None:
-    """Validate one table and count it against the budget; expands nothing."""
+    """Validate one table and count it against the budget; expands nothing. Each step
+    reports what it finds; a step after which nothing more can be said stops here, the
+    others go on so that one run lists every problem of the table."""
     label = f"[[kernel]] #{idx + 1}"
+    name = _table_name(ctx, idx, label, table)
+    if name is None:
+        return None
+    where = ctx.where(f"{label} ({escape(name)[:80]})", idx)
+    spec = _lookup(ctx, where, name)
+    if spec is None:
+        return None
+    used_defaults.add("\0resolved")
+    ok = _check_keys(ctx, where, table, spec)
+    archs: list[str] | None = default_archs
+    if "archs" in table:
+        archs = check_archs(ctx, where, table["archs"])
+        ok = ok and archs is not None
+    if arch_override:
+        archs = arch_override
+    split = _split_params(ctx, where, table, spec)
+    if split is None:
+        return None
+    table, params = split
+    given, values_ok = _given_values(ctx, where, f"{label} {name}", spec, params, defaults, used_defaults)
+    excludes, includes, matchers_ok = _matchers(ctx, where, spec, table)
+    if not (ok and values_ok and matchers_ok) or archs is None:
+        return None
+    names = list(spec.params)
+    axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
+    resolved = _resolve_includes(ctx, where, names, axes, includes)
+    if resolved is None or not _charge(ctx, where, budget, names, axes, resolved, archs):
+        return None
+    return KernelTable(where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved)
+
+
+def _table_name(ctx: FileCheck, idx: int, label: str, table: Any) -> str | None:
+    """The table's kernel name, or None (reported) when the table or its name is malformed."""
     if not isinstance(table, dict):
         ctx.err(ctx.where(label, idx), f"must be a table, got {show_value(table)}")
         return None
@@ -83,9 +118,14 @@ def prepare_kernel(
     if not isinstance(name, str):
         ctx.err(ctx.where(label, idx), f"name = {show_value(name)} must be a string")
         return None
-    where = ctx.where(f"{label} ({escape(name)[:80]})", idx)
+    return name
+
+
+def _lookup(ctx: FileCheck, where: str, name: str):
+    """The registered spec of ``name``, or None (reported: the closest name, what is
+    registered, and where the registered packages came from)."""
     try:
-        spec = registry.get(name)
+        return registry.get(name)
     except UnknownKernel as e:
         known = list(e.known)
         close = difflib.get_close_matches(name, known, n=1)
@@ -104,7 +144,11 @@ def prepare_kernel(
             f"{src}: {pk}; scanned: {registry.SCANNED}",
         )
         return None
-    used_defaults.add("\0resolved")
+
+
+def _check_keys(ctx: FileCheck, where: str, table: dict, spec) -> bool:
+    """Every key of the table is a [[kernel]] key (a parameter given at the top level is
+    pointed to params); False after reporting each one that is not."""
     ok = True
     for k in table:
         if k not in KERNEL_KEYS:
@@ -117,12 +161,12 @@ def prepare_kernel(
                 )
             else:
                 ctx.err(where, f"unknown key {k!r}; allowed keys: {', '.join(KERNEL_KEYS)}")
-    archs: list[str] | None = default_archs
-    if "archs" in table:
-        archs = check_archs(ctx, where, table["archs"])
-        ok = ok and archs is not None
-    if arch_override:
-        archs = arch_override
+    return ok
+
+
+def _split_params(ctx: FileCheck, where: str, table: dict, spec) -> tuple[dict, dict] | None:
+    """(table, params), copies, with an ``exclude`` / ``include`` found under params moved
+    to the table; None (reported) when params is not a table or one is given twice."""
     params = table.get("params", {})
     if not isinstance(params, dict):
         ctx.err(where, f"params = {show_value(params)} must be a table of parameter = value or list")
@@ -137,6 +181,15 @@ def prepare_kernel(
                 ctx.err(where, f"{k} given twice (in the table and under params)")
                 return None
             table[k] = params.pop(k)
+    return table, params
+
+
+def _given_values(
+    ctx: FileCheck, where: str, label: str, spec, params: dict, defaults: dict, used_defaults: set
+) -> tuple[dict[str, list], bool]:
+    """The checked value lists of every parameter the table or [defaults] gives, and
+    whether all were valid and every parameter without a default was given."""
+    ok = True
     given: dict[str, list] = {}
     invalid: set[str] = set()  # given, but with a bad value: reported once, not also "missing"
     for k, v in params.items():
@@ -153,7 +206,7 @@ def prepare_kernel(
     for k, v in defaults.items():
         if k in spec.params and k not in params:
             used_defaults.add(k)
-            vals = check_values(ctx, f"{ctx.where('[defaults]')} (for {label} {name})", spec, k, v)
+            vals = check_values(ctx, f"{ctx.where('[defaults]')} (for {label})", spec, k, v)
             if vals is None:
                 ok = False
                 invalid.add(k)
@@ -167,6 +220,12 @@ def prepare_kernel(
             ctx.err(
                 where, f"missing parameter {n!r} (no default in {spec.qualname}); expected {p.describe()}"
             )
+    return given, ok
+
+
+def _matchers(ctx: FileCheck, where: str, spec, table: dict) -> tuple[list, list, bool]:
+    """The table's checked ``exclude`` and ``include`` entries, and whether all were valid."""
+    ok = True
     excludes: list = []
     includes: list = []
     for what, dest in (("exclude", excludes), ("include", includes)):
@@ -179,10 +238,14 @@ def prepare_kernel(
                 ok = False
             else:
                 dest.append(m)
-    if not ok or archs is None:
-        return None
-    names = list(spec.params)
-    axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
+    return excludes, includes, ok
+
+
+def _resolve_includes(
+    ctx: FileCheck, where: str, names: list[str], axes: list[list], includes: list[dict]
+) -> list[dict] | None:
+    """Each ``include`` entry as one full configuration (a parameter it leaves out takes
+    the table's single value); None (reported) when an entry is ambiguous."""
     resolved: list[dict] = []
     for j, m in enumerate(includes):
         combo = {}
@@ -202,10 +265,24 @@ def prepare_kernel(
                 )
                 return None
         resolved.append(combo)
+    return resolved
+
+
+def _charge(
+    ctx: FileCheck,
+    where: str,
+    budget: Budget,
+    names: list[str],
+    axes: list[list],
+    resolved: list[dict],
+    archs: list[str],
+) -> bool:
+    """Count the table's configurations against the build's budget; False when over it
+    (reported once, at the table that crossed the limit)."""
     product = math.prod(len(a) for a in axes)
     total = (product + len(resolved)) * len(archs)
     if budget.exceeded:
-        return None  # reported once, at the table that crossed the limit
+        return False
     if budget.used + total > budget.limit:
         budget.exceeded = True
         dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
@@ -217,9 +294,9 @@ def prepare_kernel(
             f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
             f"the limit with --max-configs",
         )
-        return None
+        return False
     budget.used += total
-    return KernelTable(where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved)
+    return True
 
 
 def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:

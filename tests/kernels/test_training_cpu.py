@@ -141,7 +141,7 @@ TORCH_DT = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torc
 
 
 def _ops():
-    from quack_kernels import _ops
+    from quack_kernels import ops as _ops
 
     return _ops
 
@@ -211,10 +211,7 @@ def test_opcheck_on_meta_tensors():
 def test_torch_compile_fullgraph_forward_and_backward_on_meta():
     """Every op under torch.compile(fullgraph=True): one graph, no break, and the backward
     graph calls the registered backward ops (traced on meta tensors, aot_eager)."""
-    from quack_kernels.cross_entropy import cross_entropy
-    from quack_kernels.layernorm import layernorm
-    from quack_kernels.rmsnorm import rmsnorm
-    from quack_kernels.softmax import softmax
+    from quack_kernels.ops import cross_entropy, layernorm, rmsnorm, softmax
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
@@ -241,8 +238,7 @@ def test_torch_compile_fullgraph_forward_and_backward_on_meta():
 
 
 def test_cpu_tensor_error_unchanged_through_the_ops():
-    from quack_kernels.cross_entropy import cross_entropy
-    from quack_kernels.rmsnorm import rmsnorm
+    from quack_kernels.ops import cross_entropy, rmsnorm
 
     with pytest.raises(ValueError, match="x must be a CUDA tensor"):
         rmsnorm(torch.randn(4, 100))

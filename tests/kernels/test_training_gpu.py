@@ -58,7 +58,7 @@ def leaf(t):
 
 @pytest.mark.parametrize("xdt,wdt,m,n", _grid(PAIRS))
 def test_rmsnorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
-    from quack_kernels.rmsnorm import rmsnorm
+    from quack_kernels.ops import rmsnorm
 
     x, w = _rand((m, n), TD[xdt], 0), _rand((n,), TD[wdt], 1)
     dy = _rand((m, n), TD[xdt], 2)
@@ -72,7 +72,7 @@ def test_rmsnorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
 
 @pytest.mark.parametrize("xdt,wdt,m,n", _grid([(d, d) for d in DTYPES]))
 def test_rmsnorm_bias_residual_fwd_bwd(xdt, wdt, m, n):
-    from quack_kernels.rmsnorm import rmsnorm
+    from quack_kernels.ops import rmsnorm
 
     x, r, b = _rand((m, n), TD[xdt], 0), _rand((m, n), TD[xdt], 3), _rand((n,), TD[wdt], 4)
     dy, dh = _rand((m, n), TD[xdt], 2), _rand((m, n), TD[xdt], 5)
@@ -96,7 +96,7 @@ def test_rmsnorm_bias_residual_fwd_bwd(xdt, wdt, m, n):
 
 @pytest.mark.parametrize("xdt,wdt,m,n", _grid(PAIRS))
 def test_layernorm_fwd_bwd_weight_dtypes(xdt, wdt, m, n):
-    from quack_kernels.layernorm import layernorm
+    from quack_kernels.ops import layernorm
 
     x = _rand((m, n), TD[xdt], 0, shift=0.5)
     w, b = _rand((n,), TD[wdt], 1), _rand((n,), TD[wdt], 2)
@@ -161,7 +161,7 @@ def test_layernorm_bwd_without_affine(n):
 
 @pytest.mark.parametrize("xdt,_w,m,n", _grid([(d, d) for d in DTYPES]))
 def test_softmax_fwd_bwd(xdt, _w, m, n):
-    from quack_kernels.softmax import softmax
+    from quack_kernels.ops import softmax
 
     x, dy = _rand((m, n), TD[xdt], 0, scale=3), _rand((m, n), TD[xdt], 1)
     xs = leaf(x)
@@ -185,7 +185,7 @@ CE_VARIANTS = {
 @pytest.mark.parametrize("variant", list(CE_VARIANTS))
 @pytest.mark.parametrize("xdt,_w,m,n", _grid([(d, d) for d in DTYPES]))
 def test_cross_entropy_fwd_bwd(variant, xdt, _w, m, n):
-    from quack_kernels.cross_entropy import cross_entropy
+    from quack_kernels.ops import cross_entropy
 
     kw = dict(CE_VARIANTS[variant])
     x = _rand((m, n), TD[xdt], 0, scale=2)
@@ -219,8 +219,7 @@ def _compiled(fn):
     "xdt,wdt", [("bfloat16", "float32"), ("float16", "float16"), ("float32", "bfloat16")]
 )
 def test_compile_fullgraph_norms(xdt, wdt):
-    from quack_kernels.layernorm import layernorm
-    from quack_kernels.rmsnorm import rmsnorm
+    from quack_kernels.ops import layernorm, rmsnorm
 
     def f(x, r, w, b):
         y, h = rmsnorm(x, w, None, r)
@@ -248,8 +247,7 @@ def test_compile_fullgraph_norms(xdt, wdt):
 
 @pytest.mark.parametrize("xdt", DTYPES)
 def test_compile_fullgraph_softmax_cross_entropy(xdt):
-    from quack_kernels.cross_entropy import cross_entropy
-    from quack_kernels.softmax import softmax
+    from quack_kernels.ops import cross_entropy, softmax
 
     def f(x, t, w):
         return (
@@ -282,7 +280,7 @@ def test_compile_fullgraph_softmax_cross_entropy(xdt):
 
 def test_opcheck_on_gpu():
     """torch's opcheck with the real CUDA implementations."""
-    from quack_kernels import _ops  # noqa: F401
+    from quack_kernels import ops as _ops  # noqa: F401
 
     q = torch.ops.quack_kernels
     x = _rand((7, 668), torch.bfloat16, 0).requires_grad_()

@@ -4,8 +4,13 @@ them forward and backward without a graph break. The ops are opaque to the compi
 compiling and loading a kernel (``@jit_cache``: memory -> disk -> compile worker) happens
 inside the op's real implementation, at run time, never in the traced graph.
 
-Imports torch at the top: import it only from inside functions (``quack_kernels.rmsnorm.rmsnorm``
-and friends do), so that importing the kernel modules stays torch-free. The real
+The differentiable functions (``rmsnorm``, ``layernorm``, ``softmax``, ``cross_entropy``)
+live here, not in their family modules: this module imports the families' torch wrappers,
+so a family importing it back made every family's source fingerprint cover every other
+family (an edit to softmax.py moved every RMSNorm object).
+
+Imports torch at the top: the family modules import it only inside functions, so that
+importing them stays torch-free (``quack build`` and the loaders import them). The real
 implementations are registered for every device: on a CPU tensor they raise the torch
 wrappers' ValueError ("must be a CUDA tensor"); on meta / fake tensors the fake
 implementations run.
@@ -30,10 +35,6 @@ _F32 = torch.float32
 
 def _rows_shape(x: Tensor):
     return x.shape[:-1]
-
-
-def _none_if_empty(t: Tensor, present: bool):
-    return t if present else None
 
 
 def _empty(x: Tensor) -> Tensor:
@@ -102,6 +103,9 @@ torch.library.register_autograd(f"{NS}::rmsnorm_fwd", _rms_backward, setup_conte
 
 
 def rmsnorm(x, weight=None, bias=None, residual=None, eps: float = 1e-6):
+    """Differentiable RMSNorm (the ``quack_kernels::rmsnorm_fwd`` custom op with its
+    registered autograd: works under ``torch.compile(fullgraph=True)``). Returns y, or
+    ``(y, x + residual)`` when a residual is given."""
     y, _, ro = rmsnorm_fwd(x, weight, bias, residual, float(eps))
     return (y, ro) if residual is not None else y
 
@@ -155,6 +159,8 @@ torch.library.register_autograd(f"{NS}::layernorm_fwd", _ln_backward, setup_cont
 
 
 def layernorm(x, weight=None, bias=None, eps: float = 1e-5):
+    """Differentiable LayerNorm (the ``quack_kernels::layernorm_fwd`` custom op with its
+    registered autograd; works under ``torch.compile(fullgraph=True)``); returns y."""
     return layernorm_fwd(x, weight, bias, float(eps))[0]
 
 
@@ -194,6 +200,8 @@ torch.library.register_autograd(f"{NS}::softmax_fwd", _sm_backward, setup_contex
 
 
 def softmax(x):
+    """Differentiable softmax over the last dim (the ``quack_kernels::softmax_fwd`` custom
+    op with its registered autograd; works under ``torch.compile(fullgraph=True)``)."""
     return softmax_fwd(x)
 
 
@@ -255,6 +263,10 @@ def cross_entropy(
     weight=None,
     label_smoothing: float = 0.0,
 ):
+    """Differentiable cross-entropy with torch's semantics (the
+    ``quack_kernels::cross_entropy_fwd`` custom op with its registered autograd; works
+    under ``torch.compile(fullgraph=True)``). reduction 'none', 'sum' or 'mean' (divided
+    by the summed class weights of the non-ignored targets: their count without weights)."""
     if reduction not in ("none", "sum", "mean"):
         raise ValueError(f"reduction must be 'none', 'sum' or 'mean', got {reduction!r}")
     loss, _ = cross_entropy_fwd(logits, target, weight, int(ignore_index), float(label_smoothing))
