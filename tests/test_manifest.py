@@ -207,3 +207,11 @@ def test_duplicate_list_values_warn(tmp_path):
     exp = expand([p], archs=["sm_90a"])
     assert len(exp.configs) == 1
     assert any("lists a value twice" in w for w in exp.warnings)
+
+
+def test_a_build_line_names_only_the_set_fields_of_a_configuration():
+    from quack_build.manifest.config import format_params
+
+    line = format_params({"dtype": "bfloat16", "config": {"ring": True, "stages": None, "x_rows": 2}})
+    assert line == "dtype=bfloat16 config={ring=True,x_rows=2}"
+    assert format_params({"config": {"ring": None}}) == "config={}"

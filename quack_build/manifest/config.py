@@ -34,6 +34,8 @@ def format_params(params: dict) -> str:
         if isinstance(v, bool):
             v = "true" if v else "false"
         elif isinstance(v, dict):
-            v = "{" + ",".join(f"{a}={b}" for a, b in v.items()) + "}"
+            # A typed configuration's unset fields (None: the kernel's own default) would
+            # fill a build line with 20-odd "=None"s; what is set is what differs.
+            v = "{" + ",".join(f"{a}={b}" for a, b in v.items() if b is not None) + "}"
         out.append(f"{k}={v}")
     return " ".join(out)
