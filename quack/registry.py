@@ -253,7 +253,8 @@ def all_specs() -> dict[str, KernelSpec]:
 SCANNED = (
     "every module of each [build] kernel_packages package and of its subpackages, "
     "except modules and subpackages whose name starts with '_' (helpers; a kernel "
-    "registered there is found when a scanned module imports it)"
+    "registered there is found when a scanned module imports it) and those a package "
+    "names in its QUACK_SCAN_SKIP tuple (torch-facing modules that register no kernel)"
 )
 
 
@@ -267,8 +268,13 @@ def load_packages(packages) -> None:
         todo = [mod]
         while todo:  # subpackages too, depth first
             m = todo.pop()
+            # A package's torch-facing module (quack_kernels.ops registers torch.library ops
+            # at import) registers no kernel: scanning it imported torch into every build
+            # coordinator and Ray driver, which only need the compile functions.
+            skip = set(getattr(m, "QUACK_SCAN_SKIP", ()))
             for info in pkgutil.iter_modules(getattr(m, "__path__", []), prefix=m.__name__ + "."):
-                if info.name.rsplit(".", 1)[-1].startswith("_"):
+                last = info.name.rsplit(".", 1)[-1]
+                if last.startswith("_") or last in skip:
                     continue
                 sub = importlib.import_module(info.name)
                 if info.ispkg:

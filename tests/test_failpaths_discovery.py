@@ -90,3 +90,34 @@ def test_cache_pull_finds_the_manifests_quack_toml(tmp_path):
     assert "no remote cache configured" not in out
     rep = json.loads(r.stdout)
     assert rep["url"] == f"file://{shared}" and rep["total"] == 2 and rep["missing"] == 2, out
+
+
+def test_the_scan_leaves_out_what_a_package_names_in_quack_scan_skip(tmp_path, monkeypatch):
+    """quack_kernels.ops imports torch (torch.library ops) and registers nothing: scanned,
+    it put torch into every build coordinator (the Ray test's 'IMPORTED torch=True')."""
+    import sys
+
+    from quack import registry
+
+    pkg = tmp_path / "skippkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text('QUACK_SCAN_SKIP = ("ops",)\n')
+    (pkg / "ops.py").write_text("raise RuntimeError('the scan must not import me')\n")
+    (pkg / "kern.py").write_text("LOADED = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry.load_packages(["skippkg"])
+    assert "skippkg.kern" in sys.modules and "skippkg.ops" not in sys.modules
+    for m in [m for m in sys.modules if m.split(".")[0] == "skippkg"]:
+        del sys.modules[m]
+
+
+def test_building_the_bundled_kernels_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom quack import registry\nregistry.load_packages(['quack_kernels'])\n"
+        "print('torch' in sys.modules)\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stdout + r.stderr
