@@ -10,4 +10,14 @@ from quack.tuning.gpu import current_gpu, normalise_gpu
 from quack.tuning.override import table_override, use_config, use_table
 from quack.tuning.table import Row, Table
 
-__all__ = ["TuneConfig", "knob", "current_gpu", "normalise_gpu", "Row", "Table", "use_config", "use_table", "table_override"]
+__all__ = [
+    "TuneConfig",
+    "knob",
+    "current_gpu",
+    "normalise_gpu",
+    "Row",
+    "Table",
+    "use_config",
+    "use_table",
+    "table_override",
+]
