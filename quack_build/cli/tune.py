@@ -167,9 +167,13 @@ def run_tune(
         raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
     from quack_build.build import tune as tunerun
 
-    return tunerun.measure_and_write(
-        s, con, probs, seconds, count, table, from_empty, rows, as_json, _label, default_rows
+    gpu, results, tables = tunerun.measure_and_write(
+        s, con, probs, seconds, count, table, from_empty, rows, _label, default_rows
     )
+    _print_table(con, results)
+    if as_json:
+        emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))
+    return 0 if all(r["new"] for r in results) else 1
 
 
 def candidate_configs(probs, count) -> list:
@@ -195,3 +199,21 @@ def _compile_only(s, con, probs, count, jobs, as_json) -> int:
     configs = candidate_configs(probs, count)
     con.print(f"quack tune --compile-only: {len(configs)} candidates of {len(probs)} problems", markup=False)
     return build_configs(s, con, configs, jobs, keep_going=True, force=False, as_json=as_json)
+
+
+def _print_table(con, results) -> None:
+    from rich.table import Table as RTable
+
+    t = RTable(title="quack tune")
+    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up"):
+        t.add_column(col)
+    for r in results:
+        t.add_row(
+            r["problem"],
+            r["old"],
+            r["new"] or "(none correct)",
+            f"{r['old_us']:.1f}" if r["old_us"] else "-",
+            f"{r['new_us']:.1f}" if r["new_us"] else "-",
+            f"{r['speedup']:.3f}x" if r["speedup"] else "-",
+        )
+    con.print(t)
