@@ -74,27 +74,11 @@ def tune(
     max_configs: int = max_configs_option(),
 ):
     """Measure the kernels' search spaces on this GPU; write the winners to the tuning table."""
-    seconds, count = parse_budget(budget)
+    opts = dict(locals())  # every option by name, as run_tune takes them
+    seconds, count = parse_budget(opts.pop("budget"))
     if dry_run and compile_only:
         raise typer.BadParameter("--dry-run compiles nothing, --compile-only compiles: give one of them")
-    run_command(
-        lambda: run_tune(
-            manifests or [],
-            kernel,
-            seconds,
-            count,
-            table,
-            from_empty,
-            rows,
-            dry_run,
-            as_json,
-            jobs,
-            executor,
-            cache_dir,
-            max_configs,
-            compile_only,
-        )
-    )
+    run_command(lambda: run_tune(seconds=seconds, count=count, **opts))
 
 
 def problems(s, manifests, kernel, max_configs, from_empty=False) -> list:
@@ -129,6 +113,7 @@ def _label(c, base) -> str:
 
 
 def run_tune(
+    *,
     manifests,
     kernel,
     seconds,
@@ -137,13 +122,14 @@ def run_tune(
     from_empty,
     rows,
     dry_run,
+    compile_only,
     as_json,
     jobs,
     executor,
     cache_dir,
     max_configs,
-    compile_only=False,
 ) -> int:
+    manifests = manifests or []
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
     con = console(to_stderr=as_json)
