@@ -7,24 +7,10 @@ from __future__ import annotations
 
 def print_report(con, res: dict) -> None:
     from rich.markup import escape
-    from rich.table import Table
-
-    from quack_build.manifest.config import format_params
 
     bad = [r for r in res["entries"] if r["problems"]]
     if bad:
-        tb = Table(title="quack verify: problems", header_style="bold")
-        for col in ("kernel", "params", "arch", "key", "problem"):
-            tb.add_column(col)
-        for r in bad:
-            tb.add_row(
-                r["kernel"],
-                format_params(r["params"]),
-                r["arch"],
-                r["key"][:12],
-                escape("; ".join(r["problems"])),
-            )
-        con.print(tb)
+        con.print(_problems_table("quack verify: problems", bad))
     if res["note"]:
         con.print(f"[yellow]{escape(res['note'])}[/]")
     checks = (
@@ -42,8 +28,6 @@ def print_report(con, res: dict) -> None:
 def print_bundle_report(con, res: dict) -> None:
     from rich.markup import escape
     from rich.table import Table
-
-    from quack_build.manifest.config import format_params
 
     if not res["bundles"]:
         con.print(f"[red]{escape(res['note'])}[/]")
@@ -72,19 +56,7 @@ def print_bundle_report(con, res: dict) -> None:
     con.print(tb)
     bad = [r for r in res["entries"] if r["problems"]]
     if bad:
-        tb = Table(title="bundle entries with problems", header_style="bold")
-        for c in ("bundle", "kernel", "params", "arch", "key", "problem"):
-            tb.add_column(c)
-        for r in bad:
-            tb.add_row(
-                r["bundle"],
-                r["kernel"],
-                format_params(r["params"]),
-                r["arch"],
-                r["key"][:12],
-                escape("; ".join(r["problems"])),
-            )
-        con.print(tb)
+        con.print(_problems_table("bundle entries with problems", bad, bundle=True))
     if res["note"]:
         con.print(f"[yellow]{escape(res['note'])}[/]")
     n = len(res["entries"])
@@ -93,3 +65,25 @@ def print_bundle_report(con, res: dict) -> None:
         + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
         + f" in {res['seconds']:.1f}s"
     )
+
+
+def _problems_table(title: str, bad: list[dict], *, bundle: bool = False):
+    """The entries with problems, a row each (``bundle``: led by the bundle's name)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from quack_build.manifest.config import format_params
+
+    tb = Table(title=title, header_style="bold")
+    for col in ("bundle",) * bundle + ("kernel", "params", "arch", "key", "problem"):
+        tb.add_column(col)
+    for r in bad:
+        cells = [
+            r["kernel"],
+            format_params(r["params"]),
+            r["arch"],
+            r["key"][:12],
+            escape("; ".join(r["problems"])),
+        ]
+        tb.add_row(*([r["bundle"]] if bundle else []), *cells)
+    return tb
