@@ -160,7 +160,7 @@ def main() -> None:
             s = settings.resolve(env=env_for(td / "lat", url, keydir))
             remote = tier.from_settings(s)
             store = DiskStore(td / "lat", fsync=True)
-            from quack.cache.store import EntryRef
+            from quack.cache.entry import EntryRef
 
             fetches = []
             for n in names:

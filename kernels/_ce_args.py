@@ -29,7 +29,7 @@ def class_weight(weight, n, x):
         return None
     from . import _torch as kt
 
-    kt._tensor(weight, "weight")
+    kt.check_tensor(weight, "weight")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but logits is on {x.device}")
     kt.dtype_name(weight, "weight")

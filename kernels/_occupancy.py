@@ -25,7 +25,7 @@ import logging
 
 # The driver query is quack's public runtime helper (quack.runtime.max_active_clusters);
 # this module keeps the kernels' own cached wrapper (its fallback and warning) as it was.
-from quack.runtime.occupancy import _ptx, query_max_active_clusters  # noqa: F401  (_ptx: its test)
+from quack.runtime.occupancy import query_max_active_clusters
 
 log = logging.getLogger("quack_kernels")
 

@@ -9,7 +9,7 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 DTYPE_BITS = {"float32": 32, "float16": 16, "bfloat16": 16}
 
 
-def _tensor(t, name):
+def check_tensor(t, name):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     return t
@@ -28,7 +28,7 @@ def _aligned(t) -> bool:
 
 def rows(x, name="x"):
     """Validate a (..., N) CUDA tensor and view it as a contiguous, 16-byte aligned (M, N)."""
-    _tensor(x, name)
+    check_tensor(x, name)
     if not x.is_cuda:
         raise ValueError(f"{name} must be a CUDA tensor, got device {x.device}")
     dtype_name(x, name)
@@ -49,7 +49,7 @@ def rows(x, name="x"):
 
 def like_rows(t, name, ref, ref_name="x", dtype=None):
     """Validate a tensor that must match ``ref``'s shape (and dtype) and device."""
-    _tensor(t, name)
+    check_tensor(t, name)
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
     want = ref.dtype if dtype is None else dtype
@@ -66,7 +66,7 @@ def vector(t, name, n, ref, ref_name="x", dtype=None):
     """Validate a per-column (N,) vector (weight / bias)."""
     if t is None:
         return None
-    _tensor(t, name)
+    check_tensor(t, name)
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but {ref_name} is on {ref.device}")
     want = ref.dtype if dtype is None else dtype
@@ -81,7 +81,7 @@ def vector(t, name, n, ref, ref_name="x", dtype=None):
 
 def per_row(t, name, m, ref, dtype=torch.float32):
     """Validate a per-row (M,) fp32 vector (rstd / mean / lse)."""
-    _tensor(t, name)
+    check_tensor(t, name)
     if t.device != ref.device:
         raise ValueError(f"{name} is on {t.device} but x is on {ref.device}")
     if t.dtype != dtype:
@@ -110,10 +110,10 @@ def affine(weight, bias, n, x):
     ref = weight if weight is not None else bias
     if ref is None:
         return None, None, "same"
-    _tensor(ref, "weight" if weight is not None else "bias")
+    check_tensor(ref, "weight" if weight is not None else "bias")
     wname = dtype_name(ref, "weight" if weight is not None else "bias")
     if weight is not None and bias is not None:
-        _tensor(bias, "bias")
+        check_tensor(bias, "bias")
         if bias.dtype != weight.dtype:
             raise TypeError(
                 f"bias has dtype {bias.dtype} but weight has {weight.dtype}: "

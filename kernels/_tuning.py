@@ -25,6 +25,15 @@ def table(arch: str):
     return Table.load(path) if path.is_file() else None
 
 
+def active_table(arch: str):
+    """The table in force: one ``quack.tuning.use_table`` set for this block (a side-by-side
+    comparison of two tables), else the checked-in one."""
+    from quack.tuning import table_override
+
+    t = table_override(arch)
+    return t if t is not None else table(arch)
+
+
 def table_path(arch: str) -> Path:
     return TABLE_DIR / f"{arch}.toml"
 
@@ -39,13 +48,12 @@ def gpu_for(arch: str) -> str | None:
     """The GPU model whose rows apply (``quack.tuning.gpu``), None without a table."""
     from quack.tuning import current_gpu
 
-    t = table(arch)
+    t = active_table(arch)
     return current_gpu(t.default_gpu if t is not None else None)
 
 
 @functools.lru_cache(maxsize=4096)
-def _lookup(kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu: str | None):
-    t = table(arch)
+def _lookup(t, kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu: str | None):
     if t is None or gpu is None or not any(r.gpu == gpu for r in t.rows):
         if (arch, gpu) not in _warned:
             _warned.add((arch, gpu))
@@ -65,7 +73,7 @@ def _lookup(kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu: st
 def default_config(kernel: str, cfg_cls, cls: str | None, dtype: str, n: int, arch: str, fallback=None):
     """The table's configuration for the problem, else ``fallback`` (else the empty one:
     every knob at the kernel's heuristic)."""
-    hit = _lookup(kernel, cls, dtype, n, arch, gpu_for(arch))
+    hit = _lookup(active_table(arch), kernel, cls, dtype, n, arch, gpu_for(arch))
     if hit is None:
         return fallback if fallback is not None else cfg_cls()
     return cfg_cls.from_dict(hit[0], where=hit[1])

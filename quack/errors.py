@@ -152,15 +152,31 @@ class PreloadError(CompileError):
     """A module named in ``[build] preload`` (QUACK_PRELOAD) failed to import in a compile
     worker: no key can compile there. A CompileError (a runtime call that needed the
     worker raises it as one) that names the module and where it was set, with the
-    import's traceback; ``quack build`` stops at the first and exits non-zero."""
+    import's traceback; ``quack build`` stops at the first and exits non-zero. ``checked``:
+    found by ``quack build``'s check before starting any worker (quack.compile.preload.check)
+    rather than by a worker's import; ``head`` is the one-line message."""
 
-    def __init__(self, module: str, source: str, detail: str, *, kernel: str = "", arch: str = ""):
+    def __init__(
+        self,
+        module: str,
+        source: str,
+        detail: str,
+        *,
+        kernel: str = "",
+        arch: str = "",
+        checked: bool = False,
+    ):
         where = f" (set in {source})" if source else ""
         last = next((ln.strip() for ln in reversed(detail.splitlines()) if ln.strip()), "")
+        how = (
+            "cannot be imported (checked before compiling)"
+            if checked
+            else "failed to import in the compile worker"
+        )
         # An "error:" line first: the one line `quack build` shows for a failed key.
-        head = f"error: preload module {module!r}{where} failed to import in the compile worker: {last}"
-        super().__init__(kernel or "?", {}, arch or "?", f"{head}\n\n{detail}")
-        self.module, self.source = module, source
+        self.head = f"error: preload module {module!r}{where} {how}: {last}"
+        super().__init__(kernel or "?", {}, arch or "?", f"{self.head}\n\n{detail}")
+        self.module, self.source, self.checked = module, source, checked
         Exception.__init__(self, self.detail)
 
 

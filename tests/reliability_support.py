@@ -119,7 +119,7 @@ def session_objects(tmp_path_factory) -> dict:
 
 
 def toy_ref(info: dict, arch: str = "sm_90a"):
-    from quack.cache.store import EntryRef
+    from quack.cache.entry import EntryRef
 
     return EntryRef("toy_scale", info["key"], arch, info["srcfp"])
 

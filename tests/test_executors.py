@@ -422,7 +422,8 @@ def test_vet_hello_admits_a_matching_actor_and_refuses_naming_both_values():
 
 def test_ray_executor_stats_list_every_counter_in_order_before_start(tmp_path):
     pytest.importorskip("ray", reason="the [ray] extra is not installed")
-    from quack_build.build.executors.ray.executor import PUBLISH_THREADS, RayExecutor
+    from quack_build.build.executors.publish import PUBLISH_THREADS
+    from quack_build.build.executors.ray.executor import RayExecutor
 
     s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
     ex = RayExecutor("ray", jobs=2, settings=s, store=DiskStore(tmp_path / "c"))

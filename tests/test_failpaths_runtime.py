@@ -211,7 +211,8 @@ def test_prebuilt_miss_after_an_edit_names_the_older_build(quack_settings, tmp_p
 
     from reliability_support import copy_publish, session_objects
 
-    from quack.cache.store import DiskStore, EntryRef
+    from quack.cache.entry import EntryRef
+    from quack.cache.store import DiskStore
 
     obj = Path(session_objects(tmp_path_factory)["float32"]["path"])
     spec = relkernels.rel_copy.spec

@@ -419,3 +419,41 @@ params = { dtype = "bfloat16", block = 64 }
         return r.stdout.split()
 
     assert wait_for(lambda: not leftovers(), timeout=30), leftovers()
+
+
+def test_ray_actors_import_the_preload_modules_once_each_and_report_the_time(tmp_path):
+    """[build] preload with --executor ray (a local instance, 2 CPUs): each actor imports
+    the modules once, at its start, and the build reports the time (issue 27)."""
+    pkgs = tmp_path / "pkgs"
+    pkgs.mkdir()
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    # The "heavy library": marks which process imported it (a file per import).
+    (pkgs / "tpq_heavy.py").write_text(
+        "import os, tempfile, time\n"
+        f"tempfile.NamedTemporaryFile(dir={str(marks)!r}, prefix='%d-' % os.getpid(), delete=False)\n"
+        "time.sleep(0.2)\n"
+    )
+    proj = write_project(
+        tmp_path / "proj",
+        """
+[[kernel]]
+name = "toy_scale"
+archs = ["sm_90a"]
+params = { dtype = "bfloat16", block = [64, 128, 256, 512] }
+""",
+    )
+    toml = proj / "quack.toml"
+    toml.write_text(toml.read_text().replace("[build]\n", '[build]\npreload = ["tpq_heavy"]\n'))
+    env = sub_env(tmp_path / "cache", str(pkgs))
+    env.pop("RAY_ADDRESS", None)
+    r = quack_sub(["build", "--executor", "ray", "-j", "2", "--json"], proj, env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout)
+    assert (res["executor"], res["compiled"], res["preload"]) == ("ray", 4, ["tpq_heavy"]), res
+    assert res["preload_s"] >= 0.2, res  # the module's own sleep, at least
+    imports = [int(m.name.split("-")[0]) for m in marks.iterdir()]
+    compiled_by = {int(k["worker"]) for k in res["keys"]}
+    # Once per actor (at most the 2 started), every actor that compiled among them.
+    assert len(imports) == len(set(imports)) <= 2, imports
+    assert compiled_by <= set(imports), (compiled_by, imports)

@@ -19,7 +19,8 @@ import pytest
 from interrupt_support import busy_machine, gate_env, scaled, write_gate_project
 from reliability_support import PY, QUACK, TESTS, debris, env, session_objects, write_toy_project
 
-from quack.cache.store import DiskStore, EntryRef
+from quack.cache.entry import EntryRef
+from quack.cache.store import DiskStore
 from quack.runtime import loader
 from quack_build.build.interrupts import GRACE_S
 
@@ -35,7 +36,8 @@ _REPUBLISH = r"""
 import hashlib, os, sys, time
 from pathlib import Path
 from quack.runtime import loader
-from quack.cache.store import DiskStore, EntryRef
+from quack.cache.entry import EntryRef
+from quack.cache.store import DiskStore
 root, obj, srcfp, nkeys = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 data = Path(obj).read_bytes()
 store = DiskStore(Path(root), fsync=True)

@@ -351,7 +351,8 @@ def test_redis_stopped_mid_build(toy, keydir, tmp_path):
 
 def _toy_blobs(toy, keydir) -> dict[str, bytes]:
     """The toy writer's objects, read back from its file-system cache and signed (no Redis needed)."""
-    from quack.cache.store import DiskStore, EntryRef
+    from quack.cache.entry import EntryRef
+    from quack.cache.store import DiskStore
 
     out = {}
     store = DiskStore(toy["cache"], fsync=False)

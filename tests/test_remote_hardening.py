@@ -18,7 +18,8 @@ import remote_services
 from remote_services import moto_s3, redis_server
 
 from quack import settings, signing
-from quack.cache.store import DiskStore, EntryRef
+from quack.cache.entry import EntryRef
+from quack.cache.store import DiskStore
 from quack.errors import RemoteError, RemoteWarning, SettingsError
 from quack.remote import file_backend, objects, tier
 from quack.remote.backend import open_backend

@@ -17,7 +17,8 @@ from remote_services import free_port
 from quack import settings, signing
 from quack.cache import keys
 from quack.cache.contract import ReadTier
-from quack.cache.store import DiskStore, EntryRef
+from quack.cache.entry import EntryRef
+from quack.cache.store import DiskStore
 from quack.errors import ObjectRejected
 from quack.remote import objects, tier
 from quack.remote.backend import open_backend

@@ -30,7 +30,8 @@ from reliability_support import (
 
 from quack import registry, settings
 from quack.cache import fsutil
-from quack.cache.store import DiskStore, EntryRef
+from quack.cache.entry import EntryRef
+from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import CacheError, CacheWarning, CacheWriteError, ParamError, SettingsError, UnknownKernel
 from quack.runtime import loader

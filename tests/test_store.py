@@ -137,7 +137,7 @@ TRICKY = [
 def test_entry_ref_fields_are_refused_as_the_old_patterns_refused_them(field):
     import re
 
-    from quack.cache.store import EntryRef
+    from quack.cache.entry import EntryRef
     from quack.errors import ParamError
 
     checked = 0
@@ -162,7 +162,7 @@ def test_entry_ref_and_entry_behave_as_generated_dataclasses(tmp_path):
     import pickle
     from pathlib import Path
 
-    from quack.cache.store import Entry, EntryRef
+    from quack.cache.entry import Entry, EntryRef
     from quack.errors import ParamError
 
     @dataclasses.dataclass(frozen=True)

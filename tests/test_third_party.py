@@ -140,6 +140,57 @@ print(json.dumps(out))
     assert issubclass(PreloadError, Exception)
 
 
+def _pkg(root, name: str, init: str = "", **mods: str):
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "__init__.py").write_text(init)
+    for m, text in mods.items():
+        (d / f"{m}.py").write_text(text)
+
+
+def test_preload_check_finds_modules_without_running_them_and_names_a_missing_one(tmp_path, monkeypatch):
+    import sys
+
+    from quack.compile import preload
+
+    # __init__ raises: a package the check would run could not be found "cleanly".
+    boom = 'raise RuntimeError("tpq_lib ran")\n'
+    _pkg(tmp_path / "a", "tpq_lib", init=boom, heavy=boom)
+    _pkg(tmp_path / "a", "tpq_plain")
+    # A pkgutil-style namespace spread over two folders: `tpq_ns.far` is only found once
+    # tpq_ns/__init__.py has run (extend_path), which the check confirms in a child.
+    ext = "__path__ = __import__('pkgutil').extend_path(__path__, __name__)\n"
+    _pkg(tmp_path / "a", "tpq_ns", init=ext)
+    _pkg(tmp_path / "b", "tpq_ns", init=ext, far="")
+    monkeypatch.syspath_prepend(str(tmp_path / "b"))
+    monkeypatch.syspath_prepend(str(tmp_path / "a"))
+    preload.check(["json", "tpq_lib", "tpq_lib.heavy", "tpq_ns.far"], "/p/quack.toml")
+    assert not {"tpq_lib", "tpq_lib.heavy", "tpq_ns", "tpq_ns.far"} & set(sys.modules)
+    for mod, missing in (
+        ("tpq_nothing_here", "ModuleNotFoundError: No module named 'tpq_nothing_here'"),
+        ("tpq_plain.missing", "ModuleNotFoundError: No module named 'tpq_plain.missing'"),
+        # Not found statically: the child's real find_spec runs tpq_lib/__init__.py (the
+        # worker would too), and its error is the one reported.
+        ("tpq_lib.missing", "RuntimeError: tpq_lib ran"),
+        ("tpq_ns.nowhere", "ModuleNotFoundError: No module named 'tpq_ns.nowhere'"),
+    ):
+        with pytest.raises(PreloadError) as ei:
+            preload.check(["json", mod], "/p/quack.toml")
+        e = ei.value
+        assert (e.module, e.source, e.checked) == (mod, "/p/quack.toml", True)
+        assert e.head == (
+            f"error: preload module {mod!r} (set in /p/quack.toml) cannot be imported (checked before "
+            f"compiling): {missing}"
+        ), e.head
+    # A parent that is a module, not a package: the import system's own message.
+    with pytest.raises(PreloadError) as ei:
+        preload.check(["os.path.nope"])
+    assert ei.value.head.endswith(
+        ": ModuleNotFoundError: __path__ attribute not found on 'os.path' while trying to find 'os.path.nope'"
+    ), ei.value.head
+    assert not {"tpq_lib", "tpq_plain", "tpq_ns"} & set(sys.modules)
+
+
 # -- 4. the compiler-free occupancy helper -------------------------------------------------
 def test_max_active_clusters_needs_no_compiler():
     code = r"""

@@ -26,15 +26,17 @@ print(json.dumps({"callable": callable(fn), "how": u["how"], "compiles": u["comp
 """
 
 _LAUNCH = r"""
-import json, torch
+import json, sys, torch
 from tp_kernels.dequant import tp_dequant
-x = (torch.randn(4096, 8, device="cuda") * 4).to(torch.float8_e4m3fn)
-worst = 0.0
-for out, tile in ((torch.float32, (128, 4)), (torch.bfloat16, (256, 2))):
-    y = tp_dequant(x, 0.5, out, tile)
-    ref = (x.float() * 0.5).to(out)
-    torch.testing.assert_close(y, ref, rtol=0, atol=0)
-print(json.dumps({"ok": True}))
+checked = 0
+for p in json.loads(sys.argv[1]):  # every configuration the build compiled
+    in_dt, out_dt = getattr(torch, p["in_dtype"]), getattr(torch, p["out_dtype"])
+    x = (torch.randn(4096, 8, device="cuda") * 4).to(in_dt)
+    y = tp_dequant(x, 0.5, out_dt, tuple(p["tile"]))
+    ref = (x.float() * 0.5).to(out_dt)  # one multiply in fp32, one rounding: exact
+    torch.testing.assert_close(y, ref, rtol=0, atol=0, msg=lambda m: f"{p}: {m}")
+    checked += 1
+print(json.dumps({"checked": checked}))
 """
 
 
@@ -52,10 +54,18 @@ def built(tmp_path_factory):
 
 def test_example_builds_for_sm90_with_its_preload(built):
     _proj, _e, res = built
-    assert (res["total"], res["compiled"], res["failed"]) == (8, 8, 0), res
+    # The manifest's 19 configurations (issue 27's workload shape): an fp8 cross product
+    # with an exclude, a 16-bit one and an include.
+    assert (res["total"], res["compiled"], res["failed"]) == (19, 19, 0), res
     assert res["preload"] == ["tp_helpers.dequant"] and res["preload_s"] > 0, res
     assert {k["arch"] for k in res["keys"]} == {"sm_90a"}
-    assert {tuple(k["params"]["tile"]) for k in res["keys"]} == {(128, 4), (256, 2)}
+    configs = {
+        (k["params"]["in_dtype"], k["params"]["out_dtype"], tuple(k["params"]["tile"])) for k in res["keys"]
+    }
+    assert len(configs) == 19
+    assert {c[2] for c in configs} == {(128, 4), (256, 2), (64, 8), (128, 8), (256, 1)}
+    assert {c[0] for c in configs} == {"float8_e4m3fn", "float8_e5m2", "bfloat16", "float16", "float32"}
+    assert not {c for c in configs if c[1] == "float16" and c[2] == (64, 8)}  # the exclude
 
 
 def test_example_rule_refuses_sm100a_at_expansion(built):
@@ -66,23 +76,45 @@ def test_example_rule_refuses_sm100a_at_expansion(built):
     assert "tp_dequant: arch = 'sm_100a' is not allowed" in out and "tp_dequant is SM90 only" in out, out
 
 
-def test_example_preload_that_fails_stops_the_build_naming_module_and_file(built, tmp_path):
-    proj, e, _ = built
+def _with_preload(proj, tmp_path, module: str):
     bad = tmp_path / "bad"
     shutil.copytree(proj, bad, ignore=shutil.ignore_patterns("__pycache__"))
     toml = bad / "quack.toml"
-    toml.write_text(
-        toml.read_text().replace('preload = ["tp_helpers.dequant"]', 'preload = ["tp_helpers.missing"]')
-    )
+    toml.write_text(toml.read_text().replace('preload = ["tp_helpers.dequant"]', f'preload = ["{module}"]'))
+    return bad, toml
+
+
+def test_example_preload_that_cannot_be_found_stops_the_build_before_any_worker(built, tmp_path):
+    proj, e, _ = built
+    bad, toml = _with_preload(proj, tmp_path, "tp_helpers.missing")
     e2 = dict(e, QUACK_CACHE_DIR=str(tmp_path / "cache"))
     r = run_quack(["build", "--jobs", "2", "--keep-going", "--json"], cwd=bad, timeout=300, env_=e2)
-    assert r.returncode != 0
+    assert r.returncode == 1, r.stdout + r.stderr
+    # Checked in the build process before any worker: no build ran, so no JSON result (a
+    # worker used to find it after the forkserver's start-up and fail every key with it).
+    assert r.stdout == "", r.stdout
+    assert (
+        f"error: preload module 'tp_helpers.missing' (set in {toml}) cannot be imported (checked "
+        "before compiling): ModuleNotFoundError: No module named 'tp_helpers.missing'"
+    ) in r.stderr.splitlines(), r.stderr
+    assert not list((tmp_path / "cache").glob("v1/*/tp_dequant/*/*.o"))
+
+
+def test_example_preload_that_raises_in_the_worker_stops_the_build_naming_it(built, tmp_path):
+    proj, e, _ = built
+    bad, toml = _with_preload(proj, tmp_path, "tp_helpers.broken")
+    # Found (the build's check passes), but its import fails: the worker reports it before
+    # compiling, and the build stops even with --keep-going.
+    (bad / "tp_helpers" / "broken.py").write_text('raise ImportError("libfoo.so: cannot open")\n')
+    e2 = dict(e, QUACK_CACHE_DIR=str(tmp_path / "cache"))
+    r = run_quack(["build", "--jobs", "2", "--keep-going", "--json"], cwd=bad, timeout=300, env_=e2)
+    assert r.returncode == 1, r.stdout + r.stderr
     res = json.loads(r.stdout)
     assert res["compiled"] == 0 and res["failed"] >= 1, res
     errs = {k.get("error", "") for k in res["keys"] if k["status"] == "failed"}
     assert errs == {
-        f"error: preload module 'tp_helpers.missing' (set in {toml}) failed to import in the compile "
-        "worker: ModuleNotFoundError: No module named 'tp_helpers.missing'"
+        f"error: preload module 'tp_helpers.broken' (set in {toml}) failed to import in the compile "
+        "worker: ImportError: libfoo.so: cannot open"
     }, errs
 
 
@@ -99,11 +131,17 @@ def test_example_loads_prebuilt_without_the_compiler(built):
 
 
 @requires_gpu
-def test_example_launches_against_torch(built):
-    proj, e, _ = built
+def test_example_launches_every_prebuilt_configuration_against_torch(built):
+    proj, e, res = built
     e = dict(e, QUACK_MODE="prebuilt", PYTHONPATH=f"{proj}:{e['PYTHONPATH']}")
+    params = [k["params"] for k in res["keys"]]
     p = subprocess.run(
-        [sys.executable, "-c", _LAUNCH], cwd=proj, env=e, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", _LAUNCH, json.dumps(params)],
+        cwd=proj,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert p.returncode == 0, p.stderr
-    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"ok": True}
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"checked": 19}

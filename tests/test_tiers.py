@@ -15,7 +15,8 @@ from conftest import use_settings
 from quack import settings
 from quack.cache.contract import CORRUPT, MISSING, OK, Fetched, ReadTier, Store
 from quack.cache.directory_tier import DirectoryTier
-from quack.cache.store import DiskStore, EntryRef
+from quack.cache.entry import EntryRef
+from quack.cache.store import DiskStore
 from quack.errors import CacheWarning
 from quack.runtime import tiers
 

@@ -22,7 +22,9 @@ HERE = Path(__file__).resolve().parent
 
 
 def build(proj: Path, cache: Path, jobs: int, manifest: str | None) -> dict:
+    trace = cache.with_name(cache.name + "-trace.json")
     cmd = [sys.executable, "-m", "quack_build", "build", "--json", "--force", "--jobs", str(jobs)]
+    cmd += ["--trace", str(trace)]
     cmd += [manifest] if manifest else []
     r = subprocess.run(
         cmd,
@@ -34,16 +36,23 @@ def build(proj: Path, cache: Path, jobs: int, manifest: str | None) -> dict:
     )
     if r.returncode != 0:
         raise SystemExit(f"quack build failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}")
-    return json.loads(r.stdout)
+    res = json.loads(r.stdout)
+    # When each key started: the trace's compile events (the JSON lists keys in plan
+    # order, which is not the order workers took them once past compile times reorder it).
+    events = json.loads(trace.read_text())["traceEvents"]
+    res["starts"] = {
+        e["args"]["key"]: e["ts"] for e in events if e.get("ph") == "X" and "key" in e.get("args", {})
+    }
+    return res
 
 
 def first_key_ratios(res: dict) -> tuple[float, list[float]]:
-    """(median compile_s, each worker's first key / median), workers by pid, keys in
-    start order (the build's JSON lists them in plan order; worker order is by pid)."""
+    """(median compile_s, each worker's first key / median): a worker's first key is the
+    one it started first (the trace's start times)."""
     keys = [k for k in res["keys"] if k["status"] == "compiled"]
     med = statistics.median(k["compile_s"] for k in keys)
     first: dict[int, float] = {}
-    for k in keys:  # the first key each worker reported (plan order == submission order)
+    for k in sorted(keys, key=lambda k: res["starts"][k["key"]]):
         first.setdefault(k["worker"], k["compile_s"])
     return med, [v / med for v in first.values()]
 
@@ -64,7 +73,7 @@ def main() -> None:
                     "".join(ln for ln in toml.read_text().splitlines(True) if not ln.startswith("preload"))
                 )
             for i in range(a.repeat):
-                res = build(proj, Path(d) / f"cache-{label[:4]}-{i}", a.jobs, a.manifest)
+                res = build(proj, Path(d) / f"cache-{label.replace(' ', '_')}-{i}", a.jobs, a.manifest)
                 med, ratios = first_key_ratios(res)
                 print(
                     f"{label:16s} run {i + 1}: median key {med:.2f}s; first key per worker / median: "

@@ -1,32 +1,25 @@
-"""Reading a file of an installed bundle without leaving its package directory.
-
-A bundle's files are read by a walk of ``openat`` calls from the package directory:
-every directory on the way is opened with ``O_NOFOLLOW | O_DIRECTORY`` relative to
-the one before it, the file itself with ``O_NOFOLLOW | O_NONBLOCK`` and must be a
-regular file no larger than the caller's cap (checked with ``fstat`` before a byte is
-read). Issue 30: ``v1/`` replaced by a symlink to a folder outside the bundle was
-followed (only the last component was opened with ``O_NOFOLLOW``), and a FIFO would
-block ``open`` for ever. Paths given here are the index's rebuilt, validated ones."""
+"""Reading a file of an installed bundle without leaving its package directory: the
+``openat`` walk of quack.cache.openat from the package directory (every directory on the
+way opened with ``O_NOFOLLOW | O_DIRECTORY``, the file with ``O_NOFOLLOW | O_NONBLOCK``,
+a regular file no larger than the caller's cap, checked before a byte is read). Issue 30:
+``v1/`` replaced by a symlink to a folder outside the bundle was followed (only the last
+component was opened with ``O_NOFOLLOW``), and a FIFO would block ``open`` for ever.
+Paths given here are the index's rebuilt, validated ones."""
 
 from __future__ import annotations
 
 import errno
 import os
-import stat
 from pathlib import Path
 
+from quack.cache import openat
 from quack.errors import BundleError
-
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | _CLOEXEC
-_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
-CHUNK = 1 << 20
 
 
 def _refused(err: OSError, where: Path) -> BundleError | OSError:
     # O_NOFOLLOW on a symlink gives ELOOP (ENOTDIR with O_DIRECTORY on some systems):
     # a planted link, said plainly rather than as "too many levels of symbolic links".
-    if err.errno in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+    if err.errno in openat.LINK_ERRNOS:
         return BundleError(
             f"{where} is a symbolic link or not a directory; a bundle's files are read only "
             f"inside its package directory, never through a link",
@@ -38,7 +31,7 @@ def _refused(err: OSError, where: Path) -> BundleError | OSError:
 def open_root(root: Path) -> int:
     """A descriptor of the package directory itself, refusing a symlink there."""
     try:
-        return os.open(root, _DIR_FLAGS)
+        return os.open(root, openat.DIR_FLAGS)
     except OSError as e:
         raise _refused(e, root) from None
 
@@ -50,41 +43,35 @@ def read_under(root: Path, rel: str, cap: int) -> bytes:
     parts = rel.split("/")
     if not parts or any(p in ("", ".", "..") for p in parts):
         raise BundleError(f"refusing bundle path {rel!r}", path=str(root))
-    fds = [open_root(root)]
+    root_fd = open_root(root)
     try:
-        where = root
-        for part in parts[:-1]:
-            where = where / part
-            try:
-                fds.append(os.open(part, _DIR_FLAGS, dir_fd=fds[-1]))
-            except OSError as e:
-                raise _refused(e, where) from None
-        where = where / parts[-1]
+        dfd = openat.walk_dirs(
+            root_fd, parts[:-1], refuse=lambda i, _parent, e: _refused(e, root.joinpath(*parts[: i + 1]))
+        )
+    finally:
+        os.close(root_fd)
+    assert dfd is not None  # without missing_ok, a missing directory raises
+    where = root.joinpath(*parts)
+    try:
         try:
-            fd = os.open(parts[-1], _FILE_FLAGS, dir_fd=fds[-1])
+            fd = os.open(parts[-1], openat.FILE_FLAGS, dir_fd=dfd)
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise _refused(e, where) from None
             raise
-        fds.append(fd)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise BundleError(f"{where} is not a regular file", path=str(where))
-        if st.st_size > cap:
-            raise BundleError(
-                f"{where} is {st.st_size} bytes, more than the {cap} a bundle allows (refused unread)",
-                path=str(where),
+        try:
+            return openat.read_regular(
+                fd,
+                cap,
+                not_regular=lambda _mode: BundleError(f"{where} is not a regular file", path=str(where)),
+                too_large=lambda size: BundleError(
+                    f"{where} is {size} bytes, more than the {cap} a bundle allows (refused unread)"
+                    if size is not None
+                    else f"{where} grew past {cap} bytes while read",
+                    path=str(where),
+                ),
             )
-        chunks, total = [], 0
-        while total <= cap:  # a file growing while read is cut at cap + 1: refused below
-            b = os.read(fd, min(CHUNK, cap + 1 - total))
-            if not b:
-                break
-            chunks.append(b)
-            total += len(b)
-        if total > cap:
-            raise BundleError(f"{where} grew past {cap} bytes while read", path=str(where))
-        return b"".join(chunks)
-    finally:
-        for fd in reversed(fds):
+        finally:
             os.close(fd)
+    finally:
+        os.close(dfd)

@@ -19,43 +19,19 @@ import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from quack.cache import fsutil, keys, orphans
 from quack.cache.entry import Entry, EntryRef
-from quack.cache.problems import warn_once, write_error
+from quack.cache.problems import write_error
 from quack.errors import CacheError, CacheWarning, LockTimeout
 
 if TYPE_CHECKING:
-    from quack.cache.contract import Inspection, Store
+    from quack.cache.contract import Inspection
 
 LAYOUT = "v1"
 SCRATCH = "tmp"  # <root>/tmp: helper tools' temp files (see DiskStore.scratch_dir)
 META_FORMAT = 1
-
-
-__all__ = [
-    "DiskStore",
-    "Entry",
-    "EntryRef",
-    "Inspection",
-    "Store",
-    "LAYOUT",
-    "local_store",
-    "warn_once",
-    "write_error",
-]
-
-
-def __getattr__(name: str) -> Any:
-    """``Inspection`` and ``Store`` are re-exported from quack.cache.contract on first
-    use: a runtime hit (lookup, load) never needs the contract's Protocols and frozen
-    dataclasses, ~2 ms of a fresh process's first kernel load (issue 15)."""
-    if name in ("Inspection", "Store"):
-        from quack.cache import contract
-
-        return getattr(contract, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def local_store(s) -> "DiskStore":

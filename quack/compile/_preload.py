@@ -50,7 +50,7 @@ def _preload() -> None:
     preload.run(modules, source)
     try:
         from quack import registry
-        from quack.compile._warmup import warm_up
+        from quack.compile.warmup import warm_up
 
         registry.load_packages(packages)
         warm_up()

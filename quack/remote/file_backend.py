@@ -37,13 +37,13 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
+from quack.cache import openat
 from quack.errors import RemoteError
 from quack.remote.base import MAX_VALUE, OP_TIMEOUT, too_large
 
 MARKER = ".quack-remote"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _KINDS = {
     stat.S_IFIFO: "a FIFO",
     stat.S_IFSOCK: "a socket",
@@ -193,36 +193,15 @@ class FileBackend:
 
     def _walk(self, root_fd: int, dirs: list[str], *, create: bool) -> int | None:
         """A descriptor of the object's directory, opened component by component with
-        O_NOFOLLOW (a symlinked directory is refused, never followed); None if a
-        component is missing and ``create`` is false."""
-        fd = os.dup(root_fd)
-        here = self.root
-        try:
-            for part in dirs:
-                here = here / part
-                if create:
-                    try:
-                        os.mkdir(part, 0o777, dir_fd=fd)
-                    except FileExistsError:
-                        pass
-                try:
-                    nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
-                except FileNotFoundError:
-                    if create:
-                        raise
-                    os.close(fd)
-                    return None
-                except OSError as e:
-                    if e.errno not in (errno.ELOOP, errno.ENOTDIR):
-                        raise
-                    st = os.stat(part, dir_fd=fd, follow_symlinks=False)
-                    raise self._refuse(f"{here} is {_kind(st.st_mode)}, not a directory; refused") from None
-                os.close(fd)
-                fd = nfd
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
+        O_NOFOLLOW (quack.cache.openat: a symlinked directory is refused, never followed);
+        None if a component is missing and ``create`` is false."""
+
+        def refuse(i: int, parent: int, _e: OSError) -> RemoteError:
+            st = os.stat(dirs[i], dir_fd=parent, follow_symlinks=False)
+            here = self.root.joinpath(*dirs[: i + 1])
+            return self._refuse(f"{here} is {_kind(st.st_mode)}, not a directory; refused")
+
+        return openat.walk_dirs(root_fd, dirs, refuse=refuse, create=create, missing_ok=not create)
 
     # -- the operations (on the daemon thread) ------------------------------------------------
     def _get(self, parts: list[str]) -> bytes | None:
@@ -244,23 +223,16 @@ class FileBackend:
             if not stat.S_ISREG(st.st_mode):
                 raise self._refuse(f"{p} is {_kind(st.st_mode)}, not a regular file; refused")
             # O_NONBLOCK: should a FIFO be swapped in after the lstat, open returns at once.
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+            fd = os.open(parts[-1], openat.FILE_FLAGS, dir_fd=dfd)
             try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode):
-                    raise self._refuse(f"{p} is {_kind(st.st_mode)}, not a regular file; refused")
-                if st.st_size > self.max_bytes:
-                    raise too_large(self.url, str(p), st.st_size, self.max_bytes)
-                chunks, n = [], 0
-                while n <= self.max_bytes:  # bounded even if the file grows while read
-                    b = os.read(fd, min(1 << 20, self.max_bytes + 1 - n))
-                    if not b:
-                        break
-                    chunks.append(b)
-                    n += len(b)
-                if n > self.max_bytes:
-                    raise too_large(self.url, str(p), None, self.max_bytes)
-                return b"".join(chunks)
+                return openat.read_regular(
+                    fd,
+                    self.max_bytes,
+                    not_regular=lambda mode: self._refuse(
+                        f"{p} is {_kind(mode)}, not a regular file; refused"
+                    ),
+                    too_large=lambda size: too_large(self.url, str(p), size, self.max_bytes),
+                )
             finally:
                 os.close(fd)
         except FileNotFoundError:

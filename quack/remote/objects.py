@@ -72,7 +72,7 @@ REASONS = (
 
 
 def object_name(ref) -> str:
-    """Where ``ref`` (a quack.store.EntryRef: validated components) lives remotely."""
+    """Where ``ref`` (a quack.cache.entry.EntryRef: validated components) lives remotely."""
     return f"{PREFIX}/{ref.stamp}/{ref.kernel}/{ref.srcfp}/{ref.key}"
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
 from quack.errors import CacheError, CacheWarning, CompileError, EntryVanished
-from quack.runtime import _generation
+from quack.runtime import generation
 from quack.runtime.loaded import Loaded, load
 
 # Importing a kernel module runs only @jit_cache, which needs the registry; the settings,
@@ -42,7 +42,7 @@ class JitKernel:
         self._memo: dict = {}
         self._by_key: dict[str, Loaded] = {}
         self._failed: dict[str, tuple[str, CompileError]] = {}  # key -> (source fingerprint, error)
-        self._gen = _generation.value
+        self._gen = generation.value
         self._lock = threading.RLock()
         self.warned_unshippable = False  # its one warning: a worker can't import it (quack.runtime.miss)
         functools.update_wrapper(self, spec.fn)
@@ -57,7 +57,7 @@ class JitKernel:
                 self._memo[
                     (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
                 ]
-                if self._gen == _generation.value
+                if self._gen == generation.value
                 else None
             )
         except (KeyError, TypeError):
@@ -92,11 +92,11 @@ class JitKernel:
         from quack import settings as _settings
 
         with self._lock:
-            if self._gen != _generation.value:
+            if self._gen != generation.value:
                 self._memo.clear()
                 self._by_key.clear()
                 self._failed.clear()
-                self._gen = _generation.value
+                self._gen = generation.value
             s = _settings.get()
             params = self.spec.bind(args, kwargs, arch=s.arch)
             key = self.spec.key(params, s.arch)

@@ -27,7 +27,9 @@ log = logging.getLogger("quack")
 _PROBE = "quack_occupancy_probe"
 
 
-def _ptx(major: int, minor: int) -> bytes:
+def probe_ptx(major: int, minor: int) -> bytes:
+    """The occupancy probe kernel's PTX for sm_<major><minor>, NUL-terminated (public:
+    a test assembles it with ptxas)."""
     # PTX ISA 7.8 (CUDA 11.8) is the first with sm_90; any driver that runs sm_90 JITs it
     return (
         f".version 7.8\n.target sm_{major}{minor}\n.address_size 64\n"
@@ -58,7 +60,7 @@ def query_max_active_clusters(device_index: int, cluster_n: int, threads: int, s
     try:
         _check(cu.cuCtxPushCurrent(ctx))
         try:
-            mod = _check(cu.cuModuleLoadData(_ptx(major, minor)))
+            mod = _check(cu.cuModuleLoadData(probe_ptx(major, minor)))
             try:
                 fn = _check(cu.cuModuleGetFunction(mod, _PROBE.encode()))
                 fa = cu.CUfunction_attribute

@@ -78,9 +78,9 @@ def set_current(s: Settings | None) -> None:
     None forgets them, so the next ``get`` resolves again."""
     global _current
     _current = s
-    from quack.runtime import _generation
+    from quack.runtime import generation
 
-    _generation.bump()
+    generation.bump()
     if s is not None:
         configure_logging(s)
 

@@ -7,7 +7,17 @@ table (``Table``: a TOML data file beside the kernels) through ``default_config`
 
 from quack.tuning.config import TuneConfig, knob
 from quack.tuning.gpu import current_gpu, normalise_gpu
-from quack.tuning.override import use_config
+from quack.tuning.override import table_override, use_config, use_table
 from quack.tuning.table import Row, Table
 
-__all__ = ["TuneConfig", "knob", "current_gpu", "normalise_gpu", "Row", "Table", "use_config"]
+__all__ = [
+    "TuneConfig",
+    "knob",
+    "current_gpu",
+    "normalise_gpu",
+    "Row",
+    "Table",
+    "use_config",
+    "use_table",
+    "table_override",
+]

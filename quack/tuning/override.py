@@ -14,6 +14,7 @@ import contextvars
 from typing import Any, Iterator
 
 _OVERRIDES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("quack_tune_overrides", default=None)
+_TABLES: contextvars.ContextVar[dict | None] = contextvars.ContextVar("quack_tune_tables", default=None)
 
 
 @contextlib.contextmanager
@@ -23,6 +24,24 @@ def use_config(kernel: str, config: Any) -> Iterator[None]:
         yield
     finally:
         _OVERRIDES.reset(token)
+
+
+@contextlib.contextmanager
+def use_table(table: Any) -> Iterator[None]:
+    """Within the block, configurations derived for ``table.arch`` come from ``table`` (a
+    ``Table``) instead of the checked-in one: ``benchmarks/bench_tune.py`` times the winners
+    of two tables side by side this way. Like ``use_config``, what it changes is the derived
+    configuration, so the key, the object and the launch geometry stay consistent."""
+    token = _TABLES.set({**(_TABLES.get() or {}), table.arch: table})
+    try:
+        yield
+    finally:
+        _TABLES.reset(token)
+
+
+def table_override(arch: str) -> Any:
+    """The table ``use_table`` set for ``arch`` here, or None."""
+    return (_TABLES.get() or {}).get(arch)
 
 
 def override(kernel: str) -> Any:

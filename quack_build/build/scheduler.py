@@ -84,7 +84,8 @@ class BuildSession:
     the result (check ``.ok``). Keys go to the executor in the order given (longest
     first by default); at most ``jobs`` + 2 are outstanding at once, so fail-fast and
     Ctrl-C stop promptly and progress polling stays O(jobs). ``run`` raises
-    ExecutorError when the executor cannot start.
+    ExecutorError when the executor cannot start, PreloadError when a ``[build] preload``
+    module cannot be found (local executor).
 
     With a remote tier: the keys missing locally are pulled first, and what is compiled
     (here or on a cluster: this process publishes it) is pushed when the tier may
@@ -172,6 +173,14 @@ class BuildSession:
             from quack_build.build.executors.local import LocalExecutor
 
             self.ex = LocalExecutor(self.jobs, settings=self.settings)
+        if self.ex.name == "local":
+            # A [build] preload module this process cannot find stops the build here, before
+            # the forkserver's seconds of start-up and before any key (PreloadError, which
+            # the CLI reports). Not for Ray: the modules must be on the nodes, not here, and
+            # an actor that cannot import one fails its start naming it.
+            from quack.compile import preload
+
+            preload.check(self.settings.preload, self.settings.sources.get("preload", ""))
         t_start = time.time()
         self.ex.start(len(todo))
         # A library the executor started may have replaced the build's signal handlers

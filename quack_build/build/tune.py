@@ -7,7 +7,7 @@ import datetime
 import importlib
 from pathlib import Path
 
-from quack_build.cli.context import Fail, emit_json
+from quack_build.cli.context import Fail
 
 
 def _resolve(ref: str):
@@ -15,7 +15,9 @@ def _resolve(ref: str):
     return getattr(importlib.import_module(mod), fn)
 
 
-def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, as_json, label, default_rows):
+def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, label, default_rows):
+    """Measure each problem, write the winners' tables (a line each on ``con``) and return
+    ``(gpu, results, table paths)``; the caller (quack_build.cli.tune) renders them."""
     import torch
 
     from quack.compile import pool as qpool
@@ -98,25 +100,4 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, as
     for path, t in tables.items():
         t.write(path)
         con.print(f"wrote {path}", markup=False)
-    _print_table(con, results)
-    if as_json:
-        emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))
-    return 0 if all(r["new"] for r in results) else 1
-
-
-def _print_table(con, results) -> None:
-    from rich.table import Table as RTable
-
-    t = RTable(title="quack tune")
-    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up"):
-        t.add_column(col)
-    for r in results:
-        t.add_row(
-            r["problem"],
-            r["old"],
-            r["new"] or "(none correct)",
-            f"{r['old_us']:.1f}" if r["old_us"] else "-",
-            f"{r['new_us']:.1f}" if r["new_us"] else "-",
-            f"{r['speedup']:.3f}x" if r["speedup"] else "-",
-        )
-    con.print(t)
+    return gpu, results, list(tables)

@@ -170,9 +170,9 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
     """What a bundle wheel holds, checked without installing it (see the module's
     docstring for what is checked, in which order). Raises BundleError when it is not
     a readable bundle wheel at all."""
-    from quack_build.bundle.wheel import _wheelfile
+    from quack_build.bundle.wheel import wheelfile_api
 
-    WheelFile, WheelError = _wheelfile()
+    WheelFile, WheelError = wheelfile_api()
     problems: list[str] = []
     infos = _members(path, problems)
     refused = _check_members(infos, problems)

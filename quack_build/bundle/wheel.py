@@ -129,7 +129,9 @@ def _init_py(name: str, version: str) -> str:
     )
 
 
-def _wheelfile():
+def wheelfile_api():
+    """``(WheelFile, WheelError)`` of the optional 'wheel' package (the writer and
+    ``bundle.inspect`` share it), or BundleError saying how to install it."""
     try:
         from wheel.wheelfile import WheelError, WheelFile
     except ImportError:
@@ -185,7 +187,7 @@ def write_wheel(
 ) -> tuple[Path, Index]:
     """Write ``out_dir/<name>-<version>-py3-none-<platform>.whl`` atomically (a temp
     directory beside it, then a rename). ``signing_key``: a quack.signing.SigningKey."""
-    WheelFile, _ = _wheelfile()
+    WheelFile, _ = wheelfile_api()
 
     _index.check_name(name)
     version = check_version(version)

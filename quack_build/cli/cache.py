@@ -1,4 +1,4 @@
-"""The typer commands of ``quack cache``: stats (rendered by quack_build.cachedir.stats_view, which
+"""The typer commands of ``quack cache``: stats (rendered by quack_build.cli.stats_view, which
 the typer-free fast path of quack_build.cli.main shares), clean, pull and push. Registered
 on the ``cache`` sub-app by quack_build.cli.app (``register``)."""
 

@@ -127,7 +127,7 @@ def stats(as_json, cache_dir, top) -> int:
     if as_json:
         emit_json(info)
         return 0
-    from quack_build.cachedir.stats_view import print_stats
+    from quack_build.cli.stats_view import print_stats
 
     print_stats(console(), info)
     return 0

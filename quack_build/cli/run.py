@@ -9,6 +9,7 @@ from typing import List
 
 import typer
 
+from quack.errors import PreloadError
 from quack_build.cli import context as _common
 from quack_build.cli.context import Fail
 
@@ -59,6 +60,11 @@ def run_command(fn):
     except Fail as e:
         typer.echo(str(e), err=True)
         raise typer.Exit(e.code) from None
+    except PreloadError as e:
+        # A [build] preload module a build (build, tune, prewarm) found missing before
+        # starting any worker: its one line, or the child's traceback when it has one.
+        typer.echo(e.detail if e.detail.count("\n") > 2 else e.head, err=True)
+        raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)
         raise typer.Exit(130) from None

@@ -74,27 +74,11 @@ def tune(
     max_configs: int = max_configs_option(),
 ):
     """Measure the kernels' search spaces on this GPU; write the winners to the tuning table."""
-    seconds, count = parse_budget(budget)
+    opts = dict(locals())  # every option by name, as run_tune takes them
+    seconds, count = parse_budget(opts.pop("budget"))
     if dry_run and compile_only:
         raise typer.BadParameter("--dry-run compiles nothing, --compile-only compiles: give one of them")
-    run_command(
-        lambda: run_tune(
-            manifests or [],
-            kernel,
-            seconds,
-            count,
-            table,
-            from_empty,
-            rows,
-            dry_run,
-            as_json,
-            jobs,
-            executor,
-            cache_dir,
-            max_configs,
-            compile_only,
-        )
-    )
+    run_command(lambda: run_tune(seconds=seconds, count=count, **opts))
 
 
 def problems(s, manifests, kernel, max_configs, from_empty=False) -> list:
@@ -129,6 +113,7 @@ def _label(c, base) -> str:
 
 
 def run_tune(
+    *,
     manifests,
     kernel,
     seconds,
@@ -137,13 +122,14 @@ def run_tune(
     from_empty,
     rows,
     dry_run,
+    compile_only,
     as_json,
     jobs,
     executor,
     cache_dir,
     max_configs,
-    compile_only=False,
 ) -> int:
+    manifests = manifests or []
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
     con = console(to_stderr=as_json)
@@ -167,9 +153,13 @@ def run_tune(
         raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
     from quack_build.build import tune as tunerun
 
-    return tunerun.measure_and_write(
-        s, con, probs, seconds, count, table, from_empty, rows, as_json, _label, default_rows
+    gpu, results, tables = tunerun.measure_and_write(
+        s, con, probs, seconds, count, table, from_empty, rows, _label, default_rows
     )
+    _print_table(con, results)
+    if as_json:
+        emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))
+    return 0 if all(r["new"] for r in results) else 1
 
 
 def candidate_configs(probs, count) -> list:
@@ -195,3 +185,21 @@ def _compile_only(s, con, probs, count, jobs, as_json) -> int:
     configs = candidate_configs(probs, count)
     con.print(f"quack tune --compile-only: {len(configs)} candidates of {len(probs)} problems", markup=False)
     return build_configs(s, con, configs, jobs, keep_going=True, force=False, as_json=as_json)
+
+
+def _print_table(con, results) -> None:
+    from rich.table import Table as RTable
+
+    t = RTable(title="quack tune")
+    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up"):
+        t.add_column(col)
+    for r in results:
+        t.add_row(
+            r["problem"],
+            r["old"],
+            r["new"] or "(none correct)",
+            f"{r['old_us']:.1f}" if r["old_us"] else "-",
+            f"{r['new_us']:.1f}" if r["new_us"] else "-",
+            f"{r['speedup']:.3f}x" if r["speedup"] else "-",
+        )
+    con.print(t)

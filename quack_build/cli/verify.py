@@ -29,9 +29,7 @@ def verify(
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
     if bundles:
-        from quack_build.verify import bundles as bundleverify
-
-        run_command(lambda: bundleverify.run_verify_bundles(as_json, cache_dir, no_load, run))
+        run_command(lambda: _verify_bundles(as_json, cache_dir, no_load, run))
     run_command(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))
 
 
@@ -53,5 +51,21 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> i
     if as_json:
         emit_json(res)
     else:
-        v.print_report(con, res)
+        from quack_build.cli.verify_view import print_report
+
+        print_report(con, res)
+    return 0 if res["ok"] else 1
+
+
+def _verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool) -> int:
+    s = cli_settings(cache_dir)
+    load_kernels(s, required=False)
+    from quack_build.cli.verify_view import print_bundle_report
+    from quack_build.verify.bundles import verify_bundles
+
+    res = verify_bundles(s, load=not no_load, run=run)
+    if as_json:
+        emit_json(res)
+    else:
+        print_bundle_report(console(), res)
     return 0 if res["ok"] else 1

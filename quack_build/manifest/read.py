@@ -31,14 +31,10 @@ from typing import Iterable, Iterator
 
 from quack import settings as _settings
 from quack.errors import ManifestError, TomlFileError
+from quack_build.manifest.budget import DEFAULT_MAX_CONFIGS, Budget
 from quack_build.manifest.config import BuildConfig
-from quack_build.manifest.tables import (
-    DEFAULT_MAX_CONFIGS,
-    Budget,
-    KernelTable,
-    generate,
-    prepare_document,
-)
+from quack_build.manifest.expand import generate
+from quack_build.manifest.tables import KernelTable, prepare_document
 from quack_build.manifest.values import FileCheck
 
 

@@ -1,54 +1,37 @@
 """Manifest tables: validate each [[kernel]] table (and a file's [defaults] and
-top-level keys), count its configurations against the build's budget before anything
-is expanded, then expand a valid table one configuration at a time.
-quack_build.manifest.read drives them over every file given."""
+top-level keys) and count its configurations against the build's budget
+(quack_build.manifest.budget) before anything is expanded; quack_build.manifest.expand
+expands a valid table. quack_build.manifest.read drives them over every file given."""
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import itertools
-import math
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable
 
 from quack import registry
 from quack import settings as _settings
-from quack.errors import ParamError, UnknownKernel
+from quack.errors import UnknownKernel
 from quack.tomlfile import escape
-from quack_build.manifest.config import BuildConfig
+from quack_build.manifest.budget import Budget, charge
 from quack_build.manifest.values import (
-    SHOW_BAD,
     FileCheck,
     check_archs,
     check_matcher,
     check_values,
-    matches,
     report_unknown_param,
     show_value,
 )
 
-DEFAULT_MAX_CONFIGS = 10_000
 TOP_KEYS = ("defaults", "kernel")
 DEFAULTS_KEYS = ("archs", "params")
 KERNEL_KEYS = ("name", "archs", "params", "exclude", "include")
 
 
 @dataclasses.dataclass
-class Budget:
-    """The limit on configurations after expansion, over every table of every manifest
-    given at once (a per-table limit alone is bypassed by many tables). A table counts
-    its whole cross product (before ``exclude``) plus its ``include`` entries: the count
-    is known before anything is expanded, so a refused build costs nothing."""
-
-    limit: int = DEFAULT_MAX_CONFIGS
-    used: int = 0
-    exceeded: bool = False
-
-
-@dataclasses.dataclass
 class KernelTable:
-    """One [[kernel]] table that passed validation: what ``generate`` expands."""
+    """One [[kernel]] table that passed validation: what ``expand.generate`` expands."""
 
     where: str
     origin: str
@@ -101,7 +84,7 @@ def prepare_kernel(
     names = list(spec.params)
     axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
     resolved = _resolve_includes(ctx, where, names, axes, includes)
-    if resolved is None or not _charge(ctx, where, budget, names, axes, resolved, archs):
+    if resolved is None or not charge(ctx, where, budget, names, axes, resolved, archs):
         return None
     return KernelTable(where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved)
 
@@ -266,102 +249,6 @@ def _resolve_includes(
                 return None
         resolved.append(combo)
     return resolved
-
-
-def _charge(
-    ctx: FileCheck,
-    where: str,
-    budget: Budget,
-    names: list[str],
-    axes: list[list],
-    resolved: list[dict],
-    archs: list[str],
-) -> bool:
-    """Count the table's configurations against the build's budget; False when over it
-    (reported once, at the table that crossed the limit)."""
-    product = math.prod(len(a) for a in axes)
-    total = (product + len(resolved)) * len(archs)
-    if budget.exceeded:
-        return False
-    if budget.used + total > budget.limit:
-        budget.exceeded = True
-        dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
-        plus = f", plus {len(resolved)} include entries" if resolved else ""
-        before = f"; the tables before it already expand to {budget.used}" if budget.used else ""
-        ctx.err(
-            where,
-            f"the cross product has {total} configurations ({dims} x archs {len(archs)}{plus}){before}: "
-            f"over the limit of {budget.limit} configurations per build; narrow the lists or raise "
-            f"the limit with --max-configs",
-        )
-        return False
-    budget.used += total
-    return True
-
-
-def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
-    """The table's configurations, one at a time (the cross product is never held in
-    memory). Problems seen only here (combinations the kernel's rules refuse, every
-    combination excluded) and unused excludes go to ``ctx`` once the table is done."""
-    matched = [False] * len(t.excludes)
-    n_combos = n_kept = 0
-    refused: list[str] = []
-
-    def bound(combo: dict) -> Iterator[BuildConfig]:
-        try:
-            b = t.spec.bind((), combo)
-        except ParamError as e:  # the kernel's rules across parameters (quack.params.Rule)
-            if len(refused) < SHOW_BAD:
-                refused.append(
-                    f"{e}; drop it from the lists or exclude it: exclude = "
-                    f"[{{ {', '.join(f'{k} = {show_value(v)}' for k, v in combo.items())} }}]"
-                )
-            else:
-                refused.append("")  # counted, not listed
-            return
-        # a configuration derived per arch (its tuning table's default; issue 25)
-        derived = any(getattr(p, "derive", None) is not None for p in t.spec.params.values())
-        for arch in t.archs:
-            try:
-                if derived:
-                    b = t.spec.bind((), combo, arch=arch)
-                t.spec.check_arch(b, arch)  # the rules naming `arch` (quack.params.Rule)
-            except ParamError as e:
-                refused.append(
-                    f"{e}; build it for another arch (--arch, archs = [...]) "
-                    f"or drop the kernel from this manifest"
-                    if len(refused) < SHOW_BAD
-                    else ""
-                )
-                continue
-            yield BuildConfig(t.name, b, arch, t.spec.key(b, arch), t.origin, t.spec)
-
-    for values in itertools.product(*t.axes):
-        n_combos += 1
-        combo = dict(zip(t.names, values))
-        hit = False
-        for j, m in enumerate(t.excludes):
-            if matches(combo, m):
-                matched[j] = hit = True
-        if not hit:
-            n_kept += 1
-            yield from bound(combo)
-    for j, ok in enumerate(matched):
-        if not ok:
-            ctx.warnings.append(f"{t.where}: exclude[{j}] matches no combination")
-    for combo in t.includes:
-        n_kept += 1
-        yield from bound(combo)
-    if not n_kept:
-        ctx.err(t.where, f"the cross product is empty: all {n_combos} combinations are excluded")
-    for msg in refused[:SHOW_BAD]:
-        ctx.err(t.where, msg)
-    if len(refused) > SHOW_BAD:
-        ctx.err(
-            t.where,
-            f"{len(refused) - SHOW_BAD} more of its {n_kept} combinations are refused "
-            f"by the kernel's rules (not listed)",
-        )
 
 
 def prepare_document(

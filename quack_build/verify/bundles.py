@@ -1,13 +1,11 @@
 """``quack verify --bundles``: check every installed bundle (refused or not; each entry's
 checksums, arch, toolchain stamp and kernel source against this project's; a load in a
-fresh process) and print the report."""
+fresh process); quack_build.cli.verify_view prints the report."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
-
-from quack_build.cli.context import cli_settings, console, emit_json, load_kernels
 
 
 def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
@@ -128,70 +126,3 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
         "loaded": load,
         "seconds": round(time.time() - t0, 3),
     }
-
-
-def print_bundle_report(con, res: dict) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from quack_build.manifest.config import format_params
-
-    if not res["bundles"]:
-        con.print(f"[red]{escape(res['note'])}[/]")
-        return
-    tb = Table(title="installed bundles", header_style="bold")
-    for c in (
-        "bundle",
-        "version",
-        "entries",
-        "this toolchain+arch",
-        "other toolchains/archs",
-        "signed by",
-        "problem",
-    ):
-        tb.add_column(c)
-    for b in res["bundles"]:
-        tb.add_row(
-            b["name"],
-            b["version"],
-            str(b["entries"]),
-            str(b["current"]),
-            str(b["other_toolchain"]),
-            b["signer"] or "-",
-            escape("; ".join(b["problems"])) or "-",
-        )
-    con.print(tb)
-    bad = [r for r in res["entries"] if r["problems"]]
-    if bad:
-        tb = Table(title="bundle entries with problems", header_style="bold")
-        for c in ("bundle", "kernel", "params", "arch", "key", "problem"):
-            tb.add_column(c)
-        for r in bad:
-            tb.add_row(
-                r["bundle"],
-                r["kernel"],
-                format_params(r["params"]),
-                r["arch"],
-                r["key"][:12],
-                escape("; ".join(r["problems"])),
-            )
-        con.print(tb)
-    if res["note"]:
-        con.print(f"[yellow]{escape(res['note'])}[/]")
-    n = len(res["entries"])
-    con.print(
-        f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
-        + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
-        + f" in {res['seconds']:.1f}s"
-    )
-
-
-def run_verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool) -> int:
-    s = cli_settings(cache_dir)
-    load_kernels(s, required=False)
-    res = verify_bundles(s, load=not no_load, run=run)
-    if as_json:
-        emit_json(res)
-    else:
-        print_bundle_report(console(), res)
-    return 0 if res["ok"] else 1

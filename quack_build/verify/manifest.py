@@ -232,37 +232,3 @@ def verify(configs, store: DiskStore, *, load: bool = True, run: bool = False, c
         "seconds": round(time.time() - t0, 3),
         "entries": rows,
     }
-
-
-def print_report(con, res: dict) -> None:
-    from rich.markup import escape
-    from rich.table import Table
-
-    from quack_build.manifest.config import format_params
-
-    bad = [r for r in res["entries"] if r["problems"]]
-    if bad:
-        tb = Table(title="quack verify: problems", header_style="bold")
-        for col in ("kernel", "params", "arch", "key", "problem"):
-            tb.add_column(col)
-        for r in bad:
-            tb.add_row(
-                r["kernel"],
-                format_params(r["params"]),
-                r["arch"],
-                r["key"][:12],
-                escape("; ".join(r["problems"])),
-            )
-        con.print(tb)
-    if res["note"]:
-        con.print(f"[yellow]{escape(res['note'])}[/]")
-    checks = (
-        "present, checksum, arch"
-        + (", loads in a fresh process" if res["loaded"] else "")
-        + (", reference run" if res["ran"] else "")
-    )
-    con.print(
-        f"verified {res['total']} configurations ({checks}): "
-        + ("[green]all good[/]" if not bad else f"[red]{len(bad)} with problems[/]")
-        + f" in {res['seconds']:.1f}s"
-    )

@@ -249,7 +249,9 @@ def test_occupancy_probe_is_valid_ptx(tmp_path):
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("no ptxas")
-    ptx = _occupancy._ptx(9, 0)
+    from quack.runtime.occupancy import probe_ptx
+
+    ptx = probe_ptx(9, 0)
     assert ptx.endswith(b"\0") and ptx.count(b"\0") == 1  # the driver reads a C string
     src = tmp_path / "probe.ptx"
     src.write_bytes(ptx[:-1])

@@ -144,3 +144,27 @@ def test_gpu_names_normalise():
     assert normalise_gpu("NVIDIA H200") == "H200"
     assert normalise_gpu("NVIDIA H100 80GB HBM3") == "H100"
     assert normalise_gpu("NVIDIA GeForce RTX 4090") == "4090"
+
+
+def test_use_table_swaps_the_table_for_a_block_only():
+    # benchmarks/bench_tune.py times two tables' winners side by side through use_table: the
+    # derived configuration (so the key) follows the table in force, and only inside the block
+    from quack.tuning import use_table
+
+    ln = layernorm.compile_layernorm_fwd
+    checked_in = cfg(ln, "bfloat16", 16384, True, True, "float32")
+    args = ("bfloat16", 16384, True, True, "float32")
+    bound = ln.spec.bind(args, {}, arch=A)
+    cls = ln.spec.params["config"].derive.classify({k: v for k, v in bound.items() if k != "config"})
+    other = Table(A, _tuning.table(A).default_gpu)
+    other.put(Row("layernorm_fwd", other.default_gpu, cls, (16384, 16384), {"x_rows": 1, "threads": 256}))
+    with use_table(other):
+        inside = cfg(ln, "bfloat16", 16384, True, True, "float32")
+        key_inside = ln.spec.key(ln.spec.bind(args, {}, arch=A), A)
+    assert inside.knobs() == {"x_rows": 1, "threads": 256} != checked_in.knobs()
+    assert cfg(ln, "bfloat16", 16384, True, True, "float32") == checked_in
+    assert key_inside != ln.spec.key(bound, A)
+    # an empty table: the heuristic, as for a GPU the checked-in table has no rows for
+    with use_table(Table(A, other.default_gpu)), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert cfg(ln, "bfloat16", 16384, True, True, "float32").knobs() == {}

@@ -80,6 +80,7 @@ class ActorPool:
         self.stamp_override = stamp_override
         self.preload: tuple = ()  # [build] preload, and where it was set: each actor imports it
         self.preload_source = ""
+        self.preload_s = 0.0  # the longest an admitted actor spent importing them (the summary's)
         self.ray: Any = None  # the ray module, from attach()
         self.want = ""  # the coordinator's toolchain stamp
         self.address = ""
@@ -122,6 +123,7 @@ class ActorPool:
         a.node_id = str(info.get("node_id") or "")
         a.label = f"actor {a.index} ({a.node} pid {a.pid})"
         self.counts["warm_s"].append(info.get("warm_s"))
+        self.preload_s = max(self.preload_s, float(info.get("preload_s") or 0.0))
         err = vet_hello(info, self.want, a.label, self.address)
         if err is not None:
             return self._refuse(a, err)

@@ -386,6 +386,12 @@ class RayExecutor:
             except Exception:  # noqa: BLE001
                 pass
 
+    @property
+    def preload_s(self) -> float:
+        """[build] preload: the longest an actor spent importing it (the build summary's
+        start-up line, ``--json``'s preload_s), as the local pool reports its forkserver's."""
+        return self._pool.preload_s
+
     def describe(self) -> str:
         ready = len(self._pool.idle) + len(self._busy)
         return (

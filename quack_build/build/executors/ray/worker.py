@@ -46,7 +46,7 @@ class BuildWorker:
                 del sys.modules["torch"]
         from quack import registry
         from quack.compile import preload as _preload
-        from quack.compile._warmup import warm_up
+        from quack.compile.warmup import warm_up
 
         # [build] preload, once per actor, after cutlass: a module that fails to import
         # fails the actor's start with PreloadError naming it (the coordinator reports it).

@@ -1,0 +1,89 @@
+"""Rendering for ``quack verify``: the report on a manifest's configurations
+(quack_build.verify.manifest) and on the installed bundles (quack_build.verify.bundles).
+The checks return plain dicts (``--json`` prints them as they are); rich stays here."""
+
+from __future__ import annotations
+
+
+def print_report(con, res: dict) -> None:
+    from rich.markup import escape
+
+    bad = [r for r in res["entries"] if r["problems"]]
+    if bad:
+        con.print(_problems_table("quack verify: problems", bad))
+    if res["note"]:
+        con.print(f"[yellow]{escape(res['note'])}[/]")
+    checks = (
+        "present, checksum, arch"
+        + (", loads in a fresh process" if res["loaded"] else "")
+        + (", reference run" if res["ran"] else "")
+    )
+    con.print(
+        f"verified {res['total']} configurations ({checks}): "
+        + ("[green]all good[/]" if not bad else f"[red]{len(bad)} with problems[/]")
+        + f" in {res['seconds']:.1f}s"
+    )
+
+
+def print_bundle_report(con, res: dict) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    if not res["bundles"]:
+        con.print(f"[red]{escape(res['note'])}[/]")
+        return
+    tb = Table(title="installed bundles", header_style="bold")
+    for c in (
+        "bundle",
+        "version",
+        "entries",
+        "this toolchain+arch",
+        "other toolchains/archs",
+        "signed by",
+        "problem",
+    ):
+        tb.add_column(c)
+    for b in res["bundles"]:
+        tb.add_row(
+            b["name"],
+            b["version"],
+            str(b["entries"]),
+            str(b["current"]),
+            str(b["other_toolchain"]),
+            b["signer"] or "-",
+            escape("; ".join(b["problems"])) or "-",
+        )
+    con.print(tb)
+    bad = [r for r in res["entries"] if r["problems"]]
+    if bad:
+        con.print(_problems_table("bundle entries with problems", bad, bundle=True))
+    if res["note"]:
+        con.print(f"[yellow]{escape(res['note'])}[/]")
+    n = len(res["entries"])
+    con.print(
+        f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
+        + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
+        + f" in {res['seconds']:.1f}s"
+    )
+
+
+def _problems_table(title: str, bad: list[dict], *, bundle: bool = False):
+    """The entries with problems, a row each (``bundle``: led by the bundle's name)."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    from quack_build.manifest.config import format_params
+
+    tb = Table(title=title, header_style="bold")
+    for col in ("bundle",) * bundle + ("kernel", "params", "arch", "key", "problem"):
+        tb.add_column(col)
+    for r in bad:
+        cells = [
+            r["kernel"],
+            format_params(r["params"]),
+            r["arch"],
+            r["key"][:12],
+            escape("; ".join(r["problems"])),
+        ]
+        tb.add_row(*([r["bundle"]] if bundle else []), *cells)
+    return tb
