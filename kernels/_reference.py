@@ -244,14 +244,14 @@ def check_cross_entropy_bwd(
 def gemm_ref(a, b, bias=None, activation="none", c=None, beta=1.0):
     """act(a @ b + bias + beta * c) in fp32 (float64 products summed in fp32: the reference
     the kernel's error is measured against), from the very inputs the kernel read."""
-    from .gemm import _torch_act
+    from .gemm import torch_activation
 
     pre = torch.matmul(a.double(), b.double()).float()
     if bias is not None:
         pre = pre + bias.float()
     if c is not None:
         pre = pre + beta * c.float()
-    return _torch_act(pre, activation)
+    return torch_activation(pre, activation)
 
 
 def check_gemm(a, b, bias=None, activation="none", c=None, beta=1.0, *, d, out_dtype=None) -> None:
@@ -263,11 +263,11 @@ def check_gemm(a, b, bias=None, activation="none", c=None, beta=1.0, *, d, out_d
     assert d.dtype == want, f"d: dtype {d.dtype}, expected {want}"
     assert not torch.isnan(d).any(), "d: NaN (an element the kernel never wrote?)"
     ref = gemm_ref(a, b, bias, activation, c, beta)
-    from .gemm import _torch_act
+    from .gemm import torch_activation
 
     pre = torch.matmul(a, b).float()
     pre = pre + (bias.float() if bias is not None else 0.0) + (beta * c.float() if c is not None else 0.0)
-    torch_err = (_torch_act(pre, activation).to(want).float() - ref).abs().max().item()
+    torch_err = (torch_activation(pre, activation).to(want).float() - ref).abs().max().item()
     err = (d.float() - ref).abs().max().item()
     ulp = torch.finfo(want).eps * ref.abs().max().item()
     assert err <= 2 * torch_err + ulp, (

@@ -165,7 +165,7 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
         pre = (
             pre + (bias.float() if bias is not None else 0.0) + (beta * g.c.float() if c is not None else 0.0)
         )
-        d.copy_(_torch_act(pre, activation))
+        d.copy_(torch_activation(pre, activation))
     elif m and n:
         cfg = override("gemm") or gemm_config(m, n, k, batch, g.dtype)
         fn = compile_gemm(
@@ -182,7 +182,7 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
     return d if a.dim() == 3 else d[0]
 
 
-def _torch_act(x, activation: str):
+def torch_activation(x, activation: str):
     import torch
 
     if activation == "relu":

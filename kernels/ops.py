@@ -330,7 +330,7 @@ def _act_grad(ctx, g, a, b, bias, c, out):
         return g.float() * (out > 0)
     pre = gemm_op(a, b, bias, c, "none", torch.float32, ctx.beta).detach().requires_grad_()
     with torch.enable_grad():
-        y = _gemm._torch_act(pre, act)
+        y = _gemm.torch_activation(pre, act)
         (dpre,) = torch.autograd.grad(y, pre, g.float())
     return dpre
 
