@@ -76,11 +76,11 @@ def _autograd_check(fn, activation):
     refs = [t.detach().double().requires_grad_() for t in (a, b, bias)]
     dy = torch.randn(ODD[1], ODD[2], device="cuda", dtype=torch.bfloat16)
     fn(*leaves).backward(dy)
-    from quack_kernels.gemm import _torch_act
+    from quack_kernels.gemm import torch_activation
 
-    _torch_act(refs[0] @ refs[1] + refs[2], activation).backward(dy.double())
+    torch_activation(refs[0] @ refs[1] + refs[2], activation).backward(dy.double())
     tor = [t.detach().clone().requires_grad_() for t in (a, b, bias)]
-    _torch_act(tor[0] @ tor[1] + tor[2], activation).backward(dy)
+    torch_activation(tor[0] @ tor[1] + tor[2], activation).backward(dy)
     for name, got, ref, t in zip(("da", "db", "dbias"), leaves, refs, tor):
         err = (got.grad.double() - ref.grad).abs().max().item()
         terr = (t.grad.double() - ref.grad).abs().max().item()
