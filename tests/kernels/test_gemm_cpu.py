@@ -23,7 +23,9 @@ def _expand(name):
 def test_manifests_expand():
     assert len(_expand("gemm.toml")) >= 100
     sub = _expand("tests.toml")
-    assert 1 <= len(sub) <= 8  # the CPU tier's subset stays small (a GEMM compile is seconds)
+    # tests.toml's GEMM entries: the CPU tier's 8 plus the GPU tests' requests (23, one of them
+    # among the 8): kept to what the tests use, since a GEMM compile takes seconds on CI's cores
+    assert 8 <= len(sub) <= 30, len(sub)
     scheds = {c.params["config"].schedule for c in sub}
     assert scheds == {"coop", "ping"}
 

@@ -2,7 +2,7 @@
 fused epilogue against the fp32 reference, within 2x torch.matmul's own error
 (``_reference.check_gemm``); autograd (dA, dB through the same kernel) and
 torch.compile(fullgraph=True). The configurations these request are in
-manifests/gemm_tests.toml (tests/kernels/_requests.py maps each case to its keys)."""
+manifests/tests.toml (tests/kernels/_requests.py maps each case to its keys)."""
 
 import pytest
 
