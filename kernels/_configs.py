@@ -122,3 +122,16 @@ class CrossEntropyBwdConfig(TuneConfig):
     bwd_budget: int | None = knob(Int(choices=(16, 32, 64, 128)), "row elements a thread")
     bwd_smem: bool | None = knob(Bool(), "x cp.async'ed into shared memory")
     bwd_min_blocks: int | None = knob(_MB, "CTAs / SM")
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig(TuneConfig):
+    """The Hopper GEMM's launch configuration (``_gemm_plan.resolve``: None = heuristic)."""
+
+    tile_m: int | None = knob(Int(choices=(128, 256)), "CTA tile rows")
+    tile_n: int | None = knob(Int(choices=(128, 192, 256)), "CTA tile columns")
+    cluster_m: int | None = knob(Int(choices=(1, 2)), "CTAs of a cluster along M (B multicast)")
+    cluster_n: int | None = knob(Int(choices=(1, 2)), "CTAs of a cluster along N (A multicast)")
+    schedule: str | None = knob(Choice(("coop", "ping")), "consumer warpgroups: one tile split, or ping-pong")
+    stages: int | None = knob(Int(min=2, max=12), "A/B stages in shared memory (default: as many as fit)")
+    raster_m: bool | None = knob(Bool(), "persistent tile order along M first")

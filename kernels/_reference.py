@@ -238,6 +238,43 @@ def check_cross_entropy_bwd(
     _check(got, ref, {"dx": (x.dtype, False, True)}, x.shape[-1], _rows(x))
 
 
+# --------------------------------------------------------------------------- GEMM
+
+
+def gemm_ref(a, b, bias=None, activation="none", c=None, beta=1.0):
+    """act(a @ b + bias + beta * c) in fp32 (float64 products summed in fp32: the reference
+    the kernel's error is measured against), from the very inputs the kernel read."""
+    from .gemm import torch_activation
+
+    pre = torch.matmul(a.double(), b.double()).float()
+    if bias is not None:
+        pre = pre + bias.float()
+    if c is not None:
+        pre = pre + beta * c.float()
+    return torch_activation(pre, activation)
+
+
+def check_gemm(a, b, bias=None, activation="none", c=None, beta=1.0, *, d, out_dtype=None) -> None:
+    """The issue-28 criterion: the kernel's error against the fp32 reference at most 2x
+    torch.matmul's own (the same epilogue in fp32 torch, rounded to the output dtype), plus
+    one ulp of the output dtype's rounding at the largest value (an equal-error kernel and
+    torch can round a tie differently)."""
+    want = out_dtype or a.dtype
+    assert d.dtype == want, f"d: dtype {d.dtype}, expected {want}"
+    assert not torch.isnan(d).any(), "d: NaN (an element the kernel never wrote?)"
+    ref = gemm_ref(a, b, bias, activation, c, beta)
+    from .gemm import torch_activation
+
+    pre = torch.matmul(a, b).float()
+    pre = pre + (bias.float() if bias is not None else 0.0) + (beta * c.float() if c is not None else 0.0)
+    torch_err = (torch_activation(pre, activation).to(want).float() - ref).abs().max().item()
+    err = (d.float() - ref).abs().max().item()
+    ulp = torch.finfo(want).eps * ref.abs().max().item()
+    assert err <= 2 * torch_err + ulp, (
+        f"d: max error {err:.3g} vs torch.matmul's {torch_err:.3g} (bound 2x + {ulp:.3g})"
+    )
+
+
 CHECKS = {
     "rmsnorm_fwd": check_rmsnorm_fwd,
     "rmsnorm_bwd": check_rmsnorm_bwd,
@@ -247,4 +284,5 @@ CHECKS = {
     "softmax_bwd": check_softmax_bwd,
     "cross_entropy_fwd": check_cross_entropy_fwd,
     "cross_entropy_bwd": check_cross_entropy_bwd,
+    "gemm": check_gemm,
 }

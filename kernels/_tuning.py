@@ -85,7 +85,11 @@ def derive(kernel: str, cfg_cls, classify, fallback=None):
 
     def _derive(params: dict, arch: str):
         fb = fallback(params) if fallback is not None else None
-        return default_config(kernel, cfg_cls, classify(params), params["dtype"], params["n"], arch, fb)
+        # a family without a row length among its parameters (the GEMM: every shape is one
+        # object) classifies to None here and gets ``fallback``; its wrapper looks rows up
+        return default_config(
+            kernel, cfg_cls, classify(params), params["dtype"], params.get("n", 0), arch, fb
+        )
 
     _derive.__qualname__ = f"derive[{kernel}]"
     _derive.classify = classify  # type: ignore[attr-defined]  # quack tune: a winner's row class

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from . import cross_entropy as _ce
+from . import gemm as _gemm
 from . import layernorm as _ln
 from . import rmsnorm as _rms
 from . import softmax as _sm
@@ -280,3 +281,82 @@ def cross_entropy(
     # torch: divided by the summed weights of the non-ignored targets
     n = logits.shape[-1]
     return loss.sum() / (weight.float()[target.clamp(0, n - 1)] * valid).sum()
+
+
+# --------------------------------------------------------------------------- GEMM
+
+
+@torch.library.custom_op(f"{NS}::gemm", mutates_args=())
+def gemm_op(
+    a: Tensor,
+    b: Tensor,
+    bias: Optional[Tensor],
+    c: Optional[Tensor],
+    activation: str,
+    out_dtype: Optional[torch.dtype],
+    beta: float,
+) -> Tensor:
+    return _gemm.gemm_fwd(a, b, bias, activation, out_dtype, c, beta)
+
+
+@gemm_op.register_fake
+def _(a, b, bias, c, activation, out_dtype, beta):
+    if (
+        a.dim() not in (2, 3)
+        or b.dim() != a.dim()
+        or a.shape[-1] != b.shape[-2]
+        or a.shape[:-2] != b.shape[:-2]
+    ):
+        raise ValueError(
+            f"gemm: a {tuple(a.shape)} @ b {tuple(b.shape)}: expected (M, K) @ (K, N) or (L, M, K) @ (L, K, N)"
+        )
+    shape = (*a.shape[:-1], b.shape[-1])
+    return a.new_empty(shape, dtype=out_dtype if out_dtype is not None else a.dtype)
+
+
+def _gemm_setup(ctx, inputs, output):
+    a, b, bias, c, activation, out_dtype, beta = inputs
+    ctx.save_for_backward(a, b, bias, c, output if activation == "relu" else None)
+    ctx.activation, ctx.beta = activation, beta
+
+
+def _act_grad(ctx, g, a, b, bias, c, out):
+    """dD -> d(pre-activation), fp32. relu's from the output's sign; gelu / silu at the
+    pre-activation, recomputed by the same kernel without the activation."""
+    act = ctx.activation
+    if act == "none":
+        return g.float()
+    if act == "relu":
+        return g.float() * (out > 0)
+    pre = gemm_op(a, b, bias, c, "none", torch.float32, ctx.beta).detach().requires_grad_()
+    with torch.enable_grad():
+        y = _gemm.torch_activation(pre, act)
+        (dpre,) = torch.autograd.grad(y, pre, g.float())
+    return dpre
+
+
+def _gemm_backward(ctx, g):
+    a, b, bias, c, out = ctx.saved_tensors
+    dpre = _act_grad(ctx, g, a, b, bias, c, out)
+    gp = dpre.to(a.dtype)
+    # dA = dD @ B^T, dB = A^T @ dD: the same kernel on transposed views (column-major operands)
+    need = ctx.needs_input_grad
+    da = gemm_op(gp, b.transpose(-1, -2), None, None, "none", a.dtype, 1.0) if need[0] else None
+    db = gemm_op(a.transpose(-1, -2), gp, None, None, "none", b.dtype, 1.0) if need[1] else None
+    dbias = None
+    if bias is not None and need[2]:
+        dbias = dpre.reshape(-1, dpre.shape[-1]).sum(0).to(bias.dtype)
+    dc = (dpre * ctx.beta).to(c.dtype) if c is not None and need[3] else None
+    return da, db, dbias, dc, None, None, None
+
+
+torch.library.register_autograd(f"{NS}::gemm", _gemm_backward, setup_context=_gemm_setup)
+
+
+def gemm(a, b, *, bias=None, activation=None, out_dtype=None, c=None, beta: float = 1.0):
+    """Differentiable D = act(a @ b + bias + beta * c) on the Hopper GEMM (the
+    ``quack_kernels::gemm`` custom op with its registered autograd: dA and dB through the
+    same kernel; works under ``torch.compile(fullgraph=True)``). a (M, K) / (L, M, K), b
+    (K, N) / (L, K, N) float16 / bfloat16; activation None, "relu", "gelu_tanh" or "silu";
+    out_dtype float16 / bfloat16 / float32 (default a's)."""
+    return gemm_op(a, b, bias, c, activation or "none", out_dtype, float(beta))

@@ -72,6 +72,25 @@ def _hook_calls(kernel, dtype):
     return [(kernel, {k: v for k, v in params.items() if k != "config"})]
 
 
+def gemm(shape, dt=BF, out=None, am="k", bm="n", act="none", bias=False, c=False):
+    """``quack_kernels.ops.gemm`` on ``shape`` (L, M, N, K) with b_major in torch's terms
+    ("n": b (K, N) row-major); the configuration the wrapper picks (``gemm_config``)."""
+    from quack_kernels.gemm import gemm_config
+
+    L, M, N, K = shape
+    params = dict(dtype=dt, d_dtype=out or dt, a_major=am, b_major=bm, has_c=c, has_bias=bias, activation=act)
+    return [("gemm", dict(params, config=gemm_config(M, N, K, L, dt)))]
+
+
+def gemm_autograd(activation):
+    """Forward (bias, act), gelu's recomputed fp32 pre-activation, dA = dD @ B^T (B^T
+    K-major), dB = A^T @ dD (A^T M-major)."""
+    L, M, N, K = odd = (1, 1000, 1048, 776)
+    act = activation
+    out = gemm(odd, act=act, bias=True) + gemm((L, M, K, N), bm="k") + gemm((L, K, N, M), am="m")
+    return out + (gemm(odd, out=F32, bias=True) if act != "none" else [])
+
+
 # "file::test" -> f(**case params) -> [(kernel, params)]; None: the test requests no cached
 # kernel (raw compiles, input validation, driver queries).
 REQUESTS = {
@@ -159,6 +178,16 @@ REQUESTS = {
         kernel, dtype
     ),
     "test_reference_hooks.py::test_every_kernel_has_an_importable_reference_hook": None,
+    "test_gemm_gpu.py::test_gemm_shapes": lambda shape: gemm(shape),
+    "test_gemm_gpu.py::test_gemm_dtypes_layouts": lambda dtype, out, a_major, b_major: gemm(
+        (1, 1000, 1048, 776), dtype, out, a_major, b_major
+    ),
+    "test_gemm_gpu.py::test_gemm_epilogue": lambda activation, has_bias, has_c: gemm(
+        (1, 1000, 1048, 776), act=activation, bias=has_bias, c=has_c
+    ),
+    "test_gemm_gpu.py::test_gemm_autograd": gemm_autograd,
+    "test_gemm_gpu.py::test_gemm_compile_fullgraph": lambda: gemm_autograd(activation="gelu_tanh"),
+    "test_gemm_gpu.py::test_gemm_bad_inputs_on_gpu": None,
     # builds every shipped manifest itself before `quack verify --run`
     "test_reference_hooks.py::test_verify_run_passes_over_every_shipped_manifest": None,
     "test_reference_hooks.py::test_verify_run_without_gpu_says_kernels_were_not_run": None,

@@ -1,0 +1,151 @@
+"""Validation of the GEMM's torch inputs (``gemm.gemm_fwd``) and their views as the
+kernel's (M, K, L) / (N, K, L) operands. Imports torch: import it from inside functions.
+
+Every refusal names the argument and what is allowed: the kernel reads A and B through TMA,
+whose descriptors need a 16-byte aligned base and 16-byte multiples for every stride but
+the unit one; D is written the same way."""
+
+import dataclasses
+
+import torch
+
+from ._gemm_plan import ACTIVATIONS
+
+_AB = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_D = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+@dataclasses.dataclass
+class GemmArgs:
+    m: int
+    n: int
+    k: int
+    batch: int
+    dtype: str
+    d_dtype: str
+    out_dtype: torch.dtype
+    a_major: str
+    b_major: str
+    a3: torch.Tensor | None  # (M, K, L)
+    b3: torch.Tensor | None  # (N, K, L)
+    c: torch.Tensor | None  # (L, M, N) of out_dtype, unit stride along N
+
+
+def _tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def _major(t3, name: str, inner: str, outer: str) -> str:
+    """'inner' when the last dim is unit-stride, 'outer' when the one before is (a
+    transposed view), else a ValueError."""
+    if t3.stride(-1) == 1 or t3.shape[-1] == 1:
+        return inner
+    if t3.stride(-2) == 1 or t3.shape[-2] == 1:
+        return outer
+    raise ValueError(
+        f"{name} has strides {tuple(t3.stride())}: one of its last two dims must be unit-stride "
+        f"(row- or column-major); pass {name}.contiguous()"
+    )
+
+
+def _aligned(t3, name: str, strides, esize: int) -> None:
+    if t3.data_ptr() % 16:
+        raise ValueError(
+            f"{name}: data pointer {t3.data_ptr():#x} is not 16-byte aligned (TMA); pass a clone"
+        )
+    for dim, s in strides:
+        if (s * esize) % 16:
+            raise ValueError(
+                f"{name}: stride {s} of dim {dim} is {s * esize} bytes, not a multiple of 16 (TMA needs "
+                f"16-byte aligned rows: a multiple of {16 // esize} elements); pad it or use torch.matmul"
+            )
+
+
+def operand(t, name: str):
+    """A (L, rows, cols) operand with a TMA-friendly batch stride (any value serves L = 1)."""
+    if t.shape[0] == 1:
+        rows, cols = t.shape[1:]
+        s = t.stride()
+        return t.as_strided((1, rows, cols), (max(rows * cols, 16), s[1], s[2]))
+    return t
+
+
+def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
+    _tensor(a, "a")
+    _tensor(b, "b")
+    if a.dim() not in (2, 3) or b.dim() != a.dim():
+        raise ValueError(
+            f"a and b must both be 2-D (M, K) @ (K, N) or both 3-D (L, M, K) @ (L, K, N); got "
+            f"a {tuple(a.shape)}, b {tuple(b.shape)}"
+        )
+    if b.device != a.device:
+        raise ValueError(f"a and b must be on one device; got {a.device} and {b.device}")
+    if a.dtype not in _AB:
+        raise TypeError(f"a has dtype {a.dtype}; supported: float16, bfloat16")
+    if b.dtype != a.dtype:
+        raise TypeError(f"b has dtype {b.dtype} but a has {a.dtype}: a and b must share one dtype")
+    a3, b3 = (a, b) if a.dim() == 3 else (a[None], b[None])
+    batch, m, k = a3.shape
+    if b3.shape[0] != batch or b3.shape[1] != k:
+        raise ValueError(
+            f"b has shape {tuple(b.shape)}, expected {'(' + str(batch) + ', ' if a.dim() == 3 else '('}{k}, N) for a {tuple(a.shape)}"
+        )
+    n = b3.shape[2]
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS[1:]} or None, got {activation!r}")
+    out_dtype = a.dtype if out_dtype is None else out_dtype
+    if out_dtype not in _D:
+        raise TypeError(f"out_dtype {out_dtype}; supported: float16, bfloat16, float32")
+    if not isinstance(beta, (int, float)) or isinstance(beta, bool):
+        raise TypeError(f"beta must be a float, got {type(beta).__name__}")
+    if bias is not None:
+        _tensor(bias, "bias")
+        if bias.device != a.device or bias.shape != (n,) or not bias.is_floating_point():
+            raise ValueError(
+                f"bias must be a float ({n},) tensor on {a.device}; got {tuple(bias.shape)} {bias.dtype} on {bias.device}"
+            )
+    cc = None
+    if c is not None:
+        _tensor(c, "c")
+        want = (batch, m, n) if a.dim() == 3 else (m, n)
+        if c.device != a.device or tuple(c.shape) != want or not c.is_floating_point():
+            raise ValueError(
+                f"c must be a float {want} tensor on {a.device}; got {tuple(c.shape)} {c.dtype} on {c.device}"
+            )
+        cc = (c if a.dim() == 3 else c[None]).to(out_dtype)
+        if cc.stride(-1) != 1:
+            cc = cc.contiguous()
+    args = GemmArgs(m, n, k, batch, _AB[a.dtype], _D[out_dtype], out_dtype, "k", "k", None, None, cc)
+    if not (m and n and k):
+        return args
+    args.a_major = _major(a3, "a", "k", "m")
+    # the kernel's B is (N, K): b (K, N) row-major is N-major, a transposed (N, K) weight K-major
+    args.b_major = _major(b3, "b", "n", "k")
+    es = a.element_size()
+    sa, sb = a3.stride(), b3.stride()
+    _aligned(
+        a3,
+        "a",
+        [(a.dim() - 2 if args.a_major == "k" else a.dim() - 1, sa[1] if args.a_major == "k" else sa[2])]
+        + ([(0, sa[0])] if batch > 1 else []),
+        es,
+    )
+    _aligned(
+        b3,
+        "b",
+        [(b.dim() - 2 if args.b_major == "n" else b.dim() - 1, sb[1] if args.b_major == "n" else sb[2])]
+        + ([(0, sb[0])] if batch > 1 else []),
+        es,
+    )
+    osz = torch.empty((), dtype=out_dtype).element_size()
+    if (n * osz) % 16:
+        raise ValueError(
+            f"b: N = {n} columns of a {out_dtype} output are {n * osz} bytes a row, not a multiple of 16 "
+            f"(TMA stores D in 16-byte aligned rows); pad N to a multiple of {16 // osz}"
+        )
+    a3, b3 = operand(a3, "a"), operand(b3, "b")
+    args.a3 = a3.permute(1, 2, 0)  # (M, K, L)
+    args.b3 = b3.permute(2, 1, 0)  # (N, K, L)
+    return args

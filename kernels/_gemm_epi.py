@@ -1,0 +1,62 @@
+"""The GEMM's fused epilogue, applied to the fp32 accumulator in registers before the
+store: acc = act(acc + bias[col] + beta * C[row, col]). Imported only by _gemm_kernel.
+
+The accumulator fragment is partitioned by the tiled MMA; an identity tensor partitioned
+the same way gives each element's (row, col) in the tile, so bias and C are read for
+exactly the elements a thread holds (C only inside the problem: a tail tile's rows and
+columns past M / N are never read; TMA drops their stores)."""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, const_expr
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+LOG2_E = math.log2(math.e)
+
+
+@cute.jit
+def activate(x: cute.TensorSSA, activation: cutlass.Constexpr) -> cute.TensorSSA:
+    """relu / gelu (tanh approximation, torch's approximate="tanh") / silu of fp32 values."""
+    if const_expr(activation == "relu"):
+        return cute.where(x > 0.0, x, cute.full_like(x, 0.0))
+    elif const_expr(activation == "gelu_tanh"):
+        inner = x * (1.0 + 0.044715 * x * x) * SQRT_2_OVER_PI
+        return 0.5 * x * (1.0 + cute.math.tanh(inner, fastmath=False))
+    elif const_expr(activation == "silu"):
+        # x * sigmoid(x) = x / (1 + e^-x); e^-x -> inf for x << 0 gives x / inf = -0
+        return x / (1.0 + cute.math.exp2(x * (-LOG2_E), fastmath=True))
+    else:
+        return x
+
+
+@cute.jit
+def apply_epilogue(
+    epi: cutlass.Constexpr,
+    acc: cute.Tensor,
+    thr_mma,
+    tile,
+    tile_mn: cutlass.Constexpr,
+    mD: cute.Tensor,
+    mC: cute.Tensor,
+    mBias: cute.Tensor,
+    beta: Float32,
+):
+    has_c, has_bias, activation = epi["has_c"], epi["has_bias"], epi["activation"]
+    if const_expr(has_c or has_bias):
+        m, n = cute.size(mD, mode=[0]), cute.size(mD, mode=[1])
+        row0, col0 = tile[0] * tile_mn[0], tile[1] * tile_mn[1]
+        tCc = thr_mma.partition_C(cute.make_identity_tensor(tile_mn))
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            r, c = row0 + tCc[i][0], col0 + tCc[i][1]
+            if c < n:
+                v = acc[i]
+                if const_expr(has_bias):
+                    v = v + mBias[c]
+                if const_expr(has_c):
+                    if r < m:
+                        v = v + beta * mC[(r, c, tile[2])].to(Float32)
+                acc[i] = v
+    if const_expr(activation != "none"):
+        acc.store(activate(acc.load(), activation))

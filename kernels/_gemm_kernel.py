@@ -1,0 +1,397 @@
+"""The Hopper GEMM kernel (CuTe DSL, sm_90a): D = act(A @ B + bias + beta * C).
+
+Persistent and warp-specialized: warpgroup 0 is the producer (one thread issues the TMA
+loads of A and B into a ring of ``plan.stages`` shared-memory stages, multicast across the
+cluster), warpgroups 1 and 2 consume the ring with WGMMA and run the epilogue. "coop": both
+consumer warpgroups work on one tile, each on half its rows. "ping": each consumer
+warpgroup owns every other tile of the CTA's sequence, and an ordering barrier makes their
+mainloops alternate, so one warpgroup's epilogue overlaps the other's MMAs.
+
+Operands: A (M, K, L) K- or M-major, B (N, K, L) K- or N-major, D and C (M, N, L) N-major,
+bias (N,) fp32. M, N, K, L and the strides are run-time values; tails are read as zeros and
+never written by TMA (out-of-bounds boxes). Imported only from inside compile functions.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import Float32, Int32, const_expr
+
+from ._gemm_epi import apply_epilogue
+from ._gemm_plan import EPI_N, TILE_K, GemmPlan
+
+WG = 128  # threads of a warpgroup
+PRODUCER_REGS, CONSUMER_REGS = 40, 232
+
+
+def _smem_layout(dtype, major, rows: int, stages: int):
+    """Staged, swizzled shared-memory layout of a rows x TILE_K operand tile."""
+    k_major = major == "k"
+    atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
+        sm90.get_smem_layout_atom(
+            utils.LayoutEnum.ROW_MAJOR if k_major else utils.LayoutEnum.COL_MAJOR,
+            dtype,
+            TILE_K if k_major else rows,
+        ),
+        dtype,
+    )
+    return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
+
+
+def _subtiles(layout, size: int, n_sub: int) -> list:
+    """Plain Python at trace time (not rewritten by cute.jit): the accumulator elements of
+    each tile_m x EPI_N subtile, from each element's static column offset."""
+    out: list = [[] for _ in range(n_sub)]
+    for i in range(size):
+        col = layout(i)[1]
+        if col % 8 > 1:  # the WGMMA accumulator layout this relies on (a compile error, not a wrong D)
+            raise ValueError(f"gemm epilogue: accumulator element {i} at column offset {col}")
+        out[col // EPI_N].append(i)
+    return out
+
+
+class HopperGemm:
+    """One configuration of the kernel: ``plan`` (tile / cluster / schedule / stages),
+    dtypes, operand majors and the fused epilogue are compile-time constants."""
+
+    def __init__(self, plan: GemmPlan, ab_dtype, d_dtype, a_major: str, b_major: str, epi: dict):
+        self.p = plan
+        self.ab, self.dt = ab_dtype, d_dtype
+        self.a_major, self.b_major = a_major, b_major
+        self.epi = epi  # has_c, has_bias, activation
+        self.ping = plan.schedule == "ping"
+        self.cluster = (plan.cluster_m, plan.cluster_n)
+        # coop: two warpgroups side by side along M, the tiled MMA covers 128 x tile_n;
+        # ping: one warpgroup's MMA (64 x tile_n) repeated over the whole tile
+        self.atom_mnk = (1, 1, 1) if self.ping else (2, 1, 1)
+        self.epi_tile = (plan.tile_m, EPI_N)
+        self.tile_mnk = (plan.tile_m, plan.tile_n, TILE_K)
+        # consumer warps that release a stage: ping-pong, one warpgroup reads a stage
+        self.consumer_wgs = 1 if self.ping else 2
+        self.math_threads = 2 * WG
+
+    # ------------------------------------------------------------------ host side
+    @cute.jit
+    def __call__(self, mA, mB, mD, mC, mBias, beta: Float32, max_clusters: Int32, stream):
+        p = self.p
+        a_mode = (
+            cute.nvgpu.warpgroup.OperandMajorMode.K
+            if self.a_major == "k"
+            else cute.nvgpu.warpgroup.OperandMajorMode.MN
+        )
+        b_mode = (
+            cute.nvgpu.warpgroup.OperandMajorMode.K
+            if self.b_major == "k"
+            else cute.nvgpu.warpgroup.OperandMajorMode.MN
+        )
+        tiled_mma = sm90.make_trivial_tiled_mma(
+            self.ab, self.ab, a_mode, b_mode, Float32, self.atom_mnk, tiler_mn=(64, p.tile_n)
+        )
+        sA_l = _smem_layout(self.ab, self.a_major, p.tile_m, p.stages)
+        sB_l = _smem_layout(self.ab, self.b_major, p.tile_n, p.stages)
+        n_epi = p.epi_stages * (2 if self.ping else 1)
+        sD_l = sm90.make_smem_layout_epi(self.dt, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, n_epi)
+
+        def g2s(mX, sl, rows, mcast):
+            op = (
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+                if mcast == 1
+                else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+            )
+            return cute.nvgpu.cpasync.make_tiled_tma_atom(
+                op, mX, cute.slice_(sl, (None, None, 0)), (rows, TILE_K), num_multicast=mcast
+            )
+
+        # A is shared by the CTAs of a cluster row (multicast along N), B along M
+        tma_a, gA = g2s(mA, sA_l, p.tile_m, p.cluster_n)
+        tma_b, gB = g2s(mB, sB_l, p.tile_n, p.cluster_m)
+        tma_d, gD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            mD,
+            cute.slice_(sD_l, (None, None, 0)),
+            self.epi_tile,
+        )
+        ntiles = cute.zipped_divide(mD, (p.tile_m, p.tile_n))[(0, (None, None, None))].shape
+        sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster, 1), 1, p.raster_m)
+        grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_clusters)
+
+        @cute.struct
+        class Storage:
+            ab_bar: cute.struct.MemRange[cutlass.Int64, p.stages * 2]
+            order_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sA_l)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sB_l)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.dt, cute.cosize(sD_l)], 1024]
+
+        self.storage = Storage
+        self.kernel(
+            tma_a, gA, tma_b, gB, tma_d, gD, mD, mC, mBias, beta, tiled_mma, sA_l, sB_l, sD_l, sched
+        ).launch(
+            grid=grid, block=[p.threads, 1, 1], cluster=(*self.cluster, 1), min_blocks_per_mp=1, stream=stream
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_a: cute.CopyAtom,
+        gA_mkl: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        gB_nkl: cute.Tensor,
+        tma_d: cute.CopyAtom,
+        gD_mnl: cute.Tensor,
+        mD: cute.Tensor,
+        mC: cute.Tensor,
+        mBias: cute.Tensor,
+        beta: Float32,
+        tiled_mma: cute.TiledMma,
+        sA_l: cute.ComposedLayout,
+        sB_l: cute.ComposedLayout,
+        sD_l: cute.ComposedLayout,
+        sched: utils.PersistentTileSchedulerParams,
+    ):
+        p = self.p
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // WG)
+        if warp == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+
+        cta_layout = cute.make_layout((*self.cluster, 1))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        ccoord = cta_layout.get_flat_coord(rank)
+        a_mask = cute.make_layout_image_mask(cta_layout, ccoord, mode=1) if p.cluster_n > 1 else 0
+        b_mask = cute.make_layout_image_mask(cta_layout, ccoord, mode=0) if p.cluster_m > 1 else 0
+
+        smem = cutlass.utils.SmemAllocator()
+        st = smem.allocate(self.storage)
+        tx = cute.size_in_bytes(self.ab, cute.slice_(sA_l, (None, None, 0))) + cute.size_in_bytes(
+            self.ab, cute.slice_(sB_l, (None, None, 0))
+        )
+        # a stage is free again once every consumer warp of every CTA that reads it (through
+        # the multicast: the cluster's row and column) has released it
+        mcast = p.cluster_m + p.cluster_n - 1
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=st.ab_bar.data_ptr(),
+            num_stages=p.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, mcast * self.consumer_wgs * 4),
+            tx_count=tx,
+            cta_layout_vmnk=cute.make_layout((1, *cta_layout.shape)),
+            defer_sync=True,
+        )
+        order = None
+        if const_expr(self.ping):
+            order = pipeline.PipelineOrder.create(
+                barrier_storage=st.order_bar.data_ptr(),
+                depth=1,
+                length=2,
+                group_id=wg - 1,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, WG),
+                defer_sync=True,
+            )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=self.cluster, is_relaxed=True)
+
+        sA = st.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
+        sB = st.sB.get_tensor(sB_l.outer, swizzle=sB_l.inner)
+        sD = st.sD.get_tensor(sD_l.outer, swizzle=sD_l.inner)
+        gA = cute.local_tile(gA_mkl, (p.tile_m, TILE_K), (None, None, None))
+        gB = cute.local_tile(gB_nkl, (p.tile_n, TILE_K), (None, None, None))
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a,
+            ccoord[1],
+            cute.make_layout(cute.slice_(cta_layout, (0, None, 0)).shape),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b,
+            ccoord[0],
+            cute.make_layout(cute.slice_(cta_layout, (None, 0, 0)).shape),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+        k_tiles = cute.size(gA, mode=[3])
+        pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.produce(ring, sched, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.consume(
+                ring,
+                order,
+                sched,
+                k_tiles,
+                tiled_mma,
+                sA,
+                sB,
+                sD,
+                tma_d,
+                gD_mnl,
+                mD,
+                mC,
+                mBias,
+                beta,
+                tidx,
+                warp,
+                wg,
+            )
+
+    @cute.jit
+    def produce(self, ring, sched_p, k_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
+        """One thread: the tiles of this CTA in order, every K slice into the next free stage."""
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_p, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        work = sched.initial_work_tile_info()
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.p.stages)
+        while work.is_valid_tile:
+            t = work.tile_idx
+            tAg = tAgA[(None, t[0], None, t[2])]
+            tBg = tBgB[(None, t[1], None, t[2])]
+            for kt in range(k_tiles):
+                ring.producer_acquire(state)
+                bar = ring.producer_get_barrier(state)
+                cute.copy(
+                    tma_a, tAg[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mask
+                )
+                cute.copy(
+                    tma_b, tBg[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mask
+                )
+                ring.producer_commit(state)
+                state.advance()
+            sched.advance_to_next_work()
+            work = sched.get_current_work()
+        # the CTA must not exit while a peer's multicast may still land in its stages
+        ring.producer_tail(state)
+
+    @cute.jit
+    def consume(
+        self,
+        ring,
+        order,
+        sched_p,
+        k_tiles,
+        tiled_mma,
+        sA,
+        sB,
+        sD,
+        tma_d,
+        gD_mnl,
+        mD,
+        mC,
+        mBias,
+        beta,
+        tidx,
+        warp,
+        wg,
+    ):
+        p = self.p
+        cw = wg - 1  # consumer warpgroup 0 / 1
+        # coop: the two warpgroups are the tiled MMA's two M halves; ping: each its own tile
+        mma_thr = tidx - WG if const_expr(not self.ping) else tidx - WG * wg
+        thr_mma = tiled_mma.get_slice(mma_thr)
+        tCsA = thr_mma.partition_A(sA)
+        tCsB = thr_mma.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        gD = cute.local_tile(gD_mnl, (p.tile_m, p.tile_n), (None, None, None))
+        acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, Float32)
+        kblocks = cute.size(tCrA, mode=[2])
+
+        # epilogue: registers -> shared memory -> global memory (TMA store), one tile_m x 32
+        # subtile at a time. Each accumulator element's (row, col) comes from the identity
+        # tensor partitioned like the accumulator; the column offset of element i from the
+        # thread's first column is static (the fragment's layout), and a thread's first
+        # column is below 8 while its columns advance in groups of 8, so the subtile of
+        # element i (offset // 32) is known at trace time: the element lists are static.
+        epi_threads = WG if const_expr(self.ping) else self.math_threads
+        epi_bar = pipeline.NamedBarrier(
+            barrier_id=1 + (cw if const_expr(self.ping) else 0), num_threads=epi_threads
+        )
+        tCc = thr_mma.partition_C(cute.make_identity_tensor((p.tile_m, p.tile_n)))
+        n_sub = p.tile_n // EPI_N
+        subtile = _subtiles(tCc.layout, cute.size(tCc), n_sub)
+        n_buf = p.epi_stages
+        buf0 = cw * n_buf if const_expr(self.ping) else 0
+        store = pipeline.PipelineTmaStore.create(
+            num_stages=n_buf, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, epi_threads)
+        )
+        is_store_warp = warp == 4 * wg if const_expr(self.ping) else warp == 4
+
+        sched = utils.StaticPersistentTileScheduler.create(
+            sched_p, cute.arch.block_idx(), cute.arch.grid_dim()
+        )
+        rd = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
+        rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, p.stages)
+        if const_expr(self.ping):
+            # the second warpgroup starts at the CTA's second tile, k_tiles stages later
+            sched.advance_to_next_work(advance_count=cw)
+            rd.advance(Int32(k_tiles * cw))
+            rel.advance(Int32(k_tiles * cw))
+        work = sched.get_current_work()
+        done = Int32(0)  # epilogue subtiles this warpgroup has stored (buffer rotation)
+        while work.is_valid_tile:
+            t = work.tile_idx
+            if const_expr(self.ping):
+                order.wait()
+            acc.fill(0.0)
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            cute.nvgpu.warpgroup.fence()
+            # one WGMMA batch in flight: a stage is released once the batch after it is issued
+            for kt in range(k_tiles):
+                ring.consumer_wait(rd)
+                for kb in cutlass.range_constexpr(kblocks):
+                    c = (None, None, kb, rd.index)
+                    cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+                cute.nvgpu.warpgroup.commit_group()
+                rd.advance()
+                if kt > 0:
+                    cute.nvgpu.warpgroup.wait_group(1)
+                    ring.consumer_release(rel)
+                    rel.advance()
+            cute.nvgpu.warpgroup.wait_group(0)
+            if k_tiles > 0:
+                ring.consumer_release(rel)
+                rel.advance()
+            if const_expr(self.ping):
+                order.arrive()
+                # skip the other warpgroup's tile in the ring
+                rd.advance(Int32(k_tiles))
+                rel.advance(Int32(k_tiles))
+
+            apply_epilogue(self.epi, acc, thr_mma, t, (p.tile_m, p.tile_n), mD, mC, mBias, beta)
+
+            gD_t = cute.zipped_divide(gD[(None, None, t[0], t[1], t[2])], self.epi_tile)
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t
+            )
+            for e in cutlass.range_constexpr(n_sub):
+                buf = buf0 + (done + e) % n_buf
+                for i in cutlass.range_constexpr(len(subtile[e])):
+                    j = subtile[e][i]
+                    rc = tCc[j]
+                    sD[(rc[0], rc[1] - e * EPI_N, buf)] = acc[j].to(self.dt)
+                # the shared-memory writes must be visible to the TMA (async proxy) before the store
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_bar.arrive_and_wait()
+                if is_store_warp:
+                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, e)])
+                    store.producer_commit()
+                    store.producer_acquire()
+                epi_bar.arrive_and_wait()
+            done += n_sub
+            if const_expr(self.ping):
+                sched.advance_to_next_work(advance_count=2)
+            else:
+                sched.advance_to_next_work()
+            work = sched.get_current_work()
+        if is_store_warp:
+            store.producer_tail()

@@ -1,0 +1,132 @@
+"""The GEMM's launch plan in plain Python (no cutlass, no torch): the tile / cluster /
+schedule a configuration resolves to, the shared-memory stage counts, the rules a
+configuration must pass before anything compiles, and the heuristic default.
+
+Shared memory on the H200 (sm_90a): 227 KiB a CTA (232448 bytes). A stage holds one
+64-deep K slice of A and B: (tile_m + tile_n) * 64 * 2 bytes. The epilogue buffer holds
+``epi_stages`` subtiles of tile_m x 32 of D (ping-pong: one set per consumer warpgroup).
+"""
+
+import dataclasses
+
+SMEM_BYTES = 232448
+BARRIER_BYTES = 1024  # mbarriers + alignment slack
+TILE_K = 64  # 64 16-bit elements = 128 bytes: the 128-byte swizzle atom of the K-major operand
+EPI_N = 32  # columns of an epilogue subtile
+# (tile_m, tile_n) the kernel is built for: the issue's 128 x {128, 192, 256} and 256 x 128
+TILES = ((128, 128), (128, 192), (128, 256), (256, 128))
+CLUSTERS = ((1, 1), (2, 1), (1, 2))
+SCHEDULES = ("coop", "ping")
+ACTIVATIONS = ("none", "relu", "gelu_tanh", "silu")
+AB_DTYPES = ("float16", "bfloat16")
+D_DTYPES = ("float16", "bfloat16", "float32")
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    tile_m: int
+    tile_n: int
+    cluster_m: int
+    cluster_n: int
+    schedule: str  # "coop": 2 consumer warpgroups split a tile along M; "ping": one tile each
+    stages: int  # A/B stages in shared memory
+    epi_stages: int  # epilogue subtiles in flight (per consumer warpgroup under "ping")
+    raster_m: bool  # persistent tile order: along M first (else along N)
+
+    @property
+    def threads(self) -> int:
+        return 384  # one producer warpgroup + two consumer warpgroups
+
+    def smem_bytes(self, d_dtype: str) -> int:
+        return smem_bytes(self.tile_m, self.tile_n, self.schedule, self.stages, self.epi_stages, d_dtype)
+
+
+def acc_regs(tile_m: int, tile_n: int, schedule: str) -> int:
+    """fp32 accumulator registers a consumer thread holds: a warpgroup (128 threads) owns
+    half a tile (coop) or a whole one (ping)."""
+    rows = tile_m // 2 if schedule == "coop" else tile_m
+    return rows * tile_n // 128
+
+
+def smem_bytes(tile_m: int, tile_n: int, schedule: str, stages: int, epi_stages: int, d_dtype: str) -> int:
+    ab = (tile_m + tile_n) * TILE_K * 2 * stages
+    epi = tile_m * EPI_N * DTYPE_BYTES[d_dtype] * epi_stages * (2 if schedule == "ping" else 1)
+    return ab + epi + BARRIER_BYTES
+
+
+def max_stages(tile_m: int, tile_n: int, schedule: str, epi_stages: int, d_dtype: str) -> int:
+    per = (tile_m + tile_n) * TILE_K * 2
+    return (SMEM_BYTES - smem_bytes(tile_m, tile_n, schedule, 0, epi_stages, d_dtype)) // per
+
+
+def default_epi_stages(tile_m: int, schedule: str, d_dtype: str) -> int:
+    # a tile_m x 32 subtile of fp32 at tile_m = 256 is 32 KiB: two in flight are enough to
+    # overlap the TMA store of one with the conversion of the next
+    big = tile_m * EPI_N * DTYPE_BYTES[d_dtype] * (2 if schedule == "ping" else 1) >= 16384
+    return 2 if big else 4
+
+
+def fits(tile: tuple, schedule: str) -> bool:
+    """Whether a (tile, schedule) pair can be built: ping-pong gives one warpgroup a whole
+    tile, so its accumulator must leave registers for the rest (<= 192 of 232)."""
+    return tuple(tile) in TILES and acc_regs(tile[0], tile[1], schedule) <= 192
+
+
+def resolve(knobs: dict, d_dtype: str) -> GemmPlan:
+    """A GemmConfig's knobs (None = heuristic) -> the plan the kernel is built with."""
+    tm, tn = knobs.get("tile_m", 128), knobs.get("tile_n", 256)
+    schedule = knobs.get("schedule", "coop" if not fits((tm, tn), "ping") or tn > 128 else "ping")
+    epi = default_epi_stages(tm, schedule, d_dtype)
+    stages = knobs.get("stages") or max_stages(tm, tn, schedule, epi, d_dtype)
+    return GemmPlan(
+        tile_m=tm,
+        tile_n=tn,
+        cluster_m=knobs.get("cluster_m", 2),
+        cluster_n=knobs.get("cluster_n", 1),
+        schedule=schedule,
+        stages=stages,
+        epi_stages=epi,
+        raster_m=knobs.get("raster_m", True),
+    )
+
+
+def check_plan(knobs: dict, d_dtype: str) -> str | None:
+    """Why a configuration cannot be built, or None when it can."""
+    tm, tn = knobs.get("tile_m", 128), knobs.get("tile_n", 256)
+    if (tm, tn) not in TILES:
+        return f"tile {tm}x{tn} is not one of {', '.join(f'{a}x{b}' for a, b in TILES)}"
+    cl = (knobs.get("cluster_m", 2), knobs.get("cluster_n", 1))
+    if cl not in CLUSTERS:
+        return f"cluster {cl[0]}x{cl[1]} is not one of {', '.join(f'{a}x{b}' for a, b in CLUSTERS)}"
+    sched = knobs.get("schedule")
+    if sched is not None and not fits((tm, tn), sched):
+        return (
+            f"schedule {sched!r} with tile {tm}x{tn}: a warpgroup would hold "
+            f"{acc_regs(tm, tn, sched)} accumulator registers (at most 192)"
+        )
+    plan = resolve(knobs, d_dtype)
+    top = max_stages(tm, tn, plan.schedule, plan.epi_stages, d_dtype)
+    if plan.stages < 2 or plan.stages > top:
+        return f"stages={plan.stages}: tile {tm}x{tn} with D {d_dtype} fits 2..{top} in 227 KiB"
+    return None
+
+
+def heuristic(m: int, n: int, k: int, batch: int = 1) -> dict:
+    """The default knobs for a problem (no tuning-table row): 128x256 cooperative tiles on a
+    2x1 cluster for large problems (the tile cuBLAS picks for LLM shapes on the H200: fewest
+    bytes loaded per FLOP that still fits four stages), 128x128 ping-pong when the grid of
+    big tiles would leave most of the 132 SMs idle."""
+    tiles_big = -(-m // 128) * -(-n // 256) * batch
+    if tiles_big >= 132:
+        return {"tile_m": 128, "tile_n": 256, "cluster_m": 2, "cluster_n": 1, "schedule": "coop"}
+    return {"tile_m": 128, "tile_n": 128, "cluster_m": 1, "cluster_n": 1, "schedule": "ping"}
+
+
+def shape_class(m: int, n: int, k: int) -> str:
+    """A problem's tuning-table class (docs/tuning.md): the row keyed by class, dtype and an
+    N range picks the configuration. Classes by output size and K depth."""
+    out = m * n
+    size = "small" if out <= 1 << 22 else ("mid" if out <= 1 << 26 else "large")
+    depth = "deepk" if k >= 4 * max(m, n) else ("shallowk" if k * 8 <= min(m, n) else "k")
+    return f"{size}/{depth}"

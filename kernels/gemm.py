@@ -1,0 +1,194 @@
+"""Hopper (sm_90a) GEMM: D = act(A @ B + bias + beta * C), persistent and warp-specialized
+(``_gemm_kernel``: TMA loads, WGMMA, an mbarrier ring, cluster multicast, cooperative or
+ping-pong consumers). One compiled object per configuration serves every M, N, K and batch
+L whose strides are 16-byte aligned.
+
+Compile parameters: ``dtype`` (A and B: float16 / bfloat16), ``d_dtype`` (D and C),
+``a_major`` ("k": A is (M, K) row-major; "m": column-major), ``b_major`` ("k": B (K, N) is
+column-major, i.e. an (N, K) row-major weight transposed; "n": row-major), the fused
+epilogue (``has_c``, ``has_bias``, ``activation``) and the launch ``config`` (GemmConfig).
+
+Top level imports only quack: torch and cutlass are imported inside functions.
+"""
+
+from quack import jit_cache
+from quack.params import Bool, Choice, Config, Dtype, Rule
+
+from . import _tuning
+from ._configs import GemmConfig
+from ._gemm_plan import AB_DTYPES, ACTIVATIONS, check_plan, heuristic, resolve, shape_class
+
+# a configuration without a tuning-table row and without a problem shape (a manifest entry
+# that names none): the heuristic's choice for large problems
+BIG = heuristic(8192, 8192, 8192)
+
+
+def _no_shape_class(params: dict) -> None:
+    return None  # the compile parameters carry no shape: the torch wrapper classifies
+
+
+def _fallback(params: dict) -> GemmConfig:
+    return GemmConfig(**BIG)
+
+
+def _plan_ok(p: dict) -> bool:
+    cfg = p.get("config")
+    return cfg is None or check_plan(cfg.knobs(), p["d_dtype"]) is None
+
+
+def search_space(params: dict) -> list[GemmConfig]:
+    """``quack tune``'s candidates: every tile x cluster x schedule the kernel builds, at
+    the default stage count (as many as fit)."""
+    from ._gemm_plan import CLUSTERS, SCHEDULES, TILES, fits
+
+    out = []
+    for tm, tn in TILES:
+        for cm, cn in CLUSTERS:
+            for s in SCHEDULES:
+                if fits((tm, tn), s):
+                    out.append(GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, schedule=s))
+    return out
+
+
+@jit_cache(
+    "gemm",
+    params={
+        "dtype": Dtype(choices=AB_DTYPES),
+        "d_dtype": Dtype(),
+        "a_major": Choice(("k", "m")),
+        "b_major": Choice(("k", "n")),
+        "has_c": Bool(),
+        "has_bias": Bool(),
+        "activation": Choice(ACTIVATIONS),
+        "config": Config(GemmConfig, derive=_tuning.derive("gemm", GemmConfig, _no_shape_class, _fallback)),
+    },
+    rules=[
+        Rule(
+            "arch", "the GEMM is Hopper-only (WGMMA, TMA multicast): sm_90a", lambda p: p["arch"] == "sm_90a"
+        ),
+        Rule(
+            "config",
+            "tile_m x tile_n in 128x128 / 128x192 / 128x256 / 256x128, cluster 1x1 / 2x1 / 1x2, "
+            "schedule 'ping' only with 128x128 / 128x192, stages within 227 KiB of shared memory",
+            _plan_ok,
+        ),
+    ],
+    reference=f"{__package__}._verify_gemm:verify_gemm",
+    search_space=search_space,
+)
+def compile_gemm(
+    dtype: str,
+    d_dtype: str = "bfloat16",
+    a_major: str = "k",
+    b_major: str = "k",
+    has_c: bool = False,
+    has_bias: bool = False,
+    activation: str = "none",
+    config: GemmConfig | None = None,
+    arch: str = "sm_90a",
+):
+    """Runtime signature: fn(a, b, d, c, bias, beta, max_clusters) with a (M, K, L),
+    b (N, K, L), d and c (M, N, L) of ``d_dtype`` (N-major), bias (N,) float32; c and bias
+    are never read unless ``has_c`` / ``has_bias`` (pass any tensor of the right dtype and
+    rank); max_clusters: resident clusters of the persistent grid."""
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    from ._gemm_kernel import HopperGemm
+    from ._launch import cutlass_dtype
+
+    plan = resolve(config.knobs(), d_dtype)  # type: ignore[union-attr]  # derived by bind
+    ab, dt = cutlass_dtype(dtype), cutlass_dtype(d_dtype)
+    epi = {"has_c": has_c, "has_bias": has_bias, "activation": activation}
+    kern = HopperGemm(plan, ab, dt, a_major, b_major, epi)
+
+    def stride(div):
+        return cute.sym_int(64, divisibility=div)
+
+    ab_v, d_v = 8, 16 // (dt.width // 8)  # elements in 16 bytes
+    m, n, k, nl = (cute.sym_int() for _ in range(4))
+    sa, sb = stride(ab_v), stride(ab_v)
+    a = make_fake_tensor(
+        ab,
+        (m, k, nl),
+        stride=(sa, 1, stride(ab_v)) if a_major == "k" else (1, sa, stride(ab_v)),
+        assumed_align=16,
+    )
+    b = make_fake_tensor(
+        ab,
+        (n, k, nl),
+        stride=(sb, 1, stride(ab_v)) if b_major == "k" else (1, sb, stride(ab_v)),
+        assumed_align=16,
+    )
+    d = make_fake_tensor(dt, (m, n, nl), stride=(stride(d_v), 1, stride(d_v)), assumed_align=16)
+    cm, cn, cl = (cute.sym_int() for _ in range(3))
+    c = make_fake_tensor(dt, (cm, cn, cl), stride=(stride(1), 1, stride(1)), assumed_align=dt.width // 8)
+    bias = make_fake_tensor(cutlass_dtype("float32"), (cute.sym_int(),), stride=(1,), assumed_align=4)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(kern, a, b, d, c, bias, 1.0, 1, stream, options="--enable-tvm-ffi")
+
+
+def gemm_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
+    """The configuration for a problem: the tuning table's row for its class (``shape_class``)
+    and N, else the heuristic (``_gemm_plan.heuristic``)."""
+    fb = GemmConfig(**heuristic(m, n, k, batch))
+    return _tuning.default_config(
+        "gemm", GemmConfig, shape_class(m, n, k), dtype, n, _tuning.runtime_arch(), fb
+    )
+
+
+# --------------------------------------------------------------------------- torch-facing
+
+
+def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, beta: float = 1.0):
+    """D = act(a @ b + bias + beta * c) on the GPU (no autograd: ``quack_kernels.ops.gemm``).
+
+    a (M, K) or (L, M, K), b (K, N) or (L, K, N): float16 / bfloat16, one dtype, either
+    major order (a row- or column-major, b likewise); every stride but the unit one and the
+    data pointers 16-byte aligned (``_gemm_args`` names the argument that is not). bias (N,),
+    c (M, N) or (L, M, N): any float dtype. out_dtype float16 / bfloat16 / float32 (default
+    a's dtype)."""
+    import torch
+
+    from quack.runtime import max_active_clusters
+    from quack.tuning.override import override
+
+    from ._gemm_args import check, operand
+
+    if isinstance(a, torch.Tensor) and not a.is_cuda:
+        raise ValueError(f"a must be a CUDA tensor, got device {a.device}")
+    g = check(a, b, bias, activation, out_dtype, c, beta)
+    m, n, k, batch = g.m, g.n, g.k, g.batch
+    d = torch.empty((batch, m, n), device=a.device, dtype=g.out_dtype)
+    if m and n and not k:  # an empty reduction: TMA cannot describe a zero-extent operand
+        pre = torch.zeros((batch, m, n), device=a.device, dtype=torch.float32)
+        pre = (
+            pre + (bias.float() if bias is not None else 0.0) + (beta * g.c.float() if c is not None else 0.0)
+        )
+        d.copy_(torch_activation(pre, activation))
+    elif m and n:
+        cfg = override("gemm") or gemm_config(m, n, k, batch, g.dtype)
+        fn = compile_gemm(
+            g.dtype, g.d_dtype, g.a_major, g.b_major, c is not None, bias is not None, activation, cfg
+        )
+        plan = resolve(cfg.knobs(), g.d_dtype)
+        clusters = max_active_clusters(
+            plan.cluster_m * plan.cluster_n, plan.threads, plan.smem_bytes(g.d_dtype), device=a.device.index
+        )
+        d3 = d.permute(1, 2, 0)
+        c3 = operand(g.c, "c").permute(1, 2, 0) if c is not None else d3
+        bias32 = bias.float().contiguous() if bias is not None else d.new_empty((1,), dtype=torch.float32)
+        fn(g.a3, g.b3, d3, c3, bias32, float(beta), clusters)
+    return d if a.dim() == 3 else d[0]
+
+
+def torch_activation(x, activation: str):
+    import torch
+
+    if activation == "relu":
+        return torch.relu(x)
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(x, approximate="tanh")
+    if activation == "silu":
+        return torch.nn.functional.silu(x)
+    return x

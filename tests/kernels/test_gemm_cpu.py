@@ -1,0 +1,174 @@
+"""CPU tier of the Hopper GEMM (issue 28): the manifests expand, configurations the kernel
+cannot build are refused by name before compiling, torch inputs are validated with errors
+naming the argument, the fake implementation gives the output's shape, and a representative
+configuration compiles for sm_90a through quack's cache and loads back."""
+
+import os
+
+import pytest
+from _fixtures import kernel_cache  # noqa: F401  (a fixture, used by name)
+
+os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _expand(name):
+    from quack import registry, settings
+    from quack_build.manifest.read import expand
+
+    registry.load_packages(settings.get().kernel_packages)
+    return [c for c in expand([os.path.join(ROOT, "manifests", name)]).configs if c.kernel == "gemm"]
+
+
+def test_manifests_expand():
+    assert len(_expand("gemm.toml")) >= 100
+    sub = _expand("tests.toml")
+    # tests.toml's GEMM entries: the CPU tier's 8 plus the GPU tests' 23 requests (one key is in
+    # both lists, built once): what the tests use and no more, a GEMM compile taking seconds
+    assert 8 <= len(sub) <= 8 + 23, len(sub)
+    scheds = {c.params["config"].schedule for c in sub}
+    assert scheds == {"coop", "ping"}
+
+
+def test_search_space_candidates_all_pass_the_rules():
+    from quack_kernels.gemm import compile_gemm, search_space
+
+    cands = search_space({})
+    assert len(cands) == 18
+    for cfg in cands:
+        compile_gemm.spec.bind(("bfloat16",), {"config": cfg}, arch="sm_90a")
+
+
+@pytest.mark.parametrize(
+    "knobs, match",
+    [
+        ({"tile_m": 128, "tile_n": 256, "schedule": "ping"}, "config"),
+        ({"tile_m": 256, "tile_n": 192}, "config"),
+        ({"cluster_m": 2, "cluster_n": 2}, "config"),
+        ({"tile_m": 256, "tile_n": 128, "stages": 12}, "config"),
+    ],
+)
+def test_unbuildable_configurations_are_refused_before_compiling(knobs, match):
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels._gemm_plan import check_plan
+    from quack_kernels.gemm import compile_gemm
+
+    from quack.errors import ParamError
+
+    assert check_plan(knobs, "bfloat16") is not None
+    with pytest.raises(ParamError, match=match):
+        compile_gemm.spec.bind(("bfloat16",), {"config": GemmConfig(**knobs)}, arch="sm_90a")
+
+
+def test_arch_rule_refuses_other_targets():
+    from quack_kernels.gemm import compile_gemm
+
+    from quack.errors import ParamError
+
+    with pytest.raises(ParamError, match="sm_90a"):
+        compile_gemm.spec.bind(("bfloat16",), {}, arch="sm_100a")
+
+
+def test_plan_fits_shared_memory():
+    from quack_kernels._gemm_plan import CLUSTERS, SMEM_BYTES, TILES, fits, resolve
+
+    for tm, tn in TILES:
+        for d in ("bfloat16", "float32"):
+            for s in ("coop", "ping"):
+                if fits((tm, tn), s):
+                    p = resolve({"tile_m": tm, "tile_n": tn, "schedule": s}, d)
+                    assert 2 <= p.stages and p.smem_bytes(d) <= SMEM_BYTES, (tm, tn, s, d, p)
+    assert (2, 2) not in CLUSTERS
+
+
+torch = pytest.importorskip("torch")
+
+
+def _t(shape, dtype=torch.bfloat16, stride=None):
+    t = torch.zeros(shape if not stride else (64 * 256,), dtype=dtype)
+    return t.as_strided(shape, stride) if stride else t
+
+
+@pytest.mark.parametrize(
+    "args, exc, match",
+    [
+        ((_t((64, 64)), _t((64, 64), torch.float16)), TypeError, "b has dtype torch.float16"),
+        ((_t((64, 64), torch.float32), _t((64, 64), torch.float32)), TypeError, "a has dtype torch.float32"),
+        ((_t((64, 48)), _t((64, 64))), ValueError, r"b has shape \(64, 64\), expected \(48, N\)"),
+        ((_t((2, 64, 64)), _t((64, 64))), ValueError, "must both be 2-D"),
+        ((_t((64, 60)), _t((60, 64))), ValueError, "a: stride 60 of dim 0 is 120 bytes"),
+        ((_t((64, 64)), _t((64, 60))), ValueError, "b: stride 60 of dim 0"),
+        ((_t((64, 64)), _t((64, 64)).t()[:, :60]), ValueError, "b: N = 60 columns"),
+        ((_t((64, 64)), _t((64, 64), stride=(2, 128))), ValueError, "b has strides"),
+    ],
+)
+def test_bad_inputs_name_the_argument(args, exc, match):
+    from quack_kernels._gemm_args import check
+
+    with pytest.raises(exc, match=match):
+        check(*args, None, "none", None, None, 1.0)
+
+
+def test_bad_epilogue_arguments():
+    from quack_kernels._gemm_args import check
+
+    a, b = _t((64, 64)), _t((64, 128))
+    with pytest.raises(ValueError, match=r"bias must be a float \(128,\)"):
+        check(a, b, _t((64,)), "none", None, None, 1.0)
+    with pytest.raises(ValueError, match=r"c must be a float \(64, 128\)"):
+        check(a, b, None, "none", None, _t((64, 64)), 1.0)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        check(a, b, None, "tanh", None, None, 1.0)
+    with pytest.raises(TypeError, match="out_dtype"):
+        check(a, b, None, "none", torch.float64, None, 1.0)
+
+
+def test_layout_detection_and_kernel_views():
+    from quack_kernels._gemm_args import check
+
+    a, b = _t((1000, 776)), _t((776, 1048))
+    g = check(a.t().contiguous().t(), b.t().contiguous().t(), None, "none", torch.float32, None, 1.0)
+    assert (g.a_major, g.b_major, g.d_dtype) == ("m", "k", "float32")
+    assert g.a3.shape == (1000, 776, 1) and g.b3.shape == (1048, 776, 1)
+    assert g.a3.stride()[:2] == (1, 1000) and g.b3.stride()[:2] == (776, 1)
+    g = check(_t((3, 64, 32)), _t((3, 32, 16)), None, "none", None, None, 1.0)
+    assert (g.a_major, g.b_major, g.batch) == ("k", "n", 3) and g.b3.shape == (16, 32, 3)
+
+
+def test_cpu_tensors_are_refused_by_the_op():
+    from quack_kernels.ops import gemm
+
+    with pytest.raises(ValueError, match="a must be a CUDA tensor"):
+        gemm(_t((64, 64)), _t((64, 64)))
+
+
+def test_fake_implementation_shapes():
+    from quack_kernels.ops import gemm
+
+    a, b = torch.empty(1000, 776, device="meta"), torch.empty(776, 1048, device="meta")
+    a, b = a.bfloat16(), b.bfloat16()
+    assert gemm(a, b).shape == (1000, 1048) and gemm(a, b).dtype == torch.bfloat16
+    assert gemm(a, b, out_dtype=torch.float32).dtype == torch.float32
+    a3, b3 = a.expand(3, -1, -1), b.expand(3, -1, -1)
+    assert gemm(a3, b3).shape == (3, 1000, 1048)
+    with pytest.raises(ValueError, match="expected"):
+        gemm(a, b[:700])
+
+
+def test_heuristic_and_classes():
+    from quack_kernels._gemm_plan import heuristic, shape_class
+
+    assert heuristic(8192, 8192, 8192)["tile_n"] == 256
+    assert heuristic(1000, 1048, 776)["schedule"] == "ping"
+    assert shape_class(8192, 4096, 14336) == "mid/k" and shape_class(256, 256, 8192) == "small/deepk"
+
+
+@pytest.mark.usefixtures("kernel_cache")
+def test_compile_export_load_through_the_cache():
+    """One representative configuration of the subset (ping-pong, 1x2 cluster: the ordering
+    barrier and A's multicast) compiles for sm_90a in a worker, is exported and loads back."""
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels.gemm import compile_gemm
+
+    cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, schedule="ping")
+    assert callable(compile_gemm("bfloat16", "bfloat16", config=cfg))
