@@ -32,7 +32,8 @@ def test_autotune_benchmarks_ready_first_skips_failures_picks_fastest(quack_sett
     finally:
         p.shutdown()
     assert res.best == {"mode": "slow", "tag": tag} and res.best_time == 1e-5
-    assert seen == ["ok", "slow"], "the quick compile is benchmarked while the slow one compiles"
+    assert seen[:2] == ["ok", "slow"], "the quick compile is benchmarked while the slow one compiles"
+    assert len(seen) == 2 + 2 * 3  # then both (the fastest two) are confirmed in 3 rounds
     assert len(res.errors) == 1 and "deliberate compile failure" in res.errors[0][1]
     assert res.submitted == 3
     assert "failed" in res.table()
@@ -85,6 +86,34 @@ def test_autotune_refuses_a_wrong_candidate_and_reports_errors(quack_settings):
     assert res.best == {"block": 64} and res.best_time == 1e-5
     assert res.remeasured == 2 and calls[96] == 4 and calls[64] == 4
     assert "wrong" in res.table() and "failed" in res.table()
+
+
+def test_autotune_confirms_a_lone_outlier_and_the_baseline_in_rounds(quack_settings):
+    """A first measurement that is an outlier (low for 32: it would win unopposed, since no
+    other candidate is within ``close`` of it; high for the baseline 128: a false speed-up)
+    is measured again with the runners-up in interleaved rounds and ranked by its median."""
+    seq = {32: [0.5e-5, 2e-5], 64: [1e-5], 96: [3e-5], 128: [9e-5, 1.1e-5]}
+    calls: dict = {}
+
+    def bench(fn, cfg):
+        b = cfg["block"]
+        i = calls.get(b, 0)
+        calls[b] = i + 1
+        return seq[b][min(i, len(seq[b]) - 1)]
+
+    res = autotune(
+        toykernels.toy_scale,
+        [{"block": b} for b in (32, 64, 96, 128)],
+        bench,
+        common={"dtype": "float32", "bias": True},
+        rounds=3,
+        confirm=2,
+        baseline={"block": 128},
+    )
+    assert res.best == {"block": 64} and res.best_time == 1e-5
+    # the two fastest first measurements (32, 64) and the baseline: 1 + 3 rounds each; 96 once
+    assert res.remeasured == 3 and calls == {32: 4, 64: 4, 128: 4, 96: 1}
+    assert dict((c["block"], t) for c, t in res.times)[128] == 1.1e-5
 
 
 def test_autotune_candidate_budget_and_argument_checks(quack_settings):

@@ -60,6 +60,7 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, la
                 timeout=seconds,
                 check=check,
                 max_candidates=count,
+                baseline={"config": current},  # the old winner's time: re-measured with the new one
             )
             old_t = next((t for cfg, t in res.times if cfg["config"] == current), None)
             new = res.best["config"] if res.best else None
