@@ -380,6 +380,40 @@ def test_pull_wait_ends_on_interrupt_while_a_fetch_hangs(fake_refs):
         release.set()
 
 
+def test_pull_wait_runs_a_signal_handled_on_another_thread(fake_refs):
+    """The race behind a lost Ctrl-C: the signal's C handler runs while the main thread is
+    not in a system call it interrupts (here: it runs on another thread, which receives the
+    signal), so the waiting main thread is never woken. The pull's wait still raises
+    KeyboardInterrupt while the fetches hang (an untimed wait raised it only when they ended,
+    20 s later; under load a Ctrl-C of `quack build` was lost this way)."""
+    entered, release, returned = threading.Event(), threading.Event(), threading.Event()
+    calls = []
+
+    class HungRemote:
+        offline = False
+
+        def fetch(self, ref):
+            calls.append(ref)
+            if len(calls) == 1:
+                return None
+            entered.set()
+            release.wait(20)
+            returned.set()
+            return None
+
+    def interrupt():
+        if entered.wait(DEADLINE):
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # this thread takes it
+
+    threading.Thread(target=interrupt, daemon=True).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            remote_sync.pull([_Task(i) for i in range(4)], None, HungRemote(), threads=2)
+        assert entered.is_set() and not returned.is_set()
+    finally:
+        release.set()
+
+
 def test_build_interrupted_during_the_pull_compiles_nothing(fake_refs):
     from quack_build.build import scheduler
 

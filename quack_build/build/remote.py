@@ -155,7 +155,12 @@ def _run_daemons(fn: Callable, items: list, threads: int, stop: threading.Event)
     for _ in range(state["live"]):
         threading.Thread(target=worker, name="quack-pull", daemon=True).start()
     try:
-        done.wait()
+        # A timed wait, polled: a signal whose C handler ran just before this thread blocked
+        # (or on another thread) does not interrupt an untimed wait, whose Python handler then
+        # runs only when the wait ends; the hung fetches of issue 30 end only at their
+        # time-out. Each return to Python runs a pending handler: Ctrl-C acts within 0.25 s.
+        while not done.wait(0.25):
+            pass
     except BaseException:
         stop.set()  # the threads finish the fetch in hand and take no more
         raise
