@@ -273,6 +273,8 @@ def test_load_fresh_interrupted_kills_every_child_and_starts_no_more(tmp_path):
     """Ctrl-C / SIGTERM (quack_build.build.interrupts turns both into KeyboardInterrupt)
     while two children hang in a load and four requests wait: the command ends at once,
     every child killed and reaped, none started for the queued work."""
+    from quack_build.verify import loaders
+
     marks = tmp_path / "marks"
     marks.mkdir()
     hang = _shared_object(
@@ -290,7 +292,12 @@ def test_load_fresh_interrupted_kills_every_child_and_starts_no_more(tmp_path):
             assert time.monotonic() < deadline, "the two loader processes never started their load"
             time.sleep(0.05)
         p.send_signal(signal.SIGINT)
-        out, _ = p.communicate(timeout=60)
+        # Within one worker-join time-out: without the kill the driver waits that long per
+        # child stuck in its load (and a child for the queued work could start meanwhile).
+        try:
+            out, _ = p.communicate(timeout=loaders.JOIN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the interrupted load_fresh did not end within {loaders.JOIN_TIMEOUT} s")
     finally:
         p.kill()
         p.wait()
