@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -184,3 +188,122 @@ def test_prewarm_from_journal(proj):
     assert r.exit_code == 0 and "0 to rebuild" in r.output
     r = runner.invoke(app, ["build", "--json", str(out)])
     assert json.loads(r.stdout)["cached"] == 3
+
+
+# --- quack verify -j: the loads shared out over several fresh processes ------------------
+
+
+def _reqs(cache: Path) -> list[dict]:
+    """One load request per built entry (quack_build.verify.child's format), real objects."""
+    out = []
+    for arch, block in (("sm_90a", 64), ("sm_90a", 128), ("sm_80", 64)):
+        e = _entry(cache, arch, block)
+        so = e["so"] if e["so"].exists() else None
+        out.append(
+            {"key": e["key"], "obj": str(e["o"]), "so": str(so) if so else None, "kernel": "toy_scale"}
+        )
+    return out
+
+
+def _shared_object(d: Path, name: str, constructor_body: str) -> str:
+    """A .so whose load runs ``constructor_body`` (the loader dlopens it: a real crash or
+    hang inside the fresh process, not a Python exception it could report)."""
+    if shutil.which("cc") is None:
+        pytest.skip("needs a C compiler to build the crashing object")
+    src = d / f"{name}.c"
+    src.write_text(
+        "#include <stdio.h>\n#include <stdlib.h>\n#include <unistd.h>\n"
+        f"__attribute__((constructor)) static void quack_test_ctor(void) {{ {constructor_body} }}\n"
+    )
+    so = d / f"{name}.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(so), str(src)], check=True, timeout=120)
+    return str(so)
+
+
+def test_verify_jobs_reports_are_identical_in_request_order(proj):
+    e = _entry(proj["cache"], "sm_90a", 128)
+    for k in ("so", "so_meta"):
+        e[k].unlink(missing_ok=True)
+    data = bytearray(e["o"].read_bytes())
+    data[0:4] = b"JUNK"  # a load failure in the middle of the manifest: must stay on its entry
+    _rewrite(e, bytes(data))
+    reports = []
+    for jobs in ("1", "2"):
+        r = runner.invoke(app, ["verify", "--json", "-j", jobs])
+        assert r.exit_code == 1, r.output
+        res = json.loads(r.stdout)
+        res.pop("seconds")
+        reports.append(res)
+    assert reports[0] == reports[1]
+    assert [x["key"] for x in reports[0]["entries"] if x["problems"]] == [e["key"]]
+    assert sum(1 for x in reports[0]["entries"] if x.get("loaded") in ("so", "o")) == 2
+    r = runner.invoke(app, ["verify", "-j", "0"])
+    assert r.exit_code == 2 and "--jobs" in r.output
+
+
+def test_load_fresh_blames_a_crash_on_its_entry_only(proj, tmp_path):
+    from quack_build.verify.loaders import load_fresh
+
+    good = _reqs(proj["cache"])
+    crash = _shared_object(tmp_path, "crash", 'fputs("quack-test: aborting on load", stderr); abort();')
+    bad = {"key": "crashing", "obj": crash, "so": crash, "kernel": "toy_scale"}
+    reqs = [good[0], bad, good[1], good[2]]
+    seen: list[int] = []
+    answers, note = load_fresh(reqs, jobs=2, progress=seen.append)
+    assert note == "" and seen == [1, 2, 3, 4]  # counted across the children
+    assert not answers[1]["ok"] and "the loader process died (signal 6)" in answers[1]["error"]
+    assert "quack-test: aborting on load" in answers[1]["error"]  # that child's own stderr
+    for i in (0, 2, 3):  # in request order, loaded whichever child took them
+        assert answers[i]["ok"] and answers[i]["key"] == reqs[i]["key"] and answers[i]["how"] in ("so", "o")
+
+
+DRIVER = """
+import json, os, sys
+from quack_build.verify.loaders import load_fresh
+try:
+    load_fresh(json.loads(sys.argv[1]), jobs=2)
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+    sys.exit(130)
+print("finished", flush=True)
+"""
+
+
+def test_load_fresh_interrupted_kills_every_child_and_starts_no_more(tmp_path):
+    """Ctrl-C / SIGTERM (quack_build.build.interrupts turns both into KeyboardInterrupt)
+    while two children hang in a load and four requests wait: the command ends at once,
+    every child killed and reaped, none started for the queued work."""
+    from quack_build.verify import loaders
+
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    hang = _shared_object(
+        tmp_path,
+        "hang",
+        f'char p[4096]; snprintf(p, sizeof p, "{marks}/%d", (int)getpid()); '
+        'FILE *f = fopen(p, "w"); if (f) fclose(f); for (;;) pause();',
+    )
+    reqs = [{"key": f"hang-{i}", "obj": hang, "so": hang, "kernel": "toy_scale"} for i in range(6)]
+    p = subprocess.Popen([sys.executable, "-c", DRIVER, json.dumps(reqs)], stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(marks.iterdir())) < 2:  # both children are inside their load
+            assert p.poll() is None, p.stdout.read() if p.stdout else ""
+            assert time.monotonic() < deadline, "the two loader processes never started their load"
+            time.sleep(0.05)
+        p.send_signal(signal.SIGINT)
+        # Within one worker-join time-out: without the kill the driver waits that long per
+        # child stuck in its load (and a child for the queued work could start meanwhile).
+        try:
+            out, _ = p.communicate(timeout=loaders.JOIN_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the interrupted load_fresh did not end within {loaders.JOIN_TIMEOUT} s")
+    finally:
+        p.kill()
+        p.wait()
+    assert p.returncode == 130 and out.strip() == "interrupted"
+    pids = [int(m.name) for m in marks.iterdir()]
+    assert len(pids) == 2  # the four queued requests started no new child
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):  # killed and reaped, not left running or a zombie
+            os.kill(pid, 0)

@@ -25,22 +25,34 @@ def knob(param: Param, doc: str = "") -> Any:
     return dataclasses.field(default=None, metadata={"param": param, "doc": doc})
 
 
+_FIELDS: dict[type, tuple[tuple[str, Param | None], ...]] = {}
+
+
+def _knob_fields(cls: type) -> tuple[tuple[str, Param | None], ...]:
+    """(name, its Param) of each field, read once a class: ``dataclasses.fields`` on every
+    construction and ``knobs()`` was ~a quarter of ``spec.bind``'s CPU time (a configuration
+    is derived on every bind; tests/kernels/test_default_configs_cpu.py's sweeps bind ~100k)."""
+    got = _FIELDS.get(cls)
+    if got is None:
+        got = _FIELDS[cls] = tuple((f.name, f.metadata.get("param")) for f in dataclasses.fields(cls))
+    return got
+
+
 class TuneConfig:
     """Base of the typed configurations (subclasses are ``@dataclass(frozen=True)``)."""
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            p = f.metadata.get("param")
+        for name, p in _knob_fields(type(self)):
             if p is None:
-                raise TypeError(f"{type(self).__name__}.{f.name}: declare it with quack.tuning.knob(...)")
-            v = getattr(self, f.name)
+                raise TypeError(f"{type(self).__name__}.{name}: declare it with quack.tuning.knob(...)")
+            v = getattr(self, name)
             if v is None:
                 continue
             try:
-                canon = p.check(f.name, v)
+                canon = p.check(name, v)
             except ParamError as e:
-                raise ParamError(f"{type(self).__name__}: {e}", param=f.name) from None
-            object.__setattr__(self, f.name, canon)
+                raise ParamError(f"{type(self).__name__}: {e}", param=name) from None
+            object.__setattr__(self, name, canon)
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "") -> "TuneConfig":
@@ -57,8 +69,7 @@ class TuneConfig:
 
     def knobs(self) -> dict:
         """The fields that are set, as a fresh dict (what the kernel code reads)."""
-        fields = dataclasses.fields(self)  # type: ignore[arg-type]  # subclasses are dataclasses
-        return {f.name: getattr(self, f.name) for f in fields if getattr(self, f.name) is not None}
+        return {name: v for name, _ in _knob_fields(type(self)) if (v := getattr(self, name)) is not None}
 
     def label(self) -> str:
         """A short readable form for tables and logs: ``x_rows=2 x_smem=true``."""

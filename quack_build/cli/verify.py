@@ -12,6 +12,10 @@ from quack_build.cli.context import Fail, cli_settings, console, emit_json, load
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, run_command
 
+# The default -j's cap: with --run every loader process holds a CUDA context on the same
+# GPU; more than this gains nothing there and costs each one's start-up (a given -j is kept).
+MAX_DEFAULT_JOBS = 8
+
 
 def verify(
     manifests: List[Path] = manifests_argument(),
@@ -20,6 +24,14 @@ def verify(
     ),
     run: bool = typer.Option(False, "--run", help="GPU only: run each kernel against its reference."),
     no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
+    jobs: Optional[int] = typer.Option(
+        None,
+        "--jobs",
+        "-j",
+        min=1,
+        help=f"Fresh loader processes at once, at least 1 (default: [build] jobs, else CPU count; "
+        f"at most {MAX_DEFAULT_JOBS}, since with --run they share one GPU).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = cache_dir_option(),
     max_configs: int = max_configs_option(),
@@ -29,11 +41,13 @@ def verify(
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
     if bundles:
-        run_command(lambda: _verify_bundles(as_json, cache_dir, no_load, run))
-    run_command(lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs))
+        run_command(lambda: _verify_bundles(as_json, cache_dir, no_load, run, jobs))
+    run_command(
+        lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs, jobs)
+    )
 
 
-def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> int:
+def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs, jobs) -> int:
     from quack_build.verify import manifest as v
 
     s = cli_settings(cache_dir, manifests=manifests)
@@ -44,7 +58,12 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> i
 
     try:
         res = v.verify(
-            exp.configs, local_store(s), load=not no_load, run=run, console=None if as_json else con
+            exp.configs,
+            local_store(s),
+            load=not no_load,
+            run=run,
+            console=None if as_json else con,
+            jobs=_jobs(s, jobs),
         )
     except CacheError as e:  # an unsafe root: refused like build, stats and clean do
         raise Fail(f"error: {e}") from None
@@ -57,15 +76,19 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs) -> i
     return 0 if res["ok"] else 1
 
 
-def _verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool) -> int:
+def _verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool, jobs) -> int:
     s = cli_settings(cache_dir)
     load_kernels(s, required=False)
     from quack_build.cli.verify_view import print_bundle_report
     from quack_build.verify.bundles import verify_bundles
 
-    res = verify_bundles(s, load=not no_load, run=run)
+    res = verify_bundles(s, load=not no_load, run=run, jobs=_jobs(s, jobs))
     if as_json:
         emit_json(res)
     else:
         print_bundle_report(console(), res)
     return 0 if res["ok"] else 1
+
+
+def _jobs(s, given: Optional[int]) -> int:
+    return given if given else min(MAX_DEFAULT_JOBS, s.effective_jobs(None))

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 
-def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
+def verify_bundles(s, *, load: bool = True, run: bool = False, jobs: int = 1) -> dict:
     """Every installed bundle: refused or not, each entry's checksums, arch (from the
     embedded cubin), toolchain stamp (which names the arch) and kernel source against
     this process's, and a load in a fresh process. A bundle none of whose entries this
@@ -18,8 +18,8 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
     from quack.bundles import files as bfiles
     from quack.bundles import tier as bt
     from quack.cache import keys
-    from quack_build.verify import manifest as v
     from quack_build.verify.cubin import arch_matches, gpu_codes
+    from quack_build.verify.loaders import load_fresh
 
     t0 = time.time()
     bundles = bt.discover(s)
@@ -106,7 +106,7 @@ def verify_bundles(s, *, load: bool = True, run: bool = False) -> dict:
             )
     note = ""
     if loads:
-        answers, note = v.load_fresh([req for _, req in loads], run=run)
+        answers, note = load_fresh([req for _, req in loads], run=run, jobs=jobs)
         for (r, _), a in zip(loads, answers):
             if not a.get("ok"):
                 r["problems"].append(a.get("error", "load failed"))

@@ -85,10 +85,13 @@ def poison_allocations(monkeypatch):
     yield
 
 
-# The PTX a test reads: compiled ONCE a session for every case the session asks for (one
-# child process: CUTE_DSL_KEEP is read once a process), kept in the session's cache
-# directory under the kernel's source fingerprint and key, so a later session with the same
-# sources reads it back without compiling (the cache holds cubins only: no PTX to read).
+# The PTX a test reads: compiled ONCE a session for every case the session asks for, kept
+# in the session's cache directory under the kernel's source fingerprint and key, so a
+# later session with the same sources reads it back without compiling (the cache holds
+# cubins only: no PTX to read). The cases are shared out over up to 8 child processes
+# (one after another in one child, the ten cases took 19 s of the H200 tier's setup);
+# each child has a dump directory of its own, since it finds the .ptx a compile wrote by
+# listing that directory (CUTE_DSL_KEEP is read once a process: hence children at all).
 _PTX_SCRIPT = """
 import glob, importlib, json, os, shutil, sys
 from quack import registry
@@ -104,15 +107,55 @@ for module, name, params, dest in todo:
     shutil.move(new, dest + ".tmp")
     os.replace(dest + ".tmp", dest)
 """
+PTX_TIMEOUT_S = 1200.0  # all children together; one compile takes seconds
+
+
+def _compile_ptx(todo: list, tmp_dir) -> None:
+    """Run ``_PTX_SCRIPT`` over ``todo`` in min(CPU count, len(todo), 8) children at once.
+    The first failure, the deadline or an interrupt (KeyboardInterrupt here) kills every
+    child still running: none outlives the fixture, none keeps compiling for nothing."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    n = max(1, min(os.cpu_count() or 1, len(todo), 8))
+    procs = []
+    try:
+        for i in range(n):
+            out = os.path.join(str(tmp_dir), f"child-{i}")
+            os.makedirs(out, exist_ok=True)
+            env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=out, CUTE_DSL_ARCH="sm_90a")
+            err = tempfile.TemporaryFile()
+            cmd = [sys.executable, "-c", _PTX_SCRIPT, out, json.dumps(todo[i::n])]
+            procs.append((subprocess.Popen(cmd, env=env, stdout=err, stderr=err), err))
+        deadline = time.monotonic() + PTX_TIMEOUT_S
+        while True:  # bounded by the deadline: each pass waits at most 0.5 s
+            codes = [p.poll() for p, _ in procs]
+            for (_, err), code in zip(procs, codes):
+                if code not in (None, 0):
+                    err.seek(0)
+                    tail = err.read()[-4000:].decode("utf-8", "replace")
+                    raise AssertionError(f"compiling PTX cases failed (exit {code}):\n{tail}")
+            if all(c == 0 for c in codes):
+                return
+            assert time.monotonic() < deadline, f"compiling the PTX cases took over {PTX_TIMEOUT_S:.0f} s"
+            try:
+                procs[codes.index(None)][0].wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        for p, err in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+            err.close()
 
 
 def ptx_of(cases: dict, tmp_dir) -> dict:
     """``cases``: id -> (kernel compile function, its params dict; config derived when left
     out) -> id -> the PTX text of that kernel for sm_90a."""
-    import json
-    import subprocess
-    import sys
-
     from quack import settings
 
     root = settings.get().cache_dir
@@ -125,13 +168,5 @@ def ptx_of(cases: dict, tmp_dir) -> dict:
         if not os.path.exists(path):
             todo.append((spec.module, spec.name, spec.plain(bound), path))
     if todo:
-        env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_dir), CUTE_DSL_ARCH="sm_90a")
-        r = subprocess.run(
-            [sys.executable, "-c", _PTX_SCRIPT, str(tmp_dir), json.dumps(todo)],
-            env=env,
-            timeout=1200,
-            capture_output=True,
-            text=True,
-        )
-        assert r.returncode == 0, r.stderr[-4000:]
+        _compile_ptx(todo, tmp_dir)
     return {cid: open(p).read() for cid, p in where.items()}

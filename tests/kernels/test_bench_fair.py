@@ -105,7 +105,8 @@ def test_ref_worker_deadline(bk, tmp_path):
     """A worker that never answers ends its column after the deadline, and is ended."""
     ref = _fake_ref(tmp_path, init="import time\ntime.sleep(60)\n")
     t0 = time.time()
-    client = bk.RefClient(_Args(ref), timeout_s=3)
+    # 0.5 s: the worker never answers, so any deadline proves it; a longer one only waited.
+    client = bk.RefClient(_Args(ref), timeout_s=0.5)
     assert not client.alive
     assert time.time() - t0 < 30
     assert client.p.poll() is not None

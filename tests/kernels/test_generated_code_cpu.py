@@ -107,3 +107,36 @@ def test_softmax_bwd_other_rows_keep_the_plain_kernel(ptx):
     text = ptx["sm-bf16-16384"]  # the mid class (a cluster of 4)
     assert "cache_hint" not in text and "evict" not in text
     assert len(re.findall(r"ld\.global\.v4\.b32", text)) == 4
+
+
+def test_ptx_children_a_failure_is_reported_and_ends_every_child(tmp_path, monkeypatch):
+    """``ptx_of``'s children: one failing ends the others at once (no compile left running
+    for nothing, none outliving the fixture), and its own output is in the message."""
+    import os
+
+    from _fixtures import _compile_ptx
+
+    mods = tmp_path / "mods"
+    mods.mkdir()
+    pidfile = tmp_path / "sleeper.pid"
+    (mods / "ptx_sleeper.py").write_text(
+        f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)\n"
+    )
+    (mods / "ptx_failer.py").write_text(
+        "import os, time\n"
+        f"for _ in range(1200):  # the sleeper is running first (bounded: 60 s)\n"
+        f"    if os.path.exists({str(pidfile)!r}): break\n"
+        "    time.sleep(0.05)\n"
+        "raise SystemExit('ptx-test: this case fails')\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(mods), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    todo = [
+        ("ptx_sleeper", "x", {}, str(tmp_path / "a.ptx")),
+        ("ptx_failer", "y", {}, str(tmp_path / "b.ptx")),
+    ]
+    with pytest.raises(AssertionError, match="ptx-test: this case fails"):
+        _compile_ptx(todo, tmp_path / "dump")
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):  # killed and reaped
+        os.kill(pid, 0)

@@ -56,7 +56,12 @@ def test_verify_run_passes_over_every_shipped_manifest(request):
     mans = sorted(glob.glob(os.path.join(ROOT, "manifests", "*.toml")))
     env = dict(os.environ, QUACK_CACHE_DIR=str(request.getfixturevalue("kernel_cache")))
     jobs = str(min(16, os.cpu_count() or 1))
-    for args, limit in ((["build", "-j", jobs, *mans], 2400), (["verify", "--run", *mans], 1200)):
+    # verify's loader processes share the one GPU: 8 at most (its own default's cap).
+    load_jobs = str(min(8, os.cpu_count() or 1))
+    for args, limit in (
+        (["build", "-j", jobs, *mans], 2400),
+        (["verify", "--run", "-j", load_jobs, *mans], 1200),
+    ):
         r = subprocess.run(
             [sys.executable, "-m", "quack_build", *args],
             cwd=ROOT,

@@ -209,44 +209,50 @@ def test_cross_entropy_fwd_bwd(variant, xdt, _w, m, n):
 
 COMPILE_NS = ((1, 1), (7, 668), (257, 4100), (33, 65536))
 
+# What each compiled test exercises, and at what cost. Our side of torch.compile is dynamo
+# tracing the custom ops in one graph (fullgraph=True), AOT autograd building the backward
+# from the registered fake impls and autograd formulas, and the real kernels running on
+# what that graph hands them: backend="aot_eager" does all of it, for every dtype
+# combination. Inductor adds its own lowering and Triton code for the glue ops around ours,
+# where our ops are extern calls whatever the dtypes: one Inductor test over EVERY op in
+# ONE graph covers that. (Six Inductor tests, one per dtype combination and op group,
+# were 21 s of the H200 tier, most of it Inductor compiling the same glue six times.)
 
-def _compiled(fn):
+
+def _compiled(fn, backend):
     torch._dynamo.reset()
-    return torch.compile(fn, fullgraph=True, dynamic=True)
+    return torch.compile(fn, fullgraph=True, dynamic=True, backend=backend)
 
 
-@pytest.mark.parametrize(
-    "xdt,wdt", [("bfloat16", "float32"), ("float16", "float16"), ("float32", "bfloat16")]
-)
-def test_compile_fullgraph_norms(xdt, wdt):
+def _norms():
     from quack_kernels.ops import layernorm, rmsnorm
 
     def f(x, r, w, b):
         y, h = rmsnorm(x, w, None, r)
         return layernorm(y, w, b) * 2 + h
 
-    cf = _compiled(f)
-    for m, n in COMPILE_NS:
-        args = [
-            _rand((m, n), TD[xdt], 0),
-            _rand((m, n), TD[xdt], 1),
-            _rand((n,), TD[wdt], 2),
-            _rand((n,), TD[wdt], 3),
-        ]
-        dy = _rand((m, n), TD[xdt], 4)
-        a1, a2 = [leaf(a) for a in args], [leaf(a) for a in args]
-        out_c = cf(*a1)
-        out_c.backward(dy)
-        out_e = f(*a2)
-        out_e.backward(dy)
-        # compiled == eager (same kernels; the glue ops may be fused by inductor)
-        close(out_c, out_e, f"compiled y {m}x{n}")
-        for i, (g1, g2) in enumerate(zip(a1, a2)):
-            close(g1.grad, g2.grad, f"compiled grad {i} {m}x{n}", m if i >= 2 else 1)
+    return f
 
 
-@pytest.mark.parametrize("xdt", DTYPES)
-def test_compile_fullgraph_softmax_cross_entropy(xdt):
+def _norm_args(m, n, xdt, wdt):
+    """(x, r, w, b) and the upstream gradient."""
+    args = [
+        _rand((m, n), TD[xdt], 0),
+        _rand((m, n), TD[xdt], 1),
+        _rand((n,), TD[wdt], 2),
+        _rand((n,), TD[wdt], 3),
+    ]
+    return args, _rand((m, n), TD[xdt], 4)
+
+
+def _check_norms(out_c, a1, out_e, a2, m, n):
+    # compiled == eager (same kernels; the glue ops may be fused by inductor)
+    close(out_c, out_e, f"compiled y {m}x{n}")
+    for i, (g1, g2) in enumerate(zip(a1, a2)):
+        close(g1.grad, g2.grad, f"compiled grad {i} {m}x{n}", m if i >= 2 else 1)
+
+
+def _softmax_ce():
     from quack_kernels.ops import cross_entropy, softmax
 
     def f(x, t, w):
@@ -256,26 +262,77 @@ def test_compile_fullgraph_softmax_cross_entropy(xdt):
             + cross_entropy(x, t, reduction="sum")
         )
 
-    cf = _compiled(f)
+    return f
+
+
+def _softmax_ce_args(m, n, xdt):
+    x = _rand((m, n), TD[xdt], 0, scale=2)
+    return x, torch.randint(0, n, (m,), device="cuda"), torch.rand(n, device="cuda") + 0.1
+
+
+def _check_softmax_ce(lc, x1, le, x2, x, t, w, m, n, xdt):
+    # fp32 sums of outputs rounded to xdt (softmax's y): xdt's tolerance, 100 rows' atol
+    close(lc, le, f"compiled loss {m}x{n}", 100, rounded_to=TD[xdt])
+    close(x1.grad, x2.grad, f"compiled dlogits {m}x{n}")
+    xr = leaf(x.float())
+    ref = (
+        (torch.softmax(xr, -1) * 3).sum()
+        + torch.nn.functional.cross_entropy(xr, t, weight=w, label_smoothing=0.1)
+        + torch.nn.functional.cross_entropy(xr, t, reduction="sum")
+    )
+    R.assert_close(lc, ref, f"loss {m}x{n}", n=n, rows=m * n, rounded_to=TD[xdt])
+
+
+@pytest.mark.parametrize(
+    "xdt,wdt", [("bfloat16", "float32"), ("float16", "float16"), ("float32", "bfloat16")]
+)
+def test_compile_fullgraph_norms(xdt, wdt):
+    f = _norms()
+    cf = _compiled(f, "aot_eager")
     for m, n in COMPILE_NS:
-        x = _rand((m, n), TD[xdt], 0, scale=2)
-        t = torch.randint(0, n, (m,), device="cuda")
-        w = torch.rand(n, device="cuda") + 0.1
+        args, dy = _norm_args(m, n, xdt, wdt)
+        a1, a2 = [leaf(a) for a in args], [leaf(a) for a in args]
+        out_c = cf(*a1)
+        out_c.backward(dy)
+        out_e = f(*a2)
+        out_e.backward(dy)
+        _check_norms(out_c, a1, out_e, a2, m, n)
+
+
+@pytest.mark.parametrize("xdt", DTYPES)
+def test_compile_fullgraph_softmax_cross_entropy(xdt):
+    f = _softmax_ce()
+    cf = _compiled(f, "aot_eager")
+    for m, n in COMPILE_NS:
+        x, t, w = _softmax_ce_args(m, n, xdt)
         x1, x2 = leaf(x), leaf(x)
         lc = cf(x1, t, w)
         lc.backward()
         le = f(x2, t, w)
         le.backward()
-        # fp32 sums of outputs rounded to xdt (softmax's y): xdt's tolerance, 100 rows' atol
-        close(lc, le, f"compiled loss {m}x{n}", 100, rounded_to=TD[xdt])
-        close(x1.grad, x2.grad, f"compiled dlogits {m}x{n}")
-        xr = leaf(x.float())
-        ref = (
-            (torch.softmax(xr, -1) * 3).sum()
-            + torch.nn.functional.cross_entropy(xr, t, weight=w, label_smoothing=0.1)
-            + torch.nn.functional.cross_entropy(xr, t, reduction="sum")
-        )
-        R.assert_close(lc, ref, f"loss {m}x{n}", n=n, rows=m * n, rounded_to=TD[xdt])
+        _check_softmax_ce(lc, x1, le, x2, x, t, w, m, n, xdt)
+
+
+def test_compile_fullgraph_inductor_every_op():
+    """Every op, forward and backward, in ONE Inductor graph (16-bit input, fp32 weight)."""
+
+    norms, softmax_ce = _norms(), _softmax_ce()
+
+    def f(x, r, w, b, xs, t, cw):
+        return norms(x, r, w, b), softmax_ce(xs, t, cw)
+
+    cf = _compiled(f, "inductor")
+    for m, n in COMPILE_NS:
+        args, dy = _norm_args(m, n, "bfloat16", "float32")
+        x, t, w = _softmax_ce_args(m, n, "bfloat16")
+        a1, a2 = [leaf(a) for a in args], [leaf(a) for a in args]
+        x1, x2 = leaf(x), leaf(x)
+        out_c, lc = cf(*a1, x1, t, w)
+        torch.autograd.backward([out_c, lc], [dy, None])  # None: the loss is a scalar
+        out_e, le = f(*a2, x2, t, w)
+        torch.autograd.backward([out_e, le], [dy, None])
+        _check_norms(out_c, a1, out_e, a2, m, n)
+        _check_softmax_ce(lc, x1, le, x2, x, t, w, m, n, "bfloat16")
 
 
 def test_opcheck_on_gpu():

@@ -1,0 +1,256 @@
+"""``quack verify``'s fresh processes: each request (``quack_build.verify.child``'s format)
+is loaded, and with ``--run`` run against its reference, in a child process of its own
+kind, so that a crash is blamed on the entry in progress.
+
+The requests are shared out over ``jobs`` children driven by one thread each (a
+request goes to whichever child is free next; the answers come back in request order).
+Serially, the ~1,050 configurations of the shipped manifests took 25-50 s on the H200
+machine, most of it one process importing, loading and launching one entry after another.
+
+Every wait has an exit: an answer takes at most ``LOAD_TIMEOUT`` (the child is killed
+after that, and its entry blamed); a crash restarts that child only; Ctrl-C or SIGTERM
+(a KeyboardInterrupt in the main thread, quack_build.build.interrupts) kills every
+child at once, also one being started while it came, so that no thread is left waiting
+on a loader nobody will hear again."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import select
+import subprocess
+import sys
+import tempfile
+import threading
+from typing import Callable
+
+LOAD_TIMEOUT = 300.0
+GPU_PROBE_TIMEOUT = 120.0
+JOIN_TIMEOUT = 15.0  # a worker whose child was killed returns at once; bounded all the same
+
+
+class _Child:
+    def __init__(self, gpu: bool):
+        env = dict(os.environ)
+        if not gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        else:
+            env["QUACK_MODE"] = "prebuilt"  # a reference run uses the prebuilt entries, never compiles
+        self.err = tempfile.TemporaryFile()
+        self.p = subprocess.Popen(
+            # The parent's sys.path goes along as an argument (not through the
+            # environment: settings.py is the only reader of that), so the child
+            # imports kernel modules from the same places.
+            [
+                sys.executable,
+                "-m",
+                "quack_build.verify.child",
+                "--sys-path=" + os.pathsep.join(p for p in sys.path if p),  # "=": a path may start with "-"
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.err,
+            env=env,
+        )
+        # PIPE: both exist (typed Optional by Popen).
+        assert self.p.stdin is not None and self.p.stdout is not None
+        self.stdin, self.stdout = self.p.stdin, self.p.stdout
+
+    def ask(self, req: dict, timeout: float = LOAD_TIMEOUT) -> dict | None:
+        try:
+            self.stdin.write((json.dumps(req) + "\n").encode())
+            self.stdin.flush()
+        except (BrokenPipeError, OSError, ValueError):  # ValueError: closed by kill_all
+            return None
+        try:
+            r, _, _ = select.select([self.stdout], [], [], timeout)
+        except (OSError, ValueError):
+            return None
+        if not r:
+            self.p.kill()
+            return {"ok": False, "error": f"loading took over {timeout:.0f} s (killed)"}
+        line = self.stdout.readline()
+        if not line:
+            return None
+        try:
+            return json.loads(line)
+        except ValueError:
+            return {"ok": False, "error": f"bad answer from the loader: {line[:200]!r}"}
+
+    def death(self) -> str:
+        try:
+            rc = self.p.wait(5)
+        except subprocess.TimeoutExpired:
+            self.p.kill()
+            rc = self.p.wait()
+        self.err.seek(0)
+        tail = self.err.read()[-600:].decode("utf-8", "replace").strip()
+        why = f"signal {-rc}" if rc < 0 else f"exit status {rc}"
+        return f"the loader process died ({why})" + (f": {tail}" if tail else "")
+
+    def kill(self) -> None:
+        try:
+            self.p.kill()
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        try:
+            self.stdin.close()
+            self.p.wait(10)
+        except Exception:  # noqa: BLE001
+            self.p.kill()
+            self.p.wait()
+        self.err.close()
+
+
+class _Stopped(Exception):
+    """The pool was stopped (interrupt, or another worker failed): this worker ends."""
+
+
+class _Pool:
+    """The live children, under a lock, so that ``kill_all`` reaches every one of them,
+    including one a worker starts (after a crash) while the interrupt comes."""
+
+    def __init__(self, gpu: bool):
+        self.gpu = gpu
+        self.stop = threading.Event()
+        self._lock = threading.Lock()
+        self._live: set[_Child] = set()
+
+    def spawn(self) -> _Child:
+        c = _Child(self.gpu)
+        with self._lock:
+            if not self.stop.is_set():
+                self._live.add(c)
+                return c
+        c.kill()
+        c.close()
+        raise _Stopped
+
+    def retire(self, c: _Child) -> None:
+        with self._lock:
+            self._live.discard(c)
+        c.close()
+
+    def kill_all(self) -> None:
+        self.stop.set()
+        with self._lock:
+            for c in self._live:
+                c.kill()
+
+    def reap(self) -> None:
+        """Close what is left (after kill_all and the workers' joins): no process, no file."""
+        with self._lock:
+            left, self._live = list(self._live), set()
+        for c in left:
+            c.kill()
+            c.close()
+
+
+def _drive(pool: _Pool, child: _Child, reqs: list[dict], run: bool, take, answers: list, done: queue.Queue):
+    """One worker: take the next request index, ask its child, store the answer, report
+    it; a dead child is restarted (its entry blamed). Posts None when it ends, whatever
+    the reason, so the main thread's wait always ends."""
+    try:
+        while not pool.stop.is_set():
+            i = take()
+            if i is None:
+                return
+            a = child.ask(dict(reqs[i], run=run and reqs[i].get("run", True)))
+            if pool.stop.is_set():
+                return  # killed by kill_all: the "crash" is the interrupt, not this entry
+            if a is None:
+                a = {"ok": False, "error": child.death()}
+                pool.retire(child)
+                child = pool.spawn()
+            elif child.p.poll() is not None:  # killed after a time-out
+                pool.retire(child)
+                child = pool.spawn()
+            answers[i] = a
+            done.put(1)
+    except _Stopped:
+        pass
+    except BaseException as e:  # noqa: BLE001 - handed to the main thread, which re-raises it
+        done.put(e)
+        pool.kill_all()
+    finally:
+        pool.retire(child)
+        done.put(None)
+
+
+def load_fresh(
+    reqs: list[dict],
+    *,
+    run: bool = False,
+    progress: Callable[[int], None] | None = None,
+    jobs: int = 1,
+) -> tuple[list[dict], str]:
+    """Load each request's object in a fresh process, over ``jobs`` children at once (at
+    most one per request). Returns (one answer per request, in request order; a note
+    when ``run`` was asked for and no GPU is visible). ``progress(n)`` is called in this
+    thread after each answer, ``n`` counting the answers of every child."""
+    if jobs < 1:
+        raise ValueError(f"load_fresh: jobs must be at least 1, not {jobs}")
+    pool = _Pool(gpu=run)
+    answers: list = [None] * len(reqs)
+    note = ""
+    threads: list[threading.Thread] = []
+    done: queue.Queue = queue.Queue()
+    finished = False
+    try:
+        children = [pool.spawn()]
+        if run:
+            a = children[0].ask({"op": "gpu"}, timeout=GPU_PROBE_TIMEOUT)
+            if not a or not a.get("gpu"):
+                note = "--run needs a CUDA GPU and none is visible; kernels were not run"
+                run = False
+        if not reqs:
+            finished = True
+            pool.retire(children[0])
+            return [], note
+        n = min(jobs, len(reqs))
+        children += [pool.spawn() for _ in range(n - 1)]
+        order = iter(range(len(reqs)))
+        lock = threading.Lock()
+
+        def take() -> int | None:
+            with lock:
+                return next(order, None)
+
+        for c in children:
+            t = threading.Thread(
+                target=_drive,
+                args=(pool, c, reqs, run, take, answers, done),
+                name="quack-verify",
+                daemon=True,
+            )
+            t.start()
+            threads.append(t)
+        ended = got = 0
+        while ended < len(threads):
+            # An answer takes at most LOAD_TIMEOUT (+ a restart); twice that with no word from
+            # any worker means one is stuck where no time-out reaches: fail, don't hang.
+            try:
+                item = done.get(timeout=2 * LOAD_TIMEOUT + 60)
+            except queue.Empty:
+                raise RuntimeError(
+                    f"quack verify: no loader process answered in {2 * LOAD_TIMEOUT + 60:.0f} s"
+                ) from None
+            if item is None:
+                ended += 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                got += 1
+                if progress is not None:
+                    progress(got)
+        finished = True
+    finally:
+        if not finished:
+            pool.kill_all()
+        for t in threads:
+            t.join(JOIN_TIMEOUT)
+        pool.reap()
+    return answers, note
