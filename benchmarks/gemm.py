@@ -3,8 +3,11 @@ torch.matmul (cuBLAS) side by side in one run, then bias + gelu-tanh fused vs ma
 by the epilogue in eager torch and under torch.compile. Prints a table on stdout.
 
     python benchmarks/gemm.py            # needs a CUDA GPU; compiles missing configurations
+    python benchmarks/gemm.py --table T  # with tuning table T in force (quack tune --table T)
 """
 
+import argparse
+import contextlib
 import statistics
 
 import torch
@@ -32,8 +35,22 @@ def gpu_ms(fn, reps=20):
 
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--table", default=None, help="a tuning table to use instead of the checked-in one")
+    args = ap.parse_args()
+    from quack.tuning import Table, use_table
+
+    # the table's rows pick each shape's configuration (quack_kernels.gemm.gemm_config)
+    with use_table(Table.load(args.table)) if args.table else contextlib.nullcontext():
+        run()
+
+
+def run():
+    from quack_kernels.gemm import gemm_config
     from quack_kernels.ops import gemm
 
+    for m, n, k in SHAPES:
+        print(f"config {m}x{n}x{k}: {gemm_config(m, n, k, 1, 'bfloat16').label()}")
     print(
         f"{'M x N x K':>22} | {'cuBLAS ms':>9} {'TFLOP/s':>7} | {'quack ms':>9} {'TFLOP/s':>7} | quack/cuBLAS"
     )

@@ -21,13 +21,21 @@ from ._gemm_plan import AB_DTYPES, ACTIVATIONS, check_plan, heuristic, resolve, 
 # a configuration without a tuning-table row and without a problem shape (a manifest entry
 # that names none): the heuristic's choice for large problems
 BIG = heuristic(8192, 8192, 8192)
+PROBLEM = ("m", "n", "k")  # a tuning problem's sizes (quack tune; manifests/tuning_gemm.toml)
 
 
-def _no_shape_class(params: dict) -> None:
-    return None  # the compile parameters carry no shape: the torch wrapper classifies
+def _shape_class(params: dict) -> str | None:
+    """The table class of a problem: ``quack tune`` passes the compile parameters with the
+    problem's m, n, k (its winner's row class); a bind's parameters carry no shape (None:
+    the torch wrapper classifies, ``gemm_config``)."""
+    if not all(d in params for d in PROBLEM):
+        return None
+    return shape_class(params["m"], params["n"], params["k"])
 
 
 def _fallback(params: dict) -> GemmConfig:
+    if all(d in params for d in PROBLEM):  # quack tune's current default for a problem
+        return GemmConfig(**heuristic(params["m"], params["n"], params["k"]))
     return GemmConfig(**BIG)
 
 
@@ -60,7 +68,7 @@ def search_space(params: dict) -> list[GemmConfig]:
         "has_c": Bool(),
         "has_bias": Bool(),
         "activation": Choice(ACTIVATIONS),
-        "config": Config(GemmConfig, derive=_tuning.derive("gemm", GemmConfig, _no_shape_class, _fallback)),
+        "config": Config(GemmConfig, derive=_tuning.derive("gemm", GemmConfig, _shape_class, _fallback)),
     },
     rules=[
         Rule(
@@ -75,6 +83,8 @@ def search_space(params: dict) -> list[GemmConfig]:
     ],
     reference=f"{__package__}._verify_gemm:verify_gemm",
     search_space=search_space,
+    bench=f"{__package__}._verify_gemm:bench_gemm",
+    problem=PROBLEM,
 )
 def compile_gemm(
     dtype: str,

@@ -33,9 +33,14 @@ class KernelSpec:
     # Extra files / modules its fingerprint covers (quack.cache.sources; docs/writing-kernels.md)
     depends_on: tuple[str, ...] = ()
     # `quack tune` (docs/tuning.md): search_space(bound params) -> candidate configs;
-    # bench: "module:function" (params, m, device) -> a zero-argument call to time
+    # bench: "module:function" (params, device=, **sizes) -> a zero-argument call to time,
+    # sizes = the problem's (below; a row kernel's: m, its rows)
     search_space: Callable | None = None
     bench: str | None = None
+    # the sizes a tuning problem names beyond the compile parameters (docs/tuning.md): ()
+    # for a row kernel (its N is a parameter, its M rows ``quack tune --rows``); the GEMM's
+    # ("m", "n", "k"), given by a tuning manifest's ``problems = [[m, n, k], ...]``
+    problem: tuple[str, ...] = ()
 
     def bind(self, args: tuple = (), kwargs: dict | None = None, arch: str | None = None) -> dict[str, Any]:
         """Check and canonicalize a call's or a manifest's parameters, defaults applied,
@@ -166,6 +171,7 @@ def register(
     depends_on=(),
     search_space: Callable | None = None,
     bench: str | None = None,
+    problem: tuple[str, ...] = (),
 ) -> KernelSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
@@ -198,6 +204,17 @@ def register(
                 f"naming one of its parameters {list(params)} or {ARCH!r}, got {r!r}"
             )
     depends_on = _check_depends_on(name, fn, depends_on)
+    problem = tuple(problem)
+    if problem and (
+        len(set(problem)) != len(problem)
+        or not all(isinstance(d, str) and d.isidentifier() for d in problem)
+        or set(problem) & set(params)
+    ):
+        # a size that is also a parameter would be given twice (compile key and problem)
+        raise TypeError(
+            f"kernel {name}: problem= must name distinct sizes (identifiers) that are not "
+            f"parameters ({list(params)}), got {problem!r}"
+        )
     defaults = {
         n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty and n != ARCH
     }
@@ -215,6 +232,7 @@ def register(
         depends_on,
         search_space,
         bench,
+        problem,
     )
     old = _REGISTRY.get(name)
     if old is not None and (old.module, old.qualname) != (spec.module, spec.qualname):

@@ -212,7 +212,7 @@ def test_every_tuning_problem_has_a_table_class():
     assert len(probs) == 40
     unclassed = [
         (c.kernel, base["n"], base.get("weight_dtype"))
-        for c, spec, base, _cands, _cur in probs
+        for c, spec, base, _cands, _cur, _sizes in probs
         if spec.params["config"].derive.classify(base) is None
     ]
     assert not unclassed

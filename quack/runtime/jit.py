@@ -233,6 +233,7 @@ def jit_cache(
     depends_on=(),
     search_space: Callable | None = None,
     bench: str | None = None,
+    problem: tuple[str, ...] = (),
 ) -> Callable[[Callable], JitKernel]:
     """Register a tensor-free compile function as kernel ``name`` and cache it.
     ``rules``: quack.params.Rule constraints across parameters, checked (with each
@@ -240,7 +241,9 @@ def jit_cache(
     ``depends_on``: files, directories (paths containing '/', relative to the module's
     directory) or modules (dotted names) the fingerprint covers beyond what the kernel's
     module imports (docs/writing-kernels.md).
-    ``search_space`` / ``bench``: what ``quack tune`` measures (docs/tuning.md)."""
+    ``search_space`` / ``bench``: what ``quack tune`` measures (docs/tuning.md); ``problem``:
+    the sizes a tuning problem names beyond the parameters (the GEMM's ("m", "n", "k"); a
+    tuning manifest lists them, ``problems = [[...], ...]``)."""
 
     def deco(fn: Callable) -> JitKernel:
         spec = registry.register(
@@ -253,6 +256,7 @@ def jit_cache(
             depends_on=depends_on,
             search_space=search_space,
             bench=bench,
+            problem=problem,
         )
         return JitKernel(spec)
 

@@ -15,7 +15,7 @@ def _resolve(ref: str):
     return getattr(importlib.import_module(mod), fn)
 
 
-def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, label, default_rows):
+def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
     """Measure each problem, write the winners' tables (a line each on ``con``) and return
     ``(gpu, results, table paths)``; the caller (quack_build.cli.tune) renders them."""
     import torch
@@ -31,13 +31,13 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, la
     results, tables = [], {}
     pool = qpool.CompilePool(s.effective_jobs(None))
     try:
-        for c, spec, base, cands, current in probs:
+        for p in probs:
+            c, spec, base, cands, current = p.config, p.spec, p.base, p.cands, p.current
             if spec.bench is None or spec.reference is None:
                 raise Fail(f"error: {c.kernel}: declares a search space but no bench= / reference= hook")
             derive = spec.params["config"].derive
-            m = rows or default_rows(base["n"])
             plain = spec.plain(dict(base, config=current))
-            call = _resolve(spec.bench)(plain, m, device)
+            call = _resolve(spec.bench)(plain, device=device, **p.sizes)
             ref = _resolve(spec.reference)
 
             def check(fn, cfg, _c=c, _plain=plain, _ref=ref):
@@ -48,9 +48,7 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, la
                 with use_config(_c.kernel, cfg["config"]):
                     return gpu_time(_call, device=device)
 
-            con.print(
-                f"tuning {label(c, base)}: {len(cands[:count] if count else cands)} candidates", markup=False
-            )
+            con.print(f"tuning {label(p)}: {len(cands[:count] if count else cands)} candidates", markup=False)
             res = autotune(
                 registered_kernel(c.kernel),
                 [{"config": x} for x in cands],
@@ -64,9 +62,9 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, la
             )
             old_t = next((t for cfg, t in res.times if cfg["config"] == current), None)
             new = res.best["config"] if res.best else None
-            cls = derive.classify(base) if getattr(derive, "classify", None) else None
+            cls = derive.classify(p.classed()) if getattr(derive, "classify", None) else None
             entry = dict(
-                problem=label(c, base),
+                problem=label(p),
                 old=current.label(),
                 new=new.label() if new else None,
                 old_us=old_t and old_t * 1e6,
@@ -86,11 +84,11 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, rows, la
                         c.kernel,
                         gpu,
                         cls,
-                        (base["n"], base["n"]),
+                        (p.n(), p.n()),
                         new.knobs(),
                         (base["dtype"],),
                         float(res.best_time or 0.0) * 1e6,
-                        f"{m}x{base['n']}",
+                        p.shape(),
                         datetime.date.today().isoformat(),
                     )
                 )

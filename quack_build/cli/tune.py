@@ -6,7 +6,9 @@ Per problem (a manifest configuration of a kernel that declares ``search_space``
 current default configuration plus the candidates, compiled in parallel in the pool (the
 normal build path: cached ones load), each checked with the kernel's reference hook (the
 ``quack verify --run`` one) before it may win, timed with ``quack.tuning.bench.gpu_time``
-at M rows (``--rows``, else 32768, or 4096 for rows over 65536 elements), the close calls
+at M rows (``--rows``, else 32768, or 4096 for rows over 65536 elements) for a row kernel,
+at the sizes its manifest entry lists (``problems = [[m, n, k]]``) for a kernel that
+declares ``problem`` names (the GEMM), the close calls
 re-measured interleaved. ``--dry-run`` lists the candidates and compiles nothing;
 ``--compile-only`` builds every candidate into the cache (no GPU needed: a CPU build farm,
 ``--executor ray``) and stops there, so the measuring run on the GPU machine only loads."""
@@ -14,7 +16,7 @@ re-measured interleaved. ``--dry-run`` lists the candidates and compiles nothing
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, NamedTuple, Optional
 
 import typer
 
@@ -50,6 +52,34 @@ def default_rows(n: int) -> int:
     return 32768 if n <= 65536 else 4096
 
 
+class Problem(NamedTuple):
+    """One problem ``quack tune`` measures: a manifest configuration (``config``: its
+    BuildConfig) at ``sizes``, the values of the kernel's ``problem`` names (the GEMM's
+    m, n, k from the entry's ``problems``) or, for a row kernel (no ``problem``), its rows
+    ``{"m": M}``. ``current``: today's default configuration for it (the old winner)."""
+
+    config: Any
+    spec: Any
+    base: dict  # the bound parameters without the config
+    cands: list
+    current: Any
+    sizes: dict
+
+    def classed(self) -> dict:
+        """The parameters with the sizes: what the kernel's ``derive`` classifies (a row's
+        class and N; the GEMM's shape class comes from m, n, k)."""
+        return dict(self.base, **self.sizes)
+
+    def n(self) -> int:
+        """The N a table row is keyed by."""
+        return int(self.sizes.get("n", self.base.get("n", 0)))
+
+    def shape(self) -> str:
+        if self.spec.problem:
+            return "x".join(str(self.sizes[d]) for d in self.spec.problem)
+        return f"{self.sizes['m']}x{self.base['n']}"
+
+
 def tune(
     manifests: List[Path] = manifests_argument(),
     kernel: Optional[str] = typer.Option(None, "--kernel", help="Only this kernel's configurations."),
@@ -81,10 +111,13 @@ def tune(
     run_command(lambda: run_tune(seconds=seconds, count=count, **opts))
 
 
-def problems(s, manifests, kernel, max_configs, from_empty=False) -> list:
-    """(config, spec, bound params without the config, candidates, current default). The
-    current default is a candidate too (its time is the speed-up's base), except from an
-    empty table: then the search space alone must find the winners."""
+def problems(s, manifests, kernel, max_configs, from_empty=False, rows=None) -> list[Problem]:
+    """Every problem to measure. A kernel sized by its parameters (a row kernel: no
+    ``problem`` names) has one per configuration, at ``rows`` rows (else ``default_rows``);
+    one that declares ``problem`` names (the GEMM) one per size its entry's ``problems``
+    lists, and none listed is an error naming the entry. The current default is derived
+    for the problem's sizes and is a candidate too (its time is the speed-up's base), except
+    from an empty table: then the search space alone must find the winners."""
     exp = expand_manifests(s, manifests, [], max_configs)
     out = []
     seen = set()
@@ -93,23 +126,37 @@ def problems(s, manifests, kernel, max_configs, from_empty=False) -> list:
         if spec.search_space is None or (kernel is not None and c.kernel != kernel):
             continue
         base = {k: v for k, v in c.params.items() if k != "config"}
-        ident = (c.kernel, c.arch, tuple(sorted(base.items())))
-        if ident in seen:  # the same problem listed with several configs: tuned once
-            continue
-        seen.add(ident)
-        current = spec.bind((), base, arch=c.arch)["config"]
-        space = spec.search_space(spec.bind((), base, arch=c.arch))
-        cands = list(dict.fromkeys(space if from_empty else [current, *space]))
-        out.append((c, spec, base, cands, current))
+        if spec.problem and not c.problems:
+            raise Fail(
+                f"error: {c.origin}: kernel {c.kernel} is tuned at problem sizes "
+                f"({', '.join(spec.problem)}): list them in its manifest entry, problems = "
+                f"[[{', '.join(spec.problem)}], ...]"
+            )
+        sized = [dict(p) for p in c.problems] if spec.problem else [{"m": rows or default_rows(base["n"])}]
+        bound = spec.bind((), base, arch=c.arch)
+        space = spec.search_space(bound)
+        derive = spec.params["config"].derive
+        for sizes in sized:
+            ident = (c.kernel, c.arch, tuple(sorted(base.items())), tuple(sizes.items()))
+            if ident in seen:  # the same problem listed with several configs: tuned once
+                continue
+            seen.add(ident)
+            # today's default for THIS problem: the GEMM's table row / heuristic depends on
+            # m, n, k, which the compile parameters do not carry
+            current = derive(dict(bound, **sizes), c.arch) if spec.problem else bound["config"]
+            cands = list(dict.fromkeys(space if from_empty else [current, *space]))
+            out.append(Problem(c, spec, base, cands, current, sizes))
     if kernel is not None and not out:
         raise Fail(f"error: --kernel {kernel}: no configuration of it with a search space in the manifests")
     return out
 
 
-def _label(c, base) -> str:
+def _label(p: Problem) -> str:
     from quack_build.manifest.config import format_params
 
-    return f"{c.kernel}({format_params(c.spec.plain(base))}) {c.arch}"
+    c = p.config
+    at = f" {p.shape()}" if p.spec.problem else ""
+    return f"{c.kernel}({format_params(c.spec.plain(p.base))}) {c.arch}{at}"
 
 
 def run_tune(
@@ -133,15 +180,15 @@ def run_tune(
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
     con = console(to_stderr=as_json)
-    probs = problems(s, manifests, kernel, max_configs, from_empty)
+    probs = problems(s, manifests, kernel, max_configs, from_empty, rows)
     if dry_run:
         out = []
-        for c, _spec, base, cands, current in probs:
-            cands = cands[:count] if count else cands
-            con.print(f"{_label(c, base)}: {len(cands)} candidates", markup=False)
+        for p in probs:
+            cands = p.cands[:count] if count else p.cands
+            con.print(f"{_label(p)}: {len(cands)} candidates", markup=False)
             for cand in cands:
-                con.print(f"  {'*' if cand == current else ' '} {cand.label()}", markup=False)
-            out.append(dict(problem=_label(c, base), candidates=[cand.knobs() for cand in cands]))
+                con.print(f"  {'*' if cand == p.current else ' '} {cand.label()}", markup=False)
+            out.append(dict(problem=_label(p), sizes=p.sizes, candidates=[cand.knobs() for cand in cands]))
         if as_json:
             emit_json(dict(dry_run=True, problems=out))
         return 0
@@ -153,9 +200,7 @@ def run_tune(
         raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
     from quack_build.build import tune as tunerun
 
-    gpu, results, tables = tunerun.measure_and_write(
-        s, con, probs, seconds, count, table, from_empty, rows, _label, default_rows
-    )
+    gpu, results, tables = tunerun.measure_and_write(s, con, probs, seconds, count, table, from_empty, _label)
     _print_table(con, results)
     if as_json:
         emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))
@@ -168,7 +213,7 @@ def candidate_configs(probs, count) -> list:
     from quack_build.manifest.config import BuildConfig
 
     out: dict = {}
-    for c, spec, base, cands, _current in probs:
+    for c, spec, base, cands, _current, _sizes in probs:
         for cand in cands[:count] if count else cands:
             params = spec.bind((), dict(base, config=cand), arch=c.arch)
             key = spec.key(params, c.arch)

@@ -19,6 +19,9 @@ class BuildConfig:
     key: str
     origin: str
     spec: Any = dataclasses.field(compare=False, repr=False, hash=False)
+    # the tuning problems its manifest entry lists (``problems``; quack tune): tuples of
+    # (size name, value) in the kernel's ``problem`` order; nothing else reads them
+    problems: tuple = dataclasses.field(default=(), compare=False, repr=False, hash=False)
 
     @property
     def plain_params(self) -> dict:

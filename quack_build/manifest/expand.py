@@ -50,7 +50,7 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                     else ""
                 )
                 continue
-            yield BuildConfig(t.name, b, arch, t.spec.key(b, arch), t.origin, t.spec)
+            yield BuildConfig(t.name, b, arch, t.spec.key(b, arch), t.origin, t.spec, t.problems)
 
     for values in itertools.product(*t.axes):
         n_combos += 1

@@ -12,6 +12,7 @@ A manifest::
     params = { dtype = ["float32", "bfloat16"], n = [256, 4096], has_weight = [true, false] }
     exclude = [{ dtype = "float32", n = 256 }]                      # drop matching combinations
     include = [{ dtype = "float16", n = 333, has_weight = true }]    # extra single combinations
+    problems = [[8192, 4096, 4096]]     # quack tune's sizes, for a kernel declaring problem=
 
 Every value is a scalar or a list (the cross product is built); a Config
 parameter takes an inline table. Everything is validated before anything

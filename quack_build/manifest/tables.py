@@ -26,7 +26,7 @@ from quack_build.manifest.values import (
 
 TOP_KEYS = ("defaults", "kernel")
 DEFAULTS_KEYS = ("archs", "params")
-KERNEL_KEYS = ("name", "archs", "params", "exclude", "include")
+KERNEL_KEYS = ("name", "archs", "params", "exclude", "include", "problems")
 
 
 @dataclasses.dataclass
@@ -42,6 +42,7 @@ class KernelTable:
     archs: list[str]
     excludes: list[dict]
     includes: list[dict]
+    problems: tuple = ()  # the tuning problems' sizes (``problems``), dicts by the kernel's names
 
 
 def prepare_kernel(
@@ -79,14 +80,53 @@ def prepare_kernel(
     table, params = split
     given, values_ok = _given_values(ctx, where, f"{label} {name}", spec, params, defaults, used_defaults)
     excludes, includes, matchers_ok = _matchers(ctx, where, spec, table)
-    if not (ok and values_ok and matchers_ok) or archs is None:
+    probs = _problems(ctx, where, spec, table.get("problems"))
+    if not (ok and values_ok and matchers_ok) or archs is None or probs is None:
         return None
     names = list(spec.params)
     axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
     resolved = _resolve_includes(ctx, where, names, axes, includes)
     if resolved is None or not charge(ctx, where, budget, names, axes, resolved, archs):
         return None
-    return KernelTable(where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved)
+    return KernelTable(
+        where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved, probs
+    )
+
+
+def _problems(ctx: FileCheck, where: str, spec, raw: Any) -> tuple | None:
+    """``problems``: the sizes ``quack tune`` times the entry's configurations at, each a
+    list in the order of the kernel's ``problem`` names (``[m, n, k]`` for the GEMM) or a
+    table of them; every size a positive integer. None (reported) when malformed or the
+    kernel names no problem sizes (a row kernel's are its ``n`` and ``--rows``)."""
+    if raw is None:
+        return ()
+    dims = tuple(spec.problem)
+    if not dims:
+        ctx.err(
+            where,
+            f"problems: kernel {spec.name!r} declares no problem sizes (jit_cache(problem=...)); "
+            f"its tuning problems are its parameters (and quack tune --rows)",
+        )
+        return None
+    shape = "[" + ", ".join(dims) + "]"
+    if not isinstance(raw, list) or not raw:
+        ctx.err(where, f"problems = {show_value(raw)} must be a non-empty list of {shape}")
+        return None
+    out: list[dict] = []
+    for j, p in enumerate(raw):
+        if isinstance(p, dict):
+            vals = [p.get(d) for d in dims] if set(p) == set(dims) else None
+        else:
+            vals = list(p) if isinstance(p, list) and len(p) == len(dims) else None
+        if vals is None or not all(type(v) is int and v > 0 for v in vals):
+            ctx.err(
+                f"{where}: problems[{j}]",
+                f"{show_value(p)} must be {shape} (or {{ {', '.join(f'{d} = ...' for d in dims)} }}), "
+                f"positive integers",
+            )
+            return None
+        out.append(dict(zip(dims, vals)))
+    return tuple(dict.fromkeys(tuple(d.items()) for d in out))  # a size listed twice: tuned once
 
 
 def _table_name(ctx: FileCheck, idx: int, label: str, table: Any) -> str | None:

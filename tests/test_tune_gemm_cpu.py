@@ -1,0 +1,195 @@
+"""``quack tune`` for a kernel whose problems are not its parameters (issue 28): the GEMM
+declares ``problem=("m", "n", "k")`` and a tuning manifest lists the sizes (``problems``).
+On the CPU: the dry run lists one problem per size with the current default derived for
+that size, the manifest's ``problems`` key is checked, and the measuring path (a fake
+measurement) writes a row keyed by the GEMM's shape class and N that ``gemm_config`` then
+reads. Before: ``problems`` was an unknown manifest key and the tuner keyed problems by the
+row kernels' ``n`` (a KeyError for the GEMM), so the GEMM could not be tuned."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MANIFEST = (
+    '[defaults]\narchs = ["sm_90a"]\n[[kernel]]\nname = "gemm"\n'
+    "problems = [[1024, 1024, 1024], [8192, 4096, 4096], [1024, 1024, 1024]]\n"
+    '[kernel.params]\ndtype = "bfloat16"\n'
+)
+
+
+def _quack(*args, env_extra=None):
+    import os
+
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run(
+        [sys.executable, "-m", "quack_build", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_dry_run_lists_each_problem_size_with_its_own_default(tmp_path):
+    from quack_kernels._gemm_plan import heuristic
+
+    m = tmp_path / "m.toml"
+    m.write_text(MANIFEST)
+    r = _quack("tune", str(m), "-n", "--json", env_extra={"QUACK_CACHE_DIR": str(tmp_path / "c")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    out = json.loads(r.stdout)
+    # a size listed twice is one problem
+    assert [p["sizes"] for p in out["problems"]] == [
+        {"m": 1024, "n": 1024, "k": 1024},
+        {"m": 8192, "n": 4096, "k": 4096},
+    ]
+    small, big = out["problems"]
+    assert "1024x1024x1024" in small["problem"] and "8192x4096x4096" in big["problem"]
+    # the first candidate is today's default FOR THE SIZE (the heuristic: no table rows)
+    assert small["candidates"][0] == heuristic(1024, 1024, 1024)
+    assert big["candidates"][0] == heuristic(8192, 4096, 4096)
+    assert small["candidates"][0] != big["candidates"][0]
+    assert len(big["candidates"]) == 18 and len(small["candidates"]) == 18
+    assert not list((tmp_path / "c").rglob("*.o")), "a dry run compiles nothing"
+
+
+def test_the_gemm_tuning_manifest_lists_the_goal_shapes():
+    r = _quack("tune", "manifests/tuning_gemm.toml", "-n", "--json")
+    assert r.returncode == 0, r.stderr[-3000:]
+    sizes = [tuple(p["sizes"].values()) for p in json.loads(r.stdout)["problems"]]
+    assert sizes == [
+        (4096, 4096, 4096),
+        (8192, 8192, 8192),
+        (8192, 4096, 4096),
+        (8192, 14336, 4096),
+        (8192, 4096, 14336),
+        (8192, 28672, 8192),
+        (8192, 8192, 28672),
+    ]
+
+
+def _expand(tmp_path, text):
+    from quack import registry, settings
+    from quack_build.manifest.read import expand
+
+    registry.load_packages(settings.get().kernel_packages)
+    m = tmp_path / "m.toml"
+    m.write_text(text)
+    return expand([m])
+
+
+@pytest.mark.parametrize(
+    "problems, says",
+    [
+        ("[[8192, 4096]]", "problems[0]"),
+        ("[[8192, 4096, 0]]", "positive integers"),
+        ("[{ m = 1, n = 2 }]", "problems[0]"),
+        ("[]", "non-empty list of [m, n, k]"),
+    ],
+)
+def test_malformed_problems_are_named(tmp_path, problems, says):
+    from quack.errors import ManifestError
+
+    text = MANIFEST.replace("[[1024, 1024, 1024], [8192, 4096, 4096], [1024, 1024, 1024]]", problems)
+    with pytest.raises(ManifestError) as e:
+        _expand(tmp_path, text)
+    assert says in str(e.value) and "gemm" in str(e.value)
+
+
+def test_problems_for_a_kernel_sized_by_its_parameters_are_refused(tmp_path):
+    from quack.errors import ManifestError
+
+    with pytest.raises(ManifestError, match="declares no problem sizes"):
+        _expand(
+            tmp_path,
+            '[[kernel]]\nname = "softmax_fwd"\nproblems = [[4096]]\n'
+            '[kernel.params]\ndtype = "bfloat16"\nn = 4096\n',
+        )
+
+
+def test_table_form_and_build_ignores_problems(tmp_path):
+    exp = _expand(
+        tmp_path, MANIFEST.replace("[[1024, 1024, 1024], [8192", "[{ k = 64, n = 32, m = 16 }, [8192")
+    )
+    (c,) = exp.configs  # problems do not change what is built
+    assert [dict(p) for p in c.problems] == [
+        {"m": 16, "n": 32, "k": 64},
+        {"m": 8192, "n": 4096, "k": 4096},
+        {"m": 1024, "n": 1024, "k": 1024},
+    ]
+
+
+def test_a_gemm_entry_without_problems_is_refused_by_tune(tmp_path):
+    m = tmp_path / "m.toml"
+    m.write_text(
+        MANIFEST.replace("problems = [[1024, 1024, 1024], [8192, 4096, 4096], [1024, 1024, 1024]]\n", "")
+    )
+    r = _quack("tune", str(m), "-n")
+    assert r.returncode == 1 and "problems = [[m, n, k], ...]" in r.stdout + r.stderr
+
+
+def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatch):
+    """The GPU side with a fake measurement: the bench hook gets the problem's m, n, k;
+    the winner's row is keyed by shape_class(m, n, k), dtype and N; gemm_config reads it."""
+    import torch
+    from quack_kernels import _verify_gemm
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels._gemm_plan import shape_class
+    from quack_kernels.gemm import gemm_config
+    from rich.console import Console
+
+    from quack import registry, settings
+    from quack.compile import autotune as at
+    from quack.compile import pool as qpool
+    from quack.tuning import Table, use_table
+    from quack_build.build.tune import measure_and_write
+    from quack_build.cli.tune import _label, problems
+
+    s = dataclasses.replace(settings.get(), tune_gpu="H200")
+    registry.load_packages(s.kernel_packages)
+    m = tmp_path / "m.toml"
+    m.write_text(MANIFEST)
+    probs = problems(s, [m], None, 10_000)
+    winner = GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, schedule="coop")
+    benched = []
+
+    def fake_bench(params, device, m, n, k):
+        benched.append((m, n, k))
+        return lambda: None
+
+    def fake_autotune(kernel, configs, bench, **kw):
+        assert {"config": winner} in configs
+        return at.TuneResult({"config": winner}, 1e-3, [({"config": winner}, 1e-3)], [], 0, 0.0)
+
+    class NoPool:
+        def __init__(self, *a, **k):
+            pass
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(_verify_gemm, "bench_gemm", fake_bench)
+    monkeypatch.setattr(at, "autotune", fake_autotune)
+    monkeypatch.setattr(qpool, "CompilePool", NoPool)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    path = tmp_path / "t.toml"
+    gpu, results, tables = measure_and_write(s, Console(file=None), probs, None, None, path, True, _label)
+    assert gpu == "H200" and tables == [path] and all(r["written"] for r in results)
+    assert benched == [(1024, 1024, 1024), (8192, 4096, 4096)]
+    t = Table.load(path)
+    rows = {(r.cls, r.n, r.shape) for r in t.rows}
+    assert rows == {
+        (shape_class(1024, 1024, 1024), (1024, 1024), "1024x1024x1024"),
+        (shape_class(8192, 4096, 4096), (4096, 4096), "8192x4096x4096"),
+    }
+    assert all(r.kernel == "gemm" and r.dtype == ("bfloat16",) and r.config == winner.knobs() for r in t.rows)
+    monkeypatch.setattr("quack_kernels._tuning.runtime_arch", lambda: "sm_90a")
+    with use_table(t):
+        assert gemm_config(8192, 4096, 4096, 1, "bfloat16") == winner
+    assert gemm_config(8192, 4096, 4096, 1, "bfloat16") != winner  # the checked-in table: untuned
