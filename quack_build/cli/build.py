@@ -1,6 +1,6 @@
 """``quack build``: expand the manifests, plan, compile what is missing through the chosen
 executor, print the summary (``--json``, ``--trace``); ``--dry-run`` goes to
-quack_build.build.dry_run. Registered on the typer app by quack_build.cli.app (``register``)."""
+quack_build.cli.dry_run. Registered on the typer app by quack_build.cli.app (``register``)."""
 
 from __future__ import annotations
 
@@ -107,7 +107,7 @@ def run_build(
     load_kernels(s)
     con = console(to_stderr=as_json)
     if dry_run:
-        from quack_build.build import dry_run as dryrun
+        from quack_build.cli import dry_run as dryrun
 
         paths = manifest_paths(s, manifests)
         store = local_store(s)
@@ -126,7 +126,7 @@ def run_build(
     for w in exp.warnings:
         con.print(f"warning: {w}", markup=False)
     if verbose:
-        from quack_build.build import sourcelist
+        from quack_build.cli import sourcelist
 
         sourcelist.print_sources(con, (c.kernel for c in exp.configs))
     return build_configs(s, con, exp.configs, jobs, keep_going, force, as_json, trace, verbose, t0=t0)

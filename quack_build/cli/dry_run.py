@@ -50,7 +50,7 @@ class _Lines:
 def run(
     s, paths, *, arch, max_configs: int, store, con, force: bool, as_json: bool, verbose: bool = False
 ) -> int:
-    """``verbose``: then what each listed kernel's fingerprint covers (quack_build.build.sourcelist)."""
+    """``verbose``: then what each listed kernel's fingerprint covers (quack_build.cli.sourcelist)."""
     stream = ExpansionStream(
         paths, archs=s.build_archs(), arch_override=arch or None, max_configs=max_configs
     )
@@ -61,7 +61,7 @@ def run(
     finally:
         out.flush()
     if verbose:
-        from quack_build.build import sourcelist
+        from quack_build.cli import sourcelist
 
         sourcelist.print_sources(con, kernels)
     return rc
