@@ -148,8 +148,8 @@ def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatc
     from quack.compile import autotune as at
     from quack.compile import pool as qpool
     from quack.tuning import Table, use_table
-    from quack_build.build.tune import measure_and_write
     from quack_build.cli.tune import _label, problems
+    from quack_build.cli.tune_measure import measure_and_write
 
     s = dataclasses.replace(settings.get(), tune_gpu="H200")
     registry.load_packages(s.kernel_packages)

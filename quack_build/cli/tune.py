@@ -198,7 +198,7 @@ def run_tune(
 
     if not torch.cuda.is_available():
         raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
-    from quack_build.build import tune as tunerun
+    from quack_build.cli import tune_measure as tunerun
 
     gpu, results, tables = tunerun.measure_and_write(s, con, probs, seconds, count, table, from_empty, _label)
     _print_table(con, results)
