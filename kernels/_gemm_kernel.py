@@ -21,6 +21,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ._gemm_epi import apply_epilogue
 from ._gemm_plan import EPI_N, TILE_K, GemmPlan
+from ._gemm_store import make_r2s_copy, make_tiled_mma, subtile_sources
 
 WG = 128  # threads of a warpgroup
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -40,18 +41,6 @@ def _smem_layout(dtype, major, rows: int, stages: int):
     return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
 
 
-def _subtiles(layout, size: int, n_sub: int) -> list:
-    """Plain Python at trace time (not rewritten by cute.jit): the accumulator elements of
-    each tile_m x EPI_N subtile, from each element's static column offset."""
-    out: list = [[] for _ in range(n_sub)]
-    for i in range(size):
-        col = layout(i)[1]
-        if col % 8 > 1:  # the WGMMA accumulator layout this relies on (a compile error, not a wrong D)
-            raise ValueError(f"gemm epilogue: accumulator element {i} at column offset {col}")
-        out[col // EPI_N].append(i)
-    return out
-
-
 class HopperGemm:
     """One configuration of the kernel: ``plan`` (tile / cluster / schedule / stages),
     dtypes, operand majors and the fused epilogue are compile-time constants."""
@@ -63,9 +52,6 @@ class HopperGemm:
         self.epi = epi  # has_c, has_bias, activation
         self.ping = plan.schedule == "ping"
         self.cluster = (plan.cluster_m, plan.cluster_n)
-        # coop: two warpgroups side by side along M, the tiled MMA covers 128 x tile_n;
-        # ping: one warpgroup's MMA (64 x tile_n) repeated over the whole tile
-        self.atom_mnk = (1, 1, 1) if self.ping else (2, 1, 1)
         self.epi_tile = (plan.tile_m, EPI_N)
         self.tile_mnk = (plan.tile_m, plan.tile_n, TILE_K)
         # consumer warps that release a stage: ping-pong, one warpgroup reads a stage
@@ -76,19 +62,7 @@ class HopperGemm:
     @cute.jit
     def __call__(self, mA, mB, mD, mC, mBias, beta: Float32, max_clusters: Int32, stream):
         p = self.p
-        a_mode = (
-            cute.nvgpu.warpgroup.OperandMajorMode.K
-            if self.a_major == "k"
-            else cute.nvgpu.warpgroup.OperandMajorMode.MN
-        )
-        b_mode = (
-            cute.nvgpu.warpgroup.OperandMajorMode.K
-            if self.b_major == "k"
-            else cute.nvgpu.warpgroup.OperandMajorMode.MN
-        )
-        tiled_mma = sm90.make_trivial_tiled_mma(
-            self.ab, self.ab, a_mode, b_mode, Float32, self.atom_mnk, tiler_mn=(64, p.tile_n)
-        )
+        tiled_mma = make_tiled_mma(self.ab, self.a_major, self.b_major, self.ping, p.tile_n)
         sA_l = _smem_layout(self.ab, self.a_major, p.tile_m, p.stages)
         sB_l = _smem_layout(self.ab, self.b_major, p.tile_n, p.stages)
         n_epi = p.epi_stages * (2 if self.ping else 1)
@@ -306,19 +280,22 @@ class HopperGemm:
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, Float32)
         kblocks = cute.size(tCrA, mode=[2])
 
-        # epilogue: registers -> shared memory -> global memory (TMA store), one tile_m x 32
-        # subtile at a time. Each accumulator element's (row, col) comes from the identity
-        # tensor partitioned like the accumulator; the column offset of element i from the
-        # thread's first column is static (the fragment's layout), and a thread's first
-        # column is below 8 while its columns advance in groups of 8, so the subtile of
-        # element i (offset // 32) is known at trace time: the element lists are static.
+        # epilogue: registers -> shared memory (vectorized: stmatrix / 64-bit stores) ->
+        # global memory (TMA store), one tile_m x EPI_N subtile at a time. Which accumulator
+        # register fills each slot of a subtile's store fragment is paired by tile coordinate
+        # at trace time (_gemm_store: the accumulator's flat order is not the store's)
         epi_threads = WG if const_expr(self.ping) else self.math_threads
         epi_bar = pipeline.NamedBarrier(
             barrier_id=1 + (cw if const_expr(self.ping) else 0), num_threads=epi_threads
         )
-        tCc = thr_mma.partition_C(cute.make_identity_tensor((p.tile_m, p.tile_n)))
+        r2s = make_r2s_copy(tiled_mma, self.dt)
+        thr_r2s = r2s.get_slice(mma_thr)
+        tRS_sD = thr_r2s.partition_D(sD)  # (CPY, CPY_M, CPY_N, buffer)
+        sources = subtile_sources(tiled_mma, r2s, (p.tile_m, p.tile_n), EPI_N)
+        frag_shape = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile)).shape
+        frag = cute.make_rmem_tensor(frag_shape, Float32)
+        frag_d = cute.make_rmem_tensor(frag_shape, self.dt)
         n_sub = p.tile_n // EPI_N
-        subtile = _subtiles(tCc.layout, cute.size(tCc), n_sub)
         n_buf = p.epi_stages
         buf0 = cw * n_buf if const_expr(self.ping) else 0
         store = pipeline.PipelineTmaStore.create(
@@ -375,10 +352,10 @@ class HopperGemm:
             )
             for e in cutlass.range_constexpr(n_sub):
                 buf = buf0 + (done + e) % n_buf
-                for i in cutlass.range_constexpr(len(subtile[e])):
-                    j = subtile[e][i]
-                    rc = tCc[j]
-                    sD[(rc[0], rc[1] - e * EPI_N, buf)] = acc[j].to(self.dt)
+                for k in cutlass.range_constexpr(len(sources[e])):
+                    frag[k] = acc[sources[e][k]]
+                frag_d.store(frag.load().to(self.dt))
+                cute.copy(r2s, frag_d, tRS_sD[(None, None, None, buf)])
                 # the shared-memory writes must be visible to the TMA (async proxy) before the store
                 cute.arch.fence_proxy("async.shared", space="cta")
                 epi_bar.arrive_and_wait()
