@@ -257,6 +257,70 @@ def test_load_fresh_blames_a_crash_on_its_entry_only(proj, tmp_path):
         assert answers[i]["ok"] and answers[i]["key"] == reqs[i]["key"] and answers[i]["how"] in ("so", "o")
 
 
+def test_load_fresh_answers_survive_a_library_printing_to_stdout(proj, tmp_path):
+    """A loaded library that prints to stdout (a kernel runtime printed "Error: kernel ..."
+    after a failed launch on the H200) must not be read as an answer: before, the noise was
+    taken as the noisy entry's answer and every later answer of that process went to the
+    entry after its own."""
+    from quack_build.verify.loaders import load_fresh
+
+    good = _reqs(proj["cache"])
+    noisy_so = _shared_object(tmp_path, "noisy", 'printf("Error: kernel noise\\n{}\\n"); fflush(stdout);')
+    noisy = {"key": "noisy", "obj": noisy_so, "so": noisy_so, "kernel": "toy_scale"}
+    reqs = [noisy, good[0], good[1], good[2]]
+    answers, note = load_fresh(reqs, jobs=1)
+    assert note == ""
+    assert answers[0]["key"] == "noisy" and not answers[0]["ok"] and "load failed" in answers[0]["error"]
+    for i in (1, 2, 3):
+        assert answers[i]["ok"] and answers[i]["key"] == reqs[i]["key"], answers[i]
+
+
+REF_MODULE = """
+from quack import jit_cache
+from quack.params import Int
+
+@jit_cache("verify_ref_probe", params={"i": Int()}, reference="verify_ref_probe:reference")
+def compile_probe(i):
+    raise AssertionError("never compiled")
+
+def reference(params, device):
+    if params["i"] == 1:
+        raise RuntimeError("CUDA Error Code: 1 (a launch failed: the process's context is gone)")
+"""
+
+
+def test_a_failed_reference_run_restarts_the_fresh_process(proj, tmp_path):
+    """A reference run that raises (a CUDA error is sticky: every later launch in that
+    process fails too) is answered with ``restart`` and that process ends; the next entry
+    runs in a new one. The child is driven directly: its run path needs no GPU."""
+    import os
+    import sys
+
+    (tmp_path / "verify_ref_probe.py").write_text(REF_MODULE)
+    good = _reqs(proj["cache"])[0]
+    reqs = [
+        dict(good, kernel="verify_ref_probe", module="verify_ref_probe", params={"i": i}, run=True)
+        for i in (0, 1, 2)
+    ]
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "quack_build.verify.child",
+            "--sys-path=" + os.pathsep.join([str(tmp_path), *sys.path]),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    out, err = p.communicate("\n".join(json.dumps(r) for r in reqs) + "\n", timeout=300)
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert [a.get("run") for a in answers] == ["ok", None], (answers, err[-2000:])
+    assert answers[1]["restart"] and "CUDA Error Code: 1" in answers[1]["error"]
+    assert p.returncode == 0  # ended after that answer: the third entry was not run in it
+
+
 DRIVER = """
 import json, os, sys
 from quack_build.verify.loaders import load_fresh

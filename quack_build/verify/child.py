@@ -1,8 +1,17 @@
 """``quack verify``'s fresh process: load entries, one JSON request per stdin line,
-one JSON answer per stdout line (so a crash is blamed on the entry in progress).
+one JSON answer per line of the process's ORIGINAL stdout (so a crash is blamed on the
+entry in progress).
 
 Request: {"key", "obj", "so", "kernel", "module", "params", "run"}.
-Answer:  {"key", "ok", "how", "error"}."""
+Answer:  {"key", "ok", "how", "error", "restart"}.
+
+The answers get a private duplicate of fd 1, and fd 1 itself (with ``sys.stdout``) goes to
+stderr: a kernel runtime printed "Error: kernel ..." lines to stdout after a failed launch,
+the parent read them as answers, and every later answer of that process was blamed on the
+entry after its own (on the H200: two good GEMM entries reported with a LayerNorm error).
+After a failed reference run the answer says ``restart`` and the process ends: a CUDA
+error is sticky (every later launch in the process fails), so the next entry gets a fresh
+process instead of the last one's error."""
 
 from __future__ import annotations
 
@@ -11,10 +20,13 @@ import os
 import sys
 import traceback
 
+_PROTO = None  # the answers' stream: the original stdout (main() sets it)
+
 
 def _answer(d: dict) -> None:
-    sys.stdout.write(json.dumps(d) + "\n")
-    sys.stdout.flush()
+    out = _PROTO if _PROTO is not None else sys.stdout
+    out.write(json.dumps(d) + "\n")
+    out.flush()
 
 
 def _one(req: dict, keep: list) -> dict:
@@ -60,6 +72,7 @@ def _one(req: dict, keep: list) -> dict:
             return out
         except Exception as e:  # noqa: BLE001
             out["error"] = f"run failed: {type(e).__name__}: {str(e)[:300]}\n" + traceback.format_exc()[-800:]
+            out["restart"] = True  # a CUDA error poisons the process: the next entry gets a fresh one
             return out
     out["ok"] = True
     return out
@@ -75,6 +88,10 @@ def main(argv: list[str] | None = None) -> None:
         for p in reversed(extra.split(os.pathsep)):
             if p and p not in sys.path:
                 sys.path.insert(0, p)
+    global _PROTO
+    _PROTO = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # native and Python prints go to stderr, never into the answers
+    sys.stdout = sys.stderr
     keep: list = []
     for line in sys.stdin:
         line = line.strip()
@@ -89,7 +106,10 @@ def main(argv: list[str] | None = None) -> None:
             except Exception as e:  # noqa: BLE001
                 _answer({"gpu": False, "error": str(e)})
             continue
-        _answer(_one(req, keep))
+        a = _one(req, keep)
+        _answer(a)
+        if a.get("restart"):
+            return
 
 
 if __name__ == "__main__":

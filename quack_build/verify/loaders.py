@@ -161,11 +161,16 @@ def _drive(pool: _Pool, child: _Child, reqs: list[dict], run: bool, take, answer
             a = child.ask(dict(reqs[i], run=run and reqs[i].get("run", True)))
             if pool.stop.is_set():
                 return  # killed by kill_all: the "crash" is the interrupt, not this entry
-            if a is None:
+            if a is not None and a.get("key", reqs[i].get("key")) != reqs[i].get("key"):
+                # Another entry's answer: the stream is out of step; never report it as this one's
+                a = {"ok": False, "error": f"the loader answered for another entry ({str(a.get('key'))[:16]})"}
+                pool.retire(child)
+                child = pool.spawn()
+            elif a is None:
                 a = {"ok": False, "error": child.death()}
                 pool.retire(child)
                 child = pool.spawn()
-            elif child.p.poll() is not None:  # killed after a time-out
+            elif a.get("restart") or child.p.poll() is not None:  # poisoned, or killed after a time-out
                 pool.retire(child)
                 child = pool.spawn()
             answers[i] = a
