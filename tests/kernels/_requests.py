@@ -138,6 +138,17 @@ REQUESTS = {
     "test_training_gpu.py::test_compile_fullgraph_softmax_cross_entropy": lambda xdt: [
         c for n in COMPILE_NS for c in softmax(xdt, n) + ce(xdt, n, "weighted") + ce(xdt, n)
     ],
+    "test_training_gpu.py::test_compile_fullgraph_inductor_every_op": lambda: [
+        c
+        for n in COMPILE_NS
+        for c in rms_fwd(BF, n, r=True, wdt=F32)
+        + rms_bwd(BF, n, wdt=F32)
+        + ln_fwd(BF, n, wdt=F32)
+        + ln_bwd(BF, n, wdt=F32)
+        + softmax(BF, n)
+        + ce(BF, n, "weighted")
+        + ce(BF, n)
+    ],
     "test_training_gpu.py::test_opcheck_on_gpu": lambda: (
         rms_fwd(BF, 668, wdt=F32)
         + rms_bwd(BF, 668, wdt=F32)
