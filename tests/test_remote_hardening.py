@@ -341,11 +341,23 @@ class _Task:
 
 
 @pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt during the test, whatever the process set before (an
+    xdist worker ignores SIGINT, so that Ctrl-C reaches the controller only): the tests that
+    interrupt the pull send themselves one."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+@pytest.fixture
 def fake_refs(monkeypatch):
     monkeypatch.setattr(remote_sync.builder, "entry_ref", lambda spec, params, arch: _Task(params).ref)
 
 
-def test_pull_wait_ends_on_interrupt_while_a_fetch_hangs(fake_refs):
+def test_pull_wait_ends_on_interrupt_while_a_fetch_hangs(fake_refs, sigint_raises):
     """Fetches that never return (the FIFO of issue 30, or a hung server): SIGINT
     ends the pull's wait with KeyboardInterrupt while they still hang (the old pool's
     shutdown joined them first, and its exit hook joined them again at exit)."""
@@ -380,7 +392,7 @@ def test_pull_wait_ends_on_interrupt_while_a_fetch_hangs(fake_refs):
         release.set()
 
 
-def test_pull_wait_runs_a_signal_handled_on_another_thread(fake_refs):
+def test_pull_wait_runs_a_signal_handled_on_another_thread(fake_refs, sigint_raises):
     """The race behind a lost Ctrl-C: the signal's C handler runs while the main thread is
     not in a system call it interrupts (here: it runs on another thread, which receives the
     signal), so the waiting main thread is never woken. The pull's wait still raises
