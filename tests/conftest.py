@@ -31,6 +31,24 @@ def has_gpu() -> bool:
 requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (README command 2): one worker per CPU, at least four. Most of the
+    suite's time is spent waiting on the processes it starts (builds, Ray actors, servers,
+    fresh interpreters): on 2 cores four workers ran the CPU suite in 916 s wall with the
+    machine shared (load ~10) against 1044 s serial at a lower load (issue 25)."""
+    return max(4, os.cpu_count() or 1)
+
+
+@pytest.fixture(autouse=True)
+def _no_inherited_terminal_width(monkeypatch):
+    """The CLI's tables are as wide as COLUMNS says (160 without it and without a tty,
+    quack_build/cli/context.py), and the tests read their rows. An xdist worker runs with
+    COLUMNS=80: rows wrapped and seven CLI tests failed under `-n`; a terminal that
+    exports COLUMNS did the same to a serial run. Every test (and every process it starts)
+    sees no inherited width."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture
 def cache_dir(tmp_path) -> Path:
     d = tmp_path / "cache"
@@ -45,6 +63,29 @@ def quack_settings(cache_dir):
     settings.set_current(s)
     yield s
     settings.set_current(saved)
+
+
+# What pytest-xdist tells one of its workers. A pytest this suite starts in a subprocess
+# is a run of its own, not a worker of ours: with these inherited, its controller pinned
+# itself to one GPU as if it were our worker (tests/test_plugin.py's round-robin check
+# then saw one GPU where it set two) and split its compile pool by our worker count.
+XDIST_WORKER_ENV = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID")
+
+
+# pytester restores sys.modules after each test, dropping what the test imported first. The
+# compile pool is process-wide: had its worker module been first imported inside such a
+# test, the next import made a second copy and the pool's dispatcher could no longer pickle
+# the ``worker_build`` it holds (under xdist a later test's compile then hung). Imported
+# here, before any snapshot, it stays one module.
+import quack.compile.pool  # noqa: E402,F401
+
+
+@pytest.fixture
+def pytester(pytester, monkeypatch):
+    """pytest's own fixture, minus this run's xdist worker identity (see above)."""
+    for name in XDIST_WORKER_ENV:
+        monkeypatch.delenv(name, raising=False)
+    return pytester
 
 
 def use_settings(**overrides):

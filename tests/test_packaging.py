@@ -71,15 +71,16 @@ def _pip(py: Path, *args: str) -> None:
 
 @pytest.mark.slow
 def test_non_editable_install_next_to_huggingface_kernels(tmp_path):
-    """A fresh venv: Hugging Face's `kernels`, then `pip install .` (not editable; the heavy
-    GPU dependencies left out, they don't decide what lands in site-packages), then the
-    light ones quack imports. Both packages import, each from its own files."""
+    """A fresh venv: Hugging Face's `kernels` with the light dependencies quack imports,
+    then `pip install .` (not editable; the heavy GPU dependencies left out, they don't
+    decide what lands in site-packages). Both packages import, each from its own files."""
     env_dir = tmp_path / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     py = env_dir / "bin" / "python"
-    _pip(py, "kernels")
+    # Hugging Face's package and quack's light dependencies in one resolve (one pip run
+    # fewer: each costs seconds of start-up); then quack itself, --no-deps.
+    _pip(py, "kernels", "numpy", "typer>=0.12", "rich>=13", "tomli-w>=1.0", "filelock>=3.20.3")
     _pip(py, "--no-deps", str(ROOT))
-    _pip(py, "numpy", "typer>=0.12", "rich>=13", "tomli-w>=1.0", "filelock>=3.20.3")
     site = subprocess.run(
         [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
         capture_output=True,

@@ -260,3 +260,34 @@ def test_state_is_per_cache_root(pool, tmp_path):
     ref = builder.entry_ref(spec, params, "sm_90a")
     assert all(DiskStore(r).lookup(ref) is not None for r in roots)
     assert pool.stats()["compiled"] == 2
+
+
+def test_a_failing_dispatcher_fails_its_keys_instead_of_stranding_them(quack_settings, monkeypatch):
+    """Under xdist a test's compile waited for ever: pytester restores sys.modules after
+    each test, so a quack.compile.worker first imported inside one was imported again
+    later; the dispatcher's ``worker_build`` then no longer pickled, the send raised, the
+    dispatcher thread died, and the key stayed pending with nothing left to settle it.
+    Any failure of that thread must fail the keys it holds and close the pool."""
+    import importlib
+
+    from interrupt_support import scaled
+
+    import quack.compile
+
+    p = qpool.CompilePool(1)
+    p.prewarm()  # its worker started before the restore, as the xdist worker's pool was
+    assert _wait_for(lambda: p.stats()["workers"] == 1, timeout=scaled(120))
+    monkeypatch.setattr(quack.compile, "worker", sys.modules["quack.compile.worker"])  # restored after
+    monkeypatch.delitem(sys.modules, "quack.compile.worker")  # restored after
+    importlib.import_module("quack.compile.worker")  # the second copy, as after pytester's restore
+    spec = toykernels.toy_scale.spec
+    params = {"dtype": "float32", "block": 32 * (1 + _tag() % 16), "bias": False}
+    key = spec.key(params, "sm_90a")
+    try:
+        assert p.submit(spec, params, "sm_90a", key) == qtasks.PENDING
+        st, err = p.wait(key, timeout=scaled(120))
+        assert st == qtasks.FAILED, "the key was stranded: pending after the dispatcher died"
+        assert "dispatcher failed" in str(err) and "worker_build" in str(err), err
+        assert p.closed and p.stats()["pending"] == 0
+    finally:
+        p.shutdown()

@@ -3,8 +3,11 @@ future hang fails one test instead of stalling CI."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+
+from conftest import XDIST_WORKER_ENV
 
 
 def test_suite_has_a_per_test_timeout(pytestconfig):
@@ -32,6 +35,8 @@ def test_a_hanging_test_fails_instead_of_hanging(tmp_path):
         text=True,
         timeout=120,
         cwd=str(tmp_path),
+        # A run of its own, not a worker of ours (tests/conftest.py: XDIST_WORKER_ENV).
+        env={k: v for k, v in os.environ.items() if k not in XDIST_WORKER_ENV},
     )
     assert r.returncode == 1, r.stdout + r.stderr
     assert "1 failed, 1 passed" in r.stdout and "Timeout" in r.stdout, r.stdout

@@ -158,6 +158,39 @@ class Dispatcher:
         return _Worker(proc, parent)
 
     def _run(self) -> None:
+        """The dispatcher thread: its loop, and what ends the pool if the loop fails."""
+        try:
+            self._loop()
+        except Exception as e:  # noqa: BLE001 - any bug here: fail the keys, never strand them
+            log.error("pool: the dispatcher failed: %r; failing its keys", e, exc_info=True)
+            self._fail_everything(e)
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """The dispatcher thread is ending on an error: every key it holds (queued,
+        running, awaited elsewhere) fails with it, and the pool closes (the next miss
+        gets a new default pool). Without this a waiter without a time-out never
+        returned: under xdist, pytester's sys.modules restore left dispatch.py holding a
+        ``worker_build`` that no longer pickled, the send raised, the thread died, and
+        the test's compile waited for ever."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            workers, self._workers = self._workers, []
+            held = list(self._queue) + [w.task for w in workers if w.task] + list(self._external.values())
+            for t in held:
+                self._finish(t, False, tasks.dispatcher_error(t, exc))
+            self._queue.clear()
+            self._external.clear()
+            self._changed()
+        for w in workers:
+            try:
+                w.proc.kill()
+                w.conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _loop(self) -> None:
         """The dispatcher thread's loop, until shutdown: (1) under the lock, settle
         time-outs and keys awaited elsewhere, hand queued keys to idle workers and
         decide what to wait on; (2) start one worker outside the lock if one is
@@ -195,6 +228,9 @@ class Dispatcher:
             except (OSError, ValueError):
                 self._queue.insert(0, t)
                 continue  # a dead worker; its sentinel reports it when collected
+            except Exception:
+                self._queue.insert(0, t)  # still held: _fail_everything fails it
+                raise
             w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
 
     def _workers_needed(self) -> int:

@@ -118,6 +118,16 @@ def cannot_start_error(task: Task, exc: BaseException) -> CompileError:
     )
 
 
+def dispatcher_error(task: Task, exc: BaseException) -> CompileError:
+    return CompileError(
+        task.kernel,
+        task.params,
+        task.arch,
+        f"the compile pool's dispatcher failed: {exc!r}",
+        transient=True,
+    )
+
+
 # -- the book ---------------------------------------------------------------------------------
 class TaskBook:
     """Per (cache root, key): state, current task, error, report; and the pool's counters."""
