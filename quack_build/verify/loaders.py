@@ -163,7 +163,10 @@ def _drive(pool: _Pool, child: _Child, reqs: list[dict], run: bool, take, answer
                 return  # killed by kill_all: the "crash" is the interrupt, not this entry
             if a is not None and a.get("key", reqs[i].get("key")) != reqs[i].get("key"):
                 # Another entry's answer: the stream is out of step; never report it as this one's
-                a = {"ok": False, "error": f"the loader answered for another entry ({str(a.get('key'))[:16]})"}
+                a = {
+                    "ok": False,
+                    "error": f"the loader answered for another entry ({str(a.get('key'))[:16]})",
+                }
                 pool.retire(child)
                 child = pool.spawn()
             elif a is None:
