@@ -32,11 +32,18 @@ requires_gpu = pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (README command 2): one worker per CPU, at least four. Most of the
-    suite's time is spent waiting on the processes it starts (builds, Ray actors, servers,
-    fresh interpreters): on 2 cores four workers ran the CPU suite in 916 s wall with the
-    machine shared (load ~10) against 1044 s serial at a lower load (issue 25)."""
-    return max(4, os.cpu_count() or 1)
+    """`-n auto` (README command 2): one worker per GPU where GPUs are visible, else one
+    per CPU, at least four. Most of the CPU suite's time is spent waiting on the processes
+    it starts (builds, Ray actors, servers, fresh interpreters): on 2 cores four workers ran
+    it in 511 s wall with the machine shared against 1044 s serial (issue 25). On the H200
+    (16 cores, one GPU) 16 workers sharing the GPU failed 5 tests in the first 20 % of the
+    suite and reached only that far in 350 s; the suite had passed there in one process.
+    One worker per GPU runs a GPU's tests one at a time, as that run did (the GPUs are
+    counted without initialising CUDA: quack.testing.gpus)."""
+    from quack.testing.gpus import visible_gpus
+
+    gpus = visible_gpus()
+    return len(gpus) if gpus else max(4, os.cpu_count() or 1)
 
 
 @pytest.fixture(autouse=True)
