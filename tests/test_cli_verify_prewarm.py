@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import toykernels  # noqa: F401
+from interrupt_support import scaled
 from typer.testing import CliRunner
 
 from quack import registry, settings
@@ -356,12 +357,15 @@ def test_load_fresh_interrupted_kills_every_child_and_starts_no_more(tmp_path):
             assert time.monotonic() < deadline, "the two loader processes never started their load"
             time.sleep(0.05)
         p.send_signal(signal.SIGINT)
-        # Within one worker-join time-out: without the kill the driver waits that long per
-        # child stuck in its load (and a child for the queued work could start meanwhile).
+        # Sooner than two worker-join time-outs: without the kill the driver waits that long
+        # per child stuck in its load (two here; and a child for the queued work could start
+        # meanwhile). Within that, the bound scales with the load: under xdist on 2 cores the
+        # interpreter's exit alone once took longer than one time-out (15 s).
+        limit = min(scaled(loaders.JOIN_TIMEOUT), 2 * loaders.JOIN_TIMEOUT - 1)
         try:
-            out, _ = p.communicate(timeout=loaders.JOIN_TIMEOUT)
+            out, _ = p.communicate(timeout=limit)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the interrupted load_fresh did not end within {loaders.JOIN_TIMEOUT} s")
+            pytest.fail(f"the interrupted load_fresh did not end within {limit:.0f} s")
     finally:
         p.kill()
         p.wait()

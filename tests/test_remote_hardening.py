@@ -342,9 +342,9 @@ class _Task:
 
 @pytest.fixture
 def sigint_raises():
-    """SIGINT raises KeyboardInterrupt during the test, whatever the process set before (an
-    xdist worker ignores SIGINT, so that Ctrl-C reaches the controller only): the tests that
-    interrupt the pull send themselves one."""
+    """SIGINT raises KeyboardInterrupt during the test, whatever handler the process had
+    (a library or an earlier test may have installed its own): the tests that interrupt
+    the pull send themselves one and must see Python's default behaviour."""
     old = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         yield

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from interrupt_support import scaled
 from reliability_support import QUACK, TESTS, env, write_toy_project
 
 from quack import settings
@@ -67,7 +68,9 @@ def test_bad_config_through_cli(path, tmp_path):
     assert "quack.toml" in out, out
     for e in _expects(path):
         assert e.split(" = ")[0] in out, f"expected {e!r} in {out!r}"
-    assert dt < 3.0, f"{dt:.2f} s"  # ~0.3 s here; the bound leaves room for a loaded CI box
+    # A bad manifest is refused before any expansion work: ~1 s on a quiet machine. The bound
+    # scales with the load (CI under xdist: 3.2-3.6 s against a fixed 3.0 s, with nothing wrong)
+    assert dt < scaled(3.0), f"{dt:.2f} s"  # ~0.3 s here; the bound leaves room for a loaded CI box
 
 
 _GENERATED = {
@@ -100,7 +103,9 @@ def test_bad_manifest_through_cli(path, tmp_path):
     assert r.returncode != 0, out
     assert "Traceback" not in out, out
     assert path.name in out, out
-    assert dt < 3.0, f"{dt:.2f} s"
+    # A bad manifest is refused before any expansion work: ~1 s on a quiet machine. The bound
+    # scales with the load (CI under xdist: 3.2-3.6 s against a fixed 3.0 s, with nothing wrong)
+    assert dt < scaled(3.0), f"{dt:.2f} s"
 
 
 USAGE = [
