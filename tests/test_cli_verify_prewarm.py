@@ -323,8 +323,13 @@ def test_a_failed_reference_run_restarts_the_fresh_process(proj, tmp_path):
 
 
 DRIVER = """
-import json, os, sys
+import json, os, signal, sys
 from quack_build.verify.loaders import load_fresh
+# What the quack command does first (quack_build.build.interrupts.install): a handler of its
+# own. Without it this process would inherit the test process's disposition, and a SIG_IGN
+# left there (quack.compile._preload sets it in any process that imports it) ignored the
+# SIGINT: the driver never ended (CI under xdist, 'did not end within 29 s').
+signal.signal(signal.SIGINT, signal.default_int_handler)
 try:
     load_fresh(json.loads(sys.argv[1]), jobs=2)
 except KeyboardInterrupt:
