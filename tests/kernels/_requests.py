@@ -62,7 +62,7 @@ BF, COMPILE_NS = "bfloat16", (1, 668, 4100, 65536)
 
 
 def _hook_calls(kernel, dtype):
-    """test_reference_hooks' GPU test: the hook of ``kernel`` at its default params, n = 4096."""
+    """test_reference_hooks_gpu's hook test: the hook of ``kernel`` at its default params, n = 4096."""
     from quack import registry
 
     importlib.import_module("quack_kernels." + kernel.rsplit("_", 1)[0])
@@ -185,10 +185,9 @@ REQUESTS = {
         b=affine in ("same", "float32"),
         wdt=F32 if affine == "float32" else "same",
     ),
-    "test_reference_hooks.py::test_reference_hook_passes_on_gpu": lambda kernel, dtype: _hook_calls(
+    "test_reference_hooks_gpu.py::test_reference_hook_passes_on_gpu": lambda kernel, dtype: _hook_calls(
         kernel, dtype
     ),
-    "test_reference_hooks.py::test_every_kernel_has_an_importable_reference_hook": None,
     "test_gemm_gpu.py::test_gemm_shapes": lambda shape: gemm(shape),
     "test_gemm_gpu.py::test_gemm_dtypes_layouts": lambda dtype, out, a_major, b_major: gemm(
         (1, 1000, 1048, 776), dtype, out, a_major, b_major
@@ -200,8 +199,7 @@ REQUESTS = {
     "test_gemm_gpu.py::test_gemm_compile_fullgraph": lambda: gemm_autograd(activation="gelu_tanh"),
     "test_gemm_gpu.py::test_gemm_bad_inputs_on_gpu": None,
     # builds every shipped manifest itself before `quack verify --run`
-    "test_reference_hooks.py::test_verify_run_passes_over_every_shipped_manifest": None,
-    "test_reference_hooks.py::test_verify_run_without_gpu_says_kernels_were_not_run": None,
+    "test_reference_hooks_gpu.py::test_verify_run_passes_over_every_shipped_manifest": None,
 }
 
 
@@ -231,10 +229,7 @@ def _cases(fn):
 
 def gpu_test_functions():
     """(\"file::test\", function) of every test function of the GPU test modules."""
-    paths = sorted(glob.glob(os.path.join(HERE, "*_gpu.py"))) + [
-        os.path.join(HERE, "test_reference_hooks.py")
-    ]
-    for path in paths:
+    for path in sorted(glob.glob(os.path.join(HERE, "*_gpu.py"))):
         mod = importlib.import_module(os.path.basename(path)[:-3])
         for name in sorted(vars(mod)):
             if name.startswith("test_") and callable(getattr(mod, name)):
