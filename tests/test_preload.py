@@ -1,7 +1,8 @@
 """The compile forkserver's preload (quack.compile._preload: compiler import + a warm-up
 compile, seconds) ignores Ctrl-C like the forkserver itself does afterwards: a Ctrl-C of
 `quack build` reaching the process group in that window must not kill it with a
-KeyboardInterrupt traceback (the build decides what happens)."""
+KeyboardInterrupt traceback (the build decides what happens). It runs only there: a plain
+import changes nothing in the importing process."""
 
 from __future__ import annotations
 
@@ -10,11 +11,43 @@ import subprocess
 import sys
 import time
 
-CHILD = (
-    "import sys, time\nprint('importing', flush=True)\n"
-    "import quack.compile._preload\n"
-    "print('done', repr(time.time()), flush=True)\n"
+# multiprocessing's own forkserver ``main`` importing the preload, as in a build: with a
+# real listener and "alive" pipe. When main has finished the preload it installs its own
+# SIGCHLD handler; a thread then prints "done" and closes the pipe, and main exits 0.
+CHILD = """
+import os, signal, socket, sys, tempfile, threading, time
+from multiprocessing import forkserver
+r, w = os.pipe()
+lsock = socket.socket(socket.AF_UNIX)
+lsock.bind(os.path.join(tempfile.mkdtemp(), "fs"))
+lsock.listen()
+before = signal.getsignal(signal.SIGCHLD)
+
+def watch():
+    while signal.getsignal(signal.SIGCHLD) is before:
+        time.sleep(0.01)
+    print("done", repr(time.time()), flush=True)
+    os.close(w)
+
+threading.Thread(target=watch, daemon=True).start()
+print("importing", flush=True)
+forkserver.main(lsock.fileno(), r, ["quack.compile._preload"])
+"""
+
+PLAIN = (
+    "import signal, sys\nimport quack.compile._preload\n"
+    "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
+    "'cutlass' in sys.modules)\n"
 )
+
+
+def test_a_plain_import_changes_nothing_in_the_importing_process():
+    """Before: importing the module ran the preload anywhere: SIGINT became SIG_IGN (a test
+    process that had imported it passed that on to the drivers it started, whose Ctrl-C
+    tests never ended) and the compiler was imported."""
+    p = subprocess.run([sys.executable, "-c", PLAIN], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.split() == ["True", "False"], p.stdout
 
 
 def test_ctrl_c_during_the_forkserver_preload_is_ignored():

@@ -9,6 +9,7 @@ unhidden so a compile function that does import torch still can."""
 import os
 import signal
 import sys
+import types
 
 
 def _preload() -> None:
@@ -58,4 +59,23 @@ def _preload() -> None:
         pass
 
 
-_preload()
+def _imported_by_forkserver() -> bool:
+    """True when multiprocessing's forkserver ``main`` is importing this module (its
+    preload step). Any other import (a test, a tool walking the package) must not run
+    ``_preload``: it set SIGINT to SIG_IGN in the importing process, and a test process
+    that had imported it passed SIG_IGN on to the drivers it started, whose Ctrl-C
+    tests then never ended (issue 24 item 4)."""
+    fs = sys.modules.get("multiprocessing.forkserver")
+    main = getattr(fs, "main", None)
+    if main is None:
+        return False
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is main.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+if _imported_by_forkserver():
+    _preload()
