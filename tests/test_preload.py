@@ -34,8 +34,12 @@ print("importing", flush=True)
 forkserver.main(lsock.fileno(), r, ["quack.compile._preload"])
 """
 
+# The handler is set first: a process started in the background by a non-interactive shell
+# inherits SIGINT ignored (so did the whole suite on the GPU machine), and the check must
+# see what the import changes, not what the process inherited.
 PLAIN = (
-    "import signal, sys\nimport quack.compile._preload\n"
+    "import signal, sys\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "import quack.compile._preload\n"
     "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, "
     "'cutlass' in sys.modules)\n"
 )
