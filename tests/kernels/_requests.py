@@ -82,6 +82,12 @@ def gemm(shape, dt=BF, out=None, am="k", bm="n", act="none", bias=False, c=False
     return [("gemm", dict(params, config=gemm_config(M, N, K, L, dt)))]
 
 
+def _gemm_cfg(**knobs):
+    from quack_kernels._configs import GemmConfig
+
+    return GemmConfig(**knobs)
+
+
 def gemm_autograd(activation):
     """Forward (bias, act), gelu's recomputed fp32 pre-activation, dA = dD @ B^T (B^T
     K-major), dB = A^T @ dD (A^T M-major)."""
@@ -189,6 +195,17 @@ REQUESTS = {
         kernel, dtype
     ),
     "test_gemm_gpu.py::test_gemm_shapes": lambda shape: gemm(shape),
+    "test_gemm_gpu.py::test_gemm_ping_pong_on_a_grid_of_many_waves": lambda tile_m, tile_n, cluster_m, cluster_n: [
+        (
+            "gemm",
+            dict(
+                gemm((1, 64, 64, 64), bm="k")[0][1],
+                config=_gemm_cfg(
+                    tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n, schedule="ping"
+                ),
+            ),
+        )
+    ],
     "test_gemm_gpu.py::test_gemm_dtypes_layouts": lambda dtype, out, a_major, b_major: gemm(
         (1, 1000, 1048, 776), dtype, out, a_major, b_major
     ),

@@ -13,6 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 # tall-skinny, batched (ping-pong 128x128: grids of fewer than 132 big tiles)
 SHAPES = [(1, 4096, 4096, 4096), (1, 1000, 1048, 776), (1, 8192, 256, 1024), (4, 512, 768, 264)]
 ODD = (1, 1000, 1048, 776)
+BIG_PING = (1, 4096, 4096, 1024)
 DT = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -37,6 +38,36 @@ def test_gemm_shapes(shape):
 
     a, b = operands(shape, torch.bfloat16)
     R.check_gemm(a, b, d=gemm(a, b))
+
+
+#: ping-pong candidates of `quack tune` (manifests/tuning_gemm.toml's search space)
+PING = [
+    (128, 128, 1, 1),
+    (128, 128, 2, 1),
+    (128, 128, 1, 2),
+    (128, 192, 1, 1),
+    (128, 192, 2, 1),
+    (128, 192, 1, 2),
+]
+
+
+@pytest.mark.parametrize("tile_m, tile_n, cluster_m, cluster_n", PING)
+def test_gemm_ping_pong_on_a_grid_of_many_waves(tile_m, tile_n, cluster_m, cluster_n):
+    """4096 x 4096 x 1024: over a thousand tiles, several per SM. On the H200 every
+    ping-pong candidate died here with "unspecified launch failure" under `quack tune`
+    (the tests above reach ping-pong only on grids of fewer tiles than SMs)."""
+    from quack_kernels import _reference as R
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels.ops import gemm
+
+    from quack.tuning import use_config
+
+    cfg = GemmConfig(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n, schedule="ping")
+    a, b = operands(BIG_PING, torch.bfloat16, "k", "k")
+    with use_config("gemm", cfg):
+        d = gemm(a, b)
+    torch.cuda.synchronize()
+    R.check_gemm(a, b, d=d)
 
 
 @pytest.mark.parametrize("b_major", ["n", "k"])
