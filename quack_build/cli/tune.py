@@ -151,6 +151,12 @@ def problems(s, manifests, kernel, max_configs, from_empty=False, rows=None) -> 
     return out
 
 
+def row_class(p: Problem) -> str | None:
+    """The tuning-table class a problem's winner is written under (None: none can be)."""
+    classify = getattr(getattr(p.spec.params["config"], "derive", None), "classify", None)
+    return classify(p.classed()) if classify is not None else None
+
+
 def _label(p: Problem) -> str:
     from quack_build.manifest.config import format_params
 
@@ -185,10 +191,18 @@ def run_tune(
         out = []
         for p in probs:
             cands = p.cands[:count] if count else p.cands
-            con.print(f"{_label(p)}: {len(cands)} candidates", markup=False)
+            cls = row_class(p)
+            con.print(f"{_label(p)}: {len(cands)} candidates, table class {cls}", markup=False)
             for cand in cands:
                 con.print(f"  {'*' if cand == p.current else ' '} {cand.label()}", markup=False)
-            out.append(dict(problem=_label(p), sizes=p.sizes, candidates=[cand.knobs() for cand in cands]))
+            out.append(
+                dict(
+                    problem=_label(p),
+                    sizes=p.sizes,
+                    table_class=cls,
+                    candidates=[cand.knobs() for cand in cands],
+                )
+            )
         if as_json:
             emit_json(dict(dry_run=True, problems=out))
         return 0

@@ -29,6 +29,7 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
     device = torch.device("cuda", torch.cuda.current_device())
     gpu = s.tune_gpu or normalise_gpu(torch.cuda.get_device_name(device))
     results, tables = [], {}
+    written: dict = {}  # (table path, row ident) -> the shape whose winner was written there
     pool = qpool.CompilePool(s.effective_jobs(None))
     try:
         for p in probs:
@@ -63,6 +64,9 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
             old_t = next((t for cfg, t in res.times if cfg["config"] == current), None)
             new = res.best["config"] if res.best else None
             cls = derive.classify(p.classed()) if getattr(derive, "classify", None) else None
+            # the N range the row covers: the problem's own N, or the N bucket of a class that
+            # names one (the GEMM's), so a shape of the same class reaches the row
+            n_range = derive.n_range(p.classed()) if getattr(derive, "n_range", None) else (p.n(), p.n())
             entry = dict(
                 problem=label(p),
                 old=current.label(),
@@ -79,19 +83,27 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
                 if path not in tables:
                     base_t = Table.load(path) if path.is_file() and not from_empty else None
                     tables[path] = base_t or Table(c.arch, current_gpu(gpu) or gpu, path=str(path))
-                tables[path].put(
-                    Row(
-                        c.kernel,
-                        gpu,
-                        cls,
-                        (p.n(), p.n()),
-                        new.knobs(),
-                        (base["dtype"],),
-                        float(res.best_time or 0.0) * 1e6,
-                        p.shape(),
-                        datetime.date.today().isoformat(),
-                    )
+                row = Row(
+                    c.kernel,
+                    gpu,
+                    cls,
+                    tuple(n_range),
+                    new.knobs(),
+                    (base["dtype"],),
+                    float(res.best_time or 0.0) * 1e6,
+                    p.shape(),
+                    datetime.date.today().isoformat(),
                 )
+                tables[path].put(row)
+                earlier = written.get((path, row.ident()))
+                if earlier is not None:  # two problems of one class: the last one's winner stands
+                    entry["replaced"] = earlier
+                    con.print(
+                        f"note: {p.shape()} shares the table row (class {cls}, n {list(n_range)}) with "
+                        f"{earlier} tuned earlier in this run: {p.shape()}'s winner is written",
+                        markup=False,
+                    )
+                written[(path, row.ident())] = p.shape()
                 entry["written"] = True
             results.append(entry)
     finally:
