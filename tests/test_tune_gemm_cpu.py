@@ -138,10 +138,9 @@ def test_a_gemm_entry_without_problems_is_refused_by_tune(tmp_path):
 
 
 def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatch):
-    """The GPU side with a fake measurement: the bench hook gets the problem's m, n, k;
+    """The GPU side with a fake measurement: the measuring process is asked for the
+    problem's m, n, k;
     the winner's row is keyed by shape_class(m, n, k), dtype and N; gemm_config reads it."""
-    import torch
-    from quack_kernels import _verify_gemm
     from quack_kernels._configs import GemmConfig
     from quack_kernels._gemm_plan import shape_class
     from quack_kernels.gemm import gemm_config
@@ -162,12 +161,20 @@ def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatc
     winner = GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, schedule="coop")
     benched = []
 
-    def fake_bench(params, device, m, n, k):
-        benched.append((m, n, k))
-        return lambda: None
+    class FakeMeasurer:  # the measuring process's stand-in: what it would be asked to time
+        broken = ""
+
+        def time(self, prob, config):
+            assert prob["bench"] == "quack_kernels._verify_gemm:bench_gemm" and config == winner
+            benched.append(tuple(prob["sizes"].values()))
+            return 1e-3
+
+        def close(self):
+            pass
 
     def fake_autotune(kernel, configs, bench, **kw):
         assert {"config": winner} in configs
+        bench(None, {"config": winner})
         return at.TuneResult({"config": winner}, 1e-3, [({"config": winner}, 1e-3)], [], 0, 0.0)
 
     class NoPool:
@@ -177,12 +184,12 @@ def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatc
         def shutdown(self):
             pass
 
-    monkeypatch.setattr(_verify_gemm, "bench_gemm", fake_bench)
     monkeypatch.setattr(at, "autotune", fake_autotune)
     monkeypatch.setattr(qpool, "CompilePool", NoPool)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     path = tmp_path / "t.toml"
-    gpu, results, tables = measure_and_write(s, Console(file=None), probs, None, None, path, True, _label)
+    gpu, results, tables = measure_and_write(
+        s, Console(file=None), probs, None, None, path, True, _label, measurer=FakeMeasurer()
+    )
     assert gpu == "H200" and tables == [path] and all(r["written"] for r in results)
     assert benched == [(1024, 1024, 1024), (8192, 4096, 4096)]
     t = Table.load(path)
@@ -206,7 +213,6 @@ def test_two_sizes_of_one_class_share_a_row_and_the_tuner_says_so(tmp_path, monk
     import io
 
     import torch
-    from quack_kernels import _verify_gemm
     from quack_kernels._configs import GemmConfig
     from rich.console import Console
 
@@ -241,7 +247,6 @@ def test_two_sizes_of_one_class_share_a_row_and_the_tuner_says_so(tmp_path, monk
         def shutdown(self):
             pass
 
-    monkeypatch.setattr(_verify_gemm, "bench_gemm", lambda params, device, m, n, k: lambda: None)
     monkeypatch.setattr(at, "autotune", fake_autotune)
     monkeypatch.setattr(qpool, "CompilePool", NoPool)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)

@@ -250,15 +250,23 @@ def _print_table(con, results) -> None:
     from rich.table import Table as RTable
 
     t = RTable(title="quack tune")
-    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up"):
+    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up", "failed"):
         t.add_column(col)
     for r in results:
         t.add_row(
             r["problem"],
             r["old"],
-            r["new"] or "(none correct)",
+            r["new"] or "(none correct: old kept)",
             f"{r['old_us']:.1f}" if r["old_us"] else "-",
             f"{r['new_us']:.1f}" if r["new_us"] else "-",
             f"{r['speedup']:.3f}x" if r["speedup"] else "-",
+            str(len(r["failed"])) if r["failed"] else "-",
         )
     con.print(t)
+    # which candidates failed and why (a launch fault, a dead or hung measuring process, a
+    # failed compile), after the table so that the last screen shows them
+    for r in results:
+        for f in r["failed"]:
+            con.print(f"failed: {r['problem']}: {f['candidate']}: {f['reason']}", markup=False)
+        if not r["new"]:
+            con.print(f"kept: {r['problem']}: {r['kept']} (no candidate measured correct)", markup=False)
