@@ -8,6 +8,7 @@ Shared memory on the H200 (sm_90a): 227 KiB a CTA (232448 bytes). A stage holds 
 """
 
 import dataclasses
+import math
 
 SMEM_BYTES = 232448
 BARRIER_BYTES = 1024  # mbarriers + alignment slack
@@ -123,10 +124,45 @@ def heuristic(m: int, n: int, k: int, batch: int = 1) -> dict:
     return {"tile_m": 128, "tile_n": 128, "cluster_m": 1, "cluster_n": 1, "schedule": "ping"}
 
 
-def shape_class(m: int, n: int, k: int) -> str:
-    """A problem's tuning-table class (docs/tuning.md): the row keyed by class, dtype and an
-    N range picks the configuration. Classes by output size and K depth."""
-    out = m * n
-    size = "small" if out <= 1 << 22 else ("mid" if out <= 1 << 26 else "large")
-    depth = "deepk" if k >= 4 * max(m, n) else ("shallowk" if k * 8 <= min(m, n) else "k")
-    return f"{size}/{depth}"
+def size_bucket(x: int) -> int:
+    """The exponent of the power of two nearest ``x`` on a log scale: ``b`` with
+    2^(b - 1/2) <= x < 2^(b + 1/2), computed exactly in integers (x^2 has bit length 2b or
+    2b + 1). Nearest rather than floor: a tuned 4096 sits in the middle of its bucket
+    (2897 .. 5792), so 4000 or 4200 reach its row, where floor(log2) put 4095 into the
+    bucket of 2048 and 4096 at the very edge of its own."""
+    if isinstance(x, bool) or not isinstance(x, int) or x < 1:
+        raise ValueError(f"a GEMM size must be a positive integer, got {x!r}")
+    return (x * x).bit_length() // 2
+
+
+def bucket_range(b: int) -> tuple[int, int]:
+    """The inclusive range of sizes whose ``size_bucket`` is ``b`` (a table row's N range)."""
+    if b < 0:
+        raise ValueError(f"a size bucket is >= 0, got {b}")
+    lo = 1 if b == 0 else math.isqrt((1 << (2 * b - 1)) - 1) + 1
+    return lo, math.isqrt((1 << (2 * b + 1)) - 1)
+
+
+def _bucket_label(b: int) -> str:
+    v = 1 << b
+    return f"{v >> 10}k" if v >= 1024 else str(v)
+
+
+def shape_class(m: int, n: int, k: int, batch: int = 1) -> str:
+    """A problem's tuning-table class (docs/tuning.md "The GEMM's problem classes"): M, N and
+    K each rounded to the nearest power of two on a log scale (``size_bucket``), e.g.
+    8192 x 14336 x 4096 -> "m8k/n16k/k4k". Every goal shape of issue 28 has a class of its
+    own; the old output-size / K-depth classes put 4096^3, 8192x4096x4096 and
+    8192x4096x14336 into one ("mid/k" at N = 4096), so one winner served all three. A
+    batch of L problems counts as L * M rows: the persistent grid walks L * ceil(M / tile_m)
+    row tiles, as the heuristic counts them."""
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"a GEMM batch must be a positive integer, got {batch!r}")
+    bm, bn, bk = size_bucket(m * batch), size_bucket(n), size_bucket(k)
+    return f"m{_bucket_label(bm)}/n{_bucket_label(bn)}/k{_bucket_label(bk)}"
+
+
+def class_n_range(n: int) -> tuple[int, int]:
+    """The N range a winner's row covers: every N of its bucket (the class names the
+    bucket already; the range makes the row readable and keeps it to that bucket)."""
+    return bucket_range(size_bucket(n))

@@ -79,9 +79,11 @@ def default_config(kernel: str, cfg_cls, cls: str | None, dtype: str, n: int, ar
     return cfg_cls.from_dict(hit[0], where=hit[1])
 
 
-def derive(kernel: str, cfg_cls, classify, fallback=None):
+def derive(kernel: str, cfg_cls, classify, fallback=None, n_range=None):
     """A ``quack.params.Config(derive=...)`` callable: ``classify(params) -> class or None``,
-    ``fallback(params) -> config or None`` (the heuristic's own choice)."""
+    ``fallback(params) -> config or None`` (the heuristic's own choice), ``n_range(params)
+    -> (lo, hi)``: the N range a winner's row covers (default: its own N only; the GEMM's
+    rows cover the N bucket its class names)."""
 
     def _derive(params: dict, arch: str):
         fb = fallback(params) if fallback is not None else None
@@ -94,7 +96,13 @@ def derive(kernel: str, cfg_cls, classify, fallback=None):
     _derive.__qualname__ = f"derive[{kernel}]"
     _derive.classify = classify  # type: ignore[attr-defined]  # quack tune: a winner's row class
     _derive.table_path = table_path  # type: ignore[attr-defined]  # quack tune: where rows go
+    _derive.n_range = n_range or _own_n  # type: ignore[attr-defined]  # quack tune: a row's N range
     return _derive
+
+
+def _own_n(params: dict) -> tuple[int, int]:
+    n = int(params.get("n", 0))
+    return n, n
 
 
 def runtime_arch() -> str:

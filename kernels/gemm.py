@@ -16,7 +16,7 @@ from quack.params import Bool, Choice, Config, Dtype, Rule
 
 from . import _tuning
 from ._configs import GemmConfig
-from ._gemm_plan import AB_DTYPES, ACTIVATIONS, check_plan, heuristic, resolve, shape_class
+from ._gemm_plan import AB_DTYPES, ACTIVATIONS, check_plan, class_n_range, heuristic, resolve, shape_class
 
 # a configuration without a tuning-table row and without a problem shape (a manifest entry
 # that names none): the heuristic's choice for large problems
@@ -31,6 +31,10 @@ def _shape_class(params: dict) -> str | None:
     if not all(d in params for d in PROBLEM):
         return None
     return shape_class(params["m"], params["n"], params["k"])
+
+
+def _n_range(params: dict) -> tuple[int, int]:
+    return class_n_range(params["n"])
 
 
 def _fallback(params: dict) -> GemmConfig:
@@ -68,7 +72,9 @@ def search_space(params: dict) -> list[GemmConfig]:
         "has_c": Bool(),
         "has_bias": Bool(),
         "activation": Choice(ACTIVATIONS),
-        "config": Config(GemmConfig, derive=_tuning.derive("gemm", GemmConfig, _shape_class, _fallback)),
+        "config": Config(
+            GemmConfig, derive=_tuning.derive("gemm", GemmConfig, _shape_class, _fallback, _n_range)
+        ),
     },
     rules=[
         Rule(
@@ -139,11 +145,11 @@ def compile_gemm(
 
 
 def gemm_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
-    """The configuration for a problem: the tuning table's row for its class (``shape_class``)
-    and N, else the heuristic (``_gemm_plan.heuristic``)."""
+    """The configuration for a problem: the tuning table's row for its class (``shape_class``:
+    the log-2 buckets of L * M, N and K) and N, else the heuristic (``_gemm_plan.heuristic``)."""
     fb = GemmConfig(**heuristic(m, n, k, batch))
     return _tuning.default_config(
-        "gemm", GemmConfig, shape_class(m, n, k), dtype, n, _tuning.runtime_arch(), fb
+        "gemm", GemmConfig, shape_class(m, n, k, batch), dtype, n, _tuning.runtime_arch(), fb
     )
 
 

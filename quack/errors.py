@@ -383,3 +383,18 @@ class TuningTableError(QuackError, ValueError):
         super().__init__(
             f"{self.path}{f': row {row}' if row else ''}{f' ({field})' if field else ''}: {problem}"
         )
+
+
+class MeasureError(QuackError, RuntimeError):
+    """A tuning candidate could not be measured: its launch faulted (a sticky CUDA error,
+    which poisons the process's context), its measuring process died (segfault, abort) or
+    hung past its time limit. Not a wrong result (the candidate was never compared), so
+    ``quack.compile.autotune`` lists it under ``errors``, not ``refused``. ``restarted``:
+    the measuring process was replaced, so the next candidate gets a fresh CUDA context."""
+
+    def __init__(self, kernel: str, config: str, reason: str, *, restarted: bool = False):
+        self.kernel = kernel
+        self.config = config
+        self.reason = reason
+        self.restarted = restarted
+        super().__init__(f"{kernel} {config}: {reason}")

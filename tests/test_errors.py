@@ -49,6 +49,11 @@ CASES = [
     (E.LinkError("cc failed", "/c/x.o"), RuntimeError, ("obj",)),
     (E.ManifestError(["m.toml: a", "m.toml: b"]), ValueError, ("problems",)),
     (
+        E.MeasureError("gemm", "tile_m=128", "CUDA error: unspecified launch failure", restarted=True),
+        RuntimeError,
+        ("kernel", "config", "reason", "restarted"),
+    ),
+    (
         E.TuningTableError("kernels/tuned/sm_90a.toml", "unknown field 'x'", row=3, field="x"),
         ValueError,
         ("path", "problem", "row", "field"),

@@ -62,7 +62,10 @@ def test_dry_run_lists_each_problem_size_with_its_own_default(tmp_path):
 def test_the_gemm_tuning_manifest_lists_the_goal_shapes():
     r = _quack("tune", "manifests/tuning_gemm.toml", "-n", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
-    sizes = [tuple(p["sizes"].values()) for p in json.loads(r.stdout)["problems"]]
+    probs = json.loads(r.stdout)["problems"]
+    sizes = [tuple(p["sizes"].values()) for p in probs]
+    # one table row each: a class of its own (before, three shared "mid/k" at N = 4096)
+    assert len({p["table_class"] for p in probs}) == len(probs) == 7
     assert sizes == [
         (4096, 4096, 4096),
         (8192, 8192, 8192),
@@ -135,10 +138,9 @@ def test_a_gemm_entry_without_problems_is_refused_by_tune(tmp_path):
 
 
 def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatch):
-    """The GPU side with a fake measurement: the bench hook gets the problem's m, n, k;
+    """The GPU side with a fake measurement: the measuring process is asked for the
+    problem's m, n, k;
     the winner's row is keyed by shape_class(m, n, k), dtype and N; gemm_config reads it."""
-    import torch
-    from quack_kernels import _verify_gemm
     from quack_kernels._configs import GemmConfig
     from quack_kernels._gemm_plan import shape_class
     from quack_kernels.gemm import gemm_config
@@ -159,12 +161,20 @@ def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatc
     winner = GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, schedule="coop")
     benched = []
 
-    def fake_bench(params, device, m, n, k):
-        benched.append((m, n, k))
-        return lambda: None
+    class FakeMeasurer:  # the measuring process's stand-in: what it would be asked to time
+        broken = ""
+
+        def time(self, prob, config):
+            assert prob["bench"] == "quack_kernels._verify_gemm:bench_gemm" and config == winner
+            benched.append(tuple(prob["sizes"].values()))
+            return 1e-3
+
+        def close(self):
+            pass
 
     def fake_autotune(kernel, configs, bench, **kw):
         assert {"config": winner} in configs
+        bench(None, {"config": winner})
         return at.TuneResult({"config": winner}, 1e-3, [({"config": winner}, 1e-3)], [], 0, 0.0)
 
     class NoPool:
@@ -174,22 +184,78 @@ def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatc
         def shutdown(self):
             pass
 
-    monkeypatch.setattr(_verify_gemm, "bench_gemm", fake_bench)
     monkeypatch.setattr(at, "autotune", fake_autotune)
     monkeypatch.setattr(qpool, "CompilePool", NoPool)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     path = tmp_path / "t.toml"
-    gpu, results, tables = measure_and_write(s, Console(file=None), probs, None, None, path, True, _label)
+    gpu, results, tables = measure_and_write(
+        s, Console(file=None), probs, None, None, path, True, _label, measurer=FakeMeasurer()
+    )
     assert gpu == "H200" and tables == [path] and all(r["written"] for r in results)
     assert benched == [(1024, 1024, 1024), (8192, 4096, 4096)]
     t = Table.load(path)
     rows = {(r.cls, r.n, r.shape) for r in t.rows}
+    # the N range is the class's N bucket: a shape of the same class reaches the row
     assert rows == {
-        (shape_class(1024, 1024, 1024), (1024, 1024), "1024x1024x1024"),
-        (shape_class(8192, 4096, 4096), (4096, 4096), "8192x4096x4096"),
+        (shape_class(1024, 1024, 1024), (725, 1448), "1024x1024x1024"),
+        (shape_class(8192, 4096, 4096), (2897, 5792), "8192x4096x4096"),
     }
     assert all(r.kernel == "gemm" and r.dtype == ("bfloat16",) and r.config == winner.knobs() for r in t.rows)
     monkeypatch.setattr("quack_kernels._tuning.runtime_arch", lambda: "sm_90a")
     with use_table(t):
         assert gemm_config(8192, 4096, 4096, 1, "bfloat16") == winner
+        assert gemm_config(8000, 4000, 4200, 1, "bfloat16") == winner  # same class, another N
     assert gemm_config(8192, 4096, 4096, 1, "bfloat16") != winner  # the checked-in table: untuned
+
+
+def test_two_sizes_of_one_class_share_a_row_and_the_tuner_says_so(tmp_path, monkeypatch):
+    """8192x4096x4096 and 8000x4000x4200 are one class: one row, the last winner's, and a
+    note naming both sizes (before: the earlier winner was overwritten without a word)."""
+    import io
+
+    import torch
+    from quack_kernels._configs import GemmConfig
+    from rich.console import Console
+
+    from quack import registry, settings
+    from quack.compile import autotune as at
+    from quack.compile import pool as qpool
+    from quack.tuning import Table
+    from quack_build.cli.tune import _label, problems
+    from quack_build.cli.tune_measure import measure_and_write
+
+    s = dataclasses.replace(settings.get(), tune_gpu="H200")
+    registry.load_packages(s.kernel_packages)
+    m = tmp_path / "m.toml"
+    m.write_text(MANIFEST.replace("[[1024, 1024, 1024], [8192", "[[8000, 4000, 4200], [8192"))
+    probs = problems(s, [m], None, 10_000)
+    wins = iter(
+        [
+            GemmConfig(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, schedule="coop"),
+            GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, schedule="ping"),
+            GemmConfig(tile_m=128, tile_n=192, cluster_m=2, cluster_n=1, schedule="coop"),
+        ]
+    )
+
+    def fake_autotune(kernel, configs, bench, **kw):
+        w = next(wins)
+        return at.TuneResult({"config": w}, 1e-3, [({"config": w}, 1e-3)], [], 0, 0.0)
+
+    class NoPool:
+        def __init__(self, *a, **k):
+            pass
+
+        def shutdown(self):
+            pass
+
+    monkeypatch.setattr(at, "autotune", fake_autotune)
+    monkeypatch.setattr(qpool, "CompilePool", NoPool)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    out = io.StringIO()
+    path = tmp_path / "t.toml"
+    _gpu, results, _ = measure_and_write(
+        s, Console(file=out, width=300), probs, None, None, path, True, _label
+    )
+    assert [r.get("replaced") for r in results] == [None, "8000x4000x4200", None]
+    assert "8192x4096x4096 shares the table row (class m8k/n4k/k4k" in out.getvalue()
+    rows = Table.load(path).rows
+    assert len(rows) == 2 and {r.shape for r in rows} == {"8192x4096x4096", "1024x1024x1024"}

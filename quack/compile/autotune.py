@@ -11,7 +11,9 @@ interleaved, keep the fastest correct one.
     res.best, res.best_time, res.errors, res.refused
 
 A candidate whose compile fails, whose benchmark raises or that exceeds the budget is in
-``errors``; one whose ``check`` raises is in ``refused`` and never wins. Timing noise (a
+``errors``, and so is one whose ``check`` raises ``MeasureError`` (it could not run: a
+launch fault, a dead measuring process); one whose ``check`` raises anything else is in
+``refused`` and never wins. Timing noise (a
 shape that is bimodal from run to run) is handled by the method, not by hand: every
 candidate within ``close`` of the best is measured again in ``rounds`` interleaved rounds
 (each round visits them in a rotated order) and ranked by the median of its rounds.
@@ -27,7 +29,7 @@ from typing import Any, Callable, Sequence
 from quack.compile import pool as _pool
 from quack.compile import scope
 from quack.compile.tasks import PENDING
-from quack.errors import CompileError, CompilePending
+from quack.errors import CompileError, CompilePending, MeasureError
 
 
 @dataclasses.dataclass
@@ -112,7 +114,11 @@ def autotune(
         if check is not None:
             try:
                 check(fn, cfg)
-            except Exception as e:  # noqa: BLE001 - any failure of the check refuses the candidate
+            except MeasureError as e:  # it could not run (a fault, a dead process): failed, not wrong
+                errors.append((cfg, f"check: {_first_line(e)}"))
+                note("error", cfg, str(e))
+                return
+            except Exception as e:  # noqa: BLE001 - any other failure of the check refuses the candidate
                 refused.append((cfg, _first_line(e)))
                 note("wrong", cfg, _first_line(e))
                 return

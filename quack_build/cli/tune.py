@@ -151,6 +151,12 @@ def problems(s, manifests, kernel, max_configs, from_empty=False, rows=None) -> 
     return out
 
 
+def row_class(p: Problem) -> str | None:
+    """The tuning-table class a problem's winner is written under (None: none can be)."""
+    classify = getattr(getattr(p.spec.params["config"], "derive", None), "classify", None)
+    return classify(p.classed()) if classify is not None else None
+
+
 def _label(p: Problem) -> str:
     from quack_build.manifest.config import format_params
 
@@ -185,10 +191,18 @@ def run_tune(
         out = []
         for p in probs:
             cands = p.cands[:count] if count else p.cands
-            con.print(f"{_label(p)}: {len(cands)} candidates", markup=False)
+            cls = row_class(p)
+            con.print(f"{_label(p)}: {len(cands)} candidates, table class {cls}", markup=False)
             for cand in cands:
                 con.print(f"  {'*' if cand == p.current else ' '} {cand.label()}", markup=False)
-            out.append(dict(problem=_label(p), sizes=p.sizes, candidates=[cand.knobs() for cand in cands]))
+            out.append(
+                dict(
+                    problem=_label(p),
+                    sizes=p.sizes,
+                    table_class=cls,
+                    candidates=[cand.knobs() for cand in cands],
+                )
+            )
         if as_json:
             emit_json(dict(dry_run=True, problems=out))
         return 0
@@ -236,15 +250,23 @@ def _print_table(con, results) -> None:
     from rich.table import Table as RTable
 
     t = RTable(title="quack tune")
-    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up"):
+    for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up", "failed"):
         t.add_column(col)
     for r in results:
         t.add_row(
             r["problem"],
             r["old"],
-            r["new"] or "(none correct)",
+            r["new"] or "(none correct: old kept)",
             f"{r['old_us']:.1f}" if r["old_us"] else "-",
             f"{r['new_us']:.1f}" if r["new_us"] else "-",
             f"{r['speedup']:.3f}x" if r["speedup"] else "-",
+            str(len(r["failed"])) if r["failed"] else "-",
         )
     con.print(t)
+    # which candidates failed and why (a launch fault, a dead or hung measuring process, a
+    # failed compile), after the table so that the last screen shows them
+    for r in results:
+        for f in r["failed"]:
+            con.print(f"failed: {r['problem']}: {f['candidate']}: {f['reason']}", markup=False)
+        if not r["new"]:
+            con.print(f"kept: {r['problem']}: {r['kept']} (no candidate measured correct)", markup=False)

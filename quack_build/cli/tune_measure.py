@@ -4,31 +4,37 @@
 from __future__ import annotations
 
 import datetime
-import importlib
 from pathlib import Path
 
 from quack_build.cli.context import Fail
 
 
-def _resolve(ref: str):
-    mod, _, fn = ref.partition(":")
-    return getattr(importlib.import_module(mod), fn)
-
-
-def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
+def measure_and_write(s, con, probs, seconds, count, table, from_empty, label, *, measurer=None):
     """Measure each problem, write the winners' tables (a line each on ``con``) and return
-    ``(gpu, results, table paths)``; the caller (quack_build.cli.tune) renders them."""
+    ``(gpu, results, table paths)``; the caller (quack_build.cli.tune) renders them.
+
+    Candidates compile here (the pool) and are checked and timed in a measuring process
+    (``quack_build.tune.measure.Measurer``; ``measurer`` replaces it in a test): a launch
+    that faults poisons that process's CUDA context, so it is replaced and the candidate
+    reported as failed, with its configuration and the error, as it happens and in the
+    result (``failed``); the other candidates go on. A problem whose every candidate
+    failed keeps its old winner (``kept``): no row is written for it."""
     import torch
 
     from quack.compile import pool as qpool
     from quack.compile.autotune import autotune
     from quack.runtime.jit import kernel as registered_kernel
-    from quack.tuning import Row, Table, current_gpu, normalise_gpu, use_config
-    from quack.tuning.bench import gpu_time
+    from quack.tuning import Row, Table, current_gpu, normalise_gpu
+    from quack_build.tune.measure import Measurer, problem_request
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    gpu = s.tune_gpu or normalise_gpu(torch.cuda.get_device_name(device))
+    if measurer is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+        # the child measures what this process compiled: the same cache directory
+        measurer = Measurer(device=str(device), env={"QUACK_CACHE_DIR": str(s.cache_dir)})
+    gpu = s.tune_gpu or normalise_gpu(torch.cuda.get_device_name(torch.cuda.current_device()))
     results, tables = [], {}
+    written: dict = {}  # (table path, row ident) -> the shape whose winner was written there
+    stop = ""
     pool = qpool.CompilePool(s.effective_jobs(None))
     try:
         for p in probs:
@@ -36,17 +42,21 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
             if spec.bench is None or spec.reference is None:
                 raise Fail(f"error: {c.kernel}: declares a search space but no bench= / reference= hook")
             derive = spec.params["config"].derive
-            plain = spec.plain(dict(base, config=current))
-            call = _resolve(spec.bench)(plain, device=device, **p.sizes)
-            ref = _resolve(spec.reference)
+            prob = problem_request(spec, spec.plain(base), p.sizes)
 
-            def check(fn, cfg, _c=c, _plain=plain, _ref=ref):
-                with use_config(_c.kernel, cfg["config"]):
-                    _ref(dict(_plain, config=cfg["config"]), device)
+            def check(fn, cfg, _prob=prob):
+                measurer.check(_prob, cfg["config"])
 
-            def bench(fn, cfg, _c=c, _call=call):
-                with use_config(_c.kernel, cfg["config"]):
-                    return gpu_time(_call, device=device)
+            def bench(fn, cfg, _prob=prob):
+                return measurer.time(_prob, cfg["config"])
+
+            def on_result(kind, cfg, value):
+                if kind in ("error", "wrong"):  # named as it happens: a later crash cannot hide it
+                    why = str(value).strip().splitlines()[0][:300] if str(value).strip() else kind
+                    con.print(
+                        f"  {'failed' if kind == 'error' else 'wrong '} {cfg['config'].label()}: {why}",
+                        markup=False,
+                    )
 
             con.print(f"tuning {label(p)}: {len(cands[:count] if count else cands)} candidates", markup=False)
             res = autotune(
@@ -59,10 +69,14 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
                 check=check,
                 max_candidates=count,
                 baseline={"config": current},  # the old winner's time: re-measured with the new one
+                on_result=on_result,
             )
             old_t = next((t for cfg, t in res.times if cfg["config"] == current), None)
             new = res.best["config"] if res.best else None
             cls = derive.classify(p.classed()) if getattr(derive, "classify", None) else None
+            # the N range the row covers: the problem's own N, or the N bucket of a class that
+            # names one (the GEMM's), so a shape of the same class reaches the row
+            n_range = derive.n_range(p.classed()) if getattr(derive, "n_range", None) else (p.n(), p.n())
             entry = dict(
                 problem=label(p),
                 old=current.label(),
@@ -71,32 +85,66 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label):
                 new_us=res.best_time and res.best_time * 1e6,
                 speedup=(old_t / res.best_time) if old_t and res.best_time else None,
                 refused=[(cfg["config"].label(), e) for cfg, e in res.refused],
-                errors=[(cfg["config"].label(), e.splitlines()[0][:200]) for cfg, e in res.errors],
+                failed=[
+                    dict(candidate=cfg["config"].label(), config=cfg["config"].knobs(), reason=_reason(e))
+                    for cfg, e in res.errors
+                ],
                 written=False,
             )
+            if new is None:
+                entry["kept"] = current.label()
+                con.print(
+                    f"  {label(p)}: no candidate measured correct ({len(res.errors)} failed, "
+                    f"{len(res.refused)} wrong): keeps {current.label()}, no row written",
+                    markup=False,
+                )
             if new is not None and cls is not None:
                 path = Path(table) if table else Path(derive.table_path(c.arch))
                 if path not in tables:
                     base_t = Table.load(path) if path.is_file() and not from_empty else None
                     tables[path] = base_t or Table(c.arch, current_gpu(gpu) or gpu, path=str(path))
-                tables[path].put(
-                    Row(
-                        c.kernel,
-                        gpu,
-                        cls,
-                        (p.n(), p.n()),
-                        new.knobs(),
-                        (base["dtype"],),
-                        float(res.best_time or 0.0) * 1e6,
-                        p.shape(),
-                        datetime.date.today().isoformat(),
-                    )
+                row = Row(
+                    c.kernel,
+                    gpu,
+                    cls,
+                    tuple(n_range),
+                    new.knobs(),
+                    (base["dtype"],),
+                    float(res.best_time or 0.0) * 1e6,
+                    p.shape(),
+                    datetime.date.today().isoformat(),
                 )
+                tables[path].put(row)
+                earlier = written.get((path, row.ident()))
+                if earlier is not None:  # two problems of one class: the last one's winner stands
+                    entry["replaced"] = earlier
+                    con.print(
+                        f"note: {p.shape()} shares the table row (class {cls}, n {list(n_range)}) with "
+                        f"{earlier} tuned earlier in this run: {p.shape()}'s winner is written",
+                        markup=False,
+                    )
+                written[(path, row.ident())] = p.shape()
                 entry["written"] = True
             results.append(entry)
+            if measurer.broken:  # no measuring process starts: the other problems would fail alike
+                stop = measurer.broken
+                break
+    except BaseException:
+        measurer.kill()  # an interrupt or a failure: nothing will ask the child again
+        raise
+    else:
+        measurer.close()
     finally:
         pool.shutdown()
     for path, t in tables.items():
         t.write(path)
         con.print(f"wrote {path}", markup=False)
+    if stop:
+        raise Fail(f"error: quack tune: {stop}")
     return gpu, results, list(tables)
+
+
+def _reason(e: str) -> str:
+    """An error's first line (a compile error's is its summary), at most 300 characters."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0].strip()[:300] if lines else "failed"

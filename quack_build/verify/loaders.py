@@ -19,6 +19,7 @@ import json
 import os
 import queue
 import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -30,13 +31,26 @@ GPU_PROBE_TIMEOUT = 120.0
 JOIN_TIMEOUT = 15.0  # a worker whose child was killed returns at once; bounded all the same
 
 
-class _Child:
-    def __init__(self, gpu: bool):
-        env = dict(os.environ)
+class ChildProcess:
+    """A Python child process that answers one JSON line per request line on its stdout
+    (``python -m <module>``: quack_build.verify.child, or quack tune's measuring process,
+    quack_build.tune.child). ``gpu``: the GPU is visible and the child never compiles
+    (prebuilt mode), else it is GPU-blind. ``env``: more environment for it. ``role`` names
+    it in the errors ("loader", "measuring")."""
+
+    def __init__(
+        self,
+        gpu: bool,
+        module: str = "quack_build.verify.child",
+        env: dict | None = None,
+        role: str = "loader",
+    ):
+        env = dict(os.environ, **(env or {}))
         if not gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         else:
             env["QUACK_MODE"] = "prebuilt"  # a reference run uses the prebuilt entries, never compiles
+        self.role = role
         self.err = tempfile.TemporaryFile()
         self.p = subprocess.Popen(
             # The parent's sys.path goes along as an argument (not through the
@@ -45,7 +59,7 @@ class _Child:
             [
                 sys.executable,
                 "-m",
-                "quack_build.verify.child",
+                module,
                 "--sys-path=" + os.pathsep.join(p for p in sys.path if p),  # "=": a path may start with "-"
             ],
             stdin=subprocess.PIPE,
@@ -69,7 +83,8 @@ class _Child:
             return None
         if not r:
             self.p.kill()
-            return {"ok": False, "error": f"loading took over {timeout:.0f} s (killed)"}
+            what = "loading" if self.role == "loader" else "the request"
+            return {"ok": False, "error": f"{what} took over {timeout:.0f} s (killed)", "timed_out": True}
         line = self.stdout.readline()
         if not line:
             return None
@@ -87,7 +102,13 @@ class _Child:
         self.err.seek(0)
         tail = self.err.read()[-600:].decode("utf-8", "replace").strip()
         why = f"signal {-rc}" if rc < 0 else f"exit status {rc}"
-        return f"the loader process died ({why})" + (f": {tail}" if tail else "")
+        by = ""
+        if rc < 0:
+            try:
+                by = f" by {signal.Signals(-rc).name}"
+            except ValueError:
+                pass
+        return f"the {self.role} process died ({why}){by}" + (f": {tail}" if tail else "")
 
     def kill(self) -> None:
         try:
@@ -117,10 +138,10 @@ class _Pool:
         self.gpu = gpu
         self.stop = threading.Event()
         self._lock = threading.Lock()
-        self._live: set[_Child] = set()
+        self._live: set[ChildProcess] = set()
 
-    def spawn(self) -> _Child:
-        c = _Child(self.gpu)
+    def spawn(self) -> ChildProcess:
+        c = ChildProcess(self.gpu)
         with self._lock:
             if not self.stop.is_set():
                 self._live.add(c)
@@ -129,7 +150,7 @@ class _Pool:
         c.close()
         raise _Stopped
 
-    def retire(self, c: _Child) -> None:
+    def retire(self, c: ChildProcess) -> None:
         with self._lock:
             self._live.discard(c)
         c.close()
@@ -149,7 +170,9 @@ class _Pool:
             c.close()
 
 
-def _drive(pool: _Pool, child: _Child, reqs: list[dict], run: bool, take, answers: list, done: queue.Queue):
+def _drive(
+    pool: _Pool, child: ChildProcess, reqs: list[dict], run: bool, take, answers: list, done: queue.Queue
+):
     """One worker: take the next request index, ask its child, store the answer, report
     it; a dead child is restarted (its entry blamed). Posts None when it ends, whatever
     the reason, so the main thread's wait always ends."""

@@ -160,7 +160,7 @@ def test_heuristic_and_classes():
 
     assert heuristic(8192, 8192, 8192)["tile_n"] == 256
     assert heuristic(1000, 1048, 776)["schedule"] == "ping"
-    assert shape_class(8192, 4096, 14336) == "mid/k" and shape_class(256, 256, 8192) == "small/deepk"
+    assert shape_class(8192, 4096, 14336) == "m8k/n4k/k16k" and shape_class(256, 256, 8192) == "m256/n256/k8k"
 
 
 @pytest.mark.usefixtures("kernel_cache")
