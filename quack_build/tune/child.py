@@ -21,18 +21,11 @@ from __future__ import annotations
 
 import importlib
 import json
-import os
-import sys
 import traceback
 
-_PROTO = None  # the answers' stream: the original stdout (main() sets it)
+from quack_build.verify.serve import serve
+
 _CALL: dict = {}  # the current problem's timed call (its tensors), one problem at a time
-
-
-def _answer(d: dict) -> None:
-    out = _PROTO if _PROTO is not None else sys.stdout
-    out.write(json.dumps(d) + "\n")
-    out.flush()
 
 
 def _resolve(ref: str):
@@ -97,35 +90,18 @@ def _one(req: dict) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    import argparse
+def _handle(req: dict) -> dict:
+    if req.get("op") == "hello":
+        try:
+            return _hello(req)
+        except Exception as e:  # noqa: BLE001
+            return {"ready": False, "error": f"{type(e).__name__}: {e}"}
+    # an answer with "restart" ends the process: a fresh CUDA context for the next candidate
+    return _one(req)
 
-    ap = argparse.ArgumentParser(prog="python -m quack_build.tune.child")
-    ap.add_argument("--sys-path", default="", help="the parent's sys.path, os.pathsep-joined")
-    extra = ap.parse_args(argv).sys_path
-    if extra:
-        for p in reversed(extra.split(os.pathsep)):
-            if p and p not in sys.path:
-                sys.path.insert(0, p)
-    global _PROTO
-    _PROTO = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # native and Python prints go to stderr, never into the answers
-    sys.stdout = sys.stderr
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        req = json.loads(line)
-        if req.get("op") == "hello":
-            try:
-                _answer(_hello(req))
-            except Exception as e:  # noqa: BLE001
-                _answer({"ready": False, "error": f"{type(e).__name__}: {e}"})
-            continue
-        a = _one(req)
-        _answer(a)
-        if a.get("restart"):
-            return  # a fresh process (a fresh CUDA context) for the next candidate
+
+def main(argv: list[str] | None = None) -> None:
+    serve("python -m quack_build.tune.child", _handle, argv)
 
 
 if __name__ == "__main__":

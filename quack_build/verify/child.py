@@ -5,28 +5,16 @@ entry in progress).
 Request: {"key", "obj", "so", "kernel", "module", "params", "run"}.
 Answer:  {"key", "ok", "how", "error", "restart"}.
 
-The answers get a private duplicate of fd 1, and fd 1 itself (with ``sys.stdout``) goes to
-stderr: a kernel runtime printed "Error: kernel ..." lines to stdout after a failed launch,
-the parent read them as answers, and every later answer of that process was blamed on the
-entry after its own (on the H200: two good GEMM entries reported with a LayerNorm error).
+The protocol's plumbing (why answers get their own copy of fd 1) is quack_build.verify.serve.
 After a failed reference run the answer says ``restart`` and the process ends: a CUDA
 error is sticky (every later launch in the process fails), so the next entry gets a fresh
 process instead of the last one's error."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import traceback
 
-_PROTO = None  # the answers' stream: the original stdout (main() sets it)
-
-
-def _answer(d: dict) -> None:
-    out = _PROTO if _PROTO is not None else sys.stdout
-    out.write(json.dumps(d) + "\n")
-    out.flush()
+from quack_build.verify.serve import serve
 
 
 def _one(req: dict, keep: list) -> dict:
@@ -79,37 +67,19 @@ def _one(req: dict, keep: list) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    ap = argparse.ArgumentParser(prog="python -m quack_build.verify.child")
-    ap.add_argument("--sys-path", default="", help="the parent's sys.path, os.pathsep-joined")
-    extra = ap.parse_args(argv).sys_path
-    if extra:
-        for p in reversed(extra.split(os.pathsep)):
-            if p and p not in sys.path:
-                sys.path.insert(0, p)
-    global _PROTO
-    _PROTO = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)  # native and Python prints go to stderr, never into the answers
-    sys.stdout = sys.stderr
     keep: list = []
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        req = json.loads(line)
+
+    def handle(req: dict) -> dict:
         if req.get("op") == "gpu":
             try:
                 import torch
 
-                _answer({"gpu": bool(torch.cuda.is_available())})
+                return {"gpu": bool(torch.cuda.is_available())}
             except Exception as e:  # noqa: BLE001
-                _answer({"gpu": False, "error": str(e)})
-            continue
-        a = _one(req, keep)
-        _answer(a)
-        if a.get("restart"):
-            return
+                return {"gpu": False, "error": str(e)}
+        return _one(req, keep)
+
+    serve("python -m quack_build.verify.child", handle, argv)
 
 
 if __name__ == "__main__":
