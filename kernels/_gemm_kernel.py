@@ -315,10 +315,18 @@ class HopperGemm:
             rel.advance(Int32(k_tiles * cw))
         work = sched.get_current_work()
         done = Int32(0)  # epilogue subtiles this warpgroup has stored (buffer rotation)
+        # The ordering barrier's position (its phase) is a loop variable of our own, passed
+        # to wait / arrive and assigned from arrive. PipelineOrder keeps one in its frozen
+        # dataclass, but the DSL does not carry a frozen dataclass's fields through a
+        # dynamic while loop: every tile waited at the first tile's phase, the two mainloops
+        # overlapped from a CTA's third tile on, a warpgroup ran a ring lap ahead, and the
+        # full barriers' parity (ABA) let it read a stage still loading: the "unspecified
+        # launch failure" of every ping-pong grid with two tiles or more per CTA.
+        turn = order.state.clone() if const_expr(self.ping) else None
         while work.is_valid_tile:
             t = work.tile_idx
             if const_expr(self.ping):
-                order.wait()
+                order.wait(turn)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()
@@ -339,7 +347,7 @@ class HopperGemm:
                 ring.consumer_release(rel)
                 rel.advance()
             if const_expr(self.ping):
-                order.arrive()
+                turn = order.arrive(turn)  # assigned: the loop carries the advanced phase
                 # skip the other warpgroup's tile in the ring
                 rd.advance(Int32(k_tiles))
                 rel.advance(Int32(k_tiles))

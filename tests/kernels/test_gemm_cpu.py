@@ -23,9 +23,10 @@ def _expand(name):
 def test_manifests_expand():
     assert len(_expand("gemm.toml")) >= 100
     sub = _expand("tests.toml")
-    # tests.toml's GEMM entries: the CPU tier's 8 plus the GPU tests' 23 requests (one key is in
+    # tests.toml's GEMM entries: the CPU tier's 8 plus the GPU tests' 29 requests (23, and the
+    # 6 ping-pong candidates of test_gemm_ping_pong_on_a_grid_of_many_waves; one key is in
     # both lists, built once): what the tests use and no more, a GEMM compile taking seconds
-    assert 8 <= len(sub) <= 8 + 23, len(sub)
+    assert 8 <= len(sub) <= 8 + 29, len(sub)
     scheds = {c.params["config"].schedule for c in sub}
     assert scheds == {"coop", "ping"}
 
@@ -172,3 +173,29 @@ def test_compile_export_load_through_the_cache():
 
     cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=2, schedule="ping")
     assert callable(compile_gemm("bfloat16", "bfloat16", config=cfg))
+
+
+def test_ping_pong_ordering_barrier_phase_flips_every_tile(tmp_path):
+    """The consumers' ordering barrier (PipelineOrder) must wait at a phase that flips with
+    every tile. Its own state lives in a frozen dataclass, which the DSL's while loop does not
+    carry: the wait's parity was recomputed from the warpgroup index at every tile, the two
+    mainloops overlapped from a CTA's third tile on, and ping-pong on a grid of several tiles
+    per CTA died on the H200 with "unspecified launch failure" (the full barriers' parity let
+    a warpgroup a ring lap ahead read a stage still loading)."""
+    import re
+
+    from _fixtures import ptx_of
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels.gemm import compile_gemm
+
+    cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, schedule="ping")
+    params = dict(dtype="bfloat16", d_dtype="bfloat16", a_major="k", b_major="k", config=cfg)
+    text = ptx_of({"ping": (compile_gemm, params)}, tmp_path)["ping"]
+    consumers = text[text.index("setmaxnreg.inc") :]  # the producer's code comes before
+    # the consumers' first wait in program order is the ordering barrier's, at each tile's top
+    (parity,) = re.search(
+        r"mbarrier\.try_wait\.parity\.shared\.b64 P1, \[%r\d+\], (%r\d+),", consumers
+    ).groups()
+    assert re.search(rf"xor\.b32\s+{parity}, {parity}, 1;", consumers), (
+        f"the ordering barrier's parity {parity} is never flipped: every tile waits at the first tile's phase"
+    )
