@@ -68,6 +68,13 @@ params = { n = [1, 2] }
 """
 
 
+def build_json(r) -> dict:
+    """The build's --json result; when there is none (it stopped before building: e.g. once
+    under load, through Ray Client, with exit 1 and empty stdout), the failure shows why."""
+    assert r.stdout.strip(), f"no JSON result (exit {r.returncode}):\n{r.stderr[-3000:]}"
+    return json.loads(r.stdout)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -152,7 +159,7 @@ def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_pat
     r = quack_sub(["build", "--executor", cluster, "--json", "--trace", str(trace)], ROOT, env, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "IMPORTED torch=False cutlass=False" in r.stderr  # the coordinator stays light
-    res = json.loads(r.stdout)
+    res = build_json(r)
     assert res["executor"] == "ray" and res["ok"] and res["failed"] == 0
     assert res["compiled"] == res["total"] > 0
     st = res["executor_stats"]
@@ -246,7 +253,7 @@ params = { dtype = "float32", block = [32, 64] }
         timeout=600,
     )
     assert r.returncode == 1, r.stderr[-3000:]
-    res = json.loads(r.stdout)
+    res = build_json(r)
     assert res["failed"] == 1 and res["compiled"] == 2 and res["not_built"] == 0 and not res["ok"]
     assert "FAILED    toy_fail(boom=true) sm_90a" in r.stderr
     assert "ValueError: toy_fail: boom requested" in r.stderr
@@ -316,12 +323,12 @@ params = { dtype = "float32", block = [96, 160] }
 
     r = quack_sub(["build", "--executor", cluster, "--json"], proj, env(tmp_path / "c1", True), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout)
+    res = build_json(r)
     assert res["executor"] == "ray" and res["compiled"] == 2 and res["remote_pushed"] == 2
     assert {k["remote_push"] for k in res["keys"]} == {"pushed"}
     r = quack_sub(["build", "--json"], proj, env(tmp_path / "c2", False), timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout)
+    res = build_json(r)
     assert res["remote_hits"] == 2 and res["compiled"] == 0
     assert sorted(hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c1")) == sorted(
         hashlib.sha256(p.read_bytes()).hexdigest() for p in objects(tmp_path / "c2")
@@ -333,7 +340,7 @@ def test_compile_past_the_time_out_kills_its_actor_and_fails_the_key(cluster, tm
     env["QUACK_COMPILE_TIMEOUT"] = "3"
     r = quack_sub(["build", "--executor", cluster, "--keep-going", "--json"], proj, env, timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
-    res = json.loads(r.stdout)
+    res = build_json(r)
     assert res["failed"] == 2 and res["compiled"] == 0 and res["executor_stats"]["timeouts"] == 2
     assert all(
         "CompileTimeout: compile of qrt_slow key" in k["error"] and "still unfinished after 3 s" in k["error"]
@@ -453,7 +460,7 @@ params = { dtype = "bfloat16", block = [64, 128, 256, 512] }
     env.pop("RAY_ADDRESS", None)
     r = quack_sub(["build", "--executor", "ray", "-j", "2", "--json"], proj, env, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
-    res = json.loads(r.stdout)
+    res = build_json(r)
     assert (res["executor"], res["compiled"], res["preload"]) == ("ray", 4, ["tpq_heavy"]), res
     assert res["preload_s"] >= 0.2, res  # the module's own sleep, at least
     imports = [int(m.name.split("-")[0]) for m in marks.iterdir()]
