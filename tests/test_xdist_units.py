@@ -106,3 +106,30 @@ def test_a_shared_fixture_is_built_once_and_the_costliest_unit_goes_first(pytest
     r = pytester.runpytest_subprocess("-n", "1", "-p", "no:cacheprovider")
     r.assert_outcomes(passed=6)
     assert log.read_text().split("\n")[:2] == ["costly", "built"], log.read_text()
+
+
+def test_the_toy_objects_are_compiled_once_for_all_workers(tmp_path, monkeypatch):
+    """reliability_support.session_objects: two workers of one run (their temporary roots
+    side by side) get the same objects from one compile (each compiled its own before)."""
+    import reliability_support
+
+    calls = []
+
+    def fake_compile(dest):
+        calls.append(dest)
+        dest.mkdir(parents=True)
+        return {"float32": {"path": str(dest / "a.o")}}
+
+    class Factory:
+        def __init__(self, base):
+            self.base = base
+
+        def getbasetemp(self):
+            return self.base
+
+    monkeypatch.setattr(reliability_support, "compile_objects", fake_compile)
+    got = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        got.append(reliability_support.session_objects(Factory(tmp_path / f"popen-{worker}")))
+    assert len(calls) == 1 and got[0] == got[1]
