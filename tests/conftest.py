@@ -66,10 +66,13 @@ def pytest_collection_modifyitems(config, items):
     """Keeps the file-name contract above true: a test that needs a GPU (the `gpu` mark or
     the skip reason GPU_REASON) outside a GPU file would share the GPU with the GPU units.
     And the shared-fixture units' names: a renamed test would leave its unit silently."""
-    unmatched = xdist_units.unmatched_prefixes([it.nodeid for it in items])
+    defined = {
+        it.nodeid.split("::", 1)[0]: set(vars(it.module)) for it in items if getattr(it, "module", None)
+    }
+    unmatched = xdist_units.unmatched_prefixes(defined)
     if unmatched:
         raise pytest.UsageError(
-            "tests/xdist_units.py's SHARED_FIXTURE_UNITS names tests that were not collected "
+            "tests/xdist_units.py's SHARED_FIXTURE_UNITS names tests their files do not define "
             f"(renamed? its unit would fall apart): {unmatched}"
         )
     stray = [

@@ -133,15 +133,16 @@ def order(units: dict[str, dict[str, bool]], recorded=None) -> list[str]:
     return sorted(units, key=lambda u: (not u.startswith("gpu"), -cost[u], pos[u]))
 
 
-def unmatched_prefixes(nodeids: list[str]) -> list[str]:
-    """Prefixes of ``SHARED_FIXTURE_UNITS`` naming no collected test although their file
-    was collected: a renamed test would silently leave its unit (and build the fixture
-    once per worker again)."""
-    files = {n.split("::", 1)[0] for n in nodeids}
+def unmatched_prefixes(names: dict[str, set[str]]) -> list[str]:
+    """Prefixes of ``SHARED_FIXTURE_UNITS`` whose function is not defined in its test
+    file, among the files collected (``names``: file -> names its module defines): a
+    renamed test would silently leave its unit (and build the fixture once per worker
+    again). Not the collected node ids: `pytest FILE::TEST` collects one test only."""
     out = []
     for prefixes in SHARED_FIXTURE_UNITS.values():
         for p in prefixes:
-            if p.split("::", 1)[0] in files and not any(_matches(n, p) for n in nodeids):
+            file, _, func = p.partition("::")
+            if file in names and func and func.split("[", 1)[0] not in names[file]:
                 out.append(p)
     return out
 
