@@ -24,7 +24,7 @@ import zlib
 SHARED_FIXTURE_UNITS: dict[str, tuple[str, ...]] = {
     # module fixture `ray_cluster` (a two-node Ray cluster). Not the default manifest's
     # build through it: the longest test of the suite (its 51 compiles on two one-CPU
-    # actors took 318 s of a 483 s run under the other workers' load), it starts first on
+    # actors took 325 s of a 524 s run under the other workers' load), it starts first on
     # a cluster of its own rather than stretch this unit past the rest of the suite.
     "ray-cluster": tuple(
         f"tests/test_ray_build.py::{t}"
