@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import os
 import sys
-import zlib
 from pathlib import Path
 
 import pytest
+import xdist_units
+from xdist_units import gpu_file
 
 from quack import settings
 
@@ -45,41 +46,35 @@ def pytest_xdist_auto_num_workers(config):
 GPU_REASON = "needs a CUDA GPU"
 
 
-def gpu_file(nodeid: str) -> bool:
-    """A test file whose tests launch kernels: named ``*_gpu.py`` or ``test_gpu_*.py``.
-    The scheduler below sees node ids only, so the file name is the contract."""
-    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
-    return name.endswith("_gpu.py") or name.startswith("test_gpu_")
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_xdist_make_scheduler(config, log):
     """On the H200 (16 cores, one GPU) 16 workers that each took GPU tests failed 5 tests
     in the first 20 % of the suite; the suite passed there in one process. So the tests of
     the GPU files run as one unit per visible GPU (one worker runs a unit's tests one at a
-    time, as that run did) while every other test spreads over all workers. (xdist's
+    time, as that run did) while every other test spreads over all workers, except those
+    sharing an expensive fixture (one unit each), costliest first: tests/xdist_units.py. (xdist's
     `loadgroup` would do this from marks, but with pytest 9.2 its node-id suffix is lost
     and the marks are ignored.) Only for xdist's default mode: an explicit `--dist` wins."""
     if config.getvalue("dist") != "load":
         return None
-    from xdist.scheduler import LoadScopeScheduling
-
     from quack.testing.gpus import visible_gpus
 
-    units = max(1, len(visible_gpus()))
-
-    class GpuUnits(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            if not gpu_file(nodeid):
-                return nodeid
-            return f"gpu{zlib.crc32(nodeid.split('::', 1)[0].encode()) % units}"
-
-    return GpuUnits(config, log)
+    return xdist_units.make_scheduler(config, log, len(visible_gpus()))
 
 
 def pytest_collection_modifyitems(config, items):
     """Keeps the file-name contract above true: a test that needs a GPU (the `gpu` mark or
-    the skip reason GPU_REASON) outside a GPU file would share the GPU with the GPU units."""
+    the skip reason GPU_REASON) outside a GPU file would share the GPU with the GPU units.
+    And the shared-fixture units' names: a renamed test would leave its unit silently."""
+    defined = {
+        it.nodeid.split("::", 1)[0]: set(vars(it.module)) for it in items if getattr(it, "module", None)
+    }
+    unmatched = xdist_units.unmatched_prefixes(defined)
+    if unmatched:
+        raise pytest.UsageError(
+            "tests/xdist_units.py's SHARED_FIXTURE_UNITS names tests their files do not define "
+            f"(renamed? its unit would fall apart): {unmatched}"
+        )
     stray = [
         it.nodeid
         for it in items

@@ -109,12 +109,21 @@ def compile_objects(dest: Path) -> dict:
 
 
 def session_objects(tmp_path_factory) -> dict:
-    """compile_objects once per test session (per xdist worker), shared by every module."""
-    d = tmp_path_factory.getbasetemp() / "quack-toy-objects"
+    """compile_objects once per test session, shared by every module and, under xdist, by
+    every worker (read-only: tests copy them): each of four workers compiling its own pair
+    cost ~8 s of the two cores' time apiece (issue 25). The first worker compiles under a
+    lock in the run's shared temporary root; the others wait for it, then read."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # pytest-of-USER/pytest-N: this run's, shared by its workers
+    d = root / "quack-toy-objects"
     done = d / "objects.json"
-    if not done.exists():
-        info = compile_objects(d)
-        done.write_text(json.dumps(info))
+    with FileLock(str(root / "quack-toy-objects.lock"), timeout=600):
+        if not done.exists():
+            info = compile_objects(d)
+            done.write_text(json.dumps(info))
     return json.loads(done.read_text())
 
 

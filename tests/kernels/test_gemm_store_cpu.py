@@ -40,14 +40,24 @@ def _placements(tm, tn, ping, width, pairing):
     return out
 
 
-def _coords(t):
+def _coords(t, offsets: dict):
     """Every element's (m, n) of a partitioned identity tensor: its base coordinate plus its
     layout's offset (an identity tensor's element is exactly that; evaluating the layout in
-    Python is ~10x faster than indexing the tensor element by element)."""
+    Python is ~10x faster than indexing the tensor element by element). ``offsets`` keeps a
+    static layout's offsets by its text: the threads' partitions share a few layouts at
+    different bases, and evaluating them afresh for each thread was half of a case's 15 s
+    (issue 25). A dynamic layout's text does not say it all: evaluated every time."""
     import cutlass.cute as cute
 
     base, lay = t.iterator, t.layout
-    return [(int(base[0]) + int(o[0]), int(base[1]) + int(o[1])) for o in map(lay, range(cute.size(lay)))]
+    key = str(lay) if cute.is_static(lay) else None
+    offs = offsets.get(key) if key else None
+    if offs is None:
+        offs = [(int(o[0]), int(o[1])) for o in map(lay, range(cute.size(lay)))]
+        if key:
+            offsets[key] = offs
+    b0, b1 = int(base[0]), int(base[1])
+    return [(b0 + o0, b1 + o1) for o0, o1 in offs]
 
 
 def _walk(mma, r2s, sources, tile_mn, epi_n, threads, out):
@@ -59,15 +69,16 @@ def _walk(mma, r2s, sources, tile_mn, epi_n, threads, out):
     bases = [tuple(int(x) for x in tiles[((0, 0), (0, e))]) for e in range(len(sources))]
     sub = cute.make_identity_tensor((tile_mn[0], epi_n))
     cpy = cute.size(r2s.get_slice(0).partition_S(sub), mode=[0])  # values of one copy instruction
+    offsets: dict = {}
     src: dict = {}
     dst: dict = {}
     for t in range(threads):
-        acc = _coords(mma.get_slice(t).partition_C(cute.make_identity_tensor(tile_mn)))
-        slot = _coords(r2s.get_slice(t).partition_S(sub))
+        acc = _coords(mma.get_slice(t).partition_C(cute.make_identity_tensor(tile_mn)), offsets)
+        slot = _coords(r2s.get_slice(t).partition_S(sub), offsets)
         # the copy's contract, checked too: one instruction (a warp, one rest index) writes to
         # shared memory exactly the elements its lanes hold (stmatrix moves values between
         # lanes: a lane's addresses are not its values' coordinates)
-        to = _coords(r2s.get_slice(t).partition_D(sub))
+        to = _coords(r2s.get_slice(t).partition_D(sub), offsets)
         assert len(to) == len(slot)
         for k in range(len(slot)):
             src.setdefault((t // 32, k // cpy), []).append(slot[k])

@@ -1,0 +1,142 @@
+"""The suite's xdist scheduler (tests/xdist_units.py): tests sharing an expensive fixture
+run as one unit (the fixture built once, not once per worker), units go out costliest
+first, and a renamed test cannot silently leave its unit."""
+
+import xdist_units
+
+pytest_plugins = ["pytester"]
+
+F = "tests/test_x.py"
+
+
+def test_units_group_gpu_files_and_shared_fixture_tests_only():
+    shared = {"cluster": (f"{F}::test_a", "tests/test_y.py")}
+    assert xdist_units.unit_of(f"{F}::test_a", 1, shared) == "shared:cluster"
+    assert xdist_units.unit_of(f"{F}::test_a[p1-2]", 1, shared) == "shared:cluster"
+    assert xdist_units.unit_of("tests/test_y.py::test_q", 1, shared) == "shared:cluster"
+    # a name that merely starts like a listed one, and the file's other tests: their own
+    assert xdist_units.unit_of(f"{F}::test_ab", 1, shared) == f"{F}::test_ab"
+    assert xdist_units.unit_of(f"{F}::test_b", 1, shared) == f"{F}::test_b"
+    assert xdist_units.unit_of("tests/kernels/test_k_gpu.py::test_a[x]", 1, shared) == "gpu0"
+
+
+def test_order_is_gpu_units_then_costliest_first_ties_in_collection_order():
+    recorded = {f"{F}::test_slow": 50, "tests/test_y.py": 10, "tests/test_y.py::test_long": 30}
+    units = {
+        f"{F}::test_fast": {f"{F}::test_fast": False},
+        "shared:y": {"tests/test_y.py::test_1": False, "tests/test_y.py::test_2": False},  # 20
+        f"{F}::test_slow[1]": {f"{F}::test_slow[1]": False},  # 50
+        "tests/test_y.py::test_long": {"tests/test_y.py::test_long": False},  # 30: longest prefix
+        f"{F}::test_other": {f"{F}::test_other": False},
+        "gpu0": {"tests/test_k_gpu.py::test_a": False},
+    }
+    assert xdist_units.order(units, recorded) == [
+        "gpu0",
+        f"{F}::test_slow[1]",
+        "tests/test_y.py::test_long",
+        "shared:y",
+        f"{F}::test_fast",
+        f"{F}::test_other",
+    ]
+
+
+def test_the_real_tables_name_defined_tests_only():
+    """Every function SHARED_FIXTURE_UNITS names is defined in its file: checked against
+    the files themselves, then a rename is caught."""
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    names = {}
+    for ps in xdist_units.SHARED_FIXTURE_UNITS.values():
+        for p in ps:
+            file = p.split("::", 1)[0]
+            # the names a module defines, without importing it (no cutlass, no ray here)
+            src = (root / file).read_text()
+            names[file] = {ln.split("(", 1)[0][4:] for ln in src.splitlines() if ln.startswith("def ")}
+    assert xdist_units.unmatched_prefixes(names) == []
+    ray = "tests/test_ray_build.py"
+    names[ray] = {n.replace("test_actor_killed", "test_an_actor_killed") for n in names[ray]}
+    assert xdist_units.unmatched_prefixes(names) == [
+        f"{ray}::test_actor_killed_mid_compile_is_retried_on_another_actor"
+    ]
+    # a file not collected at all (`pytest tests/test_other.py`) is not a rename
+    assert xdist_units.unmatched_prefixes({"tests/test_other.py": set()}) == []
+
+
+CONFTEST = """
+import xdist_units
+
+def pytest_xdist_make_scheduler(config, log):
+    return xdist_units.make_scheduler(
+        config, log, 0,
+        shared={"built": ("test_suite.py::test_uses_built",)},
+        recorded={"test_suite.py::test_costly": 9},
+    )
+"""
+
+SUITE = """
+import os
+import pytest
+
+def _note(what):
+    with open(os.environ["QT_LOG"], "a") as f:
+        f.write(what + "\\n")
+
+@pytest.fixture(scope="module")
+def built():
+    _note("built")
+
+@pytest.mark.parametrize("i", range(4))
+def test_uses_built(built, i):
+    _note(f"uses {i}")
+
+def test_cheap():
+    _note("cheap")
+
+def test_costly():
+    _note("costly")
+"""
+
+
+def test_a_shared_fixture_is_built_once_and_the_costliest_unit_goes_first(pytester, tmp_path, monkeypatch):
+    """Through xdist itself: dealt out one by one, two workers each built the fixture."""
+    log = tmp_path / "log"
+    monkeypatch.setenv("QT_LOG", str(log))
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_suite=SUITE)
+    r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    r.assert_outcomes(passed=6)
+    lines = log.read_text().split()
+    assert lines.count("built") == 1, lines
+    # with one worker the queue order is the run order: costly, the shared unit, cheap
+    log.unlink()
+    r = pytester.runpytest_subprocess("-n", "1", "-p", "no:cacheprovider")
+    r.assert_outcomes(passed=6)
+    assert log.read_text().split("\n")[:2] == ["costly", "built"], log.read_text()
+
+
+def test_the_toy_objects_are_compiled_once_for_all_workers(tmp_path, monkeypatch):
+    """reliability_support.session_objects: two workers of one run (their temporary roots
+    side by side) get the same objects from one compile (each compiled its own before)."""
+    import reliability_support
+
+    calls = []
+
+    def fake_compile(dest):
+        calls.append(dest)
+        dest.mkdir(parents=True)
+        return {"float32": {"path": str(dest / "a.o")}}
+
+    class Factory:
+        def __init__(self, base):
+            self.base = base
+
+        def getbasetemp(self):
+            return self.base
+
+    monkeypatch.setattr(reliability_support, "compile_objects", fake_compile)
+    got = []
+    for worker in ("gw0", "gw1"):
+        monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
+        got.append(reliability_support.session_objects(Factory(tmp_path / f"popen-{worker}")))
+    assert len(calls) == 1 and got[0] == got[1]
