@@ -152,11 +152,15 @@ def entries(cache: Path, kernel: str = "*") -> list[Path]:
 # --- the default manifest, bit for bit ---------------------------------------------------------
 
 
+# A hang guard, not a speed check: its 51 compiles run on two one-CPU actors. Alone 20 s, in
+# the 2-core suite 184-325 s, and beside four busy loops it ran past pytest-timeout's 600 s
+# (issue 24 item 4: the suite must pass oversubscribed), so it gets three times that.
+@pytest.mark.timeout(1800)
 def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_path):
     cache = tmp_path / "cache"
     env = sub_env(cache)
     trace = tmp_path / "trace.json"
-    r = quack_sub(["build", "--executor", cluster, "--json", "--trace", str(trace)], ROOT, env, timeout=900)
+    r = quack_sub(["build", "--executor", cluster, "--json", "--trace", str(trace)], ROOT, env, timeout=1500)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "IMPORTED torch=False cutlass=False" in r.stderr  # the coordinator stays light
     res = build_json(r)
