@@ -36,6 +36,16 @@ def _quack(*args, env_extra=None):
     )
 
 
+class _NoPool:
+    """The compile pool, absent: these tests fake the engine that would use it."""
+
+    def __init__(self, *a, **k):
+        pass
+
+    def shutdown(self):
+        pass
+
+
 def test_dry_run_lists_each_problem_size_with_its_own_default(tmp_path):
     from quack_kernels._gemm_plan import heuristic
 
@@ -177,15 +187,8 @@ def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatc
         bench(None, {"config": winner})
         return at.TuneResult({"config": winner}, 1e-3, [({"config": winner}, 1e-3)], [], 0, 0.0)
 
-    class NoPool:
-        def __init__(self, *a, **k):
-            pass
-
-        def shutdown(self):
-            pass
-
     monkeypatch.setattr(at, "autotune", fake_autotune)
-    monkeypatch.setattr(qpool, "CompilePool", NoPool)
+    monkeypatch.setattr(qpool, "CompilePool", _NoPool)
     path = tmp_path / "t.toml"
     gpu, results, tables = measure_and_write(
         s, Console(file=None), probs, None, None, path, True, _label, measurer=FakeMeasurer()
@@ -240,15 +243,8 @@ def test_two_sizes_of_one_class_share_a_row_and_the_tuner_says_so(tmp_path, monk
         w = next(wins)
         return at.TuneResult({"config": w}, 1e-3, [({"config": w}, 1e-3)], [], 0, 0.0)
 
-    class NoPool:
-        def __init__(self, *a, **k):
-            pass
-
-        def shutdown(self):
-            pass
-
     monkeypatch.setattr(at, "autotune", fake_autotune)
-    monkeypatch.setattr(qpool, "CompilePool", NoPool)
+    monkeypatch.setattr(qpool, "CompilePool", _NoPool)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     out = io.StringIO()
     path = tmp_path / "t.toml"
