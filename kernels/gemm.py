@@ -191,25 +191,11 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
         clusters = max_active_clusters(
             plan.cluster_m * plan.cluster_n, plan.threads, plan.smem_bytes(g.d_dtype), device=a.device.index
         )
-        if plan.schedule == "ping":
-            # Ping-pong runs one tile per CTA (warpgroup 1 idle): a grid of at least one
-            # cluster per tile cluster. On the H200 every ping-pong configuration whose CTAs
-            # took a second tile (4096^3 and larger, `quack tune manifests/tuning_gemm.toml`)
-            # died with "unspecified launch failure", which poisons the caller's CUDA context;
-            # with one tile per CTA (every GPU test) it is right. Until the two-warpgroup
-            # persistent path is fixed, a slower right answer instead of a dead process.
-            clusters = max(clusters, tile_clusters(m, n, batch, plan))
         d3 = d.permute(1, 2, 0)
         c3 = operand(g.c, "c").permute(1, 2, 0) if c is not None else d3
         bias32 = bias.float().contiguous() if bias is not None else d.new_empty((1,), dtype=torch.float32)
         fn(g.a3, g.b3, d3, c3, bias32, float(beta), clusters)
     return d if a.dim() == 3 else d[0]
-
-
-def tile_clusters(m: int, n: int, batch: int, plan) -> int:
-    """Clusters of output tiles of an M x N x batch problem under ``plan``."""
-    tm, tn = -(-m // plan.tile_m), -(-n // plan.tile_n)
-    return -(-tm // plan.cluster_m) * -(-tn // plan.cluster_n) * batch
 
 
 def torch_activation(x, activation: str):
