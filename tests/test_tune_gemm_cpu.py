@@ -48,6 +48,7 @@ class _NoPool:
 
 def test_dry_run_lists_each_problem_size_with_its_own_default(tmp_path):
     from quack_kernels._gemm_plan import heuristic
+    from quack_kernels.gemm import gemm_config
 
     m = tmp_path / "m.toml"
     m.write_text(MANIFEST)
@@ -61,9 +62,10 @@ def test_dry_run_lists_each_problem_size_with_its_own_default(tmp_path):
     ]
     small, big = out["problems"]
     assert "1024x1024x1024" in small["problem"] and "8192x4096x4096" in big["problem"]
-    # the first candidate is today's default FOR THE SIZE (the heuristic: no table rows)
+    # the first candidate is today's default FOR THE SIZE: the heuristic where the table has
+    # no row for the size's class (1024^3), the tuned row where it has one (8192x4096x4096)
     assert small["candidates"][0] == heuristic(1024, 1024, 1024)
-    assert big["candidates"][0] == heuristic(8192, 4096, 4096)
+    assert big["candidates"][0] == gemm_config(8192, 4096, 4096, 1, "bfloat16").knobs()
     assert small["candidates"][0] != big["candidates"][0]
     assert len(big["candidates"]) == 18 and len(small["candidates"]) == 18
     assert not list((tmp_path / "c").rglob("*.o")), "a dry run compiles nothing"
