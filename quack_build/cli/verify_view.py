@@ -23,6 +23,8 @@ def print_report(con, res: dict) -> None:
         + ("[green]all good[/]" if not bad else f"[red]{len(bad)} with problems[/]")
         + f" in {res['seconds']:.1f}s"
     )
+    if res["ran"]:
+        _slowest(con, res["entries"])
 
 
 def print_bundle_report(con, res: dict) -> None:
@@ -65,6 +67,19 @@ def print_bundle_report(con, res: dict) -> None:
         + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
         + f" in {res['seconds']:.1f}s"
     )
+
+
+def _slowest(con, entries: list[dict]) -> None:
+    """Where a long ``--run`` went: its three slowest entries (each one's load and reference
+    run, in its loader process)."""
+    from rich.markup import escape
+
+    from quack_build.manifest.config import format_params
+
+    timed = sorted((r for r in entries if r.get("seconds")), key=lambda r: -r["seconds"])
+    if len(timed) > 3:
+        top = "; ".join(f"{r['kernel']}({format_params(r['params'])}) {r['seconds']:.2f}s" for r in timed[:3])
+        con.print("slowest: " + escape(top), soft_wrap=True)
 
 
 def _problems_table(title: str, bad: list[dict], *, bundle: bool = False):

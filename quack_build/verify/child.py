@@ -3,7 +3,7 @@ one JSON answer per line of the process's ORIGINAL stdout (so a crash is blamed 
 entry in progress).
 
 Request: {"key", "obj", "so", "kernel", "module", "params", "run"}.
-Answer:  {"key", "ok", "how", "error", "restart"}.
+Answer:  {"key", "ok", "how", "error", "restart", "seconds"}.
 
 The protocol's plumbing (why answers get their own copy of fd 1) is quack_build.verify.serve.
 After a failed reference run the answer says ``restart`` and the process ends: a CUDA
@@ -18,6 +18,16 @@ from quack_build.verify.serve import serve
 
 
 def _one(req: dict, keep: list) -> dict:
+    """One entry, its answer with ``seconds`` (load and run: what a slow entry costs)."""
+    import time
+
+    t0 = time.perf_counter()
+    out = _load_and_run(req, keep)
+    out["seconds"] = round(time.perf_counter() - t0, 4)
+    return out
+
+
+def _load_and_run(req: dict, keep: list) -> dict:
     from pathlib import Path
 
     from quack.runtime import loader

@@ -231,7 +231,10 @@ def load_fresh(
     done: queue.Queue = queue.Queue()
     finished = False
     try:
-        children = [pool.spawn()]
+        # Every child starts at once: each imports torch and the runtime (~8 s on the H200
+        # host), and starting the others only after the first had answered the GPU probe
+        # doubled that start-up.
+        children = [pool.spawn() for _ in range(max(1, min(jobs, len(reqs))))]
         if run:
             a = children[0].ask({"op": "gpu"}, timeout=GPU_PROBE_TIMEOUT)
             if not a or not a.get("gpu"):
@@ -239,10 +242,9 @@ def load_fresh(
                 run = False
         if not reqs:
             finished = True
-            pool.retire(children[0])
+            for c in children:
+                pool.retire(c)
             return [], note
-        n = min(jobs, len(reqs))
-        children += [pool.spawn() for _ in range(n - 1)]
         order = iter(range(len(reqs)))
         lock = threading.Lock()
 

@@ -117,6 +117,8 @@ def verify(
                 r["loaded"] = a["how"]
             if "run" in a:
                 r["run"] = a["run"]
+            if "seconds" in a:
+                r["seconds"] = a["seconds"]
     bad = [r for r in rows if r["problems"]]
     for r in rows:
         r.pop("_cfg")
