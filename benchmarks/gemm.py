@@ -8,7 +8,6 @@ by the epilogue in eager torch and under torch.compile. Prints a table on stdout
 
 import argparse
 import contextlib
-import statistics
 
 import torch
 
@@ -18,20 +17,40 @@ SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192)] + [
 
 
 def gpu_ms(fn, reps=20):
-    """Median of ``reps`` CUDA-event timings, L2 flushed (a 512 MiB write) before each."""
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
+    """Milliseconds: quack tune's own measure (quack.tuning.bench.gpu_time: the L2 flushed
+    before each call, the GPU kept busy while the calls are queued, so a call's host-side
+    cost is not timed as GPU time), median of ``reps``. The same for every column: before,
+    an idle GPU between calls made a Python op's launch cost part of its time."""
+    from quack.tuning.bench import gpu_time
+
+    return gpu_time(fn, reps=reps, warmup=3) * 1e3
+
+
+def side_by_side(*fns, rounds=3, reps=20):
+    """Each function's time (ms), measured in interleaved rounds (A B A B ...), the median of
+    its rounds: a 5 ms GEMM heats the GPU, and whichever of two ran second paid for it."""
+    import statistics
+
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            times[i].append(gpu_ms(fn, reps))
+    return [statistics.median(t) for t in times]
+
+
+def host_us(fn, calls=50):
+    """Microseconds of this thread per call (queueing only, the GPU kept busy)."""
+    import time
+
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
+    torch.cuda._sleep(int(2e9 * 0.05))  # 50 ms of GPU spin: the queue never drains
+    t0 = time.perf_counter()
+    for _ in range(calls):
         fn()
-        e.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(e))
-    return statistics.median(times)
+    dt = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return dt / calls * 1e6
 
 
 def main():
@@ -57,8 +76,7 @@ def run():
     for m, n, k in SHAPES:
         a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()  # a weight (N, K), as in a Linear
-        t_ref = gpu_ms(lambda: torch.matmul(a, b))
-        t_q = gpu_ms(lambda: gemm(a, b))
+        t_ref, t_q = side_by_side(lambda: torch.matmul(a, b), lambda: gemm(a, b))
         fl = 2 * m * n * k / 1e9
         print(
             f"{f'{m}x{n}x{k}':>22} | {t_ref:9.3f} {fl / t_ref:7.0f} | {t_q:9.3f} {fl / t_q:7.0f} | {t_ref / t_q:.3f}x"
@@ -77,10 +95,11 @@ def run():
             return torch.nn.functional.gelu(torch.matmul(a, b) + bias, approximate="tanh")
 
         comp = torch.compile(eager)
-        t_e, t_c = gpu_ms(eager), gpu_ms(comp)
-        t_f = gpu_ms(lambda: gemm(a, b, bias=bias, activation="gelu_tanh"))
+        fused = lambda: gemm(a, b, bias=bias, activation="gelu_tanh")  # noqa: E731
+        t_e, t_c, t_f = side_by_side(eager, comp, fused)
         print(
             f"{f'{m}x{n}x{k}':>22} | {t_e:9.3f} | {t_c:10.3f} | {t_f:9.3f} | {t_e / t_f:.3f}x / {t_c / t_f:.3f}x"
+            f" | host us/call: fused {host_us(fused):.0f}, eager {host_us(eager):.0f}"
         )
 
 

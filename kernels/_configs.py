@@ -134,4 +134,7 @@ class GemmConfig(TuneConfig):
     cluster_n: int | None = knob(Int(choices=(1, 2)), "CTAs of a cluster along N (A multicast)")
     schedule: str | None = knob(Choice(("coop", "ping")), "consumer warpgroups: one tile split, or ping-pong")
     stages: int | None = knob(Int(min=2, max=12), "A/B stages in shared memory (default: as many as fit)")
-    raster_m: bool | None = knob(Bool(), "persistent tile order along M first")
+    raster_m: bool | None = knob(Bool(), "persistent tile order along M first (with swizzle > 1)")
+    swizzle: int | None = knob(
+        Int(choices=(1, 2, 4, 8)), "clusters a persistent tile-order swizzle groups (L2 reuse); 1: none"
+    )

@@ -88,7 +88,7 @@ class HopperGemm:
             self.epi_tile,
         )
         ntiles = cute.zipped_divide(mD, (p.tile_m, p.tile_n))[(0, (None, None, None))].shape
-        sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster, 1), 1, p.raster_m)
+        sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster, 1), p.swizzle, p.raster_m)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_clusters)
 
         @cute.struct

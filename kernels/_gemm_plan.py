@@ -18,6 +18,11 @@ EPI_N = 32  # columns of an epilogue subtile
 TILES = ((128, 128), (128, 192), (128, 256), (256, 128))
 CLUSTERS = ((1, 1), (2, 1), (1, 2))
 SCHEDULES = ("coop", "ping")
+# Tile orders `quack tune` tries for the large cooperative tiles (the persistent scheduler's
+# swizzle, in clusters, along M or along N): at 8192 x 28672 the grid is 64 x 112 tiles and
+# the unswizzled row-major order re-reads B from HBM for every row of tiles.
+SWIZZLES = ((4, True), (4, False), (8, True), (8, False))
+SWIZZLE_TILES = ((128, 256), (256, 128))
 ACTIVATIONS = ("none", "relu", "gelu_tanh", "silu")
 AB_DTYPES = ("float16", "bfloat16")
 D_DTYPES = ("float16", "bfloat16", "float32")
@@ -33,7 +38,8 @@ class GemmPlan:
     schedule: str  # "coop": 2 consumer warpgroups split a tile along M; "ping": one tile each
     stages: int  # A/B stages in shared memory
     epi_stages: int  # epilogue subtiles in flight (per consumer warpgroup under "ping")
-    raster_m: bool  # persistent tile order: along M first (else along N)
+    raster_m: bool  # persistent tile order: along M first (else along N); only with swizzle > 1
+    swizzle: int = 1  # clusters grouped by the tile order's swizzle (1: none)
 
     @property
     def threads(self) -> int:
@@ -89,6 +95,7 @@ def resolve(knobs: dict, d_dtype: str) -> GemmPlan:
         stages=stages,
         epi_stages=epi,
         raster_m=knobs.get("raster_m", True),
+        swizzle=knobs.get("swizzle") or 1,
     )
 
 

@@ -50,8 +50,9 @@ def _plan_ok(p: dict) -> bool:
 
 def search_space(params: dict) -> list[GemmConfig]:
     """``quack tune``'s candidates: every tile x cluster x schedule the kernel builds, at
-    the default stage count (as many as fit)."""
-    from ._gemm_plan import CLUSTERS, SCHEDULES, TILES, fits
+    the default stage count (as many as fit) and tile order; then the large cooperative
+    tiles on each cluster with each swizzled tile order (``_gemm_plan.SWIZZLES``)."""
+    from ._gemm_plan import CLUSTERS, SCHEDULES, SWIZZLE_TILES, SWIZZLES, TILES, fits
 
     out = []
     for tm, tn in TILES:
@@ -59,6 +60,20 @@ def search_space(params: dict) -> list[GemmConfig]:
             for s in SCHEDULES:
                 if fits((tm, tn), s):
                     out.append(GemmConfig(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, schedule=s))
+    for tm, tn in SWIZZLE_TILES:
+        for cm, cn in CLUSTERS:
+            for sw, along_m in SWIZZLES:
+                out.append(
+                    GemmConfig(
+                        tile_m=tm,
+                        tile_n=tn,
+                        cluster_m=cm,
+                        cluster_n=cn,
+                        schedule="coop",
+                        swizzle=sw,
+                        raster_m=along_m,
+                    )
+                )
     return out
 
 

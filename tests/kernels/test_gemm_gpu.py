@@ -70,6 +70,44 @@ def test_gemm_ping_pong_on_a_grid_of_many_waves(tile_m, tile_n, cluster_m, clust
     R.check_gemm(a, b, d=d)
 
 
+#: swizzled tile orders among `quack tune`'s candidates (kernels/gemm.py search_space):
+#: (tile_m, tile_n, cluster_m, cluster_n, swizzle, raster_m)
+SWIZZLED = [
+    (128, 256, 2, 1, 8, True),
+    (128, 256, 1, 2, 4, False),
+    (256, 128, 1, 1, 8, False),
+    (256, 128, 2, 1, 4, True),
+]
+
+
+@pytest.mark.parametrize("shape", [BIG_PING, (1, 3000, 5000, 1000)], ids=["4096x4096", "tails"])
+@pytest.mark.parametrize("tile_m, tile_n, cluster_m, cluster_n, swizzle, raster_m", SWIZZLED)
+def test_gemm_swizzled_tile_orders(tile_m, tile_n, cluster_m, cluster_n, swizzle, raster_m, shape):
+    """A swizzled persistent tile order visits every tile once: grids of several waves, and
+    one whose M and N are not multiples of the tile (3000 x 5000: partial clusters and
+    swizzle groups at both edges)."""
+    from quack_kernels import _reference as R
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels.ops import gemm
+
+    from quack.tuning import use_config
+
+    cfg = GemmConfig(
+        tile_m=tile_m,
+        tile_n=tile_n,
+        cluster_m=cluster_m,
+        cluster_n=cluster_n,
+        schedule="coop",
+        swizzle=swizzle,
+        raster_m=raster_m,
+    )
+    a, b = operands(shape, torch.bfloat16, "k", "k")
+    with use_config("gemm", cfg):
+        d = gemm(a, b)
+    torch.cuda.synchronize()
+    R.check_gemm(a, b, d=d)
+
+
 @pytest.mark.parametrize("b_major", ["n", "k"])
 @pytest.mark.parametrize("a_major", ["k", "m"])
 @pytest.mark.parametrize("out", [None, "float32"])
