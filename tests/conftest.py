@@ -62,13 +62,6 @@ def pytest_xdist_make_scheduler(config, log):
     return xdist_units.make_scheduler(config, log, len(visible_gpus()))
 
 
-def pytest_configure(config):
-    """The verify-everything job of the GPU tier, started when collection ends (tests/verify_all.py)."""
-    import verify_all
-
-    config.pluginmanager.register(verify_all.Plugin(has_gpu), verify_all.PLUGIN)
-
-
 def pytest_collection_modifyitems(config, items):
     """Keeps the file-name contract above true: a test that needs a GPU (the `gpu` mark or
     the skip reason GPU_REASON) outside a GPU file would share the GPU with the GPU units.

@@ -140,18 +140,3 @@ def test_the_toy_objects_are_compiled_once_for_all_workers(tmp_path, monkeypatch
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
         got.append(reliability_support.session_objects(Factory(tmp_path / f"popen-{worker}")))
     assert len(calls) == 1 and got[0] == got[1]
-
-
-def test_the_verify_everything_test_is_a_unit_of_its_own_handed_out_first():
-    """It reaches the GPU only through `quack verify --run`'s loader processes (which share
-    the GPU already): beside the GPU unit, not after it (tests/verify_all.py)."""
-    import verify_all
-
-    assert xdist_units.unit_of(verify_all.NODEID, 1) == "gpu-sharing"
-    other = "tests/kernels/test_reference_hooks_gpu.py::test_reference_hook_passes_on_gpu[x-y]"
-    assert xdist_units.unit_of(other, 1) == "gpu0"
-    units = {"gpu0": {other: False}, "gpu-sharing": {verify_all.NODEID: False}, f"{F}::t": {f"{F}::t": False}}
-    assert xdist_units.order(units) == ["gpu-sharing", "gpu0", f"{F}::t"]
-    # the node id is the test's: a rename would turn the unit (and the early start) off
-    src = xdist_units.__file__.rsplit("/", 1)[0] + "/kernels/test_reference_hooks_gpu.py"
-    assert f"def {verify_all.NODEID.split('::')[1]}(" in open(src).read()

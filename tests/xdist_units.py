@@ -3,8 +3,7 @@
 A *unit* is a set of tests one worker runs one after another; a worker takes the next unit
 when it runs low. Three rules:
 
-* GPU files (``*_gpu.py`` / ``test_gpu_*.py``): one unit per visible GPU (conftest.py),
-  except ``GPU_SHARING``, a unit of its own.
+* GPU files (``*_gpu.py`` / ``test_gpu_*.py``): one unit per visible GPU (conftest.py).
 * Tests sharing an expensive module- or session-scoped fixture (``SHARED_FIXTURE_UNITS``):
   one unit, so the fixture is built once. Dealt out test by test, each of four workers
   built it for itself: on 2 cores the Ray cluster came up 4 times, the PTX fixtures were
@@ -19,8 +18,6 @@ collection order, so a stale record only orders worse, never drops or repeats a 
 from __future__ import annotations
 
 import zlib
-
-from verify_all import NODEID
 
 #: unit name -> node-id prefixes (a file, ``file::function``, or one parametrized case).
 #: Keep each unit to the tests that use the shared fixture: a unit runs serially.
@@ -66,17 +63,10 @@ SHARED_FIXTURE_UNITS: dict[str, tuple[str, ...]] = {
     ),
 }
 
-#: A GPU file's test that reaches the GPU only through processes that share it (`quack
-#: verify --run`'s loaders, tests/verify_all.py): a unit of its own, so it runs beside the
-#: GPU unit instead of after it (38 s of the warm tier's 93 s on the H200, in line).
-GPU_SHARING = NODEID
-
 #: node-id prefix -> seconds one test matching it took (the longest prefix wins), from
 #: `python -m pytest --quack-prebuilt -n auto -q -p no:cacheprovider --durations=120` on
 #: the 2-core CI machine (set-up included). Only the order matters.
 RECORDED_S: dict[str, float] = {
-    # on the H200 host (GPU tier, --durations): the longest unit there, so it starts first
-    NODEID: 40,
     "tests/test_ray_build.py::test_default_manifest_through_ray_is_bit_identical_to_local": 200,
     "tests/test_ray_build.py::test_ray_actors_import_the_preload_modules_once_each_and_report_the_time": 55,
     "tests/test_ray_build.py::test_executor_ray_from_the_setting_starts_a_local_instance_and_stops_it": 50,
@@ -125,8 +115,6 @@ def gpu_file(nodeid: str) -> bool:
 
 def unit_of(nodeid: str, n_gpus: int, shared=None) -> str:
     """The xdist unit (scope) of a test."""
-    if nodeid == GPU_SHARING:
-        return "gpu-sharing"
     if gpu_file(nodeid):
         return f"gpu{zlib.crc32(nodeid.split('::', 1)[0].encode()) % max(1, n_gpus)}"
     name = shared_unit(nodeid, shared)
