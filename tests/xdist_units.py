@@ -67,7 +67,7 @@ SHARED_FIXTURE_UNITS: dict[str, tuple[str, ...]] = {
 #: `python -m pytest --quack-prebuilt -n auto -q -p no:cacheprovider --durations=120` on
 #: the 2-core CI machine (set-up included). Only the order matters.
 RECORDED_S: dict[str, float] = {
-    "tests/test_ray_build.py::test_default_manifest_through_ray_is_bit_identical_to_local": 200,
+    "tests/test_ray_build.py::test_default_manifest_through_ray_is_bit_identical_to_local": 45,
     "tests/test_ray_build.py::test_ray_actors_import_the_preload_modules_once_each_and_report_the_time": 55,
     "tests/test_ray_build.py::test_executor_ray_from_the_setting_starts_a_local_instance_and_stops_it": 50,
     "tests/test_ray_build.py": 25,
