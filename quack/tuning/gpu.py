@@ -36,9 +36,16 @@ def detected_gpu() -> str | None:
     try:
         if not torch.cuda.is_initialized():
             return None
-        return normalise_gpu(torch.cuda.get_device_name(torch.cuda.current_device()))
+        dev = torch.cuda.current_device()
+        name = _NAMES.get(dev)
+        if name is None:  # a device's model does not change: asked once (every op call asks)
+            name = _NAMES[dev] = normalise_gpu(torch.cuda.get_device_name(dev))
+        return name
     except Exception:  # noqa: BLE001 - no usable CUDA: the setting / the table decide
         return None
+
+
+_NAMES: dict[int, str] = {}  # CUDA device index -> its normalised model
 
 
 def current_gpu(default: str | None) -> str | None:

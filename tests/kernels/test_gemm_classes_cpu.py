@@ -125,3 +125,54 @@ def test_a_row_serves_its_class_and_no_other(monkeypatch):
         for m, n, k in [(8192, 4096, 4096), (8192, 14336, 14336), (4096, 14336, 4096)]:
             assert gemm_config(m, n, k, 1, "bfloat16") == GemmConfig(**heuristic(m, n, k)), (m, n, k)
         assert gemm_config(8192, 14336, 4096, 1, "float16") == GemmConfig(**heuristic(8192, 14336, 4096))
+
+
+def test_the_memoised_choice_follows_the_table_in_force_and_the_gpu(monkeypatch):
+    """gemm_config is asked on every op call, so its answer is memoised (host time: ~270 us
+    a fused call on the H200): the memo must never outlive the table or GPU it was made for.
+    The same shape asked under the checked-in table, a use_table block, again after it, and
+    for another GPU model gets each one's own answer."""
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels._gemm_plan import class_n_range, heuristic, shape_class
+    from quack_kernels.gemm import gemm_config
+
+    from quack import tuning
+    from quack.tuning import Row, Table, use_table
+
+    monkeypatch.setattr("quack_kernels._tuning.runtime_arch", lambda: "sm_90a")
+    shape = (8000, 3000, 3000)
+    before = gemm_config(*shape, 1, "bfloat16")
+    win = GemmConfig(tile_m=256, tile_n=128, cluster_m=2, cluster_n=1, schedule="coop", swizzle=4)
+    t = Table("sm_90a", "H200")
+    t.put(Row("gemm", "H200", shape_class(*shape), class_n_range(shape[1]), win.knobs(), ("bfloat16",)))
+    assert before != win
+    with use_table(t):
+        assert gemm_config(*shape, 1, "bfloat16") == win
+        assert gemm_config(*shape, 1, "bfloat16") == win  # memoised: the same answer
+        monkeypatch.setattr(tuning.gpu, "detected_gpu", lambda: "QX9")  # no rows for this model
+        with pytest.warns(UserWarning, match="no tuning-table rows for GPU 'QX9'"):
+            assert gemm_config(*shape, 1, "bfloat16") == GemmConfig(**heuristic(*shape))
+        monkeypatch.undo()
+        monkeypatch.setattr("quack_kernels._tuning.runtime_arch", lambda: "sm_90a")
+        assert gemm_config(*shape, 1, "bfloat16") == win
+    assert gemm_config(*shape, 1, "bfloat16") == before
+
+
+def test_the_gpu_model_is_asked_of_torch_once_per_device(monkeypatch):
+    import sys
+    import types
+
+    from quack.tuning import gpu
+
+    asked = []
+    cuda = types.SimpleNamespace(
+        is_initialized=lambda: True,
+        current_device=lambda: 7,
+        get_device_name=lambda d: asked.append(d) or "NVIDIA H200",
+    )
+    monkeypatch.setitem(sys.modules, "torch", types.SimpleNamespace(cuda=cuda))
+    monkeypatch.setattr(gpu, "_NAMES", {})
+    assert [gpu.detected_gpu() for _ in range(3)] == ["H200"] * 3
+    assert asked == [7]
+    cuda.current_device = lambda: 3  # another device: asked for its own
+    assert gpu.detected_gpu() == "H200" and asked == [7, 3]
