@@ -68,8 +68,7 @@ SHARED_FIXTURE_UNITS: dict[str, tuple[str, ...]] = {
 #: the 2-core CI machine (set-up included). Only the order matters.
 RECORDED_S: dict[str, float] = {
     "tests/test_ray_build.py::test_default_manifest_through_ray_is_bit_identical_to_local": 45,
-    "tests/test_ray_build.py::test_ray_actors_import_the_preload_modules_once_each_and_report_the_time": 55,
-    "tests/test_ray_build.py::test_executor_ray_from_the_setting_starts_a_local_instance_and_stops_it": 50,
+    "tests/test_ray_build.py::test_executor_ray_from_the_setting_starts_a_local_instance_with_preload_and_stops_it": 60,
     "tests/test_ray_build.py": 25,
     "tests/test_ffi_lean.py": 15,
     "tests/kernels/test_generated_code_cpu.py": 5,
