@@ -206,22 +206,8 @@ REQUESTS = {
             ),
         )
     ],
-    "test_gemm_gpu.py::test_gemm_swizzled_tile_orders": lambda tile_m, tile_n, cluster_m, cluster_n, swizzle, raster_m, shape: [
-        (
-            "gemm",
-            dict(
-                gemm((1, 64, 64, 64), bm="k")[0][1],
-                config=_gemm_cfg(
-                    tile_m=tile_m,
-                    tile_n=tile_n,
-                    cluster_m=cluster_m,
-                    cluster_n=cluster_n,
-                    schedule="coop",
-                    swizzle=swizzle,
-                    raster_m=raster_m,
-                ),
-            ),
-        )
+    "test_gemm_gpu.py::test_gemm_swizzled_tile_orders": lambda shape, **knobs: [
+        ("gemm", dict(gemm((1, 64, 64, 64), bm="k")[0][1], config=_gemm_cfg(schedule="coop", **knobs)))
     ],
     "test_gemm_gpu.py::test_gemm_dtypes_layouts": lambda dtype, out, a_major, b_major: gemm(
         (1, 1000, 1048, 776), dtype, out, a_major, b_major

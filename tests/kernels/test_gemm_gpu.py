@@ -92,15 +92,8 @@ def test_gemm_swizzled_tile_orders(tile_m, tile_n, cluster_m, cluster_n, swizzle
 
     from quack.tuning import use_config
 
-    cfg = GemmConfig(
-        tile_m=tile_m,
-        tile_n=tile_n,
-        cluster_m=cluster_m,
-        cluster_n=cluster_n,
-        schedule="coop",
-        swizzle=swizzle,
-        raster_m=raster_m,
-    )
+    knobs = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n)
+    cfg = GemmConfig(schedule="coop", swizzle=swizzle, raster_m=raster_m, **knobs)
     a, b = operands(shape, torch.bfloat16, "k", "k")
     with use_config("gemm", cfg):
         d = gemm(a, b)
