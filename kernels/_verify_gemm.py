@@ -15,7 +15,7 @@ def verify_gemm(params: dict, device) -> None:
     from .ops import gemm
 
     L, M, N, K = SHAPE
-    g = torch.Generator(device="cpu").manual_seed(0)
+    g = torch.Generator(device=device).manual_seed(0)  # drawn where used (kernels/_verify.py _gen)
     a, b, bias, c, out = _operands(params, M, N, K, L, device, g)
     act = params["activation"]
     d = gemm(a, b, bias=bias, activation=act, out_dtype=out, c=c, beta=0.5)

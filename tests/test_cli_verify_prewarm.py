@@ -244,6 +244,26 @@ def test_verify_jobs_reports_are_identical_in_request_order(proj):
     assert r.exit_code == 2 and "--jobs" in r.output
 
 
+def test_verify_default_loaders_one_with_run_else_the_job_count(proj, monkeypatch):
+    """With --run the loaders share one GPU: one is the fastest (H200, 1,178 entries: 15.2 s
+    with 1, 17.9 s with 4, 43.5 s with 8 before the inputs were drawn on the GPU). Loading
+    only is CPU work and keeps the job count (at most 8). A given -j is kept either way."""
+    from quack_build.verify import manifest as vm
+
+    seen = []
+
+    def record(reqs, run=False, progress=None, jobs=1):
+        seen.append((run, jobs))
+        return [{"key": r["key"], "ok": True, "how": "o"} for r in reqs], ""
+
+    monkeypatch.setattr(vm, "load_fresh", record)
+    monkeypatch.setattr(settings.Settings, "effective_jobs", lambda self, requested=None: 6)
+    for args in (["verify"], ["verify", "--run"], ["verify", "--run", "-j", "3"], ["verify", "-j", "2"]):
+        r = runner.invoke(app, args)
+        assert r.exit_code == 0, r.output
+    assert seen == [(False, 6), (True, 1), (True, 3), (False, 2)]
+
+
 def test_load_fresh_blames_a_crash_on_its_entry_only(proj, tmp_path):
     from quack_build.verify.loaders import load_fresh
 
