@@ -62,6 +62,12 @@ def pytest_xdist_make_scheduler(config, log):
     return xdist_units.make_scheduler(config, log, len(visible_gpus()))
 
 
+def pytest_runtest_setup(item):
+    """The latency-bound tests (Ray) first at normal priority, the others after: see
+    tests/xdist_units.py's LATENCY_BOUND."""
+    xdist_units.lower_priority_once(item.nodeid)
+
+
 def pytest_collection_modifyitems(config, items):
     """Keeps the file-name contract above true: a test that needs a GPU (the `gpu` mark or
     the skip reason GPU_REASON) outside a GPU file would share the GPU with the GPU units.

@@ -140,3 +140,76 @@ def test_the_toy_objects_are_compiled_once_for_all_workers(tmp_path, monkeypatch
         monkeypatch.setenv("PYTEST_XDIST_WORKER", worker)
         got.append(reliability_support.session_objects(Factory(tmp_path / f"popen-{worker}")))
     assert len(calls) == 1 and got[0] == got[1]
+
+
+def test_latency_bound_units_go_out_before_costlier_ones(monkeypatch):
+    monkeypatch.setattr(xdist_units, "LATENCY_BOUND", ("tests/test_r.py",))
+    recorded = {f"{F}::test_slow": 50, "tests/test_r.py": 5}
+    units = {
+        f"{F}::test_slow": {f"{F}::test_slow": False},
+        "shared:r": {"tests/test_r.py::test_1": False, "tests/test_r.py::test_2": False},
+        "tests/test_r.py::test_3": {"tests/test_r.py::test_3": False},
+        "gpu0": {"tests/test_k_gpu.py::test_a": False},
+    }
+    assert xdist_units.order(units, recorded) == [
+        "gpu0",
+        "shared:r",
+        "tests/test_r.py::test_3",
+        f"{F}::test_slow",
+    ]
+
+
+def test_a_worker_lowers_its_priority_once_before_its_first_other_test(monkeypatch):
+    niced = []
+    monkeypatch.setattr(xdist_units.os, "nice", niced.append)
+    monkeypatch.setattr(xdist_units, "LATENCY_BOUND", ("tests/test_r.py",))
+    monkeypatch.setattr(xdist_units, "_lowered", False)
+    monkeypatch.delenv("PYTEST_XDIST_WORKER", raising=False)
+    assert not xdist_units.lower_priority_once(f"{F}::test_a") and niced == []  # not under xdist
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    assert not xdist_units.lower_priority_once("tests/test_r.py::test_1") and niced == []
+    assert xdist_units.lower_priority_once(f"{F}::test_a") and niced == [xdist_units.NICE_STEP]
+    assert not xdist_units.lower_priority_once(f"{F}::test_b") and niced == [xdist_units.NICE_STEP]
+
+
+NICE_CONFTEST = """
+import xdist_units
+
+xdist_units.LATENCY_BOUND = ("test_suite.py::test_latency",)
+
+def pytest_xdist_make_scheduler(config, log):
+    return xdist_units.make_scheduler(config, log, 0, shared={}, recorded={"test_suite.py::test_cpu": 9})
+
+def pytest_runtest_setup(item):
+    xdist_units.lower_priority_once(item.nodeid)
+"""
+
+NICE_SUITE = """
+import os
+
+def _note(what):
+    with open(os.environ["QT_LOG"], "a") as f:
+        f.write(f"{what} {os.nice(0)}\\n")
+
+def test_cpu():
+    _note("cpu")
+
+def test_latency():
+    _note("latency")
+"""
+
+
+def test_through_xdist_the_latency_bound_test_runs_first_at_normal_priority(pytester, tmp_path, monkeypatch):
+    """One worker: the latency-bound test first (though the other is recorded costlier) at
+    the priority the worker started with, the other after, NICE_STEP lower."""
+    import os
+
+    log = tmp_path / "log"
+    monkeypatch.setenv("QT_LOG", str(log))
+    pytester.makeconftest(NICE_CONFTEST)
+    pytester.makepyfile(test_suite=NICE_SUITE)
+    r = pytester.runpytest_subprocess("-n", "1", "-p", "no:cacheprovider")
+    r.assert_outcomes(passed=2)
+    base = os.nice(0)
+    want_cpu = min(19, base + xdist_units.NICE_STEP)
+    assert log.read_text().split("\n")[:2] == [f"latency {base}", f"cpu {want_cpu}"], log.read_text()
