@@ -14,8 +14,9 @@ when it runs low. Three rules:
 Units are handed out costliest first (``RECORDED_S``): a 200 s test dealt out last ran
 alone while the other workers were idle. Before them, the latency-bound units
 (``LATENCY_BOUND``): the processes they start talk in chains of short messages, and a
-worker lowers its own priority before its first other test (``lower_priority_once``). Unknown tests cost nothing and keep their
-collection order, so a stale record only orders worse, never drops or repeats a test."""
+worker lowers its own priority before its first other test (``lower_priority_once``).
+Unknown tests cost nothing and keep their collection order, so a stale record only
+orders worse, never drops or repeats a test."""
 
 from __future__ import annotations
 
