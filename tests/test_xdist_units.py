@@ -98,12 +98,18 @@ def test_costly():
 """
 
 
-def test_a_shared_fixture_is_built_once_and_the_costliest_unit_goes_first(pytester, tmp_path, monkeypatch):
-    """Through xdist itself: dealt out one by one, two workers each built the fixture."""
+def _suite(pytester, tmp_path, monkeypatch, conftest: str, suite: str):
+    """A pytester project (conftest, test_suite.py) whose tests note to the returned log."""
     log = tmp_path / "log"
     monkeypatch.setenv("QT_LOG", str(log))
-    pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_suite=SUITE)
+    pytester.makeconftest(conftest)
+    pytester.makepyfile(test_suite=suite)
+    return log
+
+
+def test_a_shared_fixture_is_built_once_and_the_costliest_unit_goes_first(pytester, tmp_path, monkeypatch):
+    """Through xdist itself: dealt out one by one, two workers each built the fixture."""
+    log = _suite(pytester, tmp_path, monkeypatch, CONFTEST, SUITE)
     r = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
     r.assert_outcomes(passed=6)
     lines = log.read_text().split()
@@ -204,10 +210,7 @@ def test_through_xdist_the_latency_bound_test_runs_first_at_normal_priority(pyte
     the priority the worker started with, the other after, NICE_STEP lower."""
     import os
 
-    log = tmp_path / "log"
-    monkeypatch.setenv("QT_LOG", str(log))
-    pytester.makeconftest(NICE_CONFTEST)
-    pytester.makepyfile(test_suite=NICE_SUITE)
+    log = _suite(pytester, tmp_path, monkeypatch, NICE_CONFTEST, NICE_SUITE)
     r = pytester.runpytest_subprocess("-n", "1", "-p", "no:cacheprovider")
     r.assert_outcomes(passed=2)
     base = os.nice(0)
