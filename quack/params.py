@@ -7,6 +7,7 @@ Tags keep ``True`` and ``1`` (and ``1`` and ``1.0``) apart."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -298,6 +299,13 @@ class Tuple(Param):
         return f"a tuple of {len(self.items)} (" + "; ".join(p.describe() for p in self.items) + ")"
 
 
+@functools.lru_cache(maxsize=None)
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, read once a class: ``dataclasses.fields`` on every check
+    was a sixth of ``KernelSpec.bind``'s time (a configuration is checked on every bind)."""
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
 class Config(Param):
     """A small frozen dataclass of ints / bools / floats / strs. A manifest
     gives it as an inline table; a runtime call as an instance or a dict."""
@@ -331,12 +339,12 @@ class Config(Param):
                 raise self._fail(name, value, f" ({e})") from None
         if type(value) is not self.cls:
             raise self._fail(name, value)
-        for f in dataclasses.fields(value):  # type: ignore[arg-type]  # checked: an instance of cls
-            v = getattr(value, f.name)
+        for fname in _field_names(self.cls):  # type: ignore[arg-type]  # a class is hashable
+            v = getattr(value, fname)
             if v is not None and not isinstance(v, (bool, int, float, str)):
-                raise self._fail(name, value, f" (field {f.name!r} must be a bool, int, float or str)")
+                raise self._fail(name, value, f" (field {fname!r} must be a bool, int, float or str)")
             if isinstance(v, float) and not math.isfinite(v):
-                raise self._fail(name, value, f" (field {f.name!r} is not finite)")
+                raise self._fail(name, value, f" (field {fname!r} is not finite)")
         return value
 
     def encode(self, value):
