@@ -17,16 +17,28 @@ LOG2_E = math.log2(math.e)
 
 
 @cute.jit
+def _over_one_plus(x: cute.TensorSSA, e: cute.TensorSSA) -> cute.TensorSSA:
+    """x / (1 + e), approximate (2 ulp; a divisor past 2^126, inf included, gives 0, the
+    limit): the IEEE div.rn.f32 expands to a Newton iteration with a slow-path branch per
+    element."""
+    return x * cute.math.rcp(1.0 + e, approx=True, ftz=True)
+
+
+@cute.jit
 def activate(x: cute.TensorSSA, activation: cutlass.Constexpr) -> cute.TensorSSA:
     """relu / gelu (tanh approximation, torch's approximate="tanh") / silu of fp32 values."""
     if const_expr(activation == "relu"):
         return cute.where(x > 0.0, x, cute.full_like(x, 0.0))
     elif const_expr(activation == "gelu_tanh"):
-        inner = x * (1.0 + 0.044715 * x * x) * SQRT_2_OVER_PI
-        return 0.5 * x * (1.0 + cute.math.tanh(inner, fastmath=False))
+        # 0.5 x (1 + tanh(u)) is x * sigmoid(2u) = x / (1 + e^(-2u)): one ex2.approx and a
+        # division, and no 1 + tanh cancellation for negative x. The precise tanh it replaces
+        # was ~20 us of a 4096^3 GEMM's 200 us on the H200 (fused bias + gelu 0.99x of
+        # torch.compile's cuBLAS + Triton epilogue); e^(-2u) -> inf for x << 0 gives -0
+        u2 = x * (1.0 + 0.044715 * x * x) * (2.0 * SQRT_2_OVER_PI)
+        return _over_one_plus(x, cute.math.exp2(u2 * (-LOG2_E), fastmath=True))
     elif const_expr(activation == "silu"):
         # x * sigmoid(x) = x / (1 + e^-x); e^-x -> inf for x << 0 gives x / inf = -0
-        return x / (1.0 + cute.math.exp2(x * (-LOG2_E), fastmath=True))
+        return _over_one_plus(x, cute.math.exp2(x * (-LOG2_E), fastmath=True))
     else:
         return x
 

@@ -199,3 +199,40 @@ def test_ping_pong_ordering_barrier_phase_flips_every_tile(tmp_path):
     assert re.search(rf"xor\.b32\s+{parity}, {parity}, 1;", consumers), (
         f"the ordering barrier's parity {parity} is never flipped: every tile waits at the first tile's phase"
     )
+
+
+def test_activation_epilogues_are_short_and_use_no_ieee_division(tmp_path):
+    """gelu-tanh and silu cost an exp2 and a reciprocal per accumulator element, both
+    approximate (MUFU), plus a few FMAs: gelu as x * sigmoid(2u), not 0.5 x (1 + tanh(u))
+    with the precise tanh (~24 PTX instructions an element), which made the fused bias +
+    gelu op 0.99x of torch.compile's cuBLAS + Triton epilogue on the H200; no div.rn.f32
+    (a Newton iteration with a slow-path branch in SASS). Counted against the same kernel
+    without an activation (same bias loads, same tile: 128 accumulator values a thread)."""
+    import re
+
+    from _fixtures import ptx_of
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels.gemm import compile_gemm
+
+    cfg = GemmConfig(tile_m=128, tile_n=256, cluster_m=2, cluster_n=1, schedule="coop")
+    cases = {
+        act: (
+            compile_gemm,
+            dict(dtype="bfloat16", d_dtype="bfloat16", has_bias=True, activation=act, config=cfg),
+        )
+        for act in ("none", "gelu_tanh", "silu")
+    }
+    ptx = ptx_of(cases, tmp_path)
+
+    def ops(act):
+        body = ptx[act][ptx[act].index(".entry") :]
+        return re.findall(r"^\s+([a-z][\w.:]*)", body, re.M)
+
+    base, per_thread = len(ops("none")), 128
+    for act, most in (("gelu_tanh", 12), ("silu", 8)):
+        got = ops(act)
+        assert got.count("ex2.approx.ftz.f32") == per_thread, act
+        assert got.count("rcp.approx.ftz.f32") == per_thread, act
+        assert not [o for o in got if o.startswith("div.")], f"{act}: an IEEE division per element"
+        extra = (len(got) - base) / per_thread
+        assert extra <= most, f"{act}: {extra:.1f} PTX instructions an element over no activation"
