@@ -113,6 +113,9 @@ RECORDED_S: dict[str, float] = {
     "tests/test_interrupts.py::test_a_thread_stuck_at_exit_cannot_keep_the_build_alive": 9,
     "tests/kernels/test_reference_hooks.py::test_verify_run_without_gpu_says_kernels_were_not_run": 8,
     "tests/test_failpaths_cache.py": 5,
+    # session 6: each compiles GEMM PTX (three kernels / one) through the test-ptx cache
+    "tests/kernels/test_gemm_cpu.py::test_activation_epilogues_are_short_and_use_no_ieee_division": 8,
+    "tests/kernels/test_gemm_cpu.py::test_ping_pong_ordering_barrier_phase_flips_every_tile": 5,
 }
 
 
