@@ -68,7 +68,10 @@ def _lookup(t, kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu:
     if cls is None:
         return None
     row = t.lookup(kernel, gpu, cls, dtype, n)
-    return None if row is None else (dict(row.config), f"{t.path}: {kernel} {cls} n={list(row.n)}")
+    if row is None:
+        return None
+    # where a bad value is: the table's file (an in-memory table has none) and the row
+    return dict(row.config), (f"{t.path}: " if t.path else "") + f"row {kernel} {cls} n={list(row.n)}"
 
 
 def default_config(kernel: str, cfg_cls, cls: str | None, dtype: str, n: int, arch: str, fallback=None):
@@ -77,7 +80,10 @@ def default_config(kernel: str, cfg_cls, cls: str | None, dtype: str, n: int, ar
     hit = _lookup(active_table(arch), kernel, cls, dtype, n, arch, gpu_for(arch))
     if hit is None:
         return fallback if fallback is not None else cfg_cls()
-    return _from_row(cfg_cls, tuple(sorted(hit[0].items())), hit[1])
+    try:
+        return _from_row(cfg_cls, tuple(sorted(hit[0].items())), hit[1])
+    except TypeError:  # an unhashable value (a list in a hand-edited row): from_dict names it
+        return cfg_cls.from_dict(hit[0], where=hit[1])
 
 
 @functools.lru_cache(maxsize=4096)

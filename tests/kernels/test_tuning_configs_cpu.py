@@ -168,3 +168,20 @@ def test_use_table_swaps_the_table_for_a_block_only():
     with use_table(Table(A, other.default_gpu)), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert cfg(ln, "bfloat16", 16384, True, True, "float32").knobs() == {}
+
+
+def test_a_hand_edited_row_with_a_bad_value_is_named_on_every_bind():
+    """A row's configuration is built once a process (memoised by its values); a value the
+    memo can't key (a list) or a knob can't take still reaches the configuration's own check,
+    which names the table and the row, on every bind: never a bare TypeError, never cached."""
+    from quack.tuning import use_table
+
+    t = Table(A, "H200")
+    # the checked-in table's class for 16-bit rows with an fp32 weight over clusters of 4
+    t.put(Row("rmsnorm_fwd", "H200", "wide/cluster4", (65536, 65536), {"x_rows": [2]}, ("bfloat16",)))
+    t.put(Row("rmsnorm_fwd", "H200", "wide/cluster4", (40960, 40960), {"x_rows": 0}, ("bfloat16",)))
+    with use_table(t):
+        for n in (65536, 65536, 40960, 40960):
+            with pytest.raises(ParamError, match=r"x_rows") as e:
+                cfg(rmsnorm.compile_rmsnorm_fwd, "bfloat16", n, True, False, False, "float32")
+            assert "row rmsnorm_fwd wide/cluster4 n=" in str(e.value), str(e.value)
