@@ -65,12 +65,12 @@ class TuneConfig:
                 f"fields are {', '.join(names)}",
                 param=str(unknown[0]),
             )
-        if not where:
-            return cls(**values)
         try:
             return cls(**values)
         except ParamError as e:  # a bad value: say which row of which file holds it
-            raise ParamError(f"{where}: {e}", param=e.param) from None
+            if not where:
+                raise
+            raise ParamError(f"{where}: {e}", kernel=e.kernel, param=e.param) from None
 
     def knobs(self) -> dict:
         """The fields that are set, as a fresh dict (what the kernel code reads)."""

@@ -212,6 +212,7 @@ def test_activation_epilogues_are_short_and_use_no_ieee_division(tmp_path):
 
     from _fixtures import ptx_of
     from quack_kernels._configs import GemmConfig
+    from quack_kernels._gemm_plan import acc_regs
     from quack_kernels.gemm import compile_gemm
 
     # the smallest cooperative tile: a third less compile time than 128 x 256 (CPU tier)
@@ -229,7 +230,8 @@ def test_activation_epilogues_are_short_and_use_no_ieee_division(tmp_path):
         body = ptx[act][ptx[act].index(".entry") :]
         return re.findall(r"^\s+([a-z][\w.:]*)", body, re.M)
 
-    base, per_thread = len(ops("none")), 64
+    # accumulator values a consumer thread holds: the kernel's own plan says how many
+    base, per_thread = len(ops("none")), acc_regs(cfg.tile_m, cfg.tile_n, cfg.schedule)
     for act, most in (("gelu_tanh", 12), ("silu", 8)):
         got = ops(act)
         assert got.count("ex2.approx.ftz.f32") == per_thread, act
