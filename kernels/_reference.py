@@ -33,6 +33,7 @@ import torch
 
 TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-4}
 _FP32_ACC = 3 * 2.0**-24  # times sqrt(N): fp32 accumulation-order difference, with margin
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def tolerance(dtype, *, n: int, rows: int = 1, probabilities: bool = False) -> tuple[float, float]:
@@ -57,9 +58,19 @@ def assert_close(
     assert got is not None, f"{what}: missing (None)"
     if dtype is not None:
         assert got.dtype == dtype, f"{what}: dtype {got.dtype}, expected {dtype}"
-    assert not torch.isnan(got).any(), f"{what}: NaN (an element the kernel never wrote?)"
     atol, rtol = tolerance(rounded_to or got.dtype, n=n, rows=rows, probabilities=probabilities)
-    torch.testing.assert_close(got.float(), ref.float(), atol=atol, rtol=rtol, msg=lambda s: f"{what}: {s}")
+    g, r = got.float(), ref.float()
+    if g.shape == r.shape and g.device == r.device:
+        # The passing case in one fused pass and one device sync: torch.isclose's own test,
+        # |got - ref| <= atol + rtol |ref|, with the bound capped to a finite value, so a NaN
+        # (either side) or an infinity fails it and goes on to the exact checks below. Those
+        # two (the NaN test, then torch.testing.assert_close) cost ~0.2 ms of CPU and two
+        # syncs per output: a second of the GPU tier's ~6,000 checks and of verify --run's.
+        bound = (rtol * r.abs()).add_(atol).clamp_(max=_F32_MAX)
+        if bool((g - r).abs_().le_(bound).all()):
+            return
+    assert not torch.isnan(got).any(), f"{what}: NaN (an element the kernel never wrote?)"
+    torch.testing.assert_close(g, r, atol=atol, rtol=rtol, msg=lambda s: f"{what}: {s}")
 
 
 def _check(got: dict, ref: dict, spec: dict, n: int, rows: int) -> None:

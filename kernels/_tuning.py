@@ -47,9 +47,12 @@ def reload() -> None:
 
 def gpu_for(arch: str) -> str | None:
     """The GPU model whose rows apply (``quack.tuning.gpu``), None without a table."""
+    return _gpu_of(active_table(arch))
+
+
+def _gpu_of(t) -> str | None:
     from quack.tuning import current_gpu
 
-    t = active_table(arch)
     return current_gpu(t.default_gpu if t is not None else None)
 
 
@@ -77,13 +80,20 @@ def _lookup(t, kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu:
 def default_config(kernel: str, cfg_cls, cls: str | None, dtype: str, n: int, arch: str, fallback=None):
     """The table's configuration for the problem, else ``fallback`` (else the empty one:
     every knob at the kernel's heuristic)."""
-    hit = _lookup(active_table(arch), kernel, cls, dtype, n, arch, gpu_for(arch))
+    t = active_table(arch)
+    hit = _lookup(t, kernel, cls, dtype, n, arch, _gpu_of(t))
     if hit is None:
-        return fallback if fallback is not None else cfg_cls()
+        return fallback if fallback is not None else _empty(cfg_cls)
     try:
         return _from_row(cfg_cls, tuple(sorted(hit[0].items())), hit[1])
     except TypeError:  # an unhashable value (a list in a hand-edited row): from_dict names it
         return cfg_cls.from_dict(hit[0], where=hit[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _empty(cfg_cls):
+    """The configuration with every knob at the heuristic, one per class (it is frozen)."""
+    return cfg_cls()
 
 
 @functools.lru_cache(maxsize=4096)

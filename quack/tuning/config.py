@@ -41,7 +41,10 @@ def _knob_fields(cls: type) -> tuple[tuple[str, Param | None], ...]:
 class TuneConfig:
     """Base of the typed configurations (subclasses are ``@dataclass(frozen=True)``)."""
 
+    _set_knobs: dict  # set by __post_init__ (a plain attribute: not a dataclass field)
+
     def __post_init__(self) -> None:
+        knobs = {}
         for name, p in _knob_fields(type(self)):
             if p is None:
                 raise TypeError(f"{type(self).__name__}.{name}: declare it with quack.tuning.knob(...)")
@@ -53,6 +56,12 @@ class TuneConfig:
             except ParamError as e:
                 raise ParamError(f"{type(self).__name__}: {e}", param=name) from None
             object.__setattr__(self, name, canon)
+            knobs[name] = canon
+        # The set fields, kept for ``knobs()``: the instance is frozen, and a bind reads them
+        # once or twice per derived configuration (a dict built from every field each time
+        # was a tenth of a sweep's bind). Not a field: equality, hashing, ``fields`` and the
+        # key see only the knobs themselves.
+        object.__setattr__(self, "_set_knobs", knobs)
 
     @classmethod
     def from_dict(cls, values: dict, where: str = "") -> "TuneConfig":
@@ -74,7 +83,7 @@ class TuneConfig:
 
     def knobs(self) -> dict:
         """The fields that are set, as a fresh dict (what the kernel code reads)."""
-        return {name: v for name, _ in _knob_fields(type(self)) if (v := getattr(self, name)) is not None}
+        return dict(self._set_knobs)
 
     def label(self) -> str:
         """A short readable form for tables and logs: ``x_rows=2 x_smem=true``."""

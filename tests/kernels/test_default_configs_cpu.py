@@ -25,6 +25,26 @@ def ln(dt, n, wdt="same", w=True, b=True):
     return layernorm.compile_layernorm_fwd.spec.bind((dt, n, w, b, wdt), {}, arch=A)["config"]
 
 
+def ln_over(dt, ns, wdt="same"):
+    """(n, ``ln(dt, n, wdt)``) for every n of ``ns``, for the exhaustive sweeps (~100k
+    problems): one bind gives the other parameters, canonical, and each n goes through the
+    very derive callable that bind applies (the configuration parameter's), without
+    re-checking the unchanged parameters (a full bind each was 2 x 4 s on 2 cores).
+    ``test_sweep_helper_derives_what_bind_does`` holds the two together."""
+    spec = layernorm.compile_layernorm_fwd.spec
+    base = {k: v for k, v in spec.bind((dt, 4096, True, True, wdt), {}, arch=A).items() if k != "config"}
+    derive = spec.params["config"].derive
+    for n in ns:
+        yield n, derive({**base, "n": n}, A)
+
+
+def test_sweep_helper_derives_what_bind_does():
+    for dt in (BF, FP, F32):
+        for w in ("same", F32, BF, FP):
+            ns = (1, 100, 3072, 4096, 8192, 10240, 12000, 14336, 16384, 65536, 262144)
+            assert [c for _, c in ln_over(dt, ns, w)] == [ln(dt, n, w) for n in ns]
+
+
 def rms(dt, n, wdt="same", w=True, b=False, r=False):
     return rmsnorm.compile_rmsnorm_fwd.spec.bind((dt, n, w, b, r, wdt), {}, arch=A)["config"]
 
@@ -112,8 +132,8 @@ def test_layernorm_wide_one_cta_row_reaches_exactly_its_rows():
         (dt, w, n)
         for dt in (BF, FP, F32)
         for w in ("same", F32, BF, FP)
-        for n in range(8192, 16385)
-        if ln(dt, n, w).knobs().get("wb_ahead")
+        for n, cfg in ln_over(dt, range(8192, 16385), w)
+        if cfg.knobs().get("wb_ahead")
     }
     want = {(dt, F32, n) for dt in (BF, FP) for n in (10240, 12288, 14336, 16384)}
     assert reached == want
@@ -134,8 +154,8 @@ def test_layernorm_small_rows_reach_only_3072_and_4096_with_a_wider_weight():
         (dt, w, n)
         for dt in (BF, FP, F32)
         for w in ("same", F32, BF, FP)
-        for n in range(1, 8193)
-        if ln(dt, n, w).knobs().get("row_budget")
+        for n, cfg in ln_over(dt, range(1, 8193), w)
+        if cfg.knobs().get("row_budget")
     }
     assert reached == {(dt, F32, n) for dt in (BF, FP) for n in (3072, 4096)}
     # no ring there (it would replace the kernel): rows of one 128-thread CTA

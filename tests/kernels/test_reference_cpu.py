@@ -215,3 +215,49 @@ def test_gpu_tests_hold_no_private_reference_or_tolerance(path):
             )
             bad += [f"line {node.lineno}: {n}" for n in names if n.lower() in ("tol", "_tol", "tols")]
     assert not bad, f"{os.path.basename(path)} compares outside quack_kernels._reference: {bad}"
+
+
+def _verdict(fn, *args, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except AssertionError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "got, ref",
+    [
+        ([1.0, float("inf")], [1.0, float("inf")]),  # equal infinities: close
+        ([1.0, 2.0], [1.0, float("inf")]),  # a finite value against an infinity
+        ([1.0, float("inf")], [1.0, 2.0]),
+        ([1.0, float("-inf")], [1.0, float("inf")]),
+        ([1.0, 2.0], [1.0, float("nan")]),  # a NaN in the reference
+        ([1.0, 1.0 + 1e-4 + 1e-4], [1.0, 1.0]),  # the bound's edge, both sides
+        ([1.0, 1.0 + 2.0001e-4], [1.0, 1.0]),
+        ([3.0e38, -3.0e38], [3.0e38, 3.0e38]),  # the difference overflows
+        ([[1.0, 2.0]], [1.0, 2.0]),  # shapes differ: broadcasting must not hide it
+    ],
+)
+def test_fast_path_gives_torch_testings_verdict(got, ref):
+    """``assert_close`` passes in one fused check and falls back to torch.testing's
+    otherwise: on every edge (infinities, NaN, the bound, overflow, shapes) its verdict is
+    torch.testing.assert_close's own."""
+    g, r = torch.tensor(got), torch.tensor(ref)
+    ours = _verdict(R.assert_close, g, r, "y", n=8, dtype=torch.float32)
+    theirs = _verdict(torch.testing.assert_close, g, r, atol=1e-4, rtol=1e-4)
+    assert R.tolerance(torch.float32, n=8) == (1e-4, 1e-4)
+    assert ours == theirs
+
+
+def test_fast_path_agrees_with_torch_testing_on_random_errors():
+    gen = torch.Generator().manual_seed(0)
+    ref = torch.randn(4000, generator=gen)
+    for scale in (1e-6, 5e-5, 1e-4, 2e-4, 1e-3):
+        got = ref + torch.randn(4000, generator=gen) * scale
+        for dt in (torch.float32, torch.bfloat16):
+            g = got.to(dt)
+            atol, rtol = R.tolerance(dt, n=8)
+            ours = _verdict(R.assert_close, g, ref, "y", n=8)
+            theirs = _verdict(torch.testing.assert_close, g.float(), ref, atol=atol, rtol=rtol)
+            assert ours == theirs, (scale, dt)
