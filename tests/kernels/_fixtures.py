@@ -170,3 +170,49 @@ def ptx_of(cases: dict, tmp_dir) -> dict:
     if todo:
         _compile_ptx(todo, tmp_dir)
     return {cid: open(p).read() for cid, p in where.items()}
+
+
+def derived_memo(kind: str, fn, source_file: str, case: str) -> str:
+    """Where a test keeps a pure function of the kernel's sources that is slow to derive
+    (the GEMM store placement walk: 8.4 s of the H200's warm tier), like ``ptx_of``'s PTX:
+    under the session's cache, by the kernel's source fingerprint, the toolchain (cute's
+    layout algebra is the library's) and a hash of the deriving test file's own source, so
+    an edit to any of them derives afresh. A test writes its result here only once every
+    assertion on it has passed, and re-asserts what it reads back."""
+    import hashlib
+
+    from quack import settings
+    from quack.cache import keys
+
+    with open(source_file, "rb") as f:
+        test_src = hashlib.sha256(f.read()).hexdigest()[:16]
+    spec = fn.spec
+    return os.path.join(
+        str(settings.get().cache_dir),
+        kind,
+        spec.source_fingerprint(),
+        keys.toolchain_stamp("sm_90a"),
+        test_src,
+        case + ".json",
+    )
+
+
+def read_memo(path: str):
+    import json
+
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):  # absent, or torn by a crash: derived afresh
+        return None
+
+
+def write_memo(path: str, value) -> None:
+    """Atomically (a reader sees the whole file or none): tmp file, then rename."""
+    import json
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f, separators=(",", ":"))
+    os.replace(tmp, path)
