@@ -244,24 +244,79 @@ def test_verify_jobs_reports_are_identical_in_request_order(proj):
     assert r.exit_code == 2 and "--jobs" in r.output
 
 
-def test_verify_default_loaders_one_with_run_else_the_job_count(proj, monkeypatch):
-    """With --run the loaders share one GPU: one is the fastest (H200, 1,178 entries: 15.2 s
-    with 1, 17.9 s with 4, 43.5 s with 8 before the inputs were drawn on the GPU). Loading
-    only is CPU work and keeps the job count (at most 8). A given -j is kept either way."""
+def test_verify_default_loaders_three_with_run_else_the_job_count(proj, monkeypatch):
+    """With --run the loaders share one GPU: three were the fastest measured (H200, 1,178
+    entries: 9.7 s with 1, 8.9 s with 2, 8.1 s with 3; the per-entry work is mostly the
+    host's). Loading only is CPU work and keeps the job count (at most 8). A given -j is
+    kept either way, and the loaders are started before the static checks with that count
+    (capped by the entries)."""
     from quack_build.verify import manifest as vm
 
-    seen = []
+    seen, started, closed, sizes = [], [], [], []
 
-    def record(reqs, run=False, progress=None, jobs=1):
+    class FakeLoaders:
+        def __init__(self, jobs, run):
+            started.append((run, jobs))
+            self.run = run
+
+        def close(self):
+            closed.append(self)
+
+    def record(reqs, run=False, progress=None, jobs=1, started=None):
+        assert started is not None and started.run == run
         seen.append((run, jobs))
+        sizes.append(len(reqs))
         return [{"key": r["key"], "ok": True, "how": "o"} for r in reqs], ""
 
     monkeypatch.setattr(vm, "load_fresh", record)
+    monkeypatch.setattr(vm, "start_loaders", FakeLoaders)
     monkeypatch.setattr(settings.Settings, "effective_jobs", lambda self, requested=None: 6)
-    for args in (["verify"], ["verify", "--run"], ["verify", "--run", "-j", "3"], ["verify", "-j", "2"]):
+    for args in (["verify"], ["verify", "--run"], ["verify", "--run", "-j", "1"], ["verify", "-j", "2"]):
         r = runner.invoke(app, args)
         assert r.exit_code == 0, r.output
-    assert seen == [(False, 6), (True, 1), (True, 3), (False, 2)]
+    assert seen == [(False, 6), (True, 3), (True, 1), (False, 2)]
+    n = sizes[0]  # every entry is present: each run asks for all of them
+    assert n >= 2 and set(sizes) == {n}
+    assert started == [(False, min(6, n)), (True, min(3, n)), (True, 1), (False, min(2, n))]
+    assert len(closed) == 4  # closed every time (a no-op once load_fresh took them over)
+
+
+def test_started_loaders_serve_load_fresh_and_end_when_the_checks_fail(proj, monkeypatch):
+    """The loaders verify starts before its static checks: handed to load_fresh they load
+    the entries (the spare ones end at once); when a check raises in between, every one of
+    them ends with it instead of waiting on stdin for requests that never come."""
+    from quack_build.verify import loaders
+    from quack_build.verify import manifest as vm
+
+    reqs = _reqs(proj["cache"])[:2]
+    started = loaders.start_loaders(3)
+    procs = [c.p for c in started.children]
+    answers, note = loaders.load_fresh(reqs, jobs=3, started=started)
+    assert note == "" and [a["key"] for a in answers] == [r["key"] for r in reqs]
+    assert all(a["ok"] for a in answers)
+    assert all(p.poll() is not None for p in procs)  # the spare one too
+    other = loaders.start_loaders(1)
+    with pytest.raises(ValueError, match="another run mode"):
+        loaders.load_fresh(reqs, run=True, started=other)
+    other.close()
+    assert other.children[0].p.poll() is not None
+
+    made = []
+
+    def start(jobs, run=False):
+        made.append(loaders.start_loaders(jobs, run))
+        return made[-1]
+
+    def boom(store, cfg):
+        raise RuntimeError("check failed")
+
+    monkeypatch.setattr(vm, "start_loaders", start)
+    monkeypatch.setattr(vm, "check_static", boom)
+    cfgs = [object(), object()]
+    with pytest.raises(RuntimeError, match="check failed"):
+        vm.verify(cfgs, store=None, jobs=2)
+    (s,) = made
+    assert len(s.children) == 2 and all(c.p.poll() is not None for c in s.children)
 
 
 def test_load_fresh_blames_a_crash_on_its_entry_only(proj, tmp_path):

@@ -89,7 +89,16 @@ def main(argv: list[str] | None = None) -> None:
                 return {"gpu": False, "error": str(e)}
         return _one(req, keep)
 
-    serve("python -m quack_build.verify.child", handle, argv)
+    serve("python -m quack_build.verify.child", handle, argv, warm=_warm)
+
+
+def _warm() -> None:
+    """What every entry needs (tvm_ffi imports torch where it is installed: seconds),
+    imported as the process starts: ``quack verify`` starts its loaders before its static
+    checks, so the two overlap."""
+    import tvm_ffi  # noqa: F401
+
+    from quack.runtime import loader  # noqa: F401
 
 
 if __name__ == "__main__":

@@ -211,20 +211,56 @@ def _drive(
         done.put(None)
 
 
+class Loaders:
+    """Loader children started before their requests are known (``start_loaders``): each
+    imports torch and the runtime as it starts (~3 s on the H200 host) while the caller
+    runs its own checks. ``load_fresh(started=...)`` takes them over; ``close`` ends them
+    when it never does (the caller failed in between, or was interrupted)."""
+
+    def __init__(self, jobs: int, run: bool):
+        if jobs < 1:
+            raise ValueError(f"start_loaders: jobs must be at least 1, not {jobs}")
+        self.run = run
+        self.pool = _Pool(gpu=run)
+        self.children: list[ChildProcess] = []
+        try:
+            for _ in range(jobs):
+                self.children.append(self.pool.spawn())
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Kill and reap every child still here (a no-op after ``load_fresh`` took them)."""
+        self.pool.kill_all()
+        self.pool.reap()
+
+
+def start_loaders(jobs: int, run: bool = False) -> Loaders:
+    """``jobs`` loader children, started now (the caller closes them unless it hands them
+    to ``load_fresh``, which then owns them)."""
+    return Loaders(jobs, run)
+
+
 def load_fresh(
     reqs: list[dict],
     *,
     run: bool = False,
     progress: Callable[[int], None] | None = None,
     jobs: int = 1,
+    started: Loaders | None = None,
 ) -> tuple[list[dict], str]:
     """Load each request's object in a fresh process, over ``jobs`` children at once (at
     most one per request). Returns (one answer per request, in request order; a note
     when ``run`` was asked for and no GPU is visible). ``progress(n)`` is called in this
-    thread after each answer, ``n`` counting the answers of every child."""
+    thread after each answer, ``n`` counting the answers of every child. ``started``:
+    children from ``start_loaders`` (``run`` must match theirs) used instead of starting
+    ``jobs`` new ones; the ones more than the requests need are ended at once."""
     if jobs < 1:
         raise ValueError(f"load_fresh: jobs must be at least 1, not {jobs}")
-    pool = _Pool(gpu=run)
+    if started is not None and started.run != run:
+        raise ValueError("load_fresh: the started loaders were started for another run mode")
+    pool = started.pool if started is not None else _Pool(gpu=run)
     answers: list = [None] * len(reqs)
     note = ""
     threads: list[threading.Thread] = []
@@ -234,7 +270,14 @@ def load_fresh(
         # Every child starts at once: each imports torch and the runtime (~8 s on the H200
         # host), and starting the others only after the first had answered the GPU probe
         # doubled that start-up.
-        children = [pool.spawn() for _ in range(max(1, min(jobs, len(reqs))))]
+        want = max(1, min(jobs, len(reqs)))
+        if started is not None:
+            children, spare = started.children[:want], started.children[want:]
+            started.children = []
+            for c in spare:
+                pool.retire(c)
+        else:
+            children = [pool.spawn() for _ in range(want)]
         if run:
             a = children[0].ask({"op": "gpu"}, timeout=GPU_PROBE_TIMEOUT)
             if not a or not a.get("gpu"):

@@ -17,7 +17,7 @@ from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import CacheError
 from quack_build.verify.cubin import arch_matches, gpu_codes
-from quack_build.verify.loaders import load_fresh
+from quack_build.verify.loaders import load_fresh, start_loaders
 
 
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
@@ -74,6 +74,18 @@ def verify(
     configs, store: DiskStore, *, load: bool = True, run: bool = False, console=None, jobs: int = 1
 ) -> dict:
     t0 = time.time()
+    configs = list(configs)
+    # The loaders start first: their imports (seconds) overlap the static checks below
+    # (checksums of every object: ~1.2 s of 1,178 entries on the H200 host)
+    started = start_loaders(max(1, min(jobs, len(configs))), run) if (load or run) and configs else None
+    try:
+        return _verify(configs, store, load, run, console, jobs, started, t0)
+    finally:
+        if started is not None:
+            started.close()
+
+
+def _verify(configs, store, load, run, console, jobs, started, t0) -> dict:
     rows = []
     for c in configs:
         problems, info = check_static(store, c)
@@ -108,7 +120,7 @@ def verify(
             if console is not None and len(todo) > 20 and i % 50 == 0:
                 console.print(f"  loaded {i}/{len(todo)}", markup=False)
 
-        answers, note = load_fresh(reqs, run=run, progress=progress, jobs=jobs)
+        answers, note = load_fresh(reqs, run=run, progress=progress, jobs=jobs, started=started)
         run = run and not note
         for r, a in zip(todo, answers):
             if not a.get("ok"):

@@ -18,9 +18,17 @@ import sys
 from typing import Callable, TextIO
 
 
-def serve(prog: str, handle: Callable[[dict], dict], argv: list[str] | None = None) -> None:
+def serve(
+    prog: str,
+    handle: Callable[[dict], dict],
+    argv: list[str] | None = None,
+    warm: Callable[[], None] | None = None,
+) -> None:
     """Answer ``handle(request)`` for each request line until stdin closes or an answer
-    says ``restart``. ``--sys-path``: the parent's sys.path, put first."""
+    says ``restart``. ``--sys-path``: the parent's sys.path, put first. ``warm()``: run
+    before the first request is read (the imports every request needs, done while the
+    parent is still preparing its requests); its failure is left for that request to meet
+    and report."""
     import argparse
 
     ap = argparse.ArgumentParser(prog=prog)
@@ -33,6 +41,11 @@ def serve(prog: str, handle: Callable[[dict], dict], argv: list[str] | None = No
     proto: TextIO = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # native and Python prints go to stderr, never into the answers
     sys.stdout = sys.stderr
+    if warm is not None:
+        try:
+            warm()
+        except Exception:  # noqa: BLE001 - the first request imports it again and says why
+            pass
     for line in sys.stdin:
         line = line.strip()
         if not line:

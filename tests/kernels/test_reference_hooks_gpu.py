@@ -40,7 +40,7 @@ def test_verify_run_passes_over_every_shipped_manifest(request):
     jobs = str(min(16, os.cpu_count() or 1))
     for args, limit in (
         (["build", "-j", jobs, *mans], 2400),
-        # verify --run's own default: one loader, the fastest on one GPU (quack_build/cli/verify.py)
+        # verify --run's own default loaders (three: the fastest measured on one GPU, quack_build/cli/verify.py)
         (["verify", "--run", *mans], 1200),
     ):
         r = subprocess.run(
