@@ -97,6 +97,38 @@ def pytest_collection_modifyitems(config, items):
         )
 
 
+def pytest_collection_finish(session):
+    """Start the verify-all test's build of every shipped manifest in the background, when
+    this run is one process on a GPU machine and will run that test (tests/kernels/_fixtures.py
+    says why)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or session.config.getoption("collectonly"):
+        return
+    if not any(it.nodeid.endswith(VERIFY_ALL_SUFFIX) for it in session.items) or not has_gpu():
+        return
+    from _fixtures import session_kernel_cache, start_shipped_build
+
+    start_shipped_build(session_kernel_cache())
+
+
+class _StopShippedBuilds:
+    """Ends a background build no test waited for (a plugin object: gpupin, imported below,
+    owns this module's pytest_sessionfinish)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session):
+        mod = sys.modules.get("_fixtures")
+        if mod is not None:
+            mod.stop_shipped_builds()
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_StopShippedBuilds(), "quack-tests-stop-shipped-builds")
+
+
+#: tests/kernels/_fixtures.py's VERIFY_ALL, as a node-id suffix (the rootdir may differ)
+VERIFY_ALL_SUFFIX = "test_reference_hooks_gpu.py::test_verify_run_passes_over_every_shipped_manifest"
+
+
 @pytest.fixture(autouse=True)
 def _no_inherited_terminal_width(monkeypatch):
     """The CLI's tables are as wide as COLUMNS says (160 without it and without a tty,

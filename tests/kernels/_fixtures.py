@@ -216,3 +216,94 @@ def write_memo(path: str, value) -> None:
     with open(tmp, "w") as f:
         json.dump(value, f, separators=(",", ":"))
     os.replace(tmp, path)
+
+
+# The verify-all test's build of every shipped manifest (test_reference_hooks_gpu.py), started
+# in the background as the session's collection ends (tests/conftest.py) when that test is
+# selected, a GPU is visible and the run is one process: on a cold cache the build (1,178
+# configurations, 55-70 s on the H200's 16 cores) then overlaps the tests before it instead
+# of running in line (cold --async-compile=16: 147.6 s, 67 s of it that build). CPU work
+# only, niced below the plugin's compiles, which gate the tests; a no-op on a warm cache.
+# Not under xdist: there the other workers keep the CPUs busy already.
+_SHIPPED: dict = {}
+
+
+def shipped_manifests() -> list[str]:
+    import glob
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return sorted(glob.glob(os.path.join(root, "manifests", "*.toml")))
+
+
+def session_kernel_cache() -> str:
+    """The cache the ``kernel_cache`` fixture gives the kernel tiers."""
+    from quack import settings
+
+    return os.environ.get("QUACK_TEST_KERNEL_CACHE") or str(settings.get().cache_dir)
+
+
+def _build_cmd():
+    import sys
+
+    jobs = str(min(16, os.cpu_count() or 1))
+    return [sys.executable, "-m", "quack_build", "build", "-j", jobs, *shipped_manifests()]
+
+
+def start_shipped_build(cache_dir: str) -> None:
+    """Start the build of every shipped manifest into ``cache_dir`` (once a session)."""
+    import subprocess
+    import tempfile
+
+    if cache_dir in _SHIPPED:
+        return
+    root = os.path.dirname(shipped_manifests()[0]) + "/.."
+    log = tempfile.TemporaryFile()
+    p = subprocess.Popen(
+        _build_cmd(),
+        cwd=root,
+        env=dict(os.environ, QUACK_CACHE_DIR=cache_dir),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: os.nice(10),  # the plugin's own compiles first: they gate tests
+    )
+    _SHIPPED[cache_dir] = (p, log)
+
+
+def finish_shipped_build(cache_dir: str, timeout: float) -> tuple[int, str]:
+    """(exit status, output) of the shipped manifests' build into ``cache_dir``: the one
+    started in the background, waited for; else one run now. Past ``timeout`` the build is
+    killed and the status is 124."""
+    import subprocess
+
+    got = _SHIPPED.pop(cache_dir, None)
+    if got is None:
+        root = os.path.dirname(shipped_manifests()[0]) + "/.."
+        env = dict(os.environ, QUACK_CACHE_DIR=cache_dir)
+        try:
+            r = subprocess.run(
+                _build_cmd(), cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired as e:
+            return 124, f"the build took over {timeout:.0f} s: {e}"
+        return r.returncode, r.stdout + r.stderr
+    p, log = got
+    try:
+        rc = p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        rc = 124
+    log.seek(0)
+    out = log.read().decode("utf-8", "replace")
+    log.close()
+    return rc, out
+
+
+def stop_shipped_builds() -> None:
+    """End a background build no test waited for (deselected by -x, an interrupt)."""
+    while _SHIPPED:
+        _, (p, log) = _SHIPPED.popitem()
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        log.close()

@@ -64,3 +64,28 @@ def test_verify_run_without_gpu_says_kernels_were_not_run(tmp_path):
     # Asked to run the kernels and couldn't: not a success, and it says why.
     assert r.returncode == 1, out
     assert "--run needs a CUDA GPU and none is visible" in out and "Traceback" not in out
+
+
+def test_background_shipped_build_is_waited_for_bounded_and_stopped(tmp_path, monkeypatch):
+    """The verify-all test's background build (_fixtures.py): its status and output are
+    what the test waits for; past the time-out it is killed (124); one nobody waited for is
+    ended at session finish; without one started, the build runs in line."""
+    import _fixtures as fx
+
+    def cmd(code):
+        monkeypatch.setattr(fx, "_build_cmd", lambda: [sys.executable, "-c", code])
+
+    cmd("print('built 3 of 3')")
+    fx.start_shipped_build(str(tmp_path / "a"))
+    fx.start_shipped_build(str(tmp_path / "a"))  # once a session per cache
+    assert fx.finish_shipped_build(str(tmp_path / "a"), 60) == (0, "built 3 of 3\n")
+    cmd("import sys; print('in line'); sys.exit(3)")
+    rc, out = fx.finish_shipped_build(str(tmp_path / "a"), 60)  # none started now: in line
+    assert (rc, out) == (3, "in line\n")
+    cmd("import time; time.sleep(120)")
+    fx.start_shipped_build(str(tmp_path / "b"))
+    assert fx.finish_shipped_build(str(tmp_path / "b"), 0.5)[0] == 124
+    fx.start_shipped_build(str(tmp_path / "c"))
+    (p, _log) = fx._SHIPPED[str(tmp_path / "c")]  # noqa: SLF001 - the test's own helper module
+    fx.stop_shipped_builds()
+    assert p.poll() is not None and not fx._SHIPPED  # noqa: SLF001

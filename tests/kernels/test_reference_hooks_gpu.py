@@ -2,7 +2,6 @@
 kernel on generated inputs and asserts against torch; and `quack verify --run` over every
 shipped manifest. The CPU side is in test_reference_hooks.py."""
 
-import glob
 import importlib
 import os
 import subprocess
@@ -31,26 +30,27 @@ def test_verify_run_passes_over_every_shipped_manifest(request):
     configuration's reference hook passes, with the references and tolerances the GPU tests
     use (issue 24: the two had drifted into 43 false "wrong result" reports).
 
-    In line, in the GPU unit: started beside the other tests instead (a background job from
-    the end of collection, or a unit of its own under xdist) the warm tier got slower on the
-    H200, not faster (one process: not done in 150 s against 93 s in line; -n auto: 103 s),
-    the GPU time-slicing between the processes' contexts."""
-    mans = sorted(glob.glob(os.path.join(ROOT, "manifests", "*.toml")))
-    env = dict(os.environ, QUACK_CACHE_DIR=str(request.getfixturevalue("kernel_cache")))
-    jobs = str(min(16, os.cpu_count() or 1))
-    for args, limit in (
-        (["build", "-j", jobs, *mans], 2400),
+    The verify run is in line, in the GPU unit: started beside the other tests instead (a
+    background job from the end of collection, or a unit of its own under xdist) the warm
+    tier got slower on the H200, not faster (one process: not done in 150 s against 93 s in
+    line; -n auto: 103 s), the GPU time-slicing between the processes' contexts. The build
+    before it is CPU work only: in a one-process run it starts in the background as
+    collection ends (tests/kernels/_fixtures.py), so on a cold cache it overlaps the tests."""
+    from _fixtures import finish_shipped_build, shipped_manifests
+
+    cache = str(request.getfixturevalue("kernel_cache"))
+    # the build: started as collection ended when this run is one process (_fixtures.py)
+    rc, out = finish_shipped_build(cache, 2400)
+    assert rc == 0, f"quack build failed:\n{out[-6000:]}"
+    r = subprocess.run(
         # verify --run's own default loaders (three: the fastest measured on one GPU, quack_build/cli/verify.py)
-        (["verify", "--run", *mans], 1200),
-    ):
-        r = subprocess.run(
-            [sys.executable, "-m", "quack_build", *args],
-            cwd=ROOT,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=limit,
-        )
-        out = r.stdout + r.stderr
-        assert r.returncode == 0, f"quack {args[0]} failed:\n{out[-6000:]}"
+        [sys.executable, "-m", "quack_build", "verify", "--run", *shipped_manifests()],
+        cwd=ROOT,
+        env=dict(os.environ, QUACK_CACHE_DIR=cache),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, f"quack verify failed:\n{out[-6000:]}"
     assert "all good" in out and "reference run" in out, out[-3000:]
