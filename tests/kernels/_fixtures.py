@@ -226,13 +226,13 @@ def write_memo(path: str, value) -> None:
 # only, niced below the plugin's compiles, which gate the tests; a no-op on a warm cache.
 # Not under xdist: there the other workers keep the CPUs busy already.
 _SHIPPED: dict = {}
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def shipped_manifests() -> list[str]:
     import glob
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return sorted(glob.glob(os.path.join(root, "manifests", "*.toml")))
+    return sorted(glob.glob(os.path.join(_ROOT, "manifests", "*.toml")))
 
 
 def session_kernel_cache() -> str:
@@ -256,16 +256,20 @@ def start_shipped_build(cache_dir: str) -> None:
 
     if cache_dir in _SHIPPED:
         return
-    root = os.path.dirname(shipped_manifests()[0]) + "/.."
     log = tempfile.TemporaryFile()
     p = subprocess.Popen(
         _build_cmd(),
-        cwd=root,
+        cwd=_ROOT,
         env=dict(os.environ, QUACK_CACHE_DIR=cache_dir),
         stdout=log,
         stderr=subprocess.STDOUT,
-        preexec_fn=lambda: os.nice(10),  # the plugin's own compiles first: they gate tests
     )
+    # the plugin's own compiles first: they gate tests. Set here, not in a preexec_fn (unsafe
+    # in a process with threads, as torch's is); the build forks its workers after its imports
+    try:
+        os.setpriority(os.PRIO_PROCESS, p.pid, 10)
+    except OSError:  # already ended: nothing to lower
+        pass
     _SHIPPED[cache_dir] = (p, log)
 
 
@@ -277,11 +281,10 @@ def finish_shipped_build(cache_dir: str, timeout: float) -> tuple[int, str]:
 
     got = _SHIPPED.pop(cache_dir, None)
     if got is None:
-        root = os.path.dirname(shipped_manifests()[0]) + "/.."
         env = dict(os.environ, QUACK_CACHE_DIR=cache_dir)
         try:
             r = subprocess.run(
-                _build_cmd(), cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+                _build_cmd(), cwd=_ROOT, env=env, capture_output=True, text=True, timeout=timeout
             )
         except subprocess.TimeoutExpired as e:
             return 124, f"the build took over {timeout:.0f} s: {e}"
