@@ -220,7 +220,6 @@ class Loaders:
     def __init__(self, jobs: int, run: bool):
         if jobs < 1:
             raise ValueError(f"start_loaders: jobs must be at least 1, not {jobs}")
-        self.run = run
         self.pool = _Pool(gpu=run)
         self.children: list[ChildProcess] = []
         try:
@@ -229,6 +228,11 @@ class Loaders:
         except BaseException:
             self.close()
             raise
+
+    @property
+    def run(self) -> bool:
+        """Started for reference runs: GPU-visible, prebuilt-only children."""
+        return self.pool.gpu
 
     def close(self) -> None:
         """Kill and reap every child still here (a no-op after ``load_fresh`` took them)."""

@@ -208,14 +208,14 @@ def read_memo(path: str):
 
 
 def write_memo(path: str, value) -> None:
-    """Atomically (a reader sees the whole file or none): tmp file, then rename."""
+    """Atomically (a reader sees the whole file or none), as the cache publishes."""
     import json
+    from pathlib import Path
+
+    from quack.cache.fsutil import write_atomic
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(value, f, separators=(",", ":"))
-    os.replace(tmp, path)
+    write_atomic(Path(path), json.dumps(value, separators=(",", ":")).encode(), fsync=False)
 
 
 # The verify-all test's build of every shipped manifest (test_reference_hooks_gpu.py), started
