@@ -180,16 +180,49 @@ def _default_manifest_sample(tmp_path, per_kernel: int = 2):
 # A hang guard, not a speed check: its compiles run on two one-CPU actors under the rest of
 # the suite's load, and beside four busy loops the default manifest's 51 ran past
 # pytest-timeout's 600 s (issue 24 item 4: the suite must pass oversubscribed).
+#
+# Both actors compile: the build dispatches as soon as its first actor is ready (as it
+# should), so under load the second node's actor once said hello after the first had
+# compiled all 14 keys, and the spread checks below failed on one node. A preload module
+# (imported by each actor as it starts, before its hello) holds each actor until both
+# have started, bounded: past the bound the build goes on and the node count fails.
+GATE = """
+import os, time
+
+MARKS = {marks!r}
+open(os.path.join(MARKS, str(os.getpid())), "w").close()
+deadline = time.monotonic() + 300
+while len(os.listdir(MARKS)) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def gated_project(tmp_path: Path, manifest: Path) -> tuple[Path, dict]:
+    """A project building ``manifest`` with the shipped kernels, whose actors start
+    together (GATE): the gate ships as a kernel package; its module is private (``_``),
+    so the kernel scan of the coordinator never imports it, only the actors' preload."""
+    marks = tmp_path / "gate-marks"
+    marks.mkdir()
+    pkg = tmp_path / "gatepkgs" / "qrt_gate"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_both.py").write_text(GATE.format(marks=str(marks)))
+    proj = write_project(tmp_path / "proj", manifest.read_text(), packages=("quack_kernels", "qrt_gate"))
+    toml = proj / "quack.toml"
+    toml.write_text(toml.read_text().replace("[build]\n", '[build]\npreload = ["qrt_gate._both"]\n'))
+    return proj, sub_env(tmp_path / "cache", str(tmp_path / "gatepkgs"))
+
+
 @pytest.mark.timeout(1800)
 def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_path):
     sample, configs, s = _default_manifest_sample(tmp_path)
     assert len(configs) == 14 and len({c.kernel for c in configs}) == 7
     cache = tmp_path / "cache"
-    env = sub_env(cache)
+    proj, env = gated_project(tmp_path, sample)
     trace = tmp_path / "trace.json"
     r = quack_sub(
-        ["build", str(sample), "--executor", cluster, "--json", "--trace", str(trace)],
-        ROOT,
+        ["build", "--executor", cluster, "--json", "--trace", str(trace)],
+        proj,
         env,
         timeout=1500,
     )
@@ -199,6 +232,7 @@ def test_default_manifest_through_ray_is_bit_identical_to_local(cluster, tmp_pat
     assert res["executor"] == "ray" and res["ok"] and res["failed"] == 0
     assert res["compiled"] == res["total"] > 0
     st = res["executor_stats"]
+    assert res["preload"] == ["qrt_gate._both"] and len(list((tmp_path / "gate-marks").iterdir())) == 2
     assert len(st["nodes"]) == 2 and st["actors_refused"] == 0 and st["published"] == res["compiled"]
     # Per-actor lanes in the trace: one per actor that compiled, named by node and pid.
     doc = json.loads(trace.read_text())
