@@ -55,7 +55,17 @@ def test_kernels_package_imports_itself_relatively():
 
 def _pip(py: Path, *args: str) -> None:
     r = subprocess.run(
-        [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check", *args],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(py),
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            *args,
+        ],
         capture_output=True,
         text=True,
         timeout=600,
@@ -75,7 +85,9 @@ def test_non_editable_install_next_to_huggingface_kernels(tmp_path):
     then `pip install .` (not editable; the heavy GPU dependencies left out, they don't
     decide what lands in site-packages). Both packages import, each from its own files."""
     env_dir = tmp_path / "venv"
-    venv.EnvBuilder(with_pip=True).create(env_dir)
+    # No pip of its own: this interpreter's pip installs into it (`pip --python`), as
+    # test_bundles_e2e.py's venvs do. ensurepip was 9 of the test's 50 CPU-seconds.
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = env_dir / "bin" / "python"
     # Hugging Face's package and quack's light dependencies in one resolve (one pip run
     # fewer: each costs seconds of start-up); then quack itself, --no-deps.
