@@ -450,3 +450,81 @@ def test_ray_executor_stats_list_every_counter_in_order_before_start(tmp_path):
     ex.counts["a_new_counter"] = 3  # one _STATS_ORDER does not list: reported, not dropped
     assert ex.stats()["a_new_counter"] == 3
     ex.close()  # never started: nothing to stop
+
+
+# --- Ray Client: a server-side spawn failure gets one more try, and only that -----------------
+
+
+class _FakeRay:
+    """``ray.init`` raising each given error in turn, then connecting."""
+
+    def __init__(self, *errors: Exception):
+        self.errors = list(errors)
+        self.inits = 0
+        self.shutdowns = 0
+
+    def is_initialized(self) -> bool:
+        return False
+
+    def init(self, address=None, **kw):
+        self.inits += 1
+        if self.errors:
+            raise self.errors.pop(0)
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+SPAWN = (
+    "ConnectionAbortedError: RuntimeError: Starting Ray client server failed. See ray_client_server_23000.err"
+)
+
+
+@pytest.fixture
+def listening():
+    """A port that accepts TCP connects, so ``probe`` passes without a cluster."""
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(8)
+    yield s.getsockname()[1]
+    s.close()
+
+
+def test_ray_client_spawn_failure_is_tried_once_more(listening, caplog):
+    from quack_build.build.executors.ray import cluster
+
+    fake = _FakeRay(ConnectionAbortedError(SPAWN))
+    with caplog.at_level("WARNING", logger="quack"):
+        got = cluster.connect(fake, f"ray://127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert got == f"ray://127.0.0.1:{listening}"
+    assert (fake.inits, fake.shutdowns) == (2, 1)
+    assert [r.getMessage() for r in caplog.records if "trying once more" in r.getMessage()]
+
+
+def test_ray_client_spawn_failure_every_time_stops_after_two_attempts(listening):
+    from quack_build.build.executors.ray import cluster
+
+    fake = _FakeRay(*[ConnectionAbortedError(SPAWN)] * 5)
+    with pytest.raises(ExecutorError) as ei:
+        cluster.connect(fake, f"ray://127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert fake.inits == cluster.CLIENT_ATTEMPTS == 2
+    assert "(after 2 attempts)" in str(ei.value) and "Starting Ray client server failed" in str(ei.value)
+
+
+@pytest.mark.parametrize(
+    "form, error",
+    [
+        ("ray://127.0.0.1:{port}", ValueError("runtime_env: bad py_modules")),  # the job, not the spawn
+        ("127.0.0.1:{port}", ConnectionAbortedError(SPAWN)),  # not Ray Client: no such server
+    ],
+)
+def test_other_ray_init_failures_are_not_retried(listening, form, error):
+    from quack_build.build.executors.ray import cluster
+
+    fake = _FakeRay(error, error)
+    with pytest.raises(ExecutorError) as ei:
+        cluster.connect(fake, form.format(port=listening), num_cpus=None, runtime_env={})
+    assert fake.inits == 1 and fake.shutdowns == 0
+    assert "attempts" not in str(ei.value)

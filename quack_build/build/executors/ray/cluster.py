@@ -18,6 +18,13 @@ from quack_build.build.executors.base import RAY_INSTALL_HINT
 
 CONNECT_TIMEOUT_S = 5.0  # reaching a cluster's address; an unreachable one fails fast
 # What every actor runs with: GPU-blind, no second (hidden) CuTe DSL cache, no forkserver preload.
+# Ray Client's server side starts a process per client ("SpecificServer"); on a loaded head
+# that start sometimes fails once and works the next time (seen on a 2-core CI host:
+# "Starting Ray client server failed" for the first client of a fresh cluster). These two
+# messages are that spawn failing, not the address or the job: worth one more try.
+CLIENT_SPAWN_FAILURES = ("Starting Ray client server failed", "Proxy failed to Connect to backend")
+CLIENT_ATTEMPTS = 2
+log = logging.getLogger("quack")
 ACTOR_ENV = {"CUDA_VISIBLE_DEVICES": "", "CUTE_DSL_DISABLE_FILE_CACHING": "1", "QUACK_NO_PRELOAD": "1"}
 
 
@@ -94,6 +101,28 @@ def stage_packages(names) -> tuple[str, list[str]]:
     return stage, out
 
 
+def retry_client_spawn(ray, address: str | None, e: BaseException, attempt: int) -> bool:
+    """Whether ``ray.init`` failed because the Ray Client server could not start this
+    client's server process, with an attempt left; if so, says so (quack logger) and
+    drops what the failed attempt left connected. Bounded: CLIENT_ATTEMPTS in all."""
+    if not (address or "").startswith("ray://") or attempt >= CLIENT_ATTEMPTS:
+        return False
+    if not any(m in str(e) for m in CLIENT_SPAWN_FAILURES):
+        return False
+    log.warning(
+        "ray: %s: %s; trying once more (attempt %d of %d)",
+        address,
+        first_line(e),
+        attempt + 1,
+        CLIENT_ATTEMPTS,
+    )
+    try:
+        ray.shutdown()
+    except Exception:  # noqa: BLE001 - nothing may be connected after a failed init
+        pass
+    return True
+
+
 def connect(
     ray, target: str, *, num_cpus: int | None, runtime_env: dict, connect_timeout: float = CONNECT_TIMEOUT_S
 ) -> str:
@@ -115,22 +144,29 @@ def connect(
     if address and address != "auto":
         probe(address, connect_timeout)
     kw = dict(log_to_driver=False, logging_level=logging.WARNING, runtime_env=runtime_env)
-    try:
-        if address is None:
-            ray.init(
-                address="local",
-                num_cpus=num_cpus or os.cpu_count() or 1,
-                _node_ip_address="127.0.0.1",
-                include_dashboard=False,
-                **kw,
-            )
-        else:
-            ray.init(address=address, **kw)
-    except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError...
-        where = address or "a new local instance"
-        raise ExecutorError(
-            f"cannot start Ray ({where}): {first_line(e)}", executor="ray", address=address or ""
-        ) from None
+    attempt = 1
+    while True:
+        try:
+            if address is None:
+                ray.init(
+                    address="local",
+                    num_cpus=num_cpus or os.cpu_count() or 1,
+                    _node_ip_address="127.0.0.1",
+                    include_dashboard=False,
+                    **kw,
+                )
+            else:
+                ray.init(address=address, **kw)
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises ConnectionError, RuntimeError, ValueError...
+            if retry_client_spawn(ray, address, e, attempt):
+                attempt += 1
+                continue
+            where = address or "a new local instance"
+            tries = f" (after {attempt} attempts)" if attempt > 1 else ""
+            raise ExecutorError(
+                f"cannot start Ray ({where}){tries}: {first_line(e)}", executor="ray", address=address or ""
+            ) from None
     if address and address != "auto":
         return address
     try:
