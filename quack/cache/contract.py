@@ -75,6 +75,10 @@ class Store(Protocol):
     - ``lock(ref, timeout)``: a context manager holding the key's lock. Raises
       LockTimeout (held elsewhere past ``timeout``), CacheError (planted
       symlink), CacheWriteError (cannot create it).
+    - ``claim(ref)``: the key's lock taken now, without waiting, as an open
+      descriptor the caller owns (the same lock as ``lock``; handed to another
+      process with the descriptor), or None when another process holds it.
+      Raises CacheError (planted lock file), CacheWriteError (cannot create it).
     - ``tmp_obj(ref)``: a fresh private temp file next to the entry. Raises
       CacheWriteError.
     - ``publish(ref, tmp_obj, meta)``: moves the temp .o into place, metadata
@@ -99,6 +103,8 @@ class Store(Protocol):
     def inspect(self, ref: EntryRef) -> Inspection: ...
 
     def lock(self, ref: EntryRef, timeout: float | None = None) -> AbstractContextManager[None]: ...
+
+    def claim(self, ref: EntryRef) -> int | None: ...
 
     def tmp_obj(self, ref: EntryRef) -> Path: ...
 

@@ -282,6 +282,51 @@ class DiskStore:
         finally:
             lk.release()
 
+    def claim(self, ref: EntryRef) -> int | None:
+        """The key's lock, taken now without waiting, as an open descriptor the caller owns
+        (closing every copy of it releases the lock); None when another process holds it.
+        The same flock as ``lock`` (filelock's on Unix), so the two exclude each other.
+        For a compile handed to another process with the descriptor (the compile pool
+        sends it to its worker): the key is locked from the moment this process decides to
+        compile it, not from when a worker gets to it, so seven processes asking at once
+        await the eighth instead of each starting a worker first.
+        Raises CacheError (a planted lock file), CacheWriteError (can't create it)."""
+        import fcntl
+
+        self._ensure(ref)
+        path = self.paths(ref)["lock"]
+        # O_NONBLOCK: a FIFO or device planted as the lock file opens at once (then refused)
+        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(path, flags, 0o600)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise CacheError(
+                    f"lock file is a symbolic link (planted; quack refuses to follow it: "
+                    f"run quack cache clean, or rm it): {path}",
+                    path=str(path),
+                ) from None
+            raise write_error(e, self.root, f"creating the lock {path}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise CacheError(
+                    f"lock file is not a regular file (planted; quack refuses to use it: "
+                    f"run quack cache clean, or rm it): {path}",
+                    path=str(path),
+                )
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+        except BaseException:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+            raise
+        return fd
+
     def tmp_obj(self, ref: EntryRef) -> Path:
         """A fresh, already-created (O_EXCL, no-follow) temp file for the .o."""
         self._ensure(ref)

@@ -6,6 +6,7 @@ metadata is a convenience."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -88,6 +89,7 @@ def build(
     *,
     force: bool = False,
     lock_timeout: float | None = None,
+    lock_held: bool = False,
 ) -> tuple[Entry, bool]:
     """Make sure the entry exists; returns (entry, compiled_here). Check, lock, check again:
     a key another process is compiling is awaited on its lock, not compiled twice.
@@ -100,7 +102,9 @@ def build(
         e = store.lookup(ref)
         if e is not None:
             return e, False
-    with store.lock(ref, timeout=lock_timeout):
+    # lock_held: the caller holds the key's lock already (a pool worker given the pool's
+    # claim, quack.compile.claims); taking it again from here would wait on ourselves
+    with contextlib.nullcontext() if lock_held else store.lock(ref, timeout=lock_timeout):
         if not force:
             e = store.lookup(ref)
             if e is not None:

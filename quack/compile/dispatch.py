@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from multiprocessing import connection as mpc
+from multiprocessing import reduction
 from typing import Callable
 
 from quack.compile import external, tasks, worker
@@ -225,6 +226,9 @@ class Dispatcher:
             t = self._queue.pop(0)
             try:
                 w.conn.send((worker_build, t.request))
+                if t.claim_fd is not None:
+                    # the key's lock goes with the task (the request says one follows)
+                    reduction.send_handle(w.conn, t.claim_fd, w.proc.pid)
             except (OSError, ValueError):
                 self._queue.insert(0, t)
                 continue  # a dead worker; its sentinel reports it when collected
@@ -232,6 +236,7 @@ class Dispatcher:
                 self._queue.insert(0, t)  # still held: _fail_everything fails it
                 raise
             w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
+            t.release_claim()  # the worker holds the lock now; it ends with its compile
 
     def _workers_needed(self) -> int:
         """How many workers to start (queued work or a prewarm), within ``jobs``;

@@ -33,17 +33,22 @@ def lock_held(path) -> bool:
         os.close(fd)
 
 
-def paths(spec, params, arch, s) -> tuple[str, str] | None:
-    """(lock path, metadata path) of the key in the settings' local store; None when
-    the cache is unusable."""
+def claim(spec, params, arch, s) -> tuple[int | None, tuple[str, str]] | None:
+    """Lock the key now for a compile this process will hand to a worker (``Store.claim``):
+    (the claim's descriptor, or None when another process holds the key; (lock path,
+    metadata path)). None when the cache can't say (unusable, a planted lock file): the
+    worker's own attempt reports that."""
     try:
         from quack.cache.store import local_store
-        from quack.compile import builder
+        from quack.compile import builder, claims
 
-        p = local_store(s).paths(builder.entry_ref(spec, params, arch))
-        return str(p["lock"]), str(p["meta"])
+        store = local_store(s)
+        ref = builder.entry_ref(spec, params, arch)
+        p = store.paths(ref)
+        fd = store.claim(ref)
     except Exception:  # noqa: BLE001 - an unusable cache is the worker's to report
         return None
+    return (claims.track(fd) if fd is not None else None), (str(p["lock"]), str(p["meta"]))
 
 
 def check(t: Task, now: float) -> str | None:

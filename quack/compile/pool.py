@@ -21,7 +21,10 @@ each worker holds, so
   workers at interpreter exit.
 
 A key whose per-key lock another process holds (another xdist worker, a
-``quack build``) is not submitted but awaited: ``quack/compile/external.py``.
+``quack build``) is not submitted but awaited: ``quack/compile/external.py``. A key
+this pool will compile is locked at ``submit`` (``Store.claim``) and the lock handed
+to the worker with the task (``quack/compile/claims.py``): processes asking for one
+cold key at once start one worker between them, not one each.
 
 States are per (cache root, key): a pool used under several Settings (tests
 that install their own cache directory) never confuses their entries.
@@ -35,6 +38,7 @@ per-attempt records) are ``quack/compile/scope.py``."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -161,9 +165,15 @@ class CompilePool:
                 self._book.cancel(task)
                 return FAILED
             if not force:
-                ext = external.paths(spec, params, arch, s)
-                if ext is not None and external.lock_held(ext[0]):
-                    task.external_lock, task.obj_meta = ext
+                # Lock the key now (handed to the worker with the task): of processes
+                # asking for one cold key at once, one compiles and the rest await it here,
+                # instead of each starting a worker that then waits on the lock.
+                got = external.claim(spec, params, arch, s)
+                if got is not None and got[0] is not None:
+                    task.claim_fd = got[0]
+                    task.request = dataclasses.replace(args, claimed=True)
+                elif got is not None:
+                    task.external_lock, task.obj_meta = got[1]
                     task.started = time.monotonic()
                     self.counts["awaited_external"] += 1
                     log.info(

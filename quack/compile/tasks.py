@@ -13,6 +13,7 @@ import logging
 import signal
 import time
 
+from quack.compile import claims
 from quack.compile.worker import WorkerRequest
 from quack.errors import CompileError
 
@@ -54,6 +55,7 @@ class Task:
         "pid",
         "external_lock",
         "obj_meta",
+        "claim_fd",
     )
 
     def __init__(self, ident, key, root, kernel, params, arch, request: WorkerRequest, timeout):
@@ -70,6 +72,14 @@ class Task:
         self.pid: int | None = None
         self.external_lock: str | None = None  # lock path, for a key another process is compiling
         self.obj_meta: str | None = None  # its metadata path (written last by a publish)
+        # the key's lock, held here until the worker has its copy (quack.compile.claims)
+        self.claim_fd: int | None = None
+
+    def release_claim(self) -> None:
+        """Let go of this process's copy of the key's lock (sent, or the task ended)."""
+        fd, self.claim_fd = self.claim_fd, None
+        if fd is not None:
+            claims.release(fd)
 
     def info(self) -> TaskInfo:
         return TaskInfo(
@@ -176,6 +186,7 @@ class TaskBook:
         """Record a task's outcome (the worker's report, or the error). Returns False,
         recording nothing, when the key has moved on to another task."""
         ident = task.ident
+        task.release_claim()  # ended: a lock still held here (never sent) goes now
         if self._tasks.get(ident) is not task:
             return False
         if ok:
@@ -199,6 +210,7 @@ class TaskBook:
 
     def cancel(self, task: Task) -> None:
         """The pool shut down: a pending key fails as cancelled (not counted as failed)."""
+        task.release_claim()
         if self._state.get(task.ident) == PENDING:
             self._state[task.ident] = FAILED
             self._errors[task.ident] = cancelled_error(task)

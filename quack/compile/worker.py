@@ -18,6 +18,7 @@ import threading
 import time
 import traceback
 import types
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -40,11 +41,15 @@ class WorkerRequest:
     force: bool = False
     preload: tuple = ()  # [build] preload: imported before the first task (quack.compile.preload)
     preload_source: str = ""  # where it was set (a quack.toml, QUACK_PRELOAD), for the error
+    # the pool took the key's lock and sends it right after this request (a descriptor over
+    # the pipe): the worker builds under it instead of taking the lock itself
+    claimed: bool = False
 
 
 # -- worker side ---------------------------------------------------------------------------
-def worker_build(req: WorkerRequest) -> dict:
-    """Task run in a worker: import, compile, publish. Returns a small report."""
+def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
+    """Task run in a worker: import, compile, publish. Returns a small report. ``lock_fd``:
+    the key's lock, taken by the pool (``req.claimed``); held until this returns."""
     from quack import registry
     from quack.cache.store import DiskStore
     from quack.compile import builder, preload
@@ -59,7 +64,9 @@ def worker_build(req: WorkerRequest) -> dict:
     bound = spec.bind((), req.params)
     store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
-    entry, compiled = builder.build(spec, bound, req.arch, store, force=req.force)
+    entry, compiled = builder.build(
+        spec, bound, req.arch, store, force=req.force, lock_held=lock_fd is not None
+    )
     return {
         "key": entry.ref.key,
         "compiled": compiled,
@@ -85,8 +92,14 @@ def _worker_main(conn) -> None:
         if msg is None:
             return
         fn, req = msg
+        lock_fd = None
+        if getattr(req, "claimed", False):
+            try:
+                lock_fd = reduction.recv_handle(conn)
+            except (EOFError, OSError):
+                return  # the pool went away mid-hand-over: nothing to build for
         try:
-            result = ("ok", fn(req))
+            result = ("ok", fn(req) if lock_fd is None else fn(req, lock_fd))
         except CompileError as e:
             result = ("err", e)
         except (CacheError, LockTimeout) as e:  # the cache's problem: the caller runs uncached
@@ -99,6 +112,9 @@ def _worker_main(conn) -> None:
                     getattr(req, "kernel", "?"), getattr(req, "params", {}), getattr(req, "arch", "?"), detail
                 ),
             )
+        finally:
+            if lock_fd is not None:
+                os.close(lock_fd)  # the key's lock, released after the publish (or the failure)
         try:
             conn.send(result)
         except Exception:  # noqa: BLE001 - unpicklable result: send text instead

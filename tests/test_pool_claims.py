@@ -1,0 +1,164 @@
+"""The pool's claim on a key (quack.compile.claims): the key's lock is taken when the
+pool decides to compile it and handed to the worker with the task. Unit tests of the
+store's non-blocking claim and of a fork's copies; end to end, a coordinator killed
+mid-compile leaves the lock with its worker, which publishes under it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import toykernels
+
+from quack.cache.store import DiskStore
+from quack.compile import builder, claims, external
+from quack.errors import CacheError, LockTimeout
+
+SPEC = toykernels.toy_scale.spec
+
+
+def _ref():
+    return builder.entry_ref(SPEC, SPEC.bind(("float32", 32, False), {}), "sm_90a")
+
+
+def test_a_claim_is_the_key_lock_and_excludes_every_other_holder(cache_dir):
+    store, ref = DiskStore(cache_dir), _ref()
+    lock = str(store.paths(ref)["lock"])
+    fd = store.claim(ref)
+    assert fd is not None and external.lock_held(lock)
+    try:
+        assert store.claim(ref) is None  # a second open file: refused, not queued
+        with pytest.raises(LockTimeout):  # the same flock as Store.lock (filelock)
+            with store.lock(ref, timeout=0.2):
+                pass
+    finally:
+        os.close(fd)
+    assert not external.lock_held(lock)
+    with store.lock(ref, timeout=5):  # and the other way round
+        assert store.claim(ref) is None
+    fd2 = store.claim(ref)
+    assert fd2 is not None
+    os.close(fd2)
+
+
+def test_a_planted_lock_file_is_refused_by_name(cache_dir, tmp_path):
+    store, ref = DiskStore(cache_dir), _ref()
+    store.claim(ref) and None  # creates the entry directory (and the lock file)
+    lock = store.paths(ref)["lock"]
+    os.unlink(lock)
+    os.symlink(tmp_path / "elsewhere", lock)
+    with pytest.raises(CacheError) as ei:
+        store.claim(ref)
+    assert str(lock) in str(ei.value) and "symbolic link" in str(ei.value)
+    assert not (tmp_path / "elsewhere").exists()
+    os.unlink(lock)
+    os.mkfifo(lock)  # opens at once (O_NONBLOCK), then refused
+    with pytest.raises(CacheError) as ei:
+        store.claim(ref)
+    assert "not a regular file" in str(ei.value)
+
+
+def test_a_forked_child_drops_its_copies_of_the_claims(cache_dir):
+    """A child forked while a claim is held (a fork-started worker, a DataLoader worker)
+    must not keep the key locked for its life: it closes its copies at once."""
+    store, ref = DiskStore(cache_dir), _ref()
+    fd = claims.track(store.claim(ref))
+    r, w = os.pipe()
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: report whether it still has the descriptor, then wait
+            try:
+                os.fstat(fd)
+                os.write(w, b"kept")
+            except OSError:
+                os.write(w, b"gone")
+            time.sleep(30)
+            os._exit(0)
+        try:
+            assert os.read(r, 4) == b"gone"
+            claims.release(fd)
+            # the child is alive, yet the lock is free: only this process held it
+            assert not external.lock_held(str(store.paths(ref)["lock"]))
+        finally:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+    finally:
+        claims.release(fd)
+        os.close(r)
+        os.close(w)
+    assert claims.held() == 0
+
+
+_COORDINATOR = r"""
+import sys, relkernels
+relkernels.rel_copy(55)
+print("loaded")
+"""
+
+_LOAD = r"""
+import json, relkernels
+relkernels.rel_copy(55)
+u = relkernels.rel_copy.usage()[0]
+print(json.dumps({k: u[k] for k in ("compiles", "waits", "hits")}))
+"""
+
+
+def _wait_for(pred, timeout=120.0, step=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError(f"not within {timeout} s")
+
+
+def test_coordinator_killed_mid_compile_leaves_the_lock_with_its_worker(tmp_path, tmp_path_factory):
+    """The pool's copy of the lock goes once the worker has its own: killing the process
+    that asked must neither release the key to a second compile nor lose the object."""
+    import json
+
+    from reliability_support import session_objects
+    from test_failpaths_runtime import env
+
+    obj = session_objects(tmp_path_factory)["float32"]["path"]
+    cache, counter = tmp_path / "cache", tmp_path / "compiles"
+    e = env(
+        QUACK_CACHE_DIR=cache,
+        QUACK_MODE="jit",
+        QUACK_TEST_OBJ=obj,
+        QUACK_TEST_COUNTER=counter,
+        QUACK_TEST_COMPILE_SLEEP=3.0,
+        QUACK_COMPILE_JOBS=1,
+    )
+    p = subprocess.Popen([sys.executable, "-c", _COORDINATOR], env=e, cwd=str(tmp_path))
+    try:
+        # the worker is inside the compile (it writes its line, then sleeps 3 s)
+        line = _wait_for(lambda: counter.exists() and counter.read_text().strip())
+        worker_pid = int(line.split()[0])
+        assert worker_pid != p.pid
+        locks = list(cache.glob("v1/**/*.lock"))
+        assert len(locks) == 1 and external.lock_held(str(locks[0]))
+        p.send_signal(signal.SIGKILL)
+        p.wait(60)
+        # the coordinator is gone; the worker still holds the key
+        assert external.lock_held(str(locks[0]))
+        meta = locks[0].with_suffix(".json")
+        _wait_for(meta.exists)
+        _wait_for(lambda: not external.lock_held(str(locks[0])))
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(60)
+    e.pop("QUACK_TEST_COMPILE_SLEEP")
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD], env=e, cwd=str(tmp_path), capture_output=True, text=True, timeout=240
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    u = json.loads(r.stdout.strip().splitlines()[-1])
+    assert u["compiles"] == 0 and u["waits"] == 0 and u["hits"] == 1, u
+    assert len(counter.read_text().splitlines()) == 1  # one compile in all
