@@ -162,3 +162,71 @@ def test_coordinator_killed_mid_compile_leaves_the_lock_with_its_worker(tmp_path
     u = json.loads(r.stdout.strip().splitlines()[-1])
     assert u["compiles"] == 0 and u["waits"] == 0 and u["hits"] == 1, u
     assert len(counter.read_text().splitlines()) == 1  # one compile in all
+
+
+# -- through a real pool ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def pool(quack_settings):
+    from quack.compile import pool as qpool
+
+    p = qpool.CompilePool(2)
+    yield p
+    p.shutdown()
+
+
+def _pending_key(call) -> str:
+    from quack.errors import CompilePending
+
+    with pytest.raises(CompilePending) as ei:
+        call()
+    return ei.value.key
+
+
+def test_claims_held_at_once_are_capped_and_all_let_go(pool, monkeypatch):
+    """Each queued key's claim is an open descriptor: past MAX_HELD a key is queued
+    unclaimed (its worker locks it), so a pool given hundreds of keys can't run out."""
+    import poolkernels
+
+    from quack.compile import scope as qscope
+    from quack.compile import tasks as qtasks
+
+    monkeypatch.setattr(claims, "MAX_HELD", 2)
+    base = random_tag()
+    with qscope.pool_scope(pool):
+        keys = [_pending_key(lambda i=i: poolkernels.pool_fault("ok", base + i)) for i in range(5)]
+        assert claims.held() <= 2
+        for k in keys:
+            assert pool.wait(k, timeout=240) == (qtasks.DONE, None)
+    reports = [pool.report(k) for k in keys]
+    assert all(r["compiled"] for r in reports)
+    assert 2 <= sum(r["claimed"] for r in reports) < 5, reports
+    assert claims.held() == 0
+
+
+def test_a_worker_killed_mid_compile_releases_the_claimed_key(pool, cache_dir):
+    import poolkernels
+
+    from quack.compile import scope as qscope
+    from quack.compile import tasks as qtasks
+
+    tag = random_tag()
+    pf = poolkernels.pid_file(tag)
+    with qscope.pool_scope(pool):
+        key = _pending_key(lambda: poolkernels.pool_fault("die", tag))
+        locks = lambda: [p for p in cache_dir.glob("v1/**/*.lock") if key in p.name]  # noqa: E731
+        _wait_for(lambda: os.path.exists(pf) and open(pf).read().strip())
+        (lock,) = locks()
+        assert external.lock_held(str(lock)) and claims.held() == 0  # the worker's alone now
+        os.kill(int(open(pf).read()), signal.SIGKILL)
+        os.unlink(pf)
+        st, err = pool.wait(key, timeout=60)
+    assert st == qtasks.FAILED and "SIGKILL" in str(err), err
+    assert not external.lock_held(str(lock))
+
+
+def random_tag() -> int:
+    import random
+
+    return random.randrange(1, 1 << 30)

@@ -17,6 +17,13 @@ from __future__ import annotations
 import os
 import threading
 
+#: Claims held at once, at most: one open descriptor per key queued here. A pool given
+#: hundreds of keys at once (`quack tune`'s candidates, a plugin run's deferred misses)
+#: would otherwise hold one per queued key, against a descriptor limit often 1024; past
+#: this many, a key is queued unclaimed and its worker takes the lock itself, as it did
+#: before claims (another process may then start a worker of its own for it).
+MAX_HELD = 64
+
 _held: set[int] = set()
 _lock = threading.Lock()
 

@@ -33,11 +33,13 @@ def lock_held(path) -> bool:
         os.close(fd)
 
 
-def claim(spec, params, arch, s) -> tuple[int | None, tuple[str, str]] | None:
-    """Lock the key now for a compile this process will hand to a worker (``Store.claim``):
-    (the claim's descriptor, or None when another process holds the key; (lock path,
-    metadata path)). None when the cache can't say (unusable, a planted lock file): the
-    worker's own attempt reports that."""
+def claim(spec, params, arch, s, *, take: bool = True) -> tuple[int | None, tuple[str, str]] | None:
+    """Lock the key now for a compile this process will hand to a worker (``Store.claim``).
+    Returns (the claim's descriptor, or None when another process holds the key; (lock
+    path, metadata path)), or None when the key is free but not claimed: ``take`` False
+    (the pool holds its most claims; the worker takes the lock itself, as without a
+    claim) or the cache can't say (unusable, a planted lock file: the worker's own
+    attempt reports that)."""
     try:
         from quack.cache.store import local_store
         from quack.compile import builder, claims
@@ -45,10 +47,13 @@ def claim(spec, params, arch, s) -> tuple[int | None, tuple[str, str]] | None:
         store = local_store(s)
         ref = builder.entry_ref(spec, params, arch)
         p = store.paths(ref)
+        where = (str(p["lock"]), str(p["meta"]))
+        if not take:
+            return (None, where) if lock_held(where[0]) else None
         fd = store.claim(ref)
     except Exception:  # noqa: BLE001 - an unusable cache is the worker's to report
         return None
-    return (claims.track(fd) if fd is not None else None), (str(p["lock"]), str(p["meta"]))
+    return (claims.track(fd) if fd is not None else None), where
 
 
 def check(t: Task, now: float) -> str | None:

@@ -44,7 +44,7 @@ import os
 import threading
 import time
 
-from quack.compile import external, tasks
+from quack.compile import claims, external, tasks
 from quack.compile.dispatch import Dispatcher
 from quack.compile.tasks import DONE, FAILED, PENDING, Task, TaskInfo
 from quack.compile.worker import WorkerRequest
@@ -168,7 +168,7 @@ class CompilePool:
                 # Lock the key now (handed to the worker with the task): of processes
                 # asking for one cold key at once, one compiles and the rest await it here,
                 # instead of each starting a worker that then waits on the lock.
-                got = external.claim(spec, params, arch, s)
+                got = external.claim(spec, params, arch, s, take=claims.held() < claims.MAX_HELD)
                 if got is not None and got[0] is not None:
                     task.claim_fd = got[0]
                     task.request = dataclasses.replace(args, claimed=True)

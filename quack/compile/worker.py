@@ -75,6 +75,7 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
         "wall_s": time.perf_counter() - t0,
         "obj": str(entry.obj_path),
         "preload_s": round(preload_s, 3),
+        "claimed": lock_fd is not None,  # built under the lock the pool took at submit
     }
 
 
