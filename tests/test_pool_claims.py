@@ -201,7 +201,9 @@ def test_claims_held_at_once_are_capped_and_all_let_go(pool, monkeypatch):
             assert pool.wait(k, timeout=240) == (qtasks.DONE, None)
     reports = [pool.report(k) for k in keys]
     assert all(r["compiled"] for r in reports)
-    assert 2 <= sum(r["claimed"] for r in reports) < 5, reports
+    # at least the first two went out claimed (more if a worker took one before the rest
+    # were submitted: the cap counts claims held, not claims ever taken)
+    assert sum(r["claimed"] for r in reports) >= 2, reports
     assert claims.held() == 0
 
 
