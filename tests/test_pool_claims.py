@@ -13,6 +13,7 @@ import time
 
 import pytest
 import toykernels
+from interrupt_support import wait_for
 
 from quack.cache.store import DiskStore
 from quack.compile import builder, claims, external
@@ -110,16 +111,6 @@ print(json.dumps({k: u[k] for k in ("compiles", "waits", "hits")}))
 """
 
 
-def _wait_for(pred, timeout=120.0, step=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError(f"not within {timeout} s")
-
-
 def test_coordinator_killed_mid_compile_leaves_the_lock_with_its_worker(tmp_path, tmp_path_factory):
     """The pool's copy of the lock goes once the worker has its own: killing the process
     that asked must neither release the key to a second compile nor lose the object."""
@@ -141,7 +132,8 @@ def test_coordinator_killed_mid_compile_leaves_the_lock_with_its_worker(tmp_path
     p = subprocess.Popen([sys.executable, "-c", _COORDINATOR], env=e, cwd=str(tmp_path))
     try:
         # the worker is inside the compile (it writes its line, then sleeps 3 s)
-        line = _wait_for(lambda: counter.exists() and counter.read_text().strip())
+        line = wait_for(lambda: counter.exists() and counter.read_text().strip(), 120, "the worker's compile")
+        assert line, "the worker never started the compile"
         worker_pid = int(line.split()[0])
         assert worker_pid != p.pid
         locks = list(cache.glob("v1/**/*.lock"))
@@ -151,8 +143,8 @@ def test_coordinator_killed_mid_compile_leaves_the_lock_with_its_worker(tmp_path
         # the coordinator is gone; the worker still holds the key
         assert external.lock_held(str(locks[0]))
         meta = locks[0].with_suffix(".json")
-        _wait_for(meta.exists)
-        _wait_for(lambda: not external.lock_held(str(locks[0])))
+        assert wait_for(meta.exists, 120), "the worker never published"
+        assert wait_for(lambda: not external.lock_held(str(locks[0])), 120), "the lock was never released"
     finally:
         if p.poll() is None:
             p.kill()
@@ -221,7 +213,7 @@ def test_a_worker_killed_mid_compile_releases_the_claimed_key(pool, cache_dir):
     with qscope.pool_scope(pool):
         key = _pending_key(lambda: poolkernels.pool_fault("die", tag))
         locks = lambda: [p for p in cache_dir.glob("v1/**/*.lock") if key in p.name]  # noqa: E731
-        _wait_for(lambda: os.path.exists(pf) and open(pf).read().strip())
+        assert wait_for(lambda: os.path.exists(pf) and open(pf).read().strip(), 120), "worker never started"
         (lock,) = locks()
         assert external.lock_held(str(lock)) and claims.held() == 0  # the worker's alone now
         os.kill(int(open(pf).read()), signal.SIGKILL)

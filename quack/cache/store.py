@@ -10,18 +10,16 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import stat
 import time
 import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from quack.cache import fsutil, keys, orphans
+from quack.cache import fsutil, keys, locks, orphans
 from quack.cache.entry import Entry, EntryRef
 from quack.cache.problems import write_error
 from quack.errors import CacheError, CacheWarning, LockTimeout
@@ -248,84 +246,17 @@ class DiskStore:
     # -- writing ---------------------------------------------------------------
     @contextmanager
     def lock(self, ref: EntryRef, timeout: float | None = None) -> Iterator[None]:
-        import filelock
-
         self._ensure(ref)
-        t = self.lock_timeout if timeout is None else timeout
-        path = self.paths(ref)["lock"]
-        try:
-            st = os.lstat(path)
-        except FileNotFoundError:
-            st = None
-        if st is not None and not stat.S_ISREG(st.st_mode):
-            # The remedy before the (long) path: a one-line summary cut at its end keeps it.
-            raise CacheError(
-                f"lock file is a symbolic link or not a regular file (planted; quack "
-                f"refuses to follow it: run quack cache clean, or rm it): {path}",
-                path=str(path),
-            )
-        lk = filelock.FileLock(str(path), timeout=t, mode=0o600)
-        try:
-            lk.acquire()
-        except filelock.Timeout:
-            raise LockTimeout(str(path), t) from None
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CacheError(
-                    f"lock file is a symbolic link (planted; quack refuses to follow it: "
-                    f"run quack cache clean, or rm it): {path}",
-                    path=str(path),
-                ) from None
-            raise write_error(e, self.root, f"creating the lock {path}") from None
-        try:
+        with locks.hold(
+            self.paths(ref)["lock"], self.lock_timeout if timeout is None else timeout, self.root
+        ):
             yield
-        finally:
-            lk.release()
 
     def claim(self, ref: EntryRef) -> int | None:
-        """The key's lock, taken now without waiting, as an open descriptor the caller owns
-        (closing every copy of it releases the lock); None when another process holds it.
-        The same flock as ``lock`` (filelock's on Unix), so the two exclude each other.
-        For a compile handed to another process with the descriptor (the compile pool
-        sends it to its worker): the key is locked from the moment this process decides to
-        compile it, not from when a worker gets to it, so seven processes asking at once
-        await the eighth instead of each starting a worker first.
-        Raises CacheError (a planted lock file), CacheWriteError (can't create it)."""
-        import fcntl
-
+        """The key's lock taken now, without waiting, as a descriptor the caller owns
+        (quack.cache.locks.try_claim); None when another process holds it."""
         self._ensure(ref)
-        path = self.paths(ref)["lock"]
-        # O_NONBLOCK: a FIFO or device planted as the lock file opens at once (then refused)
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise CacheError(
-                    f"lock file is a symbolic link (planted; quack refuses to follow it: "
-                    f"run quack cache clean, or rm it): {path}",
-                    path=str(path),
-                ) from None
-            raise write_error(e, self.root, f"creating the lock {path}") from None
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise CacheError(
-                    f"lock file is not a regular file (planted; quack refuses to use it: "
-                    f"run quack cache clean, or rm it): {path}",
-                    path=str(path),
-                )
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                return None
-        except BaseException:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-            raise
-        return fd
+        return locks.try_claim(self.paths(ref)["lock"], self.root)
 
     def tmp_obj(self, ref: EntryRef) -> Path:
         """A fresh, already-created (O_EXCL, no-follow) temp file for the .o."""
