@@ -227,3 +227,46 @@ def random_tag() -> int:
     import random
 
     return random.randrange(1, 1 << 30)
+
+
+def test_a_failed_lock_hand_over_replaces_the_worker_and_every_key_still_compiles(
+    quack_settings, monkeypatch
+):
+    """The request reached the worker but the lock did not: that worker can build nothing
+    (and would read the next request as the descriptor). It is replaced and the key queued
+    again, claimed; with more keys queued than workers, all of them compile."""
+    from multiprocessing import reduction
+
+    import poolkernels
+
+    from quack.compile import dispatch
+    from quack.compile import pool as qpool
+    from quack.compile import scope as qscope
+    from quack.compile import tasks as qtasks
+
+    calls = []
+
+    class FailOnce:
+        @staticmethod
+        def send_handle(conn, fd, pid):
+            calls.append(pid)
+            if len(calls) == 1:
+                raise OSError("injected: the descriptor did not go")
+            return reduction.send_handle(conn, fd, pid)
+
+    monkeypatch.setattr(dispatch, "reduction", FailOnce)
+    p = qpool.CompilePool(1)
+    try:
+        base = random_tag()
+        with qscope.pool_scope(p):
+            keys = [_pending_key(lambda i=i: poolkernels.pool_fault("ok", base + i)) for i in range(3)]
+            for k in keys:
+                assert p.wait(k, timeout=240) == (qtasks.DONE, None)
+        reports = [p.report(k) for k in keys]
+        st = p.stats()
+    finally:
+        p.shutdown()
+    assert all(r["compiled"] and r["claimed"] for r in reports), reports
+    assert len(calls) == 4 and calls[0] != calls[1]  # the first worker's hand-over failed, then 3 went
+    assert st["workers_started"] == 2 and st["worker_deaths"] == 0 and st["failed"] == 0, st
+    assert claims.held() == 0

@@ -13,6 +13,7 @@ records calls ``changed`` (the pool's bump: its generation and its waiters).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -224,17 +225,35 @@ class Dispatcher:
         while self._queue and idle:
             w = idle.pop()
             t = self._queue.pop(0)
+            fd = t.claim_fd
+            # the request says whether the key's lock follows it (derived here, from the
+            # claim the task still holds: one source of truth)
+            req = dataclasses.replace(t.request, claimed=True) if fd is not None else t.request
             try:
-                w.conn.send((worker_build, t.request))
-                if t.claim_fd is not None:
-                    # the key's lock goes with the task (the request says one follows)
-                    reduction.send_handle(w.conn, t.claim_fd, w.proc.pid)
+                w.conn.send((worker_build, req))
             except (OSError, ValueError):
                 self._queue.insert(0, t)
                 continue  # a dead worker; its sentinel reports it when collected
             except Exception:
                 self._queue.insert(0, t)  # still held: _fail_everything fails it
                 raise
+            if fd is not None:
+                try:
+                    reduction.send_handle(w.conn, fd, w.proc.pid)
+                except Exception as e:  # noqa: BLE001 - whatever stopped the hand-over
+                    # The worker has the request but not the lock: it can build nothing and
+                    # would read the next request as the descriptor. Replace it (reaped now,
+                    # so no later pass hands it work; it holds no task, so no key fails) and
+                    # queue the key again, still claimed.
+                    log.warning(
+                        "pool: handing %s's lock to worker pid %s failed (%r); replacing it",
+                        t.key[:16],
+                        w.proc.pid,
+                        e,
+                    )
+                    self._queue.insert(0, t)
+                    self._reap(w)
+                    continue
             w.task, t.started, t.pid = t, time.monotonic(), w.proc.pid
             t.release_claim()  # the worker holds the lock now; it ends with its compile
 

@@ -38,7 +38,6 @@ per-attempt records) are ``quack/compile/scope.py``."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import threading
@@ -171,7 +170,6 @@ class CompilePool:
                 got = external.claim(spec, params, arch, s, take=claims.held() < claims.MAX_HELD)
                 if got is not None and got[0] is not None:
                     task.claim_fd = got[0]
-                    task.request = dataclasses.replace(args, claimed=True)
                 elif got is not None:
                     task.external_lock, task.obj_meta = got[1]
                     task.started = time.monotonic()

@@ -97,8 +97,8 @@ def _worker_main(conn) -> None:
         if getattr(req, "claimed", False):
             try:
                 lock_fd = reduction.recv_handle(conn)
-            except (EOFError, OSError):
-                return  # the pool went away mid-hand-over: nothing to build for
+            except Exception:  # noqa: BLE001 - EOF, or no descriptor: the pool gave up on us
+                return  # the pool went away (or replaced us) mid-hand-over: nothing to build
         try:
             result = ("ok", fn(req) if lock_fd is None else fn(req, lock_fd))
         except CompileError as e:
