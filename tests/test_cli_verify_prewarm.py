@@ -457,3 +457,35 @@ def test_load_fresh_interrupted_kills_every_child_and_starts_no_more(tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):  # killed and reaped, not left running or a zombie
             os.kill(pid, 0)
+
+
+def test_static_loaders_load_without_importing_torch(proj):
+    """A loader that only loads (verify without --run) hands no tensor to a kernel, so it
+    imports tvm_ffi with torch hidden: tvm_ffi's own import of torch was ~3 of a loader's
+    ~4 CPU-s of start-up on 2 cores, paid by every loader of every verify."""
+    from quack_build.verify.loaders import start_loaders
+
+    reqs = _reqs(proj["cache"])
+    started = start_loaders(1)  # no run: the pool's own choice of child
+    try:
+        (c,) = started.children
+        assert c.ask(reqs[0])["ok"]
+        seen = c.ask({"op": "imported", "names": ["torch", "tvm_ffi", "quack.runtime.loader"]})
+        assert seen == {"imported": {"torch": False, "tvm_ffi": True, "quack.runtime.loader": True}}
+    finally:
+        started.close()
+
+
+def test_torch_hidden_only_while_open_and_only_when_not_imported(monkeypatch):
+    import importlib
+
+    from quack.runtime.ffi import torch_hidden
+
+    torch = importlib.import_module("torch")
+    with torch_hidden():
+        assert importlib.import_module("torch") is torch  # imported already: nothing hidden
+    monkeypatch.delitem(sys.modules, "torch")  # restored at teardown: nothing re-imports it
+    with torch_hidden():
+        with pytest.raises(ImportError):
+            importlib.import_module("torch")
+    assert "torch" not in sys.modules  # importable again: a compile function may import it

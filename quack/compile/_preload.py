@@ -32,17 +32,14 @@ def _preload() -> None:
         os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
         packages = ()
         modules, source = (), ""
-    hidden = "torch" not in sys.modules
-    if hidden:
-        sys.modules["torch"] = None  # type: ignore[assignment]
+    from quack.runtime.ffi import torch_hidden
+
     try:
-        import cutlass.cute  # noqa: F401
-        import tvm_ffi  # noqa: F401
+        with torch_hidden():
+            import cutlass.cute  # noqa: F401
+            import tvm_ffi  # noqa: F401
     except Exception:  # noqa: BLE001 - workers then import lazily and report real errors
         return
-    finally:
-        if hidden and sys.modules.get("torch", 0) is None:
-            del sys.modules["torch"]
     # [build] preload: after cutlass (and with torch importable again), before the kernel
     # packages, whose modules may import them at the top. A failure is recorded: each
     # task a worker gets then fails with it (quack.compile.preload).

@@ -38,6 +38,8 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import ModuleType
 
 log = logging.getLogger("quack.loader")
@@ -61,6 +63,25 @@ def info() -> dict:
     import; "lean-failed" when the subset was tried first), or "preloaded" (imported
     before the first kernel); ``import_s`` what that took here."""
     return dict(_info)
+
+
+@contextmanager
+def torch_hidden() -> Iterator[None]:
+    """While open, ``import torch`` raises ImportError in this process, unless torch is
+    imported already. tvm_ffi imports torch whenever it can (its ``__init__``, and its
+    Cython core at import: ~3 s of a fresh process on 2 cores), and so does cutlass's
+    export path through it; a compile worker or a static load never touches a tensor.
+    Only for such processes: the core binds torch (or None) when it is imported, so a
+    torch tensor handed to a kernel of this process later would not convert. torch is
+    importable again afterwards (a compile function that imports it still can)."""
+    hidden = "torch" not in sys.modules
+    if hidden:
+        sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if hidden and sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
 
 
 def tvm_module() -> ModuleType:

@@ -4,6 +4,7 @@ entry in progress).
 
 Request: {"key", "obj", "so", "kernel", "module", "params", "run"}.
 Answer:  {"key", "ok", "how", "error", "restart", "seconds"}.
+Also {"op": "gpu"} (is a CUDA GPU visible) and {"op": "imported", "names": [...]}.
 
 The protocol's plumbing (why answers get their own copy of fd 1) is quack_build.verify.serve.
 After a failed reference run the answer says ``restart`` and the process ends: a CUDA
@@ -12,6 +13,7 @@ process instead of the last one's error."""
 
 from __future__ import annotations
 
+import sys
 import traceback
 
 from quack_build.verify.serve import serve
@@ -87,15 +89,17 @@ def main(argv: list[str] | None = None) -> None:
                 return {"gpu": bool(torch.cuda.is_available())}
             except Exception as e:  # noqa: BLE001
                 return {"gpu": False, "error": str(e)}
+        if req.get("op") == "imported":  # which of these modules this process has imported
+            return {"imported": {n: sys.modules.get(n) is not None for n in req.get("names", [])}}
         return _one(req, keep)
 
     serve("python -m quack_build.verify.child", handle, argv, warm=_warm)
 
 
 def _warm() -> None:
-    """What every entry needs (tvm_ffi imports torch where it is installed: seconds),
-    imported as the process starts: ``quack verify`` starts its loaders before its static
-    checks, so the two overlap."""
+    """What every entry needs, imported as the process starts: ``quack verify`` starts its
+    loaders before its static checks, so the two overlap. tvm_ffi imports torch where it
+    is installed (seconds), unless the parent said --no-torch (a static load: serve)."""
     import tvm_ffi  # noqa: F401
 
     from quack.runtime import loader  # noqa: F401

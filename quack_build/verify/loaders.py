@@ -36,7 +36,9 @@ class ChildProcess:
     (``python -m <module>``: quack_build.verify.child, or quack tune's measuring process,
     quack_build.tune.child). ``gpu``: the GPU is visible and the child never compiles
     (prebuilt mode), else it is GPU-blind. ``env``: more environment for it. ``role`` names
-    it in the errors ("loader", "measuring")."""
+    it in the errors ("loader", "measuring"). ``torch=False``: no request will hand it a
+    torch tensor, so it imports tvm_ffi with torch hidden (``--no-torch``, served by
+    quack_build.verify.serve): a static load needs none."""
 
     def __init__(
         self,
@@ -44,6 +46,7 @@ class ChildProcess:
         module: str = "quack_build.verify.child",
         env: dict | None = None,
         role: str = "loader",
+        torch: bool = True,
     ):
         env = dict(os.environ, **(env or {}))
         if not gpu:
@@ -61,6 +64,7 @@ class ChildProcess:
                 "-m",
                 module,
                 "--sys-path=" + os.pathsep.join(p for p in sys.path if p),  # "=": a path may start with "-"
+                *([] if torch else ["--no-torch"]),
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -141,7 +145,8 @@ class _Pool:
         self._live: set[ChildProcess] = set()
 
     def spawn(self) -> ChildProcess:
-        c = ChildProcess(self.gpu)
+        # Without the GPU (no --run) a loader only loads: no tensor ever reaches tvm_ffi.
+        c = ChildProcess(self.gpu, torch=self.gpu)
         with self._lock:
             if not self.stop.is_set():
                 self._live.add(c)
@@ -213,9 +218,10 @@ def _drive(
 
 class Loaders:
     """Loader children started before their requests are known (``start_loaders``): each
-    imports torch and the runtime as it starts (~3 s on the H200 host) while the caller
-    runs its own checks. ``load_fresh(started=...)`` takes them over; ``close`` ends them
-    when it never does (the caller failed in between, or was interrupted)."""
+    imports the runtime as it starts (and torch when it will run kernels: ~3 s on the H200
+    host) while the caller runs its own checks. ``load_fresh(started=...)`` takes them
+    over; ``close`` ends them when it never does (the caller failed in between, or was
+    interrupted)."""
 
     def __init__(self, jobs: int, run: bool):
         if jobs < 1:
@@ -271,9 +277,9 @@ def load_fresh(
     done: queue.Queue = queue.Queue()
     finished = False
     try:
-        # Every child starts at once: each imports torch and the runtime (~8 s on the H200
-        # host), and starting the others only after the first had answered the GPU probe
-        # doubled that start-up.
+        # Every child starts at once: each imports the runtime, and torch to run kernels (~8 s
+        # on the H200 host), and starting the others only after the first had answered the
+        # GPU probe doubled that start-up.
         want = max(1, min(jobs, len(reqs)))
         if started is not None:
             children, spare = started.children[:want], started.children[want:]

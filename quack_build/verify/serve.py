@@ -28,12 +28,18 @@ def serve(
     says ``restart``. ``--sys-path``: the parent's sys.path, put first. ``warm()``: run
     before the first request is read (the imports every request needs, done while the
     parent is still preparing its requests); its failure is left for that request to meet
-    and report."""
+    and report. ``--no-torch``: ``warm()`` runs with torch hidden (quack.runtime.ffi)."""
     import argparse
 
     ap = argparse.ArgumentParser(prog=prog)
     ap.add_argument("--sys-path", default="", help="the parent's sys.path, os.pathsep-joined")
-    extra = ap.parse_args(argv).sys_path
+    ap.add_argument(
+        "--no-torch",
+        action="store_true",
+        help="no request hands a torch tensor to a kernel: warm() imports with torch hidden",
+    )
+    args = ap.parse_args(argv)
+    extra = args.sys_path
     if extra:
         for p in reversed(extra.split(os.pathsep)):
             if p and p not in sys.path:
@@ -42,8 +48,15 @@ def serve(
     os.dup2(2, 1)  # native and Python prints go to stderr, never into the answers
     sys.stdout = sys.stderr
     if warm is not None:
+        from contextlib import nullcontext
+
+        from quack.runtime.ffi import torch_hidden
+
         try:
-            warm()
+            # A static load's child (quack verify without --run): tvm_ffi's import of torch
+            # was ~3 of its ~4 CPU-s of start-up, paid by every loader of every verify.
+            with torch_hidden() if args.no_torch else nullcontext():
+                warm()
         except Exception:  # noqa: BLE001 - the first request imports it again and says why
             pass
     for line in sys.stdin:

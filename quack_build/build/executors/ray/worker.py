@@ -8,7 +8,6 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
-import sys
 import tempfile
 import time
 import traceback
@@ -33,17 +32,13 @@ class BuildWorker:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
         os.environ["CUTE_DSL_ARCH"] = arch
+        from quack.runtime.ffi import torch_hidden
+
         # tvm_ffi imports torch when it can (seconds a compile never needs): hide it
         # while the compiler imports, as the local forkserver does.
-        hidden = "torch" not in sys.modules
-        if hidden:
-            sys.modules["torch"] = None  # type: ignore[assignment]
-        try:
+        with torch_hidden():
             import cutlass.cute  # noqa: F401
             import tvm_ffi  # noqa: F401
-        finally:
-            if hidden and sys.modules.get("torch", 0) is None:
-                del sys.modules["torch"]
         from quack import registry
         from quack.compile import preload as _preload
         from quack.compile.warmup import warm_up
