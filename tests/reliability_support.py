@@ -18,6 +18,13 @@ PY = sys.executable
 QUACK = [PY, "-m", "quack_build"]
 
 
+# Put first in the scripts of the multi-process cache tests that load or compile kernels
+# but never hand one a tensor (no GPU on the CPU tier; what they test is the cache): tvm_ffi
+# imports torch whenever it can, ~3 of each such process's ~4 CPU-s on 2 cores, so it is
+# imported with torch hidden, as the compile forkserver does (quack.runtime.ffi).
+NO_TORCH = "from quack.runtime.ffi import torch_hidden\nwith torch_hidden():\n    import tvm_ffi\n"
+
+
 def env(**extra) -> dict:
     e = dict(os.environ)
     e["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), str(ROOT), e.get("PYTHONPATH", "")) if p)

@@ -11,7 +11,7 @@ import warnings
 import pytest
 import relkernels
 from conftest import use_settings
-from reliability_support import env
+from reliability_support import NO_TORCH, env
 
 from quack.errors import CacheWarning, KernelNotPrebuilt
 
@@ -141,7 +141,9 @@ def test_failed_compile_is_remembered_until_the_source_changes(tmp_path):
     assert out["after_edit"] == 2, out
 
 
-_STAMPEDE = r"""
+_STAMPEDE = (
+    NO_TORCH
+    + r"""
 import json, sys, time
 from pathlib import Path
 import relkernels
@@ -155,6 +157,7 @@ c = pool.default_pool().counts
 out = {k: u[k] for k in ("compiles", "waits", "misses", "compile_s")}
 print(json.dumps({**out, "workers_started": c["workers_started"], "awaited": c["awaited_external"]}))
 """
+)
 
 
 def test_stampede_counts_one_compile_and_the_waits(tmp_path, tmp_path_factory):

@@ -14,6 +14,7 @@ import time
 import pytest
 import toykernels
 from interrupt_support import wait_for
+from reliability_support import NO_TORCH
 
 from quack.cache.store import DiskStore
 from quack.compile import builder, claims, external
@@ -103,12 +104,15 @@ relkernels.rel_copy(55)
 print("loaded")
 """
 
-_LOAD = r"""
+_LOAD = (
+    NO_TORCH
+    + r"""
 import json, relkernels
 relkernels.rel_copy(55)
 u = relkernels.rel_copy.usage()[0]
 print(json.dumps({k: u[k] for k in ("compiles", "waits", "hits")}))
 """
+)
 
 
 def test_coordinator_killed_mid_compile_leaves_the_lock_with_its_worker(tmp_path, tmp_path_factory):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import relkernels  # noqa: F401 - registers rel_copy
-from reliability_support import PY, QUACK, TESTS, env, session_objects
+from reliability_support import NO_TORCH, PY, QUACK, TESTS, env, session_objects
 
 from quack import registry
 from quack.cache.store import DiskStore
@@ -253,7 +253,9 @@ def test_eight_processes_hundred_keys_compile_count_equals_keys(objs, tmp_path):
         assert all(store.lookup(rel_ref(i)) is not None for i in range(100))
 
 
-_JIT_MANY = r"""
+_JIT_MANY = (
+    NO_TORCH
+    + r"""
 import json, random, sys, warnings
 warnings.simplefilter("error")
 import relkernels
@@ -263,6 +265,7 @@ u = relkernels.rel_copy.usage()
 print(json.dumps({"n": len(vals), "how": sorted({x["how"] for x in u}),
                   "compiles": sum(x["compiles"] for x in u)}))
 """
+)
 
 
 def test_runtime_processes_share_compiles(objs, tmp_path):
@@ -286,7 +289,9 @@ def test_runtime_processes_share_compiles(objs, tmp_path):
 
 # --- 7. clean while processes load and build ---------------------------------------------------
 
-_LOADER = r"""
+_LOADER = (
+    NO_TORCH
+    + r"""
 import hashlib, json, os, random, sys, time, warnings
 from pathlib import Path
 warnings.simplefilter("error")  # any CacheWarning (a 'corrupt' entry) fails this process
@@ -301,7 +306,6 @@ spec = registry.get("rel_copy")
 store = DiskStore(Path(root))
 rng = random.Random(seed)
 loader._prepare_runtime()
-import tvm_ffi  # noqa: F401 - pay the runtime's import (it pulls in torch) before the clock starts
 print("ready", flush=True)
 while not go.exists():
     time.sleep(0.005)
@@ -342,6 +346,7 @@ while (rounds < 50 or not stop.exists()) and time.time() < deadline:
             stats["vanished"] += 1
 print(json.dumps(stats))
 """
+)
 
 
 def test_clean_while_eight_processes_load_and_build(objs, tmp_path):

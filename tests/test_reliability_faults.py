@@ -12,6 +12,7 @@ import pytest
 import relkernels  # noqa: F401 - registers rel_copy
 import toykernels  # noqa: F401 - registers toy_scale
 from reliability_support import (
+    NO_TORCH,
     QUACK,
     can_mount,
     copy_publish,
@@ -93,7 +94,9 @@ def test_enospc_at_each_fsync_of_publish(fail_at, objs, tmp_path, monkeypatch):
     assert store.lookup(ref) is not None
 
 
-_TMPFS_BUILD = r"""
+_TMPFS_BUILD = (
+    NO_TORCH
+    + r"""
 import json, sys, subprocess
 from pathlib import Path
 from quack.compile import builder
@@ -118,8 +121,11 @@ for mnt in sys.argv[1:]:
         out.append({"ok": True, "compiled": compiled, "verified": DiskStore(root).lookup(e.ref) is not None})
 print(json.dumps(out))
 """
+)
 
-_TMPFS_JIT = r"""
+_TMPFS_JIT = (
+    NO_TORCH
+    + r"""
 import json, warnings
 warnings.simplefilter("always")
 import toykernels
@@ -128,6 +134,7 @@ with warnings.catch_warnings(record=True) as w:
 u = toykernels.toy_scale.usage()[0]
 print(json.dumps({"callable": callable(fn), "how": u["how"], "warnings": [str(x.message) for x in w]}))
 """
+)
 
 
 @pytest.mark.skipif(
@@ -177,7 +184,9 @@ def test_real_full_tmpfs(tmp_path):
 
 # --- 5. read-only cache -------------------------------------------------------------------
 
-_RO_RUNTIME = r"""
+_RO_RUNTIME = (
+    NO_TORCH
+    + r"""
 import json, warnings
 warnings.simplefilter("always")
 import toykernels
@@ -194,6 +203,7 @@ print(json.dumps({"how": [u[k]["how"] for k in (("float32", 128), ("float16", 64
                   "warnings": [str(x.message) for x in w if issubclass(x.category, CacheWarning)],
                   "other": [str(x.message) for x in w if not issubclass(x.category, CacheWarning)]}))
 """
+)
 
 
 @pytest.fixture
