@@ -14,8 +14,9 @@ class _FakeChild:
     started: list = []
     at_probe: list = []
 
-    def __init__(self, gpu: bool):
+    def __init__(self, gpu: bool, torch: bool = True):
         self.p = self
+        self.gpu, self.torch = gpu, torch
         _FakeChild.started.append(self)
 
     def poll(self):
@@ -45,7 +46,11 @@ def test_every_loader_starts_before_the_gpu_probe_is_answered(monkeypatch):
     answers, note = loaders.load_fresh(reqs, run=True, jobs=4)
     assert note == "" and [a["key"] for a in answers] == [r["key"] for r in reqs]
     assert _FakeChild.at_probe == [4] and len(_FakeChild.started) == 4
+    assert all(c.gpu and c.torch for c in _FakeChild.started)  # they run kernels: torch stays
     assert threading.active_count() < 50  # the workers ended
+    _FakeChild.started.clear()
+    loaders.load_fresh(reqs, jobs=2)  # loading only: no tensor reaches tvm_ffi, torch hidden
+    assert [(c.gpu, c.torch) for c in _FakeChild.started] == [(False, False)] * 2
 
 
 def test_no_requests_start_one_loader_for_the_probe(monkeypatch):
