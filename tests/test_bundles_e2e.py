@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from reliability_support import NO_TORCH
 
 from quack import settings
 from quack.runtime import loader
@@ -111,7 +112,10 @@ def pip(py: Path, *args):
     return r
 
 
-_LOAD = r"""
+# the loads only: no tensor reaches a kernel (NO_TORCH: ~3 CPU-s less a process)
+_LOAD = (
+    NO_TORCH
+    + r"""
 import json, sys, warnings
 warnings.simplefilter("always")
 import quack
@@ -139,6 +143,7 @@ out["compiles"] = sum(u["compiles"] for u in usage)
 out["cutlass"] = sorted(m for m in sys.modules if m == "cutlass" or m.startswith("cutlass."))
 print(json.dumps(out))
 """
+)
 
 
 def load_all(py: Path, tmp: Path, cfgs: list[dict], **env_over) -> dict:
