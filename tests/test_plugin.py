@@ -6,6 +6,7 @@ import re
 
 import pytest
 import toykernels
+from reliability_support import NO_TORCH
 
 pytest_plugins = ["pytester"]
 
@@ -71,6 +72,9 @@ def run_env(pytester, tmp_path, monkeypatch):
     monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("QUACK_COMPILE_TIMEOUT", "4")
     monkeypatch.delenv("QUACK_MODE", raising=False)
+    # These runs load kernels and never hand one a tensor: tvm_ffi is imported with torch
+    # hidden (~3 CPU-s less in each pytest process and xdist worker of every run).
+    pytester.makeconftest(NO_TORCH)
     return qt
 
 
