@@ -91,7 +91,7 @@ def test_non_editable_install_next_to_huggingface_kernels(tmp_path):
     py = env_dir / "bin" / "python"
     # Hugging Face's package and quack's light dependencies in one resolve (one pip run
     # fewer: each costs seconds of start-up); then quack itself, --no-deps.
-    _pip(py, "kernels", "numpy", "typer>=0.12", "rich>=13", "tomli-w>=1.0", "filelock>=3.20.3")
+    _pip(py, "kernels", "numpy", "typer>=0.12,<0.29", "rich>=13", "tomli-w>=1.0", "filelock>=3.20.3")
     _pip(py, "--no-deps", str(ROOT))
     site = subprocess.run(
         [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
