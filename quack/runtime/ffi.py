@@ -73,7 +73,10 @@ def torch_hidden() -> Iterator[None]:
     export path through it; a compile worker or a static load never touches a tensor.
     Only for such processes: the core binds torch (or None) when it is imported, so a
     torch tensor handed to a kernel of this process later would not convert. torch is
-    importable again afterwards (a compile function that imports it still can)."""
+    importable again afterwards (a compile function that imports it still can). The hiding
+    is process-wide: a thread importing torch meanwhile would fail too, so its callers use
+    it while they start up, before any thread of theirs runs (forkserver preload, Ray
+    actor construction, a verify loader's warm-up)."""
     hidden = "torch" not in sys.modules
     if hidden:
         sys.modules["torch"] = None  # type: ignore[assignment]
