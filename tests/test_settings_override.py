@@ -47,7 +47,7 @@ def test_override_restores_after_an_error(quack_settings):
 def test_override_checks_values(quack_settings, kw, word):
     with pytest.raises(SettingsError) as e:
         with settings.override(**kw):
-            pass
+            pytest.fail(f"override({kw}) was entered: a bad value must be refused on entry")
     assert word in str(e.value)
     assert settings.installed() is quack_settings
 

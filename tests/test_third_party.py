@@ -30,8 +30,8 @@ def test_fp8_and_int_dtypes_are_opt_in_and_canonical_across_spellings():
     torch = pytest.importorskip("torch")
     d = Dtype(choices=FP8_DTYPES + INT_DTYPES)
 
-    class Float8E4M3FN:  # cutlass's class name (cutlass itself is not imported here)
-        pass
+    class Float8E4M3FN:
+        """A stand-in with cutlass's class name (cutlass itself is not imported here)."""
 
     for spelling in ("float8_e4m3fn", torch.float8_e4m3fn, Float8E4M3FN, "fp8_e4m3", "E4M3"):
         assert d.check("x", spelling) == "float8_e4m3fn"

@@ -40,10 +40,10 @@ class _NoPool:
     """The compile pool, absent: these tests fake the engine that would use it."""
 
     def __init__(self, *a, **k):
-        pass
+        """Takes the pool's arguments and starts nothing."""
 
     def shutdown(self):
-        pass
+        """Nothing was started: nothing to stop."""
 
 
 def test_dry_run_lists_each_problem_size_with_its_own_default(tmp_path):
@@ -182,7 +182,7 @@ def test_a_measured_winner_is_written_under_the_shape_class(tmp_path, monkeypatc
             return 1e-3
 
         def close(self):
-            pass
+            """The fake measurer holds no process."""
 
     def fake_autotune(kernel, configs, bench, **kw):
         assert {"config": winner} in configs
