@@ -114,6 +114,11 @@ def check_plan(knobs: dict, d_dtype: str) -> str | None:
             f"{acc_regs(tm, tn, sched)} accumulator registers (at most 192)"
         )
     plan = resolve(knobs, d_dtype)
+    if plan.swizzle > 1 and plan.schedule != "coop":
+        # a swizzled order pads its grid with tiles outside the problem, which the kernel
+        # skips (_gemm_kernel.in_problem); a ping-pong warpgroup steps over its partner's
+        # tile in the ring by a whole tile's stages, which a skipped tile does not have
+        return f"swizzle={plan.swizzle} needs schedule 'coop' (a swizzled order is built for it only)"
     top = max_stages(tm, tn, plan.schedule, plan.epi_stages, d_dtype)
     if plan.stages < 2 or plan.stages > top:
         return f"stages={plan.stages}: tile {tm}x{tn} with D {d_dtype} fits 2..{top} in 227 KiB"

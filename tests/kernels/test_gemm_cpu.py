@@ -47,6 +47,7 @@ def test_search_space_candidates_all_pass_the_rules():
         ({"tile_m": 256, "tile_n": 192}, "config"),
         ({"cluster_m": 2, "cluster_n": 2}, "config"),
         ({"tile_m": 256, "tile_n": 128, "stages": 12}, "config"),
+        ({"tile_m": 128, "tile_n": 128, "schedule": "ping", "swizzle": 4, "raster_m": True}, "coop"),
     ],
 )
 def test_unbuildable_configurations_are_refused_before_compiling(knobs, match):
