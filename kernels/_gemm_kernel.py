@@ -20,7 +20,7 @@ import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
 
 from ._gemm_epi import apply_epilogue
-from ._gemm_plan import EPI_N, TILE_K, GemmPlan
+from ._gemm_plan import EPI_N, TILE_K, GemmPlan, swizzled_cluster
 from ._gemm_store import make_r2s_copy, make_tiled_mma, subtile_sources
 
 WG = 128  # threads of a warpgroup
@@ -88,7 +88,13 @@ class HopperGemm:
             self.epi_tile,
         )
         ntiles = cute.zipped_divide(mD, (p.tile_m, p.tile_n))[(0, (None, None, None))].shape
-        sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster, 1), p.swizzle, p.raster_m)
+        # A swizzled order is ours (tile_at): the scheduler enumerates the clusters of the
+        # problem exactly (column-major: no swizzle, along M), and each is mapped through
+        # the swizzle; its own swizzle pads the grid with clusters outside the problem.
+        if const_expr(p.swizzle > 1):
+            sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster, 1), 1, True)
+        else:
+            sched = utils.PersistentTileSchedulerParams(ntiles, (*self.cluster, 1), 1, p.raster_m)
         grid = utils.StaticPersistentTileScheduler.get_grid_shape(sched, max_clusters)
 
         @cute.struct
@@ -190,15 +196,17 @@ class HopperGemm:
             cute.group_modes(gB, 0, 2),
         )
         k_tiles = cute.size(gA, mode=[3])
-        # the problem's tile counts along M and N (the swizzled schedule's are padded)
-        mn_tiles = (cute.size(gA, mode=[2]), cute.size(gB, mode=[2]))
+        # the problem's clusters along M and N (tile_at)
+        mc = (cute.size(gA, mode=[2]) + p.cluster_m - 1) // p.cluster_m
+        nc = (cute.size(gB, mode=[2]) + p.cluster_n - 1) // p.cluster_n
+        grid_c = (mc, nc)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self.produce(
-                    ring, sched, k_tiles, mn_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
+                    ring, sched, k_tiles, grid_c, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -207,7 +215,7 @@ class HopperGemm:
                 order,
                 sched,
                 k_tiles,
-                mn_tiles,
+                grid_c,
                 tiled_mma,
                 sA,
                 sB,
@@ -224,20 +232,18 @@ class HopperGemm:
             )
 
     @cute.jit
-    def in_problem(self, t, mn_tiles):
-        """Whether tile ``t``'s cluster holds a tile of the problem. A swizzled persistent
-        schedule pads the cluster grid to a multiple of the swizzle (cutlass.utils'
-        StaticPersistentTileScheduler rounds the swizzled mode up) and hands the padding out
-        as valid work: at M = 8448 on a tile order tuned at 8192 (33 cluster rows padded to
-        40) every CTA ran whole mainloops on zeros, 1.22-1.36x the time for 1.03x the work.
-        Decided per cluster (its first CTA's tile): the CTAs of a cluster share multicast
-        loads, so a cluster that holds any real tile runs every one of its CTAs."""
-        return ((t[0] // self.p.cluster_m) * self.p.cluster_m < mn_tiles[0]) & (
-            (t[1] // self.p.cluster_n) * self.p.cluster_n < mn_tiles[1]
-        )
+    def tile_at(self, t, grid_c):
+        """A swizzled order: the scheduler's tile ``t`` (CTA tile coordinates, its clusters
+        enumerated in column-major order) -> the tile this CTA computes: its cluster's index
+        in that enumeration mapped through the swizzled order (_gemm_plan.swizzled_cluster),
+        the CTA's place in its cluster kept. The producer and the consumers map alike."""
+        p = self.p
+        cm, cn = t[0] // p.cluster_m, t[1] // p.cluster_n
+        m, n = swizzled_cluster(cm + grid_c[0] * cn, grid_c[0], grid_c[1], p.swizzle, p.raster_m, cutlass.min)
+        return (m * p.cluster_m + t[0] % p.cluster_m, n * p.cluster_n + t[1] % p.cluster_n, t[2])
 
     @cute.jit
-    def produce(self, ring, sched_p, k_tiles, mn_tiles, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
+    def produce(self, ring, sched_p, k_tiles, grid_c, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
         """One thread: the tiles of this CTA in order, every K slice into the next free stage."""
         sched = utils.StaticPersistentTileScheduler.create(
             sched_p, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -246,15 +252,11 @@ class HopperGemm:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.p.stages)
         while work.is_valid_tile:
             t = work.tile_idx
-            # a padded tile gets no stages (the consumers skip it alike); only a swizzled
-            # order pads, and only the cooperative schedule swizzles (_gemm_plan.check_plan)
-            k_here = k_tiles
             if const_expr(self.p.swizzle > 1):
-                if not self.in_problem(t, mn_tiles):
-                    k_here = Int32(0)
+                t = self.tile_at(t, grid_c)
             tAg = tAgA[(None, t[0], None, t[2])]
             tBg = tBgB[(None, t[1], None, t[2])]
-            for kt in range(k_here):
+            for kt in range(k_tiles):
                 ring.producer_acquire(state)
                 bar = ring.producer_get_barrier(state)
                 cute.copy(
@@ -277,7 +279,7 @@ class HopperGemm:
         order,
         sched_p,
         k_tiles,
-        mn_tiles,
+        grid_c,
         tiled_mma,
         sA,
         sB,
@@ -350,19 +352,15 @@ class HopperGemm:
         turn = order.state.clone() if const_expr(self.ping) else None
         while work.is_valid_tile:
             t = work.tile_idx
+            if const_expr(p.swizzle > 1):
+                t = self.tile_at(t, grid_c)
             if const_expr(self.ping):
                 order.wait(turn)
-            # a padded tile (in_problem) gets no stages from the producer: no mainloop; its
-            # epilogue stores nothing (the TMA store clips a box wholly outside D)
-            k_here = k_tiles
-            if const_expr(p.swizzle > 1):
-                if not self.in_problem(t, mn_tiles):
-                    k_here = Int32(0)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()
             # one WGMMA batch in flight: a stage is released once the batch after it is issued
-            for kt in range(k_here):
+            for kt in range(k_tiles):
                 ring.consumer_wait(rd)
                 for kb in cutlass.range_constexpr(kblocks):
                     c = (None, None, kb, rd.index)
@@ -374,7 +372,7 @@ class HopperGemm:
                     ring.consumer_release(rel)
                     rel.advance()
             cute.nvgpu.warpgroup.wait_group(0)
-            if k_here > 0:
+            if k_tiles > 0:
                 ring.consumer_release(rel)
                 rel.advance()
             if const_expr(self.ping):
