@@ -138,3 +138,6 @@ class GemmConfig(TuneConfig):
     swizzle: int | None = knob(
         Int(choices=(1, 2, 4, 8)), "clusters a persistent tile-order swizzle groups (L2 reuse); 1: none"
     )
+    stream_k: bool | None = knob(
+        Bool(), "the last wave's tiles split along K over every cluster (stream-K; coop only)"
+    )

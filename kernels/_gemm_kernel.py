@@ -60,7 +60,9 @@ class HopperGemm:
 
     # ------------------------------------------------------------------ host side
     @cute.jit
-    def __call__(self, mA, mB, mD, mC, mBias, beta: Float32, max_clusters: Int32, stream):
+    def __call__(
+        self, mA, mB, mD, mC, mBias, beta: Float32, max_clusters: Int32, mWs, mFlags, sk_tiles: Int32, stream
+    ):
         p = self.p
         tiled_mma = make_tiled_mma(self.ab, self.a_major, self.b_major, self.ping, p.tile_n)
         sA_l = _smem_layout(self.ab, self.a_major, p.tile_m, p.stages)
@@ -107,7 +109,24 @@ class HopperGemm:
 
         self.storage = Storage
         self.kernel(
-            tma_a, gA, tma_b, gB, tma_d, gD, mD, mC, mBias, beta, tiled_mma, sA_l, sB_l, sD_l, sched
+            tma_a,
+            gA,
+            tma_b,
+            gB,
+            tma_d,
+            gD,
+            mD,
+            mC,
+            mBias,
+            beta,
+            tiled_mma,
+            sA_l,
+            sB_l,
+            sD_l,
+            sched,
+            mWs,
+            mFlags,
+            sk_tiles,
         ).launch(
             grid=grid, block=[p.threads, 1, 1], cluster=(*self.cluster, 1), min_blocks_per_mp=1, stream=stream
         )
@@ -131,6 +150,9 @@ class HopperGemm:
         sB_l: cute.ComposedLayout,
         sD_l: cute.ComposedLayout,
         sched: utils.PersistentTileSchedulerParams,
+        mWs: cute.Tensor,
+        mFlags: cute.Tensor,
+        sk_tiles: Int32,
     ):
         p = self.p
         tidx, _, _ = cute.arch.thread_idx()
@@ -200,13 +222,27 @@ class HopperGemm:
         mc = (cute.size(gA, mode=[2]) + p.cluster_m - 1) // p.cluster_m
         nc = (cute.size(gB, mode=[2]) + p.cluster_n - 1) // p.cluster_n
         grid_c = (mc, nc)
+        # stream-K (plan.stream_k): this cluster's share of the schedule (_gemm_plan.stream_k_units)
+        sk = None
+        if const_expr(p.stream_k):
+            nclusters = cute.arch.grid_dim()[2]
+            c = cute.arch.block_idx()[2]
+            tiles = mc * nc * cute.size(gA, mode=[4])
+            dp = tiles - sk_tiles
+            n_dp = (dp - c + nclusters - 1) // nclusters
+            iters = sk_tiles * k_tiles
+            base = iters // nclusters
+            extra = iters - base * nclusters
+            start = c * base + cutlass.min(c, extra)
+            end = start + base + (Int32(1) if c < extra else Int32(0))
+            sk = (c, nclusters, dp, n_dp, start, end, base, extra, mWs, mFlags)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
                 self.produce(
-                    ring, sched, k_tiles, grid_c, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
+                    ring, sched, k_tiles, grid_c, sk, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
                 )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -216,6 +252,7 @@ class HopperGemm:
                 sched,
                 k_tiles,
                 grid_c,
+                sk,
                 tiled_mma,
                 sA,
                 sB,
@@ -243,20 +280,120 @@ class HopperGemm:
         return (m * p.cluster_m + t[0] % p.cluster_m, n * p.cluster_n + t[1] % p.cluster_n, t[2])
 
     @cute.jit
-    def produce(self, ring, sched_p, k_tiles, grid_c, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask):
+    def sk_unit(self, q, u, sk, k_tiles):
+        """A stream-K cluster's next unit: (tile index in the order, k_begin, k_end, q, u)
+        after it; whole data-parallel tiles first (q counts them), then pieces of the
+        stream-K region's iterations (u) cut at tile edges (_gemm_plan.stream_k_units)."""
+        c, nclusters, dp, n_dp, _start, end, _base, _extra, _ws, _flags = sk
+        jt = c + q * nclusters
+        kb = Int32(0)
+        ke = k_tiles
+        q_next = q + 1
+        u_next = u
+        if q >= n_dp:
+            jt = dp + u // k_tiles
+            kb = u % k_tiles
+            ke = cutlass.min(k_tiles, kb + end - u)
+            q_next = q
+            u_next = u + (ke - kb)
+        return jt, kb, ke, q_next, u_next
+
+    @cute.jit
+    def tile_of(self, jt, grid_c):
+        """The CTA tile of the order's ``jt``-th cluster (stream-K: the schedule is ours)."""
+        p = self.p
+        per = grid_c[0] * grid_c[1]
+        j, batch = jt % per, jt // per
+        if const_expr(p.swizzle > 1):
+            m, n = swizzled_cluster(j, grid_c[0], grid_c[1], p.swizzle, p.raster_m, cutlass.min)
+        elif const_expr(p.raster_m):
+            m, n = j % grid_c[0], j // grid_c[0]
+        else:
+            m, n = j // grid_c[1], j % grid_c[1]
+        bx, by, _ = cute.arch.block_idx()
+        return (m * p.cluster_m + bx % p.cluster_m, n * p.cluster_n + by % p.cluster_n, batch)
+
+    @cute.jit
+    def sk_peers(self, u0, sk, k_tiles):
+        """How many next clusters hold the rest of the tile whose stream-K piece starts at
+        the region's iteration ``u0`` (its first): the owner of the tile's last iteration,
+        less this cluster (_gemm_plan.stream_k_units)."""
+        c, _n, _dp, _n_dp, _start, _end, base, extra, _ws, _flags = sk
+        last = u0 + k_tiles - 1
+        big = extra * (base + 1)
+        owner = last // (base + 1)
+        if last >= big:
+            owner = extra + (last - big) // base
+        return owner - c
+
+    @cute.jit
+    def sk_slot(self, cluster):
+        """The partial-sum slot (and flag) of this CTA's place in ``cluster``."""
+        bx, by, _ = cute.arch.block_idx()
+        return (cluster * self.p.cluster_m + bx % self.p.cluster_m) * self.p.cluster_n + by % self.p.cluster_n
+
+    @cute.jit
+    def sk_hand_on(self, acc, sk, thr, bar):
+        """A stream-K piece that started inside its tile: its fp32 sums to this CTA's slot of
+        the workspace (each of the 256 consumer threads its registers, thread-fastest, so a
+        warp's stores coalesce), then the slot's flag, released once every thread's stores
+        are visible device-wide."""
+        c, _n, _dp, _n_dp, _start, _end, _base, _extra, ws, flags = sk
+        slot = self.sk_slot(c)
+        n_acc = cute.size(acc)
+        off = slot * (n_acc * self.math_threads) + thr
+        for r in cutlass.range_constexpr(n_acc):
+            ws[off + r * self.math_threads] = acc[r]
+        cute.arch.fence_acq_rel_gpu()
+        bar.arrive_and_wait()
+        if thr == 0:
+            cute.arch.atomic_exch(flags.iterator + slot, Int32(1), sem="release", scope="gpu")
+
+    @cute.jit
+    def sk_take(self, acc, sk, peers, thr, bar):
+        """The piece that starts a tile and stops short of its end: wait for each of the next
+        ``peers`` clusters' hand-on (their first pieces never wait, so this ends), then add
+        their sums in order (the same order every run: deterministic)."""
+        c, _n, _dp, _n_dp, _start, _end, _base, _extra, ws, flags = sk
+        n_acc = cute.size(acc)
+        for i in range(peers):
+            slot = self.sk_slot(c + 1 + i)
+            if thr == 0:
+                while cute.arch.atomic_add(flags.iterator + slot, Int32(0), sem="acquire", scope="gpu") == 0:
+                    pass
+            bar.arrive_and_wait()
+            cute.arch.fence_acq_rel_gpu()
+            off = slot * (n_acc * self.math_threads) + thr
+            for r in cutlass.range_constexpr(n_acc):
+                acc[r] = acc[r] + ws[off + r * self.math_threads]
+
+    @cute.jit
+    def produce(
+        self, ring, sched_p, k_tiles, grid_c, sk, tma_a, tAgA, tAsA, a_mask, tma_b, tBgB, tBsB, b_mask
+    ):
         """One thread: the tiles of this CTA in order, every K slice into the next free stage."""
         sched = utils.StaticPersistentTileScheduler.create(
             sched_p, cute.arch.block_idx(), cute.arch.grid_dim()
         )
         work = sched.initial_work_tile_info()
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.p.stages)
-        while work.is_valid_tile:
-            t = work.tile_idx
-            if const_expr(self.p.swizzle > 1):
-                t = self.tile_at(t, grid_c)
+        q, u = Int32(0), Int32(0)
+        valid = work.is_valid_tile
+        if const_expr(self.p.stream_k):
+            u = sk[4]
+            valid = (q < sk[3]) | (u < sk[5])
+        while valid:
+            k0, k1 = Int32(0), k_tiles  # this unit's K tiles [k0, k1)
+            if const_expr(self.p.stream_k):
+                jt, k0, k1, q, u = self.sk_unit(q, u, sk, k_tiles)
+                t = self.tile_of(jt, grid_c)
+            else:
+                t = work.tile_idx
+                if const_expr(self.p.swizzle > 1):
+                    t = self.tile_at(t, grid_c)
             tAg = tAgA[(None, t[0], None, t[2])]
             tBg = tBgB[(None, t[1], None, t[2])]
-            for kt in range(k_tiles):
+            for kt in range(k0, k1):
                 ring.producer_acquire(state)
                 bar = ring.producer_get_barrier(state)
                 cute.copy(
@@ -267,8 +404,12 @@ class HopperGemm:
                 )
                 ring.producer_commit(state)
                 state.advance()
-            sched.advance_to_next_work()
-            work = sched.get_current_work()
+            if const_expr(self.p.stream_k):
+                valid = (q < sk[3]) | (u < sk[5])
+            else:
+                sched.advance_to_next_work()
+                work = sched.get_current_work()
+                valid = work.is_valid_tile
         # the CTA must not exit while a peer's multicast may still land in its stages
         ring.producer_tail(state)
 
@@ -280,6 +421,7 @@ class HopperGemm:
         sched_p,
         k_tiles,
         grid_c,
+        sk,
         tiled_mma,
         sA,
         sB,
@@ -350,29 +492,43 @@ class HopperGemm:
         # full barriers' parity (ABA) let it read a stage still loading: the "unspecified
         # launch failure" of every ping-pong grid with two tiles or more per CTA.
         turn = order.state.clone() if const_expr(self.ping) else None
-        while work.is_valid_tile:
-            t = work.tile_idx
-            if const_expr(p.swizzle > 1):
-                t = self.tile_at(t, grid_c)
+        q, u = Int32(0), Int32(0)
+        valid = work.is_valid_tile
+        if const_expr(p.stream_k):
+            u = sk[4]
+            valid = (q < sk[3]) | (u < sk[5])
+        while valid:
+            k0, k1 = Int32(0), k_tiles  # this unit's K tiles [k0, k1)
+            peers = Int32(0)  # stream-K: the next clusters whose partial sums this tile adds
+            if const_expr(p.stream_k):
+                u0 = u
+                jt, k0, k1, q, u = self.sk_unit(q, u, sk, k_tiles)
+                t = self.tile_of(jt, grid_c)
+                if (k0 == 0) & (k1 < k_tiles):
+                    peers = self.sk_peers(u0, sk, k_tiles)
+            else:
+                t = work.tile_idx
+                if const_expr(p.swizzle > 1):
+                    t = self.tile_at(t, grid_c)
             if const_expr(self.ping):
                 order.wait(turn)
             acc.fill(0.0)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             cute.nvgpu.warpgroup.fence()
             # one WGMMA batch in flight: a stage is released once the batch after it is issued
-            for kt in range(k_tiles):
+            for kt in range(k0, k1):
                 ring.consumer_wait(rd)
                 for kb in cutlass.range_constexpr(kblocks):
                     c = (None, None, kb, rd.index)
                     cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
                 cute.nvgpu.warpgroup.commit_group()
                 rd.advance()
-                if kt > 0:
+                if kt > k0:
                     cute.nvgpu.warpgroup.wait_group(1)
                     ring.consumer_release(rel)
                     rel.advance()
             cute.nvgpu.warpgroup.wait_group(0)
-            if k_tiles > 0:
+            if k1 > k0:
                 ring.consumer_release(rel)
                 rel.advance()
             if const_expr(self.ping):
@@ -381,31 +537,41 @@ class HopperGemm:
                 rd.advance(Int32(k_tiles))
                 rel.advance(Int32(k_tiles))
 
-            apply_epilogue(self.epi, acc, thr_mma, t, (p.tile_m, p.tile_n), mD, mC, mBias, beta)
-
-            gD_t = cute.zipped_divide(gD[(None, None, t[0], t[1], t[2])], self.epi_tile)
-            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t
-            )
-            for e in cutlass.range_constexpr(n_sub):
-                buf = buf0 + (done + e) % n_buf
-                for k in cutlass.range_constexpr(len(sources[e])):
-                    frag[k] = acc[sources[e][k]]
-                frag_d.store(frag.load().to(self.dt))
-                cute.copy(r2s, frag_d, tRS_sD[(None, None, None, buf)])
-                # the shared-memory writes must be visible to the TMA (async proxy) before the store
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_bar.arrive_and_wait()
-                if is_store_warp:
-                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, e)])
-                    store.producer_commit()
-                    store.producer_acquire()
-                epi_bar.arrive_and_wait()
-            done += n_sub
-            if const_expr(self.ping):
-                sched.advance_to_next_work(advance_count=2)
+            if const_expr(p.stream_k):
+                if k0 > 0:
+                    self.sk_hand_on(acc, sk, mma_thr, epi_bar)
+                if peers > 0:
+                    self.sk_take(acc, sk, peers, mma_thr, epi_bar)
+            # a stream-K piece that starts inside its tile handed its sums on (above): no store
+            if k0 == 0:
+                apply_epilogue(self.epi, acc, thr_mma, t, (p.tile_m, p.tile_n), mD, mC, mBias, beta)
+                gD_t = cute.zipped_divide(gD[(None, None, t[0], t[1], t[2])], self.epi_tile)
+                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t
+                )
+                for e in cutlass.range_constexpr(n_sub):
+                    buf = buf0 + (done + e) % n_buf
+                    for k in cutlass.range_constexpr(len(sources[e])):
+                        frag[k] = acc[sources[e][k]]
+                    frag_d.store(frag.load().to(self.dt))
+                    cute.copy(r2s, frag_d, tRS_sD[(None, None, None, buf)])
+                    # the shared-memory writes must be visible to the TMA (async proxy) before the store
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    epi_bar.arrive_and_wait()
+                    if is_store_warp:
+                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, e)])
+                        store.producer_commit()
+                        store.producer_acquire()
+                    epi_bar.arrive_and_wait()
+                done += n_sub
+            if const_expr(p.stream_k):
+                valid = (q < sk[3]) | (u < sk[5])
             else:
-                sched.advance_to_next_work()
-            work = sched.get_current_work()
+                if const_expr(self.ping):
+                    sched.advance_to_next_work(advance_count=2)
+                else:
+                    sched.advance_to_next_work()
+                work = sched.get_current_work()
+                valid = work.is_valid_tile
         if is_store_warp:
             store.producer_tail()

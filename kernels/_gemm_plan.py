@@ -40,6 +40,7 @@ class GemmPlan:
     epi_stages: int  # epilogue subtiles in flight (per consumer warpgroup under "ping")
     raster_m: bool  # persistent tile order: along M first (else along N); only with swizzle > 1
     swizzle: int = 1  # clusters grouped by the tile order's swizzle (1: none)
+    stream_k: bool = False  # the last wave's tiles split along K over every cluster
 
     @property
     def threads(self) -> int:
@@ -70,6 +71,50 @@ def swizzled_cluster(j, mc, nc, swizzle: int, raster_m: bool, minimum=min):
     width = minimum(swizzle, mc - g * swizzle)
     r = j - g * band
     return g * swizzle + r % width, r // width
+
+
+def stream_k_tiles(tiles: int, clusters: int) -> int:
+    """How many of a persistent grid's ``tiles`` (cluster tiles, the last ones of its order)
+    the stream-K schedule splits along K over all ``clusters``: none when the waves come out
+    whole; else the partial wave and one whole wave before it (each cluster then takes
+    1-2 tiles' worth of K iterations, so a tile is cut into at most three pieces, where the
+    partial wave alone cut a few tiles into many); all of them when there is no whole wave."""
+    if tiles <= 0 or clusters <= 0:
+        raise ValueError(f"tiles and clusters must be positive, got {tiles}, {clusters}")
+    rest = tiles % clusters
+    if rest == 0:
+        return 0
+    return rest + clusters if tiles >= rest + clusters else tiles
+
+
+def stream_k_units(c: int, clusters: int, tiles: int, sk: int, k_tiles: int):
+    """Cluster ``c``'s work, in order, as the kernel walks it (_gemm_kernel's ``next_unit``:
+    the same arithmetic on Int32): (tile, k_begin, k_end, peers). First its data-parallel
+    tiles (every ``clusters``-th of the first ``tiles - sk``), whole; then its even share of
+    the stream-K region's ``sk * k_tiles`` iterations (the first ``iters % clusters``
+    clusters one more), cut at tile edges. Only a cluster's first stream-K piece can start
+    inside a tile: it hands its partial sums on. A piece that starts a tile and stops short
+    of its end adds the partials of ``peers`` (the next clusters, whose first pieces hold
+    the rest of that tile) and stores the tile; ``peers`` is 0 otherwise."""
+    out = []
+    dp = tiles - sk
+    out += [(j, 0, k_tiles, 0) for j in range(c, dp, clusters)]
+    iters = sk * k_tiles
+    base, extra = divmod(iters, clusters)
+    u = c * base + min(c, extra)
+    end = u + base + (1 if c < extra else 0)
+    while u < end:
+        kb = u % k_tiles
+        ke = min(k_tiles, kb + end - u)
+        peers = 0
+        if kb == 0 and ke < k_tiles:
+            last = u - kb + k_tiles - 1  # the tile's last iteration
+            big = extra * (base + 1)
+            owner = last // (base + 1) if last < big else extra + (last - big) // base
+            peers = owner - c
+        out.append((dp + u // k_tiles, kb, ke, peers))
+        u += ke - kb
+    return out
 
 
 def acc_regs(tile_m: int, tile_n: int, schedule: str) -> int:
@@ -119,6 +164,7 @@ def resolve(knobs: dict, d_dtype: str) -> GemmPlan:
         epi_stages=epi,
         raster_m=knobs.get("raster_m", True),
         swizzle=knobs.get("swizzle") or 1,
+        stream_k=bool(knobs.get("stream_k")),
     )
 
 
@@ -137,6 +183,8 @@ def check_plan(knobs: dict, d_dtype: str) -> str | None:
             f"{acc_regs(tm, tn, sched)} accumulator registers (at most 192)"
         )
     plan = resolve(knobs, d_dtype)
+    if plan.stream_k and plan.schedule != "coop":
+        return "stream-K (stream_k = true) needs schedule 'coop'"
     top = max_stages(tm, tn, plan.schedule, plan.epi_stages, d_dtype)
     if plan.stages < 2 or plan.stages > top:
         return f"stages={plan.stages}: tile {tm}x{tn} with D {d_dtype} fits 2..{top} in 227 KiB"

@@ -11,6 +11,7 @@ epilogue (``has_c``, ``has_bias``, ``activation``) and the launch ``config`` (Ge
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
 
+import dataclasses
 import functools
 
 from quack import jit_cache
@@ -18,7 +19,16 @@ from quack.params import Bool, Choice, Config, Dtype, Rule
 
 from . import _tuning
 from ._configs import GemmConfig
-from ._gemm_plan import AB_DTYPES, ACTIVATIONS, check_plan, class_n_range, heuristic, resolve, shape_class
+from ._gemm_plan import (
+    AB_DTYPES,
+    ACTIVATIONS,
+    check_plan,
+    class_n_range,
+    heuristic,
+    resolve,
+    shape_class,
+    stream_k_tiles,
+)
 
 # a configuration without a tuning-table row and without a problem shape (a manifest entry
 # that names none): the heuristic's choice for large problems
@@ -76,6 +86,14 @@ def search_space(params: dict) -> list[GemmConfig]:
                         raster_m=along_m,
                     )
                 )
+    # stream-K twins of the large cooperative tiles: whether splitting the last wave along K
+    # pays depends on the shape (H200: +1-4 % at 8192^3 and the N >= 14336 or K >= 28672
+    # projections, -2 to -8 % at 4096^3 and 8192 x 4096 x {4096, 14336})
+    out += [
+        dataclasses.replace(c, stream_k=True)
+        for c in out
+        if c.schedule == "coop" and (c.tile_m, c.tile_n) in SWIZZLE_TILES
+    ]
     return out
 
 
@@ -100,7 +118,8 @@ def search_space(params: dict) -> list[GemmConfig]:
         Rule(
             "config",
             "tile_m x tile_n in 128x128 / 128x192 / 128x256 / 256x128, cluster 1x1 / 2x1 / 1x2, "
-            "schedule 'ping' only with 128x128 / 128x192, stages within 227 KiB of shared memory",
+            "schedule 'ping' only with 128x128 / 128x192, stream-K only with 'coop', "
+            "stages within 227 KiB of shared memory",
             _plan_ok,
         ),
     ],
@@ -120,10 +139,14 @@ def compile_gemm(
     config: GemmConfig | None = None,
     arch: str = "sm_90a",
 ):
-    """Runtime signature: fn(a, b, d, c, bias, beta, max_clusters) with a (M, K, L),
-    b (N, K, L), d and c (M, N, L) of ``d_dtype`` (N-major), bias (N,) float32; c and bias
-    are never read unless ``has_c`` / ``has_bias`` (pass any tensor of the right dtype and
-    rank); max_clusters: resident clusters of the persistent grid."""
+    """Runtime signature: fn(a, b, d, c, bias, beta, max_clusters, ws, flags, sk_tiles) with
+    a (M, K, L), b (N, K, L), d and c (M, N, L) of ``d_dtype`` (N-major), bias (N,) float32;
+    c and bias are never read unless ``has_c`` / ``has_bias`` (pass any tensor of the right
+    dtype and rank); max_clusters: resident clusters of the persistent grid. Stream-K
+    (``config.stream_k``): ``sk_tiles`` of the grid's cluster tiles (``stream_k_tiles``),
+    ws float32 (clusters x CTAs a cluster x tile_m x tile_n), flags int32 (clusters x CTAs a
+    cluster) zeroed; without it sk_tiles 0 and any one-element tensors."""
+    import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
 
@@ -157,8 +180,10 @@ def compile_gemm(
     cm, cn, cl = (cute.sym_int() for _ in range(3))
     c = make_fake_tensor(dt, (cm, cn, cl), stride=(stride(1), 1, stride(1)), assumed_align=dt.width // 8)
     bias = make_fake_tensor(cutlass_dtype("float32"), (cute.sym_int(),), stride=(1,), assumed_align=4)
+    ws = make_fake_tensor(cutlass_dtype("float32"), (cute.sym_int(),), stride=(1,), assumed_align=16)
+    flags = make_fake_tensor(cutlass.Int32, (cute.sym_int(),), stride=(1,), assumed_align=4)
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(kern, a, b, d, c, bias, 1.0, 1, stream, options="--enable-tvm-ffi")
+    return cute.compile(kern, a, b, d, c, bias, 1.0, 1, ws, flags, 0, stream, options="--enable-tvm-ffi")
 
 
 def gemm_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
@@ -219,7 +244,17 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
         d3 = d.permute(1, 2, 0)
         c3 = operand(g.c, "c").permute(1, 2, 0) if c is not None else d3
         bias32 = bias.float().contiguous() if bias is not None else d.new_empty((1,), dtype=torch.float32)
-        fn(g.a3, g.b3, d3, c3, bias32, float(beta), clusters)
+        sk_tiles, ws, flags = 0, d.new_empty((4,), dtype=torch.float32), d.new_zeros((1,), dtype=torch.int32)
+        if plan.stream_k:
+            ctas = plan.cluster_m * plan.cluster_n
+            mc = ((m + plan.tile_m - 1) // plan.tile_m + plan.cluster_m - 1) // plan.cluster_m
+            nc = ((n + plan.tile_n - 1) // plan.tile_n + plan.cluster_n - 1) // plan.cluster_n
+            grid = min(clusters, mc * nc * batch)  # the persistent grid the kernel launches
+            sk_tiles = stream_k_tiles(mc * nc * batch, grid)
+            if sk_tiles:
+                ws = d.new_empty((grid * ctas * plan.tile_m * plan.tile_n,), dtype=torch.float32)
+                flags = d.new_zeros((grid * ctas,), dtype=torch.int32)
+        fn(g.a3, g.b3, d3, c3, bias32, float(beta), clusters, ws, flags, sk_tiles)
     return d if a.dim() == 3 else d[0]
 
 

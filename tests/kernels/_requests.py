@@ -209,6 +209,21 @@ REQUESTS = {
     "test_gemm_gpu.py::test_gemm_swizzled_tile_orders": lambda shape, **knobs: [
         ("gemm", dict(gemm((1, 64, 64, 64), bm="k")[0][1], config=_gemm_cfg(schedule="coop", **knobs)))
     ],
+    "test_gemm_gpu.py::test_gemm_stream_k": lambda shape, swizzle, **knobs: [
+        (
+            "gemm",
+            dict(
+                gemm((1, 64, 64, 64), bm="k")[0][1],
+                config=_gemm_cfg(
+                    schedule="coop",
+                    swizzle=swizzle,
+                    raster_m=True if swizzle else None,
+                    stream_k=True,
+                    **knobs,
+                ),
+            ),
+        )
+    ],
     "test_gemm_gpu.py::test_gemm_dtypes_layouts": lambda dtype, out, a_major, b_major: gemm(
         (1, 1000, 1048, 776), dtype, out, a_major, b_major
     ),

@@ -35,7 +35,9 @@ def test_search_space_candidates_all_pass_the_rules():
     from quack_kernels.gemm import compile_gemm, search_space
 
     cands = search_space({})
-    assert len(cands) == 18 + 24  # tile x cluster x schedule, then 24 swizzled orders
+    # tile x cluster x schedule, then 24 swizzled orders, then a stream-K twin of each of the
+    # 30 large cooperative candidates
+    assert len(cands) == 18 + 24 + 30
     for cfg in cands:
         compile_gemm.spec.bind(("bfloat16",), {"config": cfg}, arch="sm_90a")
 
@@ -47,6 +49,7 @@ def test_search_space_candidates_all_pass_the_rules():
         ({"tile_m": 256, "tile_n": 192}, "config"),
         ({"cluster_m": 2, "cluster_n": 2}, "config"),
         ({"tile_m": 256, "tile_n": 128, "stages": 12}, "config"),
+        ({"tile_m": 128, "tile_n": 128, "schedule": "ping", "stream_k": True}, "stream-K"),
     ],
 )
 def test_unbuildable_configurations_are_refused_before_compiling(knobs, match):
@@ -273,3 +276,44 @@ def test_swizzled_order_visits_each_cluster_once_band_by_band(swizzle, raster_m)
                 assert start <= j < start + width * length, (mc, nc, j)  # bands in order
                 # inside a band: row by row (column by column), each across the band
                 assert (along[j], a % swizzle) == divmod(j - start, width), (mc, nc, j)
+
+
+@pytest.mark.parametrize("k_tiles", [1, 2, 7, 64, 224])
+@pytest.mark.parametrize("clusters", [1, 3, 64, 66])
+def test_stream_k_schedule_covers_every_k_tile_once_and_cannot_wait_in_a_cycle(clusters, k_tiles):
+    """The stream-K schedule (``_gemm_plan.stream_k_units``, which the kernel's ``sk_unit`` /
+    ``sk_peers`` compute on Int32): every (tile, K tile) of the grid falls to exactly one
+    cluster; only a cluster's first stream-K piece starts inside a tile (it hands its sums on
+    and never waits); a piece that starts a tile and stops short waits for exactly the next
+    ``peers`` clusters, whose first pieces are the rest of that tile. So every wait is on a
+    piece that does not wait: no cycle, on any grid (all clusters are resident)."""
+    from quack_kernels._gemm_plan import stream_k_tiles, stream_k_units
+
+    for tiles in (1, 5, clusters, clusters + 1, 2 * clusters - 1, 100, 512, 1000):
+        grid = min(clusters, tiles)  # the persistent grid: no more clusters than tiles
+        sk = stream_k_tiles(tiles, grid)
+        dp = tiles - sk
+        assert sk == 0 or (tiles % grid and sk in (tiles % grid + grid, tiles))
+        units = {c: stream_k_units(c, grid, tiles, sk, k_tiles) for c in range(grid)}
+        owner = {}
+        for c, us in units.items():
+            first_sk = next((i for i, u in enumerate(us) if u[0] >= dp), None)
+            for i, (t, k0, k1, peers) in enumerate(us):
+                assert 0 <= k0 < k1 <= k_tiles
+                assert t < dp and (k0, k1) == (0, k_tiles) or t >= dp, (t, k0, k1)
+                if k0 > 0:
+                    assert i == first_sk and peers == 0  # hands on, never waits
+                for kt in range(k0, k1):
+                    assert (t, kt) not in owner
+                    owner[t, kt] = c
+                if peers:
+                    assert k0 == 0 and k1 < k_tiles
+                    rest = set()
+                    for p in range(c + 1, c + peers + 1):
+                        pt, p0, p1, _ = units[p][[i for i, u in enumerate(units[p]) if u[0] >= dp][0]]
+                        assert pt == t and p0 > 0  # the peer's first piece, which does not wait
+                        rest |= set(range(p0, p1))
+                    assert rest == set(range(k1, k_tiles))
+                elif k0 == 0:
+                    assert k1 == k_tiles  # a whole tile
+        assert len(owner) == tiles * k_tiles

@@ -101,6 +101,48 @@ def test_gemm_swizzled_tile_orders(tile_m, tile_n, cluster_m, cluster_n, swizzle
     R.check_gemm(a, b, d=d)
 
 
+#: stream-K twins of the large cooperative tiles (kernels/gemm.py search_space):
+#: (tile_m, tile_n, cluster_m, cluster_n, swizzle)
+STREAM_K = [(128, 256, 2, 1, None), (256, 128, 1, 2, 8)]
+#: a partial last wave (4096^3, 8192 x 4096 x 4096, the odd and tail grids), none (a
+#: grid of whole waves: 2 x 4096 x 4096 x 1024 is 528 cluster tiles of 2x1 = 8 waves on
+#: 66 clusters), fewer tiles than clusters (256 x 512), batched
+STREAM_K_SHAPES = [
+    (1, 4096, 4096, 4096),
+    (1, 8192, 4096, 4096),
+    ODD,
+    (1, 3000, 5000, 1000),
+    (3, 1000, 1048, 776),
+    (1, 256, 512, 128),
+    (2, 4096, 4096, 1024),
+]
+
+
+@pytest.mark.parametrize("shape", STREAM_K_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("tile_m, tile_n, cluster_m, cluster_n, swizzle", STREAM_K)
+def test_gemm_stream_k(tile_m, tile_n, cluster_m, cluster_n, swizzle, shape):
+    """Stream-K: the last wave's tiles split along K over every cluster, the pieces' fp32
+    sums handed on through a workspace and added by the piece that starts each tile. Right
+    on every kind of grid, and the same bits run to run (the sums are added in a fixed
+    order, not with atomics)."""
+    from quack_kernels import _reference as R
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels.ops import gemm
+
+    from quack.tuning import use_config
+
+    knobs = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n)
+    raster = True if swizzle else None
+    cfg = GemmConfig(schedule="coop", swizzle=swizzle, raster_m=raster, stream_k=True, **knobs)
+    a, b = operands(shape, torch.bfloat16, "k", "k")
+    with use_config("gemm", cfg):
+        d = gemm(a, b)
+        again = gemm(a, b)
+    torch.cuda.synchronize()
+    R.check_gemm(a, b, d=d)
+    assert torch.equal(d, again)
+
+
 @pytest.mark.parametrize("b_major", ["n", "k"])
 @pytest.mark.parametrize("a_major", ["k", "m"])
 @pytest.mark.parametrize("out", [None, "float32"])
