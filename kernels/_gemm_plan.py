@@ -77,7 +77,7 @@ def stream_k_tiles(tiles: int, clusters: int) -> int:
     """How many of a persistent grid's ``tiles`` (cluster tiles, the last ones of its order)
     the stream-K schedule splits along K over all ``clusters``: none when the waves come out
     whole; else the partial wave and one whole wave before it (each cluster then takes
-    1-2 tiles' worth of K iterations, so a tile is cut into at most three pieces, where the
+    1-2 tiles' worth of K iterations, so a tile is cut into at most two pieces, where the
     partial wave alone cut a few tiles into many); all of them when there is no whole wave."""
     if tiles <= 0 or clusters <= 0:
         raise ValueError(f"tiles and clusters must be positive, got {tiles}, {clusters}")
@@ -88,8 +88,8 @@ def stream_k_tiles(tiles: int, clusters: int) -> int:
 
 
 def stream_k_units(c: int, clusters: int, tiles: int, sk: int, k_tiles: int):
-    """Cluster ``c``'s work, in order, as the kernel walks it (_gemm_kernel's ``next_unit``:
-    the same arithmetic on Int32): (tile, k_begin, k_end, peers). First its data-parallel
+    """Cluster ``c``'s work, in order, as the kernel walks it (_gemm_kernel's ``sk_unit``
+    and ``sk_peers``: the same arithmetic on Int32): (tile, k_begin, k_end, peers). First its data-parallel
     tiles (every ``clusters``-th of the first ``tiles - sk``), whole; then its even share of
     the stream-K region's ``sk * k_tiles`` iterations (the first ``iters % clusters``
     clusters one more), cut at tile edges. Only a cluster's first stream-K piece can start
