@@ -353,7 +353,15 @@ class HopperGemm:
     def sk_take(self, acc, sk, peers, thr, bar):
         """The piece that starts a tile and stops short of its end: wait for each of the next
         ``peers`` clusters' hand-on (their first pieces never wait, so this ends), then add
-        their sums in order (the same order every run: deterministic)."""
+        their sums in order (the same order every run: deterministic).
+
+        The wait assumes the peers get an SM while this CTA spins: true for the grid the
+        occupancy query sizes on a GPU this kernel has to itself, or shares with work that
+        ends (an SM frees). Where fewer clusters can ever be resident than the grid holds (an
+        MPS share of the SMs, a kernel on another stream that waits for this one), spinning
+        CTAs could hold the SMs their peers need. The fix before a tuning-table row
+        uses stream-K: every piece hands on and counts itself in an atomic per tile, and the
+        last to arrive adds the pieces in piece order and stores the tile (no CTA waits)."""
         c, _n, _dp, _n_dp, _start, _end, _base, _extra, ws, flags = sk
         n_acc = cute.size(acc)
         for i in range(peers):
