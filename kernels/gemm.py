@@ -244,7 +244,7 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
         d3 = d.permute(1, 2, 0)
         c3 = operand(g.c, "c").permute(1, 2, 0) if c is not None else d3
         bias32 = bias.float().contiguous() if bias is not None else d.new_empty((1,), dtype=torch.float32)
-        sk_tiles, ws, flags = 0, d.new_empty((4,), dtype=torch.float32), d.new_zeros((1,), dtype=torch.int32)
+        sk_tiles, (ws, flags) = 0, _stream_k_stand_ins(d.device)
         if plan.stream_k:
             ctas = plan.cluster_m * plan.cluster_n
             mc = ((m + plan.tile_m - 1) // plan.tile_m + plan.cluster_m - 1) // plan.cluster_m
@@ -256,6 +256,18 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
                 flags = d.new_zeros((grid * ctas,), dtype=torch.int32)
         fn(g.a3, g.b3, d3, c3, bias32, float(beta), clusters, ws, flags, sk_tiles)
     return d if a.dim() == 3 else d[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _stream_k_stand_ins(device):
+    """The workspace and flags a launch without stream-K passes (never read or written:
+    sk_tiles is 0), once a device: allocating them every call put an allocation and a
+    memset launch on every GEMM's host path."""
+    import torch
+
+    return torch.empty((4,), device=device, dtype=torch.float32), torch.zeros(
+        (1,), device=device, dtype=torch.int32
+    )
 
 
 def torch_activation(x, activation: str):
