@@ -144,7 +144,7 @@ def _compile_ptx(todo: list, tmp_dir) -> None:
             try:
                 procs[codes.index(None)][0].wait(timeout=0.5)
             except subprocess.TimeoutExpired:
-                pass
+                pass  # poll the children again; the deadline above ends the loop
     finally:
         for p, err in procs:
             if p.poll() is None:
