@@ -103,6 +103,7 @@ class HopperGemm:
         class Storage:
             ab_bar: cute.struct.MemRange[cutlass.Int64, p.stages * 2]
             order_bar: cute.struct.MemRange[cutlass.Int64, 2]
+            sk_word: cute.struct.MemRange[cutlass.Int32, 1]  # stream-K: sk_arrive's count, to the CTA
             sA: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sA_l)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.ab, cute.cosize(sB_l)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.dt, cute.cosize(sD_l)], 1024]
@@ -235,7 +236,8 @@ class HopperGemm:
             extra = iters - base * nclusters
             start = c * base + cutlass.min(c, extra)
             end = start + base + (Int32(1) if c < extra else Int32(0))
-            sk = (c, nclusters, dp, n_dp, start, end, base, extra, mWs, mFlags)
+            word = st.sk_word.get_tensor(cute.make_layout(1))
+            sk = (c, nclusters, dp, n_dp, start, end, base, extra, mWs, mFlags, word)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if wg == 0:
@@ -284,7 +286,7 @@ class HopperGemm:
         """A stream-K cluster's next unit: (tile index in the order, k_begin, k_end, q, u)
         after it; whole data-parallel tiles first (q counts them), then pieces of the
         stream-K region's iterations (u) cut at tile edges (_gemm_plan.stream_k_units)."""
-        c, nclusters, dp, n_dp, _start, end, _base, _extra, _ws, _flags = sk
+        c, nclusters, dp, n_dp, _start, end, _base, _extra, _ws, _flags, _word = sk
         jt = c + q * nclusters
         kb = Int32(0)
         ke = k_tiles
@@ -314,66 +316,105 @@ class HopperGemm:
         return (m * p.cluster_m + bx % p.cluster_m, n * p.cluster_n + by % p.cluster_n, batch)
 
     @cute.jit
-    def sk_peers(self, u0, sk, k_tiles):
-        """How many next clusters hold the rest of the tile whose stream-K piece starts at
-        the region's iteration ``u0`` (its first): the owner of the tile's last iteration,
-        less this cluster (_gemm_plan.stream_k_units)."""
-        c, _n, _dp, _n_dp, _start, _end, base, extra, _ws, _flags = sk
-        last = u0 + k_tiles - 1
+    def sk_owner(self, x, sk):
+        """The cluster whose share holds the stream-K region's iteration ``x``
+        (_gemm_plan.stream_k_owner)."""
+        _c, _n, _dp, _n_dp, _start, _end, base, extra, _ws, _flags, _word = sk
         big = extra * (base + 1)
-        owner = last // (base + 1)
-        if last >= big:
-            owner = extra + (last - big) // base
-        return owner - c
+        owner = x // (base + 1)
+        if x >= big:
+            owner = extra + (x - big) // base
+        return owner
 
     @cute.jit
-    def sk_slot(self, cluster):
-        """The partial-sum slot (and flag) of this CTA's place in ``cluster``."""
+    def sk_piece(self, u0, sk, k_tiles):
+        """The tile a stream-K unit starting at the region's iteration ``u0`` belongs to, as
+        (head, pieces): the cluster holding its first iteration and how many consecutive
+        clusters hold it (_gemm_plan.stream_k_units)."""
+        ts = u0 - u0 % k_tiles
+        head = self.sk_owner(ts, sk)
+        return head, self.sk_owner(ts + k_tiles - 1, sk) - head + 1
+
+    @cute.jit
+    def sk_cta(self, index):
+        """This CTA's place in the ``index``-th cluster-sized block of the flags / workspace."""
         bx, by, _ = cute.arch.block_idx()
-        return (cluster * self.p.cluster_m + bx % self.p.cluster_m) * self.p.cluster_n + by % self.p.cluster_n
+        return (index * self.p.cluster_m + bx % self.p.cluster_m) * self.p.cluster_n + by % self.p.cluster_n
 
     @cute.jit
-    def sk_hand_on(self, acc, sk, thr, bar):
-        """A stream-K piece that started inside its tile: its fp32 sums to this CTA's slot of
-        the workspace (each of the 256 consumer threads its registers, thread-fastest, so a
-        warp's stores coalesce), then the slot's flag, released once every thread's stores
-        are visible device-wide."""
-        c, _n, _dp, _n_dp, _start, _end, _base, _extra, ws, flags = sk
-        slot = self.sk_slot(c)
+    def sk_slot(self, cluster, head):
+        """The partial-sum slot and its ready flag of ``cluster``'s piece of a cut tile: its
+        head piece (head 1: the tile's first piece, the cluster's last unit) or the piece it
+        starts inside a tile (head 0: its first unit). A cluster has at most one of each."""
+        return self.sk_cta(cluster * 2 + head)
+
+    @cute.jit
+    def sk_arrive(self, sk, head, thr, bar):
+        """Count this CTA's piece of the tile ``head`` starts in: how many pieces arrived
+        before it (one atomic per CTA, read back by every consumer thread)."""
+        _c, nclusters, _dp, _n_dp, _start, _end, _base, _extra, _ws, flags, word = sk
+        if thr == 0:
+            counter = flags.iterator + self.sk_cta(2 * nclusters + head)
+            word[0] = cute.arch.atomic_add(counter, Int32(1), sem="relaxed", scope="gpu")
+        bar.arrive_and_wait()
+        return word[0]
+
+    @cute.jit
+    def sk_store(self, acc, sk, slot, thr):
+        """Each of the 256 consumer threads its fp32 sums to ``slot`` of the workspace,
+        thread-fastest, so a warp's stores coalesce."""
+        ws = sk[8]
         n_acc = cute.size(acc)
         off = slot * (n_acc * self.math_threads) + thr
         for r in cutlass.range_constexpr(n_acc):
             ws[off + r * self.math_threads] = acc[r]
+
+    @cute.jit
+    def sk_hand_on(self, acc, sk, slot, thr, bar):
+        """A piece that is not the last of its tile to arrive: its sums to its slot, then the
+        slot's flag, released once every thread's stores are visible device-wide."""
+        self.sk_store(acc, sk, slot, thr)
         cute.arch.fence_acq_rel_gpu()
         bar.arrive_and_wait()
         if thr == 0:
-            cute.arch.atomic_exch(flags.iterator + slot, Int32(1), sem="release", scope="gpu")
+            cute.arch.atomic_exch(sk[9].iterator + slot, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
-    def sk_take(self, acc, sk, peers, thr, bar):
-        """The piece that starts a tile and stops short of its end: wait for each of the next
-        ``peers`` clusters' hand-on (their first pieces never wait, so this ends), then add
-        their sums in order (the same order every run: deterministic).
+    def sk_combine(self, acc, sk, head, pieces, thr, bar):
+        """The last piece of a tile to arrive: the tile's sum in K order, ((p0 + p1) + p2)
+        + ..., whoever arrives last, so the same bits every run. Its own sums are in
+        ``acc``: the head's are p0; with two pieces p1 + p0 is p0 + p1; otherwise (a cut
+        tile of three or more pieces: a grid with fewer tiles than clusters) they go to its
+        slot and are read back in their place.
 
-        The wait assumes the peers get an SM while this CTA spins: true for the grid the
-        occupancy query sizes on a GPU this kernel has to itself, or shares with work that
-        ends (an SM frees). Where fewer clusters can ever be resident than the grid holds (an
-        MPS share of the SMs, a kernel on another stream that waits for this one), spinning
-        CTAs could hold the SMs their peers need. The fix before a tuning-table row
-        uses stream-K: every piece hands on and counts itself in an atomic per tile, and the
-        last to arrive adds the pieces in piece order and stores the tile (no CTA waits)."""
-        c, _n, _dp, _n_dp, _start, _end, _base, _extra, ws, flags = sk
+        It waits only for pieces that have counted themselves in (sk_arrive) before it: they
+        are running and have nothing left but their stores (sk_hand_on), so the wait ends
+        however few clusters the GPU holds at once (an MPS share of the SMs, a kernel on
+        another stream). A piece that waited for peers yet to start could hold the SM
+        they need."""
+        c = sk[0]
+        ws, flags = sk[8], sk[9]
         n_acc = cute.size(acc)
-        for i in range(peers):
-            slot = self.sk_slot(c + 1 + i)
-            if thr == 0:
-                while cute.arch.atomic_add(flags.iterator + slot, Int32(0), sem="acquire", scope="gpu") == 0:
-                    pass
-            bar.arrive_and_wait()
-            cute.arch.fence_acq_rel_gpu()
-            off = slot * (n_acc * self.math_threads) + thr
-            for r in cutlass.range_constexpr(n_acc):
-                acc[r] = acc[r] + ws[off + r * self.math_threads]
+        j = c - head  # this piece's place in K order
+        spill = (j > 0) & (pieces > 2)
+        if spill:
+            self.sk_store(acc, sk, self.sk_slot(c, Int32(0)), thr)
+        for i in range(pieces):
+            if (i != j) | spill:
+                slot = self.sk_slot(head + i, Int32(1) if i == 0 else Int32(0))
+                if i != j:
+                    if thr == 0:
+                        while cute.arch.load(flags.iterator + slot, Int32, sem="acquire", scope="gpu") == 0:
+                            pass
+                    bar.arrive_and_wait()
+                    cute.arch.fence_acq_rel_gpu()
+                off = slot * (n_acc * self.math_threads) + thr
+                if (i == 0) & spill:
+                    for r in cutlass.range_constexpr(n_acc):
+                        acc[r] = ws[off + r * self.math_threads]
+                else:
+                    for r in cutlass.range_constexpr(n_acc):
+                        acc[r] = acc[r] + ws[off + r * self.math_threads]
 
     @cute.jit
     def produce(
@@ -507,13 +548,13 @@ class HopperGemm:
             valid = (q < sk[3]) | (u < sk[5])
         while valid:
             k0, k1 = Int32(0), k_tiles  # this unit's K tiles [k0, k1)
-            peers = Int32(0)  # stream-K: the next clusters whose partial sums this tile adds
+            head, pieces = Int32(0), Int32(1)  # stream-K: a cut tile's first cluster, its pieces
             if const_expr(p.stream_k):
                 u0 = u
                 jt, k0, k1, q, u = self.sk_unit(q, u, sk, k_tiles)
                 t = self.tile_of(jt, grid_c)
-                if (k0 == 0) & (k1 < k_tiles):
-                    peers = self.sk_peers(u0, sk, k_tiles)
+                if (k0 > 0) | (k1 < k_tiles):
+                    head, pieces = self.sk_piece(u0, sk, k_tiles)
             else:
                 t = work.tile_idx
                 if const_expr(p.swizzle > 1):
@@ -545,13 +586,20 @@ class HopperGemm:
                 rd.advance(Int32(k_tiles))
                 rel.advance(Int32(k_tiles))
 
+            store_tile = Int32(1)
             if const_expr(p.stream_k):
-                if k0 > 0:
-                    self.sk_hand_on(acc, sk, mma_thr, epi_bar)
-                if peers > 0:
-                    self.sk_take(acc, sk, peers, mma_thr, epi_bar)
-            # a stream-K piece that starts inside its tile handed its sums on (above): no store
-            if k0 == 0:
+                # a cut tile: the last of its pieces to arrive adds the others' sums and
+                # stores it; the others hand their sums on (no piece waits for one that has
+                # not arrived: sk_combine)
+                if pieces > 1:
+                    if self.sk_arrive(sk, head, mma_thr, epi_bar) < pieces - 1:
+                        self.sk_hand_on(
+                            acc, sk, self.sk_slot(sk[0], Int32(1) if k0 == 0 else Int32(0)), mma_thr, epi_bar
+                        )
+                        store_tile = Int32(0)
+                    else:
+                        self.sk_combine(acc, sk, head, pieces, mma_thr, epi_bar)
+            if store_tile == 1:
                 apply_epilogue(self.epi, acc, thr_mma, t, (p.tile_m, p.tile_n), mD, mC, mBias, beta)
                 gD_t = cute.zipped_divide(gD[(None, None, t[0], t[1], t[2])], self.epi_tile)
                 bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(

@@ -87,18 +87,25 @@ def stream_k_tiles(tiles: int, clusters: int) -> int:
     return rest + clusters if tiles >= rest + clusters else tiles
 
 
+def stream_k_owner(x: int, clusters: int, iters: int) -> int:
+    """The cluster whose share of the stream-K region's ``iters`` iterations holds iteration
+    ``x``: the first ``iters % clusters`` shares are one iteration longer."""
+    base, extra = divmod(iters, clusters)
+    big = extra * (base + 1)
+    return x // (base + 1) if x < big else extra + (x - big) // base
+
+
 def stream_k_units(c: int, clusters: int, tiles: int, sk: int, k_tiles: int):
     """Cluster ``c``'s work, in order, as the kernel walks it (_gemm_kernel's ``sk_unit``
-    and ``sk_peers``: the same arithmetic on Int32): (tile, k_begin, k_end, peers). First its data-parallel
-    tiles (every ``clusters``-th of the first ``tiles - sk``), whole; then its even share of
-    the stream-K region's ``sk * k_tiles`` iterations (the first ``iters % clusters``
-    clusters one more), cut at tile edges. Only a cluster's first stream-K piece can start
-    inside a tile: it hands its partial sums on. A piece that starts a tile and stops short
-    of its end adds the partials of ``peers`` (the next clusters, whose first pieces hold
-    the rest of that tile) and stores the tile; ``peers`` is 0 otherwise."""
+    and ``sk_piece``: the same arithmetic on Int32): (tile, k_begin, k_end, head, pieces).
+    First its data-parallel tiles (every ``clusters``-th of the first ``tiles - sk``),
+    whole; then its even share of the stream-K region's ``sk * k_tiles`` iterations, cut
+    at tile edges. A tile cut into ``pieces`` > 1 is held by the clusters ``head``,
+    ``head + 1``, ... in K order: the head's last unit starts it, the others' first units
+    go on with it. Whole tiles have ``head`` = c and ``pieces`` = 1."""
     out = []
     dp = tiles - sk
-    out += [(j, 0, k_tiles, 0) for j in range(c, dp, clusters)]
+    out += [(j, 0, k_tiles, c, 1) for j in range(c, dp, clusters)]
     iters = sk * k_tiles
     base, extra = divmod(iters, clusters)
     u = c * base + min(c, extra)
@@ -106,13 +113,9 @@ def stream_k_units(c: int, clusters: int, tiles: int, sk: int, k_tiles: int):
     while u < end:
         kb = u % k_tiles
         ke = min(k_tiles, kb + end - u)
-        peers = 0
-        if kb == 0 and ke < k_tiles:
-            last = u - kb + k_tiles - 1  # the tile's last iteration
-            big = extra * (base + 1)
-            owner = last // (base + 1) if last < big else extra + (last - big) // base
-            peers = owner - c
-        out.append((dp + u // k_tiles, kb, ke, peers))
+        head = stream_k_owner(u - kb, clusters, iters)
+        pieces = stream_k_owner(u - kb + k_tiles - 1, clusters, iters) - head + 1
+        out.append((dp + u // k_tiles, kb, ke, head, pieces))
         u += ke - kb
     return out
 

@@ -144,8 +144,9 @@ def compile_gemm(
     c and bias are never read unless ``has_c`` / ``has_bias`` (pass any tensor of the right
     dtype and rank); max_clusters: resident clusters of the persistent grid. Stream-K
     (``config.stream_k``): ``sk_tiles`` of the grid's cluster tiles (``stream_k_tiles``),
-    ws float32 (clusters x CTAs a cluster x tile_m x tile_n), flags int32 (clusters x CTAs a
-    cluster) zeroed; without it sk_tiles 0 and any one-element tensors."""
+    ws float32 (2 x clusters x CTAs a cluster x tile_m x tile_n: a cluster hands on at most
+    two pieces), flags int32 (3 x clusters x CTAs a cluster: the slots' ready flags, then a
+    count per cut tile) zeroed; without it sk_tiles 0 and any one-element tensors."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_tensor
@@ -206,14 +207,25 @@ def _config_for(m: int, n: int, k: int, batch: int, dtype: str, arch: str, table
 # --------------------------------------------------------------------------- torch-facing
 
 
-def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, beta: float = 1.0):
+def gemm_fwd(
+    a,
+    b,
+    bias=None,
+    activation: str = "none",
+    out_dtype=None,
+    c=None,
+    beta: float = 1.0,
+    *,
+    clusters: int | None = None,
+):
     """D = act(a @ b + bias + beta * c) on the GPU (no autograd: ``quack_kernels.ops.gemm``).
 
     a (M, K) or (L, M, K), b (K, N) or (L, K, N): float16 / bfloat16, one dtype, either
     major order (a row- or column-major, b likewise); every stride but the unit one and the
     data pointers 16-byte aligned (``_gemm_args`` names the argument that is not). bias (N,),
     c (M, N) or (L, M, N): any float dtype. out_dtype float16 / bfloat16 / float32 (default
-    a's dtype)."""
+    a's dtype). ``clusters``: the persistent grid's clusters at most (default: as many as
+    the GPU holds at once); fewer leave SMs to concurrent work, more run in waves."""
     import torch
 
     from quack.runtime import max_active_clusters
@@ -223,6 +235,8 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
 
     if isinstance(a, torch.Tensor) and not a.is_cuda:
         raise ValueError(f"a must be a CUDA tensor, got device {a.device}")
+    if clusters is not None and (isinstance(clusters, bool) or not isinstance(clusters, int) or clusters < 1):
+        raise ValueError(f"clusters must be a positive int (the grid's clusters at most), got {clusters!r}")
     g = check(a, b, bias, activation, out_dtype, c, beta)
     m, n, k, batch = g.m, g.n, g.k, g.batch
     d = torch.empty((batch, m, n), device=a.device, dtype=g.out_dtype)
@@ -238,9 +252,13 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
             g.dtype, g.d_dtype, g.a_major, g.b_major, c is not None, bias is not None, activation, cfg
         )
         plan = resolve(cfg.knobs(), g.d_dtype)
-        clusters = max_active_clusters(
-            plan.cluster_m * plan.cluster_n, plan.threads, plan.smem_bytes(g.d_dtype), device=a.device.index
-        )
+        if clusters is None:
+            clusters = max_active_clusters(
+                plan.cluster_m * plan.cluster_n,
+                plan.threads,
+                plan.smem_bytes(g.d_dtype),
+                device=a.device.index,
+            )
         d3 = d.permute(1, 2, 0)
         c3 = operand(g.c, "c").permute(1, 2, 0) if c is not None else d3
         bias32 = bias.float().contiguous() if bias is not None else d.new_empty((1,), dtype=torch.float32)
@@ -252,8 +270,8 @@ def gemm_fwd(a, b, bias=None, activation: str = "none", out_dtype=None, c=None, 
             grid = min(clusters, mc * nc * batch)  # the persistent grid the kernel launches
             sk_tiles = stream_k_tiles(mc * nc * batch, grid)
             if sk_tiles:
-                ws = d.new_empty((grid * ctas * plan.tile_m * plan.tile_n,), dtype=torch.float32)
-                flags = d.new_zeros((grid * ctas,), dtype=torch.int32)
+                ws = d.new_empty((2 * grid * ctas * plan.tile_m * plan.tile_n,), dtype=torch.float32)
+                flags = d.new_zeros((3 * grid * ctas,), dtype=torch.int32)
         fn(g.a3, g.b3, d3, c3, bias32, float(beta), clusters, ws, flags, sk_tiles)
     return d if a.dim() == 3 else d[0]
 

@@ -88,6 +88,14 @@ def _gemm_cfg(**knobs):
     return GemmConfig(**knobs)
 
 
+def _stream_k(swizzle, knobs):
+    """The stream-K twin of a large cooperative tile (test_gemm_gpu.py's STREAM_K), K-major B."""
+    cfg = _gemm_cfg(
+        schedule="coop", swizzle=swizzle, raster_m=True if swizzle else None, stream_k=True, **knobs
+    )
+    return [("gemm", dict(gemm((1, 64, 64, 64), bm="k")[0][1], config=cfg))]
+
+
 def gemm_autograd(activation):
     """Forward (bias, act), gelu's recomputed fp32 pre-activation, dA = dD @ B^T (B^T
     K-major), dB = A^T @ dD (A^T M-major)."""
@@ -209,21 +217,10 @@ REQUESTS = {
     "test_gemm_gpu.py::test_gemm_swizzled_tile_orders": lambda shape, **knobs: [
         ("gemm", dict(gemm((1, 64, 64, 64), bm="k")[0][1], config=_gemm_cfg(schedule="coop", **knobs)))
     ],
-    "test_gemm_gpu.py::test_gemm_stream_k": lambda shape, swizzle, **knobs: [
-        (
-            "gemm",
-            dict(
-                gemm((1, 64, 64, 64), bm="k")[0][1],
-                config=_gemm_cfg(
-                    schedule="coop",
-                    swizzle=swizzle,
-                    raster_m=True if swizzle else None,
-                    stream_k=True,
-                    **knobs,
-                ),
-            ),
-        )
-    ],
+    "test_gemm_gpu.py::test_gemm_stream_k": lambda shape, swizzle, **knobs: _stream_k(swizzle, knobs),
+    "test_gemm_gpu.py::test_gemm_stream_k_on_grids_the_gpu_holds_in_part_or_in_waves": (
+        lambda scale, swizzle, **knobs: _stream_k(swizzle, knobs)
+    ),
     "test_gemm_gpu.py::test_gemm_dtypes_layouts": lambda dtype, out, a_major, b_major: gemm(
         (1, 1000, 1048, 776), dtype, out, a_major, b_major
     ),

@@ -278,42 +278,116 @@ def test_swizzled_order_visits_each_cluster_once_band_by_band(swizzle, raster_m)
                 assert (along[j], a % swizzle) == divmod(j - start, width), (mc, nc, j)
 
 
-@pytest.mark.parametrize("k_tiles", [1, 2, 7, 64, 224])
-@pytest.mark.parametrize("clusters", [1, 3, 64, 66])
-def test_stream_k_schedule_covers_every_k_tile_once_and_cannot_wait_in_a_cycle(clusters, k_tiles):
-    """The stream-K schedule (``_gemm_plan.stream_k_units``, which the kernel's ``sk_unit`` /
-    ``sk_peers`` compute on Int32): every (tile, K tile) of the grid falls to exactly one
-    cluster; only a cluster's first stream-K piece starts inside a tile (it hands its sums on
-    and never waits); a piece that starts a tile and stops short waits for exactly the next
-    ``peers`` clusters, whose first pieces are the rest of that tile. So every wait is on a
-    piece that does not wait: no cycle, on any grid (all clusters are resident)."""
+def _stream_k_grid(tiles, clusters, k_tiles):
     from quack_kernels._gemm_plan import stream_k_tiles, stream_k_units
 
+    grid = min(clusters, tiles)  # the persistent grid: no more clusters than tiles
+    sk = stream_k_tiles(tiles, grid)
+    return grid, sk, {c: stream_k_units(c, grid, tiles, sk, k_tiles) for c in range(grid)}
+
+
+@pytest.mark.parametrize("k_tiles", [1, 2, 7, 64, 224])
+@pytest.mark.parametrize("clusters", [1, 3, 64, 66])
+def test_stream_k_schedule_covers_every_k_tile_once_in_pieces_held_by_consecutive_clusters(clusters, k_tiles):
+    """The stream-K schedule (``_gemm_plan.stream_k_units``, which the kernel's ``sk_unit`` /
+    ``sk_piece`` compute on Int32): every (tile, K tile) of the grid falls to exactly one
+    cluster; a tile cut into pieces is held by ``head``, ``head + 1``, ... in K order, the
+    head's piece starting it; each cluster starts at most one piece inside a tile and heads
+    at most one cut tile, so the two workspace slots a cluster has never collide."""
     for tiles in (1, 5, clusters, clusters + 1, 2 * clusters - 1, 100, 512, 1000):
-        grid = min(clusters, tiles)  # the persistent grid: no more clusters than tiles
-        sk = stream_k_tiles(tiles, grid)
+        grid, sk, units = _stream_k_grid(tiles, clusters, k_tiles)
         dp = tiles - sk
         assert sk == 0 or (tiles % grid and sk in (tiles % grid + grid, tiles))
-        units = {c: stream_k_units(c, grid, tiles, sk, k_tiles) for c in range(grid)}
-        owner = {}
+        owner, cut = {}, {}
         for c, us in units.items():
-            first_sk = next((i for i, u in enumerate(us) if u[0] >= dp), None)
-            for i, (t, k0, k1, peers) in enumerate(us):
+            slots = []
+            for t, k0, k1, head, pieces in us:
                 assert 0 <= k0 < k1 <= k_tiles
-                assert t < dp and (k0, k1) == (0, k_tiles) or t >= dp, (t, k0, k1)
-                if k0 > 0:
-                    assert i == first_sk and peers == 0  # hands on, never waits
+                assert t < dp and (k0, k1, head, pieces) == (0, k_tiles, c, 1) or t >= dp, (t, k0, k1)
                 for kt in range(k0, k1):
                     assert (t, kt) not in owner
                     owner[t, kt] = c
-                if peers:
-                    assert k0 == 0 and k1 < k_tiles
-                    rest = set()
-                    for p in range(c + 1, c + peers + 1):
-                        pt, p0, p1, _ = units[p][[i for i, u in enumerate(units[p]) if u[0] >= dp][0]]
-                        assert pt == t and p0 > 0  # the peer's first piece, which does not wait
-                        rest |= set(range(p0, p1))
-                    assert rest == set(range(k1, k_tiles))
-                elif k0 == 0:
-                    assert k1 == k_tiles  # a whole tile
+                if pieces > 1:
+                    slots.append((c, k0 == 0))
+                    cut.setdefault(t, []).append((c - head, k0, k1, head, pieces))
+                else:
+                    assert (k0, k1, head) == (0, k_tiles, c)  # a whole tile
+            assert len(set(slots)) == len(slots), (c, us)
+        for ps in cut.values():
+            n = ps[0][4]
+            assert sorted(j for j, *_ in ps) == list(range(n)) and {p[3:] for p in ps} == {ps[0][3:]}
+            # in K order: piece j goes on where piece j - 1 stopped
+            assert [k0 for _, k0, *_ in sorted(ps)] == [0] + [k1 for _, _, k1, *_ in sorted(ps)][:-1]
         assert len(owner) == tiles * k_tiles
+        if k_tiles * sk >= grid * k_tiles:  # every share is a whole tile's iterations or more
+            assert all(p[0][4] <= 2 for p in cut.values())
+
+
+def _run_stream_k_fixup(units, resident, rng):
+    """The kernel's fix-up protocol (``_gemm_kernel.sk_arrive`` / ``sk_hand_on`` /
+    ``sk_combine``) played out with at most ``resident`` clusters on the GPU at a time,
+    admitted in index order as others finish, stepping in a random interleaving. Returns
+    each cut tile's sum as the order its pieces were added in; raises on a deadlock."""
+    count, ready, partial, sums = {}, set(), {}, {}
+    progs = {c: iter(_fixup_steps(c, us, count, ready, partial, sums)) for c, us in units.items()}
+    waiting = list(progs)
+    running, blocked = [], {}
+    while waiting or running:
+        while waiting and len(running) < resident:
+            running.append(waiting.pop(0))
+        live = [c for c in running if blocked.get(c) is None or blocked[c] in ready]
+        if not live:
+            raise AssertionError(f"deadlock: {running} wait on {[blocked[c] for c in running]}")
+        c = rng.choice(live)
+        try:
+            blocked[c] = next(progs[c])  # None, or the slot it now waits for
+        except StopIteration:
+            running.remove(c)
+    return sums
+
+
+def _fixup_steps(c, units, count, ready, partial, sums):
+    for t, k0, _k1, head, n in units:
+        yield None  # the mainloop
+        if n == 1:
+            continue
+        j = c - head
+        before = count.get(t, 0)  # the atomic add: one step, nothing in between
+        count[t] = before + 1
+        yield None
+        own = (c, k0 == 0)  # the slot: the cluster's head piece, or its piece inside a tile
+        if before < n - 1:
+            partial[own] = (j,)
+            ready.add(own)
+            continue
+        in_regs = j == 0 or n == 2  # else: its own partial to its slot, read back in order
+        acc = (j,) if in_regs else ()
+        for i in range(n):
+            if i == j and in_regs:
+                continue
+            slot = (head + i, i == 0)
+            if i != j:
+                while slot not in ready:
+                    yield slot
+            acc = acc + (i,) if acc else (i,)
+        sums[t] = acc if j == 0 or n > 2 else tuple(sorted(acc))  # n = 2: a + b is b + a
+
+
+@pytest.mark.parametrize("k_tiles", [1, 3, 64])
+@pytest.mark.parametrize("clusters", [1, 4, 66])
+def test_stream_k_fixup_finishes_with_any_number_of_resident_clusters_in_one_sum_order(clusters, k_tiles):
+    """No cluster waits for a cluster that has not yet arrived: each piece counts itself in
+    first, the last to arrive adds the others' partial sums, and those have arrived, so they
+    only have stores left. So the grid finishes even when one cluster at a time fits (an MPS
+    share of the SMs, a kernel on another stream), where a head that waits for its peers
+    holds the SM they need. Every tile's pieces are added in K order whoever arrives last."""
+    import random
+
+    rng = random.Random(clusters * 1000 + k_tiles)
+    for tiles in (1, 5, clusters + 1, 2 * clusters - 1, 100):
+        _, _, units = _stream_k_grid(tiles, clusters, k_tiles)
+        cut = {t: n for us in units.values() for t, _, _, _, n in us if n > 1}
+        for resident in sorted({1, 2, max(1, clusters // 2), clusters}):
+            for _ in range(3):
+                sums = _run_stream_k_fixup(units, resident, rng)
+                assert sums == {t: tuple(range(n)) for t, n in cut.items()}, (tiles, resident)

@@ -143,6 +143,39 @@ def test_gemm_stream_k(tile_m, tile_n, cluster_m, cluster_n, swizzle, shape):
     assert torch.equal(d, again)
 
 
+@pytest.mark.parametrize("scale", [0.05, 3])
+@pytest.mark.parametrize("tile_m, tile_n, cluster_m, cluster_n, swizzle", STREAM_K)
+def test_gemm_stream_k_on_grids_the_gpu_holds_in_part_or_in_waves(
+    tile_m, tile_n, cluster_m, cluster_n, swizzle, scale
+):
+    """A stream-K grid of a few clusters (the rest of the GPU left to other work) and one of
+    three times as many as fit at once (run in waves: pieces of a cut tile held by clusters
+    that are not on the GPU together): right, and the same bits run to run. The fix-up waits
+    only for pieces that have arrived (test_gemm_cpu.py plays it out with one cluster
+    resident at a time)."""
+    from quack_kernels import _reference as R
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels._gemm_plan import resolve
+    from quack_kernels.gemm import gemm_fwd
+
+    from quack.runtime import max_active_clusters
+    from quack.tuning import use_config
+
+    knobs = dict(tile_m=tile_m, tile_n=tile_n, cluster_m=cluster_m, cluster_n=cluster_n)
+    raster = True if swizzle else None
+    cfg = GemmConfig(schedule="coop", swizzle=swizzle, raster_m=raster, stream_k=True, **knobs)
+    plan = resolve(cfg.knobs(), "bfloat16")
+    fit = max_active_clusters(cluster_m * cluster_n, plan.threads, plan.smem_bytes("bfloat16"))
+    clusters = max(1, int(fit * scale))
+    a, b = operands((1, 4096, 8192, 1024), torch.bfloat16, "k", "k")
+    with use_config("gemm", cfg):
+        d = gemm_fwd(a, b, clusters=clusters)
+        again = gemm_fwd(a, b, clusters=clusters)
+    torch.cuda.synchronize()
+    R.check_gemm(a, b, d=d)
+    assert torch.equal(d, again)
+
+
 @pytest.mark.parametrize("b_major", ["n", "k"])
 @pytest.mark.parametrize("a_major", ["k", "m"])
 @pytest.mark.parametrize("out", [None, "float32"])
@@ -216,3 +249,8 @@ def test_gemm_bad_inputs_on_gpu():
         gemm(torch.empty(64, 777, device="cuda", dtype=torch.bfloat16)[:, :776], b)
     with pytest.raises(TypeError, match="b has dtype torch.float16"):
         gemm(a, b.half())
+    from quack_kernels.gemm import gemm_fwd
+
+    for bad in (0, -3, 2.0, True):
+        with pytest.raises(ValueError, match=f"clusters must be a positive int.*got {bad!r}"):
+            gemm_fwd(a, b, clusters=bad)
