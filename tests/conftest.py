@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import sys
 from pathlib import Path
@@ -193,6 +195,32 @@ def _no_inherited_terminal_width(monkeypatch):
     exports COLUMNS did the same to a serial run. Every test (and every process it starts)
     sees no inherited width."""
     monkeypatch.delenv("COLUMNS", raising=False)
+
+
+@pytest.fixture
+def log_records():
+    """``with log_records("quack", logging.INFO) as records:`` the records that logger (and
+    its children) emits inside the block. pytest's own log capture (caplog) is off for this
+    suite (``-p no:logging``, pyproject.toml): it attaches its handlers to every
+    non-propagating logger at each of a test's six phases, and with torch's several hundred
+    loggers that walk took seconds of the GPU tier's ~2,500 tests."""
+
+    @contextlib.contextmanager
+    def capture(name: str, level: int):
+        logger = logging.getLogger(name)
+        records: list[logging.LogRecord] = []
+        handler = logging.Handler(level)
+        handler.emit = records.append  # type: ignore[method-assign]
+        old = logger.level
+        logger.setLevel(level)
+        logger.addHandler(handler)
+        try:
+            yield records
+        finally:
+            logger.removeHandler(handler)
+            logger.setLevel(old)
+
+    return capture
 
 
 @pytest.fixture

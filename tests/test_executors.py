@@ -4,6 +4,7 @@ the executor setting, and `--executor ray` without Ray installed."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -492,15 +493,15 @@ def listening():
     s.close()
 
 
-def test_ray_client_spawn_failure_is_tried_once_more(listening, caplog):
+def test_ray_client_spawn_failure_is_tried_once_more(listening, log_records):
     from quack_build.build.executors.ray import cluster
 
     fake = _FakeRay(ConnectionAbortedError(SPAWN))
-    with caplog.at_level("WARNING", logger="quack"):
+    with log_records("quack", logging.WARNING) as records:
         got = cluster.connect(fake, f"ray://127.0.0.1:{listening}", num_cpus=None, runtime_env={})
     assert got == f"ray://127.0.0.1:{listening}"
     assert (fake.inits, fake.shutdowns) == (2, 1)
-    assert [r.getMessage() for r in caplog.records if "trying once more" in r.getMessage()]
+    assert [r.getMessage() for r in records if "trying once more" in r.getMessage()]
 
 
 def test_ray_client_spawn_failure_every_time_stops_after_two_attempts(listening):

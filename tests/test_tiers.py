@@ -132,7 +132,7 @@ def test_registry_order_factories_and_broken_factory(quack_settings):
     assert any("no such bucket" in str(x.message) for x in w)
 
 
-def test_tier_hit_end_to_end_loads_without_compiling(quack_settings, cache_dir, tmp_path, caplog):
+def test_tier_hit_end_to_end_loads_without_compiling(quack_settings, cache_dir, tmp_path, log_records):
     """A real object compiled into one cache is served to an empty cache by a
     DirectoryTier, published there, and loaded: no compile, even in prebuilt mode."""
     toykernels.toy_scale("float32", 64, False)  # compiled by a worker into cache_dir
@@ -141,12 +141,12 @@ def test_tier_hit_end_to_end_loads_without_compiling(quack_settings, cache_dir, 
     tiers.register_tier("shared", lambda s: DirectoryTier(cache_dir, name="shared"), order=tiers.BUNDLES)
     use_settings(cache_dir=str(other), mode="prebuilt")
     n0 = len(toykernels.COMPILES)
-    with caplog.at_level(logging.INFO, logger="quack"):
+    with log_records("quack", logging.INFO) as records:
         fn = toykernels.toy_scale("float32", 64, False)
     assert callable(fn) and len(toykernels.COMPILES) == n0
     (dst,) = [p for p in other.rglob("*.o") if p.parent.parent.name == "toy_scale"]
     assert dst.read_bytes() == src.read_bytes()
-    assert any("tier shared: hit toy_scale" in r.getMessage() for r in caplog.records)
+    assert any("tier shared: hit toy_scale" in r.getMessage() for r in records)
     # Not in the tier either: prebuilt mode still says so.
     from quack.errors import KernelNotPrebuilt
 

@@ -216,16 +216,16 @@ def test_ring_grid_two_ctas_per_sm_and_clusterless(fake_gpu):
     assert len(calls) == 1
 
 
-def test_ring_grid_without_an_answer_estimates_and_warns_once(fake_gpu, caplog):
+def test_ring_grid_without_an_answer_estimates_and_warns_once(fake_gpu, log_records):
     answers, calls = fake_gpu
     answers.update({4: RuntimeError("CUDA driver error 999"), 16: 0})
     cfg4 = _ring("layer", n=65536, b=True, wdt="same", tune={"ring_min_cluster": 4})
-    with caplog.at_level(logging.WARNING, logger="quack_kernels"):
+    with log_records("quack_kernels", logging.WARNING) as records:
         for _ in range(3):
             assert _norm_fwd.ring_grid(32768, "bfloat16", 65536, cfg4, _Dev()) == 132 // 4 - 1
         # an answer of 0 (the shape does not fit) falls back too: the launch says why
         assert _norm_fwd.ring_grid(4096, "bfloat16", 262144, _ring(), _Dev()) == 132 // 16 - 1
-    warnings = [r for r in caplog.records if "occupancy query failed" in r.getMessage()]
+    warnings = [r for r in records if "occupancy query failed" in r.getMessage()]
     assert len(warnings) == 1 and "CUDA driver error 999" in warnings[0].getMessage()
     assert len(calls) == 2
 
