@@ -129,3 +129,60 @@ def test_autotune_candidate_budget_and_argument_checks(quack_settings):
     assert sorted(c["block"] for c, _ in res.times) == [32, 64] and res.best == {"block": 64}
     with pytest.raises(ValueError, match="close"):
         autotune(toykernels.toy_scale, [], lambda fn, cfg: 0.0, close=-1)
+
+
+def _seq_bench(seq):
+    """A bench that returns each block's times in turn (the last one from then on)."""
+    calls: dict = {}
+
+    def bench(fn, cfg):
+        b = cfg["block"]
+        i = calls.get(b, 0)
+        calls[b] = i + 1
+        return seq[b][min(i, len(seq[b]) - 1)]
+
+    return bench, calls
+
+
+def _held_run(seq, hold):
+    bench, calls = _seq_bench(seq)
+    res = autotune(
+        toykernels.toy_scale,
+        [{"block": b} for b in sorted(seq)],
+        bench,
+        common={"dtype": "float32", "bias": True},
+        rounds=3,
+        baseline={"block": 128},
+        hold=hold,
+    )
+    return res, calls
+
+
+def test_autotune_hold_keeps_the_baseline_inside_the_noise_of_its_rounds(quack_settings):
+    """64 measures 1 % faster than the baseline 128 (median of its rounds), but the
+    baseline's own rounds spread over 4 %: the baseline stays, and the noise is said. Two
+    runs a call apart on the H200 picked different winners this way for the 5 ms GEMM
+    shapes, each 2-4 % off the other in the next call."""
+    seq = {64: [1.00e-3, 0.99e-3, 1.00e-3, 1.01e-3], 128: [1.01e-3, 0.99e-3, 1.01e-3, 1.03e-3], 32: [5e-3]}
+    res, calls = _held_run(seq, 0.005)
+    assert res.best == {"block": 128} and res.best_time == pytest.approx(1.01e-3)
+    assert res.held == pytest.approx((1.03e-3 - 0.99e-3) / 1.01e-3)
+    assert min(res.times, key=lambda ct: ct[1])[0] == {"block": 64}  # still listed as measured
+    assert calls[64] == calls[128] == 4  # each: its first time and three rounds
+    # without hold the faster median wins, as before
+    res, _ = _held_run(seq, None)
+    assert res.best == {"block": 64} and res.held is None
+
+
+def test_autotune_hold_gives_way_to_a_gain_beyond_the_noise_and_the_minimum(quack_settings):
+    steady = {64: [0.95e-3, 0.95e-3, 0.951e-3, 0.95e-3], 128: [1e-3, 1e-3, 1.001e-3, 1e-3], 32: [5e-3]}
+    res, _ = _held_run(steady, 0.005)
+    assert res.best == {"block": 64} and res.held is None  # 5 % faster, rounds within 0.1 %
+    # 0.3 % faster with steady rounds: inside the least gain asked for
+    small = {64: [0.997e-3] * 4, 128: [1e-3] * 4, 32: [5e-3]}
+    res, _ = _held_run(small, 0.005)
+    assert res.best == {"block": 128} and res.held == 0.005
+    res, _ = _held_run(small, 0.0)
+    assert res.best == {"block": 64} and res.held is None
+    with pytest.raises(ValueError, match="hold"):
+        autotune(toykernels.toy_scale, [], lambda fn, cfg: 0.0, hold=1.0)

@@ -192,3 +192,19 @@ def test_tune_goes_on_past_crashing_candidates_and_keeps_the_old_winner(
     said = out.getvalue()
     assert f"failed: {_label(probs[0])}: {label['hang30']}: " in said
     assert f"kept: {_label(probs[2])}: {tunefakes.OLD.label()}" in said
+
+
+def test_the_final_table_says_when_the_old_winner_was_held_on_noise():
+    from rich.console import Console
+
+    from quack_build.cli.tune import _print_table
+
+    out = io.StringIO()
+    entry = dict(problem="gemm(...) sm_90a 8192x28672x8192", old="A", new="A", old_us=5012.0, new_us=5012.0)
+    entry.update(speedup=1.0, failed=[], refused=[], written=True)
+    entry["held"] = dict(faster="B", gain=0.0098, noise=0.0231)
+    _print_table(Console(file=out, width=300), [entry])
+    assert (
+        "held: gemm(...) sm_90a 8192x28672x8192: keeps A; B measured 0.98 % faster, inside the noise (2.31 %)"
+        in (out.getvalue())
+    )

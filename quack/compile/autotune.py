@@ -16,7 +16,9 @@ launch fault, a dead measuring process); one whose ``check`` raises anything els
 ``refused`` and never wins. Timing noise (a
 shape that is bimodal from run to run) is handled by the method, not by hand: every
 candidate within ``close`` of the best is measured again in ``rounds`` interleaved rounds
-(each round visits them in a rotated order) and ranked by the median of its rounds.
+(each round visits them in a rotated order) and ranked by the median of its rounds; with
+``hold``, the ``baseline`` (today's winner) stays the winner unless the fastest beats it by
+more than their rounds' own spread, so a re-tune does not rewrite a table on noise.
 Benchmarking runs on the caller's thread, in the caller's CUDA context."""
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class TuneResult:
     wall_s: float
     refused: list[tuple[dict, str]] = dataclasses.field(default_factory=list)  # wrong results
     remeasured: int = 0  # candidates measured again as close calls
+    held: float | None = None  # ``hold``: the baseline kept, the faster one inside this noise
 
     def table(self) -> str:
         rows = [f"{t * 1e6:10.1f} us  {c}" for c, t in sorted(self.times, key=lambda ct: ct[1])]
@@ -70,6 +73,7 @@ def autotune(
     on_result: Callable[[str, dict, Any], None] | None = None,
     confirm: int = 3,
     baseline: dict | None = None,
+    hold: float | None = None,
 ) -> TuneResult:
     """Compile ``kernel(**common, **config)`` for every config in parallel and return the
     correct one ``bench(fn, config)`` (seconds) rates fastest. ``timeout``: seconds for the
@@ -78,12 +82,16 @@ def autotune(
     candidates are re-measured ``rounds`` times, and so are the ``confirm`` fastest and
     ``baseline`` (a config whose time is reported beside the winner's, e.g. today's default)
     whatever their distance: a single low outlier must not win unopposed, nor a single high
-    one make a speed-up; ``on_result(kind, config, value)``: each "time" / "wrong" / "error"
-    as it happens (a progress display)."""
+    one make a speed-up; ``hold``: the least gain (a fraction, e.g. 0.005) over ``baseline``
+    that may replace it: a faster candidate whose gain is inside that or inside the spread
+    of either's re-measured rounds ((max - min) / median) leaves the baseline the winner
+    (``TuneResult.held``: that noise); ``on_result(kind, config, value)``: each "time" /
+    "wrong" / "error" as it happens (a progress display)."""
     t0 = time.perf_counter()
-    if close < 0 or rounds < 0 or confirm < 0:
+    if close < 0 or rounds < 0 or confirm < 0 or (hold is not None and not 0 <= hold < 1):
         raise ValueError(
-            f"autotune: close (got {close}), rounds (got {rounds}) and confirm (got {confirm}) must be >= 0"
+            f"autotune: close (got {close}), rounds (got {rounds}) and confirm (got {confirm}) must be "
+            f">= 0, and hold (got {hold}) None or in [0, 1)"
         )
     common = dict(common or {})
     configs = list(configs)[: max_candidates if max_candidates is not None else None]
@@ -163,8 +171,16 @@ def autotune(
                         note("error", cfg, "budget spent")
                     break
                 gen = p.wait_change(gen, 0.5)
-    remeasured = _remeasure(times, fns, bench, close, rounds, errors, confirm, baseline)
+    spreads: list[float | None] = []
+    remeasured = _remeasure(times, fns, bench, close, rounds, errors, confirm, baseline, spreads)
     best = min(times, key=lambda ct: ct[1]) if times else None
+    held = None
+    if hold is not None and best is not None and baseline is not None and best[0] != baseline:
+        i_base = next((i for i, (cfg, _) in enumerate(times) if cfg == baseline), None)
+        if i_base is not None:
+            noise = max(hold, spreads[i_base] or 0.0, spreads[times.index(best)] or 0.0)
+            if best[1] > times[i_base][1] * (1 - noise):
+                best, held = times[i_base], noise
     return TuneResult(
         best[0] if best else None,
         best[1] if best else None,
@@ -174,17 +190,22 @@ def autotune(
         time.perf_counter() - t0,
         refused,
         remeasured,
+        held,
     )
 
 
-def _remeasure(times, fns, bench, close, rounds, errors, confirm=0, baseline=None) -> int:
+def _remeasure(times, fns, bench, close, rounds, errors, confirm=0, baseline=None, spreads=None) -> int:
     """Measure again, ``rounds`` interleaved rounds (rotated order: none always runs first
     after a cold GPU), the candidates within ``close`` of the best, the ``confirm`` fastest
     and ``baseline``; replace each time with the median of its first time and its rounds.
-    Returns how many were re-measured. Why the fastest even when far apart: on the H200 a
+    Returns how many were re-measured; fills ``spreads`` (beside ``times``) with each
+    re-measured candidate's (max - min) / median over its rounds (not its first time, taken
+    while the pool compiled: _remeasure's reason), None for the others. Why the fastest even when far apart: on the H200 a
     first measurement taken while the compile pool loaded every core came out 1.6x off
     either way (90 us and 144 us for two ~120 us kernels), and the old rule re-measured
     nothing when no other candidate was within ``close`` of such an outlier."""
+    if spreads is not None:
+        spreads[:] = [None] * len(times)
     if not times or rounds == 0:
         return 0
     best = min(t for _, t in times)
@@ -208,5 +229,11 @@ def _remeasure(times, fns, bench, close, rounds, errors, confirm=0, baseline=Non
                 errors.append((times[i][0], f"benchmark (re-measure): {_first_line(e)}"))
     for i in idx:
         times[i] = (times[i][0], float("inf") if i in dead else statistics.median(samples[i]))
-    times[:] = [ct for ct in times if ct[1] != float("inf")]
+        if spreads is not None and i not in dead and len(samples[i]) > 2:
+            rs = samples[i][1:]
+            spreads[i] = (max(rs) - min(rs)) / statistics.median(rs)
+    keep = [i for i, ct in enumerate(times) if ct[1] != float("inf")]
+    times[:] = [times[i] for i in keep]
+    if spreads is not None:
+        spreads[:] = [spreads[i] for i in keep]
     return len(idx)

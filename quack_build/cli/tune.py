@@ -91,6 +91,14 @@ def tune(
         False, "--from-empty", help="Ignore the table's rows: write a table of this run's winners only."
     ),
     rows: Optional[int] = typer.Option(None, "--rows", min=1, help="Rows (M) of the timed problems."),
+    min_gain: float = typer.Option(
+        0.005,
+        "--min-gain",
+        min=0.0,
+        max=0.5,
+        help="Today's winner stays unless a candidate beats it by this fraction and by more than "
+        "the spread of their measurements.",
+    ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List the candidates; compile nothing."),
     compile_only: bool = typer.Option(
         False,
@@ -174,6 +182,7 @@ def run_tune(
     table,
     from_empty,
     rows,
+    min_gain,
     dry_run,
     compile_only,
     as_json,
@@ -214,7 +223,9 @@ def run_tune(
         raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
     from quack_build.cli import tune_measure as tunerun
 
-    gpu, results, tables = tunerun.measure_and_write(s, con, probs, seconds, count, table, from_empty, _label)
+    gpu, results, tables = tunerun.measure_and_write(
+        s, con, probs, seconds, count, table, from_empty, _label, min_gain=min_gain
+    )
     _print_table(con, results)
     if as_json:
         emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))
@@ -270,3 +281,10 @@ def _print_table(con, results) -> None:
             con.print(f"failed: {r['problem']}: {f['candidate']}: {f['reason']}", markup=False)
         if not r["new"]:
             con.print(f"kept: {r['problem']}: {r['kept']} (no candidate measured correct)", markup=False)
+        if r.get("held"):
+            h = r["held"]
+            con.print(
+                f"held: {r['problem']}: keeps {r['old']}; {h['faster']} measured "
+                f"{h['gain'] * 100:.2f} % faster, inside the noise ({h['noise'] * 100:.2f} %)",
+                markup=False,
+            )

@@ -9,7 +9,9 @@ from pathlib import Path
 from quack_build.cli.context import Fail
 
 
-def measure_and_write(s, con, probs, seconds, count, table, from_empty, label, *, measurer=None):
+def measure_and_write(
+    s, con, probs, seconds, count, table, from_empty, label, *, measurer=None, min_gain=0.005
+):
     """Measure each problem, write the winners' tables (a line each on ``con``) and return
     ``(gpu, results, table paths)``; the caller (quack_build.cli.tune) renders them.
 
@@ -18,7 +20,11 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label, *
     that faults poisons that process's CUDA context, so it is replaced and the candidate
     reported as failed, with its configuration and the error, as it happens and in the
     result (``failed``); the other candidates go on. A problem whose every candidate
-    failed keeps its old winner (``kept``): no row is written for it."""
+    failed keeps its old winner (``kept``): no row is written for it. The old winner also
+    stays (``held``) when the fastest beats it by less than ``min_gain`` or than the spread
+    of their re-measured rounds (``autotune``'s ``hold``): a re-tune on the same GPU does
+    not rewrite rows on noise (two runs a call apart picked different winners for the two
+    5 ms GEMM shapes, each 2-4 % off the other in the next call)."""
     import torch
 
     from quack.compile import pool as qpool
@@ -69,6 +75,7 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label, *
                 check=check,
                 max_candidates=count,
                 baseline={"config": current},  # the old winner's time: re-measured with the new one
+                hold=min_gain,
                 on_result=on_result,
             )
             old_t = next((t for cfg, t in res.times if cfg["config"] == current), None)
@@ -91,6 +98,13 @@ def measure_and_write(s, con, probs, seconds, count, table, from_empty, label, *
                 ],
                 written=False,
             )
+            if res.held is not None:
+                fast_cfg, fast_t = min(res.times, key=lambda ct: ct[1])
+                entry["held"] = dict(
+                    faster=fast_cfg["config"].label(),
+                    gain=1 - fast_t / old_t if old_t else 0.0,
+                    noise=res.held,
+                )
             if new is None:
                 entry["kept"] = current.label()
                 con.print(
