@@ -92,15 +92,7 @@ def test_autotune_confirms_a_lone_outlier_and_the_baseline_in_rounds(quack_setti
     """A first measurement that is an outlier (low for 32: it would win unopposed, since no
     other candidate is within ``close`` of it; high for the baseline 128: a false speed-up)
     is measured again with the runners-up in interleaved rounds and ranked by its median."""
-    seq = {32: [0.5e-5, 2e-5], 64: [1e-5], 96: [3e-5], 128: [9e-5, 1.1e-5]}
-    calls: dict = {}
-
-    def bench(fn, cfg):
-        b = cfg["block"]
-        i = calls.get(b, 0)
-        calls[b] = i + 1
-        return seq[b][min(i, len(seq[b]) - 1)]
-
+    bench, calls = _seq_bench({32: [0.5e-5, 2e-5], 64: [1e-5], 96: [3e-5], 128: [9e-5, 1.1e-5]})
     res = autotune(
         toykernels.toy_scale,
         [{"block": b} for b in (32, 64, 96, 128)],
