@@ -233,10 +233,10 @@ def gemm_fwd(
 
     from ._gemm_args import check, operand
 
-    if isinstance(a, torch.Tensor) and not a.is_cuda:
-        raise ValueError(f"a must be a CUDA tensor, got device {a.device}")
     if clusters is not None and (isinstance(clusters, bool) or not isinstance(clusters, int) or clusters < 1):
         raise ValueError(f"clusters must be a positive int (the grid's clusters at most), got {clusters!r}")
+    if isinstance(a, torch.Tensor) and not a.is_cuda:
+        raise ValueError(f"a must be a CUDA tensor, got device {a.device}")
     g = check(a, b, bias, activation, out_dtype, c, beta)
     m, n, k, batch = g.m, g.n, g.k, g.batch
     d = torch.empty((batch, m, n), device=a.device, dtype=g.out_dtype)

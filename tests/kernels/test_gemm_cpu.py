@@ -146,6 +146,16 @@ def test_cpu_tensors_are_refused_by_the_op():
         gemm(_t((64, 64)), _t((64, 64)))
 
 
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True, "4"])
+def test_a_bad_cluster_count_is_named(bad):
+    """gemm_fwd's ``clusters`` (the persistent grid's clusters at most) is checked before
+    anything touches a device."""
+    from quack_kernels.gemm import gemm_fwd
+
+    with pytest.raises(ValueError, match=f"clusters must be a positive int.*got {bad!r}"):
+        gemm_fwd(_t((64, 64)), _t((64, 64)), clusters=bad)
+
+
 def test_fake_implementation_shapes():
     from quack_kernels.ops import gemm
 
