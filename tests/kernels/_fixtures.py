@@ -94,6 +94,7 @@ def poison_allocations(monkeypatch):
 # listing that directory (CUTE_DSL_KEEP is read once a process: hence children at all).
 _PTX_SCRIPT = """
 import glob, importlib, json, os, shutil, sys
+import cutlass.cutlass_dsl  # first: compile_to then builds no JIT engine (builder.no_jit_engine)
 from quack import registry
 from quack.compile.builder import compile_to
 out, todo = sys.argv[1], json.loads(sys.argv[2])
