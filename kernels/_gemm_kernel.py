@@ -363,7 +363,7 @@ class HopperGemm:
     def sk_store(self, acc, sk, slot, thr):
         """Each of the 256 consumer threads its fp32 sums to ``slot`` of the workspace,
         thread-fastest, so a warp's stores coalesce."""
-        ws = sk[8]
+        _c, _n, _dp, _n_dp, _start, _end, _base, _extra, ws, _flags, _word = sk
         n_acc = cute.size(acc)
         off = slot * (n_acc * self.math_threads) + thr
         for r in cutlass.range_constexpr(n_acc):
@@ -373,11 +373,12 @@ class HopperGemm:
     def sk_hand_on(self, acc, sk, slot, thr, bar):
         """A piece that is not the last of its tile to arrive: its sums to its slot, then the
         slot's flag, released once every thread's stores are visible device-wide."""
+        _c, _n, _dp, _n_dp, _start, _end, _base, _extra, _ws, flags, _word = sk
         self.sk_store(acc, sk, slot, thr)
         cute.arch.fence_acq_rel_gpu()
         bar.arrive_and_wait()
         if thr == 0:
-            cute.arch.atomic_exch(sk[9].iterator + slot, Int32(1), sem="release", scope="gpu")
+            cute.arch.atomic_exch(flags.iterator + slot, Int32(1), sem="release", scope="gpu")
 
     @cute.jit
     def sk_combine(self, acc, sk, head, pieces, thr, bar):
@@ -392,8 +393,7 @@ class HopperGemm:
         however few clusters the GPU holds at once (an MPS share of the SMs, a kernel on
         another stream). A piece that waited for peers yet to start could hold the SM
         they need."""
-        c = sk[0]
-        ws, flags = sk[8], sk[9]
+        c, _n, _dp, _n_dp, _start, _end, _base, _extra, ws, flags, _word = sk
         n_acc = cute.size(acc)
         j = c - head  # this piece's place in K order
         spill = (j > 0) & (pieces > 2)
