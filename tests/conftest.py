@@ -83,6 +83,17 @@ def pytest_collection_modifyitems(config, items):
             "tests/xdist_units.py's SHARED_FIXTURE_UNITS names tests their files do not define "
             f"(renamed? its unit would fall apart): {unmatched}"
         )
+    # the PTX batch (_fixtures.session_ptx) is compiled once a session per worker: a test
+    # using it outside the "ptx" unit would have a second worker compile it all again
+    loose = [
+        it.nodeid
+        for it in items
+        if "session_ptx" in getattr(it, "fixturenames", ()) and xdist_units.shared_unit(it.nodeid) != "ptx"
+    ]
+    if loose:
+        raise pytest.UsageError(
+            f'tests using _fixtures.session_ptx must be in tests/xdist_units.py\'s "ptx" unit: {loose}'
+        )
     stray = [
         it.nodeid
         for it in items

@@ -52,10 +52,14 @@ SHARED_FIXTURE_UNITS: dict[str, tuple[str, ...]] = {
     ),
     # module fixtures `built` / `runs` (a compile, then three fresh interpreters)
     "ffi-lean": ("tests/test_ffi_lean.py",),
-    # session fixture `ptx` (ten PTX compiles)
-    "generated-code": ("tests/kernels/test_generated_code_cpu.py",),
-    # module fixture `ptx` (two GEMM PTX compiles)
-    "gemm-store-ptx": ("tests/kernels/test_gemm_store_cpu.py::test_epilogue_stores_are_vectorized_then_tma",),
+    # session fixture `session_ptx` (tests/kernels/_fixtures.py: every module's PTX cases,
+    # sixteen compiles, in one batch): the tests that use it, in their four files
+    "ptx": (
+        "tests/kernels/test_generated_code_cpu.py",
+        "tests/kernels/test_gemm_store_cpu.py::test_epilogue_stores_are_vectorized_then_tma",
+        "tests/kernels/test_gemm_cpu.py::test_ping_pong_ordering_barrier_phase_flips_every_tile",
+        "tests/kernels/test_gemm_cpu.py::test_activation_epilogues_are_short_and_use_no_ieee_division",
+    ),
     # module fixture `candidates_built` (`quack tune --compile-only` of every candidate)
     "search-space-built": (
         "tests/kernels/test_search_space_cpu.py::test_search_space_candidates_compile_for_sm90",

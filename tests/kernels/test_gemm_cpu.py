@@ -6,7 +6,7 @@ configuration compiles for sm_90a through quack's cache and loads back."""
 import os
 
 import pytest
-from _fixtures import kernel_cache  # noqa: F401  (a fixture, used by name)
+from _fixtures import kernel_cache, module_ptx, session_ptx  # noqa: F401  (fixtures, used by name)
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -188,7 +188,30 @@ def test_compile_export_load_through_the_cache():
     assert callable(compile_gemm("bfloat16", "bfloat16", config=cfg))
 
 
-def test_ping_pong_ordering_barrier_phase_flips_every_tile(tmp_path):
+def _ptx_cases() -> dict:
+    from quack_kernels._configs import GemmConfig
+    from quack_kernels.gemm import compile_gemm
+
+    ping = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, schedule="ping")
+    # the smallest cooperative tile: a third less compile time than 128 x 256 (CPU tier)
+    coop = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, schedule="coop")
+    cases = {
+        "ping": (
+            compile_gemm,
+            dict(dtype="bfloat16", d_dtype="bfloat16", a_major="k", b_major="k", config=ping),
+        )
+    }
+    for act in ("none", "gelu_tanh", "silu"):
+        params = dict(dtype="bfloat16", d_dtype="bfloat16", has_bias=True, activation=act, config=coop)
+        cases[f"act-{act}"] = (compile_gemm, params)
+    return cases
+
+
+#: the PTX these tests read (_fixtures.session_ptx: one batch with the other modules' cases)
+PTX_CASES = _ptx_cases()
+
+
+def test_ping_pong_ordering_barrier_phase_flips_every_tile(module_ptx):  # noqa: F811
     """The consumers' ordering barrier (PipelineOrder) must wait at a phase that flips with
     every tile. Its own state lives in a frozen dataclass, which the DSL's while loop does not
     carry: the wait's parity was recomputed from the warpgroup index at every tile, the two
@@ -197,13 +220,7 @@ def test_ping_pong_ordering_barrier_phase_flips_every_tile(tmp_path):
     a warpgroup a ring lap ahead read a stage still loading)."""
     import re
 
-    from _fixtures import ptx_of
-    from quack_kernels._configs import GemmConfig
-    from quack_kernels.gemm import compile_gemm
-
-    cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, schedule="ping")
-    params = dict(dtype="bfloat16", d_dtype="bfloat16", a_major="k", b_major="k", config=cfg)
-    text = ptx_of({"ping": (compile_gemm, params)}, tmp_path)["ping"]
+    text = module_ptx["ping"]
     consumers = text[text.index("setmaxnreg.inc") :]  # the producer's code comes before
     # the consumers' first wait in program order is the ordering barrier's, at each tile's top
     (parity,) = re.search(
@@ -214,7 +231,7 @@ def test_ping_pong_ordering_barrier_phase_flips_every_tile(tmp_path):
     )
 
 
-def test_activation_epilogues_are_short_and_use_no_ieee_division(tmp_path):
+def test_activation_epilogues_are_short_and_use_no_ieee_division(module_ptx):  # noqa: F811
     """gelu-tanh and silu cost an exp2 and a reciprocal per accumulator element, both
     approximate (MUFU), plus a few FMAs: gelu as x * sigmoid(2u), not 0.5 x (1 + tanh(u))
     with the precise tanh (~24 PTX instructions an element), which made the fused bias +
@@ -223,21 +240,10 @@ def test_activation_epilogues_are_short_and_use_no_ieee_division(tmp_path):
     without an activation (same bias loads, same tile: 64 accumulator values a thread)."""
     import re
 
-    from _fixtures import ptx_of
-    from quack_kernels._configs import GemmConfig
     from quack_kernels._gemm_plan import acc_regs
-    from quack_kernels.gemm import compile_gemm
 
-    # the smallest cooperative tile: a third less compile time than 128 x 256 (CPU tier)
-    cfg = GemmConfig(tile_m=128, tile_n=128, cluster_m=1, cluster_n=1, schedule="coop")
-    cases = {
-        act: (
-            compile_gemm,
-            dict(dtype="bfloat16", d_dtype="bfloat16", has_bias=True, activation=act, config=cfg),
-        )
-        for act in ("none", "gelu_tanh", "silu")
-    }
-    ptx = ptx_of(cases, tmp_path)
+    cfg = PTX_CASES["act-none"][1]["config"]
+    ptx = {act: module_ptx[f"act-{act}"] for act in ("none", "gelu_tanh", "silu")}
 
     def ops(act):
         body = ptx[act][ptx[act].index(".entry") :]

@@ -8,6 +8,7 @@ warpgroup repeats along M (ping-pong, 256 x 128 cooperative)."""
 import os
 
 import pytest
+from _fixtures import module_ptx, session_ptx  # noqa: F401  (fixtures, used by name)
 from quack_kernels._gemm_plan import SCHEDULES, TILES, fits
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
@@ -155,11 +156,9 @@ PTX_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def ptx(tmp_path_factory):
-    from _fixtures import ptx_of
-
-    return ptx_of(PTX_CASES, tmp_path_factory.mktemp("ptx"))
+@pytest.fixture
+def ptx(module_ptx):  # noqa: F811
+    return module_ptx
 
 
 @pytest.mark.parametrize(

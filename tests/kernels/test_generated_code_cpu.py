@@ -3,12 +3,13 @@ tuning table selects: the LayerNorm forward's w / b loads issued ahead of the re
 the pipelined ring's cluster pushes, the softmax backward's cache-hinted two-pass kernel.
 
 Every PTX text comes from ONE compile a session, through the session's cache directory
-(``_fixtures.ptx_of``): a later session with the same kernel sources compiles nothing."""
+(``_fixtures.session_ptx``, with the other modules' cases): a later session with the same
+kernel sources compiles nothing."""
 
 import re
 
 import pytest
-from _fixtures import ptx_of
+from _fixtures import module_ptx, session_ptx  # noqa: F401  (fixtures, used by name)
 from quack_kernels import layernorm, softmax
 
 F32 = "float32"
@@ -23,7 +24,7 @@ def _sm_bwd(dt, n):
     return (softmax.compile_softmax_bwd, dict(dtype=dt, n=n))
 
 
-CASES = {
+PTX_CASES = {
     # 16-bit rows of 4096 with an fp32 weight: the table's "wide/rows" row, 4 rows a CTA
     "ln-4096-wb": _ln(4096),
     "ln-4096-w": _ln(4096, b=False),
@@ -42,10 +43,9 @@ CASES = {
 }
 
 
-@pytest.fixture(scope="session")
-def ptx(tmp_path_factory):
-    texts = ptx_of(CASES, tmp_path_factory.mktemp("ptx"))
-    return {cid: t[t.index(".entry") :] for cid, t in texts.items()}
+@pytest.fixture
+def ptx(module_ptx):  # noqa: F811
+    return {cid: t[t.index(".entry") :] for cid, t in module_ptx.items()}
 
 
 @pytest.mark.parametrize("case, w, b", [("ln-4096-wb", 1, 1), ("ln-4096-w", 1, 0), ("ln-4096-b", 0, 1)])
