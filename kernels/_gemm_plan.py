@@ -96,7 +96,7 @@ def stream_k_owner(x: int, clusters: int, iters: int) -> int:
 
 
 def stream_k_units(c: int, clusters: int, tiles: int, sk: int, k_tiles: int):
-    """Cluster ``c``'s work, in order, as the kernel walks it (_gemm_kernel's ``sk_unit``
+    """Cluster ``c``'s work, in order, as the kernel walks it (_gemm_sched's ``sk_unit``
     and ``sk_piece``: the same arithmetic on Int32): (tile, k_begin, k_end, head, pieces).
     First its data-parallel tiles (every ``clusters``-th of the first ``tiles - sk``),
     whole; then its even share of the stream-K region's ``sk * k_tiles`` iterations, cut

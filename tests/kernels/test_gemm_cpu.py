@@ -340,7 +340,7 @@ def test_stream_k_schedule_covers_every_k_tile_once_in_pieces_held_by_consecutiv
 
 
 def _run_stream_k_fixup(units, resident, rng):
-    """The kernel's fix-up protocol (``_gemm_kernel.sk_arrive`` / ``sk_hand_on`` /
+    """The kernel's fix-up protocol (``_gemm_sched.sk_arrive`` / ``sk_hand_on`` /
     ``sk_combine``) played out with at most ``resident`` clusters on the GPU at a time,
     admitted in index order as others finish, stepping in a random interleaving. Returns
     each cut tile's sum as the order its pieces were added in; raises on a deadlock."""
