@@ -92,18 +92,26 @@ def poison_allocations(monkeypatch):
 # (one after another in one child, the ten cases took 19 s of the H200 tier's setup);
 # each child has a dump directory of its own, since it finds the .ptx a compile wrote by
 # listing that directory (CUTE_DSL_KEEP is read once a process: hence children at all).
+# A case whose compile raises is that case's failure alone: the child writes the traceback
+# beside its dump (never into the cache: the next session tries again) and goes on with its
+# other cases; anything that ends the child (an exit, a crash) fails the whole batch.
 _PTX_SCRIPT = """
-import glob, importlib, json, os, shutil, sys
+import glob, importlib, json, os, shutil, sys, traceback
 import cutlass.cutlass_dsl  # first: compile_to then builds no JIT engine (builder.no_jit_engine)
 from quack import registry
 from quack.compile.builder import compile_to
 out, todo = sys.argv[1], json.loads(sys.argv[2])
 for module, name, params, dest in todo:
-    importlib.import_module(module)
-    spec = registry.get(name)
     before = set(glob.glob(os.path.join(out, "*.ptx")))
-    compile_to(spec, spec.bind((), params, arch="sm_90a"), "sm_90a", os.path.join(out, "obj.o"))
-    (new,) = set(glob.glob(os.path.join(out, "*.ptx"))) - before
+    try:
+        importlib.import_module(module)
+        spec = registry.get(name)
+        compile_to(spec, spec.bind((), params, arch="sm_90a"), "sm_90a", os.path.join(out, "obj.o"))
+        (new,) = set(glob.glob(os.path.join(out, "*.ptx"))) - before
+    except Exception:
+        with open(os.path.join(out, os.path.basename(dest) + ".err"), "w") as f:
+            f.write(traceback.format_exc()[-4000:])
+        continue
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     shutil.move(new, dest + ".tmp")
     os.replace(dest + ".tmp", dest)
@@ -154,9 +162,22 @@ def _compile_ptx(todo: list, tmp_dir) -> None:
             err.close()
 
 
-def ptx_of(cases: dict, tmp_dir) -> dict:
+def ptx_error(tmp_dir, dest: str) -> str | None:
+    """The traceback a child of ``_compile_ptx(..., tmp_dir)`` wrote for the case bound
+    for ``dest``, or None."""
+    import glob
+
+    for path in glob.glob(os.path.join(str(tmp_dir), "child-*", os.path.basename(dest) + ".err")):
+        with open(path) as f:
+            return f.read()
+    return None
+
+
+def ptx_of(cases: dict, tmp_dir, errors: dict | None = None) -> dict:
     """``cases``: id -> (kernel compile function, its params dict; config derived when left
-    out) -> id -> the PTX text of that kernel for sm_90a."""
+    out) -> id -> the PTX text of that kernel for sm_90a. A case whose compile raised:
+    AssertionError with its traceback, or, given ``errors``, id -> that traceback there
+    and the other cases' texts returned."""
     from quack import settings
 
     root = settings.get().cache_dir
@@ -170,7 +191,17 @@ def ptx_of(cases: dict, tmp_dir) -> dict:
         where[cid] = path
     if todo:
         _compile_ptx(todo, tmp_dir)
-    return {cid: open(p).read() for cid, p in where.items()}
+    texts = {}
+    for cid, path in where.items():
+        if os.path.exists(path):
+            with open(path) as f:
+                texts[cid] = f.read()
+            continue
+        why = ptx_error(tmp_dir, path) or "the child wrote neither its PTX nor an error"
+        if errors is None:
+            raise AssertionError(f"compiling the PTX of case {cid!r} failed:\n{why}")
+        errors[cid] = why
+    return texts
 
 
 # Every module's PTX in ONE batch a session: a module declares its cases as PTX_CASES and its
@@ -196,17 +227,26 @@ def session_ptx(request, tmp_path_factory) -> dict:
     tests: one ``ptx_of`` over all of them (what the cache holds already is only read)."""
     per_module = ptx_cases_in(request.session.items)
     flat = {(m, cid): case for m, cases in per_module.items() for cid, case in cases.items()}
-    texts = ptx_of(flat, tmp_path_factory.mktemp("ptx")) if flat else {}
-    out: dict = {m: {} for m in per_module}
+    errors: dict = {}
+    texts = ptx_of(flat, tmp_path_factory.mktemp("ptx"), errors) if flat else {}
+    out: dict = {m: ({}, {}) for m in per_module}  # module -> (texts, errors)
     for (m, cid), text in texts.items():
-        out[m][cid] = text
+        out[m][0][cid] = text
+    for (m, cid), why in errors.items():
+        out[m][1][cid] = why
     return out
 
 
 @pytest.fixture
 def module_ptx(request, session_ptx) -> dict:
-    """case id -> PTX text of the requesting module's PTX_CASES (see ``session_ptx``)."""
-    return session_ptx[request.module.__name__]
+    """case id -> PTX text of the requesting module's PTX_CASES (see ``session_ptx``). A case
+    of this module that did not compile fails its tests, naming it; another module's failed
+    case is that module's alone."""
+    texts, errors = session_ptx[request.module.__name__]
+    if errors:
+        cid, why = next(iter(errors.items()))
+        raise AssertionError(f"compiling the PTX of {sorted(errors)} failed; {cid!r}:\n{why}")
+    return texts
 
 
 def derived_memo(kind: str, fn, source_file: str, case: str) -> str:

@@ -140,3 +140,26 @@ def test_ptx_children_a_failure_is_reported_and_ends_every_child(tmp_path, monke
     pid = int(pidfile.read_text())
     with pytest.raises(ProcessLookupError):  # killed and reaped
         os.kill(pid, 0)
+
+
+def test_ptx_of_a_case_that_does_not_compile_is_its_own_failure(tmp_path, monkeypatch, quack_settings):
+    """A kernel whose compile raises fails its own case, with its own text; the batch's
+    other cases still come back (``errors``: what ``session_ptx`` passes, so one family's
+    broken kernel does not fail another module's PTX tests). Without ``errors``: raised,
+    naming the case. A failure is not kept: the next call compiles it again."""
+    import os
+
+    import toykernels
+    from _fixtures import ptx_of
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)  # one child: a failing case must not end it
+    cases = {
+        "bad": (toykernels.toy_fail, {"boom": True}),
+        "ok": (toykernels.toy_scale, {"dtype": "float32", "block": 128, "bias": False}),
+    }
+    errors: dict = {}
+    texts = ptx_of(cases, tmp_path / "one", errors)
+    assert set(texts) == {"ok"} and ".entry" in texts["ok"]
+    assert set(errors) == {"bad"} and "ValueError: toy_fail: boom requested" in errors["bad"]
+    with pytest.raises(AssertionError, match=r"(?s)case 'bad' failed:.*toy_fail: boom requested"):
+        ptx_of(cases, tmp_path / "two")  # "ok" read back from the cache, "bad" compiled again
