@@ -223,8 +223,9 @@ def ptx_cases_in(items) -> dict:
 
 @pytest.fixture(scope="session")
 def session_ptx(request, tmp_path_factory) -> dict:
-    """module name -> case id -> PTX text, for every case of ``ptx_cases_in`` the session's
-    tests: one ``ptx_of`` over all of them (what the cache holds already is only read)."""
+    """module name -> (case id -> PTX text, case id -> why its compile failed), for every
+    case of ``ptx_cases_in`` the session's tests: one ``ptx_of`` over all of them (what the
+    cache holds already is only read)."""
     per_module = ptx_cases_in(request.session.items)
     flat = {(m, cid): case for m, cases in per_module.items() for cid, case in cases.items()}
     errors: dict = {}
