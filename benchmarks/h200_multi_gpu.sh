@@ -5,10 +5,7 @@
 # ../shared/device/README.md (call 1 carries .device/big), then in call 2 (carry .device/wheels):
 #   bash benchmarks/h200_multi_gpu.sh        # NS="0 2 4" by default; logs under $OUT
 set -uo pipefail
-test -d /tmp/site/nvidia_cutlass_dsl/ || { echo "not staged"; exit 3; }
-if [ ! -d /tmp/site/tvm_ffi ]; then for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done; fi
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1 || echo "pip failed"
+. benchmarks/h200_stage.sh
 nvidia-smi -L; NC=$(nproc); echo "cores $NC"
 TIER="tests/kernels tests/test_gpu_roundtrip.py"
 step() { local name=$1 limit=$2; shift 2; local t=$SECONDS

@@ -3,16 +3,7 @@
 # (../shared/device/README.md: call 1 unpacks .device/big into /tmp/site, this is
 # call 2, carrying .device/wheels). Logs go to $OUT; a short table is printed last.
 set -uo pipefail
-OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
-if [ -d .device/wheels ]; then
-  for w in .device/wheels/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
-fi
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
-test -d /tmp/site/nvidia_cutlass_dsl || { echo "not staged"; exit 3; }
-# Registers the pytest11 entry point and the console script (no network needed).
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1 \
-  || echo "editable install failed: see pip.log"
-python3 -c "import torch, cutlass; print(torch.cuda.get_device_name(), cutlass.__version__, torch.__version__)"
+. benchmarks/h200_stage.sh
 SUITE="tests/kernels tests/test_gpu_roundtrip.py"
 step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?

@@ -4,17 +4,8 @@
 # matrix, run the kernel GPU tiers (old + training), then the side-by-side figures.
 # Logs go to $OUT. STEPS picks steps (default: all): build,tests,bench.
 set -uo pipefail
-OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 STEPS=${STEPS:-build,tests,bench,variants}
-WHEELS=${WHEELS:-.device/wheels}
-if [ -d "$WHEELS" ] && [ ! -d /tmp/site/tvm_ffi ]; then
-  for w in "$WHEELS"/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
-fi
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
-test -d /tmp/site/nvidia_cutlass_dsl || { echo "not staged"; exit 3; }
-python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1 \
-  || echo "editable install failed: see pip.log"
-python3 -c "import torch, cutlass; print(torch.cuda.get_device_name(), cutlass.__version__, torch.__version__)"
+. benchmarks/h200_stage.sh
 export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-/tmp/qtrain}
 step() { local name=$1 limit=$2; shift 2; local t=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; local rc=$?

@@ -1,0 +1,25 @@
+# Sourced by the benchmarks/h200_*.sh scripts, on the lent GPU machine, from the repository
+# root, after call 1 of ../shared/device/README.md unpacked .device/big into /tmp/site:
+# unpacks the carried wheels once (WHEELS, default .device/wheels), sets PYTHONPATH,
+# installs the project editable (the pytest11 entry point and the `quack` script) and stops
+# the calling script (exit 3) when cutlass, torch, a CUDA GPU or a module named in
+# STAGE_NEEDS is missing: before any build or test, which would otherwise fail every
+# configuration and spend the whole call (session 13 lost a 600 s call so).
+OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
+WHEELS=${WHEELS:-.device/wheels}
+if [ -d "$WHEELS" ] && [ ! -f /tmp/site/.wheels-unpacked ]; then
+  for w in "$WHEELS"/*.whl; do python3 -m zipfile -e "$w" /tmp/site; done
+  touch /tmp/site/.wheels-unpacked
+fi
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHONUNBUFFERED=1
+# The machine sets it: every import would recompile its source, which users do not pay.
+unset PYTHONDONTWRITEBYTECODE
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1 \
+  || echo "editable install failed: see $OUT/pip.log"
+python3 -c "
+import importlib, sys
+for m in ['cutlass.cute', 'torch', *'${STAGE_NEEDS:-}'.split()]:
+    importlib.import_module(m)
+import cutlass, torch
+print(torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), cutlass.__version__, torch.__version__)
+" || { echo "not staged: see ../shared/device/README.md"; exit 3; }
