@@ -53,7 +53,7 @@ SHARED_FIXTURE_UNITS: dict[str, tuple[str, ...]] = {
     # module fixtures `built` / `runs` (a compile, then three fresh interpreters)
     "ffi-lean": ("tests/test_ffi_lean.py",),
     # session fixture `session_ptx` (tests/kernels/_fixtures.py: every module's PTX cases,
-    # sixteen compiles, in one batch): the tests that use it, in their four files
+    # 16 cases of 15 kernels, in one batch): the tests that use it, in their three files
     "ptx": (
         "tests/kernels/test_generated_code_cpu.py",
         "tests/kernels/test_gemm_store_cpu.py::test_epilogue_stores_are_vectorized_then_tma",

@@ -207,8 +207,8 @@ def ptx_of(cases: dict, tmp_dir, errors: dict | None = None) -> dict:
 # Every module's PTX in ONE batch a session: a module declares its cases as PTX_CASES and its
 # tests take ``module_ptx``. Each module calling ptx_of for itself made four batches in a
 # row, each paying its children's start and cutlass import (~3 s): 21 s of the H200 tier's
-# first session after `quack build` (6.0 + 6.0 + 5.0 + 4.4 s, four files), and on 2 cores
-# seven children's imports where two do. Under xdist these tests are one unit
+# first session after `quack build` (6.0 + 6.0 + 5.0 + 4.4 s, four calls in three files),
+# and on 2 cores seven children's imports where two do. Under xdist these tests are one unit
 # (tests/xdist_units.py "ptx"), so one worker compiles the batch.
 def ptx_cases_in(items) -> dict:
     """module name -> that module's PTX_CASES, for each module with a test among ``items``

@@ -156,11 +156,6 @@ PTX_CASES = {
 }
 
 
-@pytest.fixture
-def ptx(module_ptx):  # noqa: F811
-    return module_ptx
-
-
 @pytest.mark.parametrize(
     "case, vector_store, count",
     [
@@ -170,12 +165,12 @@ def ptx(module_ptx):  # noqa: F811
         ("coop-256x128-f32", r"st\.shared\.v2\.(b32|f32)", 256 * 128 // 256 // 2),
     ],
 )
-def test_epilogue_stores_are_vectorized_then_tma(ptx, case, vector_store, count):
+def test_epilogue_stores_are_vectorized_then_tma(module_ptx, case, vector_store, count):  # noqa: F811
     """The epilogue writes shared memory with vector stores only (no element-wise
     st.shared of D) and leaves it by one TMA store per tile_m x 32 subtile."""
     import re
 
-    body = ptx[case][ptx[case].index(".entry") :]
+    body = module_ptx[case][module_ptx[case].index(".entry") :]
     assert len(re.findall(vector_store, body)) == count
     assert not re.findall(r"st\.shared\.(b16|u16|f32|b32)\s", body)
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.global\.shared::cta", body)) == 128 // 32
