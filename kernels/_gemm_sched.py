@@ -18,13 +18,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, const_expr
 
-from ._gemm_plan import swizzled_cluster
+from ._gemm_plan import GemmPlan, swizzled_cluster
 
 
 class GemmSchedule:
     """The tile order and the stream-K fix-up protocol of ``HopperGemm`` (its base)."""
 
-    p: object
+    p: GemmPlan
     math_threads: int
 
     @cute.jit
