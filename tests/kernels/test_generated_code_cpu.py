@@ -146,9 +146,16 @@ def test_ptx_of_a_case_that_does_not_compile_is_its_own_failure(tmp_path, monkey
     """A kernel whose compile raises fails its own case, with its own text; the batch's
     other cases still come back (``errors``: what ``session_ptx`` passes, so one family's
     broken kernel does not fail another module's PTX tests). Without ``errors``: raised,
-    naming the case. A failure is not kept: the next call compiles it again."""
-    import os
+    naming the case. A failure is not kept: the next call compiles it again.
 
+    One real child (the first call: a failing case must not end it). The second call's
+    child is a stand-in that replays the first's error file: it checks what the second
+    call asks to compile and how it reports, without a second cutlass start (2.5 s of the
+    GPU tier's every session)."""
+    import os
+    import shutil
+
+    import _fixtures
     import toykernels
     from _fixtures import ptx_of
 
@@ -161,5 +168,16 @@ def test_ptx_of_a_case_that_does_not_compile_is_its_own_failure(tmp_path, monkey
     texts = ptx_of(cases, tmp_path / "one", errors)
     assert set(texts) == {"ok"} and ".entry" in texts["ok"]
     assert set(errors) == {"bad"} and "ValueError: toy_fail: boom requested" in errors["bad"]
+    asked = []
+
+    def replay(todo, tmp_dir):
+        asked.extend(todo)
+        (err,) = (tmp_path / "one").glob("child-*/*.err")
+        os.makedirs(tmp_dir / "child-0")
+        shutil.copy(err, tmp_dir / "child-0" / err.name)
+
+    monkeypatch.setattr(_fixtures, "_compile_ptx", replay)
     with pytest.raises(AssertionError, match=r"(?s)case 'bad' failed:.*toy_fail: boom requested"):
-        ptx_of(cases, tmp_path / "two")  # "ok" read back from the cache, "bad" compiled again
+        ptx_of(cases, tmp_path / "two")
+    # "ok" read back from the cache, "bad" (not kept) asked for again
+    assert [(module, name) for module, name, _params, _dest in asked] == [("toykernels", "toy_fail")]
