@@ -145,6 +145,57 @@ def test_autograd_wrappers():
     R.check_cross_entropy_bwd(xl.detach(), t, torch.tensor(1.0, device="cuda"), reduction="mean", dx=xl.grad)
 
 
+def test_eager_calls_skip_the_dispatcher_only_when_nothing_would_differ(monkeypatch):
+    """``quack_kernels.ops``' functions call the family's torch wrapper directly in plain
+    eager use (the custom op's Python dispatch cost ~70 us of host time a call) with the
+    same result, and go through the custom op whenever it would differ: a gradient to
+    record, a dispatch / function mode, the profiler (which must see the op by name)."""
+    from quack_kernels import ops
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x, w = _rand(64, 4096, "bfloat16"), _rand(1, 4096, "bfloat16", seed=1)[0]
+    xs = _rand(64, 1000, "float32")
+    t = torch.randint(0, 1000, (64,), device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(2)
+    a = torch.randn((1000, 776), generator=g, device="cuda").bfloat16()
+    b = torch.randn((776, 1048), generator=g, device="cuda").bfloat16()
+    calls = {
+        "rmsnorm_fwd": lambda: ops.rmsnorm(x, w),
+        "softmax_fwd": lambda: ops.softmax(xs),
+        "cross_entropy_fwd": lambda: ops.cross_entropy(xs, t, reduction="none"),
+        "gemm_op": lambda: ops.gemm(a, b),
+    }
+    entered = []
+    for name in calls:
+        op = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *args, _op=op, _n=name: (entered.append(_n), _op(*args))[1])
+
+    direct = {name: fn() for name, fn in calls.items()}
+    assert entered == []
+    with FlopCounterMode(display=False):  # a dispatch mode: it must see (and count) the ops
+        through = {name: fn() for name, fn in calls.items()}
+    assert entered == list(calls)
+    for name in calls:  # the same kernels, the same bits
+        d, o = direct[name], through[name]
+        assert torch.equal(d, o), name
+    entered.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.gemm(a, b)
+    assert entered == ["gemm_op"] and any(e.name == "quack_kernels::gemm" for e in prof.events())
+    entered.clear()
+    with torch.device("cuda"):  # a function mode
+        ops.softmax(xs)
+    assert entered == ["softmax_fwd"]
+    entered.clear()
+    wg = w.clone().requires_grad_()
+    ops.rmsnorm(x, wg).float().sum().backward()  # a gradient to record: the custom op
+    assert entered == ["rmsnorm_fwd"] and wg.grad is not None
+    entered.clear()
+    with torch.no_grad():  # nothing to record: direct again
+        ops.rmsnorm(x, wg)
+    assert entered == []
+
+
 def test_bad_inputs():
     from quack_kernels.cross_entropy import cross_entropy_fwd
     from quack_kernels.rmsnorm import rmsnorm_fwd
