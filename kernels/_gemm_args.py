@@ -139,7 +139,7 @@ def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
         + ([(0, sb[0])] if batch > 1 else []),
         es,
     )
-    osz = torch.empty((), dtype=out_dtype).element_size()
+    osz = out_dtype.itemsize
     if (n * osz) % 16:
         raise ValueError(
             f"b: N = {n} columns of a {out_dtype} output are {n * osz} bytes a row, not a multiple of 16 "

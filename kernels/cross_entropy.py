@@ -74,9 +74,7 @@ def stream_cfg(dtype: str, n: int, smoothing: str, config: CrossEntropyFwdConfig
 
 def fwd_config(dtype: str, n: int, smoothing: str = "none") -> CrossEntropyFwdConfig:
     """The configuration a call with these parameters compiles (the launch grid follows it)."""
-    return compile_cross_entropy_fwd.spec.bind((dtype, n, smoothing), {}, arch=_tuning.runtime_arch())[
-        "config"
-    ]
+    return _tuning.derived_config(compile_cross_entropy_fwd.spec, (dtype, n, smoothing))
 
 
 @jit_cache(

@@ -191,7 +191,8 @@ def gemm_config(m: int, n: int, k: int, batch: int, dtype: str) -> GemmConfig:
     """The configuration for a problem: the tuning table's row for its class (``shape_class``:
     the log-2 buckets of L * M, N and K) and N, else the heuristic (``_gemm_plan.heuristic``)."""
     arch = _tuning.runtime_arch()
-    return _config_for(m, n, k, batch, dtype, arch, _tuning.active_table(arch), _tuning.gpu_for(arch))
+    table = _tuning.active_table(arch)
+    return _config_for(m, n, k, batch, dtype, arch, table, _tuning.gpu_of(table))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -228,7 +229,6 @@ def gemm_fwd(
     the GPU holds at once); fewer leave SMs to concurrent work, more run in waves."""
     import torch
 
-    from quack.runtime import max_active_clusters
     from quack.tuning.override import override
 
     from ._gemm_args import check, operand
@@ -251,18 +251,12 @@ def gemm_fwd(
         fn = compile_gemm(
             g.dtype, g.d_dtype, g.a_major, g.b_major, c is not None, bias is not None, activation, cfg
         )
-        plan = resolve(cfg.knobs(), g.d_dtype)
-        if clusters is None:
-            clusters = max_active_clusters(
-                plan.cluster_m * plan.cluster_n,
-                plan.threads,
-                plan.smem_bytes(g.d_dtype),
-                device=a.device.index,
-            )
+        plan, clusters = _launch_plan(cfg, g.d_dtype, a.device.index, clusters)
         d3 = d.permute(1, 2, 0)
         c3 = operand(g.c, "c").permute(1, 2, 0) if c is not None else d3
-        bias32 = bias.float().contiguous() if bias is not None else d.new_empty((1,), dtype=torch.float32)
-        sk_tiles, (ws, flags) = 0, _stream_k_stand_ins(d.device)
+        no_bias, ws, flags = _stand_ins(d.device)
+        bias32 = bias.float().contiguous() if bias is not None else no_bias
+        sk_tiles = 0
         if plan.stream_k:
             ctas = plan.cluster_m * plan.cluster_n
             mc = ((m + plan.tile_m - 1) // plan.tile_m + plan.cluster_m - 1) // plan.cluster_m
@@ -277,15 +271,34 @@ def gemm_fwd(
 
 
 @functools.lru_cache(maxsize=None)
-def _stream_k_stand_ins(device):
-    """The workspace and flags a launch without stream-K passes (never read or written:
-    sk_tiles is 0), once a device: allocating them every call put an allocation and a
-    memset launch on every GEMM's host path."""
+def _stand_ins(device):
+    """The bias, workspace and flags a launch without a bias or without stream-K passes
+    (never read or written: has_bias is a compile-time False, sk_tiles is 0), once a device:
+    allocating them every call put allocations and a memset launch on every GEMM's host
+    path."""
     import torch
 
-    return torch.empty((4,), device=device, dtype=torch.float32), torch.zeros(
-        (1,), device=device, dtype=torch.int32
+    return (
+        torch.empty((1,), device=device, dtype=torch.float32),
+        torch.empty((4,), device=device, dtype=torch.float32),
+        torch.zeros((1,), device=device, dtype=torch.int32),
     )
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(cfg: GemmConfig, d_dtype: str, device: int, clusters: int | None):
+    """A configuration's plan and persistent grid (``clusters``, else as many clusters as
+    the device holds at once: the driver's answer) on ``device``, once per configuration:
+    resolving the plan and asking the occupancy cache on every call cost more host time
+    than the launch. A driver failure (OccupancyError) is raised, not kept."""
+    from quack.runtime import max_active_clusters
+
+    plan = resolve(cfg.knobs(), d_dtype)
+    if clusters is None:
+        clusters = max_active_clusters(
+            plan.cluster_m * plan.cluster_n, plan.threads, plan.smem_bytes(d_dtype), device=device
+        )
+    return plan, clusters
 
 
 def torch_activation(x, activation: str):

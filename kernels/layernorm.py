@@ -233,7 +233,7 @@ def fwd_ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dt
 def fwd_config(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str):
     """The configuration a call with these parameters compiles (the launch grid follows it)."""
     args = (dtype, n, has_weight, has_bias, weight_dtype)
-    return compile_layernorm_fwd.spec.bind(args, {}, arch=_tuning.runtime_arch())["config"]
+    return _tuning.derived_config(compile_layernorm_fwd.spec, args)
 
 
 def _ring_cfg(dtype: str, n: int, has_weight: bool, has_bias: bool, weight_dtype: str, kn: dict):
@@ -323,9 +323,7 @@ def layernorm_bwd(x, weight, dy, mean, rstd, bias=None):
     from ._norm_bwd import run_norm_bwd
 
     def compile_fn(dt, n, has_w, has_b, wdt):
-        cfg = compile_layernorm_bwd.spec.bind((dt, n, has_w, has_b, wdt), {}, arch=_tuning.runtime_arch())[
-            "config"
-        ]
+        cfg = _tuning.derived_config(compile_layernorm_bwd.spec, (dt, n, has_w, has_b, wdt))
         return compile_layernorm_bwd(dt, n, has_w, has_b, wdt, cfg), cfg.knobs()
 
     return run_norm_bwd(

@@ -305,7 +305,7 @@ def fwd_config(dtype: str, n: int, has_weight: bool, has_bias: bool, has_residua
     process's arch and GPU): the launch grid must follow the same one."""
     spec = compile_rmsnorm_fwd.spec
     args = (dtype, n, has_weight, has_bias, has_residual, weight_dtype)
-    return spec.bind(args, {}, arch=_tuning.runtime_arch())["config"]
+    return _tuning.derived_config(spec, args)
 
 
 def _ring_cfg(dtype, n, has_weight, has_bias, has_residual, weight_dtype, kn: dict):
@@ -434,9 +434,7 @@ def rmsnorm_bwd(x, weight, dy, rstd, bias=None):
     from ._norm_bwd import run_norm_bwd
 
     def compile_fn(dt, n, has_w, has_b, wdt):
-        cfg = compile_rmsnorm_bwd.spec.bind((dt, n, has_w, has_b, wdt), {}, arch=_tuning.runtime_arch())[
-            "config"
-        ]
+        cfg = _tuning.derived_config(compile_rmsnorm_bwd.spec, (dt, n, has_w, has_b, wdt))
         return compile_rmsnorm_bwd(dt, n, has_w, has_b, wdt, cfg), cfg.knobs()
 
     dx, dw, db = run_norm_bwd(

@@ -185,3 +185,34 @@ def test_a_hand_edited_row_with_a_bad_value_is_named_on_every_bind():
             with pytest.raises(ParamError, match=r"x_rows") as e:
                 cfg(rmsnorm.compile_rmsnorm_fwd, "bfloat16", n, True, False, False, "float32")
             assert "row rmsnorm_fwd wide/cluster4 n=" in str(e.value), str(e.value)
+
+
+def test_the_wrappers_configuration_is_the_binds_and_follows_table_and_override():
+    """The torch wrappers derive a call's configuration through ``_tuning.derived_config``,
+    memoised (a bind a call was half of an RMSNorm call's host time): the bind's answer,
+    in and out of ``use_table`` / ``use_config`` blocks, and a bad row raises on every
+    call (an error is never kept)."""
+    from quack.tuning import use_config, use_table
+
+    args = ("bfloat16", 16384, True, True, "float32")
+    ln = layernorm.compile_layernorm_fwd
+    checked_in = cfg(ln, *args)
+    assert layernorm.fwd_config(*args) == checked_in and checked_in.knobs()
+    bound = ln.spec.bind(args, {}, arch=A)
+    cls = ln.spec.params["config"].derive.classify({k: v for k, v in bound.items() if k != "config"})
+    other = Table(A, _tuning.table(A).default_gpu)
+    other.put(Row("layernorm_fwd", other.default_gpu, cls, (16384, 16384), {"x_rows": 1, "threads": 256}))
+    for _ in range(2):  # the second time from the memo
+        with use_table(other):
+            assert layernorm.fwd_config(*args).knobs() == {"x_rows": 1, "threads": 256}
+        assert layernorm.fwd_config(*args) == checked_in
+        forced = LayerNormFwdConfig(x_rows=1, threads=256)
+        with use_config("layernorm_fwd", forced):
+            assert layernorm.fwd_config(*args) == forced != checked_in
+        assert layernorm.fwd_config(*args) == checked_in
+    bad = Table(A, "H200")
+    bad.put(Row("rmsnorm_fwd", "H200", "wide/cluster4", (65536, 65536), {"x_rows": 0}, ("bfloat16",)))
+    with use_table(bad):
+        for _ in range(2):
+            with pytest.raises(ParamError, match="row rmsnorm_fwd wide/cluster4 n="):
+                rmsnorm.fwd_config("bfloat16", 65536, True, False, False, "float32")
