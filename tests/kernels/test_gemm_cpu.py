@@ -407,3 +407,35 @@ def test_stream_k_fixup_finishes_with_any_number_of_resident_clusters_in_one_sum
             for _ in range(3):
                 sums = _run_stream_k_fixup(units, resident, rng)
                 assert sums == {t: tuple(range(n)) for t, n in cut.items()}, (tiles, resident)
+
+
+def _old_views(a, b):
+    """The kernel views as check() built them before it read sizes from a and b directly:
+    a[None] / b[None], operand()'s batch stride for L = 1, then the permutation."""
+    from quack_kernels._gemm_args import operand
+
+    a3, b3 = (a, b) if a.dim() == 3 else (a[None], b[None])
+    return operand(a3, "a").permute(1, 2, 0), operand(b3, "b").permute(2, 1, 0)
+
+
+@pytest.mark.parametrize("batch", [None, 1, 3])
+@pytest.mark.parametrize("a_major", ["k", "m"])
+@pytest.mark.parametrize("b_major", ["n", "k"])
+def test_kernel_views_are_the_operands_memory(batch, a_major, b_major):
+    """One view each for L = 1 (sizes and strides read from a and b): the same shape,
+    strides, storage offset and data pointer as the three-view construction it replaced,
+    for row- and column-major operands, 2-D and 3-D, offset into their storage."""
+    from quack_kernels._gemm_args import check
+
+    lead = () if batch is None else (batch,)
+    a = _t((*lead, 72, 40))[..., 8:, :]  # an offset view: rows 8.. of each batch
+    b = _t((*lead, 40, 24))
+    if a_major == "m":
+        a = _t((*lead, 64, 48)).transpose(-1, -2).contiguous().transpose(-1, -2)[..., :, 8:]
+    if b_major == "k":
+        b = b.transpose(-1, -2).contiguous().transpose(-1, -2)
+    g = check(a, b, None, "none", None, None, 1.0)
+    assert (g.a_major, g.b_major) == (a_major, b_major)
+    for new, old in zip((g.a3, g.b3), _old_views(a, b)):
+        assert new.shape == old.shape and new.stride() == old.stride()
+        assert (new.storage_offset(), new.data_ptr()) == (old.storage_offset(), old.data_ptr())
