@@ -34,6 +34,9 @@ NS = "quack_kernels"
 _F32 = torch.float32
 
 
+_PLAIN = (Tensor, torch.nn.Parameter)
+
+
 def _direct(*tensors) -> bool:
     """Whether an eager call may run the family's torch wrapper itself instead of going
     through the custom op: the dispatcher's Python path (autograd wrapper, redispatch,
@@ -43,9 +46,9 @@ def _direct(*tensors) -> bool:
     Only when nothing the dispatcher does would differ: not traced (torch.compile, export,
     jit.trace record the op by name), no functorch transform (vmap, grad), no Python
     dispatch or function mode (FakeTensorMode, FlopCounterMode, a device context), the
-    profiler off (it records the op), and every tensor given a plain CUDA torch.Tensor that
-    needs no gradient (else autograd must record the op). None entries are absent
-    optional inputs."""
+    profiler off (it records the op), and every tensor given a plain CUDA torch.Tensor (or
+    an nn.Parameter: a module's weight, which intercepts nothing) that needs no gradient
+    (else autograd must record the op). None entries are absent optional inputs."""
     if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
         return False
     if (
@@ -57,7 +60,7 @@ def _direct(*tensors) -> bool:
         return False
     grad = torch.is_grad_enabled()
     for t in tensors:
-        if t is not None and (type(t) is not Tensor or not t.is_cuda or (grad and t.requires_grad)):
+        if t is not None and (type(t) not in _PLAIN or not t.is_cuda or (grad and t.requires_grad)):
             return False
     return True
 

@@ -194,6 +194,12 @@ def test_eager_calls_skip_the_dispatcher_only_when_nothing_would_differ(monkeypa
     with torch.no_grad():  # nothing to record: direct again
         ops.rmsnorm(x, wg)
     assert entered == []
+    weight = torch.nn.Parameter(w.clone())  # a module's weight: a Parameter, needing grad
+    assert not ops._direct(x, weight)
+    with torch.inference_mode():
+        assert ops._direct(x, weight)
+        assert torch.equal(ops.rmsnorm(x, weight), direct["rmsnorm_fwd"])
+    assert entered == []
 
 
 def test_bad_inputs():
