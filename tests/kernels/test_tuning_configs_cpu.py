@@ -216,3 +216,24 @@ def test_the_wrappers_configuration_is_the_binds_and_follows_table_and_override(
         for _ in range(2):
             with pytest.raises(ParamError, match="row rmsnorm_fwd wide/cluster4 n="):
                 rmsnorm.fwd_config("bfloat16", 65536, True, False, False, "float32")
+
+
+def test_a_repeated_call_binds_once(monkeypatch):
+    """The memo is what keeps a bind off every call's host path: two wrapper derivations
+    of one problem bind once; another problem binds again (counts, not times)."""
+    spec = layernorm.compile_layernorm_fwd.spec
+    cls = type(spec)
+    binds = []
+    real = cls.bind
+
+    def counting(self, *a, **kw):
+        binds.append(self.name)
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(cls, "bind", counting)
+    _tuning.reload()  # an empty memo
+    args = ("bfloat16", 16384, True, True, "float32")
+    assert layernorm.fwd_config(*args) == layernorm.fwd_config(*args)
+    assert binds == ["layernorm_fwd"]
+    layernorm.fwd_config("bfloat16", 8192, True, True, "float32")
+    assert binds == ["layernorm_fwd"] * 2
