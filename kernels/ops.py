@@ -45,15 +45,16 @@ def _direct(*tensors) -> bool:
 
     Only when nothing the dispatcher does would differ: not traced (torch.compile, export,
     jit.trace record the op by name), no functorch transform (vmap, grad), no Python
-    dispatch or function mode (FakeTensorMode, FlopCounterMode, a device context), the
-    profiler off (it records the op), and every tensor given a plain CUDA torch.Tensor (or
+    dispatch mode (FakeTensorMode, FlopCounterMode) and no function mode but default-device
+    contexts (``_modes_allow_direct``), the profiler off (it records the op), and every
+    tensor given a plain CUDA torch.Tensor (or
     an nn.Parameter: a module's weight, which intercepts nothing) that needs no gradient
     (else autograd must record the op). None entries are absent optional inputs."""
     if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
         return False
     if (
         torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
+        or not _modes_allow_direct()
         or torch.autograd._profiler_enabled()
         or torch._C._functorch.peek_interpreter_stack() is not None
     ):
@@ -63,6 +64,20 @@ def _direct(*tensors) -> bool:
         if t is not None and (type(t) not in _PLAIN or not t.is_cuda or (grad and t.requires_grad)):
             return False
     return True
+
+
+def _modes_allow_direct() -> bool:
+    """No Python function mode is active but default-device contexts (``with
+    torch.device(...)``, ``torch.set_default_device``: common in inference scripts, where
+    every call would otherwise pay the dispatch). Such a context only picks the device of
+    a factory call that names none, and the wrappers name theirs (``device=x.device``, or
+    ``*_like``). Any other mode must see the op itself."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return True
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return all(type(m) is DeviceContext for m in _get_current_function_mode_stack())
 
 
 def _rows_shape(x: Tensor):

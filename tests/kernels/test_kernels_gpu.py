@@ -149,7 +149,8 @@ def test_eager_calls_skip_the_dispatcher_only_when_nothing_would_differ(monkeypa
     """``quack_kernels.ops``' functions call the family's torch wrapper directly in plain
     eager use (the custom op's Python dispatch cost ~70 us of host time a call) with the
     same result, and go through the custom op whenever it would differ: a gradient to
-    record, a dispatch / function mode, the profiler (which must see the op by name)."""
+    record, a dispatch mode or a function mode other than a default-device context, the
+    profiler (which must see the op by name)."""
     from quack_kernels import ops
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -183,7 +184,15 @@ def test_eager_calls_skip_the_dispatcher_only_when_nothing_would_differ(monkeypa
         ops.gemm(a, b)
     assert entered == ["gemm_op"] and any(e.name == "quack_kernels::gemm" for e in prof.events())
     entered.clear()
-    with torch.device("cuda"):  # a function mode
+    with torch.device("cuda"):  # a default-device context: direct, the wrappers name the device
+        assert torch.equal(ops.softmax(xs), direct["softmax_fwd"])
+    assert entered == []
+
+    class Passing(torch.overrides.TorchFunctionMode):  # any other function mode sees the op
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with Passing():
         ops.softmax(xs)
     assert entered == ["softmax_fwd"]
     entered.clear()
