@@ -141,8 +141,10 @@ def derived_config(spec, args: tuple):
 
     arch = runtime_arch()
     t = active_table(arch)
-    # the spec by identity (it holds dicts: unhashable); specs live in the registry for good
-    key = (id(spec), args, arch, t, gpu_of(t), override(spec.name))
+    # the spec by identity (it holds dicts: unhashable); specs live in the registry for good.
+    # The argument types are in the key, as in jit_cache's memo (quack/runtime/jit.py):
+    # True == 1 and 4096 == 4096.0 hash alike, and a bad type must still reach bind's check.
+    key = (id(spec), args, tuple(map(type, args)), arch, t, gpu_of(t), override(spec.name))
     cfg = _derived.get(key)
     if cfg is None:
         if len(_derived) >= 4096:  # bounded: a sweep over N binds ~100k distinct calls

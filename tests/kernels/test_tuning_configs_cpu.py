@@ -237,3 +237,14 @@ def test_a_repeated_call_binds_once(monkeypatch):
     assert binds == ["layernorm_fwd"]
     layernorm.fwd_config("bfloat16", 8192, True, True, "float32")
     assert binds == ["layernorm_fwd"] * 2
+
+
+def test_a_memoised_configuration_does_not_skip_the_binds_type_checks():
+    """True == 1 and 16384 == 16384.0 hash alike: after a valid call has filled the memo,
+    the same values with the wrong types are still refused by bind, naming the parameter."""
+    args = ("bfloat16", 16384, True, True, "float32")
+    layernorm.fwd_config(*args)
+    with pytest.raises(ParamError, match="n"):
+        layernorm.fwd_config("bfloat16", 16384.0, True, True, "float32")
+    with pytest.raises(ParamError, match="has_weight"):
+        layernorm.fwd_config("bfloat16", 16384, 1, True, "float32")
