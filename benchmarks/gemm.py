@@ -42,21 +42,6 @@ def side_by_side(*fns, rounds=3, reps=20):
     return [statistics.median(t) for t in times]
 
 
-def host_us(fn, calls=50):
-    """Microseconds of this thread per call (queueing only, the GPU kept busy)."""
-    import time
-
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(int(2e9 * 0.05))  # 50 ms of GPU spin: the queue never drains
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    dt = time.perf_counter() - t0
-    torch.cuda.synchronize()
-    return dt / calls * 1e6
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--table", default=None, help="a tuning table to use instead of the checked-in one")
@@ -74,6 +59,7 @@ def main():
 
 
 def run(shapes, epilogue=True):
+    from bench_op_host import host_us  # the one host-time measure of the benchmarks
     from quack_kernels.gemm import gemm_config
     from quack_kernels.ops import gemm
 
