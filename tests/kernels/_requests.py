@@ -237,6 +237,17 @@ REQUESTS = {
     "test_gemm_gpu.py::test_gemm_autograd": gemm_autograd,
     "test_gemm_gpu.py::test_gemm_compile_fullgraph": lambda: gemm_autograd(activation="gelu_tanh"),
     "test_gemm_gpu.py::test_gemm_bad_inputs_on_gpu": None,
+    "test_cuda_graphs_gpu.py::test_ops_replay_in_a_cuda_graph_with_the_eager_bits": lambda: (
+        rms_fwd(BF, 4096)
+        + softmax(F32, 1000)[:1]
+        + ce(F32, 1000)[:1]
+        + gemm((1, 1000, 1048, 776))
+        + gemm((1, 1000, 1048, 776), act="gelu_tanh", bias=True)
+        + _stream_k(8, dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2))
+    ),
+    "test_cuda_graphs_gpu.py::test_training_step_through_make_graphed_callables_matches_eager": lambda: (
+        rms_fwd(BF, 4096) + rms_bwd(BF, 4096) + gemm_autograd("gelu_tanh")
+    ),
     # builds every shipped manifest itself before `quack verify --run`
     "test_reference_hooks_gpu.py::test_verify_run_passes_over_every_shipped_manifest": None,
 }

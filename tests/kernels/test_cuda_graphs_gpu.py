@@ -1,0 +1,155 @@
+"""GPU tier: quack's ops inside CUDA graphs, as the servers that run them use them (vLLM and
+SGLang capture their decode steps; ``torch.cuda.make_graphed_callables`` and
+torch.compile's "reduce-overhead" mode do the same for training steps). A captured op must
+launch on the capturing stream, synchronise nothing with the host and allocate only from
+the graph's pool; a replay over new inputs must give the eager call's bits. A kernel left
+out of the graph (launched on another stream, or only at capture) would leave the replay's
+outputs at the captured inputs' values, which the second set of inputs catches.
+
+The configurations are the eager tests' (tests/kernels/_requests.py maps these tests to
+their keys, all in manifests/tests.toml)."""
+
+import copy
+
+import pytest
+from _fixtures import poison_allocations  # noqa: F401  (a fixture, used by name)
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ODD = (1000, 1048, 776)  # M, N, K: tails in all three (test_gemm_gpu.ODD)
+# test_gemm_gpu.STREAM_K's 256 x 128 twin: on ODD, 4 x 5 cluster tiles for the GPU's 66
+# clusters, so every tile is cut along K: the workspace, the flags' memset and the fix-up
+# all in the graph
+SK = dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, schedule="coop", swizzle=8, raster_m=True)
+
+
+def _fill(tensors: dict, seed: int) -> None:
+    """New values into the captured inputs, in place (a graph replays on its addresses)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    for name, t in tensors.items():
+        if name == "target":  # class indices, some ignored (-100): the mean's count varies
+            t.copy_(torch.randint(0, 1000, t.shape, generator=g, device="cuda"))
+            t[torch.randint(0, t.numel(), (5,), generator=g, device="cuda")] = -100
+        else:
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda").to(t.dtype))
+
+
+def _inputs() -> dict:
+    bf = torch.bfloat16
+    m, n, k = ODD
+    kw = dict(device="cuda")
+    t = {
+        "x": torch.empty(64, 4096, dtype=bf, **kw),
+        "w": torch.empty(4096, dtype=bf, **kw),
+        "logits": torch.empty(64, 1000, **kw),
+        "target": torch.empty(64, dtype=torch.int64, **kw),
+        "a": torch.empty(m, k, dtype=bf, **kw),
+        "b": torch.empty(k, n, dtype=bf, **kw),
+        "bias": torch.empty(n, dtype=bf, **kw),
+        "b_kmajor": torch.empty(n, k, dtype=bf, **kw),  # .t(): (K, N) with unit stride along K
+    }
+    _fill(t, 0)
+    return t
+
+
+@pytest.mark.usefixtures("poison_allocations")  # NaN-filled outputs: an unwritten element fails
+def test_ops_replay_in_a_cuda_graph_with_the_eager_bits():
+    from quack_kernels import ops
+    from quack_kernels._configs import GemmConfig
+
+    from quack.tuning import use_config
+
+    t = _inputs()
+    sk = GemmConfig(stream_k=True, **SK)
+
+    def sk_gemm():
+        with use_config("gemm", sk):
+            return ops.gemm(t["a"], t["b_kmajor"].t())
+
+    calls = {
+        "rmsnorm": lambda: ops.rmsnorm(t["x"], t["w"]),
+        "softmax": lambda: ops.softmax(t["logits"]),
+        "cross_entropy none": lambda: ops.cross_entropy(t["logits"], t["target"], reduction="none"),
+        # the mean divides by the non-ignored count: a device reduction, no .item()
+        "cross_entropy mean": lambda: ops.cross_entropy(t["logits"], t["target"]),
+        "gemm": lambda: ops.gemm(t["a"], t["b"]),
+        "gemm bias gelu": lambda: ops.gemm(t["a"], t["b"], bias=t["bias"], activation="gelu_tanh"),
+        "gemm stream-K": sk_gemm,
+    }
+
+    def step():
+        return {name: fn() for name, fn in calls.items()}
+
+    # torch's recipe: a warm-up on a side stream first (here: every kernel loaded, the
+    # configuration memos and the GEMM's stand-in tensors made before the capture)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    before = {name: out.clone() for name, out in captured.items()}  # the capture's own run
+    for seed in (1, 2):
+        _fill(t, seed)
+        graph.replay()
+        eager = step()
+        torch.cuda.synchronize()
+        for name in calls:
+            assert torch.equal(captured[name], eager[name]), f"{name}: the replay differs from the eager call"
+            # new inputs, new outputs: the replay ran the op rather than keeping what it held
+            assert not torch.equal(captured[name], before[name]), f"{name}: the replay left its output"
+            before[name] = captured[name].clone()
+
+
+class _Block(torch.nn.Module):
+    """RMSNorm and a GEMM with bias + gelu, each with its weights (the training tests' shapes)."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator(device="cuda").manual_seed(7)
+        m, n, k = ODD
+
+        def param(*shape):
+            return torch.nn.Parameter(torch.randn(shape, generator=g, device="cuda").bfloat16())
+
+        self.w, self.b, self.bias = param(4096), param(k, n), param(n)
+
+    def forward(self, x, a):
+        from quack_kernels import ops
+
+        return ops.rmsnorm(x, self.w), ops.gemm(a, self.b, bias=self.bias, activation="gelu_tanh")
+
+
+def test_training_step_through_make_graphed_callables_matches_eager():
+    """Forward and backward graphed (``make_graphed_callables``): the outputs, the inputs'
+    gradients and the weights' gradients are the eager twin's, bit for bit, over two steps
+    with new data each. The gradients are set to None before each step, as torch's recipe
+    for graphed callables does (``zero_grad(set_to_none=True)``): a weight's .grad is the
+    graph's own output buffer after the first step, which the next replay overwrites."""
+    block = _Block()
+    twin = copy.deepcopy(block)
+    m, n, k = ODD
+    t = _inputs()
+    x, a = t["x"].requires_grad_(), t["a"].requires_grad_()
+    graphed = torch.cuda.make_graphed_callables(block, (x, a))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    for step in range(2):
+        for p in (*block.parameters(), *twin.parameters()):
+            p.grad = None
+        args = [torch.randn(s.shape, generator=g, device="cuda").bfloat16().requires_grad_() for s in (x, a)]
+        grads = [torch.randn(s, generator=g, device="cuda").bfloat16() for s in ((64, 4096), (m, n))]
+        twin_args = [v.detach().clone().requires_grad_() for v in args]
+        outs = graphed(*args)
+        torch.autograd.backward(outs, grads)
+        want = twin(*twin_args)
+        torch.autograd.backward(want, grads)
+        torch.cuda.synchronize()
+        for name, got, ref in zip(("rmsnorm", "gemm"), outs, want):
+            assert torch.equal(got, ref), f"step {step}: {name} output"
+        for name, got, ref in zip(("dx", "da"), args, twin_args):
+            assert torch.equal(got.grad, ref.grad), f"step {step}: {name}"
+        for (name, p), q in zip(block.named_parameters(), twin.parameters()):
+            assert torch.equal(p.grad, q.grad), f"step {step}: d{name}"
