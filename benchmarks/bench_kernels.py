@@ -476,12 +476,16 @@ class RefClient:
             print(f"{why}; its stderr tail: {self.errlog.read()[-800:]}", flush=True)
         self.alive = False
         if self.p.poll() is None:
+            if why:  # late or broken: waiting for it to notice the EOF only delays the kill
+                self.p.kill()
+                self.p.wait(timeout=10)
+                return
             try:
                 self.p.stdin.close()
             except OSError:
                 pass
             try:
-                self.p.wait(timeout=1 if why else 10)
+                self.p.wait(timeout=10)
             except Exception:  # noqa: BLE001 - still running: end it
                 self.p.kill()
                 self.p.wait(timeout=10)

@@ -153,3 +153,34 @@ def test_training_step_through_make_graphed_callables_matches_eager():
             assert torch.equal(got.grad, ref.grad), f"step {step}: {name}"
         for (name, p), q in zip(block.named_parameters(), twin.parameters()):
             assert torch.equal(p.grad, q.grad), f"step {step}: d{name}"
+
+
+def test_torch_compile_reduce_overhead_records_the_ops_in_its_cuda_graphs():
+    """torch.compile(mode="reduce-overhead"), inductor's CUDA graph trees: the custom ops
+    are recorded into its graphs, forward and backward, none skipped (an op that synced
+    with the host or held a CPU tensor would be), and every step gives the eager bits:
+    warm-up, recording, then replays."""
+    from quack_kernels import ops
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    g = torch.Generator(device="cuda").manual_seed(11)
+    w = torch.randn(4096, generator=g, device="cuda").bfloat16()
+    wg, we = w.clone().requires_grad_(), w.clone().requires_grad_()
+
+    def loss(x, w):
+        return (ops.rmsnorm(x, w).float() ** 2).sum()
+
+    step_fn = torch.compile(loss, mode="reduce-overhead")
+    for step in range(4):
+        x = torch.randn(64, 4096, generator=g, device="cuda").bfloat16()
+        xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
+        wg.grad = we.grad = None
+        got = step_fn(xg, wg)
+        got.backward()
+        want = loss(xe, we)
+        want.backward()
+        torch.cuda.synchronize()
+        assert torch.equal(got, want), f"step {step}: loss"
+        assert torch.equal(xg.grad, xe.grad) and torch.equal(wg.grad, we.grad), f"step {step}: gradients"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
