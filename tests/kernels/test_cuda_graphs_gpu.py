@@ -157,9 +157,10 @@ def test_training_step_through_make_graphed_callables_matches_eager():
 
 def test_torch_compile_reduce_overhead_records_the_ops_in_its_cuda_graphs():
     """torch.compile(mode="reduce-overhead"), inductor's CUDA graph trees: the custom ops
-    are recorded into its graphs, forward and backward, none skipped (an op that synced
-    with the host or held a CPU tensor would be), and every step gives the eager bits:
-    warm-up, recording, then replays."""
+    are recorded into its graphs, forward and backward, and every step (warm-up, recording,
+    replays) gives the eager bits. Nothing is cut out of the graphs: inductor partitions a
+    graph around an op it cannot capture (a CPU op in the same function makes two
+    partitions, checked on the H200) or, failing that, skips the graph."""
     from quack_kernels import ops
     from torch._dynamo.utils import counters
 
@@ -167,20 +168,19 @@ def test_torch_compile_reduce_overhead_records_the_ops_in_its_cuda_graphs():
     g = torch.Generator(device="cuda").manual_seed(11)
     w = torch.randn(4096, generator=g, device="cuda").bfloat16()
     wg, we = w.clone().requires_grad_(), w.clone().requires_grad_()
-
-    def loss(x, w):
-        return (ops.rmsnorm(x, w).float() ** 2).sum()
-
-    step_fn = torch.compile(loss, mode="reduce-overhead")
+    step_fn = torch.compile(lambda x, w: ops.rmsnorm(x, w), mode="reduce-overhead")
     for step in range(4):
         x = torch.randn(64, 4096, generator=g, device="cuda").bfloat16()
+        dy = torch.randn(64, 4096, generator=g, device="cuda").bfloat16()
         xg, xe = x.clone().requires_grad_(), x.clone().requires_grad_()
         wg.grad = we.grad = None
         got = step_fn(xg, wg)
-        got.backward()
-        want = loss(xe, we)
-        want.backward()
+        got.backward(dy)
+        want = ops.rmsnorm(xe, we)
+        want.backward(dy)
         torch.cuda.synchronize()
-        assert torch.equal(got, want), f"step {step}: loss"
+        assert torch.equal(got, want), f"step {step}: y"
         assert torch.equal(xg.grad, xe.grad) and torch.equal(wg.grad, we.grad), f"step {step}: gradients"
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    seen = dict(counters["inductor"])
+    assert seen.get("cudagraph_recorded_non_static_inputs", 0) > 0, f"no CUDA graph recorded: {seen}"
+    assert seen.get("cudagraph_partitions", 0) == 0 and seen.get("cudagraph_skips", 0) == 0, seen
