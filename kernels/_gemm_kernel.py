@@ -19,12 +19,11 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
 
-from ._gemm_epi import apply_epilogue
-from ._gemm_plan import EPI_N, TILE_K, GemmPlan
+from ._gemm_epi import GemmEpilogue
+from ._gemm_plan import EPI_N, TILE_K, WG, GemmPlan
 from ._gemm_sched import GemmSchedule
-from ._gemm_store import make_r2s_copy, make_tiled_mma, subtile_sources
+from ._gemm_store import make_tiled_mma
 
-WG = 128  # threads of a warpgroup
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
 
@@ -42,7 +41,7 @@ def _smem_layout(dtype, major, rows: int, stages: int):
     return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
 
 
-class HopperGemm(GemmSchedule):
+class HopperGemm(GemmSchedule, GemmEpilogue):
     """One configuration of the kernel: ``plan`` (tile / cluster / schedule / stages),
     dtypes, operand majors and the fused epilogue are compile-time constants."""
 
@@ -227,18 +226,7 @@ class HopperGemm(GemmSchedule):
         # stream-K (plan.stream_k): this cluster's share of the schedule (_gemm_plan.stream_k_units)
         sk = None
         if const_expr(p.stream_k):
-            nclusters = cute.arch.grid_dim()[2]
-            c = cute.arch.block_idx()[2]
-            tiles = mc * nc * cute.size(gA, mode=[4])
-            dp = tiles - sk_tiles
-            n_dp = (dp - c + nclusters - 1) // nclusters
-            iters = sk_tiles * k_tiles
-            base = iters // nclusters
-            extra = iters - base * nclusters
-            start = c * base + cutlass.min(c, extra)
-            end = start + base + (Int32(1) if c < extra else Int32(0))
-            word = st.sk_word.get_tensor(cute.make_layout(1))
-            sk = (c, nclusters, dp, n_dp, start, end, base, extra, mWs, mFlags, word)
+            sk = self.sk_share(gA, grid_c, k_tiles, sk_tiles, mWs, mFlags, st)
         pipeline.pipeline_init_wait(cluster_shape_mn=self.cluster)
 
         if wg == 0:
@@ -353,28 +341,7 @@ class HopperGemm(GemmSchedule):
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, Float32)
         kblocks = cute.size(tCrA, mode=[2])
 
-        # epilogue: registers -> shared memory (vectorized: stmatrix / 64-bit stores) ->
-        # global memory (TMA store), one tile_m x EPI_N subtile at a time. Which accumulator
-        # register fills each slot of a subtile's store fragment is paired by tile coordinate
-        # at trace time (_gemm_store: the accumulator's flat order is not the store's)
-        epi_threads = WG if const_expr(self.ping) else self.math_threads
-        epi_bar = pipeline.NamedBarrier(
-            barrier_id=1 + (cw if const_expr(self.ping) else 0), num_threads=epi_threads
-        )
-        r2s = make_r2s_copy(tiled_mma, self.dt)
-        thr_r2s = r2s.get_slice(mma_thr)
-        tRS_sD = thr_r2s.partition_D(sD)  # (CPY, CPY_M, CPY_N, buffer)
-        sources = subtile_sources(tiled_mma, r2s, (p.tile_m, p.tile_n), EPI_N)
-        frag_shape = thr_r2s.partition_S(cute.make_identity_tensor(self.epi_tile)).shape
-        frag = cute.make_rmem_tensor(frag_shape, Float32)
-        frag_d = cute.make_rmem_tensor(frag_shape, self.dt)
-        n_sub = p.tile_n // EPI_N
-        n_buf = p.epi_stages
-        buf0 = cw * n_buf if const_expr(self.ping) else 0
-        store = pipeline.PipelineTmaStore.create(
-            num_stages=n_buf, producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, epi_threads)
-        )
-        is_store_warp = warp == 4 * wg if const_expr(self.ping) else warp == 4
+        epi_bar, es = self.epi_setup(tiled_mma, sD, mma_thr, cw, wg, warp)  # _gemm_epi.GemmEpilogue
 
         sched = utils.StaticPersistentTileScheduler.create(
             sched_p, cute.arch.block_idx(), cute.arch.grid_dim()
@@ -455,26 +422,8 @@ class HopperGemm(GemmSchedule):
                     else:
                         self.sk_combine(acc, sk, head, pieces, mma_thr, epi_bar)
             if store_tile == 1:
-                apply_epilogue(self.epi, acc, thr_mma, t, (p.tile_m, p.tile_n), mD, mC, mBias, beta)
-                gD_t = cute.zipped_divide(gD[(None, None, t[0], t[1], t[2])], self.epi_tile)
-                bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                    tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t
-                )
-                for e in cutlass.range_constexpr(n_sub):
-                    buf = buf0 + (done + e) % n_buf
-                    for k in cutlass.range_constexpr(len(sources[e])):
-                        frag[k] = acc[sources[e][k]]
-                    frag_d.store(frag.load().to(self.dt))
-                    cute.copy(r2s, frag_d, tRS_sD[(None, None, None, buf)])
-                    # the shared-memory writes must be visible to the TMA (async proxy) before the store
-                    cute.arch.fence_proxy("async.shared", space="cta")
-                    epi_bar.arrive_and_wait()
-                    if is_store_warp:
-                        cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, e)])
-                        store.producer_commit()
-                        store.producer_acquire()
-                    epi_bar.arrive_and_wait()
-                done += n_sub
+                self.epi_store(es, epi_bar, acc, thr_mma, t, tma_d, gD, sD, mD, mC, mBias, beta, done)
+                done += p.tile_n // EPI_N
             if const_expr(p.stream_k):
                 valid = (q < sk[3]) | (u < sk[5])
             else:
@@ -484,5 +433,6 @@ class HopperGemm(GemmSchedule):
                     sched.advance_to_next_work()
                 work = sched.get_current_work()
                 valid = work.is_valid_tile
+        _r2s, _tRS_sD, _sources, _frag, _frag_d, _buf0, store, is_store_warp = es
         if is_store_warp:
             store.producer_tail()

@@ -14,6 +14,7 @@ SMEM_BYTES = 232448
 BARRIER_BYTES = 1024  # mbarriers + alignment slack
 TILE_K = 64  # 64 16-bit elements = 128 bytes: the 128-byte swizzle atom of the K-major operand
 EPI_N = 32  # columns of an epilogue subtile
+WG = 128  # threads of a warpgroup
 # (tile_m, tile_n) the kernel is built for: the 128 x {128, 192, 256} and 256 x 128
 TILES = ((128, 128), (128, 192), (128, 256), (256, 128))
 CLUSTERS = ((1, 1), (2, 1), (1, 2))

@@ -28,6 +28,25 @@ class GemmSchedule:
     math_threads: int
 
     @cute.jit
+    def sk_share(self, gA, grid_c, k_tiles, sk_tiles, mWs, mFlags, st):
+        """This cluster's share of the stream-K schedule (_gemm_plan.stream_k_units): the
+        kernel's ``sk`` tuple (the module doc). ``gA``: the CTA-tiled A (its L mode is the
+        batch), ``sk_tiles``: the tiles of the stream-K region, ``st``: the shared storage."""
+        mc, nc = grid_c
+        nclusters = cute.arch.grid_dim()[2]
+        c = cute.arch.block_idx()[2]
+        tiles = mc * nc * cute.size(gA, mode=[4])
+        dp = tiles - sk_tiles
+        n_dp = (dp - c + nclusters - 1) // nclusters
+        iters = sk_tiles * k_tiles
+        base = iters // nclusters
+        extra = iters - base * nclusters
+        start = c * base + cutlass.min(c, extra)
+        end = start + base + (Int32(1) if c < extra else Int32(0))
+        word = st.sk_word.get_tensor(cute.make_layout(1))
+        return (c, nclusters, dp, n_dp, start, end, base, extra, mWs, mFlags, word)
+
+    @cute.jit
     def tile_at(self, t, grid_c):
         """A swizzled order: the scheduler's tile ``t`` (CTA tile coordinates, its clusters
         enumerated in column-major order) -> the tile this CTA computes: its cluster's index
