@@ -48,6 +48,13 @@ def _inputs() -> dict:
         "b": torch.empty(k, n, dtype=bf, **kw),
         "bias": torch.empty(n, dtype=bf, **kw),
         "b_kmajor": torch.empty(n, k, dtype=bf, **kw),  # .t(): (K, N) with unit stride along K
+        # the family wrappers' forward + backward pairs (LayerNorm, softmax, cross-entropy)
+        "xl": torch.empty(64, 1000, dtype=bf, **kw),
+        "wl": torch.empty(1000, dtype=bf, **kw),
+        "bl": torch.empty(1000, dtype=bf, **kw),
+        "dyl": torch.empty(64, 1000, dtype=bf, **kw),
+        "dys": torch.empty(64, 1000, **kw),
+        "dloss": torch.empty(64, **kw),
     }
     _fill(t, 0)
     return t
@@ -57,6 +64,9 @@ def _inputs() -> dict:
 def test_ops_replay_in_a_cuda_graph_with_the_eager_bits():
     from quack_kernels import ops
     from quack_kernels._configs import GemmConfig
+    from quack_kernels.cross_entropy import cross_entropy_bwd, cross_entropy_fwd
+    from quack_kernels.layernorm import layernorm_bwd, layernorm_fwd
+    from quack_kernels.softmax import softmax_bwd, softmax_fwd
 
     from quack.tuning import use_config
 
@@ -67,6 +77,18 @@ def test_ops_replay_in_a_cuda_graph_with_the_eager_bits():
         with use_config("gemm", sk):
             return ops.gemm(t["a"], t["b_kmajor"].t())
 
+    def layernorm_both():
+        y, mean, rstd = layernorm_fwd(t["xl"], t["wl"], t["bl"], 1e-5)
+        return (y, mean, rstd, *layernorm_bwd(t["xl"], t["wl"], t["dyl"], mean, rstd, t["bl"]))
+
+    def softmax_both():
+        y = softmax_fwd(t["logits"])
+        return y, softmax_bwd(t["dys"], y)
+
+    def cross_entropy_both():
+        loss, lse = cross_entropy_fwd(t["logits"], t["target"], -100)
+        return loss, lse, cross_entropy_bwd(t["logits"], t["target"], t["dloss"], lse, -100)
+
     calls = {
         "rmsnorm": lambda: ops.rmsnorm(t["x"], t["w"]),
         "softmax": lambda: ops.softmax(t["logits"]),
@@ -76,6 +98,9 @@ def test_ops_replay_in_a_cuda_graph_with_the_eager_bits():
         "gemm": lambda: ops.gemm(t["a"], t["b"]),
         "gemm bias gelu": lambda: ops.gemm(t["a"], t["b"], bias=t["bias"], activation="gelu_tanh"),
         "gemm stream-K": sk_gemm,
+        "layernorm fwd + bwd": layernorm_both,
+        "softmax fwd + bwd": softmax_both,
+        "cross_entropy fwd + bwd": cross_entropy_both,
     }
 
     def step():
@@ -91,17 +116,22 @@ def test_ops_replay_in_a_cuda_graph_with_the_eager_bits():
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = step()
-    before = {name: out.clone() for name, out in captured.items()}  # the capture's own run
+
+    def outputs(out) -> tuple:
+        return out if isinstance(out, tuple) else (out,)
+
+    before = {name: [o.clone() for o in outputs(out)] for name, out in captured.items()}
     for seed in (1, 2):
         _fill(t, seed)
         graph.replay()
         eager = step()
         torch.cuda.synchronize()
         for name in calls:
-            assert torch.equal(captured[name], eager[name]), f"{name}: the replay differs from the eager call"
-            # new inputs, new outputs: the replay ran the op rather than keeping what it held
-            assert not torch.equal(captured[name], before[name]), f"{name}: the replay left its output"
-            before[name] = captured[name].clone()
+            for i, (got, want) in enumerate(zip(outputs(captured[name]), outputs(eager[name]), strict=True)):
+                assert torch.equal(got, want), f"{name} [{i}]: the replay differs from the eager call"
+                # new inputs, new outputs: the replay ran the op rather than keeping what it held
+                assert not torch.equal(got, before[name][i]), f"{name} [{i}]: the replay left its output"
+                before[name][i] = got.clone()
 
 
 class _Block(torch.nn.Module):
