@@ -18,10 +18,13 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 ODD = (1000, 1048, 776)  # M, N, K: tails in all three (test_gemm_gpu.ODD)
-# test_gemm_gpu.STREAM_K's 256 x 128 twin: on ODD, 4 x 5 cluster tiles for the GPU's 66
-# clusters, so every tile is cut along K: the workspace, the flags' memset and the fix-up
-# all in the graph
+# test_gemm_gpu.STREAM_K's 256 x 128 twin (cluster tiles of 256 x 256) on SK_MNK: 8 x 9 = 72
+# cluster tiles for the H200's 66 resident clusters, less than two waves, so every tile is in
+# the stream-K region and cut along K (_gemm_plan.stream_k_tiles): the workspace, the flags'
+# memset and the fix-up all in the graph. (On ODD the grid would be its 20 tiles, one wave,
+# and no tile cut.)
 SK = dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, schedule="coop", swizzle=8, raster_m=True)
+SK_MNK = (2048, 2304, 256)
 
 
 def _fill(tensors: dict, seed: int) -> None:
@@ -47,7 +50,8 @@ def _inputs() -> dict:
         "a": torch.empty(m, k, dtype=bf, **kw),
         "b": torch.empty(k, n, dtype=bf, **kw),
         "bias": torch.empty(n, dtype=bf, **kw),
-        "b_kmajor": torch.empty(n, k, dtype=bf, **kw),  # .t(): (K, N) with unit stride along K
+        "a_sk": torch.empty(SK_MNK[0], SK_MNK[2], dtype=bf, **kw),
+        "b_sk": torch.empty(SK_MNK[1], SK_MNK[2], dtype=bf, **kw),  # .t(): (K, N), unit stride along K
         # the family wrappers' forward + backward pairs (LayerNorm, softmax, cross-entropy)
         "xl": torch.empty(64, 1000, dtype=bf, **kw),
         "wl": torch.empty(1000, dtype=bf, **kw),
@@ -75,7 +79,7 @@ def test_ops_replay_in_a_cuda_graph_with_the_eager_bits():
 
     def sk_gemm():
         with use_config("gemm", sk):
-            return ops.gemm(t["a"], t["b_kmajor"].t())
+            return ops.gemm(t["a_sk"], t["b_sk"].t())
 
     def layernorm_both():
         y, mean, rstd = layernorm_fwd(t["xl"], t["wl"], t["bl"], 1e-5)
