@@ -302,6 +302,32 @@ def _stream_k_grid(tiles, clusters, k_tiles):
     return grid, sk, {c: stream_k_units(c, grid, tiles, sk, k_tiles) for c in range(grid)}
 
 
+def test_stream_k_gpu_shapes_cover_each_kind_of_grid():
+    """test_gemm_gpu.STREAM_K_SHAPES are the kinds of grid its comment says, on the H200's 66
+    resident clusters (one 2-CTA cluster per two of its 132 SMs: both STREAM_K configurations
+    fill the shared memory), with the wrapper's grid and stream-K region (gemm_fwd)."""
+    import test_gemm_gpu as g
+    from quack_kernels._gemm_plan import stream_k_tiles
+
+    def kind(L, M, N, K):
+        tiles = L * -(-M // 256) * -(-N // 256)  # cluster tiles of 256 x 256 (both configurations)
+        sk = stream_k_tiles(tiles, min(66, tiles))
+        return "none" if sk == 0 else "all" if sk == tiles else "partial"
+
+    assert all((tm * cm, tn * cn) == (256, 256) for tm, tn, cm, cn, _ in g.STREAM_K)
+    assert {s: kind(*s) for s in g.STREAM_K_SHAPES} == {
+        (1, 4096, 4096, 4096): "partial",
+        (1, 8192, 4096, 4096): "partial",
+        g.ODD: "none",
+        (1, 3000, 5000, 1000): "partial",
+        (3, 1000, 1048, 776): "none",
+        (1, 256, 512, 128): "none",
+        (2, 4096, 4096, 1024): "partial",
+        (1, 2048, 2304, 256): "all",
+        (1, 3072, 2816, 512): "none",
+    }
+
+
 @pytest.mark.parametrize("k_tiles", [1, 2, 7, 64, 224])
 @pytest.mark.parametrize("clusters", [1, 3, 64, 66])
 def test_stream_k_schedule_covers_every_k_tile_once_in_pieces_held_by_consecutive_clusters(clusters, k_tiles):

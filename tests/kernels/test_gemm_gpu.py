@@ -105,9 +105,12 @@ def test_gemm_swizzled_tile_orders(tile_m, tile_n, cluster_m, cluster_n, swizzle
 #: stream-K twins of the large cooperative tiles (kernels/gemm.py search_space):
 #: (tile_m, tile_n, cluster_m, cluster_n, swizzle)
 STREAM_K = [(128, 256, 2, 1, None), (256, 128, 1, 2, 8)]
-#: a partial last wave (4096^3, 8192 x 4096 x 4096, the odd and tail grids), none (a
-#: grid of whole waves: 2 x 4096 x 4096 x 1024 is 528 cluster tiles of 2x1 = 8 waves on
-#: 66 clusters), fewer tiles than clusters (256 x 512), batched
+#: on the H200's 66 resident clusters (both STREAM_K tiles make cluster tiles of 256 x 256;
+#: test_gemm_cpu.py::test_stream_k_gpu_shapes_cover_each_kind_of_grid holds these kinds):
+#: a partial last wave, it and the whole wave before it cut along K (4096^3, 8192 x 4096 x
+#: 4096, 3000 x 5000 with tails, batched 2 x 4096 x 4096); fewer than two waves, every tile
+#: cut (2048 x 2304); whole waves, nothing cut (3072 x 2816: 132 tiles); one wave of fewer
+#: tiles than clusters, the grid those tiles, nothing cut (ODD, batched ODD, 256 x 512)
 STREAM_K_SHAPES = [
     (1, 4096, 4096, 4096),
     (1, 8192, 4096, 4096),
@@ -116,6 +119,8 @@ STREAM_K_SHAPES = [
     (3, 1000, 1048, 776),
     (1, 256, 512, 128),
     (2, 4096, 4096, 1024),
+    (1, 2048, 2304, 256),
+    (1, 3072, 2816, 512),
 ]
 
 
