@@ -74,6 +74,22 @@ def swizzled_cluster(j, mc, nc, swizzle: int, raster_m: bool, minimum=min):
     return g * swizzle + r % width, r // width
 
 
+def cluster_tiles(plan: "GemmPlan", m: int, n: int, batch: int) -> int:
+    """The cluster tiles of an m x n (x batch) output on ``plan``'s tiles and cluster."""
+    mc = (-(-m // plan.tile_m) + plan.cluster_m - 1) // plan.cluster_m
+    nc = (-(-n // plan.tile_n) + plan.cluster_n - 1) // plan.cluster_n
+    return mc * nc * batch
+
+
+def stream_k_grid(tiles: int, clusters: int) -> tuple[int, int]:
+    """(the persistent grid's clusters, its stream-K tiles) for ``tiles`` cluster tiles and at
+    most ``clusters`` clusters: one cluster a tile at most, as the kernel's scheduler
+    launches (so a grid of fewer tiles than clusters is one wave and cuts nothing), and
+    ``stream_k_tiles`` of that grid. The wrapper (gemm_fwd) and the tests take it from here."""
+    grid = min(clusters, tiles)
+    return grid, stream_k_tiles(tiles, grid)
+
+
 def stream_k_tiles(tiles: int, clusters: int) -> int:
     """How many of a persistent grid's ``tiles`` (cluster tiles, the last ones of its order)
     the stream-K schedule splits along K over all ``clusters``: none when the waves come out

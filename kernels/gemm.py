@@ -24,10 +24,11 @@ from ._gemm_plan import (
     ACTIVATIONS,
     check_plan,
     class_n_range,
+    cluster_tiles,
     heuristic,
     resolve,
     shape_class,
-    stream_k_tiles,
+    stream_k_grid,
 )
 
 # a configuration without a tuning-table row and without a problem shape (a manifest entry
@@ -259,10 +260,7 @@ def gemm_fwd(
         sk_tiles = 0
         if plan.stream_k:
             ctas = plan.cluster_m * plan.cluster_n
-            mc = ((m + plan.tile_m - 1) // plan.tile_m + plan.cluster_m - 1) // plan.cluster_m
-            nc = ((n + plan.tile_n - 1) // plan.tile_n + plan.cluster_n - 1) // plan.cluster_n
-            grid = min(clusters, mc * nc * batch)  # the persistent grid the kernel launches
-            sk_tiles = stream_k_tiles(mc * nc * batch, grid)
+            grid, sk_tiles = stream_k_grid(cluster_tiles(plan, m, n, batch), clusters)
             if sk_tiles:
                 ws = d.new_empty((2 * grid * ctas * plan.tile_m * plan.tile_n,), dtype=torch.float32)
                 flags = d.new_zeros((3 * grid * ctas,), dtype=torch.int32)

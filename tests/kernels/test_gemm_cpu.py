@@ -295,10 +295,9 @@ def test_swizzled_order_visits_each_cluster_once_band_by_band(swizzle, raster_m)
 
 
 def _stream_k_grid(tiles, clusters, k_tiles):
-    from quack_kernels._gemm_plan import stream_k_tiles, stream_k_units
+    from quack_kernels._gemm_plan import stream_k_grid, stream_k_units
 
-    grid = min(clusters, tiles)  # the persistent grid: no more clusters than tiles
-    sk = stream_k_tiles(tiles, grid)
+    grid, sk = stream_k_grid(tiles, clusters)  # the wrapper's grid: no more clusters than tiles
     return grid, sk, {c: stream_k_units(c, grid, tiles, sk, k_tiles) for c in range(grid)}
 
 
@@ -307,15 +306,23 @@ def test_stream_k_gpu_shapes_cover_each_kind_of_grid():
     resident clusters (one 2-CTA cluster per two of its 132 SMs: both STREAM_K configurations
     fill the shared memory), with the wrapper's grid and stream-K region (gemm_fwd)."""
     import test_gemm_gpu as g
-    from quack_kernels._gemm_plan import stream_k_tiles
+    from quack_kernels._gemm_plan import cluster_tiles, resolve, stream_k_grid
 
-    def kind(L, M, N, K):
-        tiles = L * -(-M // 256) * -(-N // 256)  # cluster tiles of 256 x 256 (both configurations)
-        sk = stream_k_tiles(tiles, min(66, tiles))
+    def kind(plan, L, M, N, K):
+        tiles = cluster_tiles(plan, M, N, L)
+        _grid, sk = stream_k_grid(tiles, 66)
         return "none" if sk == 0 else "all" if sk == tiles else "partial"
 
-    assert all((tm * cm, tn * cn) == (256, 256) for tm, tn, cm, cn, _ in g.STREAM_K)
-    assert {s: kind(*s) for s in g.STREAM_K_SHAPES} == {
+    plans = [
+        resolve(
+            dict(tile_m=tm, tile_n=tn, cluster_m=cm, cluster_n=cn, schedule="coop", stream_k=True), "bfloat16"
+        )
+        for tm, tn, cm, cn, _ in g.STREAM_K
+    ]
+    # both configurations make cluster tiles of 256 x 256, so one kind a shape
+    kinds = {s: {kind(p, *s) for p in plans} for s in g.STREAM_K_SHAPES}
+    assert all(len(k) == 1 for k in kinds.values()), kinds
+    assert {s: k.pop() for s, k in kinds.items()} == {
         (1, 4096, 4096, 4096): "partial",
         (1, 8192, 4096, 4096): "partial",
         g.ODD: "none",
