@@ -243,7 +243,7 @@ REQUESTS = {
         + ce(F32, 1000)
         + gemm((1, 1000, 1048, 776))
         + gemm((1, 1000, 1048, 776), act="gelu_tanh", bias=True)
-        + _stream_k(8, dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2))
+        + _stream_k(8, dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2))  # test_gemm_gpu.STREAM_K[1]
         + ln_fwd(BF, 1000)
         + ln_bwd(BF, 1000)
     ),

@@ -12,18 +12,20 @@ their keys, all in manifests/tests.toml)."""
 import copy
 
 import pytest
+import test_gemm_gpu  # its ODD shape and STREAM_K configurations
 from _fixtures import poison_allocations  # noqa: F401  (a fixture, used by name)
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-ODD = (1000, 1048, 776)  # M, N, K: tails in all three (test_gemm_gpu.ODD)
+ODD = test_gemm_gpu.ODD[1:]  # M, N, K: tails in all three
 # test_gemm_gpu.STREAM_K's 256 x 128 twin (cluster tiles of 256 x 256) on SK_MNK: 8 x 9 = 72
 # cluster tiles for the H200's 66 resident clusters, less than two waves, so every tile is in
 # the stream-K region and cut along K (_gemm_plan.stream_k_tiles): the workspace, the flags'
 # memset and the fix-up all in the graph. (On ODD the grid would be its 20 tiles, one wave,
 # and no tile cut.)
-SK = dict(tile_m=256, tile_n=128, cluster_m=1, cluster_n=2, schedule="coop", swizzle=8, raster_m=True)
+_TM, _TN, _CM, _CN, _SW = test_gemm_gpu.STREAM_K[1]
+SK = dict(tile_m=_TM, tile_n=_TN, cluster_m=_CM, cluster_n=_CN, schedule="coop", swizzle=_SW, raster_m=True)
 SK_MNK = (2048, 2304, 256)
 
 
