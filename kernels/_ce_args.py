@@ -1,7 +1,7 @@
 """Argument handling of the torch-facing cross-entropy ops (``cross_entropy.cross_entropy_fwd``
 / ``cross_entropy_bwd``): the checks on target, class weights and label_smoothing, the
 compile variant they select, and the per-row class weights w[target] the wrapper folds into
-its O(M) scalars. Split from cross_entropy.py, which keeps the kernels and the ops.
+its O(M) scalars. Split from cross_entropy.py, which keeps the compile functions and the ops.
 
 Top level imports nothing: torch is imported inside functions.
 """

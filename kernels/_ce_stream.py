@@ -4,14 +4,14 @@ its default knobs by row length, its launch shape, its persistent grid and its c
 A row group (one warp, or one CTA / cluster) streams its rows through a shared-memory
 cp.async ring and folds each chunk into an online (max, sum exp); ``launch_shape`` says how.
 The torch-facing op (``cross_entropy.cross_entropy_fwd``) passes ``stream_grid``'s CTA count
-at launch. Split from cross_entropy.py: the register path and the backward stay there.
+at launch. The register-path forward and the backward are ``_ce_rows``.
 
 Top level imports only the standard library: torch and cutlass are imported inside functions.
 """
 
 import math
 
-# cross_entropy.py's constants too: this module imports nothing from it (it imports this one)
+# _ce_rows' constants too (it imports them from here)
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
 

@@ -102,7 +102,7 @@ def _rows(x) -> int:
 def rmsnorm_fwd_ref(x, w, b, r, eps: float) -> dict:
     """y = h * rstd (* w) (+ b), rstd = 1 / sqrt(mean(h^2) + eps), where h = x + r ROUNDED to
     x's dtype: the kernel stores the residual in x's dtype and normalizes that stored value
-    (kernels/rmsnorm.py: the backward differentiates at it, so forward and backward are one
+    (kernels/_rms_fwd.py: the backward differentiates at it, so forward and backward are one
     function; at small N, |h|^2 ~ eps, the unrounded sum differs by up to 3e-2 in rstd)."""
     h = x.float()
     if r is not None:

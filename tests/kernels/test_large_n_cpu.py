@@ -139,18 +139,18 @@ def test_ring_clusterless_only_for_one_full_cta_a_row():
 def test_rmsnorm_x_smem_plans():
     """The row-tile RMSNorm forward stages x in shared memory only for one even row a CTA
     over a cluster from ``X_SMEM_MIN_CLUSTER`` up, without a residual (knob overrides)."""
-    from quack_kernels import rmsnorm
+    from quack_kernels import _rms_fwd
 
     def ok(n, res=False, **tune):
-        return rmsnorm.x_smem_ok(plan_rows(n, 16, budget=64), 16, res, tune)
+        return _rms_fwd.x_smem_ok(plan_rows(n, 16, budget=64), 16, res, tune)
 
     assert ok(262144, x_smem=True) and ok(65536, x_smem=True)
     assert not ok(262144, res=True, x_smem=True)
     assert not ok(262143, x_smem=True)  # odd: a column predicate
     assert not ok(16384, x_smem=True)  # no cluster
-    assert not rmsnorm.x_smem_ok(plan_rows(262144, 32, budget=64), 32, False, {})  # fp32 rows
+    assert not _rms_fwd.x_smem_ok(plan_rows(262144, 32, budget=64), 32, False, {})  # fp32 rows
     assert ok(262144, x_smem_min_cluster=16) and not ok(131072, x_smem_min_cluster=16)
-    assert ok(262144) is (16 >= rmsnorm.X_SMEM_MIN_CLUSTER)
+    assert ok(262144) is (16 >= _rms_fwd.X_SMEM_MIN_CLUSTER)
 
 
 class _Dev:

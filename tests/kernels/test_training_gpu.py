@@ -115,7 +115,7 @@ def test_norm_fwd_every_ring_cluster_size(kind, wdt, n):
     """The forwards at the cluster sizes the persistent ring may take (none / 4 / 8 / 16
     CTAs a row, by ``_norm_fwd.RING_CLUSTERLESS`` / ``RING_MIN_CLUSTER`` and the ring knobs),
     with more rows than the grid holds clusters: every CTA loops over several rows (and the
-    row-tile RMSNorm's x-in-shared-memory path, ``rmsnorm.X_SMEM_MIN_CLUSTER``)."""
+    row-tile RMSNorm's x-in-shared-memory path, ``_rms_fwd.X_SMEM_MIN_CLUSTER``)."""
     from quack_kernels.layernorm import layernorm_fwd
     from quack_kernels.rmsnorm import rmsnorm_fwd
 
