@@ -409,12 +409,42 @@ def _gemm_backward(ctx, g):
 torch.library.register_autograd(f"{NS}::gemm", _gemm_backward, setup_context=_gemm_setup)
 
 
+def _autocast_operands(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
+    """a and b in the CUDA autocast dtype, as torch's autocast treats matmul (a float16 /
+    bfloat16 / float32 CUDA operand is cast; anything else is left for the op's own checks
+    to name). bias and c are not cast: the kernel reads any float dtype and adds in fp32,
+    so casting them would only lose bits; the output dtype follows the cast operands (the
+    autocast dtype), as torch's matmul's does."""
+    dt = torch.get_autocast_dtype("cuda")
+
+    def cast(t):
+        return t.to(dt) if t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, _F32) else t
+
+    return cast(a), cast(b)
+
+
+@torch.library.impl(f"{NS}::gemm", "AutocastCUDA")
+def _gemm_autocast(a, b, bias, c, activation, out_dtype, beta):
+    # Runs ahead of autograd when a torch.autocast("cuda") region is active: the casts are
+    # recorded by autograd (gradients reach float32 weights as float32), then the op runs
+    # on the cast operands with autocast off, as torch's own autocast kernels redispatch.
+    # Without it, float32 operands (AMP training keeps weights in float32) were refused.
+    a, b = _autocast_operands(a, b)
+    with torch.autocast("cuda", enabled=False):
+        return gemm_op(a, b, bias, c, activation, out_dtype, beta)
+
+
 def gemm(a, b, *, bias=None, activation=None, out_dtype=None, c=None, beta: float = 1.0):
     """Differentiable D = act(a @ b + bias + beta * c) on the Hopper GEMM (the
     ``quack_kernels::gemm`` custom op with its registered autograd: dA and dB through the
     same kernel; works under ``torch.compile(fullgraph=True)``). a (M, K) / (L, M, K), b
     (K, N) / (L, K, N) float16 / bfloat16; activation None, "relu", "gelu_tanh" or "silu";
-    out_dtype float16 / bfloat16 / float32 (default a's)."""
+    out_dtype float16 / bfloat16 / float32 (default a's). Inside ``torch.autocast("cuda")``
+    a and b are cast to the autocast dtype first (``_autocast_operands``), on either path."""
     if _direct(a, b, bias, c):
+        if torch.is_autocast_enabled("cuda"):
+            # the op's AutocastCUDA kernel is not on this path: nothing here needs a
+            # gradient, so the cast records nothing either
+            a, b = _autocast_operands(a, b)
         return _gemm.gemm_fwd(a, b, bias, activation or "none", out_dtype, c, float(beta))
     return gemm_op(a, b, bias, c, activation or "none", out_dtype, float(beta))

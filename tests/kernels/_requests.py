@@ -96,13 +96,13 @@ def _stream_k(swizzle, knobs):
     return [("gemm", dict(gemm((1, 64, 64, 64), bm="k")[0][1], config=cfg))]
 
 
-def gemm_autograd(activation):
+def gemm_autograd(activation, dt=BF):
     """Forward (bias, act), gelu's recomputed fp32 pre-activation, dA = dD @ B^T (B^T
-    K-major), dB = A^T @ dD (A^T M-major)."""
+    K-major), dB = A^T @ dD (A^T M-major), operands of ``dt``."""
     L, M, N, K = odd = (1, 1000, 1048, 776)
     act = activation
-    out = gemm(odd, act=act, bias=True) + gemm((L, M, K, N), bm="k") + gemm((L, K, N, M), am="m")
-    return out + (gemm(odd, out=F32, bias=True) if act != "none" else [])
+    out = gemm(odd, dt, act=act, bias=True) + gemm((L, M, K, N), dt, bm="k") + gemm((L, K, N, M), dt, am="m")
+    return out + (gemm(odd, dt, out=F32, bias=True) if act != "none" else [])
 
 
 # "file::test" -> f(**case params) -> [(kernel, params)]; None: the test requests no cached
@@ -236,6 +236,9 @@ REQUESTS = {
     ),
     "test_gemm_gpu.py::test_gemm_autograd": gemm_autograd,
     "test_gemm_gpu.py::test_gemm_compile_fullgraph": lambda: gemm_autograd(activation="gelu_tanh"),
+    "test_gemm_gpu.py::test_gemm_under_autocast_runs_on_the_cast_operands": lambda dtype: gemm_autograd(
+        "gelu_tanh", dtype
+    ),
     "test_gemm_gpu.py::test_gemm_bad_inputs_on_gpu": None,
     "test_cuda_graphs_gpu.py::test_ops_replay_in_a_cuda_graph_with_the_eager_bits": lambda: (
         rms_fwd(BF, 4096)

@@ -245,6 +245,44 @@ def test_gemm_compile_fullgraph():
     _autograd_check(fn, "gelu_tanh")
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
+    """AMP training keeps float32 weights and runs the forward inside torch.autocast("cuda"):
+    there a and b are cast to the autocast dtype, as torch's matmul's are (before, float32
+    operands were refused). The output, and the float32 leaves' gradients (the backward
+    outside the autocast region, torch's recipe), equal those of the same call on operands
+    cast by hand, bit for bit: through the op with autograd, the direct path (nothing needs
+    a gradient), the op called by name and torch.compile(fullgraph=True). bias stays float32."""
+    from quack_kernels.ops import gemm
+
+    dt = DT[dtype]
+    a32, b32 = operands(ODD, torch.float32)
+    bias = torch.randn(ODD[2], device="cuda")
+    dy = torch.randn(ODD[1], ODD[2], device="cuda", dtype=dt)
+
+    def f(a, b):
+        return gemm(a, b, bias=bias, activation="gelu_tanh")
+
+    def step(fn, a, b, autocast):
+        a, b = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=dt, enabled=autocast):
+            y = fn(a, b)
+        y.backward(dy)
+        return y, a.grad, b.grad
+
+    y_ref, da_ref, db_ref = step(f, a32.to(dt), b32.to(dt), autocast=False)
+    for fn in (f, torch.compile(f, fullgraph=True)):
+        y, da, db = step(fn, a32, b32, autocast=True)
+        assert (y.dtype, da.dtype, db.dtype) == (dt, torch.float32, torch.float32)
+        assert torch.equal(y, y_ref)
+        assert torch.equal(da, da_ref.float()) and torch.equal(db, db_ref.float())
+    with torch.autocast("cuda", dtype=dt):
+        assert torch.equal(f(a32, b32), y_ref)  # no gradient: the direct path casts too
+        assert torch.equal(torch.ops.quack_kernels.gemm(a32, b32, bias, None, "gelu_tanh", None, 1.0), y_ref)
+    with pytest.raises(TypeError, match="float32"):
+        f(a32, b32)  # outside autocast float32 operands are still refused
+
+
 def test_gemm_bad_inputs_on_gpu():
     from quack_kernels.ops import gemm
 

@@ -237,6 +237,48 @@ def test_torch_compile_fullgraph_forward_and_backward_on_meta():
         assert any(op in c for c in called), (op, called)
 
 
+def test_gemm_operands_are_cast_to_the_autocast_dtype_before_the_op_runs():
+    """Inside CUDA autocast the GEMM's a and b reach the op's implementation in the autocast
+    dtype (bias and c as given: the kernel adds them in fp32), whether the op is called
+    through ``ops.gemm`` or by name; outside autocast nothing is cast. Fake CUDA tensors, so
+    no GPU is needed: autocast is switched on directly, since torch.autocast("cuda") turns
+    itself off on a machine without CUDA. The GPU test checks the bits and the gradients."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = _ops()
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.quack_kernels.gemm.default:
+                seen.append(tuple(t.dtype if isinstance(t, torch.Tensor) else t for t in args[:4]))
+            return func(*args, **(kwargs or {}))
+
+    f32 = torch.float32
+    was = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    try:
+        with FakeTensorMode(), Record():
+            a, b = torch.empty(64, 32, device="cuda"), torch.empty(32, 48, device="cuda")
+            bias, c = torch.empty(48, device="cuda"), torch.empty(64, 48, device="cuda")
+            for dt in (torch.bfloat16, torch.float16):
+                torch.set_autocast_enabled("cuda", True)
+                torch.set_autocast_dtype("cuda", dt)
+                seen.clear()
+                assert ops.gemm(a, b, bias=bias, c=c).dtype == dt
+                assert (
+                    torch.ops.quack_kernels.gemm(a, b.bfloat16(), bias, None, "none", f32, 1.0).dtype == f32
+                )
+                assert seen == [(dt, dt, f32, f32), (dt, dt, f32, None)]
+            torch.set_autocast_enabled("cuda", False)
+            seen.clear()
+            ops.gemm(a, b)
+            assert seen == [(f32, f32, None, None)]
+    finally:
+        torch.set_autocast_enabled("cuda", was[0])
+        torch.set_autocast_dtype("cuda", was[1])
+
+
 def test_cpu_tensor_error_unchanged_through_the_ops():
     from quack_kernels.ops import cross_entropy, rmsnorm
 
