@@ -83,7 +83,10 @@ def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
     if b.device != a.device:
         raise ValueError(f"a and b must be on one device; got {a.device} and {b.device}")
     if a.dtype not in _AB:
-        raise TypeError(f"a has dtype {a.dtype}; supported: float16, bfloat16")
+        raise TypeError(
+            f"a has dtype {a.dtype}; supported: float16, bfloat16 (cast a and b, or call inside "
+            'torch.autocast("cuda"), which casts them)'
+        )
     if b.dtype != a.dtype:
         raise TypeError(f"b has dtype {b.dtype} but a has {a.dtype}: a and b must share one dtype")
     three = a.dim() == 3

@@ -98,7 +98,11 @@ def _t(shape, dtype=torch.bfloat16, stride=None):
     "args, exc, match",
     [
         ((_t((64, 64)), _t((64, 64), torch.float16)), TypeError, "b has dtype torch.float16"),
-        ((_t((64, 64), torch.float32), _t((64, 64), torch.float32)), TypeError, "a has dtype torch.float32"),
+        (
+            (_t((64, 64), torch.float32), _t((64, 64), torch.float32)),
+            TypeError,
+            r"a has dtype torch.float32.*torch.autocast",
+        ),
         ((_t((64, 48)), _t((64, 64))), ValueError, r"b has shape \(64, 64\), expected \(48, N\)"),
         ((_t((2, 64, 64)), _t((64, 64))), ValueError, "must both be 2-D"),
         ((_t((64, 60)), _t((60, 64))), ValueError, "a: stride 60 of dim 0 is 120 bytes"),

@@ -240,7 +240,8 @@ def test_torch_compile_fullgraph_forward_and_backward_on_meta():
 def test_gemm_operands_are_cast_to_the_autocast_dtype_before_the_op_runs():
     """Inside CUDA autocast the GEMM's a and b reach the op's implementation in the autocast
     dtype (bias and c as given: the kernel adds them in fp32), whether the op is called
-    through ``ops.gemm`` or by name; outside autocast nothing is cast. Fake CUDA tensors, so
+    through ``ops.gemm`` or by name, and a trace (torch.compile's AOT tracing: make_fx) holds
+    the casts before the op; outside autocast nothing is cast. Fake CUDA tensors, so
     no GPU is needed: autocast is switched on directly, since torch.autocast("cuda") turns
     itself off on a machine without CUDA. The GPU test checks the bits and the gradients."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -274,6 +275,15 @@ def test_gemm_operands_are_cast_to_the_autocast_dtype_before_the_op_runs():
             seen.clear()
             ops.gemm(a, b)
             assert seen == [(f32, f32, None, None)]
+        # what torch.compile's AOT tracing records under autocast: the casts, then the op
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", torch.float16)
+        gm = make_fx(lambda a, b: ops.gemm(a, b), tracing_mode="fake")(a, b)
+        calls = [(str(n.target), n.kwargs.get("dtype")) for n in gm.graph.nodes if n.op == "call_function"]
+        cast = ("aten._to_copy.default", torch.float16)
+        assert calls == [cast, cast, ("quack_kernels.gemm.default", None)], calls
     finally:
         torch.set_autocast_enabled("cuda", was[0])
         torch.set_autocast_dtype("cuda", was[1])
