@@ -252,7 +252,8 @@ def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
     operands were refused). The output, and the float32 leaves' gradients (the backward
     outside the autocast region, torch's recipe), equal those of the same call on operands
     cast by hand, bit for bit: through the op with autograd, the direct path (nothing needs
-    a gradient), the op called by name and torch.compile(fullgraph=True). bias stays float32."""
+    a gradient) and the op called by name; under torch.compile(fullgraph=True) the output
+    bit for bit, the gradients within two roundings of the dtype. bias stays float32."""
     from quack_kernels.ops import gemm
 
     dt = DT[dtype]
@@ -271,11 +272,18 @@ def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
         return y, a.grad, b.grad
 
     y_ref, da_ref, db_ref = step(f, a32.to(dt), b32.to(dt), autocast=False)
-    for fn in (f, torch.compile(f, fullgraph=True)):
-        y, da, db = step(fn, a32, b32, autocast=True)
-        assert (y.dtype, da.dtype, db.dtype) == (dt, torch.float32, torch.float32)
-        assert torch.equal(y, y_ref)
-        assert torch.equal(da, da_ref.float()) and torch.equal(db, db_ref.float())
+    y, da, db = step(f, a32, b32, autocast=True)
+    assert (y.dtype, da.dtype, db.dtype) == (dt, torch.float32, torch.float32)
+    assert torch.equal(y, y_ref)
+    assert torch.equal(da, da_ref.float()) and torch.equal(db, db_ref.float())
+    # compiled: the forward's bits; the gradients within a rounding of dt, since inductor
+    # generates gelu's backward (dpre) itself and may round it otherwise than eager torch
+    y, da, db = step(torch.compile(f, fullgraph=True), a32, b32, autocast=True)
+    assert (y.dtype, da.dtype, db.dtype) == (dt, torch.float32, torch.float32)
+    assert torch.equal(y, y_ref)
+    for got, ref in ((da, da_ref), (db, db_ref)):
+        eps = torch.finfo(dt).eps
+        torch.testing.assert_close(got, ref.float(), rtol=2 * eps, atol=2 * eps * ref.abs().max().item())
     with torch.autocast("cuda", dtype=dt):
         assert torch.equal(f(a32, b32), y_ref)  # no gradient: the direct path casts too
         assert torch.equal(torch.ops.quack_kernels.gemm(a32, b32, bias, None, "gelu_tanh", None, 1.0), y_ref)
