@@ -429,6 +429,8 @@ def _gemm_autocast(a, b, bias, c, activation, out_dtype, beta):
     # recorded by autograd (gradients reach float32 weights as float32), then the op runs
     # on the cast operands with autocast off, as torch's own autocast kernels redispatch.
     # Without it, float32 operands (AMP training keeps weights in float32) were refused.
+    # Not torch.library.register_autocast: it casts to one dtype fixed at registration,
+    # where the autocast dtype (bf16 or fp16) is the region's, read here at each call.
     a, b = _autocast_operands(a, b)
     with torch.autocast("cuda", enabled=False):
         return gemm_op(a, b, bias, c, activation, out_dtype, beta)
