@@ -72,6 +72,21 @@ def operand(t, name: str):
     return t
 
 
+def check_dtypes(a, b, out_dtype) -> None:
+    """a's, b's and D's dtypes (TypeError naming the one that is not supported). Also the op's
+    fake implementation's check: a torch.compile trace stops at the dtype the kernel would
+    refuse, with this message, not at run time. Reads no size, so it adds no shape guard."""
+    if a.dtype not in _AB:
+        raise TypeError(
+            f"a has dtype {a.dtype}; supported: float16, bfloat16 (cast a and b, or call inside "
+            'torch.autocast("cuda"), which casts them)'
+        )
+    if b.dtype != a.dtype:
+        raise TypeError(f"b has dtype {b.dtype} but a has {a.dtype}: a and b must share one dtype")
+    if out_dtype is not None and out_dtype not in _D:
+        raise TypeError(f"out_dtype {out_dtype}; supported: float16, bfloat16, float32")
+
+
 def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
     _tensor(a, "a")
     _tensor(b, "b")
@@ -82,13 +97,7 @@ def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
         )
     if b.device != a.device:
         raise ValueError(f"a and b must be on one device; got {a.device} and {b.device}")
-    if a.dtype not in _AB:
-        raise TypeError(
-            f"a has dtype {a.dtype}; supported: float16, bfloat16 (cast a and b, or call inside "
-            'torch.autocast("cuda"), which casts them)'
-        )
-    if b.dtype != a.dtype:
-        raise TypeError(f"b has dtype {b.dtype} but a has {a.dtype}: a and b must share one dtype")
+    check_dtypes(a, b, out_dtype)
     three = a.dim() == 3
     # sizes and strides read from a and b themselves: views ([None], then the kernel's
     # permutation) cost ~1.5 us each of a call's host time
@@ -101,8 +110,6 @@ def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS[1:]} or None, got {activation!r}")
     out_dtype = a.dtype if out_dtype is None else out_dtype
-    if out_dtype not in _D:
-        raise TypeError(f"out_dtype {out_dtype}; supported: float16, bfloat16, float32")
     if not isinstance(beta, (int, float)) or isinstance(beta, bool):
         raise TypeError(f"beta must be a float, got {type(beta).__name__}")
     if bias is not None:

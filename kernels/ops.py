@@ -29,6 +29,7 @@ from . import gemm as _gemm
 from . import layernorm as _ln
 from . import rmsnorm as _rms
 from . import softmax as _sm
+from ._gemm_args import check_dtypes as check_gemm_dtypes
 
 NS = "quack_kernels"
 _F32 = torch.float32
@@ -357,6 +358,7 @@ def gemm_op(
 
 @gemm_op.register_fake
 def _(a, b, bias, c, activation, out_dtype, beta):
+    check_gemm_dtypes(a, b, out_dtype)
     if (
         a.dim() not in (2, 3)
         or b.dim() != a.dim()

@@ -172,6 +172,14 @@ def test_fake_implementation_shapes():
     assert gemm(a3, b3).shape == (3, 1000, 1048)
     with pytest.raises(ValueError, match="expected"):
         gemm(a, b[:700])
+    # the dtypes the kernel refuses stop a trace at the fake implementation, with the
+    # wrappers' own message (before, a float32 GEMM traced and failed at run time)
+    with pytest.raises(TypeError, match=r"a has dtype torch.float32.*torch.autocast"):
+        gemm(a.float(), b.float())
+    with pytest.raises(TypeError, match="b has dtype torch.float16"):
+        gemm(a, b.half())
+    with pytest.raises(TypeError, match="out_dtype torch.float64"):
+        gemm(a, b, out_dtype=torch.float64)
 
 
 def test_heuristic_and_classes():

@@ -273,7 +273,8 @@ def test_gemm_operands_are_cast_to_the_autocast_dtype_before_the_op_runs():
                 assert seen == [(dt, dt, f32, f32), (dt, dt, f32, None)]
             torch.set_autocast_enabled("cuda", False)
             seen.clear()
-            ops.gemm(a, b)
+            with pytest.raises(TypeError, match="float32"):  # refused, uncast (the fake checks)
+                ops.gemm(a, b)
             assert seen == [(f32, f32, None, None)]
         # what torch.compile's AOT tracing records under autocast: the casts, then the op
         from torch.fx.experimental.proxy_tensor import make_fx
