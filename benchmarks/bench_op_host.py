@@ -3,7 +3,7 @@ side by side in one run: microseconds of this thread per call with the GPU kept 
 only queueing is timed, not the kernel). For a small problem this time is the op's latency.
 
 Three columns per op: torch's op; the quack function as users call it (plain eager calls
-skip the custom op's Python dispatch, ``ops._direct``); the same call through the custom op
+skip the custom op's Python dispatch, ``_dispatch.direct``); the same call through the custom op
 (what a call that needs autograd, a dispatch mode or the profiler takes).
 
     python benchmarks/bench_op_host.py     # needs a CUDA GPU; compiles missing configurations

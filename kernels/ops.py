@@ -7,7 +7,9 @@ inside the op's real implementation, at run time, never in the traced graph.
 The differentiable functions (``rmsnorm``, ``layernorm``, ``softmax``, ``cross_entropy``)
 live here, not in their family modules: this module imports the families' torch wrappers,
 so a family importing it back made every family's source fingerprint cover every other
-family (an edit to softmax.py moved every RMSNorm object).
+family (an edit to softmax.py moved every RMSNorm object). The GEMM's custom op (its
+fake implementation, autograd and autocast kernel) lives in ``_gemm_ops`` and the
+direct-path test in ``_dispatch``: this module was past the house cap with them.
 
 Imports torch at the top: the family modules import it only inside functions, so that
 importing them stays torch-free (``quack build`` and the loaders import them). The real
@@ -29,56 +31,11 @@ from . import gemm as _gemm
 from . import layernorm as _ln
 from . import rmsnorm as _rms
 from . import softmax as _sm
-from ._gemm_args import check_dtypes as check_gemm_dtypes
+from ._dispatch import direct as _direct
+from ._gemm_ops import autocast_operands, gemm_op
 
 NS = "quack_kernels"
 _F32 = torch.float32
-
-
-_PLAIN = (Tensor, torch.nn.Parameter)
-
-
-def _direct(*tensors) -> bool:
-    """Whether an eager call may run the family's torch wrapper itself instead of going
-    through the custom op: the dispatcher's Python path (autograd wrapper, redispatch,
-    aliasing check) cost ~70 us of host time a GEMM call on the H200, where cuBLAS's whole
-    call costs 19, and for a small problem that time is the op's latency.
-
-    Only when nothing the dispatcher does would differ: not traced (torch.compile, export,
-    jit.trace record the op by name), no functorch transform (vmap, grad), no Python
-    dispatch mode (FakeTensorMode, FlopCounterMode) and no function mode but default-device
-    contexts (``_modes_allow_direct``), the profiler off (it records the op), and every
-    tensor given a plain CUDA torch.Tensor (or
-    an nn.Parameter: a module's weight, which intercepts nothing) that needs no gradient
-    (else autograd must record the op). None entries are absent optional inputs."""
-    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
-        return False
-    if (
-        torch._C._len_torch_dispatch_stack()
-        or not _modes_allow_direct()
-        or torch.autograd._profiler_enabled()
-        or torch._C._functorch.peek_interpreter_stack() is not None
-    ):
-        return False
-    grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is not None and (type(t) not in _PLAIN or not t.is_cuda or (grad and t.requires_grad)):
-            return False
-    return True
-
-
-def _modes_allow_direct() -> bool:
-    """No Python function mode is active but default-device contexts (``with
-    torch.device(...)``, ``torch.set_default_device``: common in inference scripts, where
-    every call would otherwise pay the dispatch). Such a context only picks the device of
-    a factory call that names none, and the wrappers name theirs (``device=x.device``, or
-    ``*_like``). Any other mode must see the op itself."""
-    if not torch._C._is_torch_function_mode_enabled():
-        return True
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    return all(type(m) is DeviceContext for m in _get_current_function_mode_stack())
 
 
 def _rows_shape(x: Tensor):
@@ -343,112 +300,17 @@ def cross_entropy(
 # --------------------------------------------------------------------------- GEMM
 
 
-@torch.library.custom_op(f"{NS}::gemm", mutates_args=())
-def gemm_op(
-    a: Tensor,
-    b: Tensor,
-    bias: Optional[Tensor],
-    c: Optional[Tensor],
-    activation: str,
-    out_dtype: Optional[torch.dtype],
-    beta: float,
-) -> Tensor:
-    return _gemm.gemm_fwd(a, b, bias, activation, out_dtype, c, beta)
-
-
-@gemm_op.register_fake
-def _(a, b, bias, c, activation, out_dtype, beta):
-    check_gemm_dtypes(a, b, out_dtype)
-    if (
-        a.dim() not in (2, 3)
-        or b.dim() != a.dim()
-        or a.shape[-1] != b.shape[-2]
-        or a.shape[:-2] != b.shape[:-2]
-    ):
-        raise ValueError(
-            f"gemm: a {tuple(a.shape)} @ b {tuple(b.shape)}: expected (M, K) @ (K, N) or (L, M, K) @ (L, K, N)"
-        )
-    shape = (*a.shape[:-1], b.shape[-1])
-    return a.new_empty(shape, dtype=out_dtype if out_dtype is not None else a.dtype)
-
-
-def _gemm_setup(ctx, inputs, output):
-    a, b, bias, c, activation, out_dtype, beta = inputs
-    ctx.save_for_backward(a, b, bias, c, output if activation == "relu" else None)
-    ctx.activation, ctx.beta = activation, beta
-
-
-def _act_grad(ctx, g, a, b, bias, c, out):
-    """dD -> d(pre-activation), fp32. relu's from the output's sign; gelu / silu at the
-    pre-activation, recomputed by the same kernel without the activation."""
-    act = ctx.activation
-    if act == "none":
-        return g.float()
-    if act == "relu":
-        return g.float() * (out > 0)
-    pre = gemm_op(a, b, bias, c, "none", torch.float32, ctx.beta).detach().requires_grad_()
-    with torch.enable_grad():
-        y = _gemm.torch_activation(pre, act)
-        (dpre,) = torch.autograd.grad(y, pre, g.float())
-    return dpre
-
-
-def _gemm_backward(ctx, g):
-    a, b, bias, c, out = ctx.saved_tensors
-    dpre = _act_grad(ctx, g, a, b, bias, c, out)
-    gp = dpre.to(a.dtype)
-    # dA = dD @ B^T, dB = A^T @ dD: the same kernel on transposed views (column-major operands)
-    need = ctx.needs_input_grad
-    da = gemm_op(gp, b.transpose(-1, -2), None, None, "none", a.dtype, 1.0) if need[0] else None
-    db = gemm_op(a.transpose(-1, -2), gp, None, None, "none", b.dtype, 1.0) if need[1] else None
-    dbias = None
-    if bias is not None and need[2]:
-        dbias = dpre.reshape(-1, dpre.shape[-1]).sum(0).to(bias.dtype)
-    dc = (dpre * ctx.beta).to(c.dtype) if c is not None and need[3] else None
-    return da, db, dbias, dc, None, None, None
-
-
-torch.library.register_autograd(f"{NS}::gemm", _gemm_backward, setup_context=_gemm_setup)
-
-
-def _autocast_operands(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
-    """a and b in the CUDA autocast dtype, as torch's autocast treats matmul (a float16 /
-    bfloat16 / float32 CUDA operand is cast; anything else is left for the op's own checks
-    to name). bias and c are not cast: the kernel reads any float dtype and adds in fp32,
-    so casting them would only lose bits; the output dtype follows the cast operands (the
-    autocast dtype), as torch's matmul's does."""
-    dt = torch.get_autocast_dtype("cuda")
-
-    def cast(t):
-        return t.to(dt) if t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, _F32) else t
-
-    return cast(a), cast(b)
-
-
-@torch.library.impl(f"{NS}::gemm", "AutocastCUDA")
-def _gemm_autocast(a, b, bias, c, activation, out_dtype, beta):
-    # Runs ahead of autograd when a torch.autocast("cuda") region is active: the casts are
-    # recorded by autograd (gradients reach float32 weights as float32), then the op runs
-    # on the cast operands with autocast off, as torch's own autocast kernels redispatch.
-    # Without it, float32 operands (AMP training keeps weights in float32) were refused.
-    # Not torch.library.register_autocast: it casts to one dtype fixed at registration,
-    # where the autocast dtype (bf16 or fp16) is the region's, read here at each call.
-    a, b = _autocast_operands(a, b)
-    with torch.autocast("cuda", enabled=False):
-        return gemm_op(a, b, bias, c, activation, out_dtype, beta)
-
-
 def gemm(a, b, *, bias=None, activation=None, out_dtype=None, c=None, beta: float = 1.0):
     """Differentiable D = act(a @ b + bias + beta * c) on the Hopper GEMM (the
     ``quack_kernels::gemm`` custom op with its registered autograd: dA and dB through the
     same kernel; works under ``torch.compile(fullgraph=True)``). a (M, K) / (L, M, K), b
     (K, N) / (L, K, N) float16 / bfloat16; activation None, "relu", "gelu_tanh" or "silu";
     out_dtype float16 / bfloat16 / float32 (default a's). Inside ``torch.autocast("cuda")``
-    a and b are cast to the autocast dtype first (``_autocast_operands``), on either path."""
+    a and b are cast to the autocast dtype first (``_gemm_ops.autocast_operands``), on either path."""
     if _direct(a, b, bias, c):
         if torch.is_autocast_enabled("cuda"):
             # the op's AutocastCUDA kernel is not on this path: nothing here needs a
             # gradient, so the cast records nothing either
-            a, b = _autocast_operands(a, b)
+            a, b = autocast_operands(a, b)
         return _gemm.gemm_fwd(a, b, bias, activation or "none", out_dtype, c, float(beta))
     return gemm_op(a, b, bias, c, activation or "none", out_dtype, float(beta))

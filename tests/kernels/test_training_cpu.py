@@ -300,25 +300,25 @@ def test_cpu_tensor_error_unchanged_through_the_ops():
 
 
 def test_only_default_device_contexts_leave_the_direct_eager_path_open():
-    """``ops._direct``'s view of function modes: none, or only default-device contexts
+    """``_dispatch.direct``'s view of function modes: none, or only default-device contexts
     (a ``torch.device`` block, ``torch.set_default_device``), leave the direct path open;
     any other function mode, alone or beside one, closes it (it must see the op)."""
-    from quack_kernels import ops
+    from quack_kernels._dispatch import modes_allow_direct
 
     class Passing(torch.overrides.TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    assert ops._modes_allow_direct()
+    assert modes_allow_direct()
     with torch.device("cpu"):
-        assert ops._modes_allow_direct()
+        assert modes_allow_direct()
         with Passing():
-            assert not ops._modes_allow_direct()
+            assert not modes_allow_direct()
     torch.set_default_device("cpu")
     try:
-        assert ops._modes_allow_direct()
+        assert modes_allow_direct()
     finally:
         torch.set_default_device(None)
     with Passing():
-        assert not ops._modes_allow_direct()
-    assert ops._modes_allow_direct()
+        assert not modes_allow_direct()
+    assert modes_allow_direct()
