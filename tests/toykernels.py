@@ -88,3 +88,32 @@ def toy_noffi(block: int = 128):
         k(x).launch(grid=(1, 1, 1), block=(block, 1, 1))
 
     return cute.compile(launch, make_fake_tensor(cutlass.Float32, (block,), stride=(1,)))
+
+
+@jit_cache("toy_local", params={"n": Int(min=1, max=4096)})
+def toy_local(n: int = 512):
+    """Each thread fills an array of ``n`` floats and reads back one element at an index
+    known only at run time: ptxas keeps a small array in registers (a select chain) and a
+    large one in local memory, a stack frame of at least 4 * n bytes (quack verify's
+    resources report)."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_tensor
+
+    @cute.kernel
+    def k(gx: cute.Tensor, gy: cute.Tensor, sel: cutlass.Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        buf = cute.make_rmem_tensor((n,), cutlass.Float32)
+        for i in cutlass.range_constexpr(n):
+            buf[i] = gx[tidx * n + i]
+        gy[tidx] = buf[(tidx + sel) % n]
+
+    @cute.jit
+    def launch(x: cute.Tensor, y: cute.Tensor, sel: cutlass.Int32, stream):
+        k(x, y, sel).launch(grid=(1, 1, 1), block=(32, 1, 1), stream=stream)
+
+    m = cute.sym_int()
+    x = make_fake_tensor(cutlass.Float32, (m,), stride=(1,), assumed_align=16)
+    y = make_fake_tensor(cutlass.Float32, (m,), stride=(1,), assumed_align=16)
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launch, x, y, 0, stream, options="--enable-tvm-ffi")

@@ -13,6 +13,7 @@ def print_report(con, res: dict) -> None:
         con.print(_problems_table("quack verify: problems", bad))
     if res["note"]:
         con.print(f"[yellow]{escape(res['note'])}[/]")
+    _local_memory(con, res["entries"])
     checks = (
         "present, checksum, arch"
         + (", loads in a fresh process" if res["loaded"] else "")
@@ -66,6 +67,30 @@ def print_bundle_report(con, res: dict) -> None:
         f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
         + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
         + f" in {res['seconds']:.1f}s"
+    )
+
+
+def _local_memory(con, entries: list[dict]) -> None:
+    """The configurations whose kernels keep per-thread data in local memory (a stack
+    frame: register spills or an array not kept in registers), largest frame first: each
+    such access goes to cached DRAM instead of a register."""
+    from rich.markup import escape
+
+    from quack_build.manifest.config import format_params
+
+    framed = [(max(k["frame_bytes"] for k in r["resources"]), r) for r in entries if r.get("resources")]
+    framed = sorted(((f, r) for f, r in framed if f > 0), key=lambda fr: -fr[0])
+    if not framed:
+        return
+    shown = "; ".join(
+        f"{r['kernel']}({format_params(r['params'])}) {r['arch']}: {f} B" for f, r in framed[:5]
+    )
+    more = f" (and {len(framed) - 5} more; --json lists them)" if len(framed) > 5 else ""
+    con.print(
+        f"[yellow]{len(framed)} configuration{'s use' if len(framed) > 1 else ' uses'} local memory (a per-thread "
+        f"stack frame: register spills or arrays not kept in registers; slower than registers): "
+        f"{escape(shown)}{more}[/]",
+        soft_wrap=True,
     )
 
 

@@ -68,9 +68,9 @@ def _cubin(payload: bytes) -> tuple[int, bool, int] | None:
     return sm, accel, flags
 
 
-def gpu_codes(data: bytes) -> list[GpuCode]:
-    """Every GPU code object in the fatbins embedded in ``data`` (a .o or .so)."""
-    out: list[GpuCode] = []
+def fatbin_entries(data: bytes):
+    """(kind, payload, SM of the entry header, entry-header flags) of every entry of the
+    fatbins embedded in ``data``."""
     pos = data.find(FATBIN_MAGIC)
     while pos >= 0:
         try:
@@ -83,23 +83,27 @@ def gpu_codes(data: bytes) -> list[GpuCode]:
             if ehs < 24 or p + ehs > end:
                 break
             (sm_hdr,) = struct.unpack_from("<I", data, p + 28) if ehs >= 32 else (0,)
-            payload = data[p + ehs : p + ehs + psz]
             (hflags,) = struct.unpack_from("<I", data, p + 40) if ehs >= 44 else (0,)
-            if kind == 2:
-                cb = _cubin(payload)
-                if cb is not None:
-                    sm, accel, flags = cb
-                    out.append(GpuCode("cubin", sm, f"sm_{sm}{_suffix(hflags, accel)}", flags))
-                else:  # compressed or unreadable cubin: the entry header still names the SM
-                    out.append(
-                        GpuCode(
-                            "cubin", sm_hdr, f"sm_{sm_hdr}{_suffix(hflags, False)}", None, compressed=True
-                        )
-                    )
-            elif kind == 1:
-                out.append(GpuCode("ptx", sm_hdr, f"compute_{sm_hdr}"))
+            yield kind, data[p + ehs : p + ehs + psz], sm_hdr, hflags
             p += ehs + psz
         pos = data.find(FATBIN_MAGIC, max(end, pos + 4))
+
+
+def gpu_codes(data: bytes) -> list[GpuCode]:
+    """Every GPU code object in the fatbins embedded in ``data`` (a .o or .so)."""
+    out: list[GpuCode] = []
+    for kind, payload, sm_hdr, hflags in fatbin_entries(data):
+        if kind == 2:
+            cb = _cubin(payload)
+            if cb is not None:
+                sm, accel, flags = cb
+                out.append(GpuCode("cubin", sm, f"sm_{sm}{_suffix(hflags, accel)}", flags))
+            else:  # compressed or unreadable cubin: the entry header still names the SM
+                out.append(
+                    GpuCode("cubin", sm_hdr, f"sm_{sm_hdr}{_suffix(hflags, False)}", None, compressed=True)
+                )
+        elif kind == 1:
+            out.append(GpuCode("ptx", sm_hdr, f"compute_{sm_hdr}"))
     return out
 
 

@@ -2,11 +2,14 @@
 current fingerprint, its checksum intact, built for the requested arch (read
 from the cubin embedded in the .o) and loadable in a fresh process that finds
 the entry function; with ``--run`` (GPU) each kernel's reference hook runs.
+Each entry also reports its kernels' registers and local-memory stack frame
+(``resources``): a frame is a report, not a problem.
 
 Read-only: a corrupt entry is reported, not quarantined."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -18,12 +21,13 @@ from quack.compile import builder
 from quack.errors import CacheError
 from quack_build.verify.cubin import arch_matches, gpu_codes
 from quack_build.verify.loaders import load_fresh, start_loaders
+from quack_build.verify.resources import resources
 
 
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
     """Presence, checksum and arch of one configuration, without touching the cache."""
     ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
-    info: dict = {"obj": str(store.paths(ref)["obj"]), "so": None, "gpu_code": []}
+    info: dict = {"obj": str(store.paths(ref)["obj"]), "so": None, "gpu_code": [], "resources": []}
     try:
         found = store.inspect(ref)
     except CacheError as e:  # a planted link or file on the entry's path: name it
@@ -50,6 +54,7 @@ def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
     data = fsutil.read_nofollow(found.obj)
     codes = gpu_codes(data)
     info["gpu_code"] = [c.arch for c in codes]
+    info["resources"] = [dataclasses.asdict(k) for k in resources(data)]
     problems = []
     if not codes:
         problems.append("no embedded GPU code found in the object")
@@ -97,6 +102,8 @@ def _verify(configs, store, load, run, console, jobs, started, t0) -> dict:
                 "key": c.key,
                 "problems": problems,
                 "gpu_code": info["gpu_code"],
+                # per function: registers a thread and its local-memory stack frame (bytes)
+                "resources": info["resources"],
                 "_cfg": c,
                 "_info": info,
             }
