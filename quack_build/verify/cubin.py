@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+from collections.abc import Iterator
 
 FATBIN_MAGIC = b"\x50\xed\x55\xba"
 EM_CUDA = 190
@@ -68,7 +69,7 @@ def _cubin(payload: bytes) -> tuple[int, bool, int] | None:
     return sm, accel, flags
 
 
-def fatbin_entries(data: bytes):
+def fatbin_entries(data: bytes) -> Iterator[tuple[int, bytes, int, int]]:
     """(kind, payload, SM of the entry header, entry-header flags) of every entry of the
     fatbins embedded in ``data``."""
     pos = data.find(FATBIN_MAGIC)

@@ -25,7 +25,8 @@ from quack_build.verify.resources import resources
 
 
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
-    """Presence, checksum and arch of one configuration, without touching the cache."""
+    """Presence, checksum and arch of one configuration, and its kernels' registers and
+    stack frames (``resources``), without touching the cache."""
     ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
     info: dict = {"obj": str(store.paths(ref)["obj"]), "so": None, "gpu_code": [], "resources": []}
     try:
