@@ -50,9 +50,10 @@ def _cubin(funcs: dict[str, tuple[int, int]]) -> bytes:
     struct.pack_into("<Q", hdr, 0x28, shoff)
     struct.pack_into("<HHH", hdr, 0x3A, 64, 5, 1)
     sh = bytes(64)
-    kinds = [(1, 3, 0), (11, 3, 0), (19, 2, 2), (27, 0x70000000, 0)]  # name, type, link
-    for (name, typ, link), (off, size) in zip(kinds, places):
-        sh += struct.pack("<IIQQQQIIQQ", name, typ, 0, 0, off, size, link, 0, 1, 0)
+    # name, type, link, entry size: .shstrtab, .strtab, .symtab (Elf64_Sym: 24 bytes), .nv.info
+    kinds = [(1, 3, 0, 0), (11, 3, 0, 0), (19, 2, 2, 24), (27, 0x70000000, 0, 0)]
+    for (name, typ, link, entsize), (off, size) in zip(kinds, places):
+        sh += struct.pack("<IIQQQQIIQQ", name, typ, 0, 0, off, size, link, 0, 1, entsize)
     return bytes(hdr) + data + sh
 
 
