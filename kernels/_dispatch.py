@@ -1,9 +1,12 @@
-"""When an eager call may skip the ``torch.library`` dispatcher (``direct``): the test the
-torch-facing ops (``ops``, ``_gemm_ops``) make before running a family's torch wrapper
-themselves. Imports torch: import it from the torch-facing modules only."""
+"""What the torch-facing modules (``ops``, ``_gemm_ops``) share: the custom ops' namespace
+``NS``, and when an eager call may skip the ``torch.library`` dispatcher (``direct``): the
+test ``ops``' functions make before running a family's torch wrapper themselves. Imports
+torch: import it from the torch-facing modules only."""
 
 import torch
 from torch import Tensor
+
+NS = "quack_kernels"  # the custom ops' namespace: torch.ops.quack_kernels.*
 
 _PLAIN = (Tensor, torch.nn.Parameter)
 

@@ -10,11 +10,8 @@ import torch
 from torch import Tensor
 
 from . import gemm as _gemm
+from ._dispatch import NS
 from ._gemm_args import check_dtypes as check_gemm_dtypes
-
-NS = "quack_kernels"
-_F32 = torch.float32
-
 
 # --------------------------------------------------------------------------- GEMM
 
@@ -100,7 +97,7 @@ def autocast_operands(a: Tensor, b: Tensor) -> tuple[Tensor, Tensor]:
     dt = torch.get_autocast_dtype("cuda")
 
     def cast(t):
-        return t.to(dt) if t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, _F32) else t
+        return t.to(dt) if t.is_cuda and t.dtype in (torch.float16, torch.bfloat16, torch.float32) else t
 
     return cast(a), cast(b)
 

@@ -31,10 +31,10 @@ from . import gemm as _gemm
 from . import layernorm as _ln
 from . import rmsnorm as _rms
 from . import softmax as _sm
+from ._dispatch import NS
 from ._dispatch import direct as _direct
 from ._gemm_ops import autocast_operands, gemm_op
 
-NS = "quack_kernels"
 _F32 = torch.float32
 
 
