@@ -37,17 +37,24 @@ MEANING: dict[str, tuple[str, str | None]] = {
         None,
     ),
     "arch": ("the target arch the runtime looks up and compiles for", None),
-    "compile_jobs": ("compile workers of the runtime's pool", "CPU count (at most 16)"),
+    "compile_jobs": (
+        "compile workers of the runtime's pool (and of `quack build` when `jobs` is unset)",
+        "CPU count (at most 16)",
+    ),
     "compile_timeout": ("seconds one compile may take before its worker is killed", None),
     "pool_start": ("how compile workers start", None),
-    "no_preload": ("skip the compile server's warm imports (cutlass, one warm-up compile)", None),
+    "no_preload": (
+        "skip the compile server's warm imports (cutlass, one warm-up compile, the `[build] preload` "
+        "modules: each worker then imports those on its first key)",
+        None,
+    ),
     "log": ("level of the `quack` logger", "silent (no handler, no level)"),
     "pytest_gpu_pin": (
         "pin pytest-xdist workers to GPUs round-robin",
         "`auto` (pin when the project has a quack.toml)",
     ),
     "manifests": ("the manifests `quack build` / `verify` / `bundle` read without arguments", None),
-    "jobs": ("`quack build` workers (`-j`)", "CPU count"),
+    "jobs": ("`quack build` / `prewarm` workers (`-j`)", "`compile_jobs` when set, else CPU count"),
     "archs": ("archs `quack build` targets (`--arch` overrides)", "`arch`'s value"),
     "kernel_packages": (
         "packages whose `@jit_cache` kernels are registered",

@@ -39,7 +39,7 @@ def build(
         "--jobs",
         "-j",
         min=1,
-        help="Compile workers, at least 1 (default: [build] jobs, else CPU count).",
+        help="Compile workers, at least 1 (default: [build] jobs, else [runtime] compile_jobs, else CPU count).",
     ),
     arch: List[str] = typer.Option(
         None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."

@@ -16,7 +16,7 @@ def max_configs_option():
         10_000,
         "--max-configs",
         min=1,
-        help="Limit on the configurations after expansion, over all manifests given.",
+        help="Limit on the tables' cross products (before exclude, plus include entries), summed over all manifests given.",
     )
 
 

@@ -26,7 +26,7 @@ def prewarm(
         "--jobs",
         "-j",
         min=1,
-        help="Compile workers, at least 1 (default: [build] jobs, else CPU count).",
+        help="Compile workers, at least 1 (default: [build] jobs, else [runtime] compile_jobs, else CPU count).",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List, don't compile."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),

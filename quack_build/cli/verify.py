@@ -34,7 +34,7 @@ def verify(
         "--jobs",
         "-j",
         min=1,
-        help=f"Fresh loader processes at once, at least 1 (default: [build] jobs, else CPU count, "
+        help=f"Fresh loader processes at once, at least 1 (default: [build] jobs, else [runtime] compile_jobs, else CPU count, "
         f"at most {MAX_DEFAULT_JOBS}; with --run {RUN_DEFAULT_JOBS}: the loaders share one GPU).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
