@@ -78,8 +78,11 @@ def test_cache_pull_finds_the_manifests_quack_toml(tmp_path):
     m = _project(proj)
     shared = tmp_path / "shared"
     shared.mkdir()
+    from quack import signing
+
+    _key, pub = signing.write_keypair("reader", proj)  # a pull without trusted keys is refused
     with open(proj / "quack.toml", "a") as f:
-        f.write(f'[remote]\nurl = "file://{shared}"\n')
+        f.write(f'[remote]\nurl = "file://{shared}"\ntrusted_keys = ["{pub.name}"]\n')
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     e = env(QUACK_CACHE_DIR=elsewhere / "cache")

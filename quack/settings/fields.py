@@ -6,6 +6,7 @@ nothing: quack.settings.sources reads the environment and quack.toml through it.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, Callable
 
@@ -41,20 +42,28 @@ def parse_bool(text: str | bool) -> bool:
 
 
 def _pos_int(text: str | int) -> int:
+    want = "expected an integer >= 0 (0 means one per CPU)"
     if isinstance(text, (bool, float)):  # 2.5 must not silently become 2
-        raise ValueError("expected an integer >= 0 (0 means one per CPU)")
-    v = int(text)
+        raise ValueError(want)
+    try:
+        v = int(text)
+    except ValueError:  # int()'s own "invalid literal for int() with base 10" said not what is allowed
+        raise ValueError(want) from None
     if v < 0:
-        raise ValueError("expected an integer >= 0 (0 means one per CPU)")
+        raise ValueError(want)
     return v
 
 
 def _pos_float(text: str | float) -> float:
+    want = "expected a number of seconds > 0"
     if isinstance(text, bool):
-        raise ValueError("expected a number of seconds > 0")
-    v = float(text)
-    if not v > 0:
-        raise ValueError("expected a number of seconds > 0")
+        raise ValueError(want)
+    try:
+        v = float(text)
+    except ValueError:  # float()'s "could not convert string to float" said not what is allowed
+        raise ValueError(want) from None
+    if not 0 < v < math.inf:  # nan fails every comparison; inf overflows a timed wait
+        raise ValueError(want.replace("a number", "a finite number"))
     return v
 
 
@@ -91,7 +100,10 @@ def _auto_bool(text: str | bool) -> bool | None:
     """true/false, or 'auto' (None: decide from the situation)."""
     if isinstance(text, str) and text.strip().lower() == "auto":
         return None
-    return parse_bool(text)
+    try:
+        return parse_bool(text)
+    except ValueError:  # parse_bool's own list left 'auto' out
+        raise ValueError("expected 'auto' or one of 1/0, true/false, yes/no, on/off") from None
 
 
 REMOTE_FORMS = "redis://host:port/db, s3://bucket/prefix or file:///shared/path"
@@ -181,9 +193,13 @@ def _show_url(value: Any) -> str:
 
 
 def _remote_timeout(text: str | float) -> float:
-    v = _pos_float(text)
+    want = "expected seconds > 0 and <= 5 (a slow remote must not stall a build)"
+    try:
+        v = _pos_float(text)
+    except ValueError:
+        raise ValueError(want) from None
     if v > 5:
-        raise ValueError("expected seconds > 0 and <= 5 (a slow remote must not stall a build)")
+        raise ValueError(want)
     return v
 
 
@@ -206,7 +222,12 @@ def check_executor(text: str) -> str:
     if not isinstance(text, str):
         raise ValueError(f"expected {EXECUTOR_FORMS}")
     t = text.strip()
-    if t in ("local", "ray", "auto") or re.fullmatch(_ADDR, t):
+    if t in ("local", "ray", "auto"):
+        return t
+    if re.fullmatch(_ADDR, t):
+        port = int(t.rpartition(":")[2])
+        if not 1 <= port <= 65535:  # as QUACK_REMOTE's port: 0 or 99999 is no address
+            raise ValueError(f"port {port} is not 1-65535; expected {EXECUTOR_FORMS}")
         return t
     raise ValueError(f"expected {EXECUTOR_FORMS}")
 

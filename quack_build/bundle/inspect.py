@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import stat
 import zipfile
 import zlib
 from pathlib import Path
@@ -68,9 +69,41 @@ def _cap(name: str, pkg: str | None) -> int:
     return max(_index.MAX_FILE_BYTES, _index.MAX_INDEX_BYTES)
 
 
-def _members(path: Path, problems: list[str]) -> dict[str, zipfile.ZipInfo]:
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def _open_regular(path: Path):
+    """``path`` opened for reading if it is a regular file, else BundleError saying what it
+    is. Opened non-blocking and checked on the descriptor: zipfile on a FIFO waited forever
+    for a writer, and on /dev/zero read (and kept) data until memory ran out."""
     try:
-        with zipfile.ZipFile(path) as zf:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise BundleError(f"{path}: cannot open it ({e.strerror or e})", path=str(path)) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
+        raise BundleError(f"{path}: is {kind}, not a wheel file: give a .whl file", path=str(path))
+    if hasattr(os, "set_blocking"):
+        os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _same_file(f, other) -> bool:
+    a, b = os.fstat(f.fileno()), os.fstat(other.fileno())
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def _members(path: Path, problems: list[str], f) -> dict[str, zipfile.ZipInfo]:
+    try:
+        with zipfile.ZipFile(f) as zf:
             infos = zf.infolist()
     except (OSError, zipfile.BadZipFile, ValueError) as e:
         raise BundleError(f"{path}: not a readable wheel ({e})", path=str(path)) from None
@@ -174,15 +207,21 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
 
     WheelFile, WheelError = wheelfile_api()
     problems: list[str] = []
-    infos = _members(path, problems)
-    refused = _check_members(infos, problems)
-    record = [n for n in refused if n.endswith(".dist-info/RECORD")]
-    if record:
-        raise BundleError(f"{path}: {record[0]} refused, nothing can be checked: " + "; ".join(problems))
-    try:
-        wf = WheelFile(path, "r")
-    except (OSError, WheelError, ValueError, zipfile.BadZipFile) as e:
-        raise BundleError(f"{path}: not a readable wheel ({e})", path=str(path)) from None
+    with _open_regular(path) as f:
+        infos = _members(path, problems, f)
+        refused = _check_members(infos, problems)
+        record = [n for n in refused if n.endswith(".dist-info/RECORD")]
+        if record:
+            raise BundleError(f"{path}: {record[0]} refused, nothing can be checked: " + "; ".join(problems))
+        try:
+            wf = WheelFile(path, "r")  # by name: it parses the wheel's file name
+        except (OSError, WheelError, ValueError, zipfile.BadZipFile) as e:
+            raise BundleError(f"{path}: not a readable wheel ({e})", path=str(path)) from None
+        if not _same_file(f, wf.fp):  # replaced since it was checked: what was read is not this
+            wf.close()
+            raise BundleError(
+                f"{path}: replaced while it was being read; run the command again", path=str(path)
+            )
     with wf:
         rd = _Reader(wf, infos, problems, refused)
         pkg, ep_name = _entry_point(rd, path)

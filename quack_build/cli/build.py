@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import typer
 
+from quack_build.cli import argcheck
 from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, manifest_paths, remote_tier, run_command
@@ -19,17 +20,6 @@ from quack_build.cli.run import expand_manifests, local_store, manifest_paths, r
 
 def register(app: typer.Typer) -> None:
     app.command()(build)
-
-
-def _check_executor(value: Optional[str]) -> Optional[str]:
-    if value is None:
-        return None
-    from quack.settings import check_executor
-
-    try:
-        return check_executor(value)
-    except ValueError as e:
-        raise typer.BadParameter(str(e)) from None
 
 
 def build(
@@ -42,7 +32,10 @@ def build(
         help="Compile workers, at least 1 (default: [build] jobs, else [runtime] compile_jobs, else CPU count).",
     ),
     arch: List[str] = typer.Option(
-        None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."
+        None,
+        "--arch",
+        callback=argcheck.arch_option,
+        help="Build for this arch instead of the manifests' (repeatable).",
     ),
     dry_run: bool = typer.Option(
         False, "--dry-run", "-n", help="List what would compile and what is cached."
@@ -63,7 +56,7 @@ def build(
     executor: Optional[str] = typer.Option(
         None,
         "--executor",
-        callback=_check_executor,
+        callback=argcheck.executor_option,
         help="Where to compile: local (default: this host's worker pool), ray (a Ray instance started "
         "for the build), auto (the running Ray cluster, or RAY_ADDRESS), ray://HOST:PORT or "
         "HOST:PORT (a Ray cluster). Default: [build] executor / QUACK_BUILD_EXECUTOR.",
@@ -101,8 +94,18 @@ def run_build(
     max_configs,
     verbose,
     executor=None,
+    outcome="nothing was built",
 ) -> int:
     t0 = time.time()
+    if trace is not None:
+        # Checked before anything is built: a bad path used to end a whole build in a traceback.
+        if dry_run:
+            raise Fail(
+                "error: --trace records a build and --dry-run builds nothing: give one of them", code=2
+            )
+        why = argcheck.output_file_problem(trace, "trace.json")
+        if why:
+            raise Fail(f"error: --trace {trace}: {why}", code=2)
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
     con = console(to_stderr=as_json)
@@ -122,7 +125,7 @@ def run_build(
             as_json=as_json,
             verbose=verbose,
         )
-    exp = expand_manifests(s, manifests, arch, max_configs)
+    exp = expand_manifests(s, manifests, arch, max_configs, outcome)
     for w in exp.warnings:
         con.print(f"warning: {w}", markup=False)
     if verbose:
@@ -185,14 +188,20 @@ def build_configs(
         if remote is not None:
             remote.record(Path(s.cache_dir))
             remote.close()
+    trace_error = ""
     if trace:
-        tracing.write_trace(trace, res, res.t0)
-        res.trace_path = str(trace)
+        try:
+            tracing.write_trace(trace, res, res.t0)
+            res.trace_path = str(trace)
+        except OSError as e:  # checked before the build, yet removed or filled since
+            trace_error = f"error: --trace {trace}: cannot write the trace ({e.strerror or e}); the build itself is done"
     display.print_summary(con, res)
-    if trace:
+    if res.trace_path:
         con.print(f"trace: {trace} (open in ui.perfetto.dev)", markup=False)
+    if trace_error:
+        typer.echo(trace_error, err=True)
     if as_json:
         emit_json(res.to_json())
     if res.interrupted:
         return 130  # 143 after SIGTERM: quack_build.cli.main.main maps it (quack_build.build.interrupts)
-    return 0 if res.ok else 1
+    return 0 if res.ok and not trace_error else 1

@@ -12,6 +12,7 @@ from typing import List, Optional
 
 import typer
 
+from quack_build.cli import argcheck
 from quack_build.cli.build import run_build
 from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
@@ -27,7 +28,10 @@ def register(app: typer.Typer) -> None:
         name: str = typer.Option(..., "--name", help="Bundle (distribution) name, e.g. myapp-kernels."),
         version: str = typer.Option("0.1.0", "--version", help="Bundle version (PEP 440)."),
         arch: List[str] = typer.Option(
-            None, "--arch", help="Build for this arch instead of the manifests' (repeatable)."
+            None,
+            "--arch",
+            callback=argcheck.arch_option,
+            help="Build for this arch instead of the manifests' (repeatable).",
         ),
         out: Path = typer.Option(Path("dist"), "--out", "-o", help="Directory for the wheel."),
         sign: bool = typer.Option(False, "--sign", help="Sign the index (Ed25519) with the signing key."),
@@ -92,6 +96,10 @@ def _bundle(
     except ValueError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from None
+    # Before the build: a file in the way of --out was found only once everything was built.
+    why = argcheck.out_dir_problem(out)
+    if why:
+        raise Fail(f"error: --out {out}: {why}", code=2)
     key = None
     if sign or signing_key:
         from quack import signing
@@ -117,13 +125,16 @@ def _bundle(
 
     # With --json, stdout carries only the bundle's result: the build step reports on stderr.
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
-        rc = run_build(manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False)
+        rc = run_build(
+            manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False,
+            outcome="no bundle written",
+        )  # fmt: skip
     if rc:
         raise Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
     build_s = time.time() - t0
     s = cli_settings(cache_dir, jobs, manifests=manifests)
     load_kernels(s)
-    exp = expand_manifests(s, manifests, arch, max_configs)
+    exp = expand_manifests(s, manifests, arch, max_configs, "no bundle written")
     from quack.errors import BundleError
 
     files, problems = bw.collect(exp.configs, local_store(s))

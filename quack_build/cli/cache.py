@@ -9,6 +9,7 @@ from typing import List, Optional
 
 import typer
 
+from quack_build.cli import argcheck
 from quack_build.cli import context as _common
 from quack_build.cli.context import Fail, cli_settings, console, current_srcfps, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
@@ -31,13 +32,43 @@ def cache_stats(
     run_command(lambda: _common.stats(as_json, cache_dir, top))
 
 
+def _size_option(value: Optional[str]) -> Optional[str]:
+    """``--max-size``, checked as it is parsed: the error names the option ("'5X' is not
+    a size" alone did not say which of the flags was wrong)."""
+    from quack_build.cachedir import units
+
+    if value is not None:
+        try:
+            units.parse_size(value)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    return value
+
+
+def _age_option(value: Optional[str]) -> Optional[str]:
+    from quack_build.cachedir import units
+
+    if value is not None:
+        try:
+            units.parse_age(value)
+        except ValueError as e:
+            raise typer.BadParameter(str(e)) from None
+    return value
+
+
 def cache_clean(
     remove_all: bool = typer.Option(False, "--all", help="Remove every entry (entries in use are skipped)."),
     max_size: Optional[str] = typer.Option(
-        None, "--max-size", help="Shrink to this size, least recently used first (e.g. 5G)."
+        None,
+        "--max-size",
+        callback=_size_option,
+        help="Shrink to this size, least recently used first (e.g. 5G).",
     ),
     older_than: Optional[str] = typer.Option(
-        None, "--older-than", help="Remove entries unused for this long (e.g. 30d, 12h)."
+        None,
+        "--older-than",
+        callback=_age_option,
+        help="Remove entries unused for this long (e.g. 30d, 12h).",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="Show what would be removed."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
@@ -52,12 +83,9 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
     from quack_build.cachedir import clean as cacheclean
     from quack_build.cachedir import units
 
-    try:
-        ms = units.parse_size(max_size) if max_size is not None else None
-        age = units.parse_age(older_than) if older_than is not None else None
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    # Both were checked as the options were parsed (_size_option, _age_option).
+    ms = units.parse_size(max_size) if max_size is not None else None
+    age = units.parse_age(older_than) if older_than is not None else None
     s = cli_settings(cache_dir)
     _common.check_root(s.cache_dir)
     load_kernels(s, required=False)
@@ -118,7 +146,10 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
 def cache_pull(
     manifests: List[Path] = manifests_argument(),
     arch: List[str] = typer.Option(
-        None, "--arch", help="For this arch instead of the manifests' (repeatable)."
+        None,
+        "--arch",
+        callback=argcheck.arch_option,
+        help="For this arch instead of the manifests' (repeatable).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = cache_dir_option(),
@@ -131,7 +162,10 @@ def cache_pull(
 def cache_push(
     manifests: List[Path] = manifests_argument(),
     arch: List[str] = typer.Option(
-        None, "--arch", help="For this arch instead of the manifests' (repeatable)."
+        None,
+        "--arch",
+        callback=argcheck.arch_option,
+        help="For this arch instead of the manifests' (repeatable).",
     ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = cache_dir_option(),
@@ -160,8 +194,22 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
             "QUACK_SIGNING_KEY=PATH.key ([remote] write = true, signing_key = ...); "
             "create a key with `quack keygen NAME`"
         )
+    if what == "pull":
+        # Without a trusted key every object would be refused unread (the tier does not even
+        # ask the remote): "0 pulled, N not available" and exit 0 hid that nothing was tried.
+        from quack import signing
+
+        try:
+            n_trusted = len(signing.trusted_keys_from_settings(s))
+        except KeyFileError as e:
+            raise Fail(f"error: remote cache: {e}") from None
+        if not n_trusted:
+            raise Fail(
+                "error: pull needs trusted keys: set QUACK_TRUSTED_KEYS=PATH.pub "
+                "([remote] trusted_keys = [...] in quack.toml) to the public keys of the writers"
+            )
     load_kernels(s)
-    exp = expand_manifests(s, manifests, arch, max_configs)
+    exp = expand_manifests(s, manifests, arch, max_configs, f"nothing was {what}ed")
     con = console(to_stderr=as_json)
     try:
         remote = remote_tier(s, strict=True)

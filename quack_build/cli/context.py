@@ -31,12 +31,12 @@ class Fail(Exception):
         self.code = code
 
 
-def manifest_fail(e) -> Fail:
-    """The CLI's error for a ManifestError: every problem, then the count."""
+def manifest_fail(e, outcome: str = "nothing was built") -> Fail:
+    """The CLI's error for a ManifestError: every problem, then the count and what the
+    command did not do (``outcome``: "nothing was verified", "no bundle written", ...;
+    "nothing was built" from ``quack verify`` misled)."""
     n = len(e.problems)
-    return Fail(
-        "\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; nothing was built"
-    )
+    return Fail("\n".join(e.problems) + f"\n{n} problem{'s' if n != 1 else ''} in the manifests; {outcome}")
 
 
 def cli_settings(

@@ -27,6 +27,11 @@ def _keygen(name: str, out_dir: Path) -> int:
         signing.check_name(name)
     except ValueError as e:
         raise Fail(f"error: {e}", code=2) from None
+    from quack_build.cli.argcheck import out_dir_problem
+
+    why = out_dir_problem(out_dir)  # a file there gave a bare "[Errno 17] File exists"
+    if why:
+        raise Fail(f"error: --out-dir {out_dir}: {why}", code=2)
     try:
         key_path, pub_path = signing.write_keypair(name, out_dir)
     except FileExistsError as e:

@@ -25,7 +25,7 @@ def manifest_paths(s, given: List[Path]) -> list:
     return paths
 
 
-def expand_manifests(s, manifests, arch, max_configs):
+def expand_manifests(s, manifests, arch, max_configs, outcome: str = "nothing was built"):
     from quack.errors import ManifestError
     from quack_build.manifest.read import expand
 
@@ -37,7 +37,7 @@ def expand_manifests(s, manifests, arch, max_configs):
             max_configs=max_configs,
         )
     except ManifestError as e:
-        raise _common.manifest_fail(e) from None
+        raise _common.manifest_fail(e, outcome) from None
 
 
 def local_store(s):

@@ -20,6 +20,7 @@ from typing import Any, List, NamedTuple, Optional
 
 import typer
 
+from quack_build.cli import argcheck
 from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, run_command
@@ -41,7 +42,7 @@ def parse_budget(text: Optional[str]) -> tuple[Optional[float], Optional[int]]:
                 return None, n
         else:
             v = float(t[:-1] if t.endswith("s") else t)
-            if v > 0:
+            if 0 < v < float("inf"):  # "inf" seconds is no budget, "nan" fails every test
                 return v, None
     except ValueError:
         pass
@@ -86,7 +87,12 @@ def tune(
     budget: Optional[str] = typer.Option(
         None, "--budget", help="A problem's budget: seconds ('90s') or candidates ('12c')."
     ),
-    table: Optional[Path] = typer.Option(None, "--table", help="Write the winners here instead."),
+    table: Optional[Path] = typer.Option(
+        None,
+        "--table",
+        help="Write the winners here instead (checked, and an existing table read, before anything "
+        "is measured; --compile-only does not use it).",
+    ),
     from_empty: bool = typer.Option(
         False, "--from-empty", help="Ignore the table's rows: write a table of this run's winners only."
     ),
@@ -96,6 +102,7 @@ def tune(
         "--min-gain",
         min=0.0,
         max=0.5,
+        callback=argcheck.finite_option,
         help="Today's winner stays unless a candidate beats it by this fraction and by more than "
         "the spread of their measurements.",
     ),
@@ -107,7 +114,12 @@ def tune(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
     jobs: Optional[int] = typer.Option(None, "--jobs", "-j", min=1, help="Compile workers."),
-    executor: Optional[str] = typer.Option(None, "--executor", help="local, ray, auto, ray://HOST:PORT."),
+    executor: Optional[str] = typer.Option(
+        None,
+        "--executor",
+        callback=argcheck.executor_option,
+        help="local, ray, auto, ray://HOST:PORT or HOST:PORT (as quack build's --executor).",
+    ),
     cache_dir: Optional[Path] = cache_dir_option(),
     max_configs: int = max_configs_option(),
 ):
@@ -126,7 +138,7 @@ def problems(s, manifests, kernel, max_configs, from_empty=False, rows=None) -> 
     lists, and none listed is an error naming the entry. The current default is derived
     for the problem's sizes and is a candidate too (its time is the speed-up's base), except
     from an empty table: then the search space alone must find the winners."""
-    exp = expand_manifests(s, manifests, [], max_configs)
+    exp = expand_manifests(s, manifests, [], max_configs, "nothing was tuned")
     out = []
     seen = set()
     for c in exp.configs:
@@ -155,8 +167,22 @@ def problems(s, manifests, kernel, max_configs, from_empty=False, rows=None) -> 
             cands = list(dict.fromkeys(space if from_empty else [current, *space]))
             out.append(Problem(c, spec, base, cands, current, sizes))
     if kernel is not None and not out:
-        raise Fail(f"error: --kernel {kernel}: no configuration of it with a search space in the manifests")
+        raise Fail(f"error: --kernel {kernel}: {_no_kernel(kernel)}")
     return out
+
+
+def _no_kernel(kernel: str) -> str:
+    """Why ``--kernel`` found nothing to tune: an unknown name, a kernel without a search
+    space, or one the manifests do not list (one message for all three misled)."""
+    from quack import registry
+
+    specs = registry.all_specs()
+    tunable = ", ".join(sorted(n for n, sp in specs.items() if sp.search_space is not None)) or "none"
+    if kernel not in specs:
+        return f"no kernel of that name is registered; the kernels with a search space: {tunable}"
+    if specs[kernel].search_space is None:
+        return f"declares no search space, so there is nothing to tune; the kernels with one: {tunable}"
+    return "not in the manifests given: add a [[kernel]] entry for it (docs/tuning.md)"
 
 
 def row_class(p: Problem) -> str | None:
@@ -195,6 +221,10 @@ def run_tune(
     s = cli_settings(cache_dir, jobs, executor, manifests)
     load_kernels(s)
     con = console(to_stderr=as_json)
+    from quack_build.cli import tune_measure as tunerun
+
+    if table is not None and not compile_only:  # before the manifests are expanded or built
+        tunerun.check_tables([table], given=True, from_empty=from_empty)
     probs = problems(s, manifests, kernel, max_configs, from_empty, rows)
     if dry_run:
         out = []
@@ -221,15 +251,20 @@ def run_tune(
 
     if not torch.cuda.is_available():
         raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
-    from quack_build.cli import tune_measure as tunerun
-
+    paths = [table] if table else sorted({_table_path(p) for p in probs if row_class(p) is not None})
+    loaded = tunerun.check_tables(paths, given=table is not None, from_empty=from_empty)
     gpu, results, tables = tunerun.measure_and_write(
-        s, con, probs, seconds, count, table, from_empty, _label, min_gain=min_gain
+        s, con, probs, seconds, count, table, from_empty, _label, min_gain=min_gain, loaded=loaded
     )
     _print_table(con, results)
     if as_json:
         emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))
-    return 0 if all(r["new"] for r in results) else 1
+    return 0 if all(r["new"] and not r.get("table_error") for r in results) else 1
+
+
+def _table_path(p: Problem) -> Path:
+    """The kernel's own tuning table for the problem's arch (where no --table writes)."""
+    return Path(p.spec.params["config"].derive.table_path(p.config.arch))
 
 
 def candidate_configs(probs, count) -> list:

@@ -4,13 +4,60 @@
 from __future__ import annotations
 
 import datetime
+import os
+import tempfile
 from pathlib import Path
 
+import typer
+
+from quack_build.cli.argcheck import output_file_problem
 from quack_build.cli.context import Fail
 
 
+def check_tables(paths, *, given: bool, from_empty: bool) -> dict:
+    """Each tuning table a run will write, checked before anything is compiled or measured
+    (a bad ``--table`` used to end the run in a traceback after all the GPU measuring):
+    writable where it is, and an existing one loaded (its rows are kept) unless
+    ``from_empty``. Returns {path: the loaded Table, or None}; a problem is a Fail naming
+    the option (``given``: the paths are ``--table``'s) or the kernels' table."""
+    from quack.errors import TomlFileError, TuningTableError
+    from quack.tuning import Table
+
+    what = "--table" if given else "tuning table"
+    out: dict = {}
+    for path in map(Path, paths):
+        why = output_file_problem(path, "tuned.toml")
+        if why:
+            raise Fail(f"error: {what} {path}: {why}", code=2 if given else 1)
+        if path.exists() and not from_empty:
+            try:
+                out[path] = Table.load(path)
+            except (TomlFileError, TuningTableError) as e:
+                raise Fail(
+                    f"error: {what} {path}: cannot read it: {e}. Fix the file, or give --from-empty "
+                    "to replace it with this run's winners"
+                ) from None
+        else:
+            out[path] = None
+    return out
+
+
+def _write_elsewhere(t, dest: Path) -> str:
+    """Where the winners went when ``dest`` could not be written: a copy of the table in the
+    working directory, else the temporary directory ('' when neither takes it)."""
+    for d in (Path.cwd(), Path(tempfile.gettempdir())):
+        try:
+            fd, tmp = tempfile.mkstemp(dir=d, prefix=f"quack-tune-{dest.stem}-", suffix=".toml")
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(t.dumps())
+            return tmp
+        except OSError:
+            continue
+    return ""
+
+
 def measure_and_write(
-    s, con, probs, seconds, count, table, from_empty, label, *, measurer=None, min_gain=0.005
+    s, con, probs, seconds, count, table, from_empty, label, *, measurer=None, min_gain=0.005, loaded=None
 ):
     """Measure each problem, write the winners' tables (a line each on ``con``) and return
     ``(gpu, results, table paths)``; the caller (quack_build.cli.tune) renders them.
@@ -24,7 +71,11 @@ def measure_and_write(
     stays (``held``) when the fastest beats it by less than ``min_gain`` or than the spread
     of their re-measured rounds (``autotune``'s ``hold``): a re-tune on the same GPU does
     not rewrite rows on noise (two runs a call apart picked different winners for the two
-    5 ms GEMM shapes, each 2-4 % off the other in the next call)."""
+    5 ms GEMM shapes, each 2-4 % off the other in the next call).
+
+    ``loaded``: the tables ``check_tables`` read before the run, by path. A table that
+    cannot be written at the end loses nothing: it is written to another file, named in an
+    ``error:`` line on stderr and in its problems' ``table_error``; the caller exits 1."""
     import torch
 
     from quack.compile import pool as qpool
@@ -115,7 +166,10 @@ def measure_and_write(
             if new is not None and cls is not None:
                 path = Path(table) if table else Path(derive.table_path(c.arch))
                 if path not in tables:
-                    base_t = Table.load(path) if path.is_file() and not from_empty else None
+                    if loaded is not None and path in loaded:
+                        base_t = loaded[path]
+                    else:
+                        base_t = Table.load(path) if path.is_file() and not from_empty else None
                     tables[path] = base_t or Table(c.arch, current_gpu(gpu) or gpu, path=str(path))
                 row = Row(
                     c.kernel,
@@ -139,6 +193,7 @@ def measure_and_write(
                     )
                 written[(path, row.ident())] = p.shape()
                 entry["written"] = True
+                entry["table"] = str(path)
             results.append(entry)
             if measurer.broken:  # no measuring process starts: the other problems would fail alike
                 stop = measurer.broken
@@ -150,12 +205,30 @@ def measure_and_write(
         measurer.close()
     finally:
         pool.shutdown()
+    out = []
     for path, t in tables.items():
-        t.write(path)
+        try:
+            t.write(path)
+        except OSError as e:  # checked before the run, yet removed or filled since
+            other = _write_elsewhere(t, path)
+            what = f"--table {path}" if table else f"tuning table {path}"
+            msg = f"error: {what}: cannot write it ({e.strerror or e}); " + (
+                f"this run's winners were written to {other} instead: move it there"
+                if other
+                else "this run's winners are only in the results printed here"
+            )
+            typer.echo(msg, err=True)
+            for r in results:
+                if r.get("table") == str(path):
+                    r["table"], r["table_error"] = other or None, msg
+            if other:
+                out.append(Path(other))
+            continue
         con.print(f"wrote {path}", markup=False)
+        out.append(path)
     if stop:
         raise Fail(f"error: quack tune: {stop}")
-    return gpu, results, list(tables)
+    return gpu, results, out
 
 
 def _reason(e: str) -> str:

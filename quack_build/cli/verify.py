@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from quack_build.cli import argcheck
 from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, run_command
@@ -25,7 +26,10 @@ RUN_DEFAULT_JOBS = 3
 def verify(
     manifests: List[Path] = manifests_argument(),
     arch: List[str] = typer.Option(
-        None, "--arch", help="Verify for this arch instead of the manifests' (repeatable)."
+        None,
+        "--arch",
+        callback=argcheck.arch_option,
+        help="Verify for this arch instead of the manifests' (repeatable).",
     ),
     run: bool = typer.Option(False, "--run", help="GPU only: run each kernel against its reference."),
     no_load: bool = typer.Option(False, "--no-load", help="Skip the load test in a fresh process."),
@@ -57,7 +61,7 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs, jobs
 
     s = cli_settings(cache_dir, manifests=manifests)
     load_kernels(s)
-    exp = expand_manifests(s, manifests, arch, max_configs)
+    exp = expand_manifests(s, manifests, arch, max_configs, "nothing was verified")
     con = console(to_stderr=as_json)
     from quack.errors import CacheError
 

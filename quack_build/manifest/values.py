@@ -139,7 +139,7 @@ def check_values(ctx: FileCheck, where: str, spec, pname: str, raw: Any) -> list
         except ParamError as e:
             bad.append(
                 f"params.{pname} = {show_value(v)} ({type_name(v)}) is not allowed for kernel "
-                f"{spec.name}; expected {p.describe()}" + _extra(e)
+                f"{spec.name}; expected {p.describe()}" + _extra(e, p.describe())
             )
     ok = not bad
     # A long list of bad values is one problem: the first few, then a count.
@@ -162,9 +162,14 @@ def check_values(ctx: FileCheck, where: str, spec, pname: str, raw: Any) -> list
     return out if ok else None
 
 
-def _extra(e: ParamError) -> str:
-    m = re.search(r"\((unknown fields.*|field .*)\)$", str(e))
-    return f" ({m.group(1)})" if m else ""
+def _extra(e: ParamError, described: str) -> str:
+    """What the parameter's error says beyond "expected <described>": which field of a
+    configuration table is wrong and what it allows. A pattern that kept only some forms
+    dropped "parameter 'fwd_min_blocks': 99 is not allowed; expected an integer in [0, 32]"."""
+    text, said = str(e), f"expected {described}"
+    at = text.find(said)
+    rest = text[at + len(said) :].strip() if at >= 0 else ""
+    return f" {rest}" if rest else ""
 
 
 def report_unknown_param(ctx: FileCheck, where: str, spec, pname: str, what: str = "params") -> None:
