@@ -201,6 +201,19 @@ class CacheError(QuackError, OSError):
         self.path = path
 
 
+class OutputFileError(QuackError, OSError):
+    """A file a command was asked to write (``quack prewarm --emit-manifest PATH``) can't
+    be written: ``path`` is a directory, a component of it is a file, no permission, a
+    full disk. ``option`` names the option that gave the path, ``reason`` says what is
+    wrong; str() is ``option path: reason``."""
+
+    def __init__(self, path: str, reason: str, *, option: str = ""):
+        self.path = str(path)
+        self.reason = reason
+        self.option = option
+        super().__init__(f"{option + ' ' if option else ''}{self.path}: {reason}")
+
+
 class SignatureError(QuackError, ValueError):
     """A signed object is refused: its signer is not trusted (``reason``
     ``untrusted``) or its signature does not verify (``bad-signature``)."""

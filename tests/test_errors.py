@@ -39,6 +39,11 @@ CASES = [
     (E.CacheError("unusable", path="/c"), OSError, ("path",)),
     (E.CacheWriteError("full", path="/c", reason="disk full", code=28), OSError, ("path", "reason", "code")),
     (E.CacheWarning("recovered"), UserWarning, ()),
+    (
+        E.OutputFileError("/tmp", "is a directory", option="--emit-manifest"),
+        OSError,
+        ("path", "reason", "option"),
+    ),
     (E.LockTimeout("/c/x.lock", 30.0), TimeoutError, ("path", "timeout")),
     (
         E.CompileTimeout("k", "cd" * 32, 60.0, external=True),

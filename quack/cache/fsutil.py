@@ -8,19 +8,56 @@ import os
 import stat
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 from quack.errors import CacheError
 
 TMP_MARK = ".tmp-"
 
 
+# Why a cache directory can't be reached or read, in the words of an error message.
+_REACH_REASONS = {
+    errno.ENOTDIR: "not a directory",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ELOOP: "too many levels of symbolic links",
+    errno.ENAMETOOLONG: "file name too long",
+}
+
+
+def reach_error(root: Path, e: OSError) -> CacheError:
+    """The CacheError for a cache directory that can't be reached or read: a component
+    of its path is a file (ENOTDIR), a directory on the way has no permission (EACCES).
+    Names the root, the reason and the path at fault. Without it these escaped the CLI
+    as a NotADirectoryError / PermissionError traceback."""
+    if isinstance(e, CacheError):
+        return e
+    reason = _REACH_REASONS.get(e.errno or 0) or e.strerror or str(e)
+    at = os.fspath(e.filename) if e.filename is not None else os.fspath(root)
+    hint = "use a cache directory you can read and write"
+    if e.errno == errno.ENOTDIR:
+        # The file in the way (the path's first component that exists and is not a
+        # directory): what the user has to move or rename.
+        for p in (*reversed(Path(at).parents), Path(at)):
+            if os.path.lexists(p) and not os.path.isdir(p):
+                at = f"{p} is {'a file' if os.path.isfile(p) else 'not a directory'}"
+                break
+    elif e.errno in (errno.EACCES, errno.EPERM):
+        hint = f"give yourself access to it and the directories above it (chmod u+rwx), or {hint}"
+    where = f" ({at})" if at != os.fspath(root) else ""
+    return CacheError(f"cache directory {root}: {reason}{where}; {hint}", path=os.fspath(root))
+
+
 def check_root(root: Path) -> None:
     """Refuse a cache root that is a symlink, not ours, open to others, or
-    inside a directory others can write without the sticky bit."""
+    inside a directory others can write without the sticky bit; or one that can't
+    be reached (a file on its path, no permission): CacheError (``reach_error``)."""
     try:
         st = os.lstat(root)
     except FileNotFoundError:
         st = None
+    except OSError as e:
+        raise reach_error(root, e) from None
     if st is not None:
         if stat.S_ISLNK(st.st_mode):
             raise CacheError(
@@ -47,6 +84,8 @@ def check_root(root: Path) -> None:
             pst = os.stat(parent)
         except FileNotFoundError:
             continue
+        except OSError as e:
+            raise reach_error(root, e) from None
         if pst.st_mode & stat.S_IWOTH and not pst.st_mode & stat.S_ISVTX:
             raise CacheError(
                 f"cache directory {root} lies inside {parent}, which anyone can write "
@@ -74,7 +113,8 @@ def under_root(path: Path, root: Path) -> Path:
 def check_tree(path: Path, root: Path) -> bool:
     """lstat every component from ``root`` down to ``path`` (a directory):
     True if all exist as real directories, False if one is missing; CacheError
-    if one is a symlink or not a directory (someone planted it: refuse)."""
+    if one is a symlink or not a directory (someone planted it: refuse), or can't be
+    reached (no permission on the way: ``reach_error``, whose ``path`` is the root)."""
     parts = () if path == root else Path(under_root(path, root)).relative_to(root).parts
     cur = root
     for part in (None, *parts):
@@ -84,6 +124,8 @@ def check_tree(path: Path, root: Path) -> bool:
             st = os.lstat(cur)
         except FileNotFoundError:
             return False
+        except OSError as e:
+            raise reach_error(root, e) from None
         if stat.S_ISLNK(st.st_mode):
             # The remedy before the (long) path: a one-line summary cut at its end keeps it.
             raise CacheError(
@@ -148,6 +190,25 @@ def read_nofollow(path: Path) -> bytes:
         os.close(fd)
 
 
+def open_regular(path: Path) -> BinaryIO:
+    """Open ``path`` for reading only if it is a regular file, never blocking nor
+    following a link: lstat first (a device is never opened), then O_NOFOLLOW (a link
+    swapped in is ELOOP) and O_NONBLOCK (a FIFO swapped in opens at once instead of
+    waiting for a writer for ever), and fstat again. Anything but a regular file is
+    OSError(EINVAL). For the cache root's own files, where one may have been planted (the
+    journal, the remote stats): a FIFO there hung `quack cache stats` and `prewarm`."""
+    if not stat.S_ISREG(os.lstat(path).st_mode):
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def tmp_beside(target: Path) -> Path:
     """A fresh temp name beside ``target``: ``<name>.tmp-<pid>-<rand>`` (the pid lets a
     sweep tell a live writer's file from a dead one's)."""
@@ -206,8 +267,10 @@ def write_atomic(target: Path, data: bytes, *, fsync: bool = True) -> None:
     """Temp file beside the target, fsync, os.replace, fsync the directory.
     On any error the temp file is removed and the target is untouched."""
     tmp = tmp_beside(target)
+    # Nothing to clean up if the temp file can't be created (a directory missing, or a
+    # file where one is needed: unlinking it then raised a second, chained error).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             view = memoryview(data)
             while view:
@@ -219,9 +282,12 @@ def write_atomic(target: Path, data: bytes, *, fsync: bool = True) -> None:
             os.close(fd)
         os.replace(tmp, target)
     except BaseException:
+        # Whatever failed (a full disk, the target a directory: os.replace's
+        # IsADirectoryError), the temp goes and the original error is the one raised;
+        # a failing unlink must not replace it.
         try:
             os.unlink(tmp)
-        except FileNotFoundError:
+        except OSError:
             pass
         raise
     if fsync:

@@ -3,12 +3,32 @@ to <cache>/journal.jsonl. ``quack cache stats`` and ``quack prewarm`` read it.""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
 JOURNAL = "journal.jsonl"
+
+# The fields the readers use (quack_build.cachedir.stats, quack_build.build.prewarm) and
+# the types they rely on; a record with one of another type is skipped like a torn line.
+# One line with a "t" of "x" crashed `quack cache stats` and `prewarm` with a TypeError.
+_NUMBER = (int, float)
+_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "t": _NUMBER,
+    "kernel": str,
+    "key": str,
+    "arch": str,
+    "params": dict,
+    "where": str,
+    "hits": int,
+    "misses": int,
+    "compiles": int,
+    "waits": int,
+    "compile_s": _NUMBER,
+}
 
 
 def append(root: Path, records: list[dict]) -> None:
@@ -22,9 +42,13 @@ def append(root: Path, records: list[dict]) -> None:
         from quack.cache import fsutil
 
         fsutil.check_root(Path(root))  # never through a symlinked / unsafe root (CacheError)
-        # O_APPEND writes land whole at the end even with several writers.
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        # O_APPEND writes land whole at the end even with several writers. O_NONBLOCK: a
+        # FIFO planted as the journal fails to open (ENXIO) instead of blocking this
+        # process's exit until some reader comes; then it is refused as not a regular file.
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", str(path))
             os.write(fd, lines.encode())
         finally:
             os.close(fd)
@@ -32,20 +56,43 @@ def append(root: Path, records: list[dict]) -> None:
         pass  # a read-only or full cache must not fail the user's process at exit
 
 
+def _well_formed(r: object) -> bool:
+    if not isinstance(r, dict):
+        return False
+    for name, types in _FIELDS.items():
+        v = r.get(name)
+        # bool is an int to isinstance, never a count or a time here
+        if v is not None and (not isinstance(v, types) or isinstance(v, bool)):
+            return False
+    return True
+
+
 def read(root: Path, since: float = 0.0) -> list[dict]:
+    """The journal's well-formed records from ``since`` on. A journal that is missing
+    reads as empty; one that can't be read, or is not a regular file (planted: never
+    followed, a FIFO never waited on), reads as empty with one CacheWarning."""
+    from quack.cache import fsutil
+    from quack.cache.problems import warn_once
+
     path = Path(root) / JOURNAL
-    out = []
+    out: list[dict] = []
     try:
-        with open(path, "rb") as f:
+        with fsutil.open_regular(path) as f:
             for line in f:
                 try:
                     r = json.loads(line)
                 except ValueError:
                     continue  # a torn line from a crash: skip it
-                if isinstance(r, dict) and r.get("t", 0) >= since:
+                if _well_formed(r) and r.get("t", 0) >= since:
                     out.append(r)
-    except OSError:
+    except FileNotFoundError:
         pass
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            why = "it is not a regular file (planted); `quack cache clean` removes it, or rm it"
+        else:
+            why = f"{e.strerror or e}; check its permissions"
+        warn_once(f"journal:{path}", f"quack: the usage journal {path} was not read in full: {why}")
     return out
 
 

@@ -11,7 +11,10 @@ The rule: a file an interrupted writer left is debris once it is at least
   whoever wrote it, once it is over ``TMP_MAX_AGE``;
 * an object without metadata (an interrupted publish): its key's lock is free
   (taken without waiting; a publish holds it between its two renames). It is
-  removed under that lock, with the derived .so and sidecar.
+  removed under that lock, with the derived .so and sidecar;
+* a derived .so without its sidecar ``.so.json`` (a link whose sidecar write failed,
+  e.g. the disk filled between the two): unverifiable, so never loaded, and nothing
+  else removes it. Removed under its key's lock, like an object without metadata.
 
 ``grace`` (default ``GRACE``, a minute) spares files whose writer may just
 have died and whose pid may be reused; callers that know the writer is dead
@@ -91,22 +94,33 @@ def sweep_dir(
         if pid is not None:
             if tmp_is_orphan(pid, st.st_mtime, now, grace):
                 drop(path, st.st_size, "orphaned temp file")
-        elif (
-            name.endswith(".o")
-            and f"{stem}.json" not in present
-            and stem not in seen
-            and now - st.st_mtime >= grace
-        ):
-            # An object without metadata. (A .so without either is an installed
-            # bundle's derived .so, linked into the cache: not debris.)
+        elif stem in seen or now - st.st_mtime < grace:
+            continue
+        elif name.endswith(".o") and f"{stem}.json" not in present:
+            # An object without metadata. (A .so + .so.json without either is an
+            # installed bundle's derived .so, linked into the cache: not debris.)
             seen.add(stem)
-            _remove_orphan_object(d, stem, drop)
+            why = "interrupted publish (object without metadata)"
+            _remove_under_lock(d, stem, f"{stem}.json", (".so.json", ".so", ".o"), why, drop)
+        elif name.endswith(".so") and f"{stem}.so.json" not in present:
+            seen.add(stem)
+            why = "interrupted link (.so without its .so.json)"
+            _remove_under_lock(d, stem, f"{stem}.so.json", (".so",), why, drop)
     return out
 
 
-def _remove_orphan_object(d: Path, stem: str, drop: Callable[[Path, int, str], None]) -> None:
-    """An object without metadata: removed (with its derived files) only if no one
-    holds the key's lock and the metadata is still absent under it."""
+def _remove_under_lock(
+    d: Path,
+    stem: str,
+    absent: str,
+    suffixes: tuple[str, ...],
+    why: str,
+    drop: Callable[[Path, int, str], None],
+) -> None:
+    """Drop the regular files ``<stem><suffix>`` of a key whose file ``absent`` is
+    missing (an object without metadata; a .so without its sidecar) only if no one
+    holds the key's lock and ``absent`` is still absent under it (a publish or link in
+    progress writes it under the lock, or within the grace)."""
     import filelock
 
     lock = d / f"{stem}.lock"
@@ -119,30 +133,33 @@ def _remove_orphan_object(d: Path, stem: str, drop: Callable[[Path, int, str], N
     try:
         lk.acquire()
     except (filelock.Timeout, OSError):
-        return
+        return  # held, or a cache we can't write (the runtime's sweep): left for later
     try:
-        if os.path.lexists(d / f"{stem}.json"):
+        if os.path.lexists(d / absent):
             return
-        for suffix in (".so.json", ".so", ".o"):
+        for suffix in suffixes:
             p = d / f"{stem}{suffix}"
             try:
                 st = os.lstat(p)
             except FileNotFoundError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                drop(p, st.st_size, "interrupted publish (object without metadata)")
+                drop(p, st.st_size, why)
     finally:
         lk.release()
 
 
 def try_lock(lock_path: Path):
     """A held ``filelock.FileLock`` on ``lock_path``, or None if another process
-    holds it (or it cannot be taken). Never waits; the caller releases it."""
+    holds it. Never waits; the caller releases it. A lock that can't be taken for
+    another reason (a read-only cache, no permission, a full disk) raises its OSError:
+    taken for "held by another process", it made `quack cache clean` on a read-only
+    cache report every entry as in use and exit 0."""
     import filelock
 
     lk = filelock.FileLock(str(lock_path), timeout=0, mode=0o600)
     try:
         lk.acquire()
-    except (filelock.Timeout, OSError):
+    except filelock.Timeout:
         return None
     return lk

@@ -4,12 +4,14 @@ after an edit starts warm; optionally write them out as a manifest."""
 
 from __future__ import annotations
 
+import errno
+import os
 import time
 from pathlib import Path
 
 from quack import registry
 from quack.cache import fsutil, journal
-from quack.errors import ParamError, UnknownKernel
+from quack.errors import OutputFileError, ParamError, UnknownKernel
 from quack.settings import KNOWN_ARCHS
 from quack_build.manifest.config import BuildConfig
 
@@ -61,6 +63,10 @@ def configs_from_usage(used: list[dict]) -> tuple[list[BuildConfig], list[str]]:
 
 
 def emit(path: Path, configs: list[BuildConfig]) -> None:
+    """Write ``configs`` as a manifest at ``path`` (its missing directories created).
+    Raises OutputFileError naming --emit-manifest when it can't be written: a directory
+    there, a file on the way, no permission (these were IsADirectoryError and
+    NotADirectoryError tracebacks)."""
     import tomli_w
 
     from quack.manifest_line import manifest_entries
@@ -71,9 +77,24 @@ def emit(path: Path, configs: list[BuildConfig]) -> None:
         "# most used first. Build with: quack build " + str(path) + "\n" + tomli_w.dumps(doc)
     )
     path = Path(path)
-    if path.parent and not path.parent.exists():
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
         path.parent.mkdir(parents=True, exist_ok=True)
-    fsutil.write_atomic(path.absolute(), text.encode(), fsync=False)
+        fsutil.write_atomic(path.absolute(), text.encode(), fsync=False)
+    except OSError as e:
+        raise OutputFileError(str(path), _write_problem(path, e), option="--emit-manifest") from None
+
+
+def _write_problem(path: Path, e: OSError) -> str:
+    """What is wrong with the output path ``path``, from the error writing it raised."""
+    if isinstance(e, IsADirectoryError) and os.path.isdir(path):
+        return f"is a directory; give a file name (e.g. {path / 'prewarm.toml'})"
+    if e.errno in (errno.ENOTDIR, errno.EEXIST):  # EEXIST: mkdir of a parent that is a file
+        for p in reversed(path.absolute().parents):
+            if os.path.lexists(p) and not os.path.isdir(p):
+                return f"{p} on its path is not a directory; give a path in a directory"
+    return f"{e.strerror or e}; give a path you can write"
 
 
 def prewarm(

@@ -59,15 +59,21 @@ class Cleaner:
         self.dry_run = dry_run
         self.report = CleanReport()
         self.log = log
+        # A file two rules reach (a .so without its sidecar in an entry --all removes)
+        # is removed, and counted, once: a dry run listed it twice.
+        self._done: set[Path] = set()
 
     def _unlink(self, path: Path, size: int, why: str) -> None:
+        if path in self._done:
+            return
+        self._done.add(path)
         if not self.dry_run:
             try:
                 os.unlink(path)
             except FileNotFoundError:
                 return
             except OSError as e:
-                self.report.errors.append((path, str(e)))
+                self.report.errors.append((path, e.strerror or str(e)))
                 return
         r = Removal(path, size, why)
         self.report.removed.append(r)
@@ -78,7 +84,11 @@ class Cleaner:
         lock_path = d.path / f"{kf.key}.lock"
         lk = None
         if not self.dry_run:
-            lk = orphans.try_lock(lock_path)
+            try:
+                lk = orphans.try_lock(lock_path)
+            except OSError as e:  # not "busy": a read-only cache, no permission, a full disk
+                self.report.errors.append((lock_path, e.strerror or str(e)))
+                return False
             if lk is None:
                 self.report.busy.append((d.path / f"{kf.key}.o", "locked by another process"))
                 return False
@@ -144,6 +154,20 @@ def _rmdirs(path: Path, root: Path) -> None:
 LOG_MAX_AGE = 7 * 86400.0
 
 
+def unwritable(root: Path) -> str:
+    """Why nothing can be removed from the cache directory ``root`` ("" when it can be
+    written): "read-only file system" or "permission denied". Asked before cleaning:
+    otherwise each key's lock failed to open, and every entry was reported busy."""
+    try:
+        if os.statvfs(root).f_flag & os.ST_RDONLY:
+            return "read-only file system"
+    except OSError:
+        pass
+    if not os.access(root, os.W_OK | os.X_OK):
+        return "permission denied"
+    return ""
+
+
 def clean(
     root: Path,
     current_srcfp: dict[str, str] | None = None,
@@ -162,12 +186,13 @@ def clean(
     # Planted links and files first (what the store refuses and its messages tell the
     # user to clean): unlinked, never followed; a planted directory is left (and reported).
     for path, what in planted(root):
+        link = what == "symbolic link"
         try:
-            size = 0 if what == "symbolic link" else os.lstat(path).st_size
+            size = 0 if link else os.lstat(path).st_size
         except OSError:
             continue
-        if what == "symbolic link" or not os.path.isdir(path):
-            c._unlink(path, size, f"planted {what} (never followed)")
+        if link or not os.path.isdir(path):
+            c._unlink(path, size, f"planted {what} (never {'followed' if link else 'opened'})")
     kept: list[tuple[FpDir, KeyFiles]] = []
     for d in walk(root, current_srcfp):
         if d.status == "stale":

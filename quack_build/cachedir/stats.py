@@ -33,7 +33,14 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
         "unknown_entries": 0,
         "unknown_bytes": 0,
     }
-    debris = {"tmp_files": 0, "tmp_bytes": 0, "orphan_objects": 0, "orphan_bytes": 0}
+    debris = {
+        "tmp_files": 0,
+        "tmp_bytes": 0,
+        "orphan_objects": 0,
+        "orphan_bytes": 0,
+        "orphan_so_files": 0,
+        "orphan_so_bytes": 0,
+    }
     for d in walk(root, current_srcfp):
         n, b = d.entries, d.bytes
         fps.append(
@@ -62,6 +69,9 @@ def summarize(root: Path, current_srcfp: dict[str, str] | None = None) -> dict:
             if ".o" in kf.sizes and ".json" not in kf.sizes:
                 debris["orphan_objects"] += 1
                 debris["orphan_bytes"] += kf.sizes[".o"]
+            elif ".so" in kf.sizes and ".so.json" not in kf.sizes:  # an interrupted link
+                debris["orphan_so_files"] += 1
+                debris["orphan_so_bytes"] += kf.sizes[".so"]
     old_scratch = [x for x in scratch_files(root) if now - x[2] > SCRATCH_MAX_AGE]
     debris["scratch_files"] = len(old_scratch)
     debris["scratch_bytes"] = sum(x[1] for x in old_scratch)

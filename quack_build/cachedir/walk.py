@@ -14,11 +14,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Iterator
 
-from quack.cache import keys
+from quack.cache import fsutil, keys
+from quack.cache.journal import JOURNAL
 from quack.cache.store import LAYOUT, SCRATCH
+from quack.remote.stats import STATS_FILE
 
 __all__ = [
     "LOG_NAME",
@@ -129,11 +132,11 @@ def walk(root: Path, current_srcfp: dict[str, str] | None = None) -> Iterator[Fp
     base = Path(root) / LAYOUT
     current_srcfp = current_srcfp or {}
     cur_stamp: dict[str, bool] = {}
-    for st in _subdirs(base, 0):
+    for st in _subdirs(base, 0, root):
         if st.name not in cur_stamp:
             cur_stamp[st.name] = stamp_is_current(st.name)
-        for kd in _subdirs(Path(st.path), 1):
-            for fd in _subdirs(Path(kd.path), 2):
+        for kd in _subdirs(Path(st.path), 1, root):
+            for fd in _subdirs(Path(kd.path), 2, root):
                 if not cur_stamp[st.name]:
                     status, why = "stale", "toolchain changed"
                 elif kd.name not in current_srcfp:
@@ -142,34 +145,51 @@ def walk(root: Path, current_srcfp: dict[str, str] | None = None) -> Iterator[Fp
                     status, why = "stale", "kernel source changed"
                 else:
                     status, why = "current", ""
-                yield _scan(FpDir(Path(fd.path), st.name, kd.name, fd.name, status, why))
+                yield _scan(FpDir(Path(fd.path), st.name, kd.name, fd.name, status, why), root)
 
 
-def _subdirs(path: Path, depth: int):
-    """The layout's directories in ``path`` (foreign names skipped: ``is_layout_name``)."""
+def _scandir(path, root: Path):
+    """``os.scandir(path)``, or None when ``path`` is gone or not a directory (removed
+    meanwhile; a planted file, which planted() names). A directory that can't be read
+    (no permission) is a CacheError naming it (quack.cache.fsutil.reach_error): skipping
+    it made stats report a smaller cache and clean leave it, silently; raising its
+    PermissionError gave the CLI a traceback."""
     try:
-        with os.scandir(path) as it:
-            return sorted(
-                (e for e in it if e.is_dir(follow_symlinks=False) and is_layout_name(e.name, depth)),
-                key=lambda e: e.name,
-            )
+        return os.scandir(path)
     except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        raise fsutil.reach_error(Path(root), e) from None
+
+
+def _subdirs(path: Path, depth: int, root: Path):
+    """The layout's directories in ``path`` (foreign names skipped: ``is_layout_name``)."""
+    it = _scandir(path, root)
+    if it is None:
         return []
+    with it:
+        return sorted(
+            (e for e in it if e.is_dir(follow_symlinks=False) and is_layout_name(e.name, depth)),
+            key=lambda e: e.name,
+        )
 
 
-def _scan(d: FpDir) -> FpDir:
+def _scan(d: FpDir, root: Path) -> FpDir:
     """Classify one directory's files (the hot loop of ``quack cache stats``: one
     lstat per file except lock files, which are empty)."""
-    try:
-        it = os.scandir(d.path)
-    except OSError:
+    it = _scandir(d.path, root)
+    if it is None:
         return d
     keys_ = d.keys
     with it:
         for e in it:
             name = e.name
-            if e.is_symlink():
-                continue  # planted: reported by planted(), removed by clean, never counted
+            # Only regular files are ours (d_type: no extra stat). A symbolic link, FIFO,
+            # socket or device at an entry's name is planted: reported by planted(),
+            # removed by clean, never counted (a FIFO at <key>.json made the key look
+            # complete), never opened (opening a FIFO blocks).
+            if not e.is_file(follow_symlinks=False):
+                continue
             if ".tmp-" in name:
                 m = _TMP_RE.match(name)
                 if m:
@@ -212,23 +232,44 @@ def _scan(d: FpDir) -> FpDir:
     return d
 
 
+def _odd_kind(mode: int) -> str:
+    """What a planted non-regular file is, for the report."""
+    if stat.S_ISFIFO(mode):
+        return "named pipe (FIFO)"
+    if stat.S_ISSOCK(mode):
+        return "socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "device node"
+    return "not a regular file"
+
+
 def planted(root: Path) -> list[tuple[Path, str]]:
-    """Things someone planted in the cache's layout, never followed: symbolic links
-    anywhere in ``v1/`` (in place of a stamp, kernel or fingerprint directory, or of
-    an entry or lock file) and non-directories where the layout has directories; and
-    ``v1/``, ``quarantine/``, ``logs/``, ``tmp/`` themselves as links. Each is
-    (path, what it is). The store refuses to use them; ``quack cache clean`` removes
-    them (the link itself, with unlink: its target is never touched)."""
+    """Things someone planted in the cache's layout, never followed nor opened: symbolic
+    links anywhere in ``v1/`` (in place of a stamp, kernel or fingerprint directory, or
+    of an entry or lock file), non-directories where the layout has directories, and
+    FIFOs, sockets and device nodes where it has files; ``v1/``, ``quarantine/``,
+    ``logs/``, ``tmp/`` themselves as links; the journal and the remote stats file as
+    links or non-regular files. Each is (path, what it is). The store refuses to use
+    them; ``quack cache clean`` removes them (with unlink: a link's target is never
+    touched, a FIFO never opened, which would block)."""
     out: list[tuple[Path, str]] = []
     root = Path(root)
     for name in (LAYOUT, "quarantine", "logs", "tmp"):
         if os.path.islink(root / name):
             out.append((root / name, "symbolic link"))
+    for name in (JOURNAL, STATS_FILE):
+        try:
+            mode = os.lstat(root / name).st_mode
+        except OSError:
+            continue
+        if stat.S_ISLNK(mode):
+            out.append((root / name, "symbolic link"))
+        elif not stat.S_ISREG(mode):
+            out.append((root / name, _odd_kind(mode)))
 
     def scan(d: str, depth: int) -> None:  # depth 0: stamps, 1: kernels, 2: fingerprints, 3: files
-        try:
-            it = os.scandir(d)
-        except OSError:
+        it = _scandir(d, root)
+        if it is None:
             return
         with it:
             for e in sorted(it, key=lambda e: e.name):
@@ -241,6 +282,12 @@ def planted(root: Path) -> list[tuple[Path, str]]:
                         scan(e.path, depth + 1)
                     else:
                         out.append((Path(e.path), "not a directory"))
+                elif not e.is_file(follow_symlinks=False) and not e.is_dir(follow_symlinks=False):
+                    try:
+                        mode = e.stat(follow_symlinks=False).st_mode
+                    except FileNotFoundError:
+                        continue
+                    out.append((Path(e.path), _odd_kind(mode)))
 
     if not os.path.islink(root / LAYOUT):
         scan(str(root / LAYOUT), 0)
@@ -256,34 +303,37 @@ def scratch_files(root: Path) -> list[tuple[Path, int, float]]:
     d = Path(root) / SCRATCH
     if os.path.islink(d):
         return out
-    try:
-        with os.scandir(d) as it:
-            for e in it:
-                # Only the linker's own names (gcc's mkstemp: cc + 6 characters + a suffix):
-                # a shared root's tmp/ may hold another tool's files (issue 27).
-                if e.is_file(follow_symlinks=False) and _SCRATCH_NAME.fullmatch(e.name):
-                    try:
-                        st = e.stat(follow_symlinks=False)
-                    except OSError:
-                        continue
-                    out.append((Path(e.path), st.st_size, st.st_mtime))
-    except OSError:
-        pass
-    return out
-
-
-def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
-    out = []
-    try:
-        with os.scandir(Path(root) / "quarantine") as it:
-            for e in it:
+    it = _scandir(d, root)
+    if it is None:
+        return out
+    with it:
+        for e in it:
+            # Only the linker's own names (gcc's mkstemp: cc + 6 characters + a suffix):
+            # a shared root's tmp/ may hold another tool's files (issue 27).
+            if e.is_file(follow_symlinks=False) and _SCRATCH_NAME.fullmatch(e.name):
                 try:
                     st = e.stat(follow_symlinks=False)
                 except OSError:
                     continue
                 out.append((Path(e.path), st.st_size, st.st_mtime))
-    except OSError:
-        pass
+    return out
+
+
+def quarantine_files(root: Path) -> list[tuple[Path, int, float]]:
+    out: list[tuple[Path, int, float]] = []
+    d = Path(root) / "quarantine"
+    if os.path.islink(d):
+        return out  # planted (planted() names it, clean unlinks it): never listed through
+    it = _scandir(d, root)
+    if it is None:
+        return out
+    with it:
+        for e in it:
+            try:
+                st = e.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            out.append((Path(e.path), st.st_size, st.st_mtime))
     return out
 
 

@@ -86,8 +86,10 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
     # Both were checked as the options were parsed (_size_option, _age_option).
     ms = units.parse_size(max_size) if max_size is not None else None
     age = units.parse_age(older_than) if older_than is not None else None
+    from quack.errors import CacheError
+
     s = cli_settings(cache_dir)
-    _common.check_root(s.cache_dir)
+    _common.check_root(s)
     load_kernels(s, required=False)
     con = console(to_stderr=as_json)
     if not Path(s.cache_dir).is_dir():
@@ -96,6 +98,13 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         else:
             con.print(f"cache {s.cache_dir} does not exist: nothing to clean", markup=False)
         return 0
+    why = "" if dry_run else cacheclean.unwritable(Path(s.cache_dir))
+    if why:
+        raise Fail(
+            f"error: cannot clean the cache directory {s.cache_dir}: {why}; nothing was removed "
+            f"(cache directory set by {_common.cache_dir_origin(s)}). Clean it where it can be "
+            f"written (as its owner, or mounted read-write); --dry-run shows what would go"
+        )
 
     def log(r):
         if verbose:
@@ -103,15 +112,18 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
                 f"{'would remove' if dry_run else 'removed'} {r.path} ({r.why})", markup=False, soft_wrap=True
             )
 
-    rep = cacheclean.clean(
-        s.cache_dir,
-        current_srcfps(),
-        remove_all=remove_all,
-        max_size=ms,
-        older_than=age,
-        dry_run=dry_run,
-        log=log,
-    )
+    try:
+        rep = cacheclean.clean(
+            s.cache_dir,
+            current_srcfps(),
+            remove_all=remove_all,
+            max_size=ms,
+            older_than=age,
+            dry_run=dry_run,
+            log=log,
+        )
+    except CacheError as e:  # a directory in the cache that can't be read (walk)
+        raise _common.cache_fail(s, e) from None
     by_why: dict = {}
     for r in rep.removed:
         d = by_why.setdefault(r.why, [0, 0])

@@ -90,17 +90,43 @@ def current_srcfps() -> dict:
     return out
 
 
-def check_root(root: Path) -> None:
-    """Refuse an unsafe cache root (a symlink, not ours, group/other-writable) the way
-    ``quack build`` does: stats and clean must not report on, or delete in, a directory
-    someone else can plant files in."""
+def cache_dir_origin(s) -> str:
+    """Where the settings ``s`` took their cache directory from, as a user would change it."""
+    src = s.sources.get("cache_dir")
+    if src == "cli":
+        return "--cache-dir"
+    if src and src.startswith("QUACK_"):
+        return src
+    if src:
+        return f"[cache] dir in {src}"
+    return "the default (set QUACK_CACHE_DIR or [cache] dir in quack.toml to use another)"
+
+
+def cache_fail(s, e: Exception) -> Fail:
+    """The CLI's error for a cache directory it can't use (a CacheError), naming the
+    setting that chose it: the directory is the user's to fix, not quack's."""
+    return Fail(f"error: {e} (cache directory set by {cache_dir_origin(s)})")
+
+
+def check_root(s) -> None:
+    """Refuse the cache root of settings ``s`` when it is unsafe (a symlink, not ours,
+    group/other-writable) the way ``quack build`` does: stats and clean must not report
+    on, or delete in, a directory someone else can plant files in; or when it can't be
+    reached or listed (a file on its path, no permission), which otherwise escaped as a
+    NotADirectoryError / PermissionError traceback, or (prewarm) read as an empty journal."""
     from quack.cache import fsutil
     from quack.errors import CacheError
 
+    root = Path(s.cache_dir)
     try:
-        fsutil.check_root(Path(root))
+        fsutil.check_root(root)
+        if os.path.isdir(root):
+            with os.scandir(root):
+                pass
     except CacheError as e:
-        raise Fail(f"error: {e}") from None
+        raise cache_fail(s, e) from None
+    except OSError as e:
+        raise cache_fail(s, fsutil.reach_error(root, e)) from None
 
 
 def emit_json(obj) -> None:
@@ -110,12 +136,16 @@ def emit_json(obj) -> None:
 
 def stats(as_json, cache_dir, top) -> int:
     from quack.cache import journal
+    from quack.errors import CacheError
     from quack_build.cachedir import stats as cachestats
 
     s = cli_settings(cache_dir)
-    check_root(s.cache_dir)
+    check_root(s)
     load_kernels(s, required=False)
-    info = cachestats.summarize(s.cache_dir, current_srcfps())
+    try:
+        info = cachestats.summarize(s.cache_dir, current_srcfps())
+    except CacheError as e:  # a directory in the cache that can't be read (walk)
+        raise cache_fail(s, e) from None
     info["journal"] = cachestats.journal_summary(journal.read(s.cache_dir), top=top)
     from quack.bundles import tier as _bundle_tier
 

@@ -4,11 +4,27 @@ fast path imports that)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 
+def _cache_dir(value: str) -> Path:
+    """``--cache-dir``'s value: a path that must not be empty. ``--cache-dir ''`` was
+    Path('') == '.', so ``quack cache clean --all --cache-dir ''`` cleaned the current
+    directory (a callback can't tell: it gets that Path('.') already)."""
+    if not str(value).strip():
+        raise typer.BadParameter(
+            "must not be empty: give the cache directory's path, or leave --cache-dir out "
+            "to use QUACK_CACHE_DIR, [cache] dir in quack.toml or the default"
+        )
+    return Path(value)
+
+
 def cache_dir_option():
-    return typer.Option(None, "--cache-dir", help="Cache directory (default: settings).")
+    return typer.Option(
+        None, "--cache-dir", parser=_cache_dir, metavar="<path>", help="Cache directory (default: settings)."
+    )
 
 
 def max_configs_option():

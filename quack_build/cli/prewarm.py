@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from quack_build.cli.context import cli_settings, console, emit_json, load_kernels
+from quack_build.cli.context import Fail, check_root, cli_settings, console, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option
 from quack_build.cli.run import local_store, run_command
 
@@ -45,18 +45,26 @@ def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> in
     except ValueError as e:
         typer.echo(f"error: --since: {e}", err=True)
         raise typer.Exit(2) from None
+    from quack.errors import OutputFileError
+
     s = cli_settings(cache_dir, jobs)
+    # The journal lives in the cache: one that can't be reached is an error, not an empty
+    # journal (a cache directory set to a file printed "0 journal records" and exited 0).
+    check_root(s)
     load_kernels(s)
     con = console(to_stderr=as_json)
-    return pw.prewarm(
-        s,
-        local_store(s),
-        since_s=age,
-        top=top,
-        emit_manifest=emit_manifest,
-        jobs=s.effective_jobs(jobs),
-        dry_run=dry_run,
-        as_json=as_json,
-        console=con,
-        emit_json=emit_json,
-    )
+    try:
+        return pw.prewarm(
+            s,
+            local_store(s),
+            since_s=age,
+            top=top,
+            emit_manifest=emit_manifest,
+            jobs=s.effective_jobs(jobs),
+            dry_run=dry_run,
+            as_json=as_json,
+            console=con,
+            emit_json=emit_json,
+        )
+    except OutputFileError as e:
+        raise Fail(f"error: {e}") from None

@@ -138,6 +138,7 @@ def _print_debris(con: Console, info: dict) -> None:
         con.print(
             f"debris: {d['tmp_files']} orphaned temp files ({human_bytes(d['tmp_bytes'])}), "
             f"{d['orphan_objects']} objects without metadata ({human_bytes(d['orphan_bytes'])}), "
+            f"{d.get('orphan_so_files', 0)} .so without .so.json ({human_bytes(d.get('orphan_so_bytes', 0))}), "
             f"{d['quarantined_files']} quarantined files ({human_bytes(d['quarantined_bytes'])}), "
             f"{d.get('scratch_files', 0)} temp files of killed links "
             f"({human_bytes(d.get('scratch_bytes', 0))}); "

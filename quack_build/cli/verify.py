@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from quack_build.cli import argcheck
-from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
+from quack_build.cli.context import cache_fail, cli_settings, console, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, run_command
 
@@ -74,8 +74,8 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs, jobs
             console=None if as_json else con,
             jobs=_jobs(s, jobs, run),
         )
-    except CacheError as e:  # an unsafe root: refused like build, stats and clean do
-        raise Fail(f"error: {e}") from None
+    except CacheError as e:  # an unsafe or unreachable root: refused like build, stats and clean do
+        raise cache_fail(s, e) from None
     if as_json:
         emit_json(res)
     else:
