@@ -128,6 +128,30 @@ def test_journal_append_never_blocks_on_a_planted_fifo(proj):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_remote_stats_append_never_blocks_on_a_planted_fifo(proj):
+    """Also appended at the exit of every process that used a remote: the same hang."""
+    fifo = proj["root"] / "remote-stats.jsonl"
+    os.mkfifo(fifo)
+    code = (
+        "import sys\nfrom quack.remote import stats\n"
+        "try:\n    stats.append_line(sys.argv[1], '{}\\n')\n"
+        "except OSError as e:\n    print('refused', e.errno)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(proj["root"])], env=env(), capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("refused"), r.stdout  # ENXIO: no reader, never a wait
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    # a regular file is appended to, line by line
+    os.unlink(fifo)
+    from quack.remote import stats
+
+    stats.append_line(proj["root"], "a\n")
+    stats.append_line(proj["root"], "b\n")
+    assert (proj["root"] / "remote-stats.jsonl").read_text() == "a\nb\n"
+
+
 def _holder(lock: Path) -> subprocess.Popen:
     p = subprocess.Popen(
         [

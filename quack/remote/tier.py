@@ -22,7 +22,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import threading
 import time
 import warnings
@@ -36,7 +35,7 @@ from quack.errors import KeyFileError, ObjectRejected, RemoteError, RemoteWarnin
 from quack.remote import objects
 from quack.remote.backend import open_backend
 from quack.remote.base import CONNECT_TIMEOUT, Backend, redact
-from quack.remote.stats import STATS_FILE, Counters
+from quack.remote.stats import Counters, append_line
 from quack.signing import SigningKey, TrustedKeys
 
 log = logging.getLogger("quack.remote")
@@ -224,13 +223,7 @@ class RemoteTier:
         try:
             if not Path(root).is_dir():
                 return
-            fd = os.open(
-                Path(root) / STATS_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600
-            )
-            try:
-                os.write(fd, line.encode())
-            finally:
-                os.close(fd)
+            append_line(Path(root), line)
         except OSError:
             pass
 
