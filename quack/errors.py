@@ -6,6 +6,7 @@ This module imports nothing from quack, so any module can import it."""
 from __future__ import annotations
 
 import re
+import signal as _signal
 
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")  # colour codes in compiler output
 
@@ -180,6 +181,24 @@ class PreloadError(CompileError):
         Exception.__init__(self, self.detail)
 
 
+class WorkerDied(CompileError):
+    """The compile worker of a key died before answering: ``signal`` names the signal that
+    killed it (SIGKILL from the OOM killer, SIGSEGV), empty when it exited (``exitcode``).
+    Transient; ``quack build`` tries a key whose worker a signal killed once more."""
+
+    def __init__(self, kernel: str, params: dict, arch: str, key: str, pid: int | None, exitcode: int | None):
+        sig = ""
+        if exitcode is not None and exitcode < 0:
+            names = {int(x): x.name for x in _signal.Signals}  # a realtime signal has no name
+            sig = names.get(-exitcode, f"signal {-exitcode}")
+        how = f"killed by {sig}" if sig else f"exited with status {exitcode}"
+        detail = (
+            f"compile worker pid {pid} {how} while compiling key {key[:16]} (crash, out of memory, or killed)"
+        )
+        super().__init__(kernel, params, arch, detail + "; the pool replaced it", transient=True)
+        self.key, self.pid, self.exitcode, self.signal = key, pid, exitcode, sig
+
+
 class OccupancyError(QuackError, RuntimeError):
     """``quack.runtime.max_active_clusters``: the driver could not say how many clusters
     of this shape fit (no GPU, no cuda.bindings, a driver error, or none fit)."""
@@ -290,13 +309,18 @@ class LockTimeout(QuackError, TimeoutError):
 
 
 class CompileTimeout(QuackError, TimeoutError):
-    """A compile (or another process's lock on its key) ran past compile_timeout."""
+    """A compile ran past compile_timeout, or (``external``) another process held the
+    key's lock past lock_timeout without publishing it."""
 
     def __init__(self, kernel: str, key: str, seconds: float, external: bool = False):
-        who = "another process holding its lock" if external else "its compile worker"
-        super().__init__(
-            f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s ({who}; wedged?)"
-        )
+        if external:  # bounded by lock_timeout (quack.compile.pool): say which setting
+            msg = (
+                f"another process held the lock of {kernel} key {key[:16]} for {seconds:.0f} s without "
+                "publishing it (past lock_timeout: QUACK_LOCK_TIMEOUT or [cache] lock_timeout; stopped or wedged?)"
+            )
+        else:
+            msg = f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s (its compile worker; wedged?)"
+        super().__init__(msg)
         self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
 
 

@@ -6,7 +6,9 @@ so tests can count compiles across many processes without paying for real ones.
 QUACK_TEST_COMPILE_SLEEP makes each compile take that long (to widen race windows);
 QUACK_TEST_EXPORT_ERRNO makes the export write half the file and fail with that errno."""
 
+import multiprocessing
 import os
+import signal
 import time
 
 from quack import jit_cache
@@ -47,11 +49,20 @@ def rel_copy(i: int = 0):
 @jit_cache("rel_fail", params={"i": Int(min=0, max=100000)})
 def rel_fail(i: int = 0):
     """rel_copy, except that the configurations listed in QUACK_TEST_FAIL (comma-separated
-    ``i`` values) raise inside the compile function, like a kernel the compiler rejects."""
+    ``i`` values) raise inside the compile function, like a kernel the compiler rejects, and
+    those in QUACK_TEST_SELFKILL kill their compile worker (SIGKILL) on their first
+    QUACK_TEST_SELFKILL_TIMES attempts (default 1)."""
     counter = os.environ.get("QUACK_TEST_FAIL_COUNTER")
     if counter:  # one line per compile attempt, failed or not
         with open(counter, "a") as f:
             f.write(f"{os.getpid()} {i}\n")
+    if str(i) in os.environ.get("QUACK_TEST_SELFKILL", "").split(",") and multiprocessing.parent_process():
+        # A compile worker killed by a signal (what the OOM killer does), on the first
+        # QUACK_TEST_SELFKILL_TIMES attempts of this i (counted in QUACK_TEST_FAIL_COUNTER).
+        with open(os.environ["QUACK_TEST_FAIL_COUNTER"]) as f:
+            attempts = sum(1 for line in f if line.split()[1] == str(i))
+        if attempts <= int(os.environ.get("QUACK_TEST_SELFKILL_TIMES", "1")):
+            os.kill(os.getpid(), signal.SIGKILL)
     gate = os.environ.get("QUACK_TEST_FAIL_GATE")
     if str(i) in os.environ.get("QUACK_TEST_FAIL", "").split(","):
         if gate:

@@ -50,6 +50,11 @@ CASES = [
         TimeoutError,
         ("kernel", "key", "seconds", "external"),
     ),
+    (
+        E.WorkerDied("k", {"n": 4}, "sm_90a", "ef" * 32, 1234, -9),
+        RuntimeError,
+        ("kernel", "params", "arch", "key", "pid", "exitcode", "signal", "transient"),
+    ),
     (E.EntryVanished("/c/x.o vanished"), LookupError, ()),
     (E.LinkError("cc failed", "/c/x.o"), RuntimeError, ("obj",)),
     (E.ManifestError(["m.toml: a", "m.toml: b"]), ValueError, ("problems",)),

@@ -529,3 +529,61 @@ def test_other_ray_init_failures_are_not_retried(listening, form, error):
         cluster.connect(fake, form.format(port=listening), num_cpus=None, runtime_env={})
     assert fake.inits == 1 and fake.shutdowns == 0
     assert "attempts" not in str(ei.value)
+
+
+def test_awaited_keys_take_no_worker_slot_nor_a_place_in_the_window(tmp_path):
+    """Keys another process holds the lock of are awaited: no worker slot (the display's
+    rows), not in the submit window (jobs + 2), not in the workers' busy time."""
+    cfgs = [_cfg(b) for b in (32, 64, 128, 256, 512)]
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    tasks = planning.plan(cfgs, store)
+    keys = [t.cfg.key for t in tasks]  # no known times: manifest order
+    ex = ScriptedExecutor(
+        [
+            [Event(STARTED, keys[i], t_start=1000.0, awaited=True) for i in range(3)],
+            [Event(STARTED, keys[3], pid=7, t_start=1000.0)],
+            [Event(DONE, k, t_start=1000.0) for k in keys[:3]]
+            + [Event(DONE, keys[3], pid=7, compiled=True, wall_s=1.0)],
+            [Event(STARTED, keys[4], pid=7), Event(DONE, keys[4], pid=7, compiled=True, wall_s=1.0)],
+        ],
+        jobs=1,
+    )
+    rep = Recorder()
+    res = scheduler.BuildSession(
+        tasks, store, scheduler.BuildOptions(jobs=1, reporter=rep, executor=ex, order="given")
+    ).run()
+    # the window (3) was full of awaited keys after the first poll: the next two went out anyway
+    assert ex.submitted == keys and not ex.script
+    assert [slot for _, slot in rep.started_lanes] == [-1, -1, -1, 0, 0]
+    assert res.count(results.SHARED) == 3 and res.count(results.COMPILED) == 2
+    assert [t.awaited for t in res.tasks] == [True, True, True, False, False]
+    assert res.busy_s == 2.0  # the two compiles; not the three waits
+    assert [k.get("awaited") for k in res.to_json()["keys"]] == [True, True, True, None, None]
+
+
+def test_live_display_shows_a_key_awaited_on_another_process_lock():
+    import io
+    import time
+
+    from rich.console import Console
+
+    from quack_build.build import progress
+
+    con = Console(file=io.StringIO(), force_terminal=True, width=240)
+    rep = progress.LiveReporter(con)
+    a, b = results.Task(_cfg(64)), results.Task(_cfg(128))
+    rep.planned([a, b], [a, b], 1)
+    try:
+        a.awaited, a.start, a.slot = True, time.time(), -1
+        b.start, b.slot = time.time(), 0
+        rep.started(a)
+        rep.started(b)
+        assert rep.live is not None
+        out = Console(file=io.StringIO(), width=400)
+        out.print(rep.live.get_renderable())
+        text = out.file.getvalue()
+    finally:
+        rep.close()
+    rows = text.splitlines()[1:]
+    assert [r.split()[0] for r in rows] == ["worker", "waiting"], text  # not a worker's row
+    assert f"{a.cfg.label()}: another process holds its lock" in text, text

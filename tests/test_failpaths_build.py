@@ -8,6 +8,7 @@ never exits) fails here instead of stalling CI."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -89,6 +90,52 @@ def test_full_disk_build_ends(tmp_path, obj):
         res = json.loads(r.stdout)
         assert res["failed"] >= 1 and res["compiled"] + res["failed"] + res["not_built"] == N
         assert "disk full" in r.stderr, r.stderr
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
+def _fill(d: Path) -> None:
+    """Take every byte left on d's file system (a tmpfs the test mounted)."""
+    fd = os.open(d / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:  # ends: the mount has 96 KiB
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not can_mount(), reason="needs root with mount (a real tmpfs)")
+def test_full_disk_keys_are_reported_as_not_stored_not_as_compile_failures(tmp_path, obj):
+    """Keys that compiled but did not fit in the cache are "failed to store", apart from
+    compile failures; the summary points at the build log only when it holds something
+    (its own writes fail on the full disk: it pointed at a 0-byte log)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96k,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        proj = _project(tmp_path / "proj", n=12)
+        r = _build(proj, mnt / "cache", obj, "--jobs", "1", "--keep-going", fail={3})
+        assert r.returncode == 1, r.stdout + r.stderr
+        res = json.loads(r.stdout)
+        failure = {k["params"]["i"]: k.get("failure") for k in res["keys"] if k["status"] == "failed"}
+        assert failure[3] == "compile" and list(failure.values()).count("store") >= 1, failure
+        assert res["failed_to_store"] == len(failure) - 1
+        assert "1 configuration failed to compile:" in r.stderr, r.stderr
+        assert f"{res['failed_to_store']} configuration" in r.stderr
+        assert "compiled but failed to store:" in r.stderr and "disk full" in r.stderr
+
+        _fill(mnt)  # now the build log cannot be written either
+        r = _build(proj, mnt / "cache", obj, "--jobs", "1", "--keep-going", fail=())
+        assert r.returncode == 1, r.stdout + r.stderr
+        res = json.loads(r.stdout)
+        assert res["failed"] == res["failed_to_store"] >= 1, res
+        assert "failed to compile" not in r.stderr and "compiled but failed to store:" in r.stderr
+        empty = [p for p in (mnt / "cache" / "logs").iterdir() if p.stat().st_size == 0]
+        assert empty, "the log was written: the disk was not full"
+        assert not any(str(p) in r.stderr for p in empty), r.stderr
+        assert "full compiler output" not in r.stderr and "full error text" not in r.stderr
     finally:
         subprocess.run(["umount", str(mnt)], capture_output=True)
 

@@ -163,6 +163,57 @@ def test_stopped_lock_holder(objs, tmp_path):
     assert hr["pid"] not in pids
 
 
+_HELD_WAITER = r"""
+import json, warnings
+warnings.simplefilter("always")
+import relkernels
+from quack.compile import pool
+from quack.errors import CacheWarning
+with warnings.catch_warnings(record=True) as w:
+    fn = relkernels.rel_copy(5)
+st = pool.default_pool().stats()
+print(json.dumps({"how": relkernels.rel_copy.usage()[0]["how"], "value": fn(),
+                  "awaited": st["awaited_external"], "timeouts": st["timeouts"],
+                  "compiled": st["compiled"],
+                  "warnings": [str(x.message) for x in w if issubclass(x.category, CacheWarning)]}))
+"""
+
+
+def test_runtime_wait_on_a_held_lock_is_bounded_by_lock_timeout(objs, tmp_path):
+    """A runtime miss whose key another process holds (stopped mid-compile, never
+    publishing) waits lock_timeout (QUACK_LOCK_TIMEOUT), not compile_timeout, then
+    compiles in this process, unstored, with one warning."""
+    root, counter = tmp_path / "cache", tmp_path / "compiles"
+    ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter)
+    holder = spawn(_HOLDER, root, objs["float32"]["path"], 5, 3600, **ex)
+    assert holder.stdout.readline().strip() == "locked"
+    waiter = None
+    try:
+        waiter = spawn(
+            _HELD_WAITER,
+            QUACK_CACHE_DIR=root,
+            QUACK_ARCH="sm_90a",
+            QUACK_MODE="jit",
+            QUACK_LOCK_TIMEOUT=1,
+            QUACK_COMPILE_TIMEOUT=900,  # the old bound: the waiter sat here 15 minutes
+            QUACK_COMPILE_JOBS=1,
+            **ex,
+        )
+        r = finish(waiter, timeout=120)
+    finally:
+        for p in (holder, waiter):
+            if p is not None:
+                p.kill()
+                p.wait(30)
+    assert r["how"] == "jit" and r["value"] == 5, r  # ran, uncached
+    assert (r["awaited"], r["timeouts"], r["compiled"]) == (1, 1, 0), r
+    assert len(r["warnings"]) == 1, r["warnings"]
+    assert "past lock_timeout: QUACK_LOCK_TIMEOUT" in r["warnings"][0], r["warnings"]
+    assert "compiling rel_copy key" in r["warnings"][0] and "in this process" in r["warnings"][0]
+    assert [i for _, i in counted(counter)] == [5]  # one compile: the waiter's own, in-process
+    assert not DiskStore(root).paths(rel_ref(5))["meta"].exists(), "published under a held lock"
+
+
 def test_killed_lock_holder_next_waiter_proceeds_at_once(objs, tmp_path):
     root, counter = tmp_path / "cache", tmp_path / "compiles"
     ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter)

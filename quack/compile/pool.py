@@ -173,6 +173,12 @@ class CompilePool:
                 elif got is not None:
                     task.external_lock, task.obj_meta = got[1]
                     task.started = time.monotonic()
+                    # Waiting on another process's lock is bounded by lock_timeout (what
+                    # QUACK_LOCK_TIMEOUT sets and the docs promise), not by compile_timeout:
+                    # with the latter a holder stopped mid-compile kept a runtime miss waiting
+                    # 900 s whatever QUACK_LOCK_TIMEOUT said. A smaller time-out of the task's
+                    # own still bounds it.
+                    task.timeout = min(task.timeout, s.lock_timeout)
                     self.counts["awaited_external"] += 1
                     log.info(
                         "pool: %s %s is being compiled by another process; awaiting it", spec.name, key[:16]

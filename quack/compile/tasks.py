@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import signal
 import time
 
 from quack.compile import claims
 from quack.compile.worker import WorkerRequest
-from quack.errors import CompileError
+from quack.errors import CompileError, WorkerDied
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
 log = logging.getLogger("quack.pool")
@@ -94,22 +93,8 @@ class Task:
 
 
 # -- a task the pool could not finish ----------------------------------------------------------
-def worker_died_error(task: Task, exitcode) -> CompileError:
-    if exitcode is not None and exitcode < 0:
-        try:
-            how = f"killed by {signal.Signals(-exitcode).name}"
-        except ValueError:
-            how = f"killed by signal {-exitcode}"
-    else:
-        how = f"exited with status {exitcode}"
-    return CompileError(
-        task.kernel,
-        task.params,
-        task.arch,
-        f"compile worker pid {task.pid} {how} while compiling key {task.key[:16]} "
-        f"(crash, out of memory, or killed); the pool replaced it",
-        transient=True,
-    )
+def worker_died_error(task: Task, exitcode) -> WorkerDied:
+    return WorkerDied(task.kernel, task.params, task.arch, task.key, task.pid, exitcode)
 
 
 def cancelled_error(task: Task) -> CompileError:

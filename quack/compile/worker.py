@@ -116,10 +116,29 @@ def _worker_main(conn) -> None:
         finally:
             if lock_fd is not None:
                 os.close(lock_fd)  # the key's lock, released after the publish (or the failure)
-        try:
-            conn.send(result)
-        except Exception:  # noqa: BLE001 - unpicklable result: send text instead
-            conn.send(("err", CompileError("?", {}, "?", repr(result[1])[:4000])))
+        if not _answer(conn, result):
+            return
+
+
+def _answer(conn, result) -> bool:
+    """Send a task's result to the pool; False when the pool is gone (its process died:
+    the pipe is broken). Then the worker just ends: what it built is published already
+    (under the key's lock, which it held to the end), a failure left nothing partial, and
+    nobody is left to tell. Before, the send raised BrokenPipeError, the fall-back send
+    for an unpicklable result raised it again, and every worker of a killed build printed
+    two chained tracebacks into the build's output."""
+    try:
+        conn.send(result)
+        return True
+    except OSError:  # BrokenPipeError, ConnectionResetError: the other end is gone
+        return False
+    except Exception:  # noqa: BLE001 - an unpicklable result: send it as text instead
+        pass
+    try:
+        conn.send(("err", CompileError("?", {}, "?", repr(result[1])[:4000])))
+        return True
+    except OSError:
+        return False
 
 
 # -- spawning without re-running the user's script ---------------------------------------

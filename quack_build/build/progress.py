@@ -30,6 +30,11 @@ def _err_line(t: Task) -> str:
     return t.error or "failed"  # the compiler's first error line (scheduler._first_line)
 
 
+# The line for a key another process holds the lock of: without it a build whose keys
+# another build was compiling showed nothing for as long as it waited (90 s seen).
+AWAITED = "another process holds its lock (a build or test compiling it); waiting for its entry"
+
+
 def _fmt_s(s: float | None) -> str:
     if s is None:
         return "?"
@@ -94,7 +99,9 @@ class PlainReporter(_Base):
                     self.note(f"[{'-' * self.width}/{self.total}] cached    {t.cfg.label()}")
 
     def started(self, task):
-        if self.verbose:
+        if task.awaited:  # always: the build may wait here for minutes (lock_timeout)
+            self.note(f"[{'.' * self.width}/{self.total}] waiting   {task.cfg.label()}  {AWAITED}")
+        elif self.verbose:
             self.note(f"[{'.' * self.width}/{self.total}] start     {task.cfg.label()}")
 
     def finished(self, t: Task):
@@ -105,9 +112,10 @@ class PlainReporter(_Base):
             self.note(f"{n} FAILED    {t.cfg.label()}  {t.wall_s:.2f}s: {_err_line(t)}")
         else:
             word = "compiled " if t.status == COMPILED else "cached*  "
+            who = "another process" if t.awaited else t.lane or f"worker {t.pid}"
             self.note(
                 f"{n} {word} {t.cfg.label()}  {t.compile_s if t.status == COMPILED else t.wall_s:.2f}s "
-                f"({t.lane or f'worker {t.pid}'})"
+                f"({who})"
             )
 
 
@@ -117,6 +125,7 @@ class LiveReporter(_Base):
     def __init__(self, console: Console, verbose: bool = False):
         super().__init__(console, verbose)
         self.running: dict[int, Task] = {}
+        self.waiting: dict[str, Task] = {}  # by key: awaited on another process's lock
         self.live: Live | None = None
 
     def planned(self, tasks, todo, jobs):
@@ -132,11 +141,20 @@ class LiveReporter(_Base):
             self.live.start()
 
     def started(self, task):
-        self.running[task.slot] = task
+        # A key started again (retried on a new worker, or compiled here after another
+        # process let go of it) leaves its old row.
+        self.waiting.pop(task.cfg.key, None)
+        for slot in [s for s, t in self.running.items() if t is task]:
+            del self.running[slot]
+        if task.awaited:
+            self.waiting[task.cfg.key] = task
+        else:
+            self.running[task.slot] = task
 
     def finished(self, t: Task):
         self.done += 1
         self.running.pop(t.slot, None)
+        self.waiting.pop(t.cfg.key, None)
         if t.status == FAILED:
             self.failed.append(t)
             self.console.print(f"[red]FAILED[/] {escape(t.cfg.label())}: {escape(_err_line(t))}")
@@ -166,6 +184,12 @@ class LiveReporter(_Base):
                 Text(f"  worker {slot + 1:>2}", style="dim"),
                 Text(t.cfg.label(), overflow="ellipsis", no_wrap=True),
                 Text(_fmt_s(now - t.start), style="cyan"),
+            )
+        for t in self.waiting.values():
+            rows.add_row(
+                Text("  waiting  ", style="yellow"),
+                Text(f"{t.cfg.label()}: {AWAITED}", overflow="ellipsis", no_wrap=True),
+                Text(_fmt_s(now - t.start), style="yellow"),
             )
         return Group(head, rows)
 
@@ -203,7 +227,13 @@ def summary_table(res: BuildResult) -> Table:
         "cached",
         str(res.count(CACHED) + shared) + (f" ({shared} built by another process)" if shared else ""),
     )
-    tbl.add_row("failed", f"[red]{failed}[/]" if failed else "0")
+    stored = sum(1 for t in res.tasks if t.status == FAILED and t.failure == "store")
+    tbl.add_row(
+        "failed",
+        (f"[red]{failed}[/]" + (f" ({stored} compiled, failed to store)" if stored else ""))
+        if failed
+        else "0",
+    )
     if not_built:
         tbl.add_row("not built", f"[yellow]{not_built}[/]")
     if res.remote_url:
@@ -236,6 +266,20 @@ def summary_table(res: BuildResult) -> Table:
     return tbl
 
 
+def _print_failed(console: Console, failed: list[Task], what: str) -> None:
+    if not failed:
+        return
+    console.print(f"[red bold]{len(failed)} configuration{'s' if len(failed) != 1 else ''} {what}:[/]")
+    for t in failed[:20]:
+        console.print(
+            f"  [red]x[/] {escape(t.cfg.label())}  (key {t.cfg.key[:16]})\n      {escape(_err_line(t))}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    if len(failed) > 20:
+        console.print(f"  ... and {len(failed) - 20} more")
+
+
 def print_summary(console: Console, res: BuildResult) -> None:
     console.print(summary_table(res))
     if res.pool_start_s:
@@ -251,20 +295,18 @@ def print_summary(console: Console, res: BuildResult) -> None:
             f"{what}: {res.pool_start_s:.1f}s{pre}; compile phase {res.compile_wall_s:.1f}s", markup=False
         )
     failed = [t for t in res.tasks if t.status == FAILED]
-    if failed:
-        console.print(
-            f"[red bold]{len(failed)} configuration{'s' if len(failed) != 1 else ''} failed to compile:[/]"
-        )
-        for t in failed[:20]:
-            console.print(
-                f"  [red]x[/] {escape(t.cfg.label())}  (key {t.cfg.key[:16]})\n      {escape(_err_line(t))}",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if len(failed) > 20:
-            console.print(f"  ... and {len(failed) - 20} more")
-        if res.log_path:
-            console.print(f"full compiler output: {escape(res.log_path)}", highlight=False)
+    # A key the cache could not take (disk full, read-only) compiled: "failed to compile"
+    # sent readers to the kernel's code for what the cache's disk did.
+    _print_failed(console, [t for t in failed if t.failure not in ("store", "lock")], "failed to compile")
+    _print_failed(console, [t for t in failed if t.failure == "store"], "compiled but failed to store")
+    _print_failed(
+        console,
+        [t for t in failed if t.failure == "lock"],
+        "not built: another process held the lock past lock_timeout",
+    )
+    if failed and res.log_path:  # only a log that holds something (failures.log_with_content)
+        what = "full compiler output" if any(t.failure == "compile" for t in failed) else "full error text"
+        console.print(f"{what}: {escape(res.log_path)}", highlight=False)
     skipped = [t for t in res.tasks if t.status == SKIPPED]
     if skipped and not res.interrupted:
         console.print(

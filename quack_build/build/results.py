@@ -35,6 +35,11 @@ class Task:
     error: str = ""
     detail: str = ""
     lane: str = ""  # the worker's name in the trace and display ("" = by pid)
+    awaited: bool = False  # another process held its lock: this build waited, no worker of it ran
+    # A FAILED key's cause: "compile" (the kernel), "store" (it compiled; the cache could not
+    # take the object: disk full, read-only), "lock" (another process held its lock past
+    # lock_timeout); the summary reports each apart.
+    failure: str = ""
     pushed: str = ""  # after a compile, with a remote: pushed / exists / failed / off
 
     def to_json(self) -> dict:
@@ -53,6 +58,10 @@ class Task:
                 d["lane"] = self.lane
         if self.est_s is not None and self.status not in (CACHED,):
             d["estimate_s"] = round(self.est_s, 3)
+        if self.awaited:
+            d["awaited"] = True
+        if self.failure:
+            d["failure"] = self.failure
         if self.error:
             d["error"] = self.error
         return d
@@ -117,13 +126,17 @@ class BuildResult:
 
     @property
     def busy_s(self) -> float:
-        return sum(t.wall_s for t in self.tasks if t.status in (COMPILED, SHARED, FAILED))
+        """Seconds this build's workers spent on keys. Not the keys awaited on another
+        process's lock: no worker of this build ran them, and counted they made a build
+        that waited on another report "parallel efficiency 150% of 2 workers"."""
+        return sum(t.wall_s for t in self.tasks if t.status in (COMPILED, SHARED, FAILED) and not t.awaited)
 
     @property
     def efficiency(self) -> float | None:
         """Busy worker time over jobs x (first compile start .. last compile end): the
-        pool's one-time start-up (forkserver import + warm-up) is reported apart."""
-        if self.compile_wall_s <= 0 or self.jobs <= 0:
+        pool's one-time start-up (forkserver import + warm-up) is reported apart. None
+        when no worker of this build ran a key (all cached, or all awaited elsewhere)."""
+        if self.compile_wall_s <= 0 or self.jobs <= 0 or self.busy_s <= 0:
             return None
         return self.busy_s / (self.jobs * self.compile_wall_s)
 
@@ -146,6 +159,7 @@ class BuildResult:
             "compiled": compiled,
             "cached_by_other": self.count(SHARED),
             "failed": self.count(FAILED),
+            "failed_to_store": sum(1 for t in self.tasks if t.status == FAILED and t.failure == "store"),
             "not_built": self.count(SKIPPED) + self.count(INTERRUPTED),
             "interrupted": self.interrupted,
             "jobs": self.jobs,

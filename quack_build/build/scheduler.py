@@ -16,7 +16,6 @@ forkserver (cutlass imported and one compile done there) and run
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +24,7 @@ from quack.cache import journal, orphans
 from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import PreloadError
-from quack_build.build import interrupts
+from quack_build.build import failures, interrupts
 from quack_build.build.executors.base import DONE, NOTE, STARTED, Event, Executor, WorkItem
 from quack_build.build.plan import order_longest_first, past_compile_times
 from quack_build.build.results import (
@@ -209,7 +208,11 @@ class BuildSession:
 
     def _submit_window(self) -> None:
         window = self.jobs + 2
-        while self.queue and not self.stop and len(self.inflight) < window:
+        # A key awaited on another process's lock occupies no worker: counted in the window,
+        # a few such keys (another build compiling them) left this build's workers idle.
+        busy = sum(1 for t in self.inflight.values() if not t.awaited)
+        while self.queue and not self.stop and busy < window:
+            busy += 1
             t = self.queue.pop()
             t.status = "queued"
             self.inflight[t.cfg.key] = t
@@ -256,7 +259,9 @@ class BuildSession:
         t.start = ev.t_start or now_w
         t.pid = ev.pid
         t.lane = ev.lane
-        t.slot = self.slots.pop() if self.slots else -1
+        t.awaited = ev.awaited
+        # An awaited key (another process holds its lock) takes no worker's slot in the display.
+        t.slot = self.slots.pop() if self.slots and not ev.awaited else -1
         self.rep.started(t)
 
     def _on_done(self, t: Task, ev: Event, now_w: float) -> None:
@@ -275,9 +280,12 @@ class BuildSession:
         t.status = FAILED
         t.end = now_w
         t.wall_s = max(0.0, t.end - t.start)
-        t.error = _first_line(err)
+        t.error = failures.first_line(err)
+        # The cache could not take the object (disk full, read-only): the key compiled, the
+        # store failed; the summary says so instead of counting it as a compile failure.
+        t.failure = failures.cause(err)
         t.detail = getattr(err, "detail", None) or str(err)
-        self.log_path = _log_failure(self.opts.log_dir, self.log_path, t)
+        self.log_path = failures.log_failure(self.opts.log_dir, self.log_path, t)
         # A preload that fails to import fails every key a worker gets: stop
         # even with --keep-going (nothing can compile).
         if not self.opts.keep_going or isinstance(err, PreloadError):
@@ -301,14 +309,20 @@ class BuildSession:
     def _fill_result(self, res: BuildResult, t_compile: float) -> None:
         """The compile phase's timings and the executor's figures; what never ran is skipped."""
         ex = self.ex
-        ran = [t for t in self.tasks if t.start and t.end and t.status in (COMPILED, SHARED, FAILED)]
+        # Keys awaited on another process's lock ran on no worker of this build: they start
+        # at once (their "start" is the submit), which put the first start before the pool's.
+        ran = [
+            t
+            for t in self.tasks
+            if t.start and t.end and t.status in (COMPILED, SHARED, FAILED) and not t.awaited
+        ]
         if ran:
             first_start = min(t.start for t in ran)
             res.compile_wall_s = max(t.end for t in ran) - first_start
             res.pool_start_s = max(0.0, first_start - t_compile)
         else:
             res.compile_wall_s = time.time() - t_compile
-        res.log_path = str(self.log_path) if self.log_path else ""
+        res.log_path = failures.log_with_content(self.log_path)
         res.executor = ex.name
         res.preload = tuple(self.settings.preload)
         res.preload_s = float(getattr(ex, "preload_s", 0.0) or 0.0)
@@ -364,19 +378,6 @@ def _remote_done(res: BuildResult, remote) -> None:
         res.remote_offline = remote.offline
 
 
-def _first_line(err) -> str:
-    """The failure's one line: the compiler's own first error (not CuTe's closing advice,
-    no ANSI codes); the full text goes to the build log."""
-    from quack.compile.diagnostics import first_error_line
-
-    if err is None:
-        return "failed"
-    detail = getattr(err, "detail", None)
-    if detail:
-        return first_error_line(str(detail))
-    return first_error_line(f"{type(err).__name__}: {err}")
-
-
 def _missing(tasks: list[Task], store: DiskStore) -> list[str]:
     """Keys not in the cache after the build (exit 0 only if none)."""
     out = []
@@ -387,18 +388,3 @@ def _missing(tasks: list[Task], store: DiskStore) -> list[str]:
         if store.lookup(builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)) is None:
             out.append(t.cfg.key)
     return out
-
-
-def _log_failure(log_dir: Path | None, log_path: Path | None, t: Task) -> Path | None:
-    """Append a failed compile's full error text to this build's log file."""
-    if log_dir is None:
-        return log_path
-    try:
-        if log_path is None:
-            log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            log_path = log_dir / time.strftime(f"build-%Y%m%d-%H%M%S-{os.getpid()}.log")
-        with open(log_path, "a", encoding="utf-8") as f:
-            f.write(f"=== {t.cfg.label()}  key {t.cfg.key}\n--- {t.error}\n{t.detail}\n\n")
-    except OSError:
-        return log_path
-    return log_path

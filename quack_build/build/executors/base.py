@@ -33,7 +33,10 @@ class Event:
     """What happened to a key (or, for NOTE, a line for the display).
 
     STARTED: a worker took the key (``lane`` names the worker for the display and the
-    trace, ``pid`` its process id, ``t_start`` wall-clock seconds).
+    trace, ``pid`` its process id, ``t_start`` wall-clock seconds); ``awaited``: no
+    worker took it, another process holds its lock and the executor waits for that
+    process's entry (no worker of this build is busy with it). A key awaited and then
+    released unpublished is compiled here after all: a second STARTED, not awaited.
     DONE: the entry is published in the cache; ``compiled`` False when another
     process published it first. FAILED: ``error`` is the real error (a CompileError
     with the compiler's text, a CompileTimeout, an ExecutorError)."""
@@ -49,6 +52,7 @@ class Event:
     wall_s: float = 0.0  # the worker's own measure of the key (0: unknown)
     error: BaseException | None = None
     text: str = ""
+    awaited: bool = False
 
 
 class Executor(Protocol):
