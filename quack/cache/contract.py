@@ -67,9 +67,11 @@ class Store(Protocol):
     - ``paths(ref)``: {"obj", "meta", "so", "so_meta", "lock"} -> Path, nothing
       created. Raises CacheError if a path would leave the root.
     - ``writable()``: can this process publish here? Never raises.
-    - ``lookup(ref)``: a verified Entry or None. A corrupt entry is quarantined
-      with one CacheWarning and is a miss. Raises CacheError only for an unsafe
-      root (symlinked, foreign-owned, world-writable).
+    - ``lookup(ref, locked=False)``: a verified Entry or None. A corrupt entry is
+      quarantined with one CacheWarning and is a miss; an entry being republished is
+      awaited on its lock (the old or the new one, never a gap). ``locked``: the
+      caller holds the key's lock already (never taken again). Raises CacheError only
+      for an unsafe root (symlinked, foreign-owned, world-writable) or a planted lock.
     - ``inspect(ref)``: an Inspection; read-only (never quarantines, never
       takes a lock). Raises CacheError for an unsafe root, like lookup.
     - ``lock(ref, timeout)``: a context manager holding the key's lock. Raises
@@ -98,7 +100,7 @@ class Store(Protocol):
 
     def writable(self) -> bool: ...
 
-    def lookup(self, ref: EntryRef) -> Entry | None: ...
+    def lookup(self, ref: EntryRef, *, locked: bool = False) -> Entry | None: ...
 
     def inspect(self, ref: EntryRef) -> Inspection: ...
 

@@ -173,8 +173,14 @@ def ensure_dir(path: Path, root: Path) -> Path:
 
 
 def read_nofollow(path: Path) -> bytes:
-    """Read a regular file without following a symlink at the last component."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    """Read a regular file without following a symlink at the last component.
+    Anything else (a FIFO, a device, a socket) raises OSError "not a regular file"."""
+    # O_NONBLOCK: opening a FIFO planted in the cache would otherwise wait for a writer
+    # forever (the runtime, quack build and quack verify all hung on one); with it the
+    # open returns at once and the S_ISREG check below refuses it. O_NOCTTY: a terminal
+    # device planted there must not become our controlling terminal.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0)
+    fd = os.open(path, flags)
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -21,8 +22,8 @@ from typing import TYPE_CHECKING, Iterator
 
 from quack.cache import fsutil, keys, locks, orphans
 from quack.cache.entry import Entry, EntryRef
-from quack.cache.problems import write_error
-from quack.errors import CacheError, CacheWarning, LockTimeout
+from quack.cache.problems import warn_once, write_error
+from quack.errors import CacheError, CacheWarning, CacheWriteError, LockTimeout
 
 if TYPE_CHECKING:
     from quack.cache.contract import Inspection
@@ -101,45 +102,58 @@ class DiskStore:
         return os.access(p, os.W_OK) and not _read_only_fs(p)
 
     # -- reading ---------------------------------------------------------------
-    def lookup(self, ref: EntryRef) -> Entry | None:
+    def lookup(self, ref: EntryRef, *, locked: bool = False) -> Entry | None:
+        """The verified entry at ``ref``, or None (a miss). A corrupt entry is moved to
+        quarantine with one CacheWarning. ``locked``: the caller holds the key's lock (an
+        flock is per open file: taking it again here would wait on the caller)."""
         self.check_root()
         p = self.paths(ref)
         # No symlinked or planted component between the root and the entry (raises
         # CacheError); a missing directory is a plain miss.
         if not fsutil.check_tree(p["obj"].parent, self.root):
             return None
+        problem, meta = self._read(ref, p)
+        if problem == "":
+            return self._entry(p, ref, meta)
+        if problem is None and (locked or not os.path.lexists(p["obj"])):
+            return None  # not built: the common miss, decided without the lock
+        if locked:
+            return self._bad(ref, problem or "")
+        # Check, lock, check again. A .o without metadata is a publish in progress
+        # (publish removes the old metadata before renaming the new .o in: a reader
+        # that took it for a miss got KernelNotPrebuilt during `quack build --force`)
+        # or an interrupted one's debris; a problem may be a rebuild swapping files
+        # between our reads. The publisher holds the lock: wait for it, look again.
         try:
-            meta_bytes = fsutil.read_nofollow(p["meta"])
-        except FileNotFoundError:
-            return None  # not built (or publish interrupted before metadata: debris, a miss)
-        except OSError as e:
-            return self._bad(ref, f"metadata unreadable ({e})")
-        problem, meta = self._check(ref, meta_bytes, p["obj"])
-        if problem:
-            # Check, lock, check again: a concurrent rebuild may have swapped files
-            # between our two reads; only quarantine what is wrong under the lock.
-            try:
-                with self.lock(ref, timeout=min(self.lock_timeout, 10.0)):
-                    try:
-                        meta_bytes = fsutil.read_nofollow(p["meta"])
-                    except FileNotFoundError:
-                        return None
-                    except OSError as e:
-                        meta_bytes = b""
-                        problem = f"metadata unreadable ({e})"
-                    if meta_bytes:
-                        problem, meta = self._check(ref, meta_bytes, p["obj"])
-                    if problem:
-                        return self._bad(ref, problem)
-            except LockTimeout:
+            with self.lock(ref, timeout=min(self.lock_timeout, 10.0)):
+                problem, meta = self._read(ref, p)
+                if problem:
+                    return self._bad(ref, problem)
+                return None if problem is None else self._entry(p, ref, meta)
+        except LockTimeout:
+            if problem:
                 warnings.warn(
                     f"quack: cache entry {ref.kernel} key {ref.key[:16]} looks corrupt "
-                    f"({problem}) and its lock is held; not using it (it will be recompiled)",
+                    f"({problem}) and its lock is held; not using it (treated as a miss)",
                     CacheWarning,
                     stacklevel=3,
                 )
-                return None
-        return Entry(ref, meta, p["obj"], self._verified_so(p, meta))
+            return None
+        except CacheWriteError:  # no lock can be taken (a read-only cache): what we read stands
+            return self._bad(ref, problem) if problem else None
+
+    def _read(self, ref: EntryRef, p: dict[str, Path]) -> tuple[str | None, dict]:
+        """(problem, metadata) of the files now: problem "" if valid, None if no metadata."""
+        try:
+            meta_bytes = fsutil.read_nofollow(p["meta"])
+        except FileNotFoundError:
+            return None, {}
+        except OSError as e:  # unreadable, or not a regular file (a planted FIFO)
+            return f"metadata unreadable ({e})", {}
+        return self._check(ref, meta_bytes, p["obj"])
+
+    def _entry(self, p: dict[str, Path], ref: EntryRef, meta: dict) -> Entry:
+        return Entry(ref, meta, p["obj"], self._verified_so(p, meta.get("sha256"), warn=True))
 
     def inspect(self, ref: EntryRef) -> Inspection:
         """Check one entry without changing anything (``quack verify``): no
@@ -150,16 +164,12 @@ class DiskStore:
         p = self.paths(ref)
         if not fsutil.check_tree(p["obj"].parent, self.root):
             return Inspection(MISSING, "", {}, p["obj"])
-        try:
-            meta_bytes = fsutil.read_nofollow(p["meta"])
-        except FileNotFoundError:
+        problem, meta = self._read(ref, p)
+        if problem is None:
             return Inspection(MISSING, "", {}, p["obj"])
-        except OSError as e:
-            return Inspection(CORRUPT, f"metadata unreadable: {e}", {}, p["obj"])
-        problem, meta = self._check(ref, meta_bytes, p["obj"])
         if problem:
             return Inspection(CORRUPT, problem, meta, p["obj"])
-        return Inspection(OK, "", meta, p["obj"], self._verified_so(p, meta))
+        return Inspection(OK, "", meta, p["obj"], self._verified_so(p, meta.get("sha256")))
 
     def derived_so(self, ref: EntryRef, o_sha256: str) -> Path | None:
         """A verified .so at ``ref``'s place linked from an object with digest ``o_sha256``
@@ -170,7 +180,7 @@ class DiskStore:
                 return None
         except (CacheError, OSError):
             return None
-        return self._verified_so(self.paths(ref), {"sha256": o_sha256})
+        return self._verified_so(self.paths(ref), o_sha256, warn=True)
 
     def _check(self, ref: EntryRef, meta_bytes: bytes, obj: Path) -> tuple[str, dict]:
         try:
@@ -184,6 +194,10 @@ class DiskStore:
             ("key", ref.key),
             ("kernel", ref.kernel),
             ("arch", ref.arch),
+            # A stale fingerprint or toolchain directory copied or synced over the
+            # current one: same key, other sources or toolchain. It loaded as current.
+            ("srcfp", ref.srcfp),
+            ("stamp", ref.stamp),
         ):
             if meta.get(field) != want:
                 return f"metadata {field}={meta.get(field)!r}, expected {want!r} (foreign entry)", meta
@@ -199,17 +213,37 @@ class DiskStore:
             return "object file checksum mismatch (corrupt or swapped)", meta
         return "", meta
 
-    def _verified_so(self, p: dict[str, Path], meta: dict) -> Path | None:
-        try:
+    def _verified_so(self, p: dict[str, Path], o_sha256, *, warn: bool = False) -> Path | None:
+        """The .so if its sidecar ties it to the .o digest ``o_sha256`` and its bytes match,
+        else None (the loader relinks it). Absent or stale is silent; damaged (truncated,
+        tampered, planted) is one CacheWarning if ``warn``: it used to go unsaid."""
+        try:  # the sidecar first: a .so it names was renamed in before it was written
             side = json.loads(fsutil.read_nofollow(p["so_meta"]))
             data = fsutil.read_nofollow(p["so"])
-        except (OSError, ValueError):
+        except FileNotFoundError:
             return None
-        if side.get("o_sha256") != meta.get("sha256") or hashlib.sha256(data).hexdigest() != side.get(
-            "sha256"
-        ):
-            return None  # stale or damaged derived file: relinked from the verified .o
-        return p["so"]
+        except OSError as e:  # planted: a FIFO, a symlink (ELOOP under O_NOFOLLOW); unreadable
+            what = "a symbolic link (never followed)" if e.errno == errno.ELOOP else e.strerror or e
+            problem = f"{what}: {e.filename}"
+        except ValueError as e:
+            problem = f"{p['so_meta']} is not valid JSON ({e})"
+        else:
+            if not isinstance(side, dict):
+                problem = f"{p['so_meta']} is not a JSON object"
+            elif side.get("o_sha256") != o_sha256:
+                return None  # stale
+            elif hashlib.sha256(data).hexdigest() != side.get("sha256"):
+                problem = f"its checksum does not match {p['so_meta'].name}: truncated or tampered"
+            else:
+                return p["so"]
+        if warn:  # once: quack build looks an entry up twice (plan, then report)
+            warn_once(
+                f"damaged-so:{p['so']}:{problem}",
+                f"quack: the linked kernel {p['so']} is damaged ({problem}); not loading it: "
+                f"it is linked again from its verified .o when the kernel loads",
+                stacklevel=5,
+            )
+        return None
 
     def _bad(self, ref: EntryRef, reason: str) -> Entry | None:
         try:
@@ -218,7 +252,7 @@ class DiskStore:
             where = f"could not be moved aside ({e})"
         warnings.warn(
             f"quack: cache entry {ref.kernel} key {ref.key[:16]} was corrupt ({reason}); "
-            f"{where} and it will be recompiled",
+            f"{where}; treated as a miss (quack build, or a call in jit mode, rebuilds it)",
             CacheWarning,
             stacklevel=3,
         )

@@ -129,14 +129,14 @@ def build(
     CacheWriteError (disk full / read-only: names the cache; nothing partial left)."""
     ref = entry_ref(spec, params, arch)
     if not force:
-        e = store.lookup(ref)
+        e = store.lookup(ref, locked=lock_held)
         if e is not None:
             return e, False
     # lock_held: the caller holds the key's lock already (a pool worker given the pool's
     # claim, quack.compile.claims); taking it again from here would wait on ourselves
     with contextlib.nullcontext() if lock_held else store.lock(ref, timeout=lock_timeout):
         if not force:
-            e = store.lookup(ref)
+            e = store.lookup(ref, locked=True)
             if e is not None:
                 return e, False
         tmp = store.tmp_obj(ref)

@@ -15,14 +15,21 @@ PUBLISHED, RELEASED, TIMED_OUT = "published", "released", "timed_out"
 
 
 def lock_held(path) -> bool:
-    """Does some process hold this flock (filelock's Unix lock) right now?"""
+    """Does some process hold this flock (filelock's Unix lock) right now? False for
+    a lock file that is not a regular file (planted: no process can hold it)."""
     import fcntl
+    import stat
 
+    # O_NONBLOCK: a FIFO planted at the lock path would otherwise block this open until
+    # a writer came (quack build hung awaiting the key); opened at once, it is refused.
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = os.open(path, flags)
     except OSError:
         return False
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False  # the key's own attempt at the lock reports the planted file
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:

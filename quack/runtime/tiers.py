@@ -162,7 +162,7 @@ def store_fetched(store: Store, got: Fetched) -> Entry:
             path=str(store.root),
         )
     with store.lock(ref):
-        e = store.lookup(ref)
+        e = store.lookup(ref, locked=True)
         if e is not None:
             return e  # another process published it meanwhile
         tmp = store.tmp_obj(ref)

@@ -8,7 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from quack.cache import journal
+from quack.cache import fsutil, journal
 from quack.cache.store import LAYOUT, DiskStore
 from quack.compile import builder
 from quack_build.build.results import CACHED, Task
@@ -63,8 +63,9 @@ class PastTimes:
         best = None
         for fp in self._kernel_dirs(kernel):
             try:
-                with open(os.path.join(fp, key + ".json"), "rb") as f:
-                    v = json.loads(f.read()).get("compile_s")
+                # No-follow, non-blocking, regular files only: a FIFO planted as an old
+                # fingerprint's metadata hung `quack build` here before any compile.
+                v = json.loads(fsutil.read_nofollow(Path(fp, key + ".json"))).get("compile_s")
             except (OSError, ValueError, AttributeError):
                 continue
             if isinstance(v, (int, float)) and v > 0:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -36,9 +37,14 @@ def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
             return [f"planted in the cache: {e}"], info
         raise
     lock = store.paths(ref)["lock"]
-    if os.path.islink(lock):
+    try:
+        lock_mode = os.lstat(lock).st_mode
+    except FileNotFoundError:
+        lock_mode = stat.S_IFREG
+    if not stat.S_ISREG(lock_mode):  # a symlink, or a FIFO that used to hang the runtime
+        what = "a symbolic link (never followed)" if stat.S_ISLNK(lock_mode) else "not a regular file"
         return [
-            f"planted in the cache: the lock file {lock} is a symbolic link (never followed); "
+            f"planted in the cache: the lock file {lock} is {what}; "
             f"quack build refuses the key; quack cache clean removes it"
         ], info
     if found.status == MISSING:

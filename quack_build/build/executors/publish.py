@@ -64,7 +64,7 @@ def publish_result(
     if not item.force and store.lookup(ref) is not None:
         return False
     with store.lock(ref):
-        if not item.force and store.lookup(ref) is not None:
+        if not item.force and store.lookup(ref, locked=True) is not None:
             return False
         tmp = store.tmp_obj(ref)
         try:
