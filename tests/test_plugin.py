@@ -106,7 +106,7 @@ def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdis
         assert len(re.findall(rf"^(PASSED|FAILED|ERROR) test_suite.py::{name}\b", out, re.M)) == 1, name
     assert re.search(r"^FAILED test_suite.py::test_compile_error - quack.errors.CompileError", out, re.M)
     assert "deliberate compile failure" in out
-    assert re.search(r"^FAILED test_suite.py::test_worker_killed - quack.errors.CompileError", out, re.M)
+    assert re.search(r"^FAILED test_suite.py::test_worker_killed - quack.errors.WorkerDied", out, re.M)
     assert re.search(r"compile worker pid \d+ killed by SIGKILL while compiling", out)
     assert (run_env / "setup_body").read_text() == "x", "the body ran on a half-built fixture"
     m = re.search(
