@@ -95,6 +95,10 @@ COMMANDS = [
     ["cache", "clean", "--all"],
     ["prewarm", "-n"],
     ["verify", "--no-load"],
+    # build planned before it failed: its message said the directory twice ("error: cache X:
+    # cache directory X: ...") and did not name the setting
+    ["build"],
+    ["build", "--dry-run"],
 ]
 
 

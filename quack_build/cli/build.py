@@ -13,7 +13,7 @@ from typing import List, Optional
 import typer
 
 from quack_build.cli import argcheck
-from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
+from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels, store_fail
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, manifest_paths, remote_tier, run_command
 
@@ -153,7 +153,7 @@ def build_configs(
     try:
         tasks = planning.plan(configs, store, force=force)
     except (CacheError, OSError) as e:
-        raise Fail(f"error: cache {s.cache_dir}: {e}") from None
+        raise store_fail(s, e) from None
     plan_s = time.time() - t0
     n_jobs = s.effective_jobs(jobs)
     try:

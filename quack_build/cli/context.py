@@ -108,6 +108,20 @@ def cache_fail(s, e: Exception) -> Fail:
     return Fail(f"error: {e} (cache directory set by {cache_dir_origin(s)})")
 
 
+def store_fail(s, e: Exception) -> Fail:
+    """The CLI's error for the cache failing under a command (planning a build, listing
+    a dry run): a CacheError says what is wrong with the directory itself; another
+    OSError is explained against the root (a file on its path, no permission). Either
+    names the setting that chose the directory, said once (it read "error: cache X:
+    cache directory X: ..." before)."""
+    from quack.cache import fsutil
+    from quack.errors import CacheError
+
+    if isinstance(e, CacheError):
+        return cache_fail(s, e)
+    return cache_fail(s, fsutil.reach_error(Path(s.cache_dir), e))  # type: ignore[arg-type]
+
+
 def check_root(s) -> None:
     """Refuse the cache root of settings ``s`` when it is unsafe (a symlink, not ours,
     group/other-writable) the way ``quack build`` does: stats and clean must not report

@@ -17,7 +17,7 @@ import time
 from quack.errors import CacheError, ManifestError
 from quack_build.build import plan as planning
 from quack_build.build import results
-from quack_build.cli.context import Fail, emit_json, manifest_fail
+from quack_build.cli.context import emit_json, manifest_fail, store_fail
 from quack_build.manifest.read import ExpansionStream
 
 # Lines go out in batches at most this far apart (Rich costs ~45 us a call, ~4 us a
@@ -57,7 +57,7 @@ def run(
     out = _Lines(con)
     kernels: set[str] = set()
     try:
-        rc = _list(stream, store, out, force=force, as_json=as_json, kernels=kernels)
+        rc = _list(s, stream, store, out, force=force, as_json=as_json, kernels=kernels)
     finally:
         out.flush()
     if verbose:
@@ -67,7 +67,7 @@ def run(
     return rc
 
 
-def _list(stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool, kernels: set) -> int:
+def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool, kernels: set) -> int:
     times = planning.PastTimes(store.root)
     tasks: list[results.Task] = []  # kept for --json only: plain output holds nothing
     n_total = n_cached = 0
@@ -101,7 +101,7 @@ def _list(stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: 
         raise manifest_fail(e) from None
     except (CacheError, OSError) as e:
         out.flush()
-        raise Fail(f"error: cache {store.root}: {e}") from None
+        raise store_fail(s, e) from None
     warn()
     todo = n_total - n_cached
     out.add(
