@@ -266,7 +266,11 @@ class FileBackend:
                 tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
             )
             try:
+                # In a group-shared store (its directories g+w) the group must read every
+                # object; a writer's umask 077 made them 0600, readable by that writer only.
                 try:
+                    if os.fstat(dfd).st_mode & stat.S_IWGRP:
+                        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IRGRP)
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view) :]
