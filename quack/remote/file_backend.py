@@ -32,14 +32,13 @@ import errno
 import os
 import secrets
 import stat
-import threading
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
 from quack.cache import openat
 from quack.errors import RemoteError
-from quack.remote.base import MAX_VALUE, OP_TIMEOUT, too_large
+from quack.remote.base import MAX_VALUE, OP_TIMEOUT, bounded, too_large
 
 MARKER = ".quack-remote"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -87,28 +86,8 @@ class FileBackend:
         pass
 
     def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["value"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                box["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="quack-remote-file", daemon=True).start()
-        if not done.wait(self.op_timeout):
-            raise RemoteError(
-                f"remote cache {self.url}: {what} took longer than {self.op_timeout:g}s "
-                f"(is the file system under {self.root} hung?)",
-                url=self.url,
-                reason="timeout",
-            )
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        hint = f"(is the file system under {self.root} hung?)"
+        return bounded(self.url, self.op_timeout, what, fn, *args, hint=hint)
 
     # -- helpers ----------------------------------------------------------------------------
     @staticmethod
