@@ -37,6 +37,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption, PrivateFormat, PublicFormat
 
+from quack.cache import openat
 from quack.errors import KeyFileError, SignatureError
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
@@ -46,6 +47,13 @@ _PUB = 32
 # A key file is one short line; anything much bigger is not a key file, and
 # reading it whole (a device, a log) must not be what a typo costs.
 _MAX_KEY_FILE = 4096
+_KINDS = {
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFDIR: "a directory",
+}
 
 
 def check_name(name: str) -> str:
@@ -189,29 +197,33 @@ def _parse_line(line: str, path: str) -> tuple[str, bytes]:
 
 
 def _read_small(path: Path) -> str:
+    # O_NONBLOCK, then fstat (openat.read_regular): a FIFO named as a key file
+    # (QUACK_TRUSTED_KEYS=fifo.pub) made a blocking open() wait for a writer for ever,
+    # hanging every build, pull and first kernel call. Symlinks are followed on purpose:
+    # mounted secrets are usually links.
+    def fail(what: str, reason: str = "format") -> KeyFileError:
+        return KeyFileError(f"{path}: {what}", path=str(path), reason=reason)
+
     try:
-        with open(path, "rb") as f:
-            data = f.read(_MAX_KEY_FILE + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except FileNotFoundError:
-        raise KeyFileError(
-            f"{path}: no such key file (create one with `quack keygen NAME`)",
-            path=str(path),
-            reason="missing",
-        ) from None
-    except IsADirectoryError:
-        raise KeyFileError(
-            f"{path}: is a directory, expected a key file", path=str(path), reason="format"
-        ) from None
+        raise fail("no such key file (create one with `quack keygen NAME`)", "missing") from None
     except OSError as e:
-        raise KeyFileError(
-            f"{path}: cannot read ({e.strerror})", path=str(path), reason="unreadable"
-        ) from None
-    if len(data) > _MAX_KEY_FILE:
-        raise KeyFileError(
-            f"{path}: too large for a key file ({_MAX_KEY_FILE} bytes at most)",
-            path=str(path),
-            reason="format",
+        raise fail(f"cannot read ({e.strerror})", "unreadable") from None
+    try:
+        data = openat.read_regular(
+            fd,
+            _MAX_KEY_FILE,
+            not_regular=lambda mode: fail(
+                f"is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a key file "
+                "(expected a regular file of NAME:BASE64 lines, as `quack keygen NAME` writes)"
+            ),
+            too_large=lambda _n: fail(f"too large for a key file ({_MAX_KEY_FILE} bytes at most)"),
         )
+    except OSError as e:
+        raise fail(f"cannot read ({e.strerror})", "unreadable") from None
+    finally:
+        os.close(fd)
     try:
         return data.decode("ascii")
     except UnicodeDecodeError:
@@ -372,9 +384,32 @@ def _write_new(path: Path, text: str, mode: int) -> None:
 
 def signing_key_from_settings(s) -> SigningKey | None:
     """The writer's key named by ``signing_key`` (``QUACK_SIGNING_KEY``), or None."""
-    return load_signing_key(s.signing_key) if s.signing_key else None
+    if not s.signing_key:
+        return None
+    try:
+        return load_signing_key(s.signing_key)
+    except KeyFileError as e:
+        raise _with_setting(e, s, "signing_key", "QUACK_SIGNING_KEY") from None
 
 
 def trusted_keys_from_settings(s) -> TrustedKeys:
     """The reader's keys named by ``trusted_keys`` (``QUACK_TRUSTED_KEYS``); may be empty."""
-    return load_trusted_keys(list(s.trusted_keys)) if s.trusted_keys else TrustedKeys()
+    if not s.trusted_keys:
+        return TrustedKeys()
+    try:
+        return load_trusted_keys(list(s.trusted_keys))
+    except KeyFileError as e:
+        raise _with_setting(e, s, "trusted_keys", "QUACK_TRUSTED_KEYS") from None
+
+
+def _with_setting(e: KeyFileError, s, field: str, env: str) -> KeyFileError:
+    """``e`` with the setting that named the file: a path alone left users hunting for
+    which of the environment, quack.toml or a flag pointed at it."""
+    src = (getattr(s, "sources", None) or {}).get(field, "")
+    if src == env:
+        where = env
+    elif src and src != "cli":
+        where = f"[remote] {field} in {src}"
+    else:
+        where = f"{env} / [remote] {field}"
+    return KeyFileError(f"{e} (set by {where})", path=e.path, reason=e.reason)

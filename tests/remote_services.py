@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -189,3 +190,124 @@ def moto_s3(bucket: str = "quack-cache"):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class _Server:
+    """A loopback TCP server on a daemon thread, one thread per connection; ``stop``
+    closes the listening socket and every connection (bounded: nothing is joined)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        self.stopped = threading.Event()
+        self.conns: list[socket.socket] = []
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            self.conns.append(c)
+            threading.Thread(target=self._serve, args=(c,), daemon=True).start()
+
+    def _serve(self, c: socket.socket) -> None:
+        try:
+            self.handle(self, c)
+        except OSError:
+            pass
+        finally:
+            c.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        for s in [self.sock, *self.conns]:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+@contextlib.contextmanager
+def trickle_proxy(upstream_port: int, *, big: int = 2000, chunk: int = 1024, every: float = 1.0):
+    """A proxy to ``upstream_port`` that passes requests at once but sends each reply read
+    of more than ``big`` bytes at ``chunk`` bytes per ``every`` seconds (1 KB/s): a remote
+    whose every socket read succeeds while a whole object takes minutes. Yields its port."""
+
+    def pipe(srv: _Server, a: socket.socket, b: socket.socket, slow: bool) -> None:
+        while not srv.stopped.is_set():
+            d = a.recv(65536)
+            if not d:
+                break
+            if slow and len(d) > big:
+                for i in range(0, len(d), chunk):
+                    b.sendall(d[i : i + chunk])
+                    if srv.stopped.wait(every):
+                        return
+            else:
+                b.sendall(d)
+
+    def handle(srv: _Server, c: socket.socket) -> None:
+        u = socket.create_connection(("127.0.0.1", upstream_port), timeout=10)
+        u.settimeout(None)
+        srv.conns.append(u)
+        threading.Thread(target=_guard, args=(pipe, srv, u, c, True), daemon=True).start()
+        pipe(srv, c, u, False)
+
+    srv = _Server(handle)
+    try:
+        yield srv.port
+    finally:
+        srv.stop()
+
+
+def _guard(fn, *args) -> None:
+    try:
+        fn(*args)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def answers_ok():
+    """A server that answers ``+OK`` to every request, whatever it is: not Redis, though
+    it speaks RESP. Yields its port."""
+
+    def handle(srv: _Server, c: socket.socket) -> None:
+        while not srv.stopped.is_set() and c.recv(65536):
+            c.sendall(b"+OK\r\n")
+
+    srv = _Server(handle)
+    try:
+        yield srv.port
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
+def plain_http():
+    """A plain web server (http.server) answering a generic HTML 404 to everything: an
+    endpoint that is not S3. Yields its URL."""
+    import http.server
+
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def _404(self) -> None:
+            self.send_error(404)
+
+        do_GET = do_HEAD = do_PUT = do_POST = _404
+
+        def log_message(self, *a) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()

@@ -197,6 +197,21 @@ def test_package_not_in_the_distributions_record_is_refused(site, s):
     assert hit is None and len(msgs) == 1 and "RECORD does not list" in msgs[0], msgs
 
 
+def test_bundle_refused_before_its_index_is_named_with_its_version(site, s):
+    """A bundle refused before its index was read was named "bundle NAME ? refused", in
+    the warning and in KernelNotPrebuilt's list: the distribution's version names it."""
+    ref = ref_for()
+    install(site, [bfile(ref)], name="no-record-v", version="2.7.1")
+    (record,) = site.glob("*.dist-info/RECORD")
+    lines = record.read_text().splitlines()
+    record.write_text("".join(ln + "\n" for ln in lines if "/index.json," not in ln))
+    hit, msgs = lookup_twice(ref, s)
+    assert hit is None and len(msgs) == 1, msgs
+    assert "bundle no-record-v 2.7.1 refused: " in msgs[0] and " ? " not in msgs[0], msgs
+    (b,) = [b for b in bt.discover(s) if b.name == "no-record-v"]
+    assert (b.version, b.usable) == ("2.7.1", False)
+
+
 def test_symlinked_layout_directory_is_not_followed(site, s, tmp_path):
     ref = ref_for()
     pkg = install(site, [bfile(ref)], name="linked-v1")

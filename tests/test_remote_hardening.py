@@ -174,6 +174,59 @@ def test_an_empty_root_is_a_new_store_marked_by_its_first_writer(shared):
     assert (shared / ".quack-remote").is_file()
 
 
+_PUSH_WITH_UMASK = r"""
+import os, sys
+os.umask(int(sys.argv[2], 8))
+from quack.remote.backend import open_backend
+print(open_backend("file://" + sys.argv[1]).put_if_absent(sys.argv[3], b"object"))
+"""
+
+
+def _push_with_umask(root, umask: str, name: str = NAME) -> None:
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", _PUSH_WITH_UMASK, str(root), umask, name],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("umask", ["022", "077"])
+def test_a_group_shared_store_stays_writable_by_the_group(tmp_path, umask):
+    """docs/remote-cache.md: share the directory through a group (chmod 2775). The first
+    writer's umask made its directories drwxr-sr-x (or drwx--S---): every other member
+    of the group was denied and stopped pushing. Its objects must be group-readable."""
+    import stat
+
+    root = tmp_path / "team"
+    root.mkdir()
+    os.chmod(root, 0o2775)
+    _push_with_umask(root, umask)
+    made = [root.joinpath(*NAME.split("/")[: i + 1]) for i in range(len(NAME.split("/")) - 1)]
+    for d in made:
+        mode = d.stat().st_mode
+        assert mode & stat.S_IRWXG == stat.S_IRWXG, f"{d}: {stat.filemode(mode)}"
+        assert mode & stat.S_ISGID, f"{d}: {stat.filemode(mode)}"  # mkdir inherits it
+    assert root.joinpath(*NAME.split("/")).stat().st_mode & stat.S_IRGRP
+    # A second writer (another member's process) can write in the directories made.
+    _push_with_umask(root, umask, NAME[:-1] + "b")
+
+
+def test_a_private_store_is_not_widened(tmp_path):
+    import stat
+
+    root = tmp_path / "mine"
+    root.mkdir(mode=0o700)
+    os.chmod(root, 0o700)
+    _push_with_umask(root, "077")
+    for d in root.joinpath("quack").rglob("*"):
+        assert stat.S_IMODE(d.stat().st_mode) & (stat.S_IRWXG | stat.S_IRWXO) == 0, d
+
+
 # --- 3. the size cap, on every backend ---------------------------------------------------------
 
 CAP = 4096

@@ -183,6 +183,68 @@ def test_signing_key_repr_hides_secret(keydir):
     assert secret not in repr(sk) and "ci-1" in repr(sk)
 
 
+_LOAD_FROM_SETTINGS = r"""
+import sys
+from pathlib import Path
+from quack import settings, signing
+from quack.errors import KeyFileError
+var, value, cwd = sys.argv[1:]
+s = settings.resolve(env={var: value}, cwd=Path(cwd))
+load = signing.trusted_keys_from_settings if var == "QUACK_TRUSTED_KEYS" else signing.signing_key_from_settings
+try:
+    load(s)
+    print("loaded")
+except KeyFileError as e:
+    print(e.reason, "|", e)
+"""
+
+
+@pytest.mark.parametrize("var", ["QUACK_TRUSTED_KEYS", "QUACK_SIGNING_KEY"])
+@pytest.mark.parametrize("how", ["fifo", "link-to-fifo"])
+def test_a_fifo_as_a_key_file_is_refused_not_waited_on(tmp_path, var, how):
+    """A blocking open() of a FIFO waits for a writer for ever: every build, pull, push
+    and first kernel call hung. Run in a child under a time-out, so a regression fails."""
+    fifo = tmp_path / "fifo.pub"
+    os.mkfifo(fifo)
+    named = fifo
+    if how == "link-to-fifo":
+        named = tmp_path / "link.pub"
+        named.symlink_to(fifo)
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD_FROM_SETTINGS, var, str(named), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.startswith("format | "), r.stdout
+    assert f"{named}: is a FIFO, not a key file" in r.stdout
+    assert f"(set by {var})" in r.stdout
+
+
+def test_a_device_as_a_key_file_is_refused_and_symlinked_keys_still_load(keydir, tmp_path):
+    with pytest.raises(KeyFileError) as e:
+        signing.load_trusted_keys("/dev/zero")
+    assert "/dev/zero: is a character device, not a key file" in str(e.value)
+    # Mounted secrets are usually symlinks: a link to a regular key file is followed.
+    (tmp_path / "pub").symlink_to(keydir / "ci-1.pub")
+    (tmp_path / "key").symlink_to(keydir / "ci-1.key")
+    assert signing.load_trusted_keys(str(tmp_path / "pub")).names == ("ci-1",)
+    assert signing.load_signing_key(tmp_path / "key").name == "ci-1"
+
+
+def test_a_key_file_error_from_settings_names_the_setting(tmp_path):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "quack.toml").write_text('[remote]\ntrusted_keys = ["nope.pub"]\n')
+    s = settings.resolve(env={}, cwd=proj)
+    with pytest.raises(KeyFileError) as e:
+        signing.trusted_keys_from_settings(s)
+    assert e.value.reason == "missing"
+    assert f"(set by [remote] trusted_keys in {proj / 'quack.toml'})" in str(e.value)
+    assert pickle.loads(pickle.dumps(e.value)).path == e.value.path
+
+
 # --- settings ----------------------------------------------------------------------
 
 

@@ -112,6 +112,15 @@ def open_bundle(
     return b
 
 
+def _dist_version(ep) -> str:
+    """The version of the distribution that installed entry point ``ep`` ("?" if unknown)."""
+    try:
+        v = ep.dist.version if ep.dist is not None else None
+    except Exception:  # noqa: BLE001 - broken METADATA: the version is only for the message
+        v = None
+    return v if isinstance(v, str) and v else "?"
+
+
 def package_dir(ep) -> tuple[Path | None, str]:
     """(the package directory of entry point ``ep``, '' or why it is refused). The
     value must be the package ``quack bundle`` names (``quack_bundle_<name>``, one
@@ -166,7 +175,13 @@ def discover(settings) -> list[Bundle]:
         if (ep.name, path) in seen:
             continue  # the same distribution reached twice through sys.path
         seen.add((ep.name, path))
-        out.append(open_bundle(ep.name, ep.name, "?", path, trusted, problem=trust_problem or problem))
+        b = open_bundle(ep.name, ep.name, "?", path, trusted, problem=trust_problem or problem)
+        if b.index is None:
+            # Refused before its index gave a version: name it by its distribution's
+            # ("bundle t1 ? refused" left the user guessing which install was meant).
+            # Read only here, for refused bundles: METADATA parsing costs ~10 ms.
+            b.version = _dist_version(ep)
+        out.append(b)
     out.sort(key=lambda b: (b.name, b.version))
     for b in out:
         if b.problem:

@@ -38,15 +38,19 @@ def walk_dirs(
     """A new descriptor of ``root_fd/parts...``, opened component by component with
     O_NOFOLLOW. A component that is a link or not a directory raises
     ``refuse(i, parent_fd, err)`` (``i`` its index in ``parts``, ``parent_fd`` the
-    directory it is in, open until the call returns); ``create`` makes missing directories (mode 0o777, the
-    umask applies); with ``missing_ok`` a missing component gives None, else its
-    FileNotFoundError propagates. The caller closes the descriptor; ``root_fd`` is kept."""
+    directory it is in, open until the call returns); ``create`` makes missing
+    directories (mode 0o777, the umask applies, then the parent's group bits are added:
+    a group-shared tree stays shared); with ``missing_ok`` a missing component gives
+    None, else its FileNotFoundError propagates. The caller closes the descriptor;
+    ``root_fd`` is kept."""
     fd = os.dup(root_fd)
     try:
         for i, part in enumerate(parts):
+            made = False
             if create:
                 try:
                     os.mkdir(part, 0o777, dir_fd=fd)
+                    made = True
                 except FileExistsError:
                     pass
             try:
@@ -60,12 +64,26 @@ def walk_dirs(
                 if e.errno not in LINK_ERRNOS:
                     raise
                 raise refuse(i, fd, e) from None
+            if made:
+                _share_like_parent(fd, nfd)
             os.close(fd)
             fd = nfd
         return fd
     except BaseException:
         os.close(fd)
         raise
+
+
+def _share_like_parent(parent_fd: int, fd: int) -> None:
+    """Give a directory just made the group permissions of its parent, whatever the umask.
+    A store shared through a group (``chmod 2775 DIR``, as docs/remote-cache.md says)
+    got directories narrowed by its first writer's umask (drwxr-sr-x): every other member
+    of the group was then denied and stopped pushing. A private parent (the local cache's
+    0700 directories) has no group bits, so nothing is widened there."""
+    group = stat.S_IMODE(os.fstat(parent_fd).st_mode) & stat.S_IRWXG
+    mode = stat.S_IMODE(os.fstat(fd).st_mode)  # keeps the set-group-ID bit mkdir inherited
+    if group & ~mode:
+        os.fchmod(fd, mode | group)
 
 
 def read_regular(

@@ -8,7 +8,8 @@ importing the module that imports them."""
 
 from __future__ import annotations
 
-from typing import Protocol
+import threading
+from typing import Any, Callable, Protocol
 
 from quack.errors import RemoteError
 
@@ -75,3 +76,48 @@ def unreachable(url: str, e: BaseException, reason: str = "unreachable") -> Remo
         url=redact(url),
         reason=reason,
     )
+
+
+def bounded(
+    url: str,
+    timeout: float,
+    what: str,
+    fn: Callable[..., Any],
+    *args: Any,
+    hint: str = "",
+    abort: Callable[[], None] | None = None,
+) -> Any:
+    """``fn(*args)`` on a daemon thread, waited on for at most ``timeout`` seconds: past it a
+    RemoteError ``timeout`` (the tier switches the remote off). Every backend's operations
+    go through here. A client's own time-outs bound each socket read, not the operation:
+    a server trickling 1 KB/s kept a 20 KB GET going for 20 s (a 64 MiB one for hours),
+    stalling builds and first kernel calls; a hung file system blocks where no time-out
+    reaches at all. ``abort`` (best effort, e.g. closing the connections) lets the
+    abandoned thread end sooner; as a daemon it cannot keep the process alive anyway."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+            box["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="quack-remote-op", daemon=True).start()
+    if not done.wait(timeout):
+        if abort is not None:
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 - the time-out is what the caller must see
+                pass
+        raise RemoteError(
+            f"remote cache {redact(url)}: {what} took longer than the {timeout:g}s time-out "
+            f"(QUACK_REMOTE_TIMEOUT / [remote] timeout){' ' + hint if hint else ''}",
+            url=redact(url),
+            reason="timeout",
+        )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

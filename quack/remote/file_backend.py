@@ -32,14 +32,13 @@ import errno
 import os
 import secrets
 import stat
-import threading
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
 
 from quack.cache import openat
 from quack.errors import RemoteError
-from quack.remote.base import MAX_VALUE, OP_TIMEOUT, too_large
+from quack.remote.base import MAX_VALUE, OP_TIMEOUT, bounded, too_large
 
 MARKER = ".quack-remote"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -87,28 +86,8 @@ class FileBackend:
         pass
 
     def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["value"] = fn(*args)
-            except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
-                box["error"] = e
-            finally:
-                done.set()
-
-        threading.Thread(target=run, name="quack-remote-file", daemon=True).start()
-        if not done.wait(self.op_timeout):
-            raise RemoteError(
-                f"remote cache {self.url}: {what} took longer than {self.op_timeout:g}s "
-                f"(is the file system under {self.root} hung?)",
-                url=self.url,
-                reason="timeout",
-            )
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        hint = f"(is the file system under {self.root} hung?)"
+        return bounded(self.url, self.op_timeout, what, fn, *args, hint=hint)
 
     # -- helpers ----------------------------------------------------------------------------
     @staticmethod
@@ -266,7 +245,11 @@ class FileBackend:
                 tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
             )
             try:
+                # In a group-shared store (its directories g+w) the group must read every
+                # object; a writer's umask 077 made them 0600, readable by that writer only.
                 try:
+                    if os.fstat(dfd).st_mode & stat.S_IWGRP:
+                        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IRGRP)
                     view = memoryview(data)
                     while view:
                         view = view[os.write(fd, view) :]

@@ -8,7 +8,7 @@ once and the tier switches the remote off."""
 from __future__ import annotations
 
 from quack.errors import RemoteError
-from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, redact, too_large, unreachable
+from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, bounded, redact, too_large, unreachable
 
 
 class RedisBackend:
@@ -28,6 +28,7 @@ class RedisBackend:
 
         self.url = url
         self.max_bytes = int(max_bytes)
+        self.op_timeout = float(op_timeout)
         kw = dict(
             socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), 0),
@@ -50,10 +51,26 @@ class RedisBackend:
         with self._probe_lock:
             if self._probed:
                 return
+            # A PING that fails with a protocol error or gives no PONG: not a Redis server
+            # at the other end. Every later call would fail the same, so it is reported
+            # unreachable and the tier switches the remote off with one warning.
             try:
-                self._call(self._probe_client.ping)
+                pong = self._call(self._probe_client.ping)
+            except RemoteError as e:
+                if e.reason != "protocol":
+                    raise
+                raise RemoteError(
+                    f"{e}; is it a Redis server? check the host and port", url=e.url, reason="unreachable"
+                ) from None
             finally:
                 self._probe_client.close()
+            if pong is not True:
+                raise RemoteError(
+                    f"remote cache {redact(self.url)}: PING gave {pong!r}, not PONG; is it a Redis "
+                    "server? check the host and port",
+                    url=redact(self.url),
+                    reason="unreachable",
+                )
             self._probed = True
 
     def _call(self, fn, *args, **kw):
@@ -92,8 +109,35 @@ class RedisBackend:
             ) from None
         except OSError as e:
             raise unreachable(self.url, e) from None
+        except Exception as e:  # noqa: BLE001
+            # Not Redis at the other end: redis-py fails in its own code on a reply it did
+            # not expect (a server answering +OK to everything gave AttributeError from
+            # on_connect_check_health), which crashed `quack build` with a traceback.
+            raise RemoteError(
+                f"remote cache {redact(self.url)}: a reply the Redis client could not read "
+                f"({type(e).__name__}: {e})",
+                url=redact(self.url),
+                reason="protocol",
+            ) from None
 
+    # -- the contract: each operation bounded as a whole (quack.remote.base.bounded) ----------
     def get(self, name: str) -> bytes | None:
+        return bounded(self.url, self.op_timeout, f"GET {name}", self._get, name, abort=self._abort)
+
+    def put_if_absent(self, name: str, data: bytes) -> bool:
+        return bounded(
+            self.url, self.op_timeout, f"SET {name}", self._put, name, bytes(data), abort=self._abort
+        )
+
+    def exists(self, name: str) -> bool:
+        return bounded(self.url, self.op_timeout, f"EXISTS {name}", self._exists, name, abort=self._abort)
+
+    def _abort(self) -> None:
+        # Shut the sockets down, in-use ones too: the abandoned operation's blocked read
+        # ends at once instead of trickling on (the remote is off for the process now).
+        self._r.connection_pool.disconnect()
+
+    def _get(self, name: str) -> bytes | None:
         if not self._probed:
             self._probe()
         # STRLEN first: a value over the cap is refused without transferring it; then
@@ -123,12 +167,12 @@ class RedisBackend:
             )
         return v
 
-    def put_if_absent(self, name: str, data: bytes) -> bool:
+    def _put(self, name: str, data: bytes) -> bool:
         if not self._probed:
             self._probe()
-        return bool(self._call(self._r.set, name, bytes(data), nx=True))
+        return bool(self._call(self._r.set, name, data, nx=True))
 
-    def exists(self, name: str) -> bool:
+    def _exists(self, name: str) -> bool:
         if not self._probed:
             self._probe()
         return bool(self._call(self._r.exists, name))

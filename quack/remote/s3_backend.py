@@ -8,12 +8,18 @@ botocore's own retries are off; the time-outs bound every call."""
 
 from __future__ import annotations
 
+import threading
 from urllib.parse import urlsplit
 
 from quack.errors import RemoteError
-from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, too_large, unreachable
+from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, bounded, too_large, unreachable
 
-_ABSENT = ("NoSuchKey", "404", "NotFound")
+# What says "no such object". A GET's 404 carries S3's XML error body, so it must say
+# NoSuchKey: a plain web server's HTML 404 (an endpoint that is not S3 at all) gives code
+# "404" and used to look like an empty cache, with no warning. A HEAD has no body, so
+# S3 itself answers a missing key with a bare 404 (botocore's code "404"): that stays absent.
+_GET_ABSENT = ("NoSuchKey",)
+_HEAD_ABSENT = ("NoSuchKey", "NotFound", "404")
 _EXISTS = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
 _DENIED = (
     "AccessDenied",
@@ -23,6 +29,7 @@ _DENIED = (
     "ExpiredToken",
     "InvalidToken",
 )
+_CHUNK = 64 * 1024
 _FULL = ("QuotaExceeded", "EntityTooLarge", "XMinioStorageFull", "507")
 
 
@@ -43,6 +50,7 @@ class S3Backend:
 
         self.url = url
         self.max_bytes = int(max_bytes)
+        self.op_timeout = float(op_timeout)
         self.bucket = parts.netloc
         self.prefix = parts.path.strip("/")
         # Path-style addressing: works on AWS and on every S3-compatible server
@@ -84,6 +92,14 @@ class S3Backend:
                 return RemoteError(
                     f"remote cache {self.url}: {what} denied ({code})", url=self.url, reason="denied"
                 )
+            if status == "404" and code in ("404", ""):
+                return RemoteError(
+                    f"remote cache {self.url}: {what} got a 404 without an S3 error code: the "
+                    "endpoint does not answer as S3 does; check AWS_ENDPOINT_URL (or the "
+                    "profile's endpoint_url)",
+                    url=self.url,
+                    reason="protocol",
+                )
             if code in _FULL or status == "507":
                 return RemoteError(
                     f"remote cache {self.url}: {what}: storage full ({code})", url=self.url, reason="full"
@@ -107,7 +123,20 @@ class S3Backend:
             str(r.get("ResponseMetadata", {}).get("HTTPStatusCode", "")),
         )
 
+    # -- the contract: each operation bounded as a whole (quack.remote.base.bounded) ----------
+    # botocore's read_timeout bounds each socket read only: a trickling server kept one GET
+    # going for as long as it kept sending.
     def get(self, name: str) -> bytes | None:
+        stop = threading.Event()  # set on the time-out: the abandoned read stops at a chunk
+        return bounded(self.url, self.op_timeout, f"GET {name}", self._get, name, stop, abort=stop.set)
+
+    def put_if_absent(self, name: str, data: bytes) -> bool:
+        return bounded(self.url, self.op_timeout, f"PUT {name}", self._put, name, bytes(data))
+
+    def exists(self, name: str) -> bool:
+        return bounded(self.url, self.op_timeout, f"HEAD {name}", self._exists, name)
+
+    def _get(self, name: str, stop: threading.Event) -> bytes | None:
         import botocore.exceptions as bx
 
         try:
@@ -119,7 +148,16 @@ class S3Backend:
                 n = r.get("ContentLength")
                 if isinstance(n, int) and n > self.max_bytes:
                     raise too_large(self.url, name, n, self.max_bytes)
-                data = body.read(self.max_bytes + 1)
+                chunks, total = [], 0
+                while total <= self.max_bytes and not stop.is_set():
+                    b = body.read(min(_CHUNK, self.max_bytes + 1 - total))
+                    if not b:
+                        break
+                    chunks.append(b)
+                    total += len(b)
+                if stop.is_set():  # abandoned: never hand on a truncated body
+                    raise RemoteError(f"remote cache {self.url}: GET {name} abandoned", reason="timeout")
+                data = b"".join(chunks)
                 if len(data) > self.max_bytes:
                     raise too_large(self.url, name, None, self.max_bytes)
                 return data
@@ -129,17 +167,17 @@ class S3Backend:
             raise
         except bx.ClientError as e:
             code, status = self._code(e)
-            if code in _ABSENT or status == "404" and code != "NoSuchBucket":
+            if code in _GET_ABSENT:
                 return None
             raise self._err(e, f"GET {name}") from None
         except (bx.BotoCoreError, OSError) as e:
             raise self._err(e, f"GET {name}") from None
 
-    def put_if_absent(self, name: str, data: bytes) -> bool:
+    def _put(self, name: str, data: bytes) -> bool:
         import botocore.exceptions as bx
 
         try:
-            self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=bytes(data), IfNoneMatch="*")
+            self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, IfNoneMatch="*")
             return True
         except bx.ClientError as e:
             code, status = self._code(e)
@@ -149,7 +187,7 @@ class S3Backend:
         except (bx.BotoCoreError, OSError) as e:
             raise self._err(e, f"PUT {name}") from None
 
-    def exists(self, name: str) -> bool:
+    def _exists(self, name: str) -> bool:
         import botocore.exceptions as bx
 
         try:
@@ -157,7 +195,7 @@ class S3Backend:
             return True
         except bx.ClientError as e:
             code, status = self._code(e)
-            if code in _ABSENT or status == "404":
+            if code in _HEAD_ABSENT and status == "404":
                 return False
             raise self._err(e, f"HEAD {name}") from None
         except (bx.BotoCoreError, OSError) as e:

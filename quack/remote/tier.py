@@ -124,6 +124,21 @@ class RemoteTier:
             "and the build summary)",
         )
 
+    def _backend_call(self, fn, *args):
+        """``fn(*args)`` with the backend contract enforced: any failure is a RemoteError.
+        A backend that leaks a client library's own exception (redis-py's AttributeError
+        on a server answering +OK to everything) must make a miss, not crash a build."""
+        try:
+            return fn(*args)
+        except RemoteError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            raise RemoteError(
+                f"remote cache {self.url}: unexpected failure ({type(e).__name__}: {e})",
+                url=self.url,
+                reason="protocol",
+            ) from None
+
     # -- reading (the ReadTier contract, quack.cache.contract) -------------------------
     def fetch(self, ref: EntryRef) -> Fetched | None:
         """The verified object for ``ref``, or None. Never raises for a remote or
@@ -133,7 +148,7 @@ class RemoteTier:
             return None
         name = objects.object_name(ref)
         try:
-            blob = self.backend.get(name)
+            blob = self._backend_call(self.backend.get, name)
         except RemoteError as e:
             if e.reason == "size":  # over the cap, refused unread: an object refused for its size
                 self._rejected(objects.reject(ref, "size", str(e)))
@@ -166,7 +181,7 @@ class RemoteTier:
         if self.offline:
             return None
         try:
-            return self.backend.exists(objects.object_name(ref))
+            return self._backend_call(self.backend.exists, objects.object_name(ref))
         except RemoteError as e:
             self._failed(e, "get")
             return None
@@ -198,7 +213,7 @@ class RemoteTier:
             _warn_once(self.url, "push-size", f"quack: not pushing {e}")
             return "failed"
         try:
-            stored = self.backend.put_if_absent(objects.object_name(ref), blob)
+            stored = self._backend_call(self.backend.put_if_absent, objects.object_name(ref), blob)
         except RemoteError as e:
             self._count(push_failed=1)
             self._failed(e, "put")

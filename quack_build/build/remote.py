@@ -15,7 +15,7 @@ import warnings
 from typing import Callable
 
 from quack.compile import builder
-from quack.errors import CacheError, CacheWarning, LockTimeout
+from quack.errors import CacheError, CacheWarning, LockTimeout, RemoteWarning
 from quack.runtime import tiers
 
 PULL_THREADS = 8
@@ -72,13 +72,22 @@ def pull(
     lock = threading.Lock()
     stop = threading.Event()
     local_failures: list = []
+    remote_failures: list = []
 
     def one(t) -> bool:
         if remote.offline or stop.is_set():
             return False
         ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
         t0 = time.time()
-        got = remote.fetch(ref)
+        try:
+            got = remote.fetch(ref)
+        except Exception as e:  # noqa: BLE001
+            # fetch's contract is never to raise; should a remote problem get through anyway
+            # (a client library's own exception did), the key is compiled, the build goes on:
+            # _run_daemons would re-raise it and fail the whole build.
+            with lock:
+                remote_failures.append(e)
+            return False
         if got is None:
             return False
         try:
@@ -99,6 +108,14 @@ def pull(
     n = _run_daemons(one, todo[:1], 1, stop)
     if len(todo) > 1 and not remote.offline:
         n += _run_daemons(one, todo[1:], threads, stop)
+    if remote_failures:
+        e = remote_failures[0]
+        warnings.warn(
+            f"quack: remote cache {remote.url}: {len(remote_failures)} fetch(es) failed "
+            f"unexpectedly (first: {type(e).__name__}: {e}); compiling those keys instead",
+            RemoteWarning,
+            stacklevel=2,
+        )
     if failures is not None:
         failures.extend(local_failures)
     elif local_failures:

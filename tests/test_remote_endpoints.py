@@ -1,0 +1,240 @@
+"""Remotes that answer, but not as they should: a server trickling its replies at
+1 KB/s (each socket read within the time-out, a whole object taking minutes), a
+"Redis" that answers +OK to everything, an "S3" that is a plain web server's HTML
+404. Each is a miss with one RemoteWarning, never a stall, a crash or an empty-looking
+cache. Real redis-server, moto's S3 server, in-process misbehaving servers (threads,
+stopped after each test) and real `quack` processes under hard time-outs."""
+
+from __future__ import annotations
+
+import json
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import remote_services
+from remote_services import answers_ok, moto_s3, plain_http, redis_server, trickle_proxy
+from test_remote_build import TOY2, build_json, env_for, project, quack, warning_lines
+from test_remote_hardening_e2e import toy_refs
+
+from quack import signing
+from quack.errors import RemoteError, RemoteWarning
+from quack.remote import objects, tier
+from quack.remote.backend import open_backend
+
+remote_services.require_modules("redis", "boto3", "moto")
+
+NAME = "quack/v1/stamp/kern/0123456789abcdef/" + "a" * 64
+MISSING = NAME[:-1] + "b"  # never stored (moto's objects outlive a server in-process)
+BIG = 24_000  # at 1 KB/s a read of it takes 24 s; every test allows less than half that
+ALLOWED = 10.0
+HARD_TIMEOUT = 300  # the guard against a hang; never reached when it works
+
+
+@pytest.fixture(autouse=True)
+def _fresh_remote_state():
+    tier.reset_offline_for_tests()
+    yield
+    tier.reset_offline_for_tests()
+
+
+@pytest.fixture(scope="module")
+def keydir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("keys")
+    signing.write_keypair("ci-1", d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory):
+    with redis_server(tmp_path_factory.mktemp("redis")) as s:
+        yield s
+
+
+def remote_warnings(w) -> list[str]:
+    return [str(x.message) for x in w if issubclass(x.category, RemoteWarning)]
+
+
+# --- 1. a remote that trickles its replies ---------------------------------------------------
+
+
+def test_slow_redis_get_ends_at_the_operation_time_out(srv):
+    srv.client().set(NAME, b"x" * BIG)
+    with trickle_proxy(srv.port) as port:
+        b = open_backend(f"redis://127.0.0.1:{port}/0", op_timeout=2)
+        t0 = time.monotonic()
+        with pytest.raises(RemoteError) as e:
+            b.get(NAME)
+        took = time.monotonic() - t0
+        b.close()
+    assert e.value.reason == "timeout" and e.value.offline
+    assert "GET " + NAME in str(e.value) and "QUACK_REMOTE_TIMEOUT" in str(e.value)
+    assert took < ALLOWED, took  # the trickle needs BIG / 1024 s
+
+
+def test_slow_s3_get_ends_at_the_operation_time_out(monkeypatch):
+    import boto3
+
+    with moto_s3() as url:
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        boto3.session.Session().client("s3").put_object(
+            Bucket=bucket, Key=f"{prefix}/{NAME}", Body=b"x" * BIG
+        )
+        upstream = int(remote_services.os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
+        with trickle_proxy(upstream) as port:
+            monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+            b = open_backend(url, op_timeout=2)
+            t0 = time.monotonic()
+            with pytest.raises(RemoteError) as e:
+                b.get(NAME)
+            took = time.monotonic() - t0
+            b.close()
+    assert e.value.reason == "timeout" and e.value.offline
+    assert took < ALLOWED, took
+
+
+def test_slow_remote_is_switched_off_with_one_warning(srv, keydir):
+    """Through the tier, as the runtime's first call and the build's pull use it: a miss,
+    the remote off, one warning; the next fetch does not ask the remote at all."""
+    from test_remote_tier import ref
+
+    key = signing.load_signing_key(keydir / "ci-1.key")
+    r0, r1 = ref(0), ref(1)
+    for r in (r0, r1):
+        srv.client().set(objects.object_name(r), objects.pack(r, {}, b"o" * BIG, key))
+    with trickle_proxy(srv.port) as port:
+        t = tier.RemoteTier(
+            open_backend(f"redis://127.0.0.1:{port}/0", op_timeout=2),
+            trusted=signing.load_trusted_keys(str(keydir / "ci-1.pub")),
+        )
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            t0 = time.monotonic()
+            assert t.fetch(r0) is None and t.fetch(r1) is None
+            took = time.monotonic() - t0
+        t.close()
+    assert t.offline and t.counters.errors == 1 and t.counters.hits == 0
+    msgs = remote_warnings(w)
+    assert len(msgs) == 1 and "took longer than the 2s time-out" in msgs[0], msgs
+    assert "off for the rest of this process" in msgs[0]
+    assert took < ALLOWED, took
+
+
+def test_cache_pull_from_a_slow_remote_gives_up(tmp_path, srv, keydir):
+    proj = project(tmp_path / "proj", TOY2)
+    key = signing.load_signing_key(keydir / "ci-1.key")
+    client = srv.client(db=3)
+    for c, r in toy_refs(proj, tmp_path / "c"):
+        client.set(objects.object_name(r), objects.pack(r, c.plain_params, b"o" * BIG, key))
+    with trickle_proxy(srv.port) as port:
+        env = env_for(tmp_path / "c", f"redis://127.0.0.1:{port}/3", keydir=keydir, QUACK_REMOTE_TIMEOUT=2)
+        t0 = time.monotonic()
+        r = quack(["cache", "pull", "--json"], proj, env, timeout=HARD_TIMEOUT)
+        took = time.monotonic() - t0
+    assert r.returncode == 1, r.stderr[-3000:]  # the remote went off: pull says so
+    rep = json.loads(r.stdout)
+    assert (rep["total"], rep["pulled"], rep["offline"]) == (2, 0, True)
+    lines = warning_lines(r.stderr, "remote cache")
+    assert len(lines) == 1 and "took longer than the 2s time-out" in lines[0], r.stderr[-3000:]
+    # Two objects of BIG bytes at 1 KB/s: 48 s before; the process start is included here.
+    assert took < 2 * ALLOWED, took
+
+
+# --- 2. a "Redis" that answers +OK to everything ---------------------------------------------
+
+
+def test_a_server_that_is_not_redis_is_unreachable_not_a_crash(keydir):
+    from test_remote_tier import ref
+
+    with answers_ok() as port:
+        url = f"redis://127.0.0.1:{port}/0"
+        with pytest.raises(RemoteError) as e:
+            open_backend(url).get(NAME)
+        assert e.value.reason == "unreachable" and "is it a Redis server?" in str(e.value)
+        t = tier.RemoteTier(open_backend(url), trusted=signing.load_trusted_keys(str(keydir / "ci-1.pub")))
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            assert t.fetch(ref(0)) is None and t.fetch(ref(1)) is None
+        t.close()
+    assert t.offline and t.counters.errors == 1
+    msgs = remote_warnings(w)
+    assert len(msgs) == 1 and "is it a Redis server?" in msgs[0], msgs
+
+
+def test_a_backend_leaking_a_client_exception_is_a_miss(keydir):
+    """The tier enforces the backend contract (only RemoteError): anything else a client
+    library raises is a protocol error, one warning, a miss; it never reaches the caller."""
+    from test_remote_tier import ref
+
+    class Leaky:
+        url = "redis://127.0.0.1:1/0"
+        max_bytes = 1 << 20
+
+        def get(self, name):
+            raise AttributeError("'bytes' object has no attribute 'get'")
+
+        exists = get
+
+        def close(self):
+            pass
+
+    t = tier.RemoteTier(Leaky(), trusted=signing.load_trusted_keys(str(keydir / "ci-1.pub")))
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert t.fetch(ref(0)) is None and t.fetch(ref(1)) is None
+        assert t.has(ref(0)) is None
+    assert t.counters.errors == 3
+    msgs = remote_warnings(w)
+    assert len(msgs) == 1 and "AttributeError" in msgs[0] and "treated as a miss" in msgs[0], msgs
+
+
+def test_build_and_pull_with_a_server_that_is_not_redis(tmp_path, keydir):
+    proj = project(tmp_path / "proj", TOY2)
+    with answers_ok() as port:
+        env = env_for(tmp_path / "c", f"redis://127.0.0.1:{port}/0", keydir=keydir)
+        r = quack(["cache", "pull"], proj, env, timeout=HARD_TIMEOUT)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+        assert "is it a Redis server?" in " ".join(r.stdout.split()), r.stdout
+        res, err = build_json(proj, env, timeout=HARD_TIMEOUT)
+    assert (res["ok"], res["compiled"], res["remote_hits"]) == (True, 2, 0)
+    assert "Traceback" not in err
+    lines = warning_lines(err, "remote cache")
+    assert len(lines) == 1 and "is it a Redis server?" in lines[0], err[-3000:]
+
+
+# --- 5. an "S3" endpoint that is a plain web server -----------------------------------------
+
+
+def test_s3_missing_key_on_real_s3_is_absent(monkeypatch):
+    with moto_s3() as url:
+        b = open_backend(url)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert b.get(MISSING) is None  # GET 404 with S3's NoSuchKey
+            assert b.exists(MISSING) is False  # HEAD 404: no body, so no code, even from S3
+        b.close()
+
+
+def test_s3_endpoint_answering_html_404_is_a_protocol_error(monkeypatch):
+    with moto_s3() as url, plain_http() as endpoint:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", endpoint)
+        b = open_backend(url)
+        with pytest.raises(RemoteError) as e:
+            b.get(NAME)
+        b.close()
+    assert e.value.reason == "protocol"
+    assert "404 without an S3 error code" in str(e.value) and "AWS_ENDPOINT_URL" in str(e.value)
+
+
+def test_cache_pull_from_a_plain_web_server_warns(tmp_path, keydir, monkeypatch):
+    proj = project(tmp_path / "proj", TOY2)
+    with moto_s3() as url, plain_http() as endpoint:
+        env = env_for(tmp_path / "c", url, keydir=keydir, AWS_ENDPOINT_URL=endpoint)
+        r = quack(["cache", "pull", "--json"], proj, env, timeout=HARD_TIMEOUT)
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    assert (rep["total"], rep["pulled"]) == (2, 0)
+    assert rep["counters"]["errors"] == 2 and rep["counters"]["misses"] == 0, rep["counters"]
+    lines = warning_lines(r.stderr, "remote cache")
+    assert len(lines) == 1 and "404 without an S3 error code" in lines[0], r.stderr[-3000:]
