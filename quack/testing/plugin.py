@@ -8,7 +8,8 @@ Options
                        discarded: each test reports exactly one real outcome.
   --quack-prebuilt     strict mode (also QUACK_MODE=prebuilt or [runtime] mode =
                        "prebuilt" in quack.toml): any kernel miss fails the test
-                       with the KernelNotPrebuilt message.
+                       with the KernelNotPrebuilt message, even if the test then
+                       caught it, skipped or xfailed.
   --quack-prewarm      start the compile workers at session start (their imports
                        overlap collection) instead of at the first miss.
   --quack-max-defers=K after K deferrals a test's next attempt compiles synchronously.

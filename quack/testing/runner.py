@@ -64,7 +64,7 @@ class Runner:
         rep = yield
         if call.excinfo is not None and oom.is_cuda_oom(call.excinfo.value):
             item._quack_oom = True
-        if self.strict is not None and call.when == "call" and self.misses is not None:
+        if self.strict is not None and call.when in ("setup", "call") and self.misses is not None:
             if self.strict.check(rep, self.misses):
                 self.strict_fails.append(item.nodeid)
         return rep
