@@ -27,6 +27,14 @@ def drop_frames(exc: BaseException | None) -> None:
         exc.__cause__ = None
 
 
+def cap_workers(n: int | None) -> int | None:
+    """--async-compile=N at most one worker per CPU: N=100000 was taken as asked, and
+    each compile worker is a process of its own (an interpreter, cutlass's imports)
+    competing for the same CPUs. The plugin says so once (the report header)."""
+    cpus = os.cpu_count() or 1
+    return cpus if n is not None and n > cpus else n
+
+
 def pool_for_session(config, async_n: int, worker: bool):
     """The default compile pool, sized for this process: N (default: compile_jobs,
     else one per CPU), split over xdist workers. Returns (pool, scope_root)."""

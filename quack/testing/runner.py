@@ -29,7 +29,7 @@ class Runner:
     def __init__(self, config, async_n, prebuilt):
         self.config = config
         self.deferring = async_n is not None
-        self.max_defers = max(0, int(config.getoption("quack_max_defers", MAX_DEFERS)))
+        self.max_defers = int(config.getoption("quack_max_defers", MAX_DEFERS))  # >= 0: checked
         self.worker = hasattr(config, "workerinput")
         self.pool: CompilePool | None = None  # set when deferring (--async-compile)
         self.strict = StrictMode() if prebuilt else None

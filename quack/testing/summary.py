@@ -13,15 +13,19 @@ from quack.testing.deferral import MAX_DEFERS
 
 
 class Controller:
-    def __init__(self, config, async_on, local=None):
+    def __init__(self, config, async_on, local=None, note=None):
         self.config = config
-        self.max_defers = max(0, int(config.getoption("quack_max_defers", MAX_DEFERS)))
+        self.note = note  # said once, in the controller's report header
+        self.max_defers = int(config.getoption("quack_max_defers", MAX_DEFERS))  # >= 0: checked
         self.async_on = async_on
         self.local = local
         self.collected: set[str] = set()
         self.reported: set[str] = set()
         self.worker_summaries: list[dict] = []
         self.t_start = time.time()
+
+    def pytest_report_header(self, config):
+        return [self.note] if self.note else []
 
     def pytest_collection_finish(self, session):
         if self.local is not None:
