@@ -69,3 +69,28 @@ def test_async_compile_is_capped_at_the_cpu_count(pytester, run_env):
     cpus = os.cpu_count() or 1
     line = f"quack: --async-compile=100000 capped at {cpus} compile workers (the CPU count)"
     assert r.stdout.str().count(line) == 1
+
+
+KERNEL_TEST = "import toykernels\ndef test_k():\n    toykernels.toy_scale('float32', 64, False)\n"
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "2"]], ids=["single", "xdist"])
+def test_a_bad_quack_mode_stops_the_session_once(pytester, run_env, monkeypatch, xdist):
+    # No quack option: before, every test that called a kernel failed on the SettingsError.
+    monkeypatch.setenv("QUACK_MODE", "bogus")
+    pytester.path.joinpath("tests_dir", "test_k.py").write_text(KERNEL_TEST)
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", *xdist, "tests_dir", timeout=120)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    err = r.stderr.str()
+    says = "quack: environment variable QUACK_MODE='bogus' is invalid: expected 'jit' or 'prebuilt' (fix or unset it"
+    assert err.count(says) == 1, err
+    assert "FAILED" not in r.stdout.str() and "Traceback" not in err
+
+
+def test_a_malformed_quack_toml_stops_the_session_once(pytester, run_env):
+    pytester.makefile(".toml", quack="[runtime]\nmode = 3\n")
+    pytester.path.joinpath("tests_dir", "test_k.py").write_text(KERNEL_TEST)
+    r = pytester.runpytest_subprocess("-p", "no:cacheprovider", "tests_dir", timeout=120)
+    assert r.ret == pytest.ExitCode.USAGE_ERROR
+    err = r.stderr.str()
+    assert err.count("quack.toml: runtime.mode = 3 is invalid: expected 'jit' or 'prebuilt'") == 1, err

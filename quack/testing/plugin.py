@@ -152,7 +152,21 @@ def _is_xdist_controller(config) -> bool:
     )
 
 
+def _check_settings() -> None:
+    """Stop the session once on quack settings that do not resolve (QUACK_MODE=bogus,
+    a malformed quack.toml): without a quack option the plugin stayed out of the way
+    and every test that called a kernel failed on the same SettingsError instead."""
+    from quack import settings
+    from quack.errors import SettingsError
+
+    try:
+        settings.resolve()
+    except SettingsError as e:
+        raise pytest.UsageError(f"quack: {e} (fix or unset it: every kernel call would fail on it)") from None
+
+
 def pytest_configure(config):
+    _check_settings()
     async_n = config.getoption("quack_async", None)
     asked, async_n = async_n, deferral.cap_workers(async_n)
     prebuilt = strict.requested(bool(config.getoption("quack_prebuilt", False)))

@@ -22,7 +22,7 @@ ESCAPED = "quack --quack-prebuilt: the test asked for a kernel that is not prebu
 
 def requested(option: bool) -> bool:
     """--quack-prebuilt, or the resolved settings' mode (environment or quack.toml).
-    A malformed quack.toml is reported when strict mode is installed, not here."""
+    Settings that do not resolve stopped the session already (plugin._check_settings)."""
     if option:
         return True
     from quack import settings
