@@ -121,7 +121,9 @@ class Controller:
             if unknown >= self.workers_up:
                 tr.write_line(f"quack: keys submitted, failed and deferrals unknown: {why}", yellow=True)
                 return
-            tr.write_line(f"quack: the counts of {unknown} of {self.workers_up} xdist workers are unknown: {why}")
+            tr.write_line(
+                f"quack: the counts of {unknown} of {self.workers_up} xdist workers are unknown: {why}"
+            )
         line = (
             f"quack: {'at least ' if unknown > 0 else ''}{tot['submitted']} keys submitted ({tot['compiled']} compiled, "
             f"{tot['compile_s']:.1f} s compile), {tot['failed']} failed, "
