@@ -27,6 +27,14 @@ def drop_frames(exc: BaseException | None) -> None:
         exc.__cause__ = None
 
 
+def cap_workers(n: int | None) -> int | None:
+    """--async-compile=N at most one worker per CPU: N=100000 was taken as asked, and
+    each compile worker is a process of its own (an interpreter, cutlass's imports)
+    competing for the same CPUs. The plugin says so once (the report header)."""
+    cpus = os.cpu_count() or 1
+    return cpus if n is not None and n > cpus else n
+
+
 def pool_for_session(config, async_n: int, worker: bool):
     """The default compile pool, sized for this process: N (default: compile_jobs,
     else one per CPU), split over xdist workers. Returns (pool, scope_root)."""
@@ -111,14 +119,40 @@ class PendingHooks:
 
 
 def worker_drain_hook(runner):
-    """Wraps xdist's own runtestloop (a separate object: the runner's loop hook is a
-    different kind of implementation) to run the deferred tests at the end."""
+    """Wraps xdist's own runtestloop and protocol calls (a separate object: the
+    runner's own hooks are a different kind of implementation) to retry the deferred
+    tests between xdist's tests and at the end."""
 
     class _W:
+        draining = False
+
+        @pytest.hookimpl(wrapper=True, tryfirst=True)
+        def pytest_runtest_protocol(self, item, nextitem):
+            # The outermost wrapper (tryfirst, registered after the builtins and
+            # pytest-timeout): the retries run before this test's timeout, faulthandler
+            # and warnings wrappers start, each through the hook with its own. Draining
+            # inside them let one test's timer be replaced and cancelled by a retry's.
+            if runner.deferred and not self.draining:
+                self.draining = True
+                try:
+                    runner.drain(nextitem=item)
+                finally:
+                    self.draining = False
+            res = yield
+            if not self.draining:  # xdist's own call (a retry's caller takes its own)
+                pending, item._quack_deferred = getattr(item, "_quack_deferred", None), None
+                if pending is not None:
+                    runner.deferred.append((item, pending))
+            return res
+
         @pytest.hookimpl(wrapper=True)
         def pytest_runtestloop(self, session):
             res = yield
-            runner.drain_all(session)
+            self.draining = True  # the retries' own protocol calls must not drain again
+            try:
+                runner.drain_all(session)
+            finally:
+                self.draining = False
             return res
 
     return _W()

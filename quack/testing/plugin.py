@@ -2,13 +2,15 @@
 
 Options
   --async-compile[=N]  a test whose kernel misses the cache is deferred while its
-                       compile runs in N CPU workers (default: one per CPU, split
-                       over xdist workers); other tests run meanwhile and the test is
+                       compile runs in N CPU workers (default and most: one per
+                       CPU, split over xdist workers; a bare flag takes the next
+                       argument as N: put paths first); other tests run meanwhile and the test is
                        retried once its key is done. A deferred attempt's reports are
                        discarded: each test reports exactly one real outcome.
   --quack-prebuilt     strict mode (also QUACK_MODE=prebuilt or [runtime] mode =
                        "prebuilt" in quack.toml): any kernel miss fails the test
-                       with the KernelNotPrebuilt message.
+                       with the KernelNotPrebuilt message, even if the test then
+                       caught it, skipped or xfailed.
   --quack-prewarm      start the compile workers at session start (their imports
                        overlap collection) instead of at the first miss.
   --quack-max-defers=K after K deferrals a test's next attempt compiles synchronously.
@@ -35,6 +37,7 @@ outcome per test), summary.py (integrity check and summary line).
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -77,11 +80,41 @@ def pytest_load_initial_conftests(early_config, parser, args):
 
 
 # -- options ----------------------------------------------------------------------------------
+def _async_workers(value: str) -> int:
+    """--async-compile's N. The value is optional, so a bare flag before a test path
+    took the path as N (`pytest --async-compile tests`: "invalid int value: 'tests'")."""
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of compile workers, got {value!r}: write --async-compile=N "
+            "(N >= 0, 0 = one per CPU), or put the test paths before a bare --async-compile"
+        ) from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of compile workers >= 0 (0 = one per CPU), got {n}: write --async-compile=N"
+        )
+    return n
+
+
+def _max_defers(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:  # a negative K was silently 0 (every test compiled synchronously)
+        raise argparse.ArgumentTypeError(
+            f"expected an integer >= 0 (the deferrals before a test compiles synchronously; "
+            f"default {MAX_DEFERS}), got {value!r}: write --quack-max-defers=K"
+        )
+    return n
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("quack", "quack kernel cache")
     group.addoption(
         "--async-compile",
-        type=int,
+        type=_async_workers,
         nargs="?",
         const=0,
         default=None,
@@ -104,7 +137,7 @@ def pytest_addoption(parser):
     )
     group.addoption(
         "--quack-max-defers",
-        type=int,
+        type=_max_defers,
         default=MAX_DEFERS,
         metavar="K",
         help=f"after K deferrals a test compiles synchronously (default {MAX_DEFERS})",
@@ -119,16 +152,33 @@ def _is_xdist_controller(config) -> bool:
     )
 
 
+def _check_settings() -> None:
+    """Stop the session once on quack settings that do not resolve (QUACK_MODE=bogus,
+    a malformed quack.toml): without a quack option the plugin stayed out of the way
+    and every test that called a kernel failed on the same SettingsError instead."""
+    from quack import settings
+    from quack.errors import SettingsError
+
+    try:
+        settings.resolve()
+    except SettingsError as e:
+        raise pytest.UsageError(f"quack: {e} (fix or unset it: every kernel call would fail on it)") from None
+
+
 def pytest_configure(config):
+    _check_settings()
     async_n = config.getoption("quack_async", None)
+    asked, async_n = async_n, deferral.cap_workers(async_n)
     prebuilt = strict.requested(bool(config.getoption("quack_prebuilt", False)))
     engaged = (
         async_n is not None or prebuilt or config.getoption("quack_prewarm", False) or _project_uses_quack()
     )
     if not engaged:
         return
+    capped = f"quack: --async-compile={asked} capped at {async_n} compile workers (the CPU count)"
+    note = capped if asked != async_n else None
     if _is_xdist_controller(config):
-        config.pluginmanager.register(Controller(config, async_n is not None), _CONTROLLER)
+        config.pluginmanager.register(Controller(config, async_n is not None, note=note), _CONTROLLER)
         return
     runner = Runner(config, async_n, prebuilt)
     config.pluginmanager.register(runner, _PLUGIN)
@@ -137,7 +187,9 @@ def pytest_configure(config):
         if runner.worker:
             config.pluginmanager.register(deferral.worker_drain_hook(runner), "quack-worker-drain")
     if not hasattr(config, "workerinput"):
-        config.pluginmanager.register(Controller(config, async_n is not None, local=runner), _CONTROLLER)
+        config.pluginmanager.register(
+            Controller(config, async_n is not None, local=runner, note=note), _CONTROLLER
+        )
 
 
 def pytest_unconfigure(config):

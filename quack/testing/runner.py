@@ -29,7 +29,7 @@ class Runner:
     def __init__(self, config, async_n, prebuilt):
         self.config = config
         self.deferring = async_n is not None
-        self.max_defers = max(0, int(config.getoption("quack_max_defers", MAX_DEFERS)))
+        self.max_defers = int(config.getoption("quack_max_defers", MAX_DEFERS))  # >= 0: checked
         self.worker = hasattr(config, "workerinput")
         self.pool: CompilePool | None = None  # set when deferring (--async-compile)
         self.strict = StrictMode() if prebuilt else None
@@ -64,7 +64,7 @@ class Runner:
         rep = yield
         if call.excinfo is not None and oom.is_cuda_oom(call.excinfo.value):
             item._quack_oom = True
-        if self.strict is not None and call.when == "call" and self.misses is not None:
+        if self.strict is not None and call.when in ("setup", "call") and self.misses is not None:
             if self.strict.check(rep, self.misses):
                 self.strict_fails.append(item.nodeid)
         return rep
@@ -232,7 +232,7 @@ class Runner:
             blocked = 0
             gen = pool.generation
             nextitem = queue[0][0] if queue else None
-            pending = self._run_item(item, nextitem)
+            pending = self.run_protocol(item, nextitem)
             if pending is not None:
                 queue.append((item, pending))
                 continue
@@ -242,21 +242,29 @@ class Runner:
                 raise session.Interrupted(session.shouldstop)
         return True
 
-    # the protocol (xdist workers; single process without deferral) ---------------------------------
+    # the protocol: every attempt of every test, whoever runs it -----------------------------------
+    def run_protocol(self, item, nextitem):
+        """One attempt through the hook, as pytest's own loop calls it, so that the
+        other plugins' pytest_runtest_protocol wrappers (pytest-timeout,
+        faulthandler_timeout, the warnings summary) wrap every attempt and retry:
+        calling _run_item directly ran the tests under --async-compile with no
+        timeout and no warnings summary. Returns the pending exception (deferred)
+        or None (reported, or run by a plugin that took the protocol over)."""
+        item._quack_deferred = None
+        item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+        pending, item._quack_deferred = item._quack_deferred, None
+        return pending
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        if self.deferred:
-            self._drain(nextitem=item)
-        pending = self._run_item(item, nextitem)
-        if pending is not None:
-            self.deferred.append((item, pending))
+        item._quack_deferred = self._run_item(item, nextitem)
         return True
 
-    def _drain(self, nextitem, force=False):
+    def drain(self, nextitem, force=False):
         todo, self.deferred = self.deferred, []
         for item, pending in todo:
             if force or self._ready(pending) or self.attempts.get(item.nodeid, 0) >= self.max_defers:
-                p = self._run_item(item, nextitem)
+                p = self.run_protocol(item, nextitem)
                 if p is not None:
                     self.deferred.append((item, p))
             else:
@@ -274,7 +282,7 @@ class Runner:
         gen = pool.generation
         while self.deferred:
             before = [(i.nodeid, self.attempts.get(i.nodeid, 0)) for i, _ in self.deferred]
-            self._drain(nextitem=None)
+            self.drain(nextitem=None)
             after = [(i.nodeid, self.attempts.get(i.nodeid, 0)) for i, _ in self.deferred]
             if self.deferred and after == before:
                 gen = pool.wait_change(gen, 1.0)

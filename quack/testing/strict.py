@@ -1,5 +1,5 @@
 """Strict (prebuilt) mode: any kernel miss fails the test with the
-KernelNotPrebuilt message, even if the test caught the error.
+KernelNotPrebuilt message, even if the test caught the error, skipped or xfailed.
 
 On with ``--quack-prebuilt``, or when the settings say ``mode = "prebuilt"``
 (QUACK_MODE, or ``[runtime] mode`` in quack.toml). The plugin installs the
@@ -15,11 +15,14 @@ from typing import Any, Iterator
 import pytest
 
 PREFIX = "quack --quack-prebuilt: the test asked for a kernel that is not prebuilt (and caught the error):\n"
+# A test that met a miss and then skipped or xfailed (pytest.skip in an `except
+# KernelNotPrebuilt`, an xfail mark): reported as such, strict mode was escaped.
+ESCAPED = "quack --quack-prebuilt: the test asked for a kernel that is not prebuilt and was {how}:\n"
 
 
 def requested(option: bool) -> bool:
     """--quack-prebuilt, or the resolved settings' mode (environment or quack.toml).
-    A malformed quack.toml is reported when strict mode is installed, not here."""
+    Settings that do not resolve stopped the session already (plugin._check_settings)."""
     if option:
         return True
     from quack import settings
@@ -59,11 +62,20 @@ class StrictMode:
             yield misses
 
     def check(self, rep: Any, misses: list) -> bool:
-        """Fail a passed call report if the test hit (and swallowed) a miss under
-        the strict settings. Returns True if it did."""
+        """Fail a setup or call report that is not already a failure if the test hit a
+        miss under the strict settings: one that passed (it swallowed the miss), was
+        skipped (pytest.skip on KernelNotPrebuilt, in its body or a fixture) or xfailed.
+        Only passing reports were failed, and a skip escaped strict mode. A test skipped
+        before any miss is not touched (misses is empty). Returns True if it failed it."""
         hit = [e for e, s in misses if s is self.settings]
-        if not hit or not rep.passed:
+        if not hit or rep.failed or (rep.passed and rep.when != "call"):
             return False
+        if rep.passed:
+            head = PREFIX
+        else:
+            head = ESCAPED.format(how="xfailed" if hasattr(rep, "wasxfail") else "skipped")
+        if hasattr(rep, "wasxfail"):
+            del rep.wasxfail  # else reported as an xpass/xfail, not as the failure it is
         rep.outcome = "failed"
-        rep.longrepr = PREFIX + str(hit[0])
+        rep.longrepr = head + str(hit[0])
         return True

@@ -13,15 +13,20 @@ from quack.testing.deferral import MAX_DEFERS
 
 
 class Controller:
-    def __init__(self, config, async_on, local=None):
+    def __init__(self, config, async_on, local=None, note=None):
         self.config = config
-        self.max_defers = max(0, int(config.getoption("quack_max_defers", MAX_DEFERS)))
+        self.note = note  # said once, in the controller's report header
+        self.max_defers = int(config.getoption("quack_max_defers", MAX_DEFERS))  # >= 0: checked
         self.async_on = async_on
         self.local = local
         self.collected: set[str] = set()
         self.reported: set[str] = set()
         self.worker_summaries: list[dict] = []
+        self.workers_up = 0  # xdist workers started; each should send its summary at its end
         self.t_start = time.time()
+
+    def pytest_report_header(self, config):
+        return [self.note] if self.note else []
 
     def pytest_collection_finish(self, session):
         if self.local is not None:
@@ -29,6 +34,9 @@ class Controller:
 
     def pytest_xdist_node_collection_finished(self, node, ids):
         self.collected.update(ids)
+
+    def pytest_testnodeready(self, node):
+        self.workers_up += 1
 
     def pytest_testnodedown(self, node, error):
         out = getattr(node, "workeroutput", None) or {}
@@ -104,8 +112,20 @@ class Controller:
             tr.write_line(f"quack: {e}", red=True)
         if not (self.async_on or tot["oom_retried"] or tot["submitted"]):
             return
+        # A worker's counts come with its end-of-session message; after Ctrl-C (or a
+        # crash) the controller no longer waits for it, and the line said "0 keys
+        # submitted ... 0 deferrals" for a run that had submitted and deferred.
+        unknown = self.workers_up - len(self.worker_summaries)
+        if unknown > 0:
+            why = "the session ended before they reported (interrupted, or a worker crashed)"
+            if unknown >= self.workers_up:
+                tr.write_line(f"quack: keys submitted, failed and deferrals unknown: {why}", yellow=True)
+                return
+            tr.write_line(
+                f"quack: the counts of {unknown} of {self.workers_up} xdist workers are unknown: {why}"
+            )
         line = (
-            f"quack: {tot['submitted']} keys submitted ({tot['compiled']} compiled, "
+            f"quack: {'at least ' if unknown > 0 else ''}{tot['submitted']} keys submitted ({tot['compiled']} compiled, "
             f"{tot['compile_s']:.1f} s compile), {tot['failed']} failed, "
             f"{tot['deferrals']} deferrals"
         )

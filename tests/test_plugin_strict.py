@@ -1,0 +1,87 @@
+"""Strict (prebuilt) mode cannot be escaped: a test that met a kernel miss fails whatever
+it then did (passed, skipped in its body or a fixture, xfailed); a test skipped before any
+miss stays skipped. pytester subprocesses with an empty cache, so every toy kernel misses."""
+
+import re
+
+import pytest
+from reliability_support import NO_TORCH
+
+pytest_plugins = ["pytester"]
+
+ESCAPES = r"""
+import pytest
+import toykernels
+from quack.errors import KernelNotPrebuilt
+
+def test_skips_on_the_miss():
+    try:
+        toykernels.toy_scale("float32", 512, False)
+    except KernelNotPrebuilt:
+        pytest.skip("kernel not prebuilt")
+
+@pytest.fixture
+def kernel():
+    try:
+        return toykernels.toy_scale("float32", 544, False)
+    except KernelNotPrebuilt:
+        pytest.skip("kernel not prebuilt")
+
+def test_fixture_skips_on_the_miss(kernel):
+    pass
+
+@pytest.mark.xfail(reason="expected to miss")
+def test_xfails_on_the_miss():
+    toykernels.toy_scale("float32", 576, False)
+
+@pytest.mark.xfail(reason="swallows the miss")
+def test_xpasses_after_a_swallowed_miss():
+    try:
+        toykernels.toy_scale("float32", 608, False)
+    except KernelNotPrebuilt:
+        pass
+
+def test_skips_before_any_miss():
+    pytest.skip("nothing to do with kernels")
+    toykernels.toy_scale("float32", 640, False)
+
+@pytest.mark.skipif(True, reason="marked skip")
+def test_marked_skip():
+    toykernels.toy_scale("float32", 672, False)
+
+@pytest.mark.xfail(reason="fails for another reason")
+def test_xfails_without_a_miss():
+    assert False
+"""
+
+
+@pytest.fixture
+def run_env(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("QUACK_MODE", raising=False)
+    pytester.makeconftest(NO_TORCH)
+    return tmp_path
+
+
+def test_a_miss_fails_the_test_whatever_its_outcome(pytester, run_env):
+    pytester.makepyfile(test_escapes=ESCAPES)
+    r = pytester.runpytest_subprocess("--quack-prebuilt", "-rA", "-p", "no:cacheprovider", timeout=300)
+    out = r.stdout.str()
+    r.assert_outcomes(failed=3, errors=1, skipped=2, xfailed=1)
+    for name, how in (
+        ("test_skips_on_the_miss", "and was skipped:"),
+        ("test_fixture_skips_on_the_miss", "and was skipped:"),  # at set-up: an error
+        ("test_xfails_on_the_miss", "and was xfailed:"),
+        ("test_xpasses_after_a_swallowed_miss", "(and caught the error):"),
+    ):
+        status = "ERROR" if "fixture" in name else "FAILED"
+        assert re.search(rf"^{status} test_escapes.py::{name} - quack --quack-p", out, re.M), name
+        section = rf"_ {'ERROR at setup of ' if 'fixture' in name else ''}{name} _+\n"
+        head = "quack --quack-prebuilt: the test asked for a kernel that is not prebuilt "
+        assert re.search(section + re.escape(head + how), out), (name, out[-4000:])
+    for n in (512, 544, 576, 608):  # each names its kernel and how to build it
+        assert re.search(rf"kernel 'toy_scale' with \{{'dtype': 'float32', 'block': {n}, ", out), n
+    assert out.count("and run: quack build --arch sm_90a MANIFEST") >= 4
+    assert re.search(r"^SKIPPED \[1\] test_escapes.py:\d+: nothing to do with kernels", out, re.M)
+    assert re.search(r"^SKIPPED \[1\] test_escapes.py:\d+: marked skip", out, re.M)
+    assert re.search(r"^XFAIL test_escapes.py::test_xfails_without_a_miss", out, re.M)
