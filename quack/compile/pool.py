@@ -42,8 +42,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 
-from quack.compile import claims, external, tasks
+from quack.compile import claims, external, tasks, worker
 from quack.compile.dispatch import Dispatcher
 from quack.compile.tasks import DONE, FAILED, PENDING, Task, TaskInfo
 from quack.compile.worker import WorkerRequest
@@ -72,6 +73,7 @@ class CompilePool:
         self._dispatcher = Dispatcher(
             self.jobs, self.start_method, lock=self._lock, book=self._book, changed=self._bump
         )
+        _pools.add(self)
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -227,7 +229,9 @@ class CompilePool:
 
     def wait(self, key: str, timeout: float | None = None, root=None) -> tuple[str, BaseException | None]:
         """Block until the key is no longer pending (or ``timeout``); returns (state, error).
-        Compile time-outs are the pool's job (the key fails with CompileTimeout)."""
+        Compile time-outs are the pool's job (the key fails with CompileTimeout): its
+        dispatcher thread enforces them, so a wait also ends when that thread is gone
+        (the key fails), never waiting for ever on a thread that cannot answer."""
         ident = self._ident(key, root)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -235,8 +239,24 @@ class CompilePool:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._cond.wait(left)
+                if not self._dispatcher.alive():
+                    self._dispatcher.fail_everything(
+                        RuntimeError("the compile pool's dispatcher thread is gone")
+                    )
+                    break
+                self._cond.wait(WAIT_SLICE_S if left is None else min(left, WAIT_SLICE_S))
             return self._book.poll(ident)
+
+    def _orphan_in_child(self) -> None:
+        """After ``os.fork()``, in the child (only the forking thread runs): fail what the
+        parent's dispatcher held and close; nothing of it runs here."""
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._dispatcher.orphan(
+            self._lock,
+            f"this process (pid {os.getpid()}) was forked from the one that started the "
+            f"compile pool; call again: the next miss starts a pool of this process's own",
+        )
 
     def wait_change(self, since: int, timeout: float | None = None) -> int:
         """Block until ``generation`` moves past ``since`` (any key changed state)."""
@@ -257,9 +277,31 @@ class CompilePool:
             return d
 
 
+# How often a waiter checks that the dispatcher thread still exists (its results wake it
+# at once; this only bounds a wait on a thread that is gone).
+WAIT_SLICE_S = 1.0
+
 # -- the process-wide pool (its scopes: quack/compile/scope.py) ---------------------------
 _default: CompilePool | None = None
 _default_lock = threading.Lock()
+_pools: weakref.WeakSet[CompilePool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a torch DataLoader worker, a fork-based multiprocessing pool)
+    inherits the parent's default pool marked started, but not its dispatcher thread nor
+    its workers: a cold call queued the key for a thread that did not exist and waited for
+    ever. Here every inherited pool closes (its keys fail), the default pool is forgotten
+    (the child's next miss starts its own) and so is the parent's forkserver."""
+    global _default, _default_lock
+    _default_lock = threading.Lock()  # may have been copied held by another thread
+    _default = None
+    for p in list(_pools):
+        p._orphan_in_child()
+    worker.forget_forkserver_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_pool() -> CompilePool:

@@ -1,0 +1,156 @@
+"""The compile pool across its process's life: a forked child (its own pool, never a wait
+for the parent's thread), a killed parent (its forkserver and workers end with it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from reliability_support import env
+
+TESTS = os.path.dirname(__file__)
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (procfs: Linux only, as the lifeline)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _gone_within(pids, timeout: float) -> list[int]:
+    """The pids still alive after ``timeout`` seconds (bounded polling of /proc)."""
+    end = time.monotonic() + timeout
+    left = [p for p in pids if _alive(p)]
+    while left and time.monotonic() < end:
+        time.sleep(0.05)
+        left = [p for p in left if _alive(p)]
+    return left
+
+
+_FORK = """
+import json, os, sys
+import toykernels
+from quack.compile import pool as qpool
+toykernels.toy_scale("float32", 64, False)          # the parent's pool starts
+parent_pool = qpool.default_pool()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    import faulthandler
+    faulthandler.dump_traceback_later(90, exit=True)  # a regression fails, never hangs
+    os.close(r)
+    toykernels.toy_scale("float32", 96, False)      # a cold key, in the child
+    p = qpool.default_pool()
+    out = {"own_pool": p is not parent_pool, "compiled": p.stats()["compiled"]}
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+data = os.read(r, 4096)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"status": status, "child": json.loads(data or b"null")}))
+"""
+
+
+def test_forked_child_compiles_a_cold_key_with_a_pool_of_its_own(tmp_path):
+    """The child inherited the parent's started pool but not its dispatcher thread: its
+    cold call waited for ever. Now the child starts its own pool and compiles."""
+    r = subprocess.run(
+        [sys.executable, "-c", _FORK],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=TESTS,
+        env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"status": 0, "child": {"own_pool": True, "compiled": 1}}, (out, r.stderr)
+
+
+def test_a_wait_on_a_pool_whose_dispatcher_is_gone_fails_instead_of_hanging(quack_settings):
+    """Every wait is bounded: a key pending on a dispatcher thread that no longer exists
+    fails (transient CompileError) instead of blocking its caller for ever."""
+    import toykernels
+
+    from quack.compile import pool as qpool
+    from quack.compile import tasks as qtasks
+
+    p = qpool.CompilePool(1)
+    try:
+        spec = toykernels.toy_scale.spec
+        params = {"dtype": "float32", "block": 160, "bias": False}
+        key = spec.key(params, "sm_90a")
+        # The state a forked child inherits: pending, "started", no thread behind it.
+        with p._lock:
+            p._dispatcher._thread = _DeadThread()
+            assert p.submit(spec, params, "sm_90a", key, force=True) == qtasks.PENDING
+        st, err = p.wait(key, timeout=60)
+        assert st == qtasks.FAILED and "dispatcher thread is gone" in str(err), (st, err)
+        assert getattr(err, "transient", False)
+    finally:
+        p.shutdown()
+
+
+class _DeadThread:
+    def is_alive(self) -> bool:
+        return False
+
+
+_KILLED = """
+import os, sys, time
+import relkernels
+from quack.compile import pool as qpool
+from multiprocessing import forkserver
+p = qpool.default_pool()
+from quack.compile import scope
+with scope.pool_scope(p):
+    try:
+        relkernels.rel_copy(7)                 # a compile that takes QUACK_TEST_COMPILE_SLEEP
+    except BaseException:
+        pass
+end = time.monotonic() + 120
+while time.monotonic() < end:
+    info = p.task_info(relkernels.rel_copy.key(7))
+    if info is not None and info.pid is not None:
+        break
+    time.sleep(0.05)
+print(forkserver._forkserver._forkserver_pid, info.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_process_takes_its_forkserver_and_busy_worker_with_it(tmp_path):
+    """SIGKILL (what `timeout -s KILL`, the OOM killer or a CI cancel do) runs no atexit:
+    the forkserver and a worker mid-compile used to run on, re-parented to init."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+        env=env(
+            QUACK_CACHE_DIR=tmp_path / "cache",
+            QUACK_MODE="jit",
+            QUACK_COMPILE_JOBS=1,
+            QUACK_TEST_COMPILE_SLEEP=600,
+            QUACK_TEST_OBJ="/nonexistent",
+        ),
+    )
+    try:
+        line = proc.stdout.readline()  # bounded: the script gives up after 120 s
+        forkserver_pid, worker_pid = (int(x) for x in line.split())
+        assert _alive(forkserver_pid) and _alive(worker_pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert _gone_within([forkserver_pid, worker_pid], 30) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
