@@ -319,7 +319,11 @@ class CompileTimeout(QuackError, TimeoutError):
                 "publishing it (past lock_timeout: QUACK_LOCK_TIMEOUT or [cache] lock_timeout; stopped or wedged?)"
             )
         else:
-            msg = f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s (its compile worker; wedged?)"
+            msg = (
+                f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s (its compile "
+                "worker; wedged?); the worker was killed. If the compile is merely slow, raise "
+                "compile_timeout (QUACK_COMPILE_TIMEOUT or [runtime] compile_timeout)"
+            )
         super().__init__(msg)
         self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
 

@@ -12,8 +12,8 @@ each worker holds, so
 * a worker that dies (killed, segfault, OOM killer) fails *its* key only, with
   the signal in the message, and is replaced; the other keys carry on;
 * a compile running past its time-out (a wedged worker) is killed, its key
-  failed with :class:`CompileTimeout` (``@jit_cache`` then compiles in-process),
-  and the slot is freed;
+  failed with :class:`CompileTimeout` (``@jit_cache`` raises it: compiling it again
+  in the caller would only move the hang there), and the slot is freed;
 * ``submit`` never blocks: workers are started by the dispatcher thread, so the
   forkserver's preload (cutlass import + a warm-up compile, seconds) is never
   paid on the caller's thread;
