@@ -154,3 +154,67 @@ def test_killed_process_takes_its_forkserver_and_busy_worker_with_it(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(30)
+
+
+_THREADS = """
+import json, os, threading, time
+import relkernels
+from quack.compile import pool as qpool
+gate, counter = os.environ["QUACK_TEST_FAIL_GATE"], os.environ["QUACK_TEST_FAIL_COUNTER"]
+open(gate, "a").close()
+relkernels.rel_fail(1)                      # a loaded key
+os.unlink(gate)                             # from here every compile waits for the gate
+results = {}
+def call(name, *a, **kw):
+    results[name] = callable(relkernels.rel_fail(*a, **kw))
+threads = [threading.Thread(target=call, args=(f"k{i}", i)) for i in (2, 3, 4)]
+threads += [threading.Thread(target=call, args=(f"same{j}", 5)) for j in range(4)]
+for t in threads:
+    t.start()
+p = qpool.default_pool()
+peak, end = 0, time.monotonic() + 120
+while peak < 4 and time.monotonic() < end:  # keys 2, 3, 4, 5 pending at once
+    peak = max(peak, p.stats()["pending"])
+    time.sleep(0.02)
+# the loaded key, spelled anew (not in the hot path's memo), while the compiles wait
+warm = threading.Thread(target=call, args=("warm",), kwargs={"i": 1})
+warm.start()
+warm.join(60)
+warm_done = not warm.is_alive()
+open(gate, "a").close()
+for t in threads + [warm]:
+    t.join(120)
+with open(counter) as f:
+    attempts = [line.split()[1] for line in f]
+print(json.dumps({"peak": peak, "warm_while_busy": warm_done, "ok": sorted(k for k, v in results.items() if v),
+                  "attempts": {i: attempts.count(i) for i in sorted(set(attempts))}}))
+"""
+
+
+def test_threads_on_one_kernel_compile_cold_keys_at_once_and_one_key_once(tmp_path, tmp_path_factory):
+    """The kernel's lock was held across a whole compile: threads on distinct cold keys
+    took turns (never more than one pending in the pool) and a loaded key waited behind
+    another thread's compile. Four threads on one cold key still compile it once."""
+    from reliability_support import session_objects
+
+    obj = session_objects(tmp_path_factory)["float32"]["path"]
+    r = subprocess.run(
+        [sys.executable, "-c", _THREADS],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=TESTS,
+        env=env(
+            QUACK_CACHE_DIR=tmp_path / "cache",
+            QUACK_MODE="jit",
+            QUACK_COMPILE_JOBS=4,
+            QUACK_TEST_OBJ=obj,
+            QUACK_TEST_FAIL_GATE=tmp_path / "gate",
+            QUACK_TEST_FAIL_COUNTER=tmp_path / "attempts",
+        ),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["peak"] == 4 and out["warm_while_busy"], out
+    assert out["ok"] == sorted(["k2", "k3", "k4", "warm"] + [f"same{j}" for j in range(4)]), out
+    assert out["attempts"] == {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}, out
