@@ -14,11 +14,10 @@ import atexit
 import functools
 import logging
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
-from quack.errors import CacheError, CacheWarning, CompileError, EntryVanished
+from quack.errors import CacheError, CompileError, EntryVanished
 from quack.runtime import generation
 from quack.runtime.loaded import Loaded, load
 
@@ -205,18 +204,21 @@ class JitKernel:
         try:
             entry = store.lookup(ref)
         except (CacheError, OSError) as e:
-            if s.mode == "prebuilt":
-                from quack.cache.problems import warn_once
+            from quack.cache.problems import warn_once
 
+            # Once per process per cause, in both modes: every call of every kernel meets
+            # the same unusable cache, and a warning per call (15 calls, 15 warnings) buried
+            # the one line that says what is wrong.
+            if s.mode == "prebuilt":
                 warn_once(
                     f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})", stacklevel=6
                 )
             else:
-                warnings.warn(
-                    f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
-                    f"{self.spec.name} (a compile runs in this process, unstored)",
-                    CacheWarning,
-                    stacklevel=5,
+                warn_once(
+                    f"unusable-jit:{s.cache_dir}:{type(e).__name__}:{getattr(e, 'errno', None)}",
+                    f"quack: cache {s.cache_dir} unusable ({e}); not using it: kernels it "
+                    f"would hold compile in this process, unstored",
+                    stacklevel=6,
                 )
             return None, None, f"the cache is unusable ({e})"
         if entry is not None:
