@@ -218,3 +218,36 @@ def test_threads_on_one_kernel_compile_cold_keys_at_once_and_one_key_once(tmp_pa
     assert out["peak"] == 4 and out["warm_while_busy"], out
     assert out["ok"] == sorted(["k2", "k3", "k4", "warm"] + [f"same{j}" for j in range(4)]), out
     assert out["attempts"] == {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}, out
+
+
+_AT_EXIT = """
+import atexit, json
+import toykernels
+from quack.errors import CompileError
+def late():                                  # runs after the pool's own atexit shutdown
+    try:
+        toykernels.toy_scale("float32", 224, False)
+        print(json.dumps({"ok": True}), flush=True)
+    except CompileError as e:
+        print(json.dumps({"error": str(e), "transient": e.transient}), flush=True)
+atexit.register(late)
+toykernels.toy_scale("float32", 64, False)  # the pool starts (its atexit hook registered)
+"""
+
+
+def test_a_cold_call_at_interpreter_exit_says_the_interpreter_is_shutting_down(tmp_path):
+    """A cold call from an atexit hook that runs after the pool's shutdown started a new
+    pool and failed with "cannot start a compile worker: FileNotFoundError(2, ...)"."""
+    r = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=TESTS,
+        env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "interpreter is shutting down" in out.get("error", ""), (out, r.stderr)
+    assert "quack build" in out["error"] and "FileNotFoundError" not in out["error"]
+    assert out["transient"] is True

@@ -304,16 +304,44 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+_exiting = False
+
+
+def exiting() -> bool:
+    """True once the default pool was shut down by the interpreter's exit (atexit)."""
+    return _exiting
+
+
+def _shutdown_at_exit(pool: CompilePool) -> None:
+    global _exiting
+    _exiting = True
+    pool.shutdown()
+
+
+def _check_not_exiting() -> None:
+    # A kernel called from an atexit hook that runs after this pool's own one: a new pool
+    # started then failed with "cannot start a compile worker: FileNotFoundError(2, ...)"
+    # (multiprocessing's own exit hooks had run), which said nothing of the cause.
+    if _exiting:
+        raise RuntimeError(
+            "quack: the interpreter is shutting down and the compile pool has shut down "
+            "(its atexit hook ran): no compile can start now. Call the kernel before exit "
+            "(or from an atexit hook registered after its first call, which runs earlier), "
+            "or build it beforehand (`quack build`)"
+        )
+
+
 def default_pool() -> CompilePool:
     """The lazily created pool that compiles misses for this process (started on
-    its first submit)."""
+    its first submit). Raises RuntimeError once the interpreter's exit shut it down."""
     global _default
     with _default_lock:
         if _default is None or _default.closed:
+            _check_not_exiting()
             _default = CompilePool()
             import atexit
 
-            atexit.register(_default.shutdown)
+            atexit.register(_shutdown_at_exit, _default)
         return _default
 
 
@@ -323,8 +351,9 @@ def configure_default(jobs: int | None = None) -> CompilePool:
     global _default
     with _default_lock:
         if _default is None or _default.closed or (not _default.started and jobs):
+            _check_not_exiting()
             _default = CompilePool(jobs)
             import atexit
 
-            atexit.register(_default.shutdown)
+            atexit.register(_shutdown_at_exit, _default)
         return _default

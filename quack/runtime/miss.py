@@ -233,6 +233,16 @@ def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
     pool = scope.active_pool(s.cache_dir)
     scoped = pool is not None
     if pool is None:
+        if _pool.exiting():  # at interpreter exit, after the pool's atexit shutdown
+            raise CompileError(
+                k.spec.name,
+                k.spec.plain(params),
+                arch,
+                "not compiled: the interpreter is shutting down and quack's compile pool has "
+                "shut down (its atexit hook ran before the hook that called this kernel). Call "
+                "it before exit, or build it beforehand (`quack build`)",
+                transient=True,
+            )
         pool = _pool.default_pool()
     root = s.cache_dir
     for _ in range(3):
