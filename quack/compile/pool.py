@@ -136,6 +136,7 @@ class CompilePool:
             if st in (PENDING, DONE):
                 return st
             plain = spec.plain(params)
+            limit = timeout if timeout is not None else s.compile_timeout
             args = WorkerRequest(
                 spec.module,
                 spec.name,
@@ -147,6 +148,7 @@ class CompilePool:
                 force,
                 s.preload,
                 s.sources.get("preload", ""),
+                timeout=limit,
             )
             task = Task(
                 ident,
@@ -156,7 +158,7 @@ class CompilePool:
                 plain,
                 arch,
                 args,
-                timeout if timeout is not None else s.compile_timeout,
+                limit,
             )
             self._book.begin(task)
             if self.closed:

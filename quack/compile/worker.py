@@ -45,6 +45,9 @@ class WorkerRequest:
     # the pool took the key's lock and sends it right after this request (a descriptor over
     # the pipe): the worker builds under it instead of taking the lock itself
     claimed: bool = False
+    # the task's compile time-out: how long it may still run if this worker's parent dies
+    # mid-compile (quack.compile.lifeline)
+    timeout: float | None = None
 
 
 # -- worker side ---------------------------------------------------------------------------
@@ -105,6 +108,7 @@ def _worker_main(conn, parent_pid: int | None = None) -> None:
                 lock_fd = reduction.recv_handle(conn)
             except Exception:  # noqa: BLE001 - EOF, or no descriptor: the pool gave up on us
                 return  # the pool went away (or replaced us) mid-hand-over: nothing to build
+        lifeline.compiling(getattr(req, "timeout", None))
         try:
             result = ("ok", fn(req) if lock_fd is None else fn(req, lock_fd))
         except CompileError as e:
@@ -120,6 +124,7 @@ def _worker_main(conn, parent_pid: int | None = None) -> None:
                 ),
             )
         finally:
+            lifeline.compiling(None)
             if lock_fd is not None:
                 os.close(lock_fd)  # the key's lock, released after the publish (or the failure)
         if not _answer(conn, result):
