@@ -41,7 +41,10 @@ MEANING: dict[str, tuple[str, str | None]] = {
         "compile workers of the runtime's pool (and of `quack build` when `jobs` is unset)",
         "CPU count (at most 16)",
     ),
-    "compile_timeout": ("seconds one compile may take before its worker is killed", None),
+    "compile_timeout": (
+        "seconds one compile may take before its worker is killed and the call raises `CompileTimeout`",
+        None,
+    ),
     "pool_start": ("how compile workers start", None),
     "no_preload": (
         "skip the compile server's warm imports (cutlass, one warm-up compile, the `[build] preload` "

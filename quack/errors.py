@@ -106,7 +106,11 @@ class KernelNotPrebuilt(QuackError, LookupError):
             + ".\n"
             f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
-            f"(or unset QUACK_MODE=prebuilt to compile on demand)"
+            # Prebuilt mode comes from QUACK_MODE, quack.toml or pytest's --quack-prebuilt,
+            # and this error can't tell which: naming only QUACK_MODE sent a user whose
+            # strict mode came from --quack-prebuilt to unset a variable they never set.
+            "(or run without prebuilt mode to compile on demand: QUACK_MODE=prebuilt, "
+            '[runtime] mode = "prebuilt" in quack.toml, or pytest\'s --quack-prebuilt)'
         )
 
 
@@ -319,7 +323,11 @@ class CompileTimeout(QuackError, TimeoutError):
                 "publishing it (past lock_timeout: QUACK_LOCK_TIMEOUT or [cache] lock_timeout; stopped or wedged?)"
             )
         else:
-            msg = f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s (its compile worker; wedged?)"
+            msg = (
+                f"compile of {kernel} key {key[:16]} still unfinished after {seconds:.0f} s (its compile "
+                "worker; wedged?); the worker was killed. If the compile is merely slow, raise "
+                "compile_timeout (QUACK_COMPILE_TIMEOUT or [runtime] compile_timeout)"
+            )
         super().__init__(msg)
         self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
 

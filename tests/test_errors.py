@@ -143,6 +143,15 @@ def test_kernel_not_prebuilt_message_carries_the_manifest_line():
     assert "LINE-FROM-RAISER" in str(err) and "quack build --arch sm_90a" in str(err)
 
 
+def test_kernel_not_prebuilt_names_every_way_prebuilt_mode_is_set():
+    """The error can't tell where prebuilt mode came from: its text named only QUACK_MODE,
+    wrong for a run under pytest's --quack-prebuilt (or a quack.toml's mode)."""
+    text = str(E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "LINE"))
+    assert "run without prebuilt mode" in text
+    assert "QUACK_MODE=prebuilt" in text and "--quack-prebuilt" in text and "[runtime] mode" in text
+    assert "unset QUACK_MODE" not in text
+
+
 def test_compile_pending_is_not_an_exception():
     p = pickle.loads(pickle.dumps(E.CompilePending("k", "ef" * 32)))
     assert not isinstance(p, Exception) and p.kernel == "k"

@@ -235,3 +235,36 @@ def test_prebuilt_miss_after_an_edit_names_the_older_build(quack_settings, tmp_p
     assert "quack build" in err.reason and "quack prewarm" in err.reason
     err2, _ = _call_prebuilt(22)  # a plain miss says nothing of the kind
     assert err2.reason == "" and counter() == 0
+
+
+_UNUSABLE_CALLS = """
+import json, warnings
+warnings.simplefilter("always")
+import relkernels
+from quack.errors import CacheWarning
+with warnings.catch_warnings(record=True) as w:
+    for _ in range(15):
+        relkernels.rel_copy(3)()
+        relkernels.rel_copy(i=4)()
+print(json.dumps([str(x.message) for x in w if issubclass(x.category, CacheWarning)]))
+"""
+
+
+def test_unusable_cache_warns_once_per_process_not_per_call(tmp_path):
+    """QUACK_CACHE_DIR naming a regular file: 30 calls of two keys (each spelled anew, so
+    none is served by the hot path's memo) gave 30 identical warnings; now one."""
+    not_a_dir = tmp_path / "cachefile"
+    not_a_dir.write_text("not a directory\n")
+    r = subprocess.run(
+        [sys.executable, "-c", _UNUSABLE_CALLS],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+        env=env(QUACK_CACHE_DIR=not_a_dir, QUACK_MODE="jit", QUACK_TEST_OBJ="/nonexistent"),
+    )
+    assert r.returncode == 0, r.stderr
+    warned = json.loads(r.stdout.strip().splitlines()[-1])
+    unusable = [m for m in warned if "unusable" in m]
+    assert len(unusable) == 1, warned
+    assert str(not_a_dir) in unusable[0] and "in this process" in unusable[0]

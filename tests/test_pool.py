@@ -21,7 +21,7 @@ from quack.compile import builder
 from quack.compile import pool as qpool
 from quack.compile import scope as qscope
 from quack.compile import tasks as qtasks
-from quack.errors import CacheWarning, CompileError, CompilePending
+from quack.errors import CompileError, CompilePending, CompileTimeout
 
 
 def _tag() -> int:
@@ -125,21 +125,23 @@ def test_killed_worker_fails_its_key_only_and_pool_recovers(pool):
     assert st["worker_deaths"] == 1 and st["failed"] == 1
 
 
-def test_wedged_compile_times_out_then_compiles_in_process(quack_settings):
+def test_wedged_compile_times_out_and_raises_compile_timeout(quack_settings):
+    """A compile past compile_timeout raises CompileTimeout (its worker killed). Before, the
+    call compiled the key again in its own process, without any bound: a compile that
+    wedges wedged the caller (pool_fault "wedge" only wedges in a worker, so that fallback
+    returned a kernel here)."""
     use_settings(compile_timeout=2.0)
     tag = _tag()
     p = qpool.default_pool()
     before = p.stats()
-    t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
-        fn = poolkernels.pool_fault("wedge", tag)
-    assert callable(fn)
-    assert 2.0 <= time.perf_counter() - t0 < 60
-    (fell_back,) = [
-        x for x in w if issubclass(x.category, CacheWarning) and "in this process" in str(x.message)
-    ]
-    assert fell_back.filename == __file__, fell_back  # the warning names the caller's line
+        with pytest.raises(CompileTimeout) as ei:
+            poolkernels.pool_fault("wedge", tag)
+    msg = str(ei.value)
+    assert "still unfinished after 2 s" in msg and "QUACK_COMPILE_TIMEOUT" in msg, msg
+    assert not ei.value.external
+    assert [x for x in w if "in this process" in str(x.message)] == []  # no in-process compile
     after = p.stats()
     assert after["timeouts"] == before["timeouts"] + 1
     try:

@@ -18,6 +18,13 @@ def _preload() -> None:
     # terminal. The parent decides what happens to compiles (it exits, and the
     # forkserver follows when its pipe closes); workers ignore SIGINT likewise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # End with the parent even while the preload below runs (seconds, minutes on a loaded
+    # machine): a killed parent runs no shutdown (quack.compile.lifeline).
+    alive_r = _forkserver_alive_fd()
+    if alive_r is not None:
+        from quack.compile import lifeline
+
+        lifeline.watch_alive_fd(alive_r)
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     try:
         from quack import settings
@@ -56,22 +63,34 @@ def _preload() -> None:
         pass
 
 
+def _forkserver_main_frame() -> types.FrameType | None:
+    """The frame of multiprocessing's forkserver ``main`` importing this module, if any."""
+    fs = sys.modules.get("multiprocessing.forkserver")
+    main = getattr(fs, "main", None)
+    if main is None:
+        return None
+    frame: types.FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is main.__code__:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def _forkserver_alive_fd() -> int | None:
+    """The read end of the forkserver's "alive" pipe (``main``'s ``alive_r``), or None."""
+    frame = _forkserver_main_frame()
+    fd = None if frame is None else frame.f_locals.get("alive_r")
+    return fd if isinstance(fd, int) else None
+
+
 def _imported_by_forkserver() -> bool:
     """True when multiprocessing's forkserver ``main`` is importing this module (its
     preload step). Any other import (a test, a tool walking the package) must not run
     ``_preload``: it set SIGINT to SIG_IGN in the importing process, and a test process
     that had imported it passed SIG_IGN on to the drivers it started, whose Ctrl-C
     tests then never ended (issue 24 item 4)."""
-    fs = sys.modules.get("multiprocessing.forkserver")
-    main = getattr(fs, "main", None)
-    if main is None:
-        return False
-    frame: types.FrameType | None = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is main.__code__:
-            return True
-        frame = frame.f_back
-    return False
+    return _forkserver_main_frame() is not None
 
 
 if _imported_by_forkserver():

@@ -130,6 +130,41 @@ class Dispatcher:
             for w in workers:
                 w.proc.join(5)
 
+    def alive(self) -> bool:
+        """False once the dispatcher thread was started and is gone (ended on an error
+        already reported, or not copied into a forked child): nothing settles its keys."""
+        return self._thread is None or self._thread.is_alive() or self.closed
+
+    def orphan(self, lock: threading.RLock, why: str) -> None:
+        """In a child forked from this pool's process: the thread and the workers are
+        the parent's (not copied, or not ours to kill). Close, failing every key held
+        (transient: the child's next call starts a pool of its own); ``lock``: the
+        pool's new lock (the parent's may have been copied held)."""
+        self.lock = lock
+        self.closed = True
+        workers, self._workers = self._workers, []
+        held = list(self._queue) + [w.task for w in workers if w.task] + list(self._external.values())
+        self._queue.clear()
+        self._external.clear()
+        for t in held:
+            self._finish(t, False, tasks.dispatcher_error(t, RuntimeError(why)))
+        for w in workers:  # the child's copies of the pipes; the processes are the parent's
+            try:
+                w.conn.close()
+            except Exception:  # noqa: BLE001
+                pass
+        for fd in (self._wake_r, self._wake_w):
+            if fd is not None and fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self._wake_r, self._wake_w = -1, None
+
+    def fail_everything(self, exc: BaseException) -> None:
+        """Fail every key held and close (the dispatcher thread can't go on)."""
+        self._fail_everything(exc)
+
     def _ensure_thread(self) -> None:
         if self._thread is None:
             if self.closed:

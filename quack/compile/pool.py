@@ -12,8 +12,8 @@ each worker holds, so
 * a worker that dies (killed, segfault, OOM killer) fails *its* key only, with
   the signal in the message, and is replaced; the other keys carry on;
 * a compile running past its time-out (a wedged worker) is killed, its key
-  failed with :class:`CompileTimeout` (``@jit_cache`` then compiles in-process),
-  and the slot is freed;
+  failed with :class:`CompileTimeout` (``@jit_cache`` raises it: compiling it again
+  in the caller would only move the hang there), and the slot is freed;
 * ``submit`` never blocks: workers are started by the dispatcher thread, so the
   forkserver's preload (cutlass import + a warm-up compile, seconds) is never
   paid on the caller's thread;
@@ -42,8 +42,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 
-from quack.compile import claims, external, tasks
+from quack.compile import claims, external, tasks, worker
 from quack.compile.dispatch import Dispatcher
 from quack.compile.tasks import DONE, FAILED, PENDING, Task, TaskInfo
 from quack.compile.worker import WorkerRequest
@@ -72,6 +73,7 @@ class CompilePool:
         self._dispatcher = Dispatcher(
             self.jobs, self.start_method, lock=self._lock, book=self._book, changed=self._bump
         )
+        _pools.add(self)
 
     # -- lifecycle -------------------------------------------------------------------------
     @property
@@ -134,6 +136,7 @@ class CompilePool:
             if st in (PENDING, DONE):
                 return st
             plain = spec.plain(params)
+            limit = timeout if timeout is not None else s.compile_timeout
             args = WorkerRequest(
                 spec.module,
                 spec.name,
@@ -145,6 +148,7 @@ class CompilePool:
                 force,
                 s.preload,
                 s.sources.get("preload", ""),
+                timeout=limit,
             )
             task = Task(
                 ident,
@@ -154,7 +158,7 @@ class CompilePool:
                 plain,
                 arch,
                 args,
-                timeout if timeout is not None else s.compile_timeout,
+                limit,
             )
             self._book.begin(task)
             if self.closed:
@@ -227,7 +231,9 @@ class CompilePool:
 
     def wait(self, key: str, timeout: float | None = None, root=None) -> tuple[str, BaseException | None]:
         """Block until the key is no longer pending (or ``timeout``); returns (state, error).
-        Compile time-outs are the pool's job (the key fails with CompileTimeout)."""
+        Compile time-outs are the pool's job (the key fails with CompileTimeout): its
+        dispatcher thread enforces them, so a wait also ends when that thread is gone
+        (the key fails), never waiting for ever on a thread that cannot answer."""
         ident = self._ident(key, root)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -235,8 +241,24 @@ class CompilePool:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
-                self._cond.wait(left)
+                if not self._dispatcher.alive():
+                    self._dispatcher.fail_everything(
+                        RuntimeError("the compile pool's dispatcher thread is gone")
+                    )
+                    break
+                self._cond.wait(WAIT_SLICE_S if left is None else min(left, WAIT_SLICE_S))
             return self._book.poll(ident)
+
+    def _orphan_in_child(self) -> None:
+        """After ``os.fork()``, in the child (only the forking thread runs): fail what the
+        parent's dispatcher held and close; nothing of it runs here."""
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._dispatcher.orphan(
+            self._lock,
+            f"this process (pid {os.getpid()}) was forked from the one that started the "
+            f"compile pool; call again: the next miss starts a pool of this process's own",
+        )
 
     def wait_change(self, since: int, timeout: float | None = None) -> int:
         """Block until ``generation`` moves past ``since`` (any key changed state)."""
@@ -257,21 +279,71 @@ class CompilePool:
             return d
 
 
+# How often a waiter checks that the dispatcher thread still exists (its results wake it
+# at once; this only bounds a wait on a thread that is gone).
+WAIT_SLICE_S = 1.0
+
 # -- the process-wide pool (its scopes: quack/compile/scope.py) ---------------------------
 _default: CompilePool | None = None
 _default_lock = threading.Lock()
+_pools: weakref.WeakSet[CompilePool] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (a torch DataLoader worker, a fork-based multiprocessing pool)
+    inherits the parent's default pool marked started, but not its dispatcher thread nor
+    its workers: a cold call queued the key for a thread that did not exist and waited for
+    ever. Here every inherited pool closes (its keys fail), the default pool is forgotten
+    (the child's next miss starts its own) and so is the parent's forkserver."""
+    global _default, _default_lock
+    _default_lock = threading.Lock()  # may have been copied held by another thread
+    _default = None
+    for p in list(_pools):
+        p._orphan_in_child()
+    worker.forget_forkserver_in_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+_exiting = False
+
+
+def exiting() -> bool:
+    """True once the default pool was shut down by the interpreter's exit (atexit)."""
+    return _exiting
+
+
+def _shutdown_at_exit(pool: CompilePool) -> None:
+    global _exiting
+    _exiting = True
+    pool.shutdown()
+
+
+def _check_not_exiting() -> None:
+    # A kernel called from an atexit hook that runs after this pool's own one: a new pool
+    # started then failed with "cannot start a compile worker: FileNotFoundError(2, ...)"
+    # (multiprocessing's own exit hooks had run), which said nothing of the cause.
+    if _exiting:
+        raise RuntimeError(
+            "quack: the interpreter is shutting down and the compile pool has shut down "
+            "(its atexit hook ran): no compile can start now. Call the kernel before exit "
+            "(or from an atexit hook registered after its first call, which runs earlier), "
+            "or build it beforehand (`quack build`)"
+        )
 
 
 def default_pool() -> CompilePool:
     """The lazily created pool that compiles misses for this process (started on
-    its first submit)."""
+    its first submit). Raises RuntimeError once the interpreter's exit shut it down."""
     global _default
     with _default_lock:
         if _default is None or _default.closed:
+            _check_not_exiting()
             _default = CompilePool()
             import atexit
 
-            atexit.register(_default.shutdown)
+            atexit.register(_shutdown_at_exit, _default)
         return _default
 
 
@@ -281,8 +353,9 @@ def configure_default(jobs: int | None = None) -> CompilePool:
     global _default
     with _default_lock:
         if _default is None or _default.closed or (not _default.started and jobs):
+            _check_not_exiting()
             _default = CompilePool(jobs)
             import atexit
 
-            atexit.register(_default.shutdown)
+            atexit.register(_shutdown_at_exit, _default)
         return _default

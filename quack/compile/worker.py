@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from quack.compile import lifeline
 from quack.errors import CacheError, CompileError, LockTimeout
 
 
@@ -44,6 +45,9 @@ class WorkerRequest:
     # the pool took the key's lock and sends it right after this request (a descriptor over
     # the pipe): the worker builds under it instead of taking the lock itself
     claimed: bool = False
+    # the task's compile time-out: how long it may still run if this worker's parent dies
+    # mid-compile (quack.compile.lifeline)
+    timeout: float | None = None
 
 
 # -- worker side ---------------------------------------------------------------------------
@@ -79,8 +83,13 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
     }
 
 
-def _worker_main(conn) -> None:
-    """A compile worker: GPU-blind, one task at a time from ``conn`` until EOF."""
+def _worker_main(conn, parent_pid: int | None = None) -> None:
+    """A compile worker: GPU-blind, one task at a time from ``conn`` until EOF.
+    ``parent_pid``: the process that forks it (the forkserver, or the pool's process)."""
+    # Killed with its parent: a busy worker of a killed process compiled on, re-parented
+    # to init, for as long as its compile took (quack.compile.lifeline).
+    lifeline.die_with_parent(parent_pid)
+    forget_forkserver_in_child()  # a worker starts no process: it is no forkserver client
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
     # The parent's SIGINT (Ctrl-C in the terminal) reaches the whole process group;
     # the parent decides what happens to compiles, not the keyboard.
@@ -99,6 +108,7 @@ def _worker_main(conn) -> None:
                 lock_fd = reduction.recv_handle(conn)
             except Exception:  # noqa: BLE001 - EOF, or no descriptor: the pool gave up on us
                 return  # the pool went away (or replaced us) mid-hand-over: nothing to build
+        lifeline.compiling(getattr(req, "timeout", None))
         try:
             result = ("ok", fn(req) if lock_fd is None else fn(req, lock_fd))
         except CompileError as e:
@@ -114,6 +124,7 @@ def _worker_main(conn) -> None:
                 ),
             )
         finally:
+            lifeline.compiling(None)
             if lock_fd is not None:
                 os.close(lock_fd)  # the key's lock, released after the publish (or the failure)
         if not _answer(conn, result):
@@ -240,13 +251,42 @@ def stop_forkserver() -> None:
             pass
 
 
+def forget_forkserver_in_child() -> None:
+    """After ``os.fork()``, in the child (and in a compile worker): multiprocessing's
+    record of the parent's forkserver names a process that is not the child's child (its
+    ``ensure_running`` then raised ChildProcessError from ``waitpid``) and whose lock
+    another thread of the parent may have held at the fork. Forget it, closing this
+    process's copy of the forkserver's "alive" pipe: the forkserver ends (and its workers
+    with it, quack.compile.lifeline) once the processes that use it are gone; a copy held
+    here kept it, and a worker holding one kept it, and so itself, alive for ever after
+    its parent was killed. The child's pool starts a forkserver of its own."""
+    fs_mod = sys.modules.get("multiprocessing.forkserver")
+    fs = getattr(fs_mod, "_forkserver", None)
+    if fs is None:
+        return
+    fd = getattr(fs, "_forkserver_alive_fd", None)
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    fs._lock = threading.Lock()
+    fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+
+
 def start_worker(start_method: str) -> tuple[BaseProcess, Connection]:
     """Start one compile worker; returns (process, the parent's end of its pipe). Called
     on the pool's dispatcher thread (the first forkserver start waits for its preload)."""
     _block_sigint_for_children()
     ctx = _context(start_method)
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_worker_main, args=(child,), daemon=True, name="quack-compile")
+    if start_method == "forkserver":
+        from multiprocessing import forkserver
+
+        forker = getattr(forkserver._forkserver, "_forkserver_pid", None)
+    else:
+        forker = os.getpid()
+    proc = ctx.Process(target=_worker_main, args=(child, forker), daemon=True, name="quack-compile")
     _install_prep_filter()
     _tls.neutral = True
     try:

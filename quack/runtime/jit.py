@@ -14,11 +14,10 @@ import atexit
 import functools
 import logging
 import threading
-import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
-from quack.errors import CacheError, CacheWarning, CompileError, EntryVanished
+from quack.errors import CacheError, CompileError, EntryVanished
 from quack.runtime import generation
 from quack.runtime.loaded import Loaded, load
 
@@ -43,7 +42,10 @@ class JitKernel:
         self._by_key: dict[str, Loaded] = {}
         self._failed: dict[str, tuple[str, CompileError]] = {}  # key -> (source fingerprint, error)
         self._gen = generation.value
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # the dicts above; never held across a compile
+        # key -> set once the thread resolving it is done: other threads asking for that key
+        # wait for it (one compile per key), threads asking for any other key go on.
+        self._inflight: dict[str, threading.Event] = {}
         self.warned_unshippable = False  # its one warning: a worker can't import it (quack.runtime.miss)
         functools.update_wrapper(self, spec.fn)
         _ALL.append(self)
@@ -91,34 +93,59 @@ class JitKernel:
     def _slow(self, args, kwargs):
         from quack import settings as _settings
 
-        with self._lock:
-            if self._gen != generation.value:
-                self._memo.clear()
-                self._by_key.clear()
-                self._failed.clear()
-                self._gen = generation.value
-            s = _settings.get()
-            params = self.spec.bind(args, kwargs, arch=s.arch)
-            key = self.spec.key(params, s.arch)
-            loaded = self._by_key.get(key)
-            if loaded is None:
+        # The lock guards the dicts only. Held across _resolve (a compile: seconds to
+        # minutes), it serialized every thread calling this kernel: three threads on three
+        # cold keys took three compiles' time, and a loaded key waited behind another
+        # thread's compile. A key being resolved has an event its other callers wait on,
+        # so one key still compiles once however many threads ask for it.
+        while True:
+            with self._lock:
+                if self._gen != generation.value:
+                    self._memo.clear()
+                    self._by_key.clear()
+                    self._failed.clear()
+                    self._gen = generation.value
+                s = _settings.get()
+                params = self.spec.bind(args, kwargs, arch=s.arch)
+                key = self.spec.key(params, s.arch)
+                loaded = self._by_key.get(key)
+                if loaded is not None:
+                    loaded.hits += 1
+                    return self._memoize(args, kwargs, loaded)
                 self._raise_if_failed(key)
-                try:
-                    loaded = self._resolve(params, key, s)
-                except CompileError as e:
-                    if not e.transient:
-                        self._remember_failure(key, e)
-                    raise
+                busy = self._inflight.get(key)
+                if busy is None:
+                    mine = self._inflight[key] = threading.Event()
+                    break
+            # Another thread is resolving this key: its outcome (loaded, a remembered
+            # failure; a transient failure makes this thread try) is read on the next pass.
+            busy.wait()
+        try:
+            loaded = self._resolve(params, key, s)
+        except CompileError as e:
+            if not e.transient:
+                with self._lock:
+                    self._remember_failure(key, e)
+            raise
+        else:
+            with self._lock:  # recorded before the waiters wake: they find it, none compiles
                 self._by_key[key] = loaded
-            else:
-                loaded.hits += 1
-            try:
-                self._memo[
-                    (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
-                ] = loaded
-            except TypeError:
-                pass  # unhashable argument spelling: still correct, just the slow path
-            return loaded.fn
+        finally:
+            with self._lock:
+                del self._inflight[key]
+            mine.set()
+        with self._lock:
+            return self._memoize(args, kwargs, loaded)
+
+    def _memoize(self, args, kwargs, loaded: Loaded):
+        """Remember this spelling of the arguments for the hot path; caller holds the lock."""
+        try:
+            self._memo[
+                (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+            ] = loaded
+        except TypeError:
+            pass  # unhashable argument spelling: still correct, just the slow path
+        return loaded.fn
 
     # A configuration that failed to compile fails the same way until its source changes:
     # compiling it again on every call (minutes for a large kernel) tells nothing new.
@@ -177,18 +204,21 @@ class JitKernel:
         try:
             entry = store.lookup(ref)
         except (CacheError, OSError) as e:
-            if s.mode == "prebuilt":
-                from quack.cache.problems import warn_once
+            from quack.cache.problems import warn_once
 
+            # Once per process per cause, in both modes: every call of every kernel meets
+            # the same unusable cache, and a warning per call (15 calls, 15 warnings) buried
+            # the one line that says what is wrong.
+            if s.mode == "prebuilt":
                 warn_once(
                     f"unusable:{s.cache_dir}", f"quack: cache {s.cache_dir} unusable ({e})", stacklevel=6
                 )
             else:
-                warnings.warn(
-                    f"quack: cache {s.cache_dir} unusable ({e}); not using it for "
-                    f"{self.spec.name} (a compile runs in this process, unstored)",
-                    CacheWarning,
-                    stacklevel=5,
+                warn_once(
+                    f"unusable-jit:{s.cache_dir}:{type(e).__name__}:{getattr(e, 'errno', None)}",
+                    f"quack: cache {s.cache_dir} unusable ({e}); not using it: kernels it "
+                    f"would hold compile in this process, unstored",
+                    stacklevel=6,
                 )
             return None, None, f"the cache is unusable ({e})"
         if entry is not None:

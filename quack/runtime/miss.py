@@ -220,9 +220,9 @@ def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
     """A miss, compiled by the pool. Inside a pool_scope: submit and raise
     CompilePending. Outside: submit to the default pool and wait. Either way a
     failed key is raised once as CompileError (the worker's traceback text) and
-    then forgotten, so a later call compiles it again; a key past its time-out
-    (wedged worker, or a lock held elsewhere that never publishes) returns None:
-    the caller compiles in this process. Returns (entry, the pool's report of the
+    then forgotten, so a later call compiles it again, as is a CompileTimeout of its
+    own worker; a key whose lock another process held past lock_timeout without
+    publishing it returns None: the caller compiles in this process. Returns (entry, the pool's report of the
     key: ``compiled`` False when another process built it) or (None, None)."""
     from quack import settings as _settings
     from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
@@ -233,6 +233,16 @@ def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
     pool = scope.active_pool(s.cache_dir)
     scoped = pool is not None
     if pool is None:
+        if _pool.exiting():  # at interpreter exit, after the pool's atexit shutdown
+            raise CompileError(
+                k.spec.name,
+                k.spec.plain(params),
+                arch,
+                "not compiled: the interpreter is shutting down and quack's compile pool has "
+                "shut down (its atexit hook ran before the hook that called this kernel). Call "
+                "it before exit, or build it beforehand (`quack build`)",
+                transient=True,
+            )
         pool = _pool.default_pool()
     root = s.cache_dir
     for _ in range(3):
@@ -284,10 +294,14 @@ def settle_in_pool(
 
 
 def worker_failed(k: JitKernel, err, params, key, arch) -> None:
-    """A key the pool failed: a time-out or a cache that can't take the object
-    returns (one warning; the caller compiles in this process, unstored); a compile
-    error is raised."""
-    if isinstance(err, CompileTimeout):
+    """A key the pool failed. Its own worker's time-out is raised (CompileTimeout): the
+    compile is what is slow, and compiling it again here only moved the hang into the
+    caller, unbounded (compile_timeout promises a bound). Another process holding the key's
+    lock past lock_timeout, or a cache that can't take the object, returns (one warning;
+    the caller compiles in this process, unstored); a compile error is raised."""
+    if isinstance(err, CompileTimeout) and not err.external:
+        raise err
+    if isinstance(err, CompileTimeout):  # another process wedged holding the lock
         warnings.warn(
             f"quack: {err}; compiling {k.spec.name} key {key[:16]} in this process",
             CacheWarning,

@@ -1,0 +1,98 @@
+"""The compile pool's processes end with the process that started them.
+
+A process using the pool that is killed (SIGKILL, a SIGTERM it does not handle: pytest
+under ``timeout``, a cancelled CI job) runs no atexit hook, so nothing kills its
+forkserver or its workers: the forkserver kept importing cutlass (or compiling its
+warm-up) and a busy worker kept compiling, for as long as the compile took (for ever,
+for a wedged one), re-parented to init, each holding the resource tracker's pipe open so
+that it stayed too. Here:
+
+* a worker asks the kernel for SIGTERM when the thread that forked it ends
+  (``PR_SET_PDEATHSIG``): the forkserver's main thread, or the pool's dispatcher thread
+  under the fork and spawn start methods; then checks that its parent had not already
+  died between the fork and the request (the signal would never come). The signal
+  arms a kernel alarm (SIGALRM, default action: it ends the process even inside the
+  compiler's C code) for what is left of the current compile's time-out: a compile
+  that ends in time is still published whole for the next run, as the parent's pool
+  would have allowed, and one that does not (wedged) ends with it, as the parent's pool
+  would have killed it. An idle worker ends at once.
+* the forkserver, spawned by the dispatcher thread (which ends at every pool shutdown,
+  while the forkserver is meant to serve the next pool of the process), cannot use
+  ``PR_SET_PDEATHSIG``: a thread of its own waits on multiprocessing's "alive" pipe,
+  whose write end only client processes hold, and kills the forkserver when it reads
+  EOF (every client gone), also during its preload, when its main loop, which watches
+  that pipe too, is not running yet.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import select
+import signal
+import sys
+import threading
+import time
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+# When the current compile must end (time.monotonic()), None while idle: read by the
+# SIGTERM handler on the parent's death.
+_deadline: float | None = None
+
+
+def compiling(timeout: float | None) -> None:
+    """A task starts (its compile time-out, seconds) or ends (None)."""
+    global _deadline
+    _deadline = None if timeout is None else time.monotonic() + timeout
+
+
+def die_with_parent(expected_ppid: int | None) -> None:
+    """Linux: SIGTERM this process when the thread that forked it ends, then bounded as
+    the module docstring says; exit now if its parent (``expected_ppid``, when known) is
+    already gone. Elsewhere: nothing."""
+    if not sys.platform.startswith("linux") or expected_ppid is None:
+        return
+
+    def on_term(signum, frame) -> None:
+        if os.getppid() == expected_ppid:  # a plain SIGTERM: its default action
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        left = None if _deadline is None else _deadline - time.monotonic()
+        if left is None or left <= 0:
+            os._exit(1)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(max(1, math.ceil(left)))
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):  # no libc symbol: the old behaviour, no lifeline
+        return
+    if os.getppid() != expected_ppid:
+        os._exit(1)  # re-parented before the request took effect: the parent is gone
+
+
+def watch_alive_fd(fd: int) -> None:
+    """Kill this process (the forkserver) once ``fd``, the read end of a pipe whose write
+    ends only its clients hold, reads EOF: every client process has ended."""
+
+    def watch() -> None:
+        while True:
+            try:
+                ready, _, _ = select.select([fd], [], [])
+            except InterruptedError:
+                continue
+            except OSError:
+                return  # closed by the forkserver itself: it is ending anyway
+            if ready:
+                os.kill(os.getpid(), signal.SIGKILL)
+                return
+
+    threading.Thread(target=watch, name="quack-forkserver-lifeline", daemon=True).start()

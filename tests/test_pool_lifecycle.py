@@ -1,0 +1,258 @@
+"""The compile pool across its process's life: a forked child (its own pool, never a wait
+for the parent's thread), a killed parent (its forkserver and workers end with it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from reliability_support import env
+
+TESTS = os.path.dirname(__file__)
+
+
+def _alive(pid: int) -> bool:
+    """A process that exists and is not a zombie (procfs: Linux only, as the lifeline)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _gone_within(pids, timeout: float) -> list[int]:
+    """The pids still alive after ``timeout`` seconds (bounded polling of /proc)."""
+    end = time.monotonic() + timeout
+    left = [p for p in pids if _alive(p)]
+    while left and time.monotonic() < end:
+        time.sleep(0.05)
+        left = [p for p in left if _alive(p)]
+    return left
+
+
+_FORK = """
+import json, os, sys
+import toykernels
+from quack.compile import pool as qpool
+toykernels.toy_scale("float32", 64, False)          # the parent's pool starts
+parent_pool = qpool.default_pool()
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    import faulthandler
+    faulthandler.dump_traceback_later(90, exit=True)  # a regression fails, never hangs
+    os.close(r)
+    toykernels.toy_scale("float32", 96, False)      # a cold key, in the child
+    p = qpool.default_pool()
+    out = {"own_pool": p is not parent_pool, "compiled": p.stats()["compiled"]}
+    os.write(w, json.dumps(out).encode())
+    os._exit(0)
+os.close(w)
+data = os.read(r, 4096)
+_, status = os.waitpid(pid, 0)
+print(json.dumps({"status": status, "child": json.loads(data or b"null")}))
+"""
+
+
+def test_forked_child_compiles_a_cold_key_with_a_pool_of_its_own(tmp_path):
+    """The child inherited the parent's started pool but not its dispatcher thread: its
+    cold call waited for ever. Now the child starts its own pool and compiles."""
+    r = subprocess.run(
+        [sys.executable, "-c", _FORK],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=TESTS,
+        env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out == {"status": 0, "child": {"own_pool": True, "compiled": 1}}, (out, r.stderr)
+
+
+def test_a_wait_on_a_pool_whose_dispatcher_is_gone_fails_instead_of_hanging(quack_settings):
+    """Every wait is bounded: a key pending on a dispatcher thread that no longer exists
+    fails (transient CompileError) instead of blocking its caller for ever."""
+    import toykernels
+
+    from quack.compile import pool as qpool
+    from quack.compile import tasks as qtasks
+
+    p = qpool.CompilePool(1)
+    try:
+        spec = toykernels.toy_scale.spec
+        params = {"dtype": "float32", "block": 160, "bias": False}
+        key = spec.key(params, "sm_90a")
+        # The state a forked child inherits: pending, "started", no thread behind it.
+        with p._lock:
+            p._dispatcher._thread = _DeadThread()
+            assert p.submit(spec, params, "sm_90a", key, force=True) == qtasks.PENDING
+        st, err = p.wait(key, timeout=60)
+        assert st == qtasks.FAILED and "dispatcher thread is gone" in str(err), (st, err)
+        assert getattr(err, "transient", False)
+    finally:
+        p.shutdown()
+
+
+class _DeadThread:
+    def is_alive(self) -> bool:
+        return False
+
+
+_KILLED = """
+import os, sys, time
+import relkernels
+from quack.compile import pool as qpool
+from multiprocessing import forkserver
+p = qpool.default_pool()
+from quack.compile import scope
+with scope.pool_scope(p):
+    try:
+        relkernels.rel_copy(7)                 # a compile that takes QUACK_TEST_COMPILE_SLEEP
+    except BaseException:
+        pass
+end = time.monotonic() + 120
+while time.monotonic() < end:
+    info = p.task_info(relkernels.rel_copy.key(7))
+    if info is not None and info.pid is not None:
+        break
+    time.sleep(0.05)
+print(forkserver._forkserver._forkserver_pid, info.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_process_takes_its_forkserver_and_busy_worker_with_it(tmp_path):
+    """SIGKILL (what `timeout -s KILL`, the OOM killer or a CI cancel do) runs no atexit:
+    the forkserver and a worker mid-compile used to run on, re-parented to init, the
+    worker for as long as its (here wedged: 600 s) compile took. The forkserver ends at
+    once; the worker within what is left of its compile time-out (5 s here), the bound
+    the dead parent's pool would have enforced."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+        env=env(
+            QUACK_CACHE_DIR=tmp_path / "cache",
+            QUACK_MODE="jit",
+            QUACK_COMPILE_JOBS=1,
+            QUACK_COMPILE_TIMEOUT=5,
+            QUACK_TEST_COMPILE_SLEEP=600,
+            QUACK_TEST_OBJ="/nonexistent",
+        ),
+    )
+    try:
+        line = proc.stdout.readline()  # bounded: the script gives up after 120 s
+        forkserver_pid, worker_pid = (int(x) for x in line.split())
+        assert _alive(forkserver_pid) and _alive(worker_pid)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert _gone_within([forkserver_pid], 30) == []
+        assert _gone_within([worker_pid], 60) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
+_THREADS = """
+import json, os, threading, time
+import relkernels
+from quack.compile import pool as qpool
+gate, counter = os.environ["QUACK_TEST_FAIL_GATE"], os.environ["QUACK_TEST_FAIL_COUNTER"]
+open(gate, "a").close()
+relkernels.rel_fail(1)                      # a loaded key
+os.unlink(gate)                             # from here every compile waits for the gate
+results = {}
+def call(name, *a, **kw):
+    results[name] = callable(relkernels.rel_fail(*a, **kw))
+threads = [threading.Thread(target=call, args=(f"k{i}", i)) for i in (2, 3, 4)]
+threads += [threading.Thread(target=call, args=(f"same{j}", 5)) for j in range(4)]
+for t in threads:
+    t.start()
+p = qpool.default_pool()
+peak, end = 0, time.monotonic() + 120
+while peak < 4 and time.monotonic() < end:  # keys 2, 3, 4, 5 pending at once
+    peak = max(peak, p.stats()["pending"])
+    time.sleep(0.02)
+# the loaded key, spelled anew (not in the hot path's memo), while the compiles wait
+warm = threading.Thread(target=call, args=("warm",), kwargs={"i": 1})
+warm.start()
+warm.join(60)
+warm_done = not warm.is_alive()
+open(gate, "a").close()
+for t in threads + [warm]:
+    t.join(120)
+with open(counter) as f:
+    attempts = [line.split()[1] for line in f]
+print(json.dumps({"peak": peak, "warm_while_busy": warm_done, "ok": sorted(k for k, v in results.items() if v),
+                  "attempts": {i: attempts.count(i) for i in sorted(set(attempts))}}))
+"""
+
+
+def test_threads_on_one_kernel_compile_cold_keys_at_once_and_one_key_once(tmp_path, tmp_path_factory):
+    """The kernel's lock was held across a whole compile: threads on distinct cold keys
+    took turns (never more than one pending in the pool) and a loaded key waited behind
+    another thread's compile. Four threads on one cold key still compile it once."""
+    from reliability_support import session_objects
+
+    obj = session_objects(tmp_path_factory)["float32"]["path"]
+    r = subprocess.run(
+        [sys.executable, "-c", _THREADS],
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=TESTS,
+        env=env(
+            QUACK_CACHE_DIR=tmp_path / "cache",
+            QUACK_MODE="jit",
+            QUACK_COMPILE_JOBS=4,
+            QUACK_TEST_OBJ=obj,
+            QUACK_TEST_FAIL_GATE=tmp_path / "gate",
+            QUACK_TEST_FAIL_COUNTER=tmp_path / "attempts",
+        ),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["peak"] == 4 and out["warm_while_busy"], out
+    assert out["ok"] == sorted(["k2", "k3", "k4", "warm"] + [f"same{j}" for j in range(4)]), out
+    assert out["attempts"] == {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}, out
+
+
+_AT_EXIT = """
+import atexit, json
+import toykernels
+from quack.errors import CompileError
+def late():                                  # runs after the pool's own atexit shutdown
+    try:
+        toykernels.toy_scale("float32", 224, False)
+        print(json.dumps({"ok": True}), flush=True)
+    except CompileError as e:
+        print(json.dumps({"error": str(e), "transient": e.transient}), flush=True)
+atexit.register(late)
+toykernels.toy_scale("float32", 64, False)  # the pool starts (its atexit hook registered)
+"""
+
+
+def test_a_cold_call_at_interpreter_exit_says_the_interpreter_is_shutting_down(tmp_path):
+    """A cold call from an atexit hook that runs after the pool's shutdown started a new
+    pool and failed with "cannot start a compile worker: FileNotFoundError(2, ...)"."""
+    r = subprocess.run(
+        [sys.executable, "-c", _AT_EXIT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=TESTS,
+        env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1),
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert "interpreter is shutting down" in out.get("error", ""), (out, r.stderr)
+    assert "quack build" in out["error"] and "FileNotFoundError" not in out["error"]
+    assert out["transient"] is True
