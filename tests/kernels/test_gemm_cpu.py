@@ -65,6 +65,9 @@ def test_unbuildable_configurations_are_refused_before_compiling(knobs, match):
         compile_gemm.spec.bind(("bfloat16",), {"config": GemmConfig(**knobs)}, arch="sm_90a")
 
 
+# Binding derives the configuration before the arch rule refuses the target: for sm_100a
+# that says, once a process, that no tuning table exists (whichever test binds it first).
+@pytest.mark.filterwarnings("ignore:quack_kernels. no tuning table for sm_100a:UserWarning")
 def test_arch_rule_refuses_other_targets():
     from quack_kernels.gemm import compile_gemm
 
