@@ -11,6 +11,7 @@ import functools
 import math
 from typing import Any
 
+from quack import param_specs
 from quack.errors import ParamError
 
 DTYPES = ("float32", "float16", "bfloat16")  # Dtype()'s default choices (unchanged: issue 27)
@@ -169,6 +170,15 @@ class Int(Param):
     def __init__(
         self, min: int | None = None, max: int | None = None, choices: tuple[int, ...] | None = None
     ):
+        spec = "Int(...)"
+        min = param_specs.number(spec, "min", min, floats=False)
+        max = param_specs.number(spec, "max", max, floats=False)
+        param_specs.ordered(spec, min, max)
+        if choices is not None:
+            choices = param_specs.choices(spec, choices, int, "integers")
+            outside = [c for c in choices if (min is not None and c < min) or (max is not None and c > max)]
+            if outside:  # a choice no call could ever pass: a typo in the spec
+                raise ValueError(f"{spec}: choice {outside[0]!r} is outside [min, max] = [{min}, {max}]")
         self._set(min=min, max=max, choices=choices)
 
     def check(self, name, value):
@@ -221,6 +231,9 @@ class Float(Param):
     max: float | None
 
     def __init__(self, min: float | None = None, max: float | None = None):
+        min = param_specs.number("Float(...)", "min", min, floats=True)
+        max = param_specs.number("Float(...)", "max", max, floats=True)
+        param_specs.ordered("Float(...)", min, max)
         self._set(min=min, max=max)
 
     def check(self, name, value):
@@ -247,8 +260,8 @@ class Choice(Param):
     _fields = ("choices",)
     choices: tuple[str, ...]
 
-    def __init__(self, choices: tuple[str, ...] = ()):
-        self._set(choices=choices)
+    def __init__(self, choices: tuple[str, ...]):
+        self._set(choices=param_specs.choices("Choice(...)", choices, str, "strings"))
 
     def check(self, name, value):
         if not isinstance(value, str) or value not in self.choices:

@@ -175,7 +175,15 @@ def register(
 ) -> KernelSpec:
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
         raise ValueError(f"kernel name {name!r} must match {NAME_RE.pattern}")
+    if not isinstance(params, dict):
+        # a list or None gave "AttributeError: 'list' object has no attribute 'items'"
+        raise TypeError(
+            f"kernel {name}: params= must be a dict of parameter name -> quack.params.Param "
+            f"(e.g. {{'block': Int(min=32)}}, or {{}} for none), got {params!r}"
+        )
     for pn, p in params.items():
+        if not isinstance(pn, str) or not pn.isidentifier():
+            raise TypeError(f"kernel {name}: parameter name {pn!r} must be a str, a Python identifier")
         if not isinstance(p, Param):
             raise TypeError(f"kernel {name}: parameter {pn!r} must be a quack.params.Param, got {p!r}")
     if ARCH in params:
@@ -218,6 +226,18 @@ def register(
     defaults = {
         n: prm.default for n, prm in sig.parameters.items() if prm.default is not prm.empty and n != ARCH
     }
+    for n, v in defaults.items():
+        # A default its own Param refuses (``def f(n=5000)`` with ``Int(max=10)``) failed
+        # every call that omits it, blaming the caller; refused here, naming the kernel.
+        try:
+            params[n].check(n, v)
+        except ParamError as e:
+            raise ParamError(
+                f"kernel {name}: the compile function's default for {e}; "
+                f"change the default or widen the parameter's spec",
+                kernel=name,
+                param=n,
+            ) from None
     spec = KernelSpec(
         name,
         fn,

@@ -87,9 +87,9 @@ class Dispatcher:
         self._changed()
         self._wake()
 
-    def prewarm(self) -> None:
-        """Start the forkserver and every worker now, in the background."""
-        self._want_workers = self.jobs
+    def prewarm(self, workers: int | None = None) -> None:
+        """Start the forkserver and every worker (or ``workers`` of them) now, in the background."""
+        self._want_workers = min(self.jobs, workers or self.jobs)
         self._ensure_thread()
         self._wake()
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 import weakref
@@ -84,10 +85,11 @@ class CompilePool:
     def closed(self) -> bool:
         return self._dispatcher.closed
 
-    def prewarm(self) -> None:
-        """Start the forkserver and every worker now, in the background; returns at once."""
+    def prewarm(self, workers: int | None = None) -> None:
+        """Start the forkserver and every worker (``workers``: that many, within ``jobs``)
+        now, in the background; returns at once."""
         with self._lock:
-            self._dispatcher.prewarm()
+            self._dispatcher.prewarm(workers)
 
     def shutdown(self, wait: bool = False) -> None:
         """Kill the workers and stop. Never waits for a compile; ``wait=True`` only
@@ -149,6 +151,7 @@ class CompilePool:
                 s.preload,
                 s.sources.get("preload", ""),
                 timeout=limit,
+                sys_path=tuple(sys.path),  # a worker started before it grew imports through it
             )
             task = Task(
                 ident,

@@ -48,6 +48,10 @@ class WorkerRequest:
     # the task's compile time-out: how long it may still run if this worker's parent dies
     # mid-compile (quack.compile.lifeline)
     timeout: float | None = None
+    # the caller's sys.path when it asked: a worker started earlier (pytest --quack-prewarm
+    # forks them at configure time, before collection puts tests/ on sys.path) could not
+    # import a kernel module found through a later entry (ModuleNotFoundError)
+    sys_path: tuple = ()
 
 
 # -- worker side ---------------------------------------------------------------------------
@@ -64,7 +68,11 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
     except PreloadError as e:
         e.kernel, e.arch = req.kernel, req.arch
         raise
-    spec = registry.import_spec(req.module, req.kernel)
+    extend_sys_path(req.sys_path)
+    try:
+        spec = registry.import_spec(req.module, req.kernel)
+    except Exception as e:  # noqa: BLE001 - whatever the module's import raised
+        raise module_import_error(req, e) from None
     bound = spec.bind((), req.params)
     store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
@@ -81,6 +89,34 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
         "preload_s": round(preload_s, 3),
         "claimed": lock_fd is not None,  # built under the lock the pool took at submit
     }
+
+
+def extend_sys_path(entries) -> None:
+    """Append the caller's sys.path entries this worker lacks (after its own, so what it
+    imported already keeps its precedence)."""
+    missing = [p for p in entries if isinstance(p, str) and p not in sys.path]
+    if missing:
+        sys.path.extend(missing)
+        import importlib
+
+        importlib.invalidate_caches()  # finders cached before the entries existed
+
+
+def module_import_error(req: WorkerRequest, exc: BaseException) -> CompileError:
+    """The kernel's own module failed to import here although the caller has it imported:
+    a difference between the two processes (sys.path, the working directory, a file
+    edited since), not a property of the key. Transient, so the caller does not remember
+    it as the key's compile failure ("will not be compiled again in this process")."""
+    detail = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return CompileError(
+        req.kernel,
+        req.params,
+        req.arch,
+        f"the compile worker could not import the kernel's module {req.module!r} "
+        f"(the calling process has it; the worker's sys.path is {sys.path!r}); "
+        f"not remembered as a failure of this key, the next call tries again:\n{detail}",
+        transient=True,
+    )
 
 
 def _worker_main(conn, parent_pid: int | None = None) -> None:

@@ -59,6 +59,20 @@ def pool_for_session(config, async_n: int, worker: bool):
     return pool, scope_root
 
 
+def prewarm_sync_pool() -> None:
+    """--quack-prewarm without --async-compile: start one worker of the pool a test's miss
+    compiles in (the process's default pool; a test waits for its compile), so the first
+    miss does not also pay for the worker's start (its cutlass import). One: a test waits
+    for one compile at a time. The flag used to start nothing unless --async-compile was
+    given, although its help promised workers at session start."""
+    from quack.compile import pool as _pool
+
+    try:
+        _pool.default_pool().prewarm(1)
+    except Exception:  # noqa: BLE001 - a bad quack.toml or an exiting interpreter: the first miss reports it
+        pass
+
+
 class Deferred(Skipped):
     """Setup hit a pending compile: end setup (the body must not run on half-built
     fixtures). The attempt's reports are discarded."""

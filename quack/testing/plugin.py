@@ -12,7 +12,11 @@ Options
                        with the KernelNotPrebuilt message, even if the test then
                        caught it, skipped or xfailed.
   --quack-prewarm      start the compile workers at session start (their imports
-                       overlap collection) instead of at the first miss.
+                       overlap collection) instead of at the first miss: the
+                       --async-compile workers, else the one worker a miss waits
+                       on; none in strict (prebuilt) mode. A worker started
+                       before collection imports kernel modules through the
+                       caller's sys.path as it is at each miss.
   --quack-max-defers=K after K deferrals a test's next attempt compiles synchronously.
 
 Deferral rule: quack/testing/deferral.py. Strict mode rule: quack/testing/strict.py.
@@ -28,7 +32,7 @@ quack.toml is found from the rootdir up (the project uses quack). Engaged, it al
     lock that every worker sharing the GPU takes shared around each test);
   * checks at session end that every collected, non-deselected test reported;
   * prints one summary line (keys submitted, failed, deferrals, compile seconds).
-Nothing is started until the first miss, and nothing waits for idle workers at exit.
+Nothing is started until the first miss (but with --quack-prewarm), and nothing waits for idle workers at exit.
 
 This module holds the hooks only: deferral.py (pending detection, the pool),
 strict.py, oom.py, gpus.py (pinning, the GPU lock), runner.py (one real
@@ -133,7 +137,8 @@ def pytest_addoption(parser):
         "--quack-prewarm",
         action="store_true",
         default=False,
-        help="start compile workers at session start, not at the first miss",
+        help="start compile workers at session start, not at the first miss (the "
+        "--async-compile workers, else one; none with --quack-prebuilt)",
     )
     group.addoption(
         "--quack-max-defers",

@@ -51,6 +51,8 @@ class Runner:
         self.gpu_name = pin.gpu if pin is not None else "all"
         if self.deferring:
             self.pool, self.scope_root = deferral.pool_for_session(config, async_n, self.worker)
+        elif config.getoption("quack_prewarm", False) and not prebuilt:  # prebuilt never compiles
+            deferral.prewarm_sync_pool()
 
     @property
     def prebuilt(self) -> bool:
