@@ -161,6 +161,55 @@ def test_killed_process_takes_its_forkserver_and_busy_worker_with_it(tmp_path):
             proc.wait(30)
 
 
+_IN_PRELOAD = """
+import os, time
+from multiprocessing import forkserver
+from quack.compile import worker
+worker.ensure_forkserver("forkserver")
+marker = os.environ["QUACK_TEST_PRELOAD_MARKER"]
+end = time.monotonic() + 120
+while not os.path.exists(marker) and time.monotonic() < end:  # the slow preload module began
+    time.sleep(0.05)
+print(forkserver._forkserver._forkserver_pid, os.path.exists(marker), flush=True)
+time.sleep(600)
+"""
+
+
+def test_killed_process_takes_its_forkserver_with_it_during_the_preload(tmp_path):
+    """A forkserver still in its preload (a `[build] preload` module, or cutlass's import,
+    minutes on a loaded machine) is not yet in the main loop that watches its clients:
+    only the lifeline ends it. Stopped at the end of the preload (the main loop then owns
+    the pipe and exits cleanly: tests/test_preload.py)."""
+    (tmp_path / "slowpre.py").write_text(
+        "import os, time\nopen(os.environ['QUACK_TEST_PRELOAD_MARKER'], 'w').close()\ntime.sleep(600)\n"
+    )
+    marker = tmp_path / "preloading"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _IN_PRELOAD],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+        env=env(
+            QUACK_CACHE_DIR=tmp_path / "cache",
+            QUACK_PRELOAD="slowpre",
+            QUACK_TEST_PRELOAD_MARKER=marker,
+            PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+        ),
+    )
+    try:
+        pid, began = proc.stdout.readline().split()  # bounded: the script waits at most 120 s
+        assert began == "True", proc.stderr.read() if proc.poll() is not None else began
+        assert _alive(int(pid))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        assert _gone_within([int(pid)], 30) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+
+
 _THREADS = """
 import json, os, threading, time
 import relkernels

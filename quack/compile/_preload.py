@@ -19,12 +19,23 @@ def _preload() -> None:
     # forkserver follows when its pipe closes); workers ignore SIGINT likewise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # End with the parent even while the preload below runs (seconds, minutes on a loaded
-    # machine): a killed parent runs no shutdown (quack.compile.lifeline).
+    # machine): a killed parent runs no shutdown (quack.compile.lifeline). Only while it
+    # runs: afterwards the forkserver's main loop watches the same pipe and exits cleanly.
     alive_r = _forkserver_alive_fd()
-    if alive_r is not None:
-        from quack.compile import lifeline
+    if alive_r is None:
+        _load()
+        return
+    from quack.compile import lifeline
 
-        lifeline.watch_alive_fd(alive_r)
+    stop = lifeline.watch_alive_fd(alive_r)
+    try:
+        _load()
+    finally:
+        stop()
+
+
+def _load() -> None:
+    """Import the compiler, the preload modules and the kernel packages; one warm-up compile."""
     os.environ.setdefault("CUTE_DSL_DISABLE_FILE_CACHING", "1")
     try:
         from quack import settings

@@ -33,6 +33,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Callable
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -79,20 +80,37 @@ def die_with_parent(expected_ppid: int | None) -> None:
         os._exit(1)  # re-parented before the request took effect: the parent is gone
 
 
-def watch_alive_fd(fd: int) -> None:
+def watch_alive_fd(fd: int) -> Callable[[], None]:
     """Kill this process (the forkserver) once ``fd``, the read end of a pipe whose write
-    ends only its clients hold, reads EOF: every client process has ended."""
+    ends only its clients hold, reads EOF (every client process has ended) before the
+    returned ``stop`` is called. Call ``stop`` when the preload is over: from then on the
+    forkserver's own main loop watches that pipe and exits cleanly at EOF (a kill racing
+    it ended the process with SIGKILL instead: tests/test_preload.py saw -9)."""
+    stop_r, stop_w = os.pipe()
 
     def watch() -> None:
-        while True:
-            try:
-                ready, _, _ = select.select([fd], [], [])
-            except InterruptedError:
-                continue
-            except OSError:
-                return  # closed by the forkserver itself: it is ending anyway
-            if ready:
-                os.kill(os.getpid(), signal.SIGKILL)
-                return
+        try:
+            while True:
+                try:
+                    ready, _, _ = select.select([fd, stop_r], [], [])
+                except InterruptedError:
+                    continue
+                except OSError:
+                    return  # closed by the forkserver itself: it is ending anyway
+                if stop_r in ready:
+                    return  # the preload is over: main's loop has the pipe now
+                if fd in ready:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                    return
+        finally:
+            os.close(stop_r)
+
+    def stop() -> None:
+        try:
+            os.write(stop_w, b"x")
+            os.close(stop_w)
+        except OSError:
+            pass
 
     threading.Thread(target=watch, name="quack-forkserver-lifeline", daemon=True).start()
+    return stop
