@@ -215,6 +215,22 @@ def open_regular(path: Path) -> BinaryIO:
         raise
 
 
+def append_regular(path: Path, data: bytes) -> None:
+    """Append ``data`` to ``path`` (created 0600 if absent) in one write, only if it is a
+    regular file. O_APPEND: whole writes land at the end even with several writers.
+    O_NONBLOCK: a FIFO planted there fails to open (ENXIO) instead of blocking the
+    process's exit until some reader comes; O_NOFOLLOW: never through a link. Anything
+    but a regular file is OSError(EINVAL). For the cache root's journal and remote stats,
+    appended at every process's exit."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def tmp_beside(target: Path) -> Path:
     """A fresh temp name beside ``target``: ``<name>.tmp-<pid>-<rand>`` (the pid lets a
     sweep tell a live writer's file from a dead one's)."""

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import os
-import stat
 import time
 from pathlib import Path
 
@@ -42,16 +40,7 @@ def append(root: Path, records: list[dict]) -> None:
         from quack.cache import fsutil
 
         fsutil.check_root(Path(root))  # never through a symlinked / unsafe root (CacheError)
-        # O_APPEND writes land whole at the end even with several writers. O_NONBLOCK: a
-        # FIFO planted as the journal fails to open (ENXIO) instead of blocking this
-        # process's exit until some reader comes; then it is refused as not a regular file.
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise OSError(errno.EINVAL, "not a regular file", str(path))
-            os.write(fd, lines.encode())
-        finally:
-            os.close(fd)
+        fsutil.append_regular(path, lines.encode())  # a planted FIFO is refused, never waited on
     except OSError:
         pass  # a read-only or full cache must not fail the user's process at exit
 

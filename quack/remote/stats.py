@@ -8,8 +8,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import os
-import stat
 from collections import Counter
 from pathlib import Path
 
@@ -40,17 +38,11 @@ class Counters:
 
 def append_line(root: Path, line: str) -> None:
     """Append one process's line to ``<root>/remote-stats.jsonl``. Raises OSError
-    (EINVAL for something that is not a regular file). O_NONBLOCK: a FIFO planted as the
-    file fails to open (ENXIO) instead of blocking the process's exit until some reader
-    comes; O_NOFOLLOW: never through a planted symlink."""
-    path = Path(root) / STATS_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+    (EINVAL for something that is not a regular file: a planted FIFO is refused, never
+    waited on; quack.cache.fsutil.append_regular)."""
+    from quack.cache import fsutil
+
+    fsutil.append_regular(Path(root) / STATS_FILE, line.encode())
 
 
 def read_stats(root: Path) -> dict:
