@@ -39,6 +39,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, NoEncryption,
 
 from quack.cache import openat
 from quack.errors import KeyFileError, SignatureError
+from quack.filekind import describe
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,63}$")
 SIGNATURE_BYTES = 64
@@ -47,13 +48,6 @@ _PUB = 32
 # A key file is one short line; anything much bigger is not a key file, and
 # reading it whole (a device, a log) must not be what a typo costs.
 _MAX_KEY_FILE = 4096
-_KINDS = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFDIR: "a directory",
-}
 
 
 def check_name(name: str) -> str:
@@ -215,7 +209,7 @@ def _read_small(path: Path) -> str:
             fd,
             _MAX_KEY_FILE,
             not_regular=lambda mode: fail(
-                f"is {_KINDS.get(stat.S_IFMT(mode), 'not a regular file')}, not a key file "
+                f"is {describe(mode)}, not a key file "
                 "(expected a regular file of NAME:BASE64 lines, as `quack keygen NAME` writes)"
             ),
             too_large=lambda _n: fail(f"too large for a key file ({_MAX_KEY_FILE} bytes at most)"),

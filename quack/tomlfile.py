@@ -21,6 +21,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from quack.errors import TomlFileError
+from quack.filekind import describe
 
 MAX_BYTES = 16 * 1024 * 1024
 MAX_DEPTH = 64
@@ -35,19 +36,6 @@ _STRINGS = {
     '"': re.compile(r'"(?:\\.|[^"\\\n])*"'),
     "'": re.compile(r"'[^'\n]*'"),
 }
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
 
 
 def read_bytes(path: Path | str, what: str = "file") -> bytes:
@@ -65,7 +53,7 @@ def read_bytes(path: Path | str, what: str = "file") -> bytes:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise TomlFileError(p, f"is {_kind(st.st_mode)}, not a {what}: give a regular file")
+            raise TomlFileError(p, f"is {describe(st.st_mode)}, not a {what}: give a regular file")
         if st.st_size > MAX_BYTES:
             raise TomlFileError(
                 p,

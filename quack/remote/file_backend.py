@@ -38,23 +38,16 @@ from urllib.parse import unquote, urlsplit
 
 from quack.cache import openat
 from quack.errors import RemoteError
+from quack.filekind import describe
 from quack.remote.base import MAX_VALUE, OP_TIMEOUT, bounded, too_large
 
 MARKER = ".quack-remote"
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
-_KINDS = {
-    stat.S_IFIFO: "a FIFO",
-    stat.S_IFSOCK: "a socket",
-    stat.S_IFCHR: "a character device",
-    stat.S_IFBLK: "a block device",
-    stat.S_IFDIR: "a directory",
-    stat.S_IFLNK: "a symbolic link",
-}
 
 
 def _kind(mode: int) -> str:
-    return _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    return describe(mode)
 
 
 class FileBackend:

@@ -33,6 +33,7 @@ from pathlib import Path
 from quack.bundles import index as _index
 from quack.cache import keys
 from quack.errors import BundleError
+from quack.filekind import describe
 
 CHUNK = 1 << 20
 # Four files an entry, the package's three, the dist-info's five, and some slack.
@@ -69,15 +70,6 @@ def _cap(name: str, pkg: str | None) -> int:
     return max(_index.MAX_FILE_BYTES, _index.MAX_INDEX_BYTES)
 
 
-_KINDS = (
-    (stat.S_ISDIR, "a directory"),
-    (stat.S_ISFIFO, "a FIFO (named pipe)"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
-
-
 def _open_regular(path: Path):
     """``path`` opened for reading if it is a regular file, else BundleError saying what it
     is. Opened non-blocking and checked on the descriptor: zipfile on a FIFO waited forever
@@ -89,8 +81,9 @@ def _open_regular(path: Path):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = next((name for test, name in _KINDS if test(st.st_mode)), "not a regular file")
-        raise BundleError(f"{path}: is {kind}, not a wheel file: give a .whl file", path=str(path))
+        raise BundleError(
+            f"{path}: is {describe(st.st_mode)}, not a wheel file: give a .whl file", path=str(path)
+        )
     if hasattr(os, "set_blocking"):
         os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")

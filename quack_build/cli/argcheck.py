@@ -18,6 +18,8 @@ from typing import List, Optional
 
 import typer
 
+from quack.filekind import describe
+
 
 def executor_option(value: Optional[str]) -> Optional[str]:
     """``--executor``: the forms QUACK_BUILD_EXECUTOR allows (quack.settings.check_executor);
@@ -53,20 +55,6 @@ def arch_option(values: Optional[List[str]]) -> Optional[List[str]]:
     return values
 
 
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO (named pipe)"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISREG, "a file"),
-    ):
-        if test(mode):
-            return name
-    return "not a regular file"
-
-
 def _dir_problem(d: Path) -> str:
     """'' if files can be created in the existing directory ``d``, else why not. A real
     probe, not os.access: root passes access checks that a read-only mount still fails."""
@@ -90,7 +78,7 @@ def output_file_problem(path: Path, example: str = "out.json") -> str:
     except OSError as e:
         return f"cannot look at it ({e.strerror or e})"
     if st is not None and not stat.S_ISREG(st.st_mode):
-        return f"is {_kind(st.st_mode)}; give the path of a file to write (e.g. {p / example})"
+        return f"is {describe(st.st_mode)}; give the path of a file to write (e.g. {p / example})"
     parent = p.absolute().parent
     if not parent.is_dir():
         what = "is not a directory" if parent.exists() else "does not exist"
@@ -105,7 +93,7 @@ def out_dir_problem(path: Path) -> str:
         return _dir_problem(p)
     if p.exists() or p.is_symlink():
         try:
-            kind = _kind(os.stat(p).st_mode)
+            kind = describe(os.stat(p).st_mode)
         except OSError:
             kind = "a dangling symbolic link"
         return f"is {kind}, not a directory: give a directory (it is created if missing)"
