@@ -177,7 +177,7 @@ def test_a_backend_leaking_a_client_exception_is_a_miss(keydir):
         exists = get
 
         def close(self):
-            pass
+            """Nothing to release: this fake holds no connection."""
 
     t = tier.RemoteTier(Leaky(), trusted=signing.load_trusted_keys(str(keydir / "ci-1.pub")))
     with warnings.catch_warnings(record=True) as w:

@@ -215,6 +215,26 @@ def open_regular(path: Path) -> BinaryIO:
         raise
 
 
+def read_lines_regular(path: Path, what: str, once_key: str, *, lost: str = "was not read") -> list[bytes]:
+    """The lines of one of the cache root's own files (``open_regular``). Missing: no
+    lines. Unreadable or not a regular file (planted): no lines and one warning per
+    process (``once_key``) naming ``what``, never a crash and never a wait."""
+    from quack.cache.problems import warn_once
+
+    try:
+        with open_regular(path) as f:
+            return f.readlines()
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        if e.errno == errno.EINVAL:
+            why = "it is not a regular file (planted); `quack cache clean` removes it, or rm it"
+        else:
+            why = f"{e.strerror or e}; check its permissions"
+        warn_once(once_key, f"quack: {what} {path} {lost}: {why}")
+        return []
+
+
 def append_regular(path: Path, data: bytes) -> None:
     """Append ``data`` to ``path`` (created 0600 if absent) in one write, only if it is a
     regular file. O_APPEND: whole writes land at the end even with several writers.

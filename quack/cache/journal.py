@@ -3,7 +3,6 @@ to <cache>/journal.jsonl. ``quack cache stats`` and ``quack prewarm`` read it.""
 
 from __future__ import annotations
 
-import errno
 import json
 import time
 from pathlib import Path
@@ -61,27 +60,18 @@ def read(root: Path, since: float = 0.0) -> list[dict]:
     reads as empty; one that can't be read, or is not a regular file (planted: never
     followed, a FIFO never waited on), reads as empty with one CacheWarning."""
     from quack.cache import fsutil
-    from quack.cache.problems import warn_once
 
     path = Path(root) / JOURNAL
     out: list[dict] = []
-    try:
-        with fsutil.open_regular(path) as f:
-            for line in f:
-                try:
-                    r = json.loads(line)
-                except ValueError:
-                    continue  # a torn line from a crash: skip it
-                if _well_formed(r) and r.get("t", 0) >= since:
-                    out.append(r)
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            why = "it is not a regular file (planted); `quack cache clean` removes it, or rm it"
-        else:
-            why = f"{e.strerror or e}; check its permissions"
-        warn_once(f"journal:{path}", f"quack: the usage journal {path} was not read in full: {why}")
+    for line in fsutil.read_lines_regular(
+        path, "the usage journal", f"journal:{path}", lost="was not read in full"
+    ):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue  # a torn line from a crash: skip it
+        if _well_formed(r) and r.get("t", 0) >= since:
+            out.append(r)
     return out
 
 

@@ -6,7 +6,6 @@ fast."""
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 from collections import Counter
 from pathlib import Path
@@ -50,22 +49,10 @@ def read_stats(root: Path) -> dict:
     total = Counters()
     per_url: dict[str, Counters] = {}
     from quack.cache import fsutil
-    from quack.cache.problems import warn_once
 
     path = Path(root) / STATS_FILE
-    lines: list[bytes] = []
-    try:
-        # Regular file only, never blocking: a FIFO planted here hung `quack cache stats`.
-        with fsutil.open_regular(path) as f:
-            lines = f.readlines()
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        if e.errno == errno.EINVAL:
-            why = "it is not a regular file (planted); `quack cache clean` removes it, or rm it"
-        else:
-            why = f"{e.strerror or e}; check its permissions"
-        warn_once(f"remote-stats:{path}", f"quack: the remote stats file {path} was not read: {why}")
+    # Regular file only, never blocking: a FIFO planted here hung `quack cache stats`.
+    lines = fsutil.read_lines_regular(path, "the remote stats file", f"remote-stats:{path}")
     fields = [f.name for f in dataclasses.fields(Counters) if f.name != "rejected_by_reason"]
     for line in lines:
         try:
