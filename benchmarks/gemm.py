@@ -30,15 +30,20 @@ def gpu_ms(fn, reps=20):
     return gpu_time(fn, reps=reps, warmup=3) * 1e3
 
 
-def side_by_side(*fns, rounds=3, reps=20):
-    """Each function's time (ms), measured in interleaved rounds (A B A B ...), the median of
-    its rounds: a 5 ms GEMM heats the GPU, and whichever of two ran second paid for it."""
+def side_by_side(*fns, rounds=6, reps=20):
+    """Each function's time (ms), measured in interleaved rounds, the median of its rounds.
+    A 5 ms GEMM heats the GPU and whichever ran second paid for it: the order rotates each
+    round (A B, B A, ...), so over 6 rounds each of two or three functions runs first as
+    often as the others (session 16 measured 0.936 at 8192x8192x28672 with quack always
+    second; other calls 0.99-1.05)."""
     import statistics
 
     times = [[] for _ in fns]
-    for _ in range(rounds):
-        for i, fn in enumerate(fns):
-            times[i].append(gpu_ms(fn, reps))
+    for r in range(rounds):
+        order = list(range(len(fns)))
+        order = order[r % len(fns) :] + order[: r % len(fns)]
+        for i in order:
+            times[i].append(gpu_ms(fns[i], reps))
     return [statistics.median(t) for t in times]
 
 
