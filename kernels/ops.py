@@ -307,10 +307,13 @@ def gemm(a, b, *, bias=None, activation=None, out_dtype=None, c=None, beta: floa
     (K, N) / (L, K, N) float16 / bfloat16; activation None, "relu", "gelu_tanh" or "silu";
     out_dtype float16 / bfloat16 / float32 (default a's). Inside ``torch.autocast("cuda")``
     a and b are cast to the autocast dtype first (``_gemm_ops.autocast_operands``), on either path."""
+    if torch.is_autocast_enabled("cuda"):
+        # Cast here, not only in the op's AutocastCUDA kernel: the direct path never reaches
+        # that kernel, and under torch.compile (torch 2.11) the ambient autocast dtype is
+        # not in the key of torch's graph caches, so a graph traced under bfloat16 autocast
+        # was reused under float16 (bfloat16 output; test_gemm_gpu's autocast test, on the
+        # H200). Here the casts are graph nodes of their dtype.
+        a, b = autocast_operands(a, b)
     if _direct(a, b, bias, c):
-        if torch.is_autocast_enabled("cuda"):
-            # the op's AutocastCUDA kernel is not on this path: nothing here needs a
-            # gradient, so the cast records nothing either
-            a, b = autocast_operands(a, b)
         return _gemm.gemm_fwd(a, b, bias, activation or "none", out_dtype, c, float(beta))
     return gemm_op(a, b, bias, c, activation or "none", out_dtype, float(beta))

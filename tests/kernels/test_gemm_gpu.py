@@ -278,7 +278,13 @@ def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
     assert torch.equal(y, y_ref)
     assert torch.equal(da, da_ref.float()) and torch.equal(db, db_ref.float())
     # compiled: the forward's bits; the gradients within dt's tolerance (_reference), since
-    # inductor generates gelu's backward (dpre) itself and may round it otherwise than eager
+    # inductor generates gelu's backward (dpre) itself and may round it otherwise than eager.
+    # First compiled under the other autocast dtype: torch 2.11 then reused that graph (its
+    # caches do not key on the ambient autocast dtype), and float16 autocast gave bfloat16
+    # output until ops.gemm cast the operands itself, as graph nodes of their dtype.
+    other = torch.float16 if dt == torch.bfloat16 else torch.bfloat16
+    with torch.autocast("cuda", dtype=other):
+        assert torch.compile(f, fullgraph=True)(a32, b32).dtype == other
     y, da, db = step(torch.compile(f, fullgraph=True), a32, b32, autocast=True)
     assert (y.dtype, da.dtype, db.dtype) == (dt, torch.float32, torch.float32)
     assert torch.equal(y, y_ref)
