@@ -12,6 +12,7 @@ import torch
 from ._gemm_plan import ACTIVATIONS
 
 _AB = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+_FP8 = {torch.float8_e4m3fn: "float8_e4m3fn", torch.float8_e5m2: "float8_e5m2"}
 _D = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -29,6 +30,7 @@ class GemmArgs:
     a3: torch.Tensor | None  # (M, K, L)
     b3: torch.Tensor | None  # (N, K, L)
     c: torch.Tensor | None  # (L, M, N) of out_dtype, unit stride along N
+    scaled: bool = False  # fp8 a and b, with per-tensor scales (check_scales)
 
 
 def _tensor(t, name):
@@ -72,11 +74,22 @@ def operand(t, name: str):
     return t
 
 
-def check_dtypes(a, b, out_dtype) -> None:
-    """a's, b's and D's dtypes (TypeError naming the one that is not supported). Also the op's
-    fake implementation's check: a torch.compile trace stops at the dtype the kernel would
+def check_dtypes(a, b, out_dtype, scaled: bool = False) -> None:
+    """a's, b's and D's dtypes (TypeError naming the one that is not supported); ``scaled``:
+    the fp8 op (scaled_gemm), whose a and b are float8_e4m3fn or float8_e5m2. Also the ops'
+    fake implementations' check: a torch.compile trace stops at the dtype the kernel would
     refuse, with this message, not at run time. Reads no size, so it adds no shape guard."""
-    if a.dtype not in _AB:
+    if scaled and a.dtype not in _FP8:
+        raise TypeError(
+            f"a has dtype {a.dtype}; scaled_gemm takes fp8 a and b (float8_e4m3fn, float8_e5m2); "
+            "16-bit operands: quack_kernels.ops.gemm"
+        )
+    if not scaled and a.dtype in _FP8:
+        raise TypeError(
+            f"a has dtype {a.dtype}: fp8 operands need their per-tensor scales, "
+            "quack_kernels.ops.scaled_gemm(a, b, scale_a, scale_b)"
+        )
+    if not scaled and a.dtype not in _AB:
         raise TypeError(
             f"a has dtype {a.dtype}; supported: float16, bfloat16 (cast a and b, or call inside "
             'torch.autocast("cuda"), which casts them)'
@@ -87,9 +100,30 @@ def check_dtypes(a, b, out_dtype) -> None:
         raise TypeError(f"out_dtype {out_dtype}; supported: float16, bfloat16, float32")
 
 
-def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
+def check_scales(a, scale_a, scale_b) -> None:
+    """fp8's per-tensor scales (torch._scaled_mm's): float32 tensors of one element on a's
+    device, read by the kernel (no host sync)."""
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a float32 tensor of one element on the GPU, got {type(s).__name__} "
+                f"(a Python number: torch.tensor([{name}], device=a.device))"
+            )
+        if s.dtype != torch.float32 or s.numel() != 1 or s.device != a.device:
+            raise ValueError(
+                f"{name} must be a float32 tensor of one element on {a.device} (a per-tensor scale); "
+                f"got {s.dtype} of shape {tuple(s.shape)} on {s.device}"
+            )
+
+
+def check(
+    a, b, bias, activation, out_dtype, c, beta, scale_a=None, scale_b=None, fast_accum=False
+) -> GemmArgs:
+    """``scale_a`` / ``scale_b``: fp8 a and b (both given, or neither for 16-bit operands);
+    ``fast_accum``: fp8 only (_gemm_plan.promotes)."""
     _tensor(a, "a")
     _tensor(b, "b")
+    scaled = scale_a is not None or scale_b is not None
     if a.dim() not in (2, 3) or b.dim() != a.dim():
         raise ValueError(
             f"a and b must both be 2-D (M, K) @ (K, N) or both 3-D (L, M, K) @ (L, K, N); got "
@@ -97,7 +131,11 @@ def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
         )
     if b.device != a.device:
         raise ValueError(f"a and b must be on one device; got {a.device} and {b.device}")
-    check_dtypes(a, b, out_dtype)
+    check_dtypes(a, b, out_dtype, scaled)
+    if scaled:
+        check_scales(a, scale_a, scale_b)
+    elif not isinstance(fast_accum, bool) or fast_accum:
+        raise ValueError(f"fast_accum={fast_accum!r} applies to fp8 operands (scaled_gemm) only")
     three = a.dim() == 3
     # sizes and strides read from a and b themselves: views ([None], then the kernel's
     # permutation) cost ~1.5 us each of a call's host time
@@ -109,7 +147,8 @@ def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
         )
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS[1:]} or None, got {activation!r}")
-    out_dtype = a.dtype if out_dtype is None else out_dtype
+    # fp8 D is not written (an fp8 output needs its own scale): bfloat16, torch's usual pick
+    out_dtype = (torch.bfloat16 if scaled else a.dtype) if out_dtype is None else out_dtype
     if not isinstance(beta, (int, float)) or isinstance(beta, bool):
         raise TypeError(f"beta must be a float, got {type(beta).__name__}")
     if bias is not None:
@@ -129,12 +168,20 @@ def check(a, b, bias, activation, out_dtype, c, beta) -> GemmArgs:
         cc = (c if three else c[None]).to(out_dtype)
         if cc.stride(-1) != 1:
             cc = cc.contiguous()
-    args = GemmArgs(m, n, k, batch, _AB[a.dtype], _D[out_dtype], out_dtype, "k", "k", None, None, cc)
+    name = (_FP8 if scaled else _AB)[a.dtype]
+    args = GemmArgs(m, n, k, batch, name, _D[out_dtype], out_dtype, "k", "k", None, None, cc, scaled)
     if not (m and n and k):
         return args
     args.a_major = _major(a, "a", "k", "m")
     # the kernel's B is (N, K): b (K, N) row-major is N-major, a transposed (N, K) weight K-major
     args.b_major = _major(b, "b", "n", "k")
+    if scaled and (args.a_major, args.b_major) != ("k", "k"):
+        # fp8 WGMMA reads both operands K-major from shared memory (no transpose for 8 bits)
+        raise ValueError(
+            f"fp8 a must be row-major (M, K) and b column-major (K, N) (b = w.t() of a row-major "
+            f"(N, K) weight w), as torch._scaled_mm takes them; got a strides {tuple(a.stride())}, "
+            f"b strides {tuple(b.stride())}: pass a.contiguous() / b.t().contiguous().t()"
+        )
     es = a.element_size()
     sa = a.stride() if three else (0, *a.stride())
     sb = b.stride() if three else (0, *b.stride())

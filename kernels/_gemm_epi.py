@@ -1,5 +1,6 @@
 """The GEMM's epilogue: the fused math, applied to the fp32 accumulator in registers
-(acc = act(acc + bias[col] + beta * C[row, col])), then the store of the tile
+(acc = act(scale * acc + bias[col] + beta * C[row, col]); scale: fp8's scale_a * scale_b,
+else 1), then the store of the tile
 (``GemmEpilogue``, a base of ``_gemm_kernel``'s ``HopperGemm``). Imported only by
 _gemm_kernel.
 
@@ -60,8 +61,12 @@ def apply_epilogue(
     mC: cute.Tensor,
     mBias: cute.Tensor,
     beta: Float32,
+    scale,
 ):
+    """``scale``: fp8's scale_a * scale_b (a Float32), or None (16-bit operands: no multiply)."""
     has_c, has_bias, activation = epi["has_c"], epi["has_bias"], epi["activation"]
+    if const_expr(scale is not None and not (has_c or has_bias)):
+        acc.store(acc.load() * scale)
     if const_expr(has_c or has_bias):
         m, n = cute.size(mD, mode=[0]), cute.size(mD, mode=[1])
         row0, col0 = tile[0] * tile_mn[0], tile[1] * tile_mn[1]
@@ -76,6 +81,8 @@ def apply_epilogue(
         for i in cutlass.range_constexpr(cute.size(acc)):
             c = cutlass.min(col0 + tCc[i][1], n_last)
             v = acc[i]
+            if const_expr(scale is not None):
+                v = v * scale
             if const_expr(has_bias):
                 v = v + mBias[c]
             if const_expr(has_c):
@@ -127,13 +134,13 @@ class GemmEpilogue:
         return epi_bar, (r2s, tRS_sD, sources, frag, frag_d, buf0, store, is_store_warp)
 
     @cute.jit
-    def epi_store(self, es, epi_bar, acc, thr_mma, t, tma_d, gD, sD, mD, mC, mBias, beta, done):
+    def epi_store(self, es, epi_bar, acc, thr_mma, t, tma_d, gD, sD, mD, mC, mBias, beta, scale, done):
         """Tile ``t`` from ``acc``: the fused epilogue, then its tile_n / EPI_N subtiles
         stored; ``done``: the subtiles this warpgroup stored before (the buffers rotate)."""
         p = self.p
         r2s, tRS_sD, sources, frag, frag_d, buf0, store, is_store_warp = es
         n_buf = p.epi_stages
-        apply_epilogue(self.epi, acc, thr_mma, t, (p.tile_m, p.tile_n), mD, mC, mBias, beta)
+        apply_epilogue(self.epi, acc, thr_mma, t, (p.tile_m, p.tile_n), mD, mC, mBias, beta, scale)
         gD_t = cute.zipped_divide(gD[(None, None, t[0], t[1], t[2])], self.epi_tile)
         bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
             tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_t

@@ -7,9 +7,11 @@ consumer warpgroups work on one tile, each on half its rows. "ping": each consum
 warpgroup owns every other tile of the CTA's sequence, and an ordering barrier makes their
 mainloops alternate, so one warpgroup's epilogue overlaps the other's MMAs.
 
-Operands: A (M, K, L) K- or M-major, B (N, K, L) K- or N-major, D and C (M, N, L) N-major,
-bias (N,) fp32. M, N, K, L and the strides are run-time values; tails are read as zeros and
-never written by TMA (out-of-bounds boxes). Imported only from inside compile functions.
+Operands: A (M, K, L) K- or M-major, B (N, K, L) K- or N-major (fp8: both K-major, the
+only order fp8 WGMMA reads), D and C (M, N, L) N-major, bias (N,) fp32, fp8's per-tensor
+scales (1,) fp32 each. M, N, K, L and the strides are run-time values; tails are read as
+zeros and never written by TMA (out-of-bounds boxes). Imported only from inside compile
+functions.
 """
 
 import cutlass
@@ -20,7 +22,7 @@ from cutlass import Float32, Int32, const_expr
 
 from ._gemm_epi import GemmEpilogue
 from ._gemm_launch import GemmLaunch
-from ._gemm_plan import EPI_N, TILE_K, WG, GemmPlan
+from ._gemm_plan import EPI_N, K_BYTES, WG, GemmPlan
 from ._gemm_sched import GemmSchedule
 
 PRODUCER_REGS, CONSUMER_REGS = 40, 232
@@ -28,17 +30,25 @@ PRODUCER_REGS, CONSUMER_REGS = 40, 232
 
 class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
     """One configuration of the kernel: ``plan`` (tile / cluster / schedule / stages),
-    dtypes, operand majors and the fused epilogue are compile-time constants."""
+    dtypes, operand majors, the fused epilogue and fp8's accumulation (``promote``:
+    _gemm_plan.promotes) are compile-time constants."""
 
-    def __init__(self, plan: GemmPlan, ab_dtype, d_dtype, a_major: str, b_major: str, epi: dict):
+    def __init__(
+        self, plan: GemmPlan, ab_dtype, d_dtype, a_major: str, b_major: str, epi: dict, promote: bool = False
+    ):
         self.p = plan
         self.ab, self.dt = ab_dtype, d_dtype
+        # fp8 operands: 128 of them a K slice (WGMMA K = 32), the accumulator scaled by
+        # scale_a * scale_b in the epilogue, and (unless fast_accum) promoted once a stage
+        self.fp8 = ab_dtype.width == 8
+        self.promote = promote
+        self.tile_k = K_BYTES // (ab_dtype.width // 8)
         self.a_major, self.b_major = a_major, b_major
         self.epi = epi  # has_c, has_bias, activation
         self.ping = plan.schedule == "ping"
         self.cluster = (plan.cluster_m, plan.cluster_n)
         self.epi_tile = (plan.tile_m, EPI_N)
-        self.tile_mnk = (plan.tile_m, plan.tile_n, TILE_K)
+        self.tile_mnk = (plan.tile_m, plan.tile_n, self.tile_k)
         # consumer warps that release a stage: ping-pong, one warpgroup reads a stage
         self.consumer_wgs = 1 if self.ping else 2
         self.math_threads = 2 * WG
@@ -56,6 +66,7 @@ class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
         mD: cute.Tensor,
         mC: cute.Tensor,
         mBias: cute.Tensor,
+        scales,
         beta: Float32,
         tiled_mma: cute.TiledMma,
         sA_l: cute.ComposedLayout,
@@ -113,8 +124,8 @@ class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
         sA = st.sA.get_tensor(sA_l.outer, swizzle=sA_l.inner)
         sB = st.sB.get_tensor(sB_l.outer, swizzle=sB_l.inner)
         sD = st.sD.get_tensor(sD_l.outer, swizzle=sD_l.inner)
-        gA = cute.local_tile(gA_mkl, (p.tile_m, TILE_K), (None, None, None))
-        gB = cute.local_tile(gB_nkl, (p.tile_n, TILE_K), (None, None, None))
+        gA = cute.local_tile(gA_mkl, (p.tile_m, self.tile_k), (None, None, None))
+        gB = cute.local_tile(gB_nkl, (p.tile_n, self.tile_k), (None, None, None))
         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
             tma_a,
             ccoord[1],
@@ -164,6 +175,7 @@ class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
                 mD,
                 mC,
                 mBias,
+                scales,
                 beta,
                 tidx,
                 warp,
@@ -234,6 +246,7 @@ class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
         mD,
         mC,
         mBias,
+        scales,
         beta,
         tidx,
         warp,
@@ -250,7 +263,12 @@ class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
         tCrB = tiled_mma.make_fragment_B(tCsB)
         gD = cute.local_tile(gD_mnl, (p.tile_m, p.tile_n), (None, None, None))
         acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0, 0)]).shape, Float32)
+        # promoted fp8 (_gemm_plan.promotes): a stage's products go to ``part``, which is
+        # added to ``acc`` in fp32 once they are done
+        part = cute.make_rmem_tensor(acc.shape, Float32) if const_expr(self.promote) else None
         kblocks = cute.size(tCrA, mode=[2])
+        # fp8: the per-tensor scales, read once (they are the same for every tile)
+        scale = scales[0][0] * scales[1][0] if const_expr(self.fp8) else None
 
         epi_bar, es = self.epi_setup(tiled_mma, sD, mma_thr, cw, wg, warp)  # _gemm_epi.GemmEpilogue
 
@@ -295,24 +313,44 @@ class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
             if const_expr(self.ping):
                 order.wait(turn)
             acc.fill(0.0)
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            cute.nvgpu.warpgroup.fence()
-            # one WGMMA batch in flight: a stage is released once the batch after it is issued
-            for kt in range(k0, k1):
-                ring.consumer_wait(rd)
-                for kb in cutlass.range_constexpr(kblocks):
-                    c = (None, None, kb, rd.index)
-                    cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
-                cute.nvgpu.warpgroup.commit_group()
-                rd.advance()
-                if kt > k0:
-                    cute.nvgpu.warpgroup.wait_group(1)
+            if const_expr(self.promote):
+                # a stage's WGMMAs start ``part`` afresh (ACCUMULATE off for the first), and
+                # their sum is added to ``acc`` once they are done: the adds read ``part``, so
+                # no batch stays in flight across stages (the other consumer warpgroup keeps
+                # the tensor cores busy meanwhile)
+                for _kt in range(k0, k1):
+                    ring.consumer_wait(rd)
+                    tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                    cute.nvgpu.warpgroup.fence()
+                    for kb in cutlass.range_constexpr(kblocks):
+                        c = (None, None, kb, rd.index)
+                        cute.gemm(tiled_mma, part, tCrA[c], tCrB[c], part)
+                        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                    cute.nvgpu.warpgroup.commit_group()
+                    cute.nvgpu.warpgroup.wait_group(0)
+                    ring.consumer_release(rel)
+                    rd.advance()
+                    rel.advance()
+                    acc.store(acc.load() + part.load())
+            else:
+                tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                cute.nvgpu.warpgroup.fence()
+                # one WGMMA batch in flight: a stage is released once the batch after it is issued
+                for kt in range(k0, k1):
+                    ring.consumer_wait(rd)
+                    for kb in cutlass.range_constexpr(kblocks):
+                        c = (None, None, kb, rd.index)
+                        cute.gemm(tiled_mma, acc, tCrA[c], tCrB[c], acc)
+                    cute.nvgpu.warpgroup.commit_group()
+                    rd.advance()
+                    if kt > k0:
+                        cute.nvgpu.warpgroup.wait_group(1)
+                        ring.consumer_release(rel)
+                        rel.advance()
+                cute.nvgpu.warpgroup.wait_group(0)
+                if k1 > k0:
                     ring.consumer_release(rel)
                     rel.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            if k1 > k0:
-                ring.consumer_release(rel)
-                rel.advance()
             if const_expr(self.ping):
                 turn = order.arrive(turn)  # assigned: the loop carries the advanced phase
                 # skip the other warpgroup's tile in the ring
@@ -333,7 +371,7 @@ class HopperGemm(GemmLaunch, GemmSchedule, GemmEpilogue):
                     else:
                         self.sk_combine(acc, sk, head, pieces, mma_thr, epi_bar)
             if store_tile == 1:
-                self.epi_store(es, epi_bar, acc, thr_mma, t, tma_d, gD, sD, mD, mC, mBias, beta, done)
+                self.epi_store(es, epi_bar, acc, thr_mma, t, tma_d, gD, sD, mD, mC, mBias, beta, scale, done)
                 done += p.tile_n // EPI_N
             if const_expr(p.stream_k):
                 valid = (q < sk[3]) | (u < sk[5])

@@ -1,7 +1,7 @@
 """The Hopper GEMM's host side (CuTe DSL, sm_90a), a base of ``_gemm_kernel``'s
 ``HopperGemm``: the staged shared-memory layouts, the TMA atoms of A, B and D, the persistent
 grid and the shared storage, then the launch of ``HopperGemm.kernel``. Reads the attributes
-``HopperGemm.__init__`` sets (plan, dtypes, majors, cluster, epilogue tile).
+``HopperGemm.__init__`` sets (plan, dtypes, majors, cluster, epilogue tile, K depth).
 Imported only from inside compile functions."""
 
 import cutlass
@@ -10,22 +10,22 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import Float32, Int32, const_expr
 
-from ._gemm_plan import TILE_K, GemmPlan
+from ._gemm_plan import GemmPlan
 from ._gemm_store import make_tiled_mma
 
 
-def _smem_layout(dtype, major, rows: int, stages: int):
-    """Staged, swizzled shared-memory layout of a rows x TILE_K operand tile."""
+def _smem_layout(dtype, major, rows: int, stages: int, tile_k: int):
+    """Staged, swizzled shared-memory layout of a rows x tile_k operand tile."""
     k_major = major == "k"
     atom = cute.nvgpu.warpgroup.make_smem_layout_atom(
         sm90.get_smem_layout_atom(
             utils.LayoutEnum.ROW_MAJOR if k_major else utils.LayoutEnum.COL_MAJOR,
             dtype,
-            TILE_K if k_major else rows,
+            tile_k if k_major else rows,
         ),
         dtype,
     )
-    return cute.tile_to_shape(atom, (rows, TILE_K, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
+    return cute.tile_to_shape(atom, (rows, tile_k, stages), order=(0, 1, 2) if k_major else (1, 0, 2))
 
 
 class GemmLaunch:
@@ -40,6 +40,8 @@ class GemmLaunch:
     ping: bool
     cluster: tuple
     epi_tile: tuple
+    tile_k: int
+    fp8: bool
 
     @cute.jit
     def __call__(
@@ -49,6 +51,8 @@ class GemmLaunch:
         mD,
         mC,
         mBias,
+        mScaleA,
+        mScaleB,
         beta: Float32,
         max_clusters: Int32,
         mWs,
@@ -58,8 +62,8 @@ class GemmLaunch:
     ):
         p = self.p
         tiled_mma = make_tiled_mma(self.ab, self.a_major, self.b_major, self.ping, p.tile_n)
-        sA_l = _smem_layout(self.ab, self.a_major, p.tile_m, p.stages)
-        sB_l = _smem_layout(self.ab, self.b_major, p.tile_n, p.stages)
+        sA_l = _smem_layout(self.ab, self.a_major, p.tile_m, p.stages, self.tile_k)
+        sB_l = _smem_layout(self.ab, self.b_major, p.tile_n, p.stages, self.tile_k)
         n_epi = p.epi_stages * (2 if self.ping else 1)
         sD_l = sm90.make_smem_layout_epi(self.dt, utils.LayoutEnum.ROW_MAJOR, self.epi_tile, n_epi)
 
@@ -70,7 +74,7 @@ class GemmLaunch:
                 else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
             )
             return cute.nvgpu.cpasync.make_tiled_tma_atom(
-                op, mX, cute.slice_(sl, (None, None, 0)), (rows, TILE_K), num_multicast=mcast
+                op, mX, cute.slice_(sl, (None, None, 0)), (rows, self.tile_k), num_multicast=mcast
             )
 
         # A is shared by the CTAs of a cluster row (multicast along N), B along M
@@ -112,6 +116,9 @@ class GemmLaunch:
             mD,
             mC,
             mBias,
+            # fp8's scale tensors; none for 16-bit operands, whose kernel reads no scale
+            # (its parameters, and so its PTX, as before fp8 was added)
+            (mScaleA, mScaleB) if const_expr(self.fp8) else None,
             beta,
             tiled_mma,
             sA_l,

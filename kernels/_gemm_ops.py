@@ -1,7 +1,8 @@
-"""The GEMM's ``torch.library`` custom op (``quack_kernels::gemm``): its real and fake
+"""The GEMM's ``torch.library`` custom ops: ``quack_kernels::gemm`` (its real and fake
 implementations, registered autograd (dA and dB through the same kernel) and autocast
-kernel, so ``torch.compile(fullgraph=True)`` traces it. ``ops.gemm`` is the function users
-call. Imports torch at the top: imported by ``ops`` (which the build's scan of the package
+kernel, so ``torch.compile(fullgraph=True)`` traces it) and ``quack_kernels::scaled_gemm``
+(fp8 with per-tensor scales: real and fake implementations, a backward that refuses).
+``ops.gemm`` and ``ops.scaled_gemm`` are the functions users call. Imports torch at the top: imported by ``ops`` (which the build's scan of the package
 leaves out)."""
 
 from typing import Optional
@@ -12,6 +13,7 @@ from torch import Tensor
 from . import gemm as _gemm
 from ._dispatch import NS
 from ._gemm_args import check_dtypes as check_gemm_dtypes
+from ._gemm_args import check_scales as check_gemm_scales
 
 # --------------------------------------------------------------------------- GEMM
 
@@ -113,3 +115,47 @@ def _gemm_autocast(a, b, bias, c, activation, out_dtype, beta):
     a, b = autocast_operands(a, b)
     with torch.autocast("cuda", enabled=False):
         return gemm_op(a, b, bias, c, activation, out_dtype, beta)
+
+
+# --------------------------------------------------------------------------- fp8
+
+
+@torch.library.custom_op(f"{NS}::scaled_gemm", mutates_args=())
+def scaled_gemm_op(
+    a: Tensor,
+    b: Tensor,
+    scale_a: Tensor,
+    scale_b: Tensor,
+    bias: Optional[Tensor],
+    c: Optional[Tensor],
+    activation: str,
+    out_dtype: Optional[torch.dtype],
+    beta: float,
+    fast_accum: bool,
+) -> Tensor:
+    return _gemm.gemm_fwd(
+        a, b, bias, activation, out_dtype, c, beta, scale_a=scale_a, scale_b=scale_b, fast_accum=fast_accum
+    )
+
+
+@scaled_gemm_op.register_fake
+def _(a, b, scale_a, scale_b, bias, c, activation, out_dtype, beta, fast_accum):
+    check_gemm_dtypes(a, b, out_dtype, scaled=True)
+    check_gemm_scales(a, scale_a, scale_b)
+    return _fake_out("scaled_gemm", a, b, out_dtype if out_dtype is not None else torch.bfloat16)
+
+
+def _no_backward(ctx, g):
+    # fp8 training recipes quantize the gradients themselves (their own scales, e5m2) and
+    # call the forward op on them; a silent fp32 or bf16 backward would hide that choice
+    raise NotImplementedError(
+        "quack_kernels.ops.scaled_gemm has no backward: compute dA and dB with scaled_gemm (or "
+        "gemm) on the gradients your fp8 recipe quantizes, or detach the fp8 operands"
+    )
+
+
+def _no_setup(ctx, inputs, output):
+    pass
+
+
+torch.library.register_autograd(f"{NS}::scaled_gemm", _no_backward, setup_context=_no_setup)

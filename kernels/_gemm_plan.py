@@ -3,7 +3,8 @@ schedule a configuration resolves to, the shared-memory stage counts, the rules 
 configuration must pass before anything compiles, and the heuristic default.
 
 Shared memory on the H200 (sm_90a): 227 KiB a CTA (232448 bytes). A stage holds one
-64-deep K slice of A and B: (tile_m + tile_n) * 64 * 2 bytes. The epilogue buffer holds
+128-byte K slice of A and B (64 16-bit or 128 fp8 elements a row): (tile_m + tile_n) * 128
+bytes. The epilogue buffer holds
 ``epi_stages`` subtiles of tile_m x 32 of D (ping-pong: one set per consumer warpgroup).
 """
 
@@ -12,7 +13,8 @@ import math
 
 SMEM_BYTES = 232448
 BARRIER_BYTES = 1024  # mbarriers + alignment slack
-TILE_K = 64  # 64 16-bit elements = 128 bytes: the 128-byte swizzle atom of the K-major operand
+K_BYTES = 128  # a stage's K slice, a row: the 128-byte swizzle atom of a K-major operand
+TILE_K = 64  # K_BYTES of 16-bit elements (tile_k: of any operand dtype)
 EPI_N = 32  # columns of an epilogue subtile
 WG = 128  # threads of a warpgroup
 # (tile_m, tile_n) the kernel is built for: the issue's 128 x {128, 192, 256} and 256 x 128
@@ -25,9 +27,28 @@ SCHEDULES = ("coop", "ping")
 SWIZZLES = ((4, True), (4, False), (8, True), (8, False))
 SWIZZLE_TILES = ((128, 256), (256, 128))
 ACTIVATIONS = ("none", "relu", "gelu_tanh", "silu")
-AB_DTYPES = ("float16", "bfloat16")
+FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
+AB_DTYPES = ("float16", "bfloat16", *FP8_DTYPES)
 D_DTYPES = ("float16", "bfloat16", "float32")
-DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+# a consumer thread's fp32 accumulator registers at most (of CONSUMER_REGS = 232): the rest
+# holds addresses, the epilogue's fragments and the loop state
+ACC_REGS_MAX = 192
+
+
+def tile_k(dtype: str) -> int:
+    """The K depth of a stage for operands of ``dtype``: K_BYTES of them (WGMMA's K is 16
+    for 16-bit, 32 for fp8: 4 instructions a stage either way)."""
+    return K_BYTES // DTYPE_BYTES[dtype]
+
+
+def promotes(dtype: str, fast_accum: bool) -> bool:
+    """Whether the mainloop promotes fp8 products into a second fp32 accumulator once a
+    stage (every 128 K): Hopper's fp8 WGMMA adds into its accumulator with fewer mantissa
+    bits than fp32 (about 14 kept: DeepSeek-V3, section 3.3.2), so a long K drifts from an
+    fp32 sum. ``fast_accum`` (torch._scaled_mm's use_fast_accum) keeps the one accumulator:
+    half the registers, larger tiles, the lower precision."""
+    return dtype in FP8_DTYPES and not fast_accum
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,21 +158,22 @@ def stream_k_units(c: int, clusters: int, tiles: int, sk: int, k_tiles: int):
     return out
 
 
-def acc_regs(tile_m: int, tile_n: int, schedule: str) -> int:
+def acc_regs(tile_m: int, tile_n: int, schedule: str, promote: bool = False) -> int:
     """fp32 accumulator registers a consumer thread holds: a warpgroup (128 threads) owns
-    half a tile (coop) or a whole one (ping)."""
+    half a tile (coop) or a whole one (ping); twice that when fp8 products are promoted
+    (``promotes``: the stage's partial sums beside the total)."""
     rows = tile_m // 2 if schedule == "coop" else tile_m
-    return rows * tile_n // 128
+    return rows * tile_n // 128 * (2 if promote else 1)
 
 
 def smem_bytes(tile_m: int, tile_n: int, schedule: str, stages: int, epi_stages: int, d_dtype: str) -> int:
-    ab = (tile_m + tile_n) * TILE_K * 2 * stages
+    ab = (tile_m + tile_n) * K_BYTES * stages
     epi = tile_m * EPI_N * DTYPE_BYTES[d_dtype] * epi_stages * (2 if schedule == "ping" else 1)
     return ab + epi + BARRIER_BYTES
 
 
 def max_stages(tile_m: int, tile_n: int, schedule: str, epi_stages: int, d_dtype: str) -> int:
-    per = (tile_m + tile_n) * TILE_K * 2
+    per = (tile_m + tile_n) * K_BYTES
     return (SMEM_BYTES - smem_bytes(tile_m, tile_n, schedule, 0, epi_stages, d_dtype)) // per
 
 
@@ -162,16 +184,17 @@ def default_epi_stages(tile_m: int, schedule: str, d_dtype: str) -> int:
     return 2 if big else 4
 
 
-def fits(tile: tuple, schedule: str) -> bool:
+def fits(tile: tuple, schedule: str, promote: bool = False) -> bool:
     """Whether a (tile, schedule) pair can be built: ping-pong gives one warpgroup a whole
-    tile, so its accumulator must leave registers for the rest (<= 192 of 232)."""
-    return tuple(tile) in TILES and acc_regs(tile[0], tile[1], schedule) <= 192
+    tile, so its accumulator must leave registers for the rest (<= 192 of 232); promoted
+    fp8 holds two accumulators."""
+    return tuple(tile) in TILES and acc_regs(tile[0], tile[1], schedule, promote) <= ACC_REGS_MAX
 
 
-def resolve(knobs: dict, d_dtype: str) -> GemmPlan:
+def resolve(knobs: dict, d_dtype: str, promote: bool = False) -> GemmPlan:
     """A GemmConfig's knobs (None = heuristic) -> the plan the kernel is built with."""
     tm, tn = knobs.get("tile_m", 128), knobs.get("tile_n", 256)
-    schedule = knobs.get("schedule", "coop" if not fits((tm, tn), "ping") or tn > 128 else "ping")
+    schedule = knobs.get("schedule", "coop" if not fits((tm, tn), "ping", promote) or tn > 128 else "ping")
     epi = default_epi_stages(tm, schedule, d_dtype)
     stages = knobs.get("stages") or max_stages(tm, tn, schedule, epi, d_dtype)
     return GemmPlan(
@@ -188,21 +211,22 @@ def resolve(knobs: dict, d_dtype: str) -> GemmPlan:
     )
 
 
-def check_plan(knobs: dict, d_dtype: str) -> str | None:
-    """Why a configuration cannot be built, or None when it can."""
+def check_plan(knobs: dict, d_dtype: str, promote: bool = False) -> str | None:
+    """Why a configuration cannot be built, or None when it can (``promote``: fp8 products
+    promoted into a second accumulator, ``promotes``)."""
     tm, tn = knobs.get("tile_m", 128), knobs.get("tile_n", 256)
     if (tm, tn) not in TILES:
         return f"tile {tm}x{tn} is not one of {', '.join(f'{a}x{b}' for a, b in TILES)}"
     cl = (knobs.get("cluster_m", 2), knobs.get("cluster_n", 1))
     if cl not in CLUSTERS:
         return f"cluster {cl[0]}x{cl[1]} is not one of {', '.join(f'{a}x{b}' for a, b in CLUSTERS)}"
-    sched = knobs.get("schedule")
-    if sched is not None and not fits((tm, tn), sched):
+    plan = resolve(knobs, d_dtype, promote)
+    if not fits((tm, tn), plan.schedule, promote):
         return (
-            f"schedule {sched!r} with tile {tm}x{tn}: a warpgroup would hold "
-            f"{acc_regs(tm, tn, sched)} accumulator registers (at most 192)"
+            f"schedule {plan.schedule!r} with tile {tm}x{tn}{' and promoted fp8 sums' if promote else ''}: "
+            f"a warpgroup would hold {acc_regs(tm, tn, plan.schedule, promote)} accumulator registers "
+            f"(at most {ACC_REGS_MAX})"
         )
-    plan = resolve(knobs, d_dtype)
     if plan.stream_k and plan.schedule != "coop":
         return "stream-K (stream_k = true) needs schedule 'coop'"
     top = max_stages(tm, tn, plan.schedule, plan.epi_stages, d_dtype)
@@ -211,12 +235,17 @@ def check_plan(knobs: dict, d_dtype: str) -> str | None:
     return None
 
 
-def heuristic(m: int, n: int, k: int, batch: int = 1) -> dict:
+def heuristic(m: int, n: int, k: int, batch: int = 1, promote: bool = False) -> dict:
     """The default knobs for a problem (no tuning-table row): 128x256 cooperative tiles on a
     2x1 cluster for large problems (the tile cuBLAS picks for LLM shapes on the H200: fewest
     bytes loaded per FLOP that still fits four stages), 128x128 ping-pong when the grid of
-    big tiles would leave most of the 132 SMs idle."""
+    big tiles would leave most of the 132 SMs idle. Promoted fp8 (``promotes``: two
+    accumulators) gets the largest tiles that hold both: 128x192 and 128x128 cooperative."""
     tiles_big = -(-m // 128) * -(-n // 256) * batch
+    if promote:
+        if tiles_big >= 132:
+            return {"tile_m": 128, "tile_n": 192, "cluster_m": 2, "cluster_n": 1, "schedule": "coop"}
+        return {"tile_m": 128, "tile_n": 128, "cluster_m": 1, "cluster_n": 1, "schedule": "coop"}
     if tiles_big >= 132:
         return {"tile_m": 128, "tile_n": 256, "cluster_m": 2, "cluster_n": 1, "schedule": "coop"}
     return {"tile_m": 128, "tile_n": 128, "cluster_m": 1, "cluster_n": 1, "schedule": "ping"}
@@ -246,18 +275,20 @@ def _bucket_label(b: int) -> str:
     return f"{v >> 10}k" if v >= 1024 else str(v)
 
 
-def shape_class(m: int, n: int, k: int, batch: int = 1) -> str:
+def shape_class(m: int, n: int, k: int, batch: int = 1, fast: bool = False) -> str:
     """A problem's tuning-table class (docs/tuning.md "The GEMM's problem classes"): M, N and
     K each rounded to the nearest power of two on a log scale (``size_bucket``), e.g.
     8192 x 14336 x 4096 -> "m8k/n16k/k4k". Every goal shape of issue 28 has a class of its
     own; the old output-size / K-depth classes put 4096^3, 8192x4096x4096 and
     8192x4096x14336 into one ("mid/k" at N = 4096), so one winner served all three. A
     batch of L problems counts as L * M rows: the persistent grid walks L * ceil(M / tile_m)
-    row tiles, as the heuristic counts them."""
+    row tiles, as the heuristic counts them. ``fast``: fp8 with fast accumulation, whose
+    winners (one accumulator: the large tiles) are no use to promoted fp8: "/fast" added."""
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"a GEMM batch must be a positive integer, got {batch!r}")
     bm, bn, bk = size_bucket(m * batch), size_bucket(n), size_bucket(k)
-    return f"m{_bucket_label(bm)}/n{_bucket_label(bn)}/k{_bucket_label(bk)}"
+    cls = f"m{_bucket_label(bm)}/n{_bucket_label(bn)}/k{_bucket_label(bk)}"
+    return cls + "/fast" if fast else cls
 
 
 def class_n_range(n: int) -> tuple[int, int]:

@@ -14,6 +14,8 @@ CUTLASS_DTYPES = {
     "float32": cutlass.Float32,
     "float16": cutlass.Float16,
     "bfloat16": cutlass.BFloat16,
+    "float8_e4m3fn": cutlass.Float8E4M3FN,
+    "float8_e5m2": cutlass.Float8E5M2,
 }
 
 

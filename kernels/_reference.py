@@ -252,12 +252,16 @@ def check_cross_entropy_bwd(
 # --------------------------------------------------------------------------- GEMM
 
 
-def gemm_ref(a, b, bias=None, activation="none", c=None, beta=1.0):
+def gemm_ref(a, b, bias=None, activation="none", c=None, beta=1.0, scale_a=None, scale_b=None):
     """act(a @ b + bias + beta * c) in fp32 (float64 products summed in fp32: the reference
-    the kernel's error is measured against), from the very inputs the kernel read."""
+    the kernel's error is measured against), from the very inputs the kernel read; fp8 a
+    and b with their per-tensor scales: act(scale_a * scale_b * (a @ b) + ...)."""
     from .gemm import torch_activation
 
-    pre = torch.matmul(a.double(), b.double()).float()
+    prod = torch.matmul(a.double(), b.double())
+    if scale_a is not None:
+        prod = prod * (scale_a.double() * scale_b.double())
+    pre = prod.float()
     if bias is not None:
         pre = pre + bias.float()
     if c is not None:
@@ -265,18 +269,33 @@ def gemm_ref(a, b, bias=None, activation="none", c=None, beta=1.0):
     return torch_activation(pre, activation)
 
 
-def check_gemm(a, b, bias=None, activation="none", c=None, beta=1.0, *, d, out_dtype=None) -> None:
+def check_gemm(
+    a,
+    b,
+    bias=None,
+    activation="none",
+    c=None,
+    beta=1.0,
+    *,
+    d,
+    out_dtype=None,
+    scale_a=None,
+    scale_b=None,
+    fast_accum=False,
+) -> None:
     """The issue-28 criterion: the kernel's error against the fp32 reference at most 2x
     torch.matmul's own (the same epilogue in fp32 torch, rounded to the output dtype), plus
     one ulp of the output dtype's rounding at the largest value (an equal-error kernel and
-    torch can round a tie differently)."""
-    want = out_dtype or a.dtype
+    torch can round a tie differently). fp8 a and b (``scale_a`` / ``scale_b`` given): torch's
+    is torch._scaled_mm's with the same ``fast_accum``, as cuBLAS accumulates fp8."""
+    scaled = scale_a is not None
+    want = out_dtype or (torch.bfloat16 if scaled else a.dtype)
     assert d.dtype == want, f"d: dtype {d.dtype}, expected {want}"
     assert not torch.isnan(d).any(), "d: NaN (an element the kernel never wrote?)"
-    ref = gemm_ref(a, b, bias, activation, c, beta)
+    ref = gemm_ref(a, b, bias, activation, c, beta, scale_a, scale_b)
     from .gemm import torch_activation
 
-    pre = torch.matmul(a, b).float()
+    pre = _scaled_mm(a, b, scale_a, scale_b, fast_accum) if scaled else torch.matmul(a, b).float()
     pre = pre + (bias.float() if bias is not None else 0.0) + (beta * c.float() if c is not None else 0.0)
     torch_err = (torch_activation(pre, activation).to(want).float() - ref).abs().max().item()
     err = (d.float() - ref).abs().max().item()
@@ -284,6 +303,26 @@ def check_gemm(a, b, bias=None, activation="none", c=None, beta=1.0, *, d, out_d
     assert err <= 2 * torch_err + ulp, (
         f"d: max error {err:.3g} vs torch.matmul's {torch_err:.3g} (bound 2x + {ulp:.3g})"
     )
+
+
+def _scaled_mm(a, b, scale_a, scale_b, fast_accum: bool):
+    """torch._scaled_mm's fp32 product of fp8 a and b (2-D only there: a batch one by one).
+    It takes N in multiples of 16 only (cuBLASLt's fp8 rule; the kernel takes any N whose
+    output rows are 16-byte aligned): b is padded with zero columns, the output cut back."""
+
+    def one(x, y):
+        k, n = y.shape
+        n16 = -(-n // 16) * 16
+        if n16 != n:
+            pad = torch.zeros((n16, k), dtype=y.dtype, device=y.device).t()  # column-major
+            pad[:, :n].copy_(y)
+            y = pad
+        out = torch._scaled_mm(x, y, scale_a, scale_b, out_dtype=torch.float32, use_fast_accum=fast_accum)
+        return out[:, :n]
+
+    if a.dim() == 2:
+        return one(a, b)
+    return torch.stack([one(x, y) for x, y in zip(a, b)])
 
 
 CHECKS = {

@@ -33,7 +33,8 @@ from . import rmsnorm as _rms
 from . import softmax as _sm
 from ._dispatch import NS
 from ._dispatch import direct as _direct
-from ._gemm_ops import autocast_operands, gemm_op
+from ._gemm_args import check_scales as check_gemm_scales
+from ._gemm_ops import autocast_operands, gemm_op, scaled_gemm_op
 
 _F32 = torch.float32
 
@@ -317,3 +318,45 @@ def gemm(a, b, *, bias=None, activation=None, out_dtype=None, c=None, beta: floa
     if _direct(a, b, bias, c):
         return _gemm.gemm_fwd(a, b, bias, activation or "none", out_dtype, c, float(beta))
     return gemm_op(a, b, bias, c, activation or "none", out_dtype, float(beta))
+
+
+def scaled_gemm(
+    a,
+    b,
+    scale_a,
+    scale_b,
+    *,
+    bias=None,
+    activation=None,
+    out_dtype=None,
+    c=None,
+    beta: float = 1.0,
+    fast_accum: bool = False,
+):
+    """D = act(scale_a * scale_b * (a @ b) + bias + beta * c) on the Hopper GEMM with fp8
+    operands, as ``torch._scaled_mm`` takes them: a (M, K) row-major, b (K, N) column-major
+    (a row-major (N, K) weight, transposed), both float8_e4m3fn or both float8_e5m2 (also
+    batched, (L, M, K) @ (L, K, N)); scale_a, scale_b float32 tensors of one element (per
+    tensor); out_dtype bfloat16 (default), float16 or float32. ``fast_accum`` (torch's
+    use_fast_accum): the products accumulate in the fp8 tensor cores' own accumulator
+    (fewer mantissa bits: faster, larger tiles); off, each 128-deep K slice is added into
+    an fp32 total (_gemm_plan.promotes). The ``quack_kernels::scaled_gemm`` custom op: a
+    fake implementation (torch.compile(fullgraph=True)), no backward."""
+    if isinstance(a, Tensor):
+        check_gemm_scales(a, scale_a, scale_b)  # before the dispatcher's own schema message
+    if _direct(a, b, scale_a, scale_b, bias, c):
+        return _gemm.gemm_fwd(
+            a,
+            b,
+            bias,
+            activation or "none",
+            out_dtype,
+            c,
+            float(beta),
+            scale_a=scale_a,
+            scale_b=scale_b,
+            fast_accum=fast_accum,
+        )
+    return scaled_gemm_op(
+        a, b, scale_a, scale_b, bias, c, activation or "none", out_dtype, float(beta), fast_accum
+    )

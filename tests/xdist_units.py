@@ -59,6 +59,7 @@ SHARED_FIXTURE_UNITS: dict[str, tuple[str, ...]] = {
         "tests/kernels/test_gemm_store_cpu.py::test_epilogue_stores_are_vectorized_then_tma",
         "tests/kernels/test_gemm_cpu.py::test_ping_pong_ordering_barrier_phase_flips_every_tile",
         "tests/kernels/test_gemm_cpu.py::test_activation_epilogues_are_short_and_use_no_ieee_division",
+        "tests/kernels/test_gemm_fp8_cpu.py::test_promoted_fp8_adds_each_stage_into_an_fp32_total_after_its_mmas",
     ),
     # module fixture `candidates_built` (`quack tune --compile-only` of every candidate)
     "search-space-built": (

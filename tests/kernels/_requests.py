@@ -72,14 +72,21 @@ def _hook_calls(kernel, dtype):
     return [(kernel, {k: v for k, v in params.items() if k != "config"})]
 
 
-def gemm(shape, dt=BF, out=None, am="k", bm="n", act="none", bias=False, c=False):
+def gemm(shape, dt=BF, out=None, am="k", bm="n", act="none", bias=False, c=False, fast=False):
     """``quack_kernels.ops.gemm`` on ``shape`` (L, M, N, K) with b_major in torch's terms
     ("n": b (K, N) row-major); the configuration the wrapper picks (``gemm_config``)."""
     from quack_kernels.gemm import gemm_config
 
     L, M, N, K = shape
     params = dict(dtype=dt, d_dtype=out or dt, a_major=am, b_major=bm, has_c=c, has_bias=bias, activation=act)
-    return [("gemm", dict(params, config=gemm_config(M, N, K, L, dt)))]
+    if fast:
+        params["fast_accum"] = True
+    return [("gemm", dict(params, config=gemm_config(M, N, K, L, dt, fast)))]
+
+
+def scaled_gemm(shape, dt, fast=False, out=BF, **epi):
+    """``quack_kernels.ops.scaled_gemm``: fp8 a row-major, b column-major (both K-major)."""
+    return gemm(shape, dt, out=out, am="k", bm="k", fast=fast, **epi)
 
 
 def _gemm_cfg(**knobs):
@@ -240,6 +247,16 @@ REQUESTS = {
         "gelu_tanh", dtype
     ),
     "test_gemm_gpu.py::test_gemm_bad_inputs_on_gpu": None,
+    "test_gemm_fp8_gpu.py::test_scaled_gemm_fp8": lambda shape, dtype, fast_accum: scaled_gemm(
+        shape, dtype, fast_accum
+    ),
+    "test_gemm_fp8_gpu.py::test_scaled_gemm_fp8_epilogue_and_fp32_output": lambda: scaled_gemm(
+        (1, 1000, 1048, 784), "float8_e4m3fn", out=F32, act="gelu_tanh", bias=True, c=True
+    ),
+    "test_gemm_fp8_gpu.py::test_scaled_gemm_reads_the_scales_on_the_device": lambda: scaled_gemm(
+        (1, 1000, 1048, 784), "float8_e4m3fn"
+    ),
+    "test_gemm_fp8_gpu.py::test_scaled_gemm_bad_inputs_on_gpu": None,
     "test_cuda_graphs_gpu.py::test_ops_replay_in_a_cuda_graph_with_the_eager_bits": lambda: (
         rms_fwd(BF, 4096)
         + softmax(F32, 1000)

@@ -23,11 +23,11 @@ def _expand(name):
 def test_manifests_expand():
     assert len(_expand("gemm.toml")) >= 100
     sub = _expand("tests.toml")
-    # tests.toml's GEMM entries: the CPU tier's 8 plus the GPU tests' 35 requests (23, the
+    # tests.toml's GEMM entries: the CPU tier's 8 plus the GPU tests' 41 requests (23, the
     # float16 autocast test's 2, the 4 swizzled orders and the 6 ping-pong candidates of
-    # test_gemm_ping_pong_on_a_grid_of_many_waves; one key is in both lists, built once):
-    # what the tests use and no more, a GEMM compile taking seconds
-    assert 8 <= len(sub) <= 8 + 35, len(sub)
+    # test_gemm_ping_pong_on_a_grid_of_many_waves, fp8's 6; one key is in both lists, built
+    # once): what the tests use and no more, a GEMM compile taking seconds
+    assert 8 <= len(sub) <= 8 + 41, len(sub)
     scheds = {c.params["config"].schedule for c in sub}
     assert scheds == {"coop", "ping"}
 
@@ -35,12 +35,15 @@ def test_manifests_expand():
 def test_search_space_candidates_all_pass_the_rules():
     from quack_kernels.gemm import compile_gemm, search_space
 
-    cands = search_space({})
+    cands = search_space(compile_gemm.spec.bind(("bfloat16",), {}, arch="sm_90a"))
     # tile x cluster x schedule, then 24 swizzled orders, then a stream-K twin of each of the
     # 30 large cooperative candidates
     assert len(cands) == 18 + 24 + 30
     for cfg in cands:
         compile_gemm.spec.bind(("bfloat16",), {"config": cfg}, arch="sm_90a")
+    # fp8 with fast accumulation: one accumulator, the same space
+    fast = {"fast_accum": True}
+    assert search_space(compile_gemm.spec.bind(("float8_e4m3fn",), fast, arch="sm_90a")) == cands
 
 
 @pytest.mark.parametrize(
