@@ -308,7 +308,13 @@ def check_gemm(
 def _scaled_mm(a, b, scale_a, scale_b, fast_accum: bool):
     """torch._scaled_mm's fp32 product of fp8 a and b (2-D only there: a batch one by one).
     It takes N in multiples of 16 only (cuBLASLt's fp8 rule; the kernel takes any N whose
-    output rows are 16-byte aligned): b is padded with zero columns, the output cut back."""
+    output rows are 16-byte aligned): b is padded with zero columns, the output cut back.
+    Two e5m2 operands it refuses ("Multiplication of two Float8_e5m2 matrices is not
+    supported": cuBLASLt has no such kernel; seen on the H200): torch's product of those is
+    torch.matmul's in fp32 (every e5m2 value and product is exact there, TF32 or not), an
+    fp32 accumulation, so no looser than cuBLAS's fp8 one would be."""
+    if a.dtype == b.dtype == torch.float8_e5m2:
+        return torch.matmul(a.float(), b.float()) * (scale_a * scale_b)
 
     def one(x, y):
         k, n = y.shape
