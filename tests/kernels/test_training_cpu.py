@@ -285,6 +285,20 @@ def test_gemm_operands_are_cast_to_the_autocast_dtype_before_the_op_runs():
         calls = [(str(n.target), n.kwargs.get("dtype")) for n in gm.graph.nodes if n.op == "call_function"]
         cast = ("aten._to_copy.default", torch.float16)
         assert calls == [cast, cast, ("quack_kernels.gemm.default", None)], calls
+        # Above the autocast key (a pre-dispatch trace sees what Dynamo's graph holds) the
+        # casts must be there too, of the region's dtype: with them only in the op's
+        # AutocastCUDA kernel this graph held the op alone, and torch 2.11 reused a graph
+        # compiled under bfloat16 autocast under float16 (bfloat16 output, on the H200).
+        for dt in (torch.bfloat16, torch.float16):
+            torch.set_autocast_dtype("cuda", dt)
+            gm = make_fx(lambda a, b: ops.gemm(a, b), tracing_mode="fake", pre_dispatch=True)(a, b)
+            calls = [
+                (str(n.target), n.args[1] if str(n.target) == "aten.to.dtype" else None)
+                for n in gm.graph.nodes
+                if n.op == "call_function"
+            ]
+            cast = ("aten.to.dtype", dt)
+            assert calls == [cast, cast, ("quack_kernels.gemm.default", None)], calls
     finally:
         torch.set_autocast_enabled("cuda", was[0])
         torch.set_autocast_dtype("cuda", was[1])
