@@ -226,3 +226,37 @@ def test_the_fp8_op_traces_whole_under_torch_compile():
     )
     assert fn(a, b).shape == (256, 64)
     assert seen == ["quack_kernels.scaled_gemm.default"], seen
+
+
+def test_torchs_product_of_two_e5m2_operands_is_matmul_in_fp32(monkeypatch):
+    """torch._scaled_mm on CUDA refuses two e5m2 operands ("Multiplication of two
+    Float8_e5m2 matrices is not supported": cuBLASLt has no such kernel; the GPU test
+    failed there, in the reference). Its CPU build accepts them, so the refusal is played
+    here by a stand-in that raises cuBLAS's error for that pair and records the others.
+    check_gemm's torch product for two e5m2 operands is torch.matmul in fp32, scaled: every
+    e5m2 value and product is exact there, so it equals the float64 product, batched too;
+    e4m3 still goes to torch._scaled_mm."""
+    from quack_kernels import _reference as R
+
+    calls = []
+
+    def scaled_mm(x, y, *args, **kw):
+        if x.dtype == y.dtype == torch.float8_e5m2:
+            raise ValueError("Multiplication of two Float8_e5m2 matrices is not supported")
+        calls.append((x.dtype, y.dtype))
+        return torch.matmul(x.float(), y.float())
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    g = torch.Generator().manual_seed(0)
+    sa, sb = torch.tensor([0.5]), torch.tensor([0.25])
+    for shape_a, shape_b in (((40, 64), (64, 32)), ((2, 8, 32), (2, 32, 16))):
+        a = torch.randn(shape_a, generator=g).to(torch.float8_e5m2)
+        b = torch.randn(shape_b, generator=g).to(torch.float8_e5m2)
+        got = R._scaled_mm(a, b, sa, sb, fast_accum=False)
+        want = torch.matmul(a.double(), b.double()) * 0.125
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.allclose(got.double(), want, rtol=1e-6, atol=1e-6)
+    assert calls == []
+    a, b = torch.zeros(16, 32).to(E4M3), torch.zeros(32, 16).to(E4M3)
+    R._scaled_mm(a, b, sa, sb, fast_accum=False)
+    assert calls == [(E4M3, E4M3)]
