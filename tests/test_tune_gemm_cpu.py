@@ -75,10 +75,7 @@ def test_the_gemm_tuning_manifest_lists_the_goal_shapes():
     r = _quack("tune", "manifests/tuning_gemm.toml", "-n", "--json")
     assert r.returncode == 0, r.stderr[-3000:]
     probs = json.loads(r.stdout)["problems"]
-    sizes = [tuple(p["sizes"].values()) for p in probs]
-    # one table row each: a class of its own (before, three shared "mid/k" at N = 4096)
-    assert len({p["table_class"] for p in probs}) == len(probs) == 7
-    assert sizes == [
+    goal = [
         (4096, 4096, 4096),
         (8192, 8192, 8192),
         (8192, 4096, 4096),
@@ -87,6 +84,19 @@ def test_the_gemm_tuning_manifest_lists_the_goal_shapes():
         (8192, 28672, 8192),
         (8192, 8192, 28672),
     ]
+    # bf16, then fp8 e4m3 promoted and with fast accumulation: the goal shapes each, one
+    # table row each (a class of its own within the dtype; before, three shared "mid/k" at
+    # N = 4096), fast accumulation's classes apart from promoted's
+    kinds = [("dtype=bfloat16", "fast_accum=false"), ("dtype=float8_e4m3fn", "fast_accum=false"),
+             ("dtype=float8_e4m3fn", "fast_accum=true")]  # fmt: skip
+    assert len(probs) == 7 * len(kinds)
+    for i, words in enumerate(kinds):
+        group = probs[7 * i : 7 * i + 7]
+        assert all(all(w in p["problem"] for w in words) for p in group), [p["problem"] for p in group]
+        assert [tuple(p["sizes"].values()) for p in group] == goal
+        classes = [p["table_class"] for p in group]
+        assert len(set(classes)) == 7
+        assert all(c.endswith("/fast") == (words[1] == "fast_accum=true") for c in classes)
 
 
 def _expand(tmp_path, text):
