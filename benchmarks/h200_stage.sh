@@ -16,10 +16,25 @@ export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD PYTHO
 unset PYTHONDONTWRITEBYTECODE
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/pip.log" 2>&1 \
   || echo "editable install failed: see $OUT/pip.log"
+# Every runtime dependency pyproject.toml declares must be there as a distribution (session
+# 19's staging lacked pyelftools: 16 of README command 2's tests failed on "No module named
+# 'elftools'" after a full build, where this check stops the call at once and names it).
 python3 -c "
-import importlib, sys
+import importlib, importlib.metadata as md, sys, tomllib
+from packaging.requirements import Requirement
 for m in ['cutlass.cute', 'torch', *'${STAGE_NEEDS:-}'.split()]:
     importlib.import_module(m)
+missing = []
+for d in tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']:
+    r = Requirement(d)
+    if r.marker is not None and not r.marker.evaluate():
+        continue
+    try:
+        md.version(r.name)
+    except md.PackageNotFoundError:
+        missing.append(r.name)
+if missing:
+    sys.exit('missing distributions (carry their wheels): ' + ', '.join(missing))
 import cutlass, torch
 print(torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), cutlass.__version__, torch.__version__)
 " || { echo "not staged: see ../shared/device/README.md"; exit 3; }
