@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from reliability_support import env
+from reliability_support import env, run_py
 
 TESTS = os.path.dirname(__file__)
 
@@ -32,6 +32,14 @@ def _gone_within(pids, timeout: float) -> list[int]:
         time.sleep(0.05)
         left = [p for p in left if _alive(p)]
     return left
+
+
+def _last_json(code: str, *, timeout: float, **envextra) -> tuple[dict, str]:
+    """Run ``code`` in a fresh interpreter (reliability_support.run_py: bounded, the test
+    directories on its path, a non-zero exit fails with its output) and return the JSON
+    object its last line of stdout holds, and its stderr (for the assertions' messages)."""
+    r = run_py(code, timeout=timeout, **envextra)
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
 
 
 _FORK = """
@@ -61,17 +69,10 @@ print(json.dumps({"status": status, "child": json.loads(data or b"null")}))
 def test_forked_child_compiles_a_cold_key_with_a_pool_of_its_own(tmp_path):
     """The child inherited the parent's started pool but not its dispatcher thread: its
     cold call waited for ever. Now the child starts its own pool and compiles."""
-    r = subprocess.run(
-        [sys.executable, "-c", _FORK],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=TESTS,
-        env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1),
+    out, err = _last_json(
+        _FORK, timeout=240, QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1
     )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out == {"status": 0, "child": {"own_pool": True, "compiled": 1}}, (out, r.stderr)
+    assert out == {"status": 0, "child": {"own_pool": True, "compiled": 1}}, (out, err)
 
 
 def test_a_wait_on_a_pool_whose_dispatcher_is_gone_fails_instead_of_hanging(quack_settings):
@@ -252,23 +253,16 @@ def test_threads_on_one_kernel_compile_cold_keys_at_once_and_one_key_once(tmp_pa
     from reliability_support import session_objects
 
     obj = session_objects(tmp_path_factory)["float32"]["path"]
-    r = subprocess.run(
-        [sys.executable, "-c", _THREADS],
-        capture_output=True,
-        text=True,
+    out, err = _last_json(
+        _THREADS,
         timeout=400,
-        cwd=TESTS,
-        env=env(
-            QUACK_CACHE_DIR=tmp_path / "cache",
-            QUACK_MODE="jit",
-            QUACK_COMPILE_JOBS=4,
-            QUACK_TEST_OBJ=obj,
-            QUACK_TEST_FAIL_GATE=tmp_path / "gate",
-            QUACK_TEST_FAIL_COUNTER=tmp_path / "attempts",
-        ),
+        QUACK_CACHE_DIR=tmp_path / "cache",
+        QUACK_MODE="jit",
+        QUACK_COMPILE_JOBS=4,
+        QUACK_TEST_OBJ=obj,
+        QUACK_TEST_FAIL_GATE=tmp_path / "gate",
+        QUACK_TEST_FAIL_COUNTER=tmp_path / "attempts",
     )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["peak"] == 4 and out["warm_while_busy"], out
     assert out["ok"] == sorted(["k2", "k3", "k4", "warm"] + [f"same{j}" for j in range(4)]), out
     assert out["attempts"] == {"1": 1, "2": 1, "3": 1, "4": 1, "5": 1}, out
@@ -292,16 +286,9 @@ toykernels.toy_scale("float32", 64, False)  # the pool starts (its atexit hook r
 def test_a_cold_call_at_interpreter_exit_says_the_interpreter_is_shutting_down(tmp_path):
     """A cold call from an atexit hook that runs after the pool's shutdown started a new
     pool and failed with "cannot start a compile worker: FileNotFoundError(2, ...)"."""
-    r = subprocess.run(
-        [sys.executable, "-c", _AT_EXIT],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=TESTS,
-        env=env(QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1),
+    out, err = _last_json(
+        _AT_EXIT, timeout=240, QUACK_CACHE_DIR=tmp_path / "cache", QUACK_MODE="jit", QUACK_COMPILE_JOBS=1
     )
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert "interpreter is shutting down" in out.get("error", ""), (out, r.stderr)
+    assert "interpreter is shutting down" in out.get("error", ""), (out, err)
     assert "quack build" in out["error"] and "FileNotFoundError" not in out["error"]
     assert out["transient"] is True

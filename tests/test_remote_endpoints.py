@@ -56,20 +56,26 @@ def remote_warnings(w) -> list[str]:
     return [str(x.message) for x in w if issubclass(x.category, RemoteWarning)]
 
 
+def failing_get(b) -> tuple[RemoteError, float]:
+    """``b.get(NAME)``, which must raise RemoteError: the error and the seconds it took;
+    closes ``b``."""
+    t0 = time.monotonic()
+    with pytest.raises(RemoteError) as e:
+        b.get(NAME)
+    took = time.monotonic() - t0
+    b.close()
+    return e.value, took
+
+
 # --- 1. a remote that trickles its replies ---------------------------------------------------
 
 
 def test_slow_redis_get_ends_at_the_operation_time_out(srv):
     srv.client().set(NAME, b"x" * BIG)
     with trickle_proxy(srv.port) as port:
-        b = open_backend(f"redis://127.0.0.1:{port}/0", op_timeout=2)
-        t0 = time.monotonic()
-        with pytest.raises(RemoteError) as e:
-            b.get(NAME)
-        took = time.monotonic() - t0
-        b.close()
-    assert e.value.reason == "timeout" and e.value.offline
-    assert "GET " + NAME in str(e.value) and "QUACK_REMOTE_TIMEOUT" in str(e.value)
+        err, took = failing_get(open_backend(f"redis://127.0.0.1:{port}/0", op_timeout=2))
+    assert err.reason == "timeout" and err.offline
+    assert "GET " + NAME in str(err) and "QUACK_REMOTE_TIMEOUT" in str(err)
     assert took < ALLOWED, took  # the trickle needs BIG / 1024 s
 
 
@@ -84,13 +90,8 @@ def test_slow_s3_get_ends_at_the_operation_time_out(monkeypatch):
         upstream = int(remote_services.os.environ["AWS_ENDPOINT_URL"].rsplit(":", 1)[1])
         with trickle_proxy(upstream) as port:
             monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
-            b = open_backend(url, op_timeout=2)
-            t0 = time.monotonic()
-            with pytest.raises(RemoteError) as e:
-                b.get(NAME)
-            took = time.monotonic() - t0
-            b.close()
-    assert e.value.reason == "timeout" and e.value.offline
+            err, took = failing_get(open_backend(url, op_timeout=2))
+    assert err.reason == "timeout" and err.offline
     assert took < ALLOWED, took
 
 
