@@ -13,6 +13,61 @@ from pathlib import Path
 
 TABLE_DIR = Path(__file__).parent / "tuned"
 _warned: set = set()
+#: kernel -> the pattern of the class names its classifier produces (``declare_classes``):
+#: a row naming another class (a typo, a class renamed since) was never used, silently
+_CLASSES: dict = {}
+
+
+def declare_classes(kernel: str, pattern: str) -> None:
+    """Declare the class names ``kernel``'s classifier produces (a regular expression,
+    matched whole): its table rows are checked against it (``check_rows``)."""
+    import re
+
+    _CLASSES[kernel] = re.compile(pattern)
+
+
+#: size_class's names (kernels/_plan.py): the row-length classes, fp32 rows apart
+SIZE_CLASSES = r"(f32/)?(tiny|small|mid|cluster|large)"
+
+
+@functools.lru_cache(maxsize=256)
+def check_rows(t, kernel: str) -> None:
+    """Refuse a row of ``kernel`` in table ``t`` that no lookup could ever reach: a class
+    its classifier never produces, an unknown dtype, a GPU name not in its normalised form
+    (rows are looked up by ``normalise_gpu``'s names). Once per table and kernel (an error
+    is not cached: it is raised on every call). Raises TuningTableError naming the row."""
+    from quack.errors import TuningTableError
+    from quack.params import ALL_DTYPES
+    from quack.tuning import normalise_gpu
+
+    pattern = _CLASSES.get(kernel)
+    for i, r in enumerate(t.rows, 1):
+        if r.kernel != kernel:
+            continue
+        where = dict(row=i) if t.path else {}
+        what = f"row {kernel} {r.cls} n={list(r.n)}: "
+        if pattern is not None and not pattern.fullmatch(r.cls):
+            raise TuningTableError(
+                t.path or "<table>",
+                what + f"class {r.cls!r} is not one {kernel} produces (they match {pattern.pattern})",
+                field="class",
+                **where,
+            )
+        bad = [d for d in r.dtype if d not in ALL_DTYPES]
+        if bad:
+            raise TuningTableError(
+                t.path or "<table>",
+                what + f"dtype {bad[0]!r} is not one of {', '.join(ALL_DTYPES)}",
+                field="dtype",
+                **where,
+            )
+        if normalise_gpu(r.gpu) != r.gpu:
+            raise TuningTableError(
+                t.path or "<table>",
+                what + f"gpu {r.gpu!r}: write {normalise_gpu(r.gpu)!r} (the normalised model name)",
+                field="gpu",
+                **where,
+            )
 
 
 @functools.lru_cache(maxsize=None)
@@ -40,6 +95,7 @@ def table_path(arch: str) -> Path:
 
 def reload() -> None:
     table.cache_clear()
+    check_rows.cache_clear()
     _lookup.cache_clear()
     _from_row.cache_clear()
     _derived.clear()
@@ -66,7 +122,8 @@ def _lookup(t, kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu:
             where = f"no tuning table for {arch}" if t is None else f"no tuning-table rows for GPU {gpu!r}"
             warnings.warn(
                 f"quack_kernels: {where} ({table_path(arch)}): untuned heuristic defaults; run "
-                f"`quack tune --gpu {gpu or '<model>'}` on that GPU to measure winners",
+                f"`quack tune` on {'a ' + gpu if gpu else 'the GPU'} to measure winners (rows are "
+                "keyed by GPU model: the detected one, or [tune] gpu / QUACK_TUNE_GPU)",
                 stacklevel=4,
             )
         return None
@@ -83,6 +140,8 @@ def default_config(kernel: str, cfg_cls, cls: str | None, dtype: str, n: int, ar
     """The table's configuration for the problem, else ``fallback`` (else the empty one:
     every knob at the kernel's heuristic)."""
     t = active_table(arch)
+    if t is not None:
+        check_rows(t, kernel)
     hit = _lookup(t, kernel, cls, dtype, n, arch, gpu_of(t))
     if hit is None:
         return fallback if fallback is not None else _empty(cfg_cls)
@@ -105,11 +164,14 @@ def _from_row(cfg_cls, items: tuple, where: str):
     return cfg_cls.from_dict(dict(items), where=where)
 
 
-def derive(kernel: str, cfg_cls, classify, fallback=None, n_range=None):
+def derive(kernel: str, cfg_cls, classify, fallback=None, n_range=None, classes=None):
     """A ``quack.params.Config(derive=...)`` callable: ``classify(params) -> class or None``,
     ``fallback(params) -> config or None`` (the heuristic's own choice), ``n_range(params)
     -> (lo, hi)``: the N range a winner's row covers (default: its own N only; the GEMM's
-    rows cover the N bucket its class names)."""
+    rows cover the N bucket its class names); ``classes``: the pattern of the class names
+    ``classify`` produces (``declare_classes``)."""
+    if classes is not None:
+        declare_classes(kernel, classes)
 
     def _derive(params: dict, arch: str):
         fb = fallback(params) if fallback is not None else None
@@ -123,6 +185,7 @@ def derive(kernel: str, cfg_cls, classify, fallback=None, n_range=None):
     _derive.classify = classify  # type: ignore[attr-defined]  # quack tune: a winner's row class
     _derive.table_path = table_path  # type: ignore[attr-defined]  # quack tune: where rows go
     _derive.n_range = n_range or _own_n  # type: ignore[attr-defined]  # quack tune: a row's N range
+    _derive.check_rows = functools.partial(check_rows, kernel=kernel)  # type: ignore[attr-defined]
     return _derive
 
 
@@ -140,11 +203,17 @@ def derived_config(spec, args: tuple):
     from quack.tuning.override import override
 
     arch = runtime_arch()
-    t = active_table(arch)
+    forced = override(spec.name)
     # the spec by identity (it holds dicts: unhashable); specs live in the registry for good.
     # The argument types are in the key, as in jit_cache's memo (quack/runtime/jit.py):
     # True == 1 and 4096 == 4096.0 hash alike, and a bad type must still reach bind's check.
-    key = (id(spec), args, tuple(map(type, args)), arch, t, gpu_of(t), override(spec.name))
+    # A use_config override is the configuration, whatever the table says: the table is not
+    # read then (quack tune --from-empty measures candidates where the table is broken).
+    if forced is not None:
+        key = (id(spec), args, tuple(map(type, args)), arch, forced)
+    else:
+        t = active_table(arch)
+        key = (id(spec), args, tuple(map(type, args)), arch, t, gpu_of(t))
     cfg = _derived.get(key)
     if cfg is None:
         if len(_derived) >= 4096:  # bounded: a sweep over N binds ~100k distinct calls

@@ -86,6 +86,7 @@ def fwd_config(dtype: str, n: int, smoothing: str = "none") -> CrossEntropyFwdCo
                 CrossEntropyFwdConfig,
                 _size_class,
                 lambda p: CrossEntropyFwdConfig(**_ce_stream.default_tune(p["n"])),
+                classes=_tuning.SIZE_CLASSES,
             ),
         ),
     },
@@ -116,7 +117,9 @@ def compile_cross_entropy_fwd(
         "smoothing": Choice(SMOOTHING),
         "config": Config(
             CrossEntropyBwdConfig,
-            derive=_tuning.derive("cross_entropy_bwd", CrossEntropyBwdConfig, _size_class),
+            derive=_tuning.derive(
+                "cross_entropy_bwd", CrossEntropyBwdConfig, _size_class, classes=_tuning.SIZE_CLASSES
+            ),
         ),
     },
     reference=f"{__package__}._verify:verify_cross_entropy_bwd",

@@ -144,7 +144,10 @@ def _candidates(big: tuple) -> tuple[GemmConfig, ...]:
         "activation": Choice(ACTIVATIONS),
         "fast_accum": Bool(),
         "config": Config(
-            GemmConfig, derive=_tuning.derive("gemm", GemmConfig, _shape_class, _fallback, _n_range)
+            GemmConfig,
+            derive=_tuning.derive(
+                "gemm", GemmConfig, _shape_class, _fallback, _n_range, classes=r"m\d+k?/n\d+k?/k\d+k?(/fast)?"
+            ),
         ),
     },
     rules=[

@@ -7,6 +7,8 @@ is the persistent norm backward of ``quack_kernels._norm_bwd``.
 Top level imports only quack: torch and cutlass are imported inside functions.
 """
 
+import functools
+
 from quack import jit_cache
 from quack.params import Bool, Config, Dtype, Int
 
@@ -24,6 +26,8 @@ def _derive_fwd(params: dict, arch: str) -> LayerNormFwdConfig:
 
 
 _derive_fwd.classify = fwd_class  # type: ignore[attr-defined]  # quack tune: a winner's row class
+_tuning.declare_classes("layernorm_fwd", r"(same|wide)/(cta256|cluster\d+|rows)")  # fwd_class's names
+_derive_fwd.check_rows = functools.partial(_tuning.check_rows, kernel="layernorm_fwd")  # type: ignore[attr-defined]
 _derive_fwd.table_path = _tuning.table_path  # type: ignore[attr-defined]
 
 
@@ -267,7 +271,12 @@ def bwd_search_space(params: dict) -> list[NormBwdConfig]:
         "weight_dtype": WeightDtype(),
         "config": Config(
             NormBwdConfig,
-            derive=_tuning.derive("layernorm_bwd", NormBwdConfig, lambda p: size_class(p["dtype"], p["n"])),
+            derive=_tuning.derive(
+                "layernorm_bwd",
+                NormBwdConfig,
+                lambda p: size_class(p["dtype"], p["n"]),
+                classes=_tuning.SIZE_CLASSES,
+            ),
         ),
     },
     reference=f"{__package__}._verify:verify_layernorm_bwd",

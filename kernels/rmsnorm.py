@@ -61,7 +61,12 @@ def search_space(params: dict) -> list[RmsNormFwdConfig]:
         "has_bias": Bool(),
         "has_residual": Bool(),
         "weight_dtype": WeightDtype(),
-        "config": Config(RmsNormFwdConfig, derive=_tuning.derive("rmsnorm_fwd", RmsNormFwdConfig, fwd_class)),
+        "config": Config(
+            RmsNormFwdConfig,
+            derive=_tuning.derive(
+                "rmsnorm_fwd", RmsNormFwdConfig, fwd_class, classes=r"(same|wide)/cluster\d+"
+            ),
+        ),
     },
     reference=f"{__package__}._verify:verify_rmsnorm_fwd",
     search_space=search_space,
@@ -148,7 +153,10 @@ def bwd_search_space(params: dict) -> list[NormBwdConfig]:
         "has_weight": Bool(),
         "has_bias": Bool(),
         "weight_dtype": WeightDtype(),
-        "config": Config(NormBwdConfig, derive=_tuning.derive("rmsnorm_bwd", NormBwdConfig, bwd_class)),
+        "config": Config(
+            NormBwdConfig,
+            derive=_tuning.derive("rmsnorm_bwd", NormBwdConfig, bwd_class, classes=_tuning.SIZE_CLASSES),
+        ),
     },
     reference=f"{__package__}._verify:verify_rmsnorm_bwd",
     search_space=bwd_search_space,

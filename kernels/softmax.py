@@ -67,7 +67,8 @@ def bwd_budget(dtype: str, n: int, k: dict) -> int:
         "dtype": Dtype(),
         "n": Int(min=N_MIN, max=N_MAX),
         "config": Config(
-            SoftmaxFwdConfig, derive=_tuning.derive("softmax_fwd", SoftmaxFwdConfig, _size_class)
+            SoftmaxFwdConfig,
+            derive=_tuning.derive("softmax_fwd", SoftmaxFwdConfig, _size_class, classes=_tuning.SIZE_CLASSES),
         ),
     },
     reference=f"{__package__}._verify:verify_softmax_fwd",
@@ -158,7 +159,8 @@ def _bwd_plan(dtype: str, n: int, width: int, k: dict):
         "dtype": Dtype(),
         "n": Int(min=N_MIN, max=N_MAX),
         "config": Config(
-            SoftmaxBwdConfig, derive=_tuning.derive("softmax_bwd", SoftmaxBwdConfig, _size_class)
+            SoftmaxBwdConfig,
+            derive=_tuning.derive("softmax_bwd", SoftmaxBwdConfig, _size_class, classes=_tuning.SIZE_CLASSES),
         ),
     },
     reference=f"{__package__}._verify:verify_softmax_bwd",

@@ -123,11 +123,13 @@ def test_tune_table_is_checked_and_read_before_anything_is_done(tmp_path):
     rc, out = _cli(["tune", m, "--dry-run", "--table", bad, "--from-empty"], ROOT)
     assert rc == 0 and "softmax_fwd(" in out, out  # --from-empty replaces it: not read
 
+    from quack import registry
     from quack.tuning import Row, Table
     from quack_build.cli.tune_measure import check_tables
 
+    registry.load_packages(settings.get().kernel_packages)  # as the CLI has: rows are checked against it
     good = tmp_path / "good.toml"
-    Table("sm_90a", "H200", [Row("softmax_fwd", "H200", "c", (1, 8), {"online": True})]).write(good)
+    Table("sm_90a", "H200", [Row("softmax_fwd", "H200", "small", (1, 8), {"online": True})]).write(good)
     loaded = check_tables([good, tmp_path / "new.toml"], given=True, from_empty=False)
     assert len(loaded[good].rows) == 1 and loaded[tmp_path / "new.toml"] is None
 

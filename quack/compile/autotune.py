@@ -24,6 +24,7 @@ Benchmarking runs on the caller's thread, in the caller's CUDA context."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Any, Callable, Sequence
@@ -53,6 +54,15 @@ class TuneResult:
         return "\n".join(rows)
 
 
+def _seconds(v: Any) -> float:
+    """A benchmark's result as seconds; ValueError unless positive and finite (a NaN won
+    every comparison it was in, and a negative time beat every real one)."""
+    t = float(v)
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"returned {v!r} seconds (a time must be positive and finite)")
+    return t
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip() or type(e).__name__
     return f"{type(e).__name__}: {text}"
@@ -77,7 +87,8 @@ def autotune(
 ) -> TuneResult:
     """Compile ``kernel(**common, **config)`` for every config in parallel and return the
     correct one ``bench(fn, config)`` (seconds) rates fastest. ``timeout``: seconds for the
-    whole search (the budget; what is still compiling then is an error); ``max_candidates``:
+    whole search (the budget: a candidate still compiling or not yet measured then is an
+    error, and the re-measuring rounds stop at it); ``max_candidates``:
     the first that many configs only; ``close``: the fraction of the best time within which
     candidates are re-measured ``rounds`` times, and so are the ``confirm`` fastest and
     ``baseline`` (a config whose time is reported beside the winner's, e.g. today's default)
@@ -119,6 +130,12 @@ def autotune(
             return None, None
 
     def measure(cfg, fn) -> None:
+        if deadline is not None and time.perf_counter() > deadline:
+            # the budget bounds measuring too: with every candidate built already (quack
+            # tune --compile-only first) it bounded nothing
+            errors.append((cfg, "autotune budget spent: not measured"))
+            note("error", cfg, "budget spent")
+            return
         if check is not None:
             try:
                 check(fn, cfg)
@@ -131,7 +148,7 @@ def autotune(
                 note("wrong", cfg, _first_line(e))
                 return
         try:
-            t = float(bench(fn, cfg))
+            t = _seconds(bench(fn, cfg))
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run is an error, not a crash
             errors.append((cfg, f"benchmark: {_first_line(e)}"))
             note("error", cfg, str(e))
@@ -172,7 +189,7 @@ def autotune(
                     break
                 gen = p.wait_change(gen, 0.5)
     spreads: list[float | None] = []
-    remeasured = _remeasure(times, fns, bench, close, rounds, errors, confirm, baseline, spreads)
+    remeasured = _remeasure(times, fns, bench, close, rounds, errors, confirm, baseline, spreads, deadline)
     best = min(times, key=lambda ct: ct[1]) if times else None
     held = None
     if hold is not None and best is not None and baseline is not None and best[0] != baseline:
@@ -194,7 +211,9 @@ def autotune(
     )
 
 
-def _remeasure(times, fns, bench, close, rounds, errors, confirm=0, baseline=None, spreads=None) -> int:
+def _remeasure(
+    times, fns, bench, close, rounds, errors, confirm=0, baseline=None, spreads=None, deadline=None
+) -> int:
     """Measure again, ``rounds`` interleaved rounds (rotated order: none always runs first
     after a cold GPU), the candidates within ``close`` of the best, the ``confirm`` fastest
     and ``baseline``; replace each time with the median of its first time and its rounds.
@@ -218,12 +237,14 @@ def _remeasure(times, fns, bench, close, rounds, errors, confirm=0, baseline=Non
     samples = {i: [times[i][1]] for i in idx}
     dead: set[int] = set()
     for r in range(rounds):
+        if deadline is not None and time.perf_counter() > deadline:
+            break  # the budget's end: whole rounds only, so every candidate has as many
         order = idx[r % len(idx) :] + idx[: r % len(idx)]
         for i in order:
             if i in dead:
                 continue
             try:
-                samples[i].append(float(bench(fns[i], times[i][0])))
+                samples[i].append(_seconds(bench(fns[i], times[i][0])))
             except Exception as e:  # noqa: BLE001 - failed on a re-run: out of the race
                 dead.add(i)
                 errors.append((times[i][0], f"benchmark (re-measure): {_first_line(e)}"))

@@ -7,7 +7,7 @@ table (``Table``: a TOML data file beside the kernels) through ``default_config`
 
 from quack.tuning.config import TuneConfig, knob
 from quack.tuning.gpu import current_gpu, normalise_gpu
-from quack.tuning.override import table_override, use_config, use_table
+from quack.tuning.override import table_override, use_config, use_table, without_tables
 from quack.tuning.table import Row, Table
 
 __all__ = [
@@ -19,5 +19,6 @@ __all__ = [
     "Table",
     "use_config",
     "use_table",
+    "without_tables",
     "table_override",
 ]

@@ -39,9 +39,35 @@ def use_table(table: Any) -> Iterator[None]:
         _TABLES.reset(token)
 
 
+@contextlib.contextmanager
+def without_tables(default_gpu: str) -> Iterator[None]:
+    """Within the block, every arch's table is an empty one (``default_gpu`` its header's):
+    configurations are the kernels' heuristics, and no table file is read. ``quack tune
+    --from-empty`` derives its problems so, which therefore works where the checked-in
+    table is broken (the table it is told to replace)."""
+    token = _TABLES.set({**(_TABLES.get() or {}), _EMPTY: default_gpu})
+    try:
+        yield
+    finally:
+        _TABLES.reset(token)
+
+
+_EMPTY = "*"  # the key of without_tables' mark in _TABLES (no arch is named so)
+_empty_tables: dict = {}  # (arch, gpu) -> one empty Table: the derivation memos key on it
+
+
 def table_override(arch: str) -> Any:
-    """The table ``use_table`` set for ``arch`` here, or None."""
-    return (_TABLES.get() or {}).get(arch)
+    """The table ``use_table`` (or ``without_tables``) set for ``arch`` here, or None."""
+    tables = _TABLES.get() or {}
+    t = tables.get(arch)
+    if t is None and _EMPTY in tables:
+        from quack.tuning.table import Table
+
+        key = (arch, tables[_EMPTY])
+        t = _empty_tables.get(key)
+        if t is None:
+            t = _empty_tables[key] = Table(arch, tables[_EMPTY])
+    return t
 
 
 def override(kernel: str) -> Any:

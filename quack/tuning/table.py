@@ -16,9 +16,11 @@
     date = "2025-06-01"
 
 A lookup takes the rows of the kernel, GPU and class whose N range holds n and whose
-dtypes (if listed) hold the dtype; the narrowest N range wins, then a row listing dtypes.
-Two rows with the same kernel, GPU, class, dtypes and range are refused. ``write`` sorts
-the rows and prints every value in one fixed form, so a re-tune's diff is its winners."""
+dtypes (if listed) hold the dtype; the narrowest N range wins, then the row listing the
+fewest dtypes (a row without ``dtype`` holds every one). Two rows that could tie for some
+(dtype, n) are refused, so no answer depends on the rows' order in the file (``write``
+sorts them: a re-tune's diff is its winners). Every value is checked on load for what
+``write`` can print back: a table that loads can be written unchanged."""
 
 from __future__ import annotations
 
@@ -34,6 +36,10 @@ from quack.errors import TuningTableError
 ROW_FIELDS = ("kernel", "gpu", "class", "dtype", "n", "config", "time_us", "shape", "date", "note")
 _REQUIRED = ("kernel", "gpu", "class", "n", "config")
 _BARE = re.compile(r"^[A-Za-z0-9_-]+$")
+# A TOML basic string: a backslash, a quote and every control character escaped (a note
+# with a newline was written raw and the table no longer parsed: every kernel call failed)
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+_ESCAPES.update({chr(c): f"\\u{c:04x}" for c in (*range(0x20), 0x7F) if chr(c) not in _ESCAPES})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +55,29 @@ class Row:
     date: str = ""
     note: str = ""
 
+    def __post_init__(self) -> None:
+        # one spelling of a dtype set: ["float16", "bfloat16"] and its reverse (or a repeat)
+        # are one row's identity, not two rows that tie
+        object.__setattr__(self, "dtype", tuple(sorted(set(self.dtype))))
+
     def ident(self) -> tuple:
         return (self.kernel, self.gpu, self.cls, self.dtype, self.n)
+
+    def rank(self) -> tuple:
+        """Lower wins among rows that match: the narrowest N range, then the fewest dtypes."""
+        return (self.n[1] - self.n[0], len(self.dtype) if self.dtype else math.inf)
+
+    def ties(self, other: "Row") -> bool:
+        """Whether a lookup could match both rows with one rank (its answer would depend on
+        their order): same kernel, GPU and class, overlapping N ranges, equal rank, dtype
+        sets that share a dtype (or neither lists any)."""
+        return (
+            (self.kernel, self.gpu, self.cls) == (other.kernel, other.gpu, other.cls)
+            and self.n[0] <= other.n[1]
+            and other.n[0] <= self.n[1]
+            and self.rank() == other.rank()
+            and (not self.dtype or bool(set(self.dtype) & set(other.dtype)))
+        )
 
     def matches(self, kernel: str, gpu: str, cls: str, dtype: str, n: int) -> bool:
         return (
@@ -99,11 +126,9 @@ class Table:
     def lookup(self, kernel: str, gpu: str, cls: str, dtype: str, n: int) -> Row | None:
         best = None
         for r in self.rows:
-            if r.matches(kernel, gpu, cls, dtype, n):
-                k = (r.n[1] - r.n[0], 0 if r.dtype else 1)
-                if best is None or k < best[0]:
-                    best = (k, r)
-        return best[1] if best else None
+            if r.matches(kernel, gpu, cls, dtype, n) and (best is None or r.rank() < best.rank()):
+                best = r
+        return best
 
     def has_gpu(self, kernel: str, gpu: str) -> bool:
         return any(r.kernel == kernel and r.gpu == gpu for r in self.rows)
@@ -111,14 +136,25 @@ class Table:
     # ------------------------------------------------------------------ writing
     def put(self, row: Row, *, replace: bool = True, where: tuple[str, int] | None = None) -> Row | None:
         """Add ``row``; a row with the same identity is replaced (``replace``) or refused.
-        Returns the row it replaced."""
-        for i, r in enumerate(self.rows):
-            if r.ident() == row.ident():
-                if not replace:
-                    p, j = where or (self.path, 0)
-                    raise TuningTableError(p, f"duplicate row for {row.ident()!r}", row=j)
-                self.rows[i] = row
-                return r
+        Returns the row it replaced. Raises TuningTableError for a duplicate (``replace``
+        off) or a row that would tie with another (``Row.ties``)."""
+        p, j = where or (self.path, 0)
+        same = next((i for i, r in enumerate(self.rows) if r.ident() == row.ident()), None)
+        if same is not None and not replace:
+            raise TuningTableError(p, f"duplicate row for {row.ident()!r}", row=j)
+        tie = next((r for i, r in enumerate(self.rows) if i != same and r.ties(row)), None)
+        if tie is not None:
+            raise TuningTableError(
+                p,
+                f"row {row.kernel} {row.cls} n={list(row.n)} dtype={list(row.dtype)} ties with row "
+                f"n={list(tie.n)} dtype={list(tie.dtype)}: both match some (dtype, n) with N ranges "
+                "as wide and as many dtypes, so which applies would depend on their order; narrow "
+                "one's N range or dtypes, or merge them",
+                row=j,
+            )
+        if same is not None:
+            old, self.rows[same] = self.rows[same], row
+            return old
         self.rows.append(row)
         return None
 
@@ -152,15 +188,31 @@ class Table:
         return "\n".join(out) + "\n"
 
     def write(self, path: Path | str | None = None) -> Path:
-        """Write the table atomically (a reader never sees half a file)."""
+        """Write the table atomically (a reader never sees half a file; a crash or a full
+        disk leaves the old one): a temporary file beside it, flushed to disk, renamed over
+        it. The file keeps its permission bits (mkstemp's are 0600: a shared install's
+        table became unreadable to other users) and a symbolic link stays one: its target
+        is written. Raises OSError (the file's text is made before anything is touched,
+        so a value it cannot hold raises ValueError first)."""
         import os
+        import stat
         import tempfile
 
-        dest = Path(path or self.path)
+        text = self.dumps()
+        dest = Path(os.path.realpath(path or self.path))
+        try:
+            mode = stat.S_IMODE(os.stat(dest).st_mode)
+        except FileNotFoundError:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
         fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(self.dumps())
+                f.write(text)
+                f.flush()
+                os.fchmod(f.fileno(), mode)
+                os.fsync(f.fileno())
             os.replace(tmp, dest)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
@@ -178,7 +230,7 @@ def _val(v: Any) -> str:
             raise ValueError(f"a tuning table holds finite numbers only, got {v!r}")
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_ESCAPES.get(ch, ch) for ch in v) + '"'
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_val(x) for x in v) + "]"
     if isinstance(v, dict):
@@ -223,11 +275,23 @@ def _row(path: str, i: int, r: Any) -> Row:
     dt = r.get("dtype", [])
     want(isinstance(dt, list) and all(isinstance(x, str) for x in dt), "dtype", "a list of dtype names")
     want(isinstance(r["config"], dict), "config", "an inline table of configuration fields")
+    for k, v in r["config"].items():
+        ok = (
+            _BARE.match(k)
+            and isinstance(v, (bool, int, float, str))
+            and not (isinstance(v, float) and not math.isfinite(v))
+        )
+        want(
+            bool(ok),
+            "config",
+            f"fields named [A-Za-z0-9_-] holding a bool, int, finite float or string ({k!r})",
+        )
     tu = r.get("time_us")
     want(
-        tu is None or (isinstance(tu, (int, float)) and not isinstance(tu, bool) and tu > 0),
+        tu is None
+        or (isinstance(tu, (int, float)) and not isinstance(tu, bool) and 0 < tu and math.isfinite(tu)),
         "time_us",
-        "a positive number",
+        "a positive, finite number",
     )
     return Row(
         r["kernel"],

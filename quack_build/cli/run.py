@@ -9,7 +9,7 @@ from typing import List
 
 import typer
 
-from quack.errors import PreloadError
+from quack.errors import PreloadError, TomlFileError, TuningTableError
 from quack_build.cli import context as _common
 from quack_build.cli.context import Fail
 
@@ -64,6 +64,15 @@ def run_command(fn):
         # A [build] preload module a build (build, tune, prewarm) found missing before
         # starting any worker: its one line, or the child's traceback when it has one.
         typer.echo(e.detail if e.detail.count("\n") > 2 else e.head, err=True)
+        raise typer.Exit(1) from None
+    except (TuningTableError, TomlFileError) as e:
+        # A broken tuning table (or another TOML file no command catches) read while binding
+        # a configuration: one line naming the file, row and field, not an 80-line traceback
+        # from deep in a bind. A manifest's own problems are ManifestErrors (manifest_fail).
+        fix = ""
+        if isinstance(e, TuningTableError):
+            fix = "; fix it (docs/tuning.md), or give quack tune --from-empty to replace the table"
+        typer.echo(f"error: {e}{fix}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:
         typer.echo("interrupted", err=True)

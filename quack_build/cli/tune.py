@@ -138,6 +138,20 @@ def problems(s, manifests, kernel, max_configs, from_empty=False, rows=None) -> 
     lists, and none listed is an error naming the entry. The current default is derived
     for the problem's sizes and is a candidate too (its time is the speed-up's base), except
     from an empty table: then the search space alone must find the winners."""
+    if from_empty:
+        # the heuristics' configurations, without reading any table: --from-empty replaces
+        # the table, so one that is broken must not stop it (nor warn that it has no rows)
+        import warnings
+
+        from quack.tuning import without_tables
+
+        with without_tables(s.tune_gpu or "none"), warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"quack_kernels: no tuning")
+            return _problems(s, manifests, kernel, max_configs, True, rows)
+    return _problems(s, manifests, kernel, max_configs, False, rows)
+
+
+def _problems(s, manifests, kernel, max_configs, from_empty, rows) -> list[Problem]:
     exp = expand_manifests(s, manifests, [], max_configs, "nothing was tuned")
     out = []
     seen = set()
@@ -253,9 +267,17 @@ def run_tune(
         raise Fail("error: quack tune measures on a CUDA GPU and none is visible here (--dry-run lists)")
     paths = [table] if table else sorted({_table_path(p) for p in probs if row_class(p) is not None})
     loaded = tunerun.check_tables(paths, given=table is not None, from_empty=from_empty)
-    gpu, results, tables = tunerun.measure_and_write(
-        s, con, probs, seconds, count, table, from_empty, _label, min_gain=min_gain, loaded=loaded
-    )
+    try:
+        gpu, results, tables = tunerun.measure_and_write(
+            s, con, probs, seconds, count, table, from_empty, _label, min_gain=min_gain, loaded=loaded
+        )
+    except tunerun.TuneStopped as e:
+        # what was measured before the stop is still shown and, with --json, printed (the
+        # run's stdout was empty, though rows had been written)
+        _print_table(con, e.results)
+        if as_json:
+            emit_json(dict(gpu=e.gpu, problems=e.results, tables=[str(p) for p in e.tables], error=str(e)))
+        raise
     _print_table(con, results)
     if as_json:
         emit_json(dict(gpu=gpu, problems=results, tables=[str(p) for p in tables]))

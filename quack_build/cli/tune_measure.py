@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import errno
 import os
 import tempfile
 from pathlib import Path
@@ -32,6 +33,7 @@ def check_tables(paths, *, given: bool, from_empty: bool) -> dict:
         if path.exists() and not from_empty:
             try:
                 out[path] = Table.load(path)
+                check_rows(out[path])
             except (TomlFileError, TuningTableError) as e:
                 raise Fail(
                     f"error: {what} {path}: cannot read it: {e}. Fix the file, or give --from-empty "
@@ -40,6 +42,69 @@ def check_tables(paths, *, given: bool, from_empty: bool) -> dict:
         else:
             out[path] = None
     return out
+
+
+def check_rows(t) -> None:
+    """Every row of table ``t`` names a registered kernel whose configuration is derived
+    from tables, and passes that kernel's own row check (its ``derive.check_rows``: the
+    classes its classifier produces, dtype and GPU names). Raises TuningTableError: a row
+    no lookup would ever reach was kept silently (``kernel = "softmax_fw"``)."""
+    from quack import registry
+    from quack.errors import TuningTableError
+
+    specs = registry.all_specs()
+    tuned = sorted(
+        n for n, sp in specs.items() if any(getattr(p, "derive", None) for p in sp.params.values())
+    )
+    for i, r in enumerate(t.rows, 1):
+        if r.kernel not in tuned:
+            raise TuningTableError(
+                t.path,
+                f"kernel {r.kernel!r} is not a registered kernel with a tuned configuration "
+                f"(those: {', '.join(tuned) or 'none'})",
+                row=i,
+                field="kernel",
+            )
+    for kernel in sorted({r.kernel for r in t.rows}):
+        spec = specs[kernel]
+        derives = [getattr(p, "derive", None) for p in spec.params.values()]
+        check = getattr(next(d for d in derives if d is not None), "check_rows", None)
+        if check is not None:
+            check(t)
+
+
+class TuneStopped(Fail):
+    """The measuring process could not be started again: the run stopped early. Carries
+    what was measured and written before, which the caller still prints (table, --json)."""
+
+    def __init__(self, message: str, gpu: str, results: list, tables: list):
+        super().__init__(message)
+        self.gpu, self.results, self.tables = gpu, results, tables
+
+
+#: How long a run waits for another ``quack tune`` writing the same table (seconds): the
+#: other's write is a re-read, a merge and a rename, well under a second.
+TABLE_LOCK_TIMEOUT = 60.0
+
+
+def write_winners(path: Path, rows: list, arch: str, gpu: str, from_empty: bool) -> Path:
+    """Merge this run's winning ``rows`` into the table at ``path`` and write it, holding a
+    lock beside it (``.<name>.lock``): the table is read again under the lock, so two runs
+    writing one table each keep the other's rows (each wrote the table it had read at its
+    start: the first one's winners were lost). ``from_empty``: the run replaces the table.
+    Raises OSError, ValueError (a value the file cannot hold), filelock.Timeout,
+    TomlFileError / TuningTableError (the file was broken meanwhile, or a row would tie)."""
+    import filelock
+
+    from quack.tuning import Table
+
+    if not path.parent.is_dir():  # filelock would create it (and the table in it)
+        raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path.parent))
+    with filelock.FileLock(str(path.parent / f".{path.name}.lock"), timeout=TABLE_LOCK_TIMEOUT):
+        t = Table.load(path) if path.is_file() and not from_empty else Table(arch, gpu, path=str(path))
+        for r in rows:
+            t.put(r)
+        return t.write(path)
 
 
 def _write_elsewhere(t, dest: Path) -> str:
@@ -73,15 +138,19 @@ def measure_and_write(
     not rewrite rows on noise (two runs a call apart picked different winners for the two
     5 ms GEMM shapes, each 2-4 % off the other in the next call).
 
-    ``loaded``: the tables ``check_tables`` read before the run, by path. A table that
-    cannot be written at the end loses nothing: it is written to another file, named in an
-    ``error:`` line on stderr and in its problems' ``table_error``; the caller exits 1."""
+    ``loaded``: the tables ``check_tables`` read before the run, by path. The winners are
+    merged into each table as it is on disk at the end (``write_winners``: another run's
+    rows written meanwhile stay); an interrupt or failure mid-run still writes the winners
+    measured before it. A table that cannot be written loses nothing: its winners go to
+    another file, named in an ``error:`` line on stderr and in its problems'
+    ``table_error``; the caller exits 1. A measuring process that cannot start again stops
+    the run: ``TuneStopped``, carrying the results so far."""
     import torch
 
     from quack.compile import pool as qpool
     from quack.compile.autotune import autotune
     from quack.runtime.jit import kernel as registered_kernel
-    from quack.tuning import Row, Table, current_gpu, normalise_gpu
+    from quack.tuning import Row, current_gpu, normalise_gpu
     from quack_build.tune.measure import Measurer, problem_request
 
     if measurer is None:
@@ -89,7 +158,8 @@ def measure_and_write(
         # the child measures what this process compiled: the same cache directory
         measurer = Measurer(device=str(device), env={"QUACK_CACHE_DIR": str(s.cache_dir)})
     gpu = s.tune_gpu or normalise_gpu(torch.cuda.get_device_name(torch.cuda.current_device()))
-    results, tables = [], {}
+    results: list = []
+    tables: dict = {}  # path -> (arch, default GPU, {row ident: this run's winning row})
     written: dict = {}  # (table path, row ident) -> the shape whose winner was written there
     stop = ""
     pool = qpool.CompilePool(s.effective_jobs(None))
@@ -166,11 +236,8 @@ def measure_and_write(
             if new is not None and cls is not None:
                 path = Path(table) if table else Path(derive.table_path(c.arch))
                 if path not in tables:
-                    if loaded is not None and path in loaded:
-                        base_t = loaded[path]
-                    else:
-                        base_t = Table.load(path) if path.is_file() and not from_empty else None
-                    tables[path] = base_t or Table(c.arch, current_gpu(gpu) or gpu, path=str(path))
+                    base_t = (loaded or {}).get(path)
+                    tables[path] = (c.arch, base_t.default_gpu if base_t else current_gpu(gpu) or gpu, {})
                 row = Row(
                     c.kernel,
                     gpu,
@@ -182,7 +249,7 @@ def measure_and_write(
                     p.shape(),
                     datetime.date.today().isoformat(),
                 )
-                tables[path].put(row)
+                tables[path][2][row.ident()] = row
                 earlier = written.get((path, row.ident()))
                 if earlier is not None:  # two problems of one class: the last one's winner stands
                     entry["replaced"] = earlier
@@ -200,19 +267,52 @@ def measure_and_write(
                 break
     except BaseException:
         measurer.kill()  # an interrupt or a failure: nothing will ask the child again
+        pool.shutdown()
+        # the winners measured before it are written (an interrupt on the last problem lost
+        # every finished one), then the interrupt or failure goes on
+        if any(rows for _a, _g, rows in tables.values()):
+            con.print("stopped: writing the winners measured before it", markup=False)
+            write_tables(con, tables, results, table, from_empty)
         raise
-    else:
+    try:
         measurer.close()
     finally:
         pool.shutdown()
+    out = write_tables(con, tables, results, table, from_empty)
+    if stop:
+        raise TuneStopped(f"error: quack tune: {stop}", gpu, results, out)
+    return gpu, results, out
+
+
+def write_tables(con, tables: dict, results: list, table, from_empty: bool) -> list:
+    """Write each table's winners (``write_winners``); a table that cannot be written loses
+    nothing: its winners go to another file, named in an ``error:`` line and in the
+    results. Returns the paths written."""
+    import filelock
+
+    from quack.errors import TomlFileError, TuningTableError
+    from quack.tuning import Table
+
     out = []
-    for path, t in tables.items():
+    for path, (arch, gpu, rows) in tables.items():
+        if not rows:
+            continue
         try:
-            t.write(path)
-        except OSError as e:  # checked before the run, yet removed or filled since
-            other = _write_elsewhere(t, path)
+            write_winners(path, list(rows.values()), arch, gpu, from_empty)
+        except (OSError, ValueError, filelock.Timeout, TomlFileError, TuningTableError) as e:
+            # checked before the run, yet removed, filled, broken or locked since
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            if isinstance(e, filelock.Timeout):
+                why = f"another quack tune held its lock for {TABLE_LOCK_TIMEOUT:.0f} s"
+            mine = Table(arch, gpu, path=str(path))
+            try:
+                for r in rows.values():
+                    mine.put(r)
+                other = _write_elsewhere(mine, path)
+            except (ValueError, TuningTableError):
+                other = ""
             what = f"--table {path}" if table else f"tuning table {path}"
-            msg = f"error: {what}: cannot write it ({e.strerror or e}); " + (
+            msg = f"error: {what}: cannot write it ({why}); " + (
                 f"this run's winners were written to {other} instead: move it there"
                 if other
                 else "this run's winners are only in the results printed here"
@@ -226,9 +326,7 @@ def measure_and_write(
             continue
         con.print(f"wrote {path}", markup=False)
         out.append(path)
-    if stop:
-        raise Fail(f"error: quack tune: {stop}")
-    return gpu, results, out
+    return out
 
 
 def _reason(e: str) -> str:
