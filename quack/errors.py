@@ -153,6 +153,32 @@ class CompileError(QuackError, RuntimeError):
         )
 
 
+class SourceChanged(CompileError):
+    """The kernel's source changed after this process imported it (``files``: the covered
+    files whose status changed since): the code it would compile is not the code the
+    source fingerprint now names, so nothing is compiled or published here. In a compile
+    worker the pool then starts workers that import the source afresh and asks again; in
+    the calling process itself (a kernel a worker cannot import) the fix is to reload the
+    module or restart the process. Transient: not remembered as the key's failure."""
+
+    def __init__(self, kernel: str, params: dict, arch: str, files: list, *, in_worker: bool = False):
+        shown = ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+        fix = (
+            "the compile workers are restarted to import it afresh"
+            if in_worker
+            else "reload the kernel's module (importlib.reload) or restart the process"
+        )
+        super().__init__(
+            kernel,
+            params,
+            arch,
+            f"error: {kernel}'s source changed after this process imported it ({shown}): what it "
+            f"would compile is not what the source fingerprint names, so nothing was built; {fix}",
+            transient=True,
+        )
+        self.files = list(files)
+
+
 class PreloadError(CompileError):
     """A module named in ``[build] preload`` (QUACK_PRELOAD) failed to import in a compile
     worker: no key can compile there. A CompileError (a runtime call that needed the

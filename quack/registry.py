@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import re
+import sys
+import time
 from typing import Any, Callable
 
 from quack.errors import ParamError, UnknownKernel
@@ -41,6 +44,9 @@ class KernelSpec:
     # for a row kernel (its N is a parameter, its M rows ``quack tune --rows``); the GEMM's
     # ("m", "n", "k"), given by a tuning manifest's ``problems = [[m, n, k], ...]``
     problem: tuple[str, ...] = ()
+    # when this process registered the kernel (time.time_ns(), the clock file ctimes use):
+    # a covered file whose status changed after it may hold code this process does not run
+    loaded_ns: int = dataclasses.field(default_factory=time.time_ns, compare=False)
 
     def bind(self, args: tuple = (), kwargs: dict | None = None, arch: str | None = None) -> dict[str, Any]:
         """Check and canonicalize a call's or a manifest's parameters, defaults applied,
@@ -132,19 +138,85 @@ class KernelSpec:
         return self.module != "__main__" and "<locals>" not in self.qualname
 
     def source_fingerprint(self) -> str:
-        if self.module == "__main__":
-            return "main"
+        """The fingerprint of the source this kernel's objects are filed under (the cache
+        directory's ``srcfp``): its module and everything it imports (quack.cache.keys).
+        A kernel of a script (``__main__``): the script's file like any module's; one with
+        no file (a notebook, ``python -c``): its own source and that of what it names in
+        ``__main__``. (Every ``__main__`` kernel shared the constant "main": a script
+        edited since, or another script's kernel of the same name, loaded stale code.)"""
         from quack.cache import keys
 
+        if self.module == "__main__" and _main_file() is None:
+            return _code_fingerprint(self.fn)
         return keys.source_fingerprint(
             self.module, memo=_fingerprint_memo(), depends_on=self.depends_on, kernel=self.name
         )
+
+    def changed_since_load(self) -> list[str]:
+        """The files of the fingerprint's coverage whose status (ctime) changed after this
+        kernel was registered here: the code this process would compile may differ from
+        what ``source_fingerprint`` (read from the files now) names, and an object of the
+        old code filed under the new fingerprint would be loaded by every later process
+        (a compile worker forked from a forkserver that imported the kernel before an
+        edit did exactly that). ctime, not mtime: set by this machine's clock, never by
+        an archive or ``touch -d``. Empty for a ``__main__`` kernel without a file (its
+        fingerprint is its live code)."""
+        if self.module == "__main__" and _main_file() is None:
+            return []
+        from quack.cache import keys
+
+        return keys.changed_since(self.module, self.loaded_ns, self.depends_on, self.name)
 
     def coverage(self):
         """What source_fingerprint covers (a quack.cache.sources.Coverage), walked afresh."""
         from quack.cache import keys
 
         return keys.coverage(self.module, self.depends_on, self.name)
+
+
+def _main_file() -> str | None:
+    """The script ``__main__`` runs, if it is a .py file (None: a REPL, a notebook, -c)."""
+    f = getattr(sys.modules.get("__main__"), "__file__", None)
+    return f if isinstance(f, str) and f.endswith(".py") else None
+
+
+def _code_fingerprint(fn: Callable) -> str:
+    """16 hex digits over the source of ``fn`` and of every function or class of
+    ``__main__`` it names, transitively (helpers defined in other notebook cells), by
+    name; the byte code where the source cannot be read."""
+    main = sys.modules.get("__main__")
+    parts: dict[str, bytes] = {}
+    todo: list = [("", fn)]
+    while todo:
+        name, obj = todo.pop()
+        if name in parts:
+            continue
+        obj = inspect.unwrap(obj) if callable(obj) else obj
+        try:
+            text = inspect.getsource(obj).encode()
+        except (OSError, TypeError):
+            code = getattr(obj, "__code__", None)
+            text = repr(code.co_code + repr(code.co_consts).encode()).encode() if code else b""
+        parts[name] = text
+        code = getattr(obj, "__code__", None)
+        names: set[str] = set()
+        stack = [code] if code is not None else []
+        while stack:  # names used by the function and its nested functions / lambdas
+            c = stack.pop()
+            names.update(c.co_names)
+            stack.extend(k for k in c.co_consts if inspect.iscode(k))
+        for n in sorted(names):
+            ref = getattr(main, n, None)
+            if (
+                n not in parts
+                and getattr(ref, "__module__", None) == "__main__"
+                and (inspect.isfunction(ref) or inspect.isclass(ref))
+            ):
+                todo.append((n, ref))
+    h = hashlib.sha256()
+    for name in sorted(parts):
+        h.update(name.encode() + b"\0" + parts[name] + b"\0")
+    return h.hexdigest()[:16]
 
 
 def _fingerprint_memo():

@@ -14,7 +14,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 KEY_FORMAT = 1
 _SAFE = re.compile(r"[^A-Za-z0-9._+-]")
@@ -170,6 +170,24 @@ def source_fingerprint(
     if memo is not None and origin is not None:
         memo.record(module, cov, fp, started, depends_on)
     return fp
+
+
+def changed_since(module: str, t_ns: int, depends_on: tuple[str, ...] = (), kernel: str = "") -> list[str]:
+    """The names of the files (and distributions) the fingerprint of ``module`` covers
+    whose status changed after ``t_ns`` (their ctime; a file gone counts as changed).
+    Uses the coverage the last fingerprint here walked, else walks it."""
+    depends_on = tuple(depends_on)
+    ident = module if not depends_on else module + "|" + "|".join(depends_on)
+    hit = _FP_CACHE.get(ident)
+    cov: Any = hit[0] if hit is not None else coverage(module, depends_on, kernel)
+    out = []
+    for name, path in cov.watched():
+        try:
+            if path.stat().st_ctime_ns > t_ns:
+                out.append(name)
+        except OSError:
+            out.append(name)
+    return out
 
 
 def _module_file(name: str) -> Path | None:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from quack.cache.entry import Entry, EntryRef
 from quack.cache.problems import write_error
-from quack.errors import CacheError, CompileError
+from quack.errors import CacheError, CompileError, SourceChanged
 from quack.registry import KernelSpec
 from quack.runtime import loader
 
@@ -120,11 +120,13 @@ def build(
     force: bool = False,
     lock_timeout: float | None = None,
     lock_held: bool = False,
+    in_worker: bool = False,
 ) -> tuple[Entry, bool]:
     """Make sure the entry exists; returns (entry, compiled_here). Check, lock, check again:
     a key another process is compiling is awaited on its lock, not compiled twice.
 
-    Raises CompileError (the kernel), LockTimeout (another holder past the time-out:
+    Raises CompileError (the kernel; SourceChanged: its source was edited after this
+    process imported it, ``in_worker``: a compile worker's process), LockTimeout (another holder past the time-out:
     the caller falls back to an unpublished in-process compile; the holder publishes),
     CacheWriteError (disk full / read-only: names the cache; nothing partial left)."""
     ref = entry_ref(spec, params, arch)
@@ -139,6 +141,12 @@ def build(
             e = store.lookup(ref, locked=True)
             if e is not None:
                 return e, False
+        # ref's fingerprint was read from the files; the code compiled is what this process
+        # imported. An edit in between (a long-lived process, a worker of an older
+        # forkserver) would file the old code under the new fingerprint: refused.
+        changed = spec.changed_since_load()
+        if changed:
+            raise SourceChanged(spec.name, spec.plain(params), arch, changed, in_worker=in_worker)
         tmp = store.tmp_obj(ref)
         try:
             try:

@@ -25,7 +25,7 @@ from typing import Callable
 from quack.compile import external, tasks, worker
 from quack.compile.tasks import Task
 from quack.compile.worker import worker_build
-from quack.errors import CompileTimeout
+from quack.errors import CompileTimeout, SourceChanged
 
 EXTERNAL_POLL_S = 0.1
 log = logging.getLogger("quack.pool")
@@ -356,10 +356,34 @@ class Dispatcher:
                     self._reap(w)  # died mid-task: its key fails
                     continue
                 done, w.task = w.task, None
-                if done is not None:
+                if done is not None and isinstance(payload, SourceChanged) and not done.stale_retried:
+                    self._fresh_workers(done, w)
+                elif done is not None:
                     self._finish(done, status == "ok", payload)
             if w.proc.sentinel in ready:
                 self._reap(w)
+
+    def _fresh_workers(self, task: Task, stale: _Worker) -> None:
+        """A worker found ``task``'s kernel source edited after its process imported it
+        (SourceChanged: it built nothing, and ends). Its siblings were forked from the same
+        forkserver, whose imports are as old: every worker is ended and the forkserver
+        restarted (the next worker start runs a new one, importing the source afresh); the
+        task is queued again, once, and so are the other workers' keys, which are not
+        failures. Caller holds the lock."""
+        log.info("pool: %s's source changed since the workers imported it; starting fresh ones", task.kernel)
+        self.counts["stale_restarts"] += 1
+        requeue = [task]
+        for w in list(self._workers):
+            if w.task is not None:
+                requeue.append(w.task)
+                w.task = None  # not a death: asked again
+            self._reap(w)
+        if self.start_method == "forkserver":
+            worker.restart_forkserver()
+        task.stale_retried = True
+        for t in reversed(requeue):
+            t.started = t.pid = None
+            self._queue.insert(0, t)
 
     def _reap(self, w: _Worker) -> None:
         if w not in self._workers:

@@ -55,6 +55,7 @@ class Task:
         "external_lock",
         "obj_meta",
         "claim_fd",
+        "stale_retried",
     )
 
     def __init__(self, ident, key, root, kernel, params, arch, request: WorkerRequest, timeout):
@@ -73,6 +74,9 @@ class Task:
         self.obj_meta: str | None = None  # its metadata path (written last by a publish)
         # the key's lock, held here until the worker has its copy (quack.compile.claims)
         self.claim_fd: int | None = None
+        # asked again once after a worker found the kernel's source changed since its
+        # forkserver imported it (quack.errors.SourceChanged): workers forked afresh then
+        self.stale_retried = False
 
     def release_claim(self) -> None:
         """Let go of this process's copy of the key's lock (sent, or the task ended)."""
@@ -142,6 +146,7 @@ class TaskBook:
             "timeouts": 0,
             "worker_deaths": 0,
             "workers_started": 0,
+            "stale_restarts": 0,  # workers restarted: a kernel's source changed after their import
         }
 
     def state(self, ident: tuple) -> str:

@@ -22,9 +22,10 @@ from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
+from typing import Any
 
 from quack.compile import lifeline
-from quack.errors import CacheError, CompileError, LockTimeout
+from quack.errors import CacheError, CompileError, LockTimeout, SourceChanged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,7 +78,7 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
     store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
     entry, compiled = builder.build(
-        spec, bound, req.arch, store, force=req.force, lock_held=lock_fd is not None
+        spec, bound, req.arch, store, force=req.force, lock_held=lock_fd is not None, in_worker=True
     )
     return {
         "key": entry.ref.key,
@@ -165,6 +166,8 @@ def _worker_main(conn, parent_pid: int | None = None) -> None:
                 os.close(lock_fd)  # the key's lock, released after the publish (or the failure)
         if not _answer(conn, result):
             return
+        if isinstance(result[1], SourceChanged):
+            return  # this process runs stale code of that kernel: the pool starts fresh ones
 
 
 def _answer(conn, result) -> bool:
@@ -285,6 +288,29 @@ def stop_forkserver() -> None:
             os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+
+
+def restart_forkserver() -> None:
+    """End this process's forkserver now and forget it, so that the next worker start runs
+    a new one, whose preload imports the kernel packages afresh (a kernel's source edited
+    since the old one imported it: quack.errors.SourceChanged). SIGKILL, then reaped:
+    ``stop_forkserver`` alone left multiprocessing's record of it, and a worker start
+    right after connected to the dying server ("unexpected EOF"). Its workers end with it
+    (quack.compile.lifeline). Caller holds the pool's lock."""
+    from multiprocessing import forkserver
+
+    fs: Any = forkserver._forkserver  # multiprocessing's private singleton (as below)
+    pid = getattr(fs, "_forkserver_pid", None)
+    if not pid:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        fs._stop()  # closes the "alive" pipe, reaps the (killed) server, removes its socket
+    except (OSError, ChildProcessError):
+        fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
 
 
 def forget_forkserver_in_child() -> None:
