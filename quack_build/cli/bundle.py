@@ -87,15 +87,13 @@ def _bundle(
     cache_dir,
     max_configs,
 ) -> int:
-    from quack.bundles import index as _index
     from quack_build.bundle import wheel as bw
 
-    try:
-        _index.check_name(name)
-        bw.check_version(version)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    for flag, check, value in (("--name", bw.check_new_name, name), ("--version", bw.check_version, version)):
+        try:
+            check(value)
+        except ValueError as e:
+            raise Fail(f"error: {flag}: {e}", code=2) from None
     # Before the build: a file in the way of --out was found only once everything was built.
     why = argcheck.out_dir_problem(out)
     if why:
