@@ -220,6 +220,24 @@ def test_empty_cache_dir_option_is_refused(proj, monkeypatch, cmd):
     assert _files(proj["root"]) == before
 
 
+@pytest.mark.parametrize("where", ["quack.toml", "QUACK_CACHE_DIR"])
+def test_empty_cache_dir_setting_is_refused(proj, where):
+    """`[cache] dir = ""` (or QUACK_CACHE_DIR=' ') was the project (or working) directory:
+    the cache went there and `clean --all` cleaned there. Now the settings' error."""
+    toml = proj["dir"] / "quack.toml"
+    extra = {"QUACK_CACHE_DIR": " "}
+    if where == "quack.toml":
+        toml.write_text(toml.read_text() + '[cache]\ndir = ""\n')
+        extra = {"QUACK_CACHE_DIR": ""}  # unset: quack.toml decides
+    before = sorted(os.listdir(proj["dir"]))
+    for cmd in (["cache", "clean", "--all"], ["cache", "stats"], ["build"]):
+        r = _q(cmd, proj["dir"], **extra)
+        assert r.returncode == 1, r.stdout + r.stderr
+        bad = f"{toml}: cache.dir = ''" if where == "quack.toml" else "QUACK_CACHE_DIR=' '"
+        assert f"{bad} is invalid: must not be empty or blank" in r.stderr, r.stderr
+    assert sorted(os.listdir(proj["dir"])) == before
+
+
 def _used(proj) -> None:
     journal.append(
         proj["root"],
