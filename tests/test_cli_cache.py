@@ -126,6 +126,22 @@ def test_stats_json(cache):
     assert "11 entries" in r.output and "kernel source changed" in r.output and "slowest compiles" in r.output
 
 
+def test_stats_shows_square_brackets_in_the_journal_as_text(cache):
+    """A journal line with "params": {"s": "[/]"} made `quack cache stats` die in a rich
+    MarkupError traceback: the journal's kernels and params are escaped in the tables."""
+    row = {"key": _key(0), "arch": "sm_90a", "hits": 1, "misses": 1, "compiles": 1, "compile_s": 9.5}
+    journal.append(cache["root"], [dict(row, kernel="k[/]", params={"s": "[/]"}, t=time.time())])
+    r = subprocess.run(
+        [sys.executable, "-m", "quack_build", "cache", "stats"],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]), COLUMNS="200"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "k[/]" in r.stdout and "s=[/]" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("entry", ["main", "typer"])
 def test_stats_imports_neither_cutlass_nor_torch(cache, entry):
     call = (
