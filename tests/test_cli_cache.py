@@ -232,6 +232,23 @@ def test_clean_skips_entries_locked_by_another_process(cache):
     assert not cache["stale_fp"].exists()
 
 
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--max-size", "1G"], "--max-size"),
+        (["--older-than", "30d", "--json"], "--older-than"),
+        (["--max-size", "1G", "--older-than", "30d"], "--max-size / --older-than"),
+    ],
+)
+def test_clean_all_with_max_size_or_older_than_is_a_usage_error(cache, extra, named):
+    """`--all --max-size 1G` meant "shrink to 1G" and deleted every entry: --all silently won."""
+    before = sorted(cache["root"].rglob("*.o"))
+    r = runner.invoke(app, ["cache", "clean", "--all", *extra])
+    assert r.exit_code == 2, r.output
+    assert f"error: --all cannot be combined with {named}: --all removes every entry" in r.stderr
+    assert r.stdout == "" and sorted(cache["root"].rglob("*.o")) == before
+
+
 def test_clean_older_than_max_size_all(cache):
     cur = cache["cur"]
     # entries 0..4 were last used 0, 10, 20, 30, 40 days ago

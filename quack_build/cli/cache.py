@@ -83,6 +83,15 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
     from quack_build.cachedir import clean as cacheclean
     from quack_build.cachedir import units
 
+    if remove_all and (max_size is not None or older_than is not None):
+        # --all silently won: `--all --max-size 1G` meant "shrink to 1G" and deleted everything.
+        given = " / ".join(f for f, v in (("--max-size", max_size), ("--older-than", older_than)) if v)
+        raise Fail(
+            f"error: --all cannot be combined with {given}: --all removes every entry; give --all "
+            f"alone, or --max-size and/or --older-than without it",
+            code=2,
+        )
+
     # Both were checked as the options were parsed (_size_option, _age_option).
     ms = units.parse_size(max_size) if max_size is not None else None
     age = units.parse_age(older_than) if older_than is not None else None
