@@ -274,5 +274,15 @@ def test_clean_missing_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = runner.invoke(app, ["cache", "clean"])
     assert r.exit_code == 0 and "nothing to clean" in r.output
+    # --json: the schema of any clean ("busy" was 0, not a list; by_reason, errors absent)
+    r = runner.invoke(app, ["cache", "clean", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout) == {
+        "dry_run": False,
+        "removed": 0,
+        "freed_bytes": 0,
+        "by_reason": {},
+        "busy": [],
+        "errors": [],
+    }
     r = runner.invoke(app, ["cache", "stats", "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["totals"]["entries"] == 0
