@@ -493,4 +493,11 @@ def test_bundle_cli_usage_errors(tmp_path):
     assert r.returncode == 2 and "PEP 440" in r.stderr
     r = quack_cli("bundle", "inspect", DEFAULT)
     assert r.returncode == 1 and "not a readable wheel" in r.stderr
+    # A bundle named like the runtime (as pip normalises names) or an installed package
+    # replaced it when installed: refused before anything is built.
+    for name, why in (("quack_cache", "runtime's own distribution"), ("numpy", "not a quack bundle")):
+        r = quack_cli("bundle", DEFAULT, "--name", name, "-o", tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert f"error: --name: bundle name {name!r}" in r.stderr and why in r.stderr
+        assert "Traceback" not in r.stderr and "quack build" not in r.stdout + r.stderr
     assert not list(tmp_path.iterdir())

@@ -8,6 +8,7 @@ writer and unpacked into a site directory on sys.path, as in test_bundles_tier."
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import json
 import os
@@ -420,3 +421,35 @@ def test_full_disk_leaves_no_wheel_and_no_traceback(tmp_path):
     assert json.loads(r.stdout.strip().splitlines()[-1]) == {"errno": 28}, r.stdout
     assert "Exception ignored" not in r.stderr and "Traceback" not in r.stderr, r.stderr
     assert list(out.iterdir()) == []  # no wheel, no temp directory
+
+
+# --- a bundle's text shown by the CLI: data, never Rich markup ---------------------
+
+
+def test_square_brackets_in_a_bundle_are_shown_not_parsed_as_markup(tmp_path):
+    """A params value "[/]" in index.json crashed `quack bundle inspect` (and the verify
+    --bundles and cache stats tables) with a rich MarkupError traceback: every table
+    cell holding the bundle's data is escaped now. The real CLI, in subprocesses."""
+    from reliability_support import env, run_quack
+
+    f = bfile(ref_for())
+    f.entry = dataclasses.replace(f.entry, params={"dtype": "[/]", "tag": "[bold]x[/bold]"})
+    whl, _ = bw.write_wheel([f], name="brackets", version="1", out_dir=tmp_path / "dist")
+    site = tmp_path / "site"
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(site)
+    (tmp_path / "cache").mkdir(mode=0o700)
+    e = env(QUACK_CACHE_DIR=tmp_path / "cache", COLUMNS="200")
+    e["PYTHONPATH"] = os.pathsep.join((e["PYTHONPATH"], str(site)))
+    for args, rc in (
+        (["bundle", "inspect", whl], 0),
+        (["verify", "--bundles", "--no-load"], 1),  # placeholder objects: a problem row
+        (["cache", "stats"], 0),
+    ):
+        r = run_quack(args, cwd=tmp_path, env_=e, timeout=120)
+        out = r.stdout + r.stderr
+        assert r.returncode == rc and "Traceback" not in out and "MarkupError" not in out, out
+        if args[0] != "cache":  # stats lists the bundle, not its entries' params
+            assert "dtype=[/]" in out and "tag=[bold]x[/bold]" in out, out
+        else:
+            assert "brackets" in out, out

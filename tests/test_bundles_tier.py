@@ -206,6 +206,29 @@ def test_index_path_fields_must_match_the_layout():
         bindex.check_name("Bad Name")
 
 
+@pytest.mark.parametrize(
+    "name, why",
+    [
+        ("quack-cache", "runtime's own"),  # the wheel required itself; installed, it removed quack
+        ("quack_cache", "runtime's own"),  # the same distribution as pip normalises names
+        ("quack.cache", "runtime's own"),
+        ("not.a_bundle", "not a quack bundle"),  # an installed distribution, normalised
+        ("numpy", "not a quack bundle"),  # pip would replace the runtime's own dependency
+    ],
+)
+def test_a_bundle_may_not_take_the_runtimes_or_an_installed_packages_name(site, name, why):
+    install(site, [bfile(ref_for())], name="demo")
+    info = site / "not_a_bundle-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: not-a-bundle\nVersion: 1.0\n")
+    assert bw.check_new_name("demo") == "demo"  # an installed bundle's next version is fine
+    with pytest.raises(ValueError, match=f"bundle name {name!r} .*{why}.*use a name of your own"):
+        bw.check_new_name(name)
+    with pytest.raises(ValueError, match=why):  # the writer itself refuses it too
+        bw.write_wheel([bfile(ref_for())], name=name, version="1", out_dir=site.parent / "refused")
+    assert not (site.parent / "refused").exists()
+
+
 @pytest.fixture
 def keys(tmp_path):
     from quack import signing

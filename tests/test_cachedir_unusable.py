@@ -220,6 +220,24 @@ def test_empty_cache_dir_option_is_refused(proj, monkeypatch, cmd):
     assert _files(proj["root"]) == before
 
 
+@pytest.mark.parametrize("where", ["quack.toml", "QUACK_CACHE_DIR"])
+def test_empty_cache_dir_setting_is_refused(proj, where):
+    """`[cache] dir = ""` (or QUACK_CACHE_DIR=' ') was the project (or working) directory:
+    the cache went there and `clean --all` cleaned there. Now the settings' error."""
+    toml = proj["dir"] / "quack.toml"
+    extra = {"QUACK_CACHE_DIR": " "}
+    if where == "quack.toml":
+        toml.write_text(toml.read_text() + '[cache]\ndir = ""\n')
+        extra = {"QUACK_CACHE_DIR": ""}  # unset: quack.toml decides
+    before = sorted(os.listdir(proj["dir"]))
+    for cmd in (["cache", "clean", "--all"], ["cache", "stats"], ["build"]):
+        r = _q(cmd, proj["dir"], **extra)
+        assert r.returncode == 1, r.stdout + r.stderr
+        bad = f"{toml}: cache.dir = ''" if where == "quack.toml" else "QUACK_CACHE_DIR=' '"
+        assert f"{bad} is invalid: must not be empty or blank" in r.stderr, r.stderr
+    assert sorted(os.listdir(proj["dir"])) == before
+
+
 def _used(proj) -> None:
     journal.append(
         proj["root"],
@@ -253,8 +271,10 @@ def test_emit_manifest_to_a_directory_or_under_a_file_is_an_error(proj):
         (afile / "a" / "x.toml", f"error: --emit-manifest {afile / 'a' / 'x.toml'}: {afile} on its path"),
     ]
     for out, msg in cases:
+        # A usage error (2), found before the journal is read, as for --trace: it was 1.
         r = _q(["prewarm", "-n", "--emit-manifest", out], proj["dir"], QUACK_CACHE_DIR=proj["root"])
-        assert r.returncode == 1 and r.stderr.startswith(msg), r.stderr
+        assert r.returncode == 2 and r.stderr.startswith(msg), r.stderr
+        assert "journal" not in r.stdout + r.stderr
     assert os.listdir(d) == [] and afile.read_text() == "x\n"
     assert not [p for p in proj["tmp"].iterdir() if ".tmp-" in p.name]
     ok = proj["tmp"] / "new" / "used.toml"

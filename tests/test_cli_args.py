@@ -300,6 +300,24 @@ def test_out_dirs_and_sizes_name_their_option(toy, tmp_path):
     assert r.exit_code == 2 and f"{afile} is not a directory, so it cannot be created" in r.output
 
 
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["m.toml"], "no manifests"),
+        (["m.toml", "--arch", "sm_80"], "no manifests or --arch"),
+        (["--max-configs", "5"], "no --max-configs"),
+        (["m.toml", "--arch", "sm_80", "--max-configs", "10000"], "no manifests, --arch or --max-configs"),
+    ],
+)
+def test_verify_bundles_refuses_the_manifest_options_it_would_ignore(tmp_path, args, named):
+    """`verify --bundles m1.toml --arch sm_80` checked the bundles and silently ignored
+    the manifests, --arch and --max-configs."""
+    r = runner.invoke(app, ["verify", "--bundles", "--json", *args])
+    assert r.exit_code == 2, r.output
+    assert f"error: --bundles checks the installed bundles, which take {named} " in r.stderr, r.stderr
+    assert r.stdout == ""
+
+
 def test_json_output_of_a_refused_option_is_empty(tmp_path):
     """--json keeps stdout for the result document: an argument error writes nothing there."""
     write_toy_project(tmp_path)

@@ -126,6 +126,22 @@ def test_stats_json(cache):
     assert "11 entries" in r.output and "kernel source changed" in r.output and "slowest compiles" in r.output
 
 
+def test_stats_shows_square_brackets_in_the_journal_as_text(cache):
+    """A journal line with "params": {"s": "[/]"} made `quack cache stats` die in a rich
+    MarkupError traceback: the journal's kernels and params are escaped in the tables."""
+    row = {"key": _key(0), "arch": "sm_90a", "hits": 1, "misses": 1, "compiles": 1, "compile_s": 9.5}
+    journal.append(cache["root"], [dict(row, kernel="k[/]", params={"s": "[/]"}, t=time.time())])
+    r = subprocess.run(
+        [sys.executable, "-m", "quack_build", "cache", "stats"],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(ROOT)]), COLUMNS="200"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "k[/]" in r.stdout and "s=[/]" in r.stdout, r.stdout
+
+
 @pytest.mark.parametrize("entry", ["main", "typer"])
 def test_stats_imports_neither_cutlass_nor_torch(cache, entry):
     call = (
@@ -216,6 +232,23 @@ def test_clean_skips_entries_locked_by_another_process(cache):
     assert not cache["stale_fp"].exists()
 
 
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--max-size", "1G"], "--max-size"),
+        (["--older-than", "30d", "--json"], "--older-than"),
+        (["--max-size", "1G", "--older-than", "30d"], "--max-size / --older-than"),
+    ],
+)
+def test_clean_all_with_max_size_or_older_than_is_a_usage_error(cache, extra, named):
+    """`--all --max-size 1G` meant "shrink to 1G" and deleted every entry: --all silently won."""
+    before = sorted(cache["root"].rglob("*.o"))
+    r = runner.invoke(app, ["cache", "clean", "--all", *extra])
+    assert r.exit_code == 2, r.output
+    assert f"error: --all cannot be combined with {named}: --all removes every entry" in r.stderr
+    assert r.stdout == "" and sorted(cache["root"].rglob("*.o")) == before
+
+
 def test_clean_older_than_max_size_all(cache):
     cur = cache["cur"]
     # entries 0..4 were last used 0, 10, 20, 30, 40 days ago
@@ -241,5 +274,15 @@ def test_clean_missing_cache(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = runner.invoke(app, ["cache", "clean"])
     assert r.exit_code == 0 and "nothing to clean" in r.output
+    # --json: the schema of any clean ("busy" was 0, not a list; by_reason, errors absent)
+    r = runner.invoke(app, ["cache", "clean", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout) == {
+        "dry_run": False,
+        "removed": 0,
+        "freed_bytes": 0,
+        "by_reason": {},
+        "busy": [],
+        "errors": [],
+    }
     r = runner.invoke(app, ["cache", "stats", "--json"])
     assert r.exit_code == 0 and json.loads(r.stdout)["totals"]["entries"] == 0

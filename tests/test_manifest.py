@@ -32,6 +32,29 @@ if "mf_tiled" not in registry.all_specs():
     registry.register("mf_tiled", _cfg_kernel, {"tile": Config(cls=Tile), "stages": Int(min=1, max=8)})
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Knob:
+    """A configuration whose comparisons are counted: what expanding a table costs."""
+
+    v: int = 0
+    compared = 0  # class attribute, not a field
+
+    def __eq__(self, other):
+        Knob.compared += 1
+        return isinstance(other, Knob) and self.v == other.v
+
+    def __hash__(self):
+        return hash(self.v)
+
+
+def _knob_kernel(knob: Knob, i: int = 0):  # never compiled here
+    raise NotImplementedError
+
+
+if "mf_knob" not in registry.all_specs():
+    registry.register("mf_knob", _knob_kernel, {"knob": Config(cls=Knob), "i": Int(min=0, max=100_000)})
+
+
 def _write(tmp_path, text, name="m.toml") -> Path:
     p = tmp_path / name
     p.write_text(text)
@@ -137,6 +160,44 @@ def test_limit_on_cross_product(tmp_path):
     assert len(expand([p], archs=["sm_90a"]).configs) == 16
     with pytest.raises(ManifestError, match=r"16 configurations .*over the limit of 10.*--max-configs"):
         expand([p], archs=["sm_90a"], max_configs=10)
+
+
+def test_excludes_cost_one_lookup_per_combination_not_one_per_entry(tmp_path):
+    """Each combination was compared with every exclude entry: 2,000 combinations x 50,000
+    excludes took 48 s and printed 50,000 warnings, whatever --max-configs said. Now the
+    entries are indexed (comparisons ~ entries + combinations, not their product) and
+    the unused ones are one warning line with a count."""
+    combos, unused = 300, 3000
+    entries = [f"{{ knob = {{ v = 0 }}, i = {1000 + j} }}" for j in range(unused)]
+    entries[7:7] = ["{ i = 5 }", "{ knob = { v = 0 }, i = [6, 7] }", "{ i = 5, knob = { v = 0 } }"]
+    p = _write(
+        tmp_path,
+        '[[kernel]]\nname = "mf_knob"\narchs = ["sm_90a"]\n'
+        f"params = {{ knob = {{ v = 0 }}, i = {list(range(combos))} }}\n"
+        f"exclude = [{', '.join(entries)}]\n",
+    )
+    Knob.compared = 0
+    exp = expand([p])
+    assert sorted(c.params["i"] for c in exp.configs) == [i for i in range(combos) if i not in (5, 6, 7)]
+    assert Knob.compared < 5 * (combos + unused), Knob.compared  # was combos x entries: 900,000
+    (w,) = exp.warnings
+    assert w.endswith(
+        f"{unused} exclude entries match no combination: exclude[0], exclude[1], exclude[2], "
+        f"... ({unused - 3} more)"
+    ), w
+
+
+def test_one_unused_exclude_is_named_and_config_values_still_match(tmp_path):
+    p = _write(
+        tmp_path,
+        '[[kernel]]\nname = "mf_tiled"\narchs = ["sm_90a"]\n'
+        "params = { tile = [{ m = 64 }, { m = 128 }], stages = [2, 3] }\n"
+        "exclude = [{ tile = { m = 64 } }, { tile = { m = 256 } }, { stages = [3, 4], tile = { m = 128 } }]\n",
+    )
+    exp = expand([p])
+    assert [(c.params["tile"].m, c.params["stages"]) for c in exp.configs] == [(128, 2)]
+    (w,) = exp.warnings
+    assert w.endswith("(mf_tiled): exclude[1] matches no combination"), w
 
 
 def test_config_params_inline_tables(tmp_path):

@@ -59,6 +59,10 @@ def test_quack_arch_beats_cute_dsl_arch(tmp_path):
         ("[build]\njobs = -1\n", r"build.jobs"),
         ("[build]\nmanifests = 'one.toml'\n", r"list of strings"),
         ("[runtime\nmode='jit'\n", r"TOML syntax error"),
+        # Path('') == '.': the cache went into the project directory
+        ("[cache]\ndir = ''\n", r"cache.dir = '' is invalid: must not be empty or blank"),
+        ("[cache]\ndir = ' '\n", r"cache.dir = ' ' is invalid: must not be empty or blank"),
+        ("[cache]\ndir = 5\n", r"cache.dir = 5 is invalid: expected a string \(a non-empty directory path\)"),
     ],
 )
 def test_bad_config_names_file_and_key(tmp_path, text, match):
@@ -81,11 +85,19 @@ def test_binary_garbage_config(tmp_path):
         ("QUACK_CACHE_ENABLED", "maybe"),
         ("QUACK_COMPILE_JOBS", "-2"),
         ("QUACK_ARCH", "gpu"),
+        ("QUACK_CACHE_DIR", " "),  # was a directory named ' ' under the working directory
+        ("QUACK_CACHE_DIR", "\t\n"),
     ],
 )
 def test_bad_env_names_variable(tmp_path, var, value):
     with pytest.raises(SettingsError, match=var):
         settings.resolve(env={var: value}, cwd=tmp_path)
+
+
+def test_empty_cache_dir_variable_is_unset_as_every_variable(tmp_path):
+    write(tmp_path, '[cache]\ndir = "from_toml"\n')
+    s = settings.resolve(env={"QUACK_CACHE_DIR": ""}, cwd=tmp_path)
+    assert s.cache_dir == tmp_path / "from_toml" and s.sources["cache_dir"] == str(tmp_path / "quack.toml")
 
 
 def test_settings_error_pickles():

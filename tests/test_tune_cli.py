@@ -183,3 +183,17 @@ def test_every_tuning_problem_has_a_table_class():
         if spec.params["config"].derive.classify(base) is None
     ]
     assert not unclassed
+
+
+def test_tune_table_shows_labels_as_text_not_markup():
+    """Labels come from the manifest and the tuning table: a "[/]" in one raised rich's
+    MarkupError from the results table, after the whole GPU run."""
+    from rich.console import Console
+
+    from quack_build.cli.tune import _print_table
+
+    con = Console(record=True, width=200)
+    row = {"problem": "p[/]", "old": "[bold]old[/bold]", "new": "new[/]", "failed": []}
+    _print_table(con, [dict(row, old_us=2.0, new_us=1.0, speedup=2.0)])
+    text = con.export_text()
+    assert "p[/]" in text and "[bold]old[/bold]" in text and "new[/]" in text, text

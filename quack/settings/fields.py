@@ -67,6 +67,20 @@ def _pos_float(text: str | float) -> float:
     return v
 
 
+def _dir_path(text: Any) -> str:
+    """A directory path that is not empty. ``[cache] dir = ""`` and ``QUACK_CACHE_DIR=' '``
+    were Path('') == '.' (or ' ' under it): the cache silently went into the project or
+    working directory, and ``quack cache clean --all`` would have cleaned there.
+    (``QUACK_CACHE_DIR=''`` stays "unset", as for every variable.)"""
+    if not isinstance(text, str):
+        raise ValueError("expected a string")
+    if not text.strip():
+        raise ValueError(
+            "must not be empty or blank: give the directory's path, or leave it out for the default"
+        )
+    return text
+
+
 def check_arch(text: str) -> str:
     if not isinstance(text, str) or text not in KNOWN_ARCHS:
         raise ValueError("expected a CUDA arch, one of " + ", ".join(KNOWN_ARCHS))
@@ -279,7 +293,7 @@ class Field:
 
 
 FIELDS: dict[str, Field] = {
-    "cache_dir": Field("cache", "dir", ("QUACK_CACHE_DIR",), str, "a directory path"),
+    "cache_dir": Field("cache", "dir", ("QUACK_CACHE_DIR",), _dir_path, "a non-empty directory path"),
     "cache_enabled": Field("cache", "enabled", ("QUACK_CACHE_ENABLED",), parse_bool, "true or false"),
     "fsync": Field("cache", "fsync", ("QUACK_FSYNC",), parse_bool, "true or false"),
     "lock_timeout": Field("cache", "lock_timeout", ("QUACK_LOCK_TIMEOUT",), _pos_float, "seconds > 0"),

@@ -86,14 +86,27 @@ def emit(path: Path, configs: list[BuildConfig]) -> None:
         raise OutputFileError(str(path), _write_problem(path, e), option="--emit-manifest") from None
 
 
+def emit_path_problem(path: Path) -> str:
+    """'' or what is wrong with ``--emit-manifest PATH`` that shows before any work: a
+    directory in its place, a file on its way (its missing directories are created).
+    Found only when writing, these were exit 1 while the same mistake with ``--trace``
+    was a usage error (2): the CLI checks this first."""
+    path = Path(path)
+    if os.path.isdir(path):
+        return f"is a directory; give a file name (e.g. {path / 'prewarm.toml'})"
+    for p in reversed(path.absolute().parents):  # the one nearest the root blocks
+        if os.path.lexists(p) and not os.path.isdir(p):
+            return f"{p} on its path is not a directory; give a path in a directory"
+    return ""
+
+
 def _write_problem(path: Path, e: OSError) -> str:
     """What is wrong with the output path ``path``, from the error writing it raised."""
-    if isinstance(e, IsADirectoryError) and os.path.isdir(path):
-        return f"is a directory; give a file name (e.g. {path / 'prewarm.toml'})"
-    if e.errno in (errno.ENOTDIR, errno.EEXIST):  # EEXIST: mkdir of a parent that is a file
-        for p in reversed(path.absolute().parents):
-            if os.path.lexists(p) and not os.path.isdir(p):
-                return f"{p} on its path is not a directory; give a path in a directory"
+    if isinstance(e, (IsADirectoryError, NotADirectoryError)) or e.errno == errno.EEXIST:
+        # EEXIST: mkdir of a parent that is a file; the path changed since it was checked
+        why = emit_path_problem(path)
+        if why:
+            return why
     return f"{e.strerror or e}; give a path you can write"
 
 

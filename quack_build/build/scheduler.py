@@ -143,8 +143,10 @@ class BuildSession:
         finally:
             self._fill_result(res, t_compile)
         res.wall_s = time.time() - self.t_begin
-        if not res.interrupted:
-            res.missing_after = _missing(self.tasks, self.store)
+        # Interrupted, it was left [] beside "not_built": 6, and --json read as "nothing
+        # missing". Then it comes from the tasks alone: no store reads in a stop that must
+        # end within seconds (and may meet a second Ctrl-C).
+        res.missing_after = _missing(self.tasks, None if res.interrupted else self.store)
         _journal_compiles(self.store.root, self.tasks)
         _remote_done(res, self.remote)
         self.rep.close()
@@ -340,6 +342,7 @@ class BuildSession:
             t.status = INTERRUPTED
         self.rep.note("interrupted: nothing compiled")
         res.wall_s = time.time() - self.t_begin
+        res.missing_after = _missing(self.tasks, None)
         _remote_done(res, self.remote)
         self.rep.close()
         return res
@@ -378,13 +381,17 @@ def _remote_done(res: BuildResult, remote) -> None:
         res.remote_offline = remote.offline
 
 
-def _missing(tasks: list[Task], store: DiskStore) -> list[str]:
-    """Keys not in the cache after the build (exit 0 only if none)."""
+def _missing(tasks: list[Task], store: DiskStore | None) -> list[str]:
+    """Keys not in the cache after the build (exit 0 only if none): those not built, and
+    each other one the store no longer holds (``store`` None: the statuses alone)."""
     out = []
     for t in tasks:
         if t.status in (FAILED, SKIPPED, INTERRUPTED):
             out.append(t.cfg.key)
             continue
-        if store.lookup(builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)) is None:
+        if (
+            store is not None
+            and store.lookup(builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)) is None
+        ):
             out.append(t.cfg.key)
     return out

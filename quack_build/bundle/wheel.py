@@ -13,6 +13,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import sysconfig
 import tempfile
 import time
@@ -25,7 +26,9 @@ from quack.cache import fsutil
 from quack.errors import BundleError, LinkError
 from quack.runtime import loader
 
-GENERATOR = f"quack-cache {QUACK_VERSION}"
+# The runtime's own distribution: every bundle requires it (METADATA's Requires-Dist).
+RUNTIME_DIST = "quack-cache"
+GENERATOR = f"{RUNTIME_DIST} {QUACK_VERSION}"
 
 
 @dataclasses.dataclass
@@ -52,6 +55,42 @@ def check_version(version: str) -> str:
         raise ValueError(
             f"bundle version {version!r} is not a valid version (PEP 440), e.g. 1.0 or 2026.12.1"
         ) from None
+
+
+def canonical_name(name: str) -> str:
+    """The distribution name as pip compares it (PEP 503): ``Quack_Cache`` is ``quack-cache``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def check_new_name(name: str) -> str:
+    """``name`` for a bundle about to be written, or ValueError saying what is allowed.
+
+    A bundle is a distribution: pip installs it in place of any distribution with the
+    same name after PEP 503 normalisation. ``--name quack-cache`` (or ``quack_cache``,
+    ``quack.cache``) wrote a wheel that required itself and, installed, uninstalled
+    the quack runtime; ``--name torch`` or ``numpy`` would replace those. So the
+    runtime's name is refused, and so is every installed distribution that is not a
+    quack bundle (one declaring a ``quack.bundles`` entry point: its next version is
+    fine)."""
+    _index.check_name(name)
+    canon = canonical_name(name)
+    allowed = "use a name of your own that no installed package has, e.g. myapp-kernels"
+    if canon == RUNTIME_DIST:
+        raise ValueError(
+            f"bundle name {name!r} is the quack runtime's own distribution ({RUNTIME_DIST}, as pip "
+            f"normalises names): installing the bundle would uninstall quack; {allowed}"
+        )
+    from importlib.metadata import distributions
+
+    for dist in distributions(name=canon):
+        if not any(ep.group == _index.ENTRY_POINT_GROUP for ep in dist.entry_points):
+            other = dist.metadata["Name"] or canon
+            raise ValueError(
+                f"bundle name {name!r} is the installed distribution {other} {dist.version} (as pip "
+                f"normalises names), which is not a quack bundle: installing the bundle would "
+                f"replace it; {allowed}"
+            )
+    return name
 
 
 def wheel_name(name: str, version: str) -> str:
@@ -114,7 +153,7 @@ def _metadata(name: str, version: str, idx: Index) -> str:
     return (
         f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
         f"Summary: quack kernel bundle: {len(idx.entries)} prebuilt kernels ({stamps})\n"
-        f"Requires-Dist: quack-cache\n\n"
+        f"Requires-Dist: {RUNTIME_DIST}\n\n"
         f"Prebuilt CuTe DSL kernels for quack's runtime, written by `quack bundle`.\n"
         f"Installed, they are found through the `{_index.ENTRY_POINT_GROUP}` entry point group.\n"
     )
@@ -189,7 +228,7 @@ def write_wheel(
     directory beside it, then a rename). ``signing_key``: a quack.signing.SigningKey."""
     WheelFile, _ = wheelfile_api()
 
-    _index.check_name(name)
+    check_new_name(name)
     version = check_version(version)
     pkg = _index.package_name(name)
     if created is None:

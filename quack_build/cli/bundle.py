@@ -87,15 +87,13 @@ def _bundle(
     cache_dir,
     max_configs,
 ) -> int:
-    from quack.bundles import index as _index
     from quack_build.bundle import wheel as bw
 
-    try:
-        _index.check_name(name)
-        bw.check_version(version)
-    except ValueError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+    for flag, check, value in (("--name", bw.check_new_name, name), ("--version", bw.check_version, version)):
+        try:
+            check(value)
+        except ValueError as e:
+            raise Fail(f"error: {flag}: {e}", code=2) from None
     # Before the build: a file in the way of --out was found only once everything was built.
     why = argcheck.out_dir_problem(out)
     if why:
@@ -192,6 +190,7 @@ def _inspect(wheel: Path, as_json: bool) -> int:
     if as_json:
         emit_json(info)
         return 0 if info["ok"] else 1
+    from rich.markup import escape
     from rich.table import Table
 
     from quack_build.cachedir.units import human_bytes
@@ -214,7 +213,9 @@ def _inspect(wheel: Path, as_json: bool) -> int:
     for c in ("kernel", "params", "arch", "key", "stamp", "object", ".so", "ok"):
         tb.add_column(c)
     for r in info["entries"]:
-        tb.add_row(
+        # Every cell is the wheel's data, escaped: a table cell is Rich markup, and a
+        # params value "[/]" in index.json crashed inspect with a MarkupError traceback.
+        cells = (
             r["kernel"],
             format_params(r["params"]),
             r["arch"],
@@ -224,6 +225,7 @@ def _inspect(wheel: Path, as_json: bool) -> int:
             human_bytes(r["so_size"]) if r["so_size"] else "-",
             "yes" if not r["problems"] else "; ".join(r["problems"]),
         )
+        tb.add_row(*(escape(str(c)) for c in cells))
     con.print(tb)
     for p in info["problems"]:
         con.print(f"problem: {p}", markup=False, soft_wrap=True)

@@ -83,6 +83,15 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
     from quack_build.cachedir import clean as cacheclean
     from quack_build.cachedir import units
 
+    if remove_all and (max_size is not None or older_than is not None):
+        # --all silently won: `--all --max-size 1G` meant "shrink to 1G" and deleted everything.
+        given = " / ".join(f for f, v in (("--max-size", max_size), ("--older-than", older_than)) if v)
+        raise Fail(
+            f"error: --all cannot be combined with {given}: --all removes every entry; give --all "
+            f"alone, or --max-size and/or --older-than without it",
+            code=2,
+        )
+
     # Both were checked as the options were parsed (_size_option, _age_option).
     ms = units.parse_size(max_size) if max_size is not None else None
     age = units.parse_age(older_than) if older_than is not None else None
@@ -93,8 +102,8 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
     load_kernels(s, required=False)
     con = console(to_stderr=as_json)
     if not Path(s.cache_dir).is_dir():
-        if as_json:
-            emit_json({"removed": 0, "freed_bytes": 0, "busy": 0, "dry_run": dry_run})
+        if as_json:  # the schema of a clean that removed nothing ("busy": 0 was not a list)
+            emit_json(_clean_json(dry_run, [], 0, {}, [], []))
         else:
             con.print(f"cache {s.cache_dir} does not exist: nothing to clean", markup=False)
         return 0
@@ -130,16 +139,7 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         d[0] += 1
         d[1] += r.bytes
     if as_json:
-        emit_json(
-            {
-                "dry_run": dry_run,
-                "removed": len(rep.removed),
-                "freed_bytes": rep.freed,
-                "by_reason": {k: {"files": v[0], "bytes": v[1]} for k, v in by_why.items()},
-                "busy": [str(p) for p, _ in rep.busy],
-                "errors": [f"{p}: {e}" for p, e in rep.errors],
-            }
-        )
+        emit_json(_clean_json(dry_run, rep.removed, rep.freed, by_why, rep.busy, rep.errors))
     else:
         verb = "would free" if dry_run else "freed"
         for why, (n, b) in sorted(by_why.items()):
@@ -153,6 +153,18 @@ def _clean(remove_all, max_size, older_than, dry_run, as_json, cache_dir, verbos
         for p, err in rep.errors:
             con.print(f"error: {p}: {err}", markup=False)
     return 1 if rep.errors else 0
+
+
+def _clean_json(dry_run: bool, removed: list, freed: int, by_why: dict, busy: list, errors: list) -> dict:
+    """``quack cache clean --json``'s document, one schema whatever happened."""
+    return {
+        "dry_run": dry_run,
+        "removed": len(removed),
+        "freed_bytes": freed,
+        "by_reason": {k: {"files": v[0], "bytes": v[1]} for k, v in by_why.items()},
+        "busy": [str(p) for p, _ in busy],
+        "errors": [f"{p}: {e}" for p, e in errors],
+    }
 
 
 def cache_pull(

@@ -47,6 +47,9 @@ def _prewarm(since, top, emit_manifest, jobs, dry_run, as_json, cache_dir) -> in
         raise typer.Exit(2) from None
     from quack.errors import OutputFileError
 
+    why = pw.emit_path_problem(emit_manifest) if emit_manifest is not None else ""
+    if why:  # a usage error, found before the journal is read, as --trace's is
+        raise Fail(f"error: --emit-manifest {emit_manifest}: {why}", code=2)
     s = cli_settings(cache_dir, jobs)
     # The journal lives in the cache: one that can't be reached is an error, not an empty
     # journal (a cache directory set to a file printed "0 journal records" and exited 0).

@@ -1,8 +1,14 @@
-"""Rendering for ``quack cache stats``."""
+"""Rendering for ``quack cache stats``.
+
+Every table cell and markup line that holds data read from the cache escapes it
+(``escape``): directory names, the journal's kernels and params, bundle indexes, the
+remote's URL are anyone's text, and a ``[/]`` in them raised Rich's MarkupError, a
+traceback instead of the report."""
 
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from quack_build.cachedir.units import human_bytes
@@ -40,10 +46,15 @@ def _print_fingerprints(con: Console, info: dict) -> None:
         for c in ("stamp", "kernel", "srcfp", "status", "entries", "bytes"):
             tb.add_column(c, justify="right" if c in ("entries", "bytes") else "left")
         for f in info["fingerprints"]:
-            st = {"current": "[green]current[/]", "stale": f"[yellow]stale[/] ({f['why']})"}.get(
-                f["status"], f"[dim]{f['status']}[/]"
+            st = {"current": "[green]current[/]", "stale": f"[yellow]stale[/] ({escape(str(f['why']))})"}.get(
+                f["status"], f"[dim]{escape(str(f['status']))}[/]"
             )
-            tb.add_row(f["stamp"], f["kernel"], f["srcfp"], st, str(f["entries"]), human_bytes(f["bytes"]))
+            tb.add_row(
+                *(escape(str(c)) for c in (f["stamp"], f["kernel"], f["srcfp"])),
+                st,
+                str(f["entries"]),
+                human_bytes(f["bytes"]),
+            )
         con.print(tb)
 
 
@@ -55,7 +66,7 @@ def _print_bundles(con: Console, info: dict) -> None:
             tb.add_column(c, justify="right" if c in ("entries", "bytes") else "left")
         for b in info["bundles"]:
             if b["problem"]:
-                st = f"[red]refused[/] ({b['problem']})"
+                st = f"[red]refused[/] ({escape(str(b['problem']))})"
             elif b["current"]:
                 st = "[green]current[/]" + (
                     f" ({b['current_entries']} for this toolchain and arch)"
@@ -65,11 +76,11 @@ def _print_bundles(con: Console, info: dict) -> None:
             else:
                 st = "[yellow]not for this toolchain or arch[/] (ignored)"
             tb.add_row(
-                b["name"],
-                b["version"],
+                escape(str(b["name"])),
+                escape(str(b["version"])),
                 str(b["entries"]),
                 human_bytes(b["bytes"]),
-                ", ".join(b["stamps"]),
+                escape(", ".join(map(str, b["stamps"]))),
                 st,
             )
         con.print(tb)
@@ -100,7 +111,7 @@ def _print_kernels(con: Console, info: dict) -> None:
             u = j.get("kernels", {}).get(k, {})
             bc, bs = u.get("build_compiles", 0), u.get("build_compile_s", 0.0)
             tb.add_row(
-                k,
+                escape(str(k)),  # the journal's kernel names: anyone's text
                 str(e["current"] + e.get("unknown", 0)),
                 str(e["stale"]),
                 human_bytes(e["bytes"]),
@@ -121,13 +132,8 @@ def _print_slowest(con: Console, j: dict) -> None:
             tb.add_column(c, justify="right" if c == "seconds" else "left")
         for r in j["slowest"]:
             params = " ".join(f"{a}={b}" for a, b in (r.get("params") or {}).items())
-            tb.add_row(
-                str(r["kernel"]),
-                params,
-                str(r.get("arch")),
-                str(r.get("where", "run")),
-                f"{r['compile_s']:.2f}",
-            )
+            cells = (r["kernel"], params, r.get("arch"), r.get("where", "run"))
+            tb.add_row(*(escape(str(c)) for c in cells), f"{r['compile_s']:.2f}")
         con.print(tb)
 
 
@@ -188,11 +194,11 @@ def _print_remote(con: Console, r: dict) -> None:
         rej = c.get("rejected", 0)
         why = ", ".join(f"{k} {v}" for k, v in sorted((c.get("rejected_by_reason") or {}).items()))
         tb.add_row(
-            url,
+            escape(str(url)),
             str(c.get("hits", 0)),
             str(c.get("misses", 0)),
             str(c.get("errors", 0)),
-            f"{rej} ({why})" if rej else "0",
+            f"{rej} ({escape(why)})" if rej else "0",
             str(c.get("pushed", 0)),
             str(c.get("push_failed", 0)),
             human_bytes(c.get("bytes_down", 0)),

@@ -315,16 +315,17 @@ def _compile_only(s, con, probs, count, jobs, as_json) -> int:
 
 
 def _print_table(con, results) -> None:
+    from rich.markup import escape
     from rich.table import Table as RTable
 
     t = RTable(title="quack tune")
     for col in ("problem", "old winner", "new winner", "old us", "new us", "speed-up", "failed"):
         t.add_column(col)
     for r in results:
-        t.add_row(
-            r["problem"],
-            r["old"],
-            r["new"] or "(none correct: old kept)",
+        t.add_row(  # labels from the manifest and the table: escaped, a cell is Rich markup
+            escape(r["problem"]),
+            escape(r["old"]),
+            escape(r["new"] or "(none correct: old kept)"),
             f"{r['old_us']:.1f}" if r["old_us"] else "-",
             f"{r['new_us']:.1f}" if r["new_us"] else "-",
             f"{r['speedup']:.3f}x" if r["speedup"] else "-",

@@ -9,7 +9,7 @@ from typing import List, Optional
 import typer
 
 from quack_build.cli import argcheck
-from quack_build.cli.context import cache_fail, cli_settings, console, emit_json, load_kernels
+from quack_build.cli.context import Fail, cache_fail, cli_settings, console, emit_json, load_kernels
 from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, run_command
 
@@ -24,6 +24,7 @@ RUN_DEFAULT_JOBS = 3
 
 
 def verify(
+    ctx: typer.Context,
     manifests: List[Path] = manifests_argument(),
     arch: List[str] = typer.Option(
         None,
@@ -50,7 +51,7 @@ def verify(
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
     if bundles:
-        run_command(lambda: _verify_bundles(as_json, cache_dir, no_load, run, jobs))
+        run_command(lambda: _verify_bundles(as_json, cache_dir, no_load, run, jobs, _manifest_options(ctx)))
     run_command(
         lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs, jobs)
     )
@@ -85,7 +86,25 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs, jobs
     return 0 if res["ok"] else 1
 
 
-def _verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool, jobs) -> int:
+def _manifest_options(ctx: typer.Context) -> list[str]:
+    """The manifest-only arguments given on the command line (manifests, --arch,
+    --max-configs): `verify --bundles m1.toml --arch sm_80` silently ignored all three."""
+    names = {"manifests": "manifests", "arch": "--arch", "max_configs": "--max-configs"}
+    # Compared by name: typer carries its own copy of click, whose ParameterSource is not
+    # click.core's (an explicit --max-configs is refused even at its default value).
+    given = {n for n in names if getattr(ctx.get_parameter_source(n), "name", "DEFAULT") != "DEFAULT"}
+    return [flag for n, flag in names.items() if n in given and ctx.params.get(n) not in (None, [], ())]
+
+
+def _verify_bundles(as_json: bool, cache_dir, no_load: bool, run: bool, jobs, ignored=()) -> int:
+    if ignored:
+        raise Fail(
+            f"error: --bundles checks the installed bundles, which take no "
+            f"{' or '.join(filter(None, (', '.join(ignored[:-1]), ignored[-1])))} "
+            f"(those select the cache's configurations): give --bundles alone, or leave it out "
+            f"to verify the manifests",
+            code=2,
+        )
     s = cli_settings(cache_dir)
     load_kernels(s, required=False)
     from quack_build.cli.verify_view import print_bundle_report

@@ -47,15 +47,18 @@ def print_bundle_report(con, res: dict) -> None:
     ):
         tb.add_column(c)
     for b in res["bundles"]:
-        tb.add_row(
+        # Names, versions and signers come from the installed bundles' files: escaped,
+        # as every cell here, since a table cell is Rich markup ("[/]" raised MarkupError).
+        cells = (
             b["name"],
             b["version"],
-            str(b["entries"]),
-            str(b["current"]),
-            str(b["other_toolchain"]),
+            b["entries"],
+            b["current"],
+            b["other_toolchain"],
             b["signer"] or "-",
-            escape("; ".join(b["problems"])) or "-",
+            "; ".join(b["problems"]) or "-",
         )
+        tb.add_row(*(escape(str(c)) for c in cells))
     con.print(tb)
     bad = [r for r in res["entries"] if r["problems"]]
     if bad:
@@ -119,11 +122,12 @@ def _problems_table(title: str, bad: list[dict], *, bundle: bool = False):
         tb.add_column(col)
     for r in bad:
         cells = [
+            *([r["bundle"]] if bundle else []),
             r["kernel"],
-            format_params(r["params"]),
+            format_params(r["params"]),  # a bundle's params are its index's: "[/]" crashed
             r["arch"],
             r["key"][:12],
-            escape("; ".join(r["problems"])),
+            "; ".join(r["problems"]),
         ]
-        tb.add_row(*([r["bundle"]] if bundle else []), *cells)
+        tb.add_row(*(escape(str(c)) for c in cells))
     return tb

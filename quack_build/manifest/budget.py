@@ -17,7 +17,9 @@ class Budget:
     """The limit on configurations after expansion, over every table of every manifest
     given at once (a per-table limit alone is bypassed by many tables). A table counts
     its whole cross product (before ``exclude``) plus its ``include`` entries: the count
-    is known before anything is expanded, so a refused build costs nothing."""
+    is known before anything is expanded, so a refused build costs nothing. ``exclude``
+    entries are not counted: they are indexed (quack_build.manifest.expand.ExcludeIndex),
+    a set lookup per combination whatever their number."""
 
     limit: int = DEFAULT_MAX_CONFIGS
     used: int = 0

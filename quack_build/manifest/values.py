@@ -202,7 +202,3 @@ def check_matcher(ctx: FileCheck, where: str, spec, table: Any, what: str) -> di
         else:
             out[k] = vals
     return out if ok else None
-
-
-def matches(combo: dict, matcher: dict) -> bool:
-    return all(combo[k] in vals for k, vals in matcher.items())
