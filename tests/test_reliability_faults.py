@@ -24,6 +24,7 @@ from reliability_support import (
 )
 
 from quack import registry, settings
+from quack.cache import fsutil
 from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import CacheWriteError
@@ -180,6 +181,141 @@ def test_real_full_tmpfs(tmp_path):
     finally:
         for m in mnts:
             subprocess.run(["umount", str(m)], capture_output=True)
+
+
+# --- 4b. a full temp directory while loading an entry without its .so -----------------------
+# Such an entry (pulled from a remote, built without a C compiler, its .so removed) is linked
+# or loaded from a private copy of its verified .o. The copy was a file in the temp directory:
+# on a full one ENOSPC escaped the kernel call. It is a sealed memory file now (no disk).
+
+
+def _full_tmp(root: Path):
+    """fsutil.reserve_tmp as on a full temp directory: every temp file outside ``root``
+    (the cache, which still has room) fails with ENOSPC."""
+    real = fsutil.reserve_tmp
+
+    def reserve(target):
+        if Path(root) not in Path(target).parents:
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        return real(target)
+
+    return reserve
+
+
+def test_full_temp_dir_still_loads_an_entry_without_its_so(objs, tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    store = DiskStore(root)
+    ref = toy_ref(objs["float32"])
+    copy_publish(store, ref, Path(objs["float32"]["path"]))
+    entry = store.lookup(ref)
+    assert entry is not None and entry.so_path is None
+    monkeypatch.setattr(fsutil, "reserve_tmp", _full_tmp(root))
+    fn, _module, how = loader.load_entry(store, entry)  # raised OSError ENOSPC
+    assert callable(fn)
+    assert how == ("so" if loader.can_link() else "o")  # the .so linked into the cache
+    assert not any(".tmp-" in f for f in files(root))
+
+
+_NO_MEMFD = (
+    NO_TORCH
+    + r"""
+import errno, json, os, sys, warnings
+from pathlib import Path
+from quack.cache import fsutil
+from quack.errors import CacheWarning, KernelNotPrebuilt
+import toykernels
+
+def no_memfd(*a, **k):
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+os.memfd_create = no_memfd  # a system without memory files ...
+root = Path(sys.argv[1])
+real = fsutil.reserve_tmp
+
+def reserve(target):  # ... and with a full temp directory (the cache has room)
+    if root not in Path(target).parents:
+        raise OSError(errno.ENOSPC, "No space left on device", str(target))
+    return real(target)
+
+fsutil.reserve_tmp = reserve
+calls = []
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        try:
+            toykernels.toy_scale("float32", 128, False)
+            calls.append("ok")
+        except KernelNotPrebuilt:
+            calls.append("not prebuilt")
+print(json.dumps({"calls": calls, "warnings": [str(x.message) for x in w if issubclass(x.category, CacheWarning)],
+                  "other": [str(x.message) for x in w if not issubclass(x.category, CacheWarning)]}))
+"""
+)
+
+
+def test_without_memory_files_a_full_temp_dir_is_a_miss_with_one_warning(objs, tmp_path):
+    """Where there are no memory files the copy is still a temp file: a temp directory
+    that can't take it makes the entry a miss with one warning naming the cause, never a
+    crash, and never a load of the cache's file itself (it could change after the check)."""
+    root = tmp_path / "cache"
+    copy_publish(DiskStore(root), toy_ref(objs["float32"]), Path(objs["float32"]["path"]))
+    r = subprocess.run(
+        [os.sys.executable, "-c", _NO_MEMFD, str(root)],
+        env=env(QUACK_CACHE_DIR=root, QUACK_ARCH="sm_90a", QUACK_MODE="prebuilt"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["calls"] == ["not prebuilt", "not prebuilt"], out
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "ENOSPC" in out["warnings"][0] and "private copy" in out["warnings"][0], out["warnings"]
+    assert not any(".tmp-" in f for f in files(root))
+
+
+_FULL_TMP_CALL = (
+    NO_TORCH
+    + r"""
+import json, tempfile, warnings
+import toykernels
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fn = toykernels.toy_scale("float32", 128, False)
+u = toykernels.toy_scale.usage()[0]
+print(json.dumps({"callable": callable(fn), "how": u["how"], "tier": u["tier"],
+                  "tmp": tempfile.gettempdir(), "warnings": [str(x.message) for x in w]}))
+"""
+)
+
+
+@pytest.mark.skipif(
+    not can_mount(), reason="needs root with mount (a real tmpfs); the test above injects ENOSPC"
+)
+@pytest.mark.parametrize("mode", ["prebuilt", "jit"])
+def test_real_full_tmpfs_as_temp_dir_loads_an_entry_without_its_so(objs, tmp_path, mode):
+    """The reviewer's case: the cache and TMPDIR on one file system (~/.cache and /tmp on
+    one root file system) with a page left. The entry loads, through cutlass (no room to
+    link a .so), in both modes, with no warning: nothing is wrong with the cache."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        root = mnt / "cache"
+        copy_publish(DiskStore(root), toy_ref(objs["float32"]), Path(objs["float32"]["path"]))
+        (mnt / "tmp").mkdir(mode=0o700)
+        st = os.statvfs(mnt)
+        (mnt / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 4096))
+        r = run_py(
+            _FULL_TMP_CALL, QUACK_CACHE_DIR=root, QUACK_ARCH="sm_90a", QUACK_MODE=mode, TMPDIR=mnt / "tmp"
+        )
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["tmp"] == str(mnt / "tmp"), out
+        assert out["callable"] and out["how"] == "o" and out["tier"] == "cache", out
+        assert out["warnings"] == [], out["warnings"]
+        assert not any(".tmp-" in f for f in files(root))
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
 
 
 # --- 5. read-only cache -------------------------------------------------------------------
