@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -23,11 +24,13 @@ from reliability_support import (
     write_toy_project,
 )
 
-from quack import registry, settings
+from quack import registry, settings, signing
 from quack.cache import fsutil
 from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import CacheWriteError
+from quack.remote import objects
+from quack.remote.backend import open_backend
 from quack.runtime import loader
 
 
@@ -352,19 +355,28 @@ def read_only_cache(objs, tmp_path):
     loader.link_entry(store, e)
     copy_publish(store, toy_ref(objs["float16"]), Path(objs["float16"]["path"]))
     before = files(src)
+    with made_read_only(src, tmp_path / "ro") as ro:
+        yield ro, before
+
+
+@contextlib.contextmanager
+def made_read_only(src: Path, ro: Path):
+    """``src`` made read-only for real (its path, or ``ro``): a read-only bind mount
+    at ``ro`` as root, or chmod a-w as an ordinary user."""
     if os.geteuid() != 0:
         for p in [src, *src.rglob("*")]:
             p.chmod(p.stat().st_mode & ~0o222)
-        yield src, before
-        for p in [src, *src.rglob("*")]:
-            p.chmod(p.stat().st_mode | 0o200)
+        try:
+            yield src
+        finally:
+            for p in [src, *src.rglob("*")]:
+                p.chmod(p.stat().st_mode | 0o200)
     elif can_mount():
-        ro = tmp_path / "ro"
         ro.mkdir(mode=0o700)
         subprocess.run(["mount", "--bind", str(src), str(ro)], check=True)
         try:
             subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
-            yield ro, before
+            yield ro
         finally:
             subprocess.run(["umount", str(ro)], capture_output=True)
     else:
@@ -416,6 +428,80 @@ params = { dtype = ["bfloat16"], block = [32] }
     assert "Traceback" not in out, out
     assert str(root) in out and ("read-only" in out or "not writable" in out or "permission" in out), out
     assert files(root) == before
+
+
+# --- 5b. a verified remote hit the local cache can't store -------------------------------
+# It was downloaded, verified, then dropped: KernelNotPrebuilt with no reason in prebuilt
+# mode, an in-process compile in jit mode. It is loaded from a private copy of its bytes.
+
+_CALL_TOY = (
+    NO_TORCH
+    + r"""
+import json, sys, warnings
+if sys.argv[1:] == ["full"]:  # a cache on a full disk: the first file of a publish fails
+    from quack.cache.store import DiskStore
+
+    def tmp_obj(self, ref):
+        raise OSError(28, "No space left on device", str(self.root))
+
+    DiskStore.tmp_obj = tmp_obj
+import toykernels
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fn = toykernels.toy_scale("float32", 128, False)
+u = toykernels.toy_scale.usage()[0]
+print(json.dumps({"callable": callable(fn), "how": u["how"], "tier": u["tier"], "compiles": u["compiles"],
+                  "warnings": [str(x.message) for x in w]}))
+"""
+)
+
+
+@pytest.fixture
+def signed_remote(objs, tmp_path):
+    """A file:// remote holding the toy float32/128 object, signed by a trusted key:
+    (its URL, the public key for QUACK_TRUSTED_KEYS)."""
+    keys = tmp_path / "keys"
+    signing.write_keypair("ci-1", keys)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    ref = toy_ref(objs["float32"])
+    data = Path(objs["float32"]["path"]).read_bytes()
+    blob = objects.pack(ref, objs["float32"]["params"], data, signing.load_signing_key(keys / "ci-1.key"))
+    assert open_backend(f"file://{shared}").put_if_absent(objects.object_name(ref), blob)
+    return f"file://{shared}", keys / "ci-1.pub"
+
+
+@pytest.mark.parametrize("mode", ["prebuilt", "jit"])
+@pytest.mark.parametrize("cache", ["read-only", "full"])
+def test_a_verified_remote_hit_the_cache_cant_store_is_loaded(signed_remote, tmp_path, mode, cache):
+    url, pub = signed_remote
+    src = tmp_path / "cache"
+    (src / "v1").mkdir(mode=0o700, parents=True)
+    src.chmod(0o700)
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(made_read_only(src, tmp_path / "ro")) if cache == "read-only" else src
+        before = files(root)
+        r = subprocess.run(
+            [os.sys.executable, "-c", _CALL_TOY, *(["full"] if cache == "full" else [])],
+            env=env(
+                QUACK_CACHE_DIR=root,
+                QUACK_ARCH="sm_90a",
+                QUACK_MODE=mode,
+                QUACK_REMOTE=url,
+                QUACK_TRUSTED_KEYS=pub,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]  # prebuilt: KernelNotPrebuilt
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["callable"] and out["tier"] == "remote" and out["compiles"] == 0, out  # jit: compiled
+        assert out["how"] == ("so" if loader.can_link() else "o"), out
+        assert out["warnings"] == [], out["warnings"]
+        assert not any(f.endswith((".o", ".so")) for f in files(root)), "stored, though it can't be"
+        if cache == "read-only":
+            assert files(root) == before
 
 
 # --- durability -------------------------------------------------------------------------------

@@ -303,15 +303,37 @@ def load_entry(store: Store, entry: Entry):
         except Exception:  # noqa: BLE001 - gone or bad derived .so: fall back to the verified .o
             pass
     with snapshot_object(entry) as snap:
-        so = link_entry(store, entry, obj=snap)
-        if so is not None:
-            try:
-                fn, mod = load_so(so)
-                return fn, mod, "so"
-            except Exception:  # noqa: BLE001
-                pass
-        fn, mod = load_object(snap)
-        return fn, mod, "o"
+        return _link_and_load(store, entry, snap)
+
+
+def _link_and_load(store: Store, entry: Entry, snap: Path):
+    """(callable, module, how) for the verified copy ``snap`` of ``entry``'s object: a
+    .so linked from it (into ``store`` or the private temp directory), else ``snap``
+    itself through CuTe DSL."""
+    so = link_entry(store, entry, obj=snap)
+    if so is not None:
+        try:
+            fn, mod = load_so(so)
+            return fn, mod, "so"
+        except Exception:  # noqa: BLE001
+            pass
+    fn, mod = load_object(snap)
+    return fn, mod, "o"
+
+
+def load_fetched(ref, data: bytes):
+    """(callable, module, how) for a read-only tier's object (a remote's: ``data``, the
+    bytes the tier verified against its signed record) that the local store can't take
+    (read-only, full): loaded from a private copy of those very bytes, its .so linked
+    into the private temp directory, as an in-place entry is with no cache to keep one
+    in. Dropping it left a valid, signed object unused (KernelNotPrebuilt, or a compile
+    in this process). Raises EntryVanished (no private copy could be made)."""
+    from quack.cache.entry import Entry
+
+    with private_copy(data, ref.key) as snap:
+        entry = Entry(ref, {"sha256": hashlib.sha256(data).hexdigest()}, snap, None)
+        # _NoCache answers only writable() (False), all link_entry asks of such a cache.
+        return _link_and_load(cast("Store", _NoCache()), entry, snap)
 
 
 class _NoCache:
