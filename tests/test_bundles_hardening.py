@@ -167,6 +167,32 @@ def test_inspect_refuses_an_entry_pointed_at_another_kernels_files(tmp_path):
     assert len(row["problems"]) == 1 and "metadata" in row["problems"][0], row
 
 
+# --- deeply nested JSON (RecursionError, which no reader's except ValueError caught) ---
+# The per-entry metadata is not covered by the index's signature, so a signed bundle from a
+# trusted key still has to survive a tampered one; the index and its signature are parsed
+# (the index only when no keys are configured: else a changed index fails its signature).
+
+DEEP = b"[" * 60_000  # under the 64 KiB caps of the metadata files and the signature
+
+
+@pytest.mark.parametrize("where", ["meta", "so_meta", "sig", "index"])
+def test_deeply_nested_json_in_a_bundle_is_refused_with_one_warning(site, keys, s, cache_dir, where):
+    ref = ref_for()
+    name = f"deep-{where.replace('_', '-')}"
+    pkg = install(site, [bfile(ref)], name=name, signing_key=keys["key"])
+    (e,) = bindex.parse((pkg / bindex.INDEX_NAME).read_bytes()).entries
+    target = {
+        "meta": e.rel_meta,
+        "so_meta": e.rel_so_meta,
+        "sig": bindex.SIG_NAME,
+        "index": bindex.INDEX_NAME,
+    }
+    (pkg / target[where]).write_bytes(DEEP)
+    hit, msgs = lookup_twice(ref, s if where == "index" else _trusting(cache_dir, keys["pub"]))
+    assert hit is None
+    assert len(msgs) == 1 and name in msgs[0] and "nested more than" in msgs[0], msgs
+
+
 # --- item 6: nothing read outside the installed package --------------------------
 # (Each test its own bundle name: a refused bundle warns once per process and name.)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -23,10 +24,13 @@ from reliability_support import (
     write_toy_project,
 )
 
-from quack import registry, settings
+from quack import registry, settings, signing
+from quack.cache import fsutil
 from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import CacheWriteError
+from quack.remote import objects
+from quack.remote.backend import open_backend
 from quack.runtime import loader
 
 
@@ -182,6 +186,141 @@ def test_real_full_tmpfs(tmp_path):
             subprocess.run(["umount", str(m)], capture_output=True)
 
 
+# --- 4b. a full temp directory while loading an entry without its .so -----------------------
+# Such an entry (pulled from a remote, built without a C compiler, its .so removed) is linked
+# or loaded from a private copy of its verified .o. The copy was a file in the temp directory:
+# on a full one ENOSPC escaped the kernel call. It is a sealed memory file now (no disk).
+
+
+def _full_tmp(root: Path):
+    """fsutil.reserve_tmp as on a full temp directory: every temp file outside ``root``
+    (the cache, which still has room) fails with ENOSPC."""
+    real = fsutil.reserve_tmp
+
+    def reserve(target):
+        if Path(root) not in Path(target).parents:
+            raise OSError(errno.ENOSPC, "No space left on device", str(target))
+        return real(target)
+
+    return reserve
+
+
+def test_full_temp_dir_still_loads_an_entry_without_its_so(objs, tmp_path, monkeypatch):
+    root = tmp_path / "cache"
+    store = DiskStore(root)
+    ref = toy_ref(objs["float32"])
+    copy_publish(store, ref, Path(objs["float32"]["path"]))
+    entry = store.lookup(ref)
+    assert entry is not None and entry.so_path is None
+    monkeypatch.setattr(fsutil, "reserve_tmp", _full_tmp(root))
+    fn, _module, how = loader.load_entry(store, entry)  # raised OSError ENOSPC
+    assert callable(fn)
+    assert how == ("so" if loader.can_link() else "o")  # the .so linked into the cache
+    assert not any(".tmp-" in f for f in files(root))
+
+
+_NO_MEMFD = (
+    NO_TORCH
+    + r"""
+import errno, json, os, sys, warnings
+from pathlib import Path
+from quack.cache import fsutil
+from quack.errors import CacheWarning, KernelNotPrebuilt
+import toykernels
+
+def no_memfd(*a, **k):
+    raise OSError(errno.ENOSYS, "Function not implemented")
+
+os.memfd_create = no_memfd  # a system without memory files ...
+root = Path(sys.argv[1])
+real = fsutil.reserve_tmp
+
+def reserve(target):  # ... and with a full temp directory (the cache has room)
+    if root not in Path(target).parents:
+        raise OSError(errno.ENOSPC, "No space left on device", str(target))
+    return real(target)
+
+fsutil.reserve_tmp = reserve
+calls = []
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    for _ in range(2):
+        try:
+            toykernels.toy_scale("float32", 128, False)
+            calls.append("ok")
+        except KernelNotPrebuilt:
+            calls.append("not prebuilt")
+print(json.dumps({"calls": calls, "warnings": [str(x.message) for x in w if issubclass(x.category, CacheWarning)],
+                  "other": [str(x.message) for x in w if not issubclass(x.category, CacheWarning)]}))
+"""
+)
+
+
+def test_without_memory_files_a_full_temp_dir_is_a_miss_with_one_warning(objs, tmp_path):
+    """Where there are no memory files the copy is still a temp file: a temp directory
+    that can't take it makes the entry a miss with one warning naming the cause, never a
+    crash, and never a load of the cache's file itself (it could change after the check)."""
+    root = tmp_path / "cache"
+    copy_publish(DiskStore(root), toy_ref(objs["float32"]), Path(objs["float32"]["path"]))
+    r = subprocess.run(
+        [os.sys.executable, "-c", _NO_MEMFD, str(root)],
+        env=env(QUACK_CACHE_DIR=root, QUACK_ARCH="sm_90a", QUACK_MODE="prebuilt"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["calls"] == ["not prebuilt", "not prebuilt"], out
+    assert len(out["warnings"]) == 1, out["warnings"]
+    assert "ENOSPC" in out["warnings"][0] and "private copy" in out["warnings"][0], out["warnings"]
+    assert not any(".tmp-" in f for f in files(root))
+
+
+_FULL_TMP_CALL = (
+    NO_TORCH
+    + r"""
+import json, tempfile, warnings
+import toykernels
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fn = toykernels.toy_scale("float32", 128, False)
+u = toykernels.toy_scale.usage()[0]
+print(json.dumps({"callable": callable(fn), "how": u["how"], "tier": u["tier"],
+                  "tmp": tempfile.gettempdir(), "warnings": [str(x.message) for x in w]}))
+"""
+)
+
+
+@pytest.mark.skipif(
+    not can_mount(), reason="needs root with mount (a real tmpfs); the test above injects ENOSPC"
+)
+@pytest.mark.parametrize("mode", ["prebuilt", "jit"])
+def test_real_full_tmpfs_as_temp_dir_loads_an_entry_without_its_so(objs, tmp_path, mode):
+    """The reviewer's case: the cache and TMPDIR on one file system (~/.cache and /tmp on
+    one root file system) with a page left. The entry loads, through cutlass (no room to
+    link a .so), in both modes, with no warning: nothing is wrong with the cache."""
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k,mode=0700", "tmpfs", str(mnt)], check=True)
+    try:
+        root = mnt / "cache"
+        copy_publish(DiskStore(root), toy_ref(objs["float32"]), Path(objs["float32"]["path"]))
+        (mnt / "tmp").mkdir(mode=0o700)
+        st = os.statvfs(mnt)
+        (mnt / "filler").write_bytes(b"\0" * (st.f_bavail * st.f_frsize - 4096))
+        r = run_py(
+            _FULL_TMP_CALL, QUACK_CACHE_DIR=root, QUACK_ARCH="sm_90a", QUACK_MODE=mode, TMPDIR=mnt / "tmp"
+        )
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["tmp"] == str(mnt / "tmp"), out
+        assert out["callable"] and out["how"] == "o" and out["tier"] == "cache", out
+        assert out["warnings"] == [], out["warnings"]
+        assert not any(".tmp-" in f for f in files(root))
+    finally:
+        subprocess.run(["umount", str(mnt)], capture_output=True)
+
+
 # --- 5. read-only cache -------------------------------------------------------------------
 
 _RO_RUNTIME = (
@@ -216,19 +355,28 @@ def read_only_cache(objs, tmp_path):
     loader.link_entry(store, e)
     copy_publish(store, toy_ref(objs["float16"]), Path(objs["float16"]["path"]))
     before = files(src)
+    with made_read_only(src, tmp_path / "ro") as ro:
+        yield ro, before
+
+
+@contextlib.contextmanager
+def made_read_only(src: Path, ro: Path):
+    """``src`` made read-only for real (its path, or ``ro``): a read-only bind mount
+    at ``ro`` as root, or chmod a-w as an ordinary user."""
     if os.geteuid() != 0:
         for p in [src, *src.rglob("*")]:
             p.chmod(p.stat().st_mode & ~0o222)
-        yield src, before
-        for p in [src, *src.rglob("*")]:
-            p.chmod(p.stat().st_mode | 0o200)
+        try:
+            yield src
+        finally:
+            for p in [src, *src.rglob("*")]:
+                p.chmod(p.stat().st_mode | 0o200)
     elif can_mount():
-        ro = tmp_path / "ro"
         ro.mkdir(mode=0o700)
         subprocess.run(["mount", "--bind", str(src), str(ro)], check=True)
         try:
             subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
-            yield ro, before
+            yield ro
         finally:
             subprocess.run(["umount", str(ro)], capture_output=True)
     else:
@@ -280,6 +428,80 @@ params = { dtype = ["bfloat16"], block = [32] }
     assert "Traceback" not in out, out
     assert str(root) in out and ("read-only" in out or "not writable" in out or "permission" in out), out
     assert files(root) == before
+
+
+# --- 5b. a verified remote hit the local cache can't store -------------------------------
+# It was downloaded, verified, then dropped: KernelNotPrebuilt with no reason in prebuilt
+# mode, an in-process compile in jit mode. It is loaded from a private copy of its bytes.
+
+_CALL_TOY = (
+    NO_TORCH
+    + r"""
+import json, sys, warnings
+if sys.argv[1:] == ["full"]:  # a cache on a full disk: the first file of a publish fails
+    from quack.cache.store import DiskStore
+
+    def tmp_obj(self, ref):
+        raise OSError(28, "No space left on device", str(self.root))
+
+    DiskStore.tmp_obj = tmp_obj
+import toykernels
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    fn = toykernels.toy_scale("float32", 128, False)
+u = toykernels.toy_scale.usage()[0]
+print(json.dumps({"callable": callable(fn), "how": u["how"], "tier": u["tier"], "compiles": u["compiles"],
+                  "warnings": [str(x.message) for x in w]}))
+"""
+)
+
+
+@pytest.fixture
+def signed_remote(objs, tmp_path):
+    """A file:// remote holding the toy float32/128 object, signed by a trusted key:
+    (its URL, the public key for QUACK_TRUSTED_KEYS)."""
+    keys = tmp_path / "keys"
+    signing.write_keypair("ci-1", keys)
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o700)
+    ref = toy_ref(objs["float32"])
+    data = Path(objs["float32"]["path"]).read_bytes()
+    blob = objects.pack(ref, objs["float32"]["params"], data, signing.load_signing_key(keys / "ci-1.key"))
+    assert open_backend(f"file://{shared}").put_if_absent(objects.object_name(ref), blob)
+    return f"file://{shared}", keys / "ci-1.pub"
+
+
+@pytest.mark.parametrize("mode", ["prebuilt", "jit"])
+@pytest.mark.parametrize("cache", ["read-only", "full"])
+def test_a_verified_remote_hit_the_cache_cant_store_is_loaded(signed_remote, tmp_path, mode, cache):
+    url, pub = signed_remote
+    src = tmp_path / "cache"
+    (src / "v1").mkdir(mode=0o700, parents=True)
+    src.chmod(0o700)
+    with contextlib.ExitStack() as stack:
+        root = stack.enter_context(made_read_only(src, tmp_path / "ro")) if cache == "read-only" else src
+        before = files(root)
+        r = subprocess.run(
+            [os.sys.executable, "-c", _CALL_TOY, *(["full"] if cache == "full" else [])],
+            env=env(
+                QUACK_CACHE_DIR=root,
+                QUACK_ARCH="sm_90a",
+                QUACK_MODE=mode,
+                QUACK_REMOTE=url,
+                QUACK_TRUSTED_KEYS=pub,
+            ),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert r.returncode == 0, r.stderr[-3000:]  # prebuilt: KernelNotPrebuilt
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["callable"] and out["tier"] == "remote" and out["compiles"] == 0, out  # jit: compiled
+        assert out["how"] == ("so" if loader.can_link() else "o"), out
+        assert out["warnings"] == [], out["warnings"]
+        assert not any(f.endswith((".o", ".so")) for f in files(root)), "stored, though it can't be"
+        if cache == "read-only":
+            assert files(root) == before
 
 
 # --- durability -------------------------------------------------------------------------------

@@ -97,6 +97,9 @@ def _cases(k, r=None):
             "unsigned",
         ),
         "garbage": (b"\x00" * 64, "malformed"),
+        # 60,000 '[' (under the 64 KiB header cap): RecursionError, no ValueError, escaped
+        # the header's parse and was reported as a broken tier, not a counted rejection.
+        "deeply-nested-header": (objects.MAGIC + b"[" * 60_000 + b"\n" + DATA, "malformed"),
         "other-source": (
             objects.pack(EntryRef(r.kernel, r.key, r.arch, "fedcba9876543210"), {}, DATA, k["ci"]),
             "wrong-source",
@@ -119,6 +122,7 @@ CASES = [
     "truncated-into-header",
     "unsigned",
     "garbage",
+    "deeply-nested-header",
     "other-source",
     "other-kernel",
 ]

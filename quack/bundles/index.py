@@ -35,6 +35,7 @@ import re
 
 from quack.cache import keys
 from quack.errors import BundleError, ParamError
+from quack.safejson import safe_loads
 
 INDEX_NAME = "index.json"
 SIG_NAME = "index.json.sig"
@@ -223,7 +224,7 @@ def parse(data: bytes) -> Index:
     if len(data) > MAX_INDEX_BYTES:
         raise BundleError(too_large(INDEX_NAME, len(data), MAX_INDEX_BYTES))
     try:
-        doc = json.loads(data)
+        doc = safe_loads(data)
     except ValueError as e:
         raise BundleError(f"not valid JSON ({e})") from None
     if not isinstance(doc, dict):
@@ -256,7 +257,7 @@ def check_meta(e: IndexEntry, data: bytes) -> str:
     if len(data) > MAX_META_BYTES:
         return too_large("its metadata", len(data), MAX_META_BYTES)
     try:
-        meta = json.loads(data)
+        meta = safe_loads(data)
     except ValueError as err:
         return f"its metadata is not valid JSON ({err})"
     if not isinstance(meta, dict):
@@ -277,7 +278,7 @@ def check_so_meta(e: IndexEntry, data: bytes) -> str:
     if len(data) > MAX_META_BYTES:
         return too_large("its .so metadata", len(data), MAX_META_BYTES)
     try:
-        side = json.loads(data)
+        side = safe_loads(data)
     except ValueError as err:
         return f"its .so metadata is not valid JSON ({err})"
     if not isinstance(side, dict) or (side.get("o_sha256"), side.get("sha256")) != (e.sha256, e.so_sha256):

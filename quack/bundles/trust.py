@@ -14,6 +14,7 @@ from pathlib import Path
 
 from quack.bundles.index import MAX_SIG_BYTES
 from quack.errors import BundleError, KeyFileError, SignatureError
+from quack.safejson import safe_loads
 
 SIG_FORMAT = 1
 
@@ -42,7 +43,7 @@ def parse_signature(data: bytes, where: str) -> tuple[str, bytes]:
     if len(data) > MAX_SIG_BYTES:
         raise BundleError(f"{where} is {len(data)} bytes, more than {MAX_SIG_BYTES}", path=where)
     try:
-        doc = json.loads(data)
+        doc = safe_loads(data)
         if not isinstance(doc, dict) or doc.get("format") != SIG_FORMAT:
             raise ValueError("not a format-1 signature object")
         signer, b64 = doc["signer"], doc["signature"]

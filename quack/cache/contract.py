@@ -155,6 +155,10 @@ class ReadTier(Protocol):
       tampered object, bad signature): that is None plus at most one
       CacheWarning per problem (``quack.cache.problems.warn_once``). May raise
       only for a programming error (a bug), which the chain reports.
+
+    The chain publishes a hit into the local store and loads it from there; a store
+    that can't take it (read-only, full) has it loaded from a private copy of
+    ``data`` instead (``quack.runtime.loader.load_fetched``).
     """
 
     name: str

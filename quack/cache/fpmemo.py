@@ -39,6 +39,7 @@ from pathlib import Path
 
 from quack.cache import fsutil, keys, sources
 from quack.errors import CacheError, CacheWarning
+from quack.safejson import safe_loads
 
 # 1: every record in one file <root>/srcfp/<tag>.memo (removed when seen). 2: files
 # of the kernel's own package only. 3: every file outside the standard library and the
@@ -143,7 +144,7 @@ class DiskFingerprintMemo:
             return None
         path = self._path(ident)
         try:
-            doc = json.loads(fsutil.read_nofollow(path))
+            doc = safe_loads(fsutil.read_nofollow(path))
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:

@@ -7,6 +7,8 @@ import json
 import time
 from pathlib import Path
 
+from quack.safejson import safe_loads
+
 JOURNAL = "journal.jsonl"
 
 # The fields the readers use (quack_build.cachedir.stats, quack_build.build.prewarm) and
@@ -67,7 +69,7 @@ def read(root: Path, since: float = 0.0) -> list[dict]:
         path, "the usage journal", f"journal:{path}", lost="was not read in full"
     ):
         try:
-            r = json.loads(line)
+            r = safe_loads(line)
         except ValueError:
             continue  # a torn line from a crash: skip it
         if _well_formed(r) and r.get("t", 0) >= since:

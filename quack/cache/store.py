@@ -24,6 +24,7 @@ from quack.cache import fsutil, keys, locks, orphans
 from quack.cache.entry import Entry, EntryRef
 from quack.cache.problems import warn_once, write_error
 from quack.errors import CacheError, CacheWarning, CacheWriteError, LockTimeout
+from quack.safejson import safe_loads
 
 if TYPE_CHECKING:
     from quack.cache.contract import Inspection
@@ -184,7 +185,7 @@ class DiskStore:
 
     def _check(self, ref: EntryRef, meta_bytes: bytes, obj: Path) -> tuple[str, dict]:
         try:
-            meta = json.loads(meta_bytes)
+            meta = safe_loads(meta_bytes)
             if not isinstance(meta, dict):
                 raise ValueError("not an object")
         except ValueError as e:
@@ -218,7 +219,7 @@ class DiskStore:
         else None (the loader relinks it). Absent or stale is silent; damaged (truncated,
         tampered, planted) is one CacheWarning if ``warn``: it used to go unsaid."""
         try:  # the sidecar first: a .so it names was renamed in before it was written
-            side = json.loads(fsutil.read_nofollow(p["so_meta"]))
+            side = safe_loads(fsutil.read_nofollow(p["so_meta"]))
             data = fsutil.read_nofollow(p["so"])
         except FileNotFoundError:
             return None

@@ -30,12 +30,12 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import time
 
 from quack.cache import keys
 from quack.errors import ObjectRejected, SignatureError
 from quack.remote.base import MAX_BODY, MAX_HEADER
+from quack.safejson import safe_loads
 from quack.signing import SigningKey, TrustedKeys
 
 MAGIC = b"QUACK-OBJECT 1\n"
@@ -123,7 +123,7 @@ def parse_header(blob: bytes) -> tuple[dict, memoryview]:
     if end < 0:
         raise ObjectRejected("object header unterminated or over 64 KiB", reason="malformed")
     try:
-        header = json.loads(bytes(view[len(MAGIC) : len(MAGIC) + end]))
+        header = safe_loads(bytes(view[len(MAGIC) : len(MAGIC) + end]))
     except ValueError as e:
         raise ObjectRejected(f"object header is not JSON ({e})", reason="malformed") from None
     if not isinstance(header, dict):

@@ -6,9 +6,10 @@ fast."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections import Counter
 from pathlib import Path
+
+from quack.safejson import safe_loads
 
 STATS_FILE = "remote-stats.jsonl"
 
@@ -56,7 +57,7 @@ def read_stats(root: Path) -> dict:
     fields = [f.name for f in dataclasses.fields(Counters) if f.name != "rejected_by_reason"]
     for line in lines:
         try:
-            r = json.loads(line)
+            r = safe_loads(line)
         except ValueError:
             continue  # a torn line
         if not isinstance(r, dict):

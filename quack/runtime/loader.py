@@ -10,8 +10,11 @@ imported lean (quack.runtime.ffi). Without a C compiler,
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import errno
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -21,7 +24,7 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Iterator, cast
 
 from quack.cache import fsutil
 from quack.errors import EntryVanished, LinkError
@@ -181,20 +184,112 @@ def load_object(obj: Path):
     return mod[FUNCTION_NAME], mod
 
 
-def snapshot_object(entry) -> Path:
-    """A private copy of the entry's .o whose bytes match the metadata's digest, read
-    once without following symlinks: what gets linked or loaded is what was verified,
-    even if a clean or a rebuild touches the cache meanwhile. Raises EntryVanished."""
+def _verified_bytes(entry) -> bytes:
+    """The entry's .o, read once without following symlinks, if its bytes still match the
+    metadata's digest. Raises EntryVanished (cleaned or replaced since its lookup)."""
     try:
         data = fsutil.read_nofollow(entry.obj_path)
     except OSError as e:
         raise EntryVanished(f"{entry.obj_path} vanished before it could be loaded ({e})") from None
     if hashlib.sha256(data).hexdigest() != entry.meta.get("sha256"):
         raise EntryVanished(f"{entry.obj_path} was replaced after it was verified")
-    snap = fsutil.reserve_tmp(_private_so_dir() / f"{entry.ref.key}.o")
-    with open(snap, "wb") as f:
-        f.write(data)
-    return snap
+    return data
+
+
+def _sealed_memfd(data: bytes, name: str) -> int | None:
+    """A memory file (Linux memfd) holding ``data``, sealed against any change, or None
+    where there is none (no memfd_create, no /proc, out of descriptors or memory). It
+    needs no disk, so a full or read-only temp directory can't fail the load of an
+    entry without its .so (ENOSPC writing the copy used to escape the kernel call)."""
+    create = getattr(os, "memfd_create", None)
+    if create is None:
+        return None
+    try:
+        fd = create(f"quack-{name}.o", os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 0))
+    except OSError:
+        return None
+    try:
+        with open(fd, "wb", closefd=False) as f:
+            f.write(data)
+        if hasattr(fcntl, "F_ADD_SEALS"):  # Linux, Python >= 3.8: the F_SEAL_* come with it
+            # Sealed: the bytes the linker and the loader read stay the verified ones,
+            # whoever else gets hold of the descriptor (/proc/PID/fd is open to our uid).
+            seals = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+        # The linker and cutlass's loader open it by name: no /proc, no memory file.
+        if not os.path.exists(_fd_path(fd)):
+            raise OSError(errno.ENOENT, "no /proc/PID/fd to name a memory file by", _fd_path(fd))
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _fd_path(fd: int) -> str:
+    # /proc/PID, not /proc/self: the linker, a child process, opens it by this name.
+    return f"/proc/{os.getpid()}/fd/{fd}"
+
+
+def _tmp_copy(data: bytes, name: str) -> Path:
+    """``data`` in a new file of this process's private temp directory: where there is
+    no memory file. A temp directory that can't take it (disk full, read-only) makes
+    the entry a miss with one CacheWarning naming the cause: EntryVanished."""
+    snap: Path | None = None
+    try:
+        snap = fsutil.reserve_tmp(_private_so_dir() / f"{name}.o")
+        with open(snap, "wb") as f:
+            f.write(data)
+        return snap
+    except OSError as e:
+        if snap is not None:
+            try:
+                os.unlink(snap)  # no partial copy left behind
+            except OSError:
+                pass
+        from quack.cache.problems import warn_once
+
+        code = errno.errorcode.get(e.errno or 0, "")
+        where = snap.parent if snap is not None else "the temp directory"
+        warn_once(
+            f"snapshot:{code or e}",
+            f"quack: could not write a private copy of a cached kernel's object to load it "
+            f"({code + ': ' if code else ''}{e.strerror or e}, in {where}); such entries are "
+            f"misses until the temp directory (TMPDIR) can take them",
+        )
+        raise EntryVanished(f"no private copy of {name}.o could be written ({e})") from None
+
+
+@contextlib.contextmanager
+def private_copy(data: bytes, name: str) -> Iterator[Path]:
+    """A path to a private, read-only copy of verified object bytes, for the linker and
+    cutlass's loader, which take a file name: a sealed memory file where the system has
+    them (no disk needed), else a file of this process's private temp directory, gone
+    when the block ends. Raises EntryVanished (with one CacheWarning) when neither can
+    be had: loading whatever the name points at later would not be loading what was
+    verified, so the entry is a miss instead."""
+    fd = _sealed_memfd(data, name)
+    if fd is not None:
+        try:
+            yield Path(_fd_path(fd))
+        finally:
+            os.close(fd)
+        return
+    snap = _tmp_copy(data, name)
+    try:
+        yield snap
+    finally:
+        try:
+            os.unlink(snap)
+        except OSError:
+            pass
+
+
+def snapshot_object(entry) -> contextlib.AbstractContextManager[Path]:
+    """A private copy of the entry's .o whose bytes match the metadata's digest, read
+    once without following symlinks: what gets linked or loaded is what was verified,
+    even if a clean or a rebuild touches the cache meanwhile. A context manager yielding
+    its path (``private_copy``). Raises EntryVanished."""
+    return private_copy(_verified_bytes(entry), entry.ref.key)
 
 
 def load_entry(store: Store, entry: Entry):
@@ -207,22 +302,38 @@ def load_entry(store: Store, entry: Entry):
             return fn, mod, "so"
         except Exception:  # noqa: BLE001 - gone or bad derived .so: fall back to the verified .o
             pass
-    snap = snapshot_object(entry)
-    try:
-        so = link_entry(store, entry, obj=snap)
-        if so is not None:
-            try:
-                fn, mod = load_so(so)
-                return fn, mod, "so"
-            except Exception:  # noqa: BLE001
-                pass
-        fn, mod = load_object(snap)
-        return fn, mod, "o"
-    finally:
+    with snapshot_object(entry) as snap:
+        return _link_and_load(store, entry, snap)
+
+
+def _link_and_load(store: Store, entry: Entry, snap: Path):
+    """(callable, module, how) for the verified copy ``snap`` of ``entry``'s object: a
+    .so linked from it (into ``store`` or the private temp directory), else ``snap``
+    itself through CuTe DSL."""
+    so = link_entry(store, entry, obj=snap)
+    if so is not None:
         try:
-            os.unlink(snap)
-        except OSError:
+            fn, mod = load_so(so)
+            return fn, mod, "so"
+        except Exception:  # noqa: BLE001
             pass
+    fn, mod = load_object(snap)
+    return fn, mod, "o"
+
+
+def load_fetched(ref, data: bytes):
+    """(callable, module, how) for a read-only tier's object (a remote's: ``data``, the
+    bytes the tier verified against its signed record) that the local store can't take
+    (read-only, full): loaded from a private copy of those very bytes, its .so linked
+    into the private temp directory, as an in-place entry is with no cache to keep one
+    in. Dropping it left a valid, signed object unused (KernelNotPrebuilt, or a compile
+    in this process). Raises EntryVanished (no private copy could be made)."""
+    from quack.cache.entry import Entry
+
+    with private_copy(data, ref.key) as snap:
+        entry = Entry(ref, {"sha256": hashlib.sha256(data).hexdigest()}, snap, None)
+        # _NoCache answers only writable() (False), all link_entry asks of such a cache.
+        return _link_and_load(cast("Store", _NoCache()), entry, snap)
 
 
 class _NoCache:

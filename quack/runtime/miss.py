@@ -41,7 +41,8 @@ def from_tiers(k: JitKernel, ref, store, params, key, arch, s) -> Loaded | None:
     """The read-only tiers, in order (quack.runtime.tiers). An in-place tier's entry
     (installed bundles: already on this machine, verified where it lies) is loaded
     where it is, so it serves a read-only or disabled cache too; any other tier's hit
-    is published into the local store, then loaded from there."""
+    is published into the local store, then loaded from there, or, when the store
+    can't take it (read-only, full), loaded unstored from its verified bytes."""
     from quack.cache.contract import InPlaceTier
     from quack.runtime import loader, tiers
 
@@ -62,16 +63,44 @@ def from_tiers(k: JitKernel, ref, store, params, key, arch, s) -> Loaded | None:
             log.debug("tier %s: hit %s %s (%s)", loaded.tier, k.spec.name, key[:16], how)
             return loaded
         if store is None:
-            continue  # nowhere to publish a fetched copy
-        entry, name = tiers.fetch_into(store, ref, (tier,))
+            continue  # the cache is disabled or unusable: no local lookups, no fetches
+        got = tiers.fetch_one(tier, ref)
+        if got is None:
+            continue
+        entry = tiers.publish_fetched(store, got)
         if entry is not None:
+            log.info("tier %s: hit %s %s, published into %s", tier.name, ref.kernel, key[:16], store.root)
             try:
                 loaded = load(store, entry, params, key, arch, miss=True)
-                loaded.tier = name
+                loaded.tier = tier.name
                 return loaded
             except EntryVanished:
-                log.info("tier %s: %s %s vanished before loading", name, k.spec.name, key[:16])
+                log.info("tier %s: %s %s vanished before loading", tier.name, k.spec.name, key[:16])
+        # Not stored (a read-only or full cache) or evicted at once: the bytes in hand
+        # are verified (signed by a trusted key), so they are loaded as they are. Dropped,
+        # they cost a KernelNotPrebuilt with no reason, or a compile in this process.
+        unstored = load_unstored(got, params, key, arch, tier.name)
+        if unstored is not None:
+            return unstored
     return None
+
+
+def load_unstored(got, params, key, arch, tier_name: str) -> Loaded | None:
+    """A read-only tier's verified object the local store did not keep, loaded from a
+    private copy of its bytes (quack.runtime.loader.load_fetched); None when no such copy
+    can be made (warned about once), a miss."""
+    from quack.runtime import loader
+
+    t0 = time.perf_counter()
+    try:
+        fn, module, how = loader.load_fetched(got.ref, got.data)
+    except EntryVanished:
+        return None
+    loaded = Loaded(fn, module, key, params, arch, how, tier=tier_name)
+    loaded.load_s = time.perf_counter() - t0
+    loaded.misses = 1
+    log.info("tier %s: %s %s loaded unstored (%s)", tier_name, got.ref.kernel, key[:16], how)
+    return loaded
 
 
 def on_miss(k: JitKernel, ref, store, params, key, s, unusable: str) -> Loaded:

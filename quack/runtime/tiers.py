@@ -9,7 +9,9 @@ local and compile sit the read-only tiers (quack.cache.contract.ReadTier),
 consulted in ``order``. A tier hit is published into the local store through
 its one atomic publish (lock, temp file, ``Store.publish``: metadata last), so
 the next lookup, in this or any process, is a local hit and the loader only
-ever loads verified local entries.
+ever loads verified local entries. A hit the store can't take (read-only, full)
+is loaded unstored from a private copy of its verified bytes
+(quack.runtime.loader.load_fetched), never dropped.
 
 Adding a tier: ``register_tier("remote", factory, order=REMOTE)``, where
 ``factory(settings)`` returns a ReadTier or None (not configured). Factories
@@ -92,26 +94,37 @@ def read_tiers(settings: Settings) -> tuple[ReadTier, ...]:
     return out
 
 
+def fetch_one(tier: ReadTier, ref: EntryRef) -> Fetched | None:
+    """One read-only tier's verified object for ``ref``, or None. Never raises: a tier
+    that raises (a bug: the contract says None) is a miss with one warning, and an
+    object for another ref is ignored."""
+    try:
+        got = tier.fetch(ref)
+    except Exception as e:  # noqa: BLE001 - the contract says None; a bug is a miss + warning
+        from quack.cache.problems import warn_once
+
+        warn_once(
+            f"tier-bug:{tier.name}",
+            f"quack: cache tier {tier.name!r} raised {type(e).__name__}: {e}; treating it as a miss",
+        )
+        return None
+    if got is None:
+        log.debug("tier %s: miss %s %s", tier.name, ref.kernel, ref.key[:16])
+        return None
+    if got.ref != ref:
+        log.warning("tier %s returned %s for %s; ignored", tier.name, got.ref.key[:16], ref.key[:16])
+        return None
+    return got
+
+
 def fetch_into(store: Store, ref: EntryRef, tiers: tuple[ReadTier, ...]) -> tuple[Entry | None, str]:
     """Ask each read-only tier in turn; publish the first hit into ``store``.
     Returns (entry, tier name) or (None, ""). Never raises for a cache problem: a
-    tier that fails, or a local store that can't take the object, is a miss."""
+    tier that fails, or a local store that can't take the object, is a miss (the
+    runtime's chain, quack.runtime.miss, loads such an object unstored instead)."""
     for tier in tiers:
-        try:
-            got = tier.fetch(ref)
-        except Exception as e:  # noqa: BLE001 - the contract says None; a bug is a miss + warning
-            from quack.cache.problems import warn_once
-
-            warn_once(
-                f"tier-bug:{tier.name}",
-                f"quack: cache tier {tier.name!r} raised {type(e).__name__}: {e}; treating it as a miss",
-            )
-            continue
+        got = fetch_one(tier, ref)
         if got is None:
-            log.debug("tier %s: miss %s %s", tier.name, ref.kernel, ref.key[:16])
-            continue
-        if got.ref != ref:
-            log.warning("tier %s returned %s for %s; ignored", tier.name, got.ref.key[:16], ref.key[:16])
             continue
         entry = publish_fetched(store, got)
         if entry is not None:
@@ -126,7 +139,7 @@ def publish_fetched(store: Store, got: Fetched) -> Entry | None:
     ref = got.ref
     if not store.writable():
         log.info(
-            "tier %s: hit %s %s, but %s is not writable; skipped",
+            "tier %s: hit %s %s, but %s is not writable; not stored",
             got.source,
             ref.kernel,
             ref.key[:16],

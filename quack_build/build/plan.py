@@ -4,13 +4,13 @@ the cache's metadata, else the usage journal) and the kernel's mean for unknown 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from quack.cache import fsutil, journal
 from quack.cache.store import LAYOUT, DiskStore
 from quack.compile import builder
+from quack.safejson import safe_loads
 from quack_build.build.results import CACHED, Task
 from quack_build.manifest.config import BuildConfig
 
@@ -65,7 +65,7 @@ class PastTimes:
             try:
                 # No-follow, non-blocking, regular files only: a FIFO planted as an old
                 # fingerprint's metadata hung `quack build` here before any compile.
-                v = json.loads(fsutil.read_nofollow(Path(fp, key + ".json"))).get("compile_s")
+                v = safe_loads(fsutil.read_nofollow(Path(fp, key + ".json"))).get("compile_s")
             except (OSError, ValueError, AttributeError):
                 continue
             if isinstance(v, (int, float)) and v > 0:
