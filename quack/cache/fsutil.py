@@ -343,6 +343,35 @@ def process_state(pid: int) -> str | None:
     return fields[0].decode("ascii", "replace") if paren and fields else None
 
 
+def remove_tree(path: Path) -> int:
+    """Remove the directory ``path`` (one planted where the cache has a file) and all it
+    holds, following no symbolic link: one inside is unlinked, one at ``path`` itself
+    refused (shutil.rmtree's descriptor-based walk). Returns the bytes it held. Raises
+    NotADirectoryError when ``path`` is not a directory (no longer: replaced meanwhile),
+    OSError where this platform's rmtree could follow links, or its failure."""
+    import shutil
+
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    if not shutil.rmtree.avoids_symlink_attacks:
+        raise OSError(errno.EPERM, "not removed: this platform's rmtree may follow links", str(path))
+    size = tree_bytes(path)
+    shutil.rmtree(path)
+    return size
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of what the directory ``path`` holds (lstat: links not followed)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):  # never into a linked directory
+        for name in dirnames + filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def fsync_path(path: Path, directory: bool = False) -> None:
     fd = os.open(
         path, os.O_RDONLY | os.O_NOFOLLOW | (os.O_DIRECTORY if directory else 0) | getattr(os, "O_CLOEXEC", 0)
