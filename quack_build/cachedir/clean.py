@@ -252,7 +252,7 @@ def clean(
         if now - mtime > SCRATCH_MAX_AGE:
             c._unlink(path, size, "temp file of a killed link")
     logs = Path(root) / "logs"
-    if logs.is_dir():
+    if logs.is_dir() and not logs.is_symlink():  # a planted link (or file) is unlinked above
         for e in os.scandir(logs):
             if not LOG_NAME.fullmatch(e.name):
                 continue  # not a build log of ours: a shared root's other tool (issue 27)

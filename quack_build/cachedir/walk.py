@@ -260,16 +260,25 @@ def planted(root: Path) -> list[tuple[Path, str]]:
     links anywhere in ``v1/`` (in place of a stamp, kernel or fingerprint directory, or
     of an entry or lock file), non-directories where the layout has directories, and
     directories, FIFOs, sockets and device nodes where it has files; ``v1/``, ``quarantine/``,
-    ``logs/``, ``tmp/`` themselves as links; the journal and the remote stats file as
+    ``logs/``, ``tmp/`` themselves as links or non-directories; the journal and the remote stats file as
     links or non-regular files. Each is (path, what it is). The store refuses to use
     them; ``quack cache clean`` removes them (with unlink: a link's target is never
     touched, a FIFO never opened, which would block; a directory with what it holds,
     following no link in it)."""
     out: list[tuple[Path, str]] = []
     root = Path(root)
-    for name in (LAYOUT, "quarantine", "logs", "tmp"):
-        if os.path.islink(root / name):
+    for name in (LAYOUT, "quarantine", "logs", SCRATCH):
+        try:
+            mode = os.lstat(root / name).st_mode
+        except OSError:
+            continue
+        if stat.S_ISLNK(mode):
             out.append((root / name, "symbolic link"))
+        elif not stat.S_ISDIR(mode):
+            # A file at tmp/ made every link fail (the store refuses the scratch directory)
+            # and every process load its kernels through the compiler's runtime: unreported,
+            # and `clean` left it.
+            out.append((root / name, "not a directory"))
     for name in (JOURNAL, STATS_FILE):
         try:
             mode = os.lstat(root / name).st_mode
