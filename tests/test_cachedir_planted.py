@@ -235,3 +235,65 @@ def test_journal_records_with_malformed_fields_are_skipped(proj):
     assert r.returncode == 0 and "slowest compiles" in r.stdout, r.stderr
     r = _q(["prewarm", "-n", "--since", "0"], proj)
     assert r.returncode == 0 and "prewarm: 1 journal records, 1 configurations used" in r.stdout, r.stderr
+
+
+def test_a_directory_at_an_entry_file_is_quarantined_once_and_clean_removes_it(proj, tmp_path):
+    """A directory at ``<key>.json``: the runtime quarantines the entry with one warning.
+    It used to move the directory into quarantine/, and then every `quack cache clean`
+    failed on it ("Is a directory", exit 1) and `stats` counted it for ever; planted()
+    did not name a directory at a file's name, so clean never removed one either. No link
+    inside such a directory is ever followed."""
+    import warnings
+
+    from quack.cache.entry import EntryRef
+    from quack.cache.store import DiskStore
+    from quack.errors import CacheWarning
+
+    root, d = proj["root"], proj["fpdir"]
+    outside = tmp_path / "outside.txt"
+    outside.write_text("not the cache's")
+
+    def plant(path: Path) -> None:
+        path.unlink()
+        path.mkdir()
+        (path / "inner").write_bytes(b"y" * 10)
+        (path / "link").symlink_to(outside)  # unlinked, its target never touched
+        (path / "linked_dir").symlink_to(tmp_path, target_is_directory=True)
+
+    plant(d / f"{_key(0)}.json")
+    plant(d / f"{_key(1)}.lock")
+    legacy = root / "quarantine" / f"{keys.toolchain_stamp('sm_90a')}-{_key(2)}-1.json"
+    legacy.mkdir(parents=True)  # what an older quack moved into quarantine/
+    (legacy / "inner").write_bytes(b"z")
+
+    r = _q(["cache", "stats", "--json"], proj)
+    assert r.returncode == 0, r.stderr
+    got = {Path(x["path"]): x["what"] for x in json.loads(r.stdout)["planted"]}
+    assert got == {
+        d / f"{_key(0)}.json": "directory where a file belongs",
+        d / f"{_key(1)}.lock": "directory where a file belongs",
+    }
+
+    ref = EntryRef("toy_scale", _key(0), "sm_90a", d.name)
+    store = DiskStore(root)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert store.lookup(ref) is None
+        assert store.lookup(ref) is None  # a plain miss now: nothing left to quarantine
+    msgs = [str(x.message) for x in w if issubclass(x.category, CacheWarning)]
+    assert len(msgs) == 1 and "was corrupt" in msgs[0], msgs
+    assert not os.path.lexists(d / f"{_key(0)}.json")
+    quarantined = sorted(p.name for p in (root / "quarantine").iterdir())
+    assert not [n for n in quarantined if (root / "quarantine" / n).is_dir() and _key(0) in n], quarantined
+    reason = next((root / "quarantine").glob(f"*{_key(0)}*.reason")).read_text()
+    assert "a directory, removed rather than kept here" in reason, reason
+
+    for _ in range(2):  # and not again on the next clean
+        r = _q(["cache", "clean"], proj)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert "Is a directory" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert not os.path.lexists(d / f"{_key(1)}.lock") and not os.path.lexists(legacy)
+    assert outside.read_text() == "not the cache's" and tmp_path.is_dir()
+    r = _q(["cache", "stats", "--json"], proj)
+    info = json.loads(r.stdout)
+    assert info["planted"] == [] and info["debris"]["quarantined_files"] == 0, info["debris"]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -158,3 +159,111 @@ def test_stats_counts_build_compiles_and_says_where(tmp_path, obj):
     assert " 2/0 " in row, out
     rc, out = _q(["prewarm", "--dry-run"], proj, obj)
     assert rc == 0 and "0 configurations used" in out, out
+
+
+# -- a link the cache refuses: one warning, not a silent second-long load -------------------
+_LOAD_TWO = """
+import json, warnings
+import relkernels
+with warnings.catch_warnings(record=True) as w:
+    warnings.simplefilter("always")
+    relkernels.rel_copy(1)
+    relkernels.rel_copy(2)
+print(json.dumps({
+    "warnings": [str(x.message) for x in w if x.category.__name__ == "CacheWarning"],
+    "how": sorted(u["how"] for u in relkernels.rel_copy.usage()),
+}))
+"""
+
+
+def _load_two(proj: Path, obj: str, **extra) -> dict:
+    """Load both built entries in a fresh process: its CacheWarnings and how each loaded."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", _LOAD_TWO],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env(QUACK_CACHE_DIR=proj / "cache", QUACK_TEST_OBJ=obj, **extra),
+    )
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _built_without_so(tmp_path: Path, obj: str) -> Path:
+    """Two built entries whose .so is gone (pulled from a remote, or cleaned): the next
+    load links it."""
+    if shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the .so path is not used")
+    proj = _built(tmp_path, obj)
+    for p in (proj / "cache" / "v1").glob("*/rel_copy/*/*.so*"):
+        p.unlink()
+    return proj
+
+
+def test_a_planted_scratch_file_fails_every_link_warns_once_and_clean_removes_it(tmp_path, obj):
+    """A regular file at ``<cache>/tmp`` (the linker's scratch directory): every link failed
+    silently, so every process loaded its kernels through CuTe DSL's runtime (~1.3 s, the
+    compiler imported) with no word of why; `stats` did not name the file, `clean` left
+    it. Also ``quarantine`` and ``logs`` as files: named and removed."""
+    proj = _built_without_so(tmp_path, obj)
+    root = proj / "cache"
+    shutil.rmtree(root / "tmp")
+    (root / "tmp").write_text("x")
+    (root / "quarantine").write_text("x")
+    if (root / "logs").is_dir():
+        shutil.rmtree(root / "logs")
+    (root / "logs").write_text("x")
+
+    got = _load_two(proj, obj)
+    assert got["how"] == ["o", "o"], got
+    assert len(got["warnings"]) == 1, got  # once per cache, not per kernel
+    msg = got["warnings"][0]
+    assert str(root / "tmp") in msg and "cannot be linked into .so files" in msg, msg
+    assert "imports the compiler in every process" in msg and "quack cache clean" in msg, msg
+    assert not list(root.glob("v1/*/rel_copy/*/*.so")), "a link went through after all"
+
+    rc, out = _q(["cache", "stats", "--json"], proj, obj)
+    assert rc == 0, out
+    assert {(x["path"], x["what"]) for x in json.loads(out)["planted"]} == {
+        (str(root / name), "not a directory") for name in ("tmp", "quarantine", "logs")
+    }
+    rc, out = _q(["cache", "clean"], proj, obj)  # the advice the warning gives
+    assert rc == 0 and "planted not a directory" in out, out
+    assert not any(os.path.lexists(root / name) for name in ("tmp", "quarantine", "logs"))
+
+    got = _load_two(proj, obj)
+    assert got == {"warnings": [], "how": ["so", "so"]}, got
+    assert len(list(root.glob("v1/*/rel_copy/*/*.so"))) == 2
+
+
+def _fake_cc(tmp_path: Path, stderr: str) -> Path:
+    """A C compiler that fails as the real one does (its message on stderr, exit 1), and
+    records the locale it ran under."""
+    cc = tmp_path / "failing-cc"
+    cc.write_text(
+        f'#!/bin/sh\nprintf "%s\\n" "${{LC_ALL:-unset}}" >> "{tmp_path / "cc-locale"}"\n'
+        f"echo '{stderr}' >&2\nexit 1\n"
+    )
+    cc.chmod(0o755)
+    return cc
+
+
+def test_a_link_a_full_disk_refused_warns_once_and_another_failure_does_not(tmp_path, obj):
+    """ld's only sign of a full disk is its message: the link ran untranslated (LC_ALL=C)
+    and the warning names the cause and the fix. A link failing for a reason of the
+    toolchain's (not the cache's) is logged, not warned about."""
+    proj = _built_without_so(tmp_path, obj)
+    full = _fake_cc(tmp_path, "/usr/bin/ld: final link failed: No space left on device")
+    got = _load_two(proj, obj, CC=full)
+    assert got["how"] == ["o", "o"] and len(got["warnings"]) == 1, got
+    msg = got["warnings"][0]
+    assert "disk full" in msg and "quack cache clean --max-size" in msg, msg
+    assert str(proj / "cache") in msg, msg
+    assert set((tmp_path / "cc-locale").read_text().split()) == {"C"}
+
+    other = _fake_cc(tmp_path, "/usr/bin/ld: cannot find -lcute_dsl_runtime")
+    got = _load_two(proj, obj, CC=other)
+    assert got == {"warnings": [], "how": ["o", "o"]}, got

@@ -2,7 +2,10 @@
 pid only, as `kill` or a CI runner's cancel sends it) end `quack build` in every phase:
 exit 130 / 143, no traceback, no entry of the interrupted keys, no process left in the
 build's session. Each phase is reached by an event (a marker the gate package writes
-where it stops), with the CPUs oversubscribed on purpose (busy_machine)."""
+where it stops), with the CPUs oversubscribed on purpose (busy_machine). SIGTERM and
+SIGHUP to the whole process group (systemd's stop, `timeout`, a CI job's kill, a closed
+terminal) reach the compile workers and the forkserver too: the build still ends them
+itself and sweeps their temp files (exit 143 / 129)."""
 
 from __future__ import annotations
 
@@ -39,8 +42,8 @@ def _start(tmp_path: Path, block: str, **extra: str):
     return p, cache, marks
 
 
-def _stop(p: subprocess.Popen, sig: int) -> str:
-    if sig == signal.SIGINT:
+def _stop(p: subprocess.Popen, sig: int, group: bool = False) -> str:
+    if sig == signal.SIGINT or group:
         os.killpg(p.pid, sig)
     else:
         os.kill(p.pid, sig)
@@ -63,6 +66,30 @@ def _check_ended_cleanly(p, out: str, sig: int, cache: Path, marks: Path) -> Non
     assert "interrupted" in out, out[-3000:]
     assert not list(cache.glob("v1/*/qgate/*/*.o")), "an object of an interrupted key was left"
     assert not list(cache.glob("v1/*/qgate/*/*.tmp-*"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+def test_a_signal_to_the_process_group_mid_compile_leaves_no_temp_file(tmp_path, sig):
+    """Both workers hold a reserved temp object (``<key>.o.tmp-<worker pid>-...``) when the
+    signal reaches the whole group. It used to kill the workers and the forkserver with the
+    build: the forkserver's death made join() return before the workers were gone, the
+    sweep took them (zombies) for live writers and left both temp files, and the summary
+    still said "no partial entries were left"; SIGHUP killed the build with no cleanup and
+    no summary (exit 129)."""
+    p, cache, marks = _start(tmp_path, "compile")
+    try:
+        # The gate writes its marker inside the compile, after the worker reserved its
+        # temp object: both workers are mid-compile with a temp file on disk.
+        assert wait_for(lambda: len(list(marks.glob("compile-*"))) >= 2, scaled(120)), "no compile started"
+        tmps = list(cache.glob("v1/*/qgate/*/*.o.tmp-*"))
+        assert len(tmps) == 2, tmps
+        out = _stop(p, sig, group=True)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate(timeout=60)
+    _check_ended_cleanly(p, out, sig, cache, marks)
+    assert "0 compiled before the stop; 2 not built (no partial entries were left)" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -141,3 +168,89 @@ def test_ctrl_c_during_the_pull_stops_the_build(tmp_path):
     ).run()
     assert res.interrupted and not ex.started
     assert res.count(results.INTERRUPTED) == 2 and not res.ok
+
+
+class _StuckWorkerExecutor:
+    """One "worker" (a real child process, ``proc``) holding a temp object of the key it
+    was given when Ctrl-C comes; ``cancel`` kills it (``kill``) and does not reap it (a
+    forkserver's worker is the forkserver's child, not the build's), or leaves it running
+    (a worker stuck in the kernel)."""
+
+    name = "stuck"
+    jobs = 1
+    start_s = 0.0
+
+    def __init__(self, store: DiskStore, proc: subprocess.Popen, kill: bool):
+        self.store, self.proc, self.kill = store, proc, kill
+        self.tmp: Path | None = None
+
+    def start(self, n):
+        pass
+
+    def submit(self, item):
+        from quack.compile import builder
+
+        ref = builder.entry_ref(item.spec, item.bound, item.arch)
+        d = self.store.paths(ref)["obj"].parent
+        d.mkdir(parents=True, exist_ok=True)
+        self.tmp = d / f"{ref.key}.o.tmp-{self.proc.pid}-0badcafe"
+        self.tmp.write_bytes(b"half an object")
+
+    def poll(self, timeout):
+        raise KeyboardInterrupt
+
+    def worker_pids(self):
+        return [self.proc.pid]
+
+    def cancel(self):
+        if self.kill:
+            os.kill(self.proc.pid, signal.SIGKILL)  # not reaped: a zombie until Popen.wait
+
+    def close(self):
+        pass
+
+
+def _interrupted_build(tmp_path, monkeypatch, kill: bool):
+    import io
+
+    from rich.console import Console
+    from test_build_scheduler import _cfg
+
+    from quack_build.build import progress
+
+    monkeypatch.setattr(scheduler, "WORKERS_GONE_S", scaled(2.0) if kill else 0.2)
+    store = DiskStore(tmp_path / "cache", fsync=False)
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        ex = _StuckWorkerExecutor(store, proc, kill)
+        tasks = planning.plan([_cfg(32)], store)
+        res = scheduler.BuildSession(tasks, store, scheduler.BuildOptions(jobs=1, executor=ex)).run()
+        con = Console(file=io.StringIO(), width=300)
+        progress.print_summary(con, res)
+        assert ex.tmp is not None
+        return res, con.file.getvalue(), ex.tmp
+    finally:
+        proc.kill()
+        proc.stdin.close()
+        proc.wait(60)
+
+
+def test_an_interrupted_build_sweeps_the_temp_file_of_a_worker_it_killed(tmp_path, monkeypatch):
+    """The killed worker is a zombie when the sweep runs: kill(pid, 0) still answers for a
+    zombie, so "is its writer alive" said yes and the temp object stayed, while the
+    summary said no partial entry was left."""
+    res, out, tmp = _interrupted_build(tmp_path, monkeypatch, kill=True)
+    assert res.interrupted and res.partial_left == []
+    assert not tmp.exists()
+    assert "not built (no partial entries were left)" in out, out
+
+
+def test_an_interrupted_build_names_what_a_worker_still_alive_left(tmp_path, monkeypatch):
+    """A worker that does not end within the bounded wait keeps its temp file (it may still
+    write it), and the summary says so instead of "no partial entries were left"."""
+    res, out, tmp = _interrupted_build(tmp_path, monkeypatch, kill=False)
+    assert tmp.exists() and res.partial_left == [str(tmp)]
+    assert res.to_json()["partial_left"] == [str(tmp)]
+    assert "no partial entries" not in out, out
+    assert "1 partial file left, which `quack cache clean` removes once the writer has ended" in out
+    assert str(tmp) in out

@@ -162,6 +162,45 @@ def test_killed_process_takes_its_forkserver_and_busy_worker_with_it(tmp_path):
             proc.wait(30)
 
 
+def test_sigterm_to_the_group_of_a_process_using_the_pool_still_ends_its_processes(tmp_path):
+    """Workers and the forkserver ignore a SIGTERM sent to the whole process group (a
+    `quack build` ends them itself, then sweeps their temp files). A process that does
+    not handle SIGTERM (pytest under `timeout`) dies of it and ends them no more: the
+    forkserver still ends at once (its clients are gone), the busy worker within what
+    is left of its compile time-out (10 s here), as after a SIGKILL of the process."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=TESTS,
+        start_new_session=True,  # its own group: the signal goes to it, not to pytest
+        env=env(
+            QUACK_CACHE_DIR=tmp_path / "cache",
+            QUACK_MODE="jit",
+            QUACK_COMPILE_JOBS=1,
+            QUACK_COMPILE_TIMEOUT=10,
+            QUACK_TEST_COMPILE_SLEEP=600,
+            QUACK_TEST_OBJ="/nonexistent",
+        ),
+    )
+    try:
+        line = proc.stdout.readline()  # bounded: the script gives up after 120 s
+        forkserver_pid, worker_pid = (int(x) for x in line.split())
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(30) == -signal.SIGTERM
+        # the worker mid-compile ignored it: its time-out, not the signal, ends it
+        assert _alive(worker_pid)
+        assert _gone_within([forkserver_pid], 30) == []
+        assert _gone_within([worker_pid], 60) == []
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(30)
+
+
 _IN_PRELOAD = """
 import os, time
 from multiprocessing import forkserver

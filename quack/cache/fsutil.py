@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import stat
+import time
 import uuid
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Iterable
 
 from quack.errors import CacheError
 
@@ -284,15 +286,90 @@ def tmp_owner_pid(name: str) -> int | None:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether ``pid`` may still write: False once it is gone or a zombie (or dying: it
+    runs no more user code). A zombie answers ``kill(pid, 0)``: counted alive, a killed
+    compile worker whose parent had not reaped it yet kept its temp files from the
+    sweep of the build that had just killed it."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # exists, owned by someone else
+        pass  # exists, owned by someone else: its state still tells a zombie
     except OSError:
         return True  # can't tell: assume alive, so its files are left alone
-    return True
+    return process_state(pid) not in ("Z", "X", "x")
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> set[int]:
+    """Wait at most ``timeout`` seconds for each of ``pids`` (processes that were sent
+    SIGKILL) to be gone (ended, or a zombie: its files are closed); returns the ones
+    still alive then. Woken by each process's exit through a pidfd where the kernel has
+    them (Linux 5.3), else by a short poll: they need not be our children, so there is
+    no waitpid (a forkserver's workers are its children)."""
+    deadline = time.monotonic() + timeout
+    left = {pid for pid in pids if pid_alive(pid)}
+    for pid in sorted(left):
+        try:
+            fd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            fd = None
+        try:
+            while pid_alive(pid):
+                rest = deadline - time.monotonic()
+                if rest <= 0:
+                    break
+                if fd is not None:
+                    select.select([fd], [], [], min(rest, 0.1))  # readable once it exited
+                else:
+                    time.sleep(min(rest, 0.01))
+        finally:
+            if fd is not None:
+                os.close(fd)
+    return {pid for pid in left if pid_alive(pid)}
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of ``pid`` from ``/proc/<pid>/stat`` ("R", "S", "Z" for a
+    zombie, ...), or None where there is no procfs or no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # "pid (comm) state ...": comm may hold spaces and parentheses, so split after the last ")"
+    _, paren, rest = stat.rpartition(b")")
+    fields = rest.split()
+    return fields[0].decode("ascii", "replace") if paren and fields else None
+
+
+def remove_tree(path: Path) -> int:
+    """Remove the directory ``path`` (one planted where the cache has a file) and all it
+    holds, following no symbolic link: one inside is unlinked, one at ``path`` itself
+    refused (shutil.rmtree's descriptor-based walk). Returns the bytes it held. Raises
+    NotADirectoryError when ``path`` is not a directory (no longer: replaced meanwhile),
+    OSError where this platform's rmtree could follow links, or its failure."""
+    import shutil
+
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(path))
+    if not shutil.rmtree.avoids_symlink_attacks:
+        raise OSError(errno.EPERM, "not removed: this platform's rmtree may follow links", str(path))
+    size = tree_bytes(path)
+    shutil.rmtree(path)
+    return size
+
+
+def tree_bytes(path: Path) -> int:
+    """The bytes of what the directory ``path`` holds (lstat: links not followed)."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):  # never into a linked directory
+        for name in dirnames + filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+            except OSError:
+                pass
+    return total
 
 
 def fsync_path(path: Path, directory: bool = False) -> None:

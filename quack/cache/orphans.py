@@ -18,7 +18,8 @@ The rule: a file an interrupted writer left is debris once it is at least
 
 ``grace`` (default ``GRACE``, a minute) spares files whose writer may just
 have died and whose pid may be reused; callers that know the writer is dead
-(the build that killed its own workers, tests) pass 0. Lock files are never
+(the build that killed its own workers, tests) pass 0, and the build names its
+workers' pids (``writers_gone``) once it has seen them end. Lock files are never
 removed here, symlinks are never followed or removed."""
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ def sweep_dir(
     now: float | None = None,
     remove: Remover | None = None,
     dry_run: bool = False,
+    writers_gone: Collection[int] = (),
 ) -> list[tuple[Path, int, str]]:
     """Remove the debris of one fingerprint directory (only keys in ``stems``, if
     given). ``remove`` does the unlinking (default: quiet unlink; a dry run calls
-    nothing). Returns (path, size, why) for each file removed or removable."""
+    nothing). ``writers_gone``: pids the caller knows ended (the build's own workers,
+    killed and waited for): their temp files are debris whatever their age, without
+    asking whether the pid lives (it may already name another process). Returns
+    (path, size, why) for each file removed or removable."""
     now = time.time() if now is None else now
     out: list[tuple[Path, int, str]] = []
 
@@ -92,7 +97,7 @@ def sweep_dir(
         if stems is not None and stem not in stems:
             continue
         if pid is not None:
-            if tmp_is_orphan(pid, st.st_mtime, now, grace):
+            if pid in writers_gone or tmp_is_orphan(pid, st.st_mtime, now, grace):
                 drop(path, st.st_size, "orphaned temp file")
         elif stem in seen or now - st.st_mtime < grace:
             continue

@@ -20,6 +20,12 @@ _WRITE_REASONS = {
 }
 
 
+def write_reason(code: int | None) -> str | None:
+    """What errno ``code`` says of the cache's disk ("disk full", "read-only file system",
+    ...), or None when it is no refused write (then the failure is not the cache's)."""
+    return _WRITE_REASONS.get(code or 0)
+
+
 def write_error(e: OSError, root: Path, what: str) -> CacheWriteError:
     """A clear error for a failed cache write, naming the cache directory."""
     if isinstance(e, CacheWriteError):

@@ -14,6 +14,7 @@ import errno
 import hashlib
 import json
 import os
+import stat
 import time
 import warnings
 from contextlib import contextmanager
@@ -263,10 +264,27 @@ class DiskStore:
         qdir = fsutil.ensure_dir(self.root / "quarantine", self.root)
         tag = f"{keys.safe_component(ref.stamp)}-{keys.safe_component(ref.key)}-{int(time.time() * 1000)}"
         stem = keys.safe_component(ref.key)
+        removed = []
         for name, path in self.paths(ref).items():
             if name == "lock":
                 continue
             try:
+                is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+            except OSError:
+                continue  # not there
+            if is_dir:
+                # A directory planted at a file's name is removed, not moved: moved into
+                # quarantine/ it made every `quack cache clean` fail on it ("Is a
+                # directory", exit 1) and `stats` count it for ever. Nothing inside is
+                # followed (fsutil.remove_tree); what can't be removed is left, and the
+                # next lookup says so again.
+                try:
+                    fsutil.remove_tree(path)
+                    removed.append(path.name)
+                except OSError:
+                    pass
+                continue
+            try:  # a regular file, a link or a FIFO: moved as it is, never followed nor opened
                 os.replace(path, qdir / f"{tag}{path.name[len(stem) :]}")
             except FileNotFoundError:
                 pass
@@ -275,6 +293,8 @@ class DiskStore:
                     os.unlink(path)
                 except OSError:
                     pass
+        if removed:
+            reason += f" ({', '.join(removed)}: a directory, removed rather than kept here)"
         fsutil.write_atomic(qdir / f"{tag}.reason", reason.encode(), fsync=False)
         return qdir / tag
 

@@ -16,8 +16,10 @@ def _preload() -> None:
     # This runs in the forkserver, which shares the terminal's process group: a Ctrl-C
     # must not kill it mid-import with a KeyboardInterrupt traceback on the user's
     # terminal. The parent decides what happens to compiles (it exits, and the
-    # forkserver follows when its pipe closes); workers ignore SIGINT likewise.
+    # forkserver follows when its pipe closes); workers ignore SIGINT likewise, and
+    # both ignore a SIGTERM or SIGHUP sent to the group.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _ignore_group_stops()
     # End with the parent even while the preload below runs (seconds, minutes on a loaded
     # machine): a killed parent runs no shutdown (quack.compile.lifeline). Only while it
     # runs: afterwards the forkserver's main loop watches the same pipe and exits cleanly.
@@ -32,6 +34,32 @@ def _preload() -> None:
         _load()
     finally:
         stop()
+
+
+def _ignore_group_stops() -> None:
+    """Ignore SIGTERM and SIGHUP sent to the whole process group (systemd's stop,
+    `timeout`, a CI job's kill, a closed terminal): the pool's process ends the
+    forkserver (quack.compile.worker.stop_forkserver), after its workers. A forkserver
+    that died first closed the pipes its clients' join() reads, which then returned (exit
+    255) before the worker had died, and the build's sweep of its temp files came too
+    early. The processes it forks for other users of multiprocessing's forkserver get the
+    default actions back (their ``terminate()`` still works); where multiprocessing's
+    internals differ from what is wrapped here, nothing is ignored."""
+    from multiprocessing import forkserver
+
+    serve_one = getattr(forkserver, "_serve_one", None)
+    if not callable(serve_one):
+        return
+    signals = (signal.SIGTERM, signal.SIGHUP)
+
+    def _serve_one(*args, **kwargs):  # in the forked child, before it runs its target
+        for sig in signals:
+            signal.signal(sig, signal.SIG_DFL)
+        return serve_one(*args, **kwargs)
+
+    forkserver._serve_one = _serve_one  # type: ignore[attr-defined]
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _load() -> None:

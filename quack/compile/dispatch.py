@@ -61,6 +61,9 @@ class Dispatcher:
         self._queue: list[Task] = []
         self._external: dict[tuple, Task] = {}
         self._workers: list[_Worker] = []
+        # every worker this dispatcher started, replaced ones too: whose temp files a
+        # stopped build may sweep once they are gone (quack_build.build.scheduler)
+        self.pids: list[int] = []
         self._want_workers = 0
         self._thread: threading.Thread | None = None
         self._wake_r: int = -1
@@ -191,6 +194,8 @@ class Dispatcher:
         proc, parent = worker.start_worker(self.start_method)
         with self.lock:
             self.counts["workers_started"] += 1
+            if proc.pid:
+                self.pids.append(proc.pid)
         log.debug("pool: started worker pid %s (%s)", proc.pid, self.start_method)
         return _Worker(proc, parent)
 

@@ -10,8 +10,9 @@ that it stayed too. Here:
 * a worker asks the kernel for SIGTERM when the thread that forked it ends
   (``PR_SET_PDEATHSIG``): the forkserver's main thread, or the pool's dispatcher thread
   under the fork and spawn start methods; then checks that its parent had not already
-  died between the fork and the request (the signal would never come). The signal
-  arms a kernel alarm (SIGALRM, default action: it ends the process even inside the
+  died between the fork and the request (the signal would never come). A SIGTERM that
+  comes while its parent lives (one sent to the process group) is ignored: the pool's
+  process ends its workers. The parent-death signal arms a kernel alarm (SIGALRM, default action: it ends the process even inside the
   compiler's C code) for what is left of the current compile's time-out: a compile
   that ends in time is still published whole for the next run, as the parent's pool
   would have allowed, and one that does not (wedged) ends with it, as the parent's pool
@@ -57,9 +58,11 @@ def die_with_parent(expected_ppid: int | None) -> None:
         return
 
     def on_term(signum, frame) -> None:
-        if os.getppid() == expected_ppid:  # a plain SIGTERM: its default action
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
+        if os.getppid() == expected_ppid:
+            # A plain SIGTERM, while the parent lives: ignored. One sent to the whole
+            # process group (systemd's stop, `timeout`, a CI job's kill) reaches the pool's
+            # process too, which kills its workers itself and then sweeps their temp
+            # files; a worker dying on its own meanwhile raced that sweep (quack.compile.worker).
             return
         left = None if _deadline is None else _deadline - time.monotonic()
         if left is None or left <= 0:

@@ -96,6 +96,11 @@ class CompilePool:
         joins the (already killed) processes."""
         self._dispatcher.shutdown(wait)
 
+    def worker_pids(self) -> list[int]:
+        """The pids of every worker this pool started (those replaced or killed too)."""
+        with self._lock:
+            return list(self._dispatcher.pids)
+
     def __enter__(self):
         return self
 

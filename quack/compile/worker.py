@@ -1,5 +1,6 @@
 """The compile worker process: the request it gets, its main loop, and how the
-pool starts one (GPU-blind, SIGINT ignored, without re-running the user's script).
+pool starts one (GPU-blind, SIGINT, SIGTERM and SIGHUP ignored, without re-running the
+user's script).
 
 A worker reads ``(fn, WorkerRequest)`` from its pipe, one task at a time, and answers
 ``("ok", report)`` or ``("err", exception)``; ``None`` or EOF ends it. The functions
@@ -124,13 +125,20 @@ def _worker_main(conn, parent_pid: int | None = None) -> None:
     """A compile worker: GPU-blind, one task at a time from ``conn`` until EOF.
     ``parent_pid``: the process that forks it (the forkserver, or the pool's process)."""
     # Killed with its parent: a busy worker of a killed process compiled on, re-parented
-    # to init, for as long as its compile took (quack.compile.lifeline).
+    # to init, for as long as its compile took (quack.compile.lifeline). Its SIGTERM
+    # handler ignores a SIGTERM while the parent lives; where it installs none, ignore it.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     lifeline.die_with_parent(parent_pid)
     forget_forkserver_in_child()  # a worker starts no process: it is no forkserver client
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    # The parent's SIGINT (Ctrl-C in the terminal) reaches the whole process group;
-    # the parent decides what happens to compiles, not the keyboard.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The parent's SIGINT (Ctrl-C in the terminal), SIGTERM (systemd's stop, `timeout`, a
+    # CI job's kill) and SIGHUP (a closed terminal) reach the whole process group; the
+    # pool's process decides what happens to compiles: it kills its workers itself, waits
+    # until they are gone and sweeps their temp files. A worker that died on the signal
+    # on its own raced that sweep and left its temp object. (SIGTERM, ignored here as a
+    # default, is lifeline's parent-death signal: die_with_parent handles it, above.)
+    for sig in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
     while True:
         try:
             msg = conn.recv()

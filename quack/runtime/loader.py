@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, cast
 
-from quack.cache import fsutil
-from quack.errors import EntryVanished, LinkError
+from quack.cache import fsutil, problems
+from quack.errors import CacheError, CacheWriteError, EntryVanished, LinkError
 
 if TYPE_CHECKING:
     from quack.cache.contract import Store
@@ -93,7 +93,9 @@ def link(obj: Path, out: Path, tmpdir: Path | None = None) -> None:
         "-ltvm_ffi",
         os.path.join(cdir, "libcuda_dialect_runtime_static.a"),
     ]
-    env = None if tmpdir is None else dict(os.environ, TMPDIR=str(tmpdir))
+    # LC_ALL=C: the driver's messages untranslated, so a full disk is recognized in them
+    # (link_entry warns about it; "No space left on device" is ld's only sign of it)
+    env = dict(os.environ, LC_ALL="C", **({} if tmpdir is None else {"TMPDIR": str(tmpdir)}))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise LinkError(f"linking {obj} failed: {r.stderr.strip()[-2000:]}", str(obj))
@@ -128,7 +130,8 @@ def link_entry(store: Store, entry: Entry, obj: Path | None = None) -> Path | No
         else:
             tmp = fsutil.reserve_tmp(_private_so_dir() / f"{entry.ref.key}.so")
             scratch = _private_so_dir()
-    except OSError:
+    except OSError as e:
+        _link_failed(store, entry, writable, e)
         return None
     try:
         link(obj or entry.obj_path, tmp, scratch)
@@ -137,11 +140,69 @@ def link_entry(store: Store, entry: Entry, obj: Path | None = None) -> Path | No
         private = tmp.with_name(f"{entry.ref.key}.so")
         os.replace(tmp, private)
         return private
-    except (LinkError, OSError):
+    except (LinkError, OSError) as e:
+        _link_failed(store, entry, writable, e)
         return None
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
+
+
+# What ld and the compiler driver print (LC_ALL=C) when the disk refuses the output.
+_LINKER_DISK_ERRORS = (("No space left on device", errno.ENOSPC), ("Disk quota exceeded", errno.EDQUOT))
+
+
+def _link_failed(store: Store, entry: Entry, writable: bool, e: BaseException) -> None:
+    """A link that failed is a load through CuTe DSL's runtime instead, which imports the
+    compiler: about a second in every process that loads the kernel, and no .so is left
+    for the next one, so each pays it again. It used to be silent. When the cause is the
+    cache's (its scratch directory unusable: a file planted at ``<root>/tmp``; a full disk;
+    a write refused), warn once per cache directory, naming the cause and the fix; any
+    other failure (the toolchain's, a compiler killed by a signal) is logged."""
+    problem = _link_problem(e)
+    if problem is None:
+        logging.getLogger("quack.loader").info(
+            "linking %s key %s into a .so failed (%s); loading its object through CuTe DSL",
+            entry.ref.kernel,
+            entry.ref.key[:16],
+            e,
+        )
+        return
+    cause, fix = problem
+    if writable:
+        where = f"the quack cache {getattr(store, 'root', '')}"
+    else:  # a read-only cache: the .so goes to a private temp directory
+        import tempfile
+
+        where = f"this process's temp directory (under {tempfile.gettempdir()}; the cache is read-only)"
+    problems.warn_once(
+        f"link-failed:{where}",
+        f"quack: kernels of {where} cannot be linked into .so files, so they load through "
+        f"CuTe DSL's runtime, which imports the compiler in every process (a second or more "
+        f"each, instead of under a millisecond): {cause}" + (f"; {fix}" if fix else ""),
+        stacklevel=4,
+    )
+
+
+def _link_problem(e: BaseException) -> tuple[str, str] | None:
+    """(cause, fix) when a link failed for a reason of the cache's (or its disk's), else None."""
+    if isinstance(e, CacheError) and not isinstance(e, CacheWriteError):
+        # the scratch directory (or the root) can't be used: its message names the path
+        # and the fix ("Remove it or run quack cache clean")
+        return str(e), ""
+    code: int | None = None
+    if isinstance(e, CacheWriteError):
+        code = e.code
+    elif isinstance(e, OSError):
+        code = e.errno
+    elif isinstance(e, LinkError):
+        code = next((c for text, c in _LINKER_DISK_ERRORS if text in str(e)), None)
+    reason = problems.write_reason(code)
+    if reason is None:
+        return None
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return reason, "free some space (`quack cache clean --max-size ...`): the next load links it"
+    return reason, "point QUACK_CACHE_DIR at a directory you can write"
 
 
 _runtime_ready = False

@@ -1,10 +1,10 @@
-"""Ctrl-C and SIGTERM for the ``quack`` command: any phase ends within a few seconds,
-with exit 130 (SIGINT) or 143 (SIGTERM), and leaves no process behind.
+"""Ctrl-C, SIGTERM and SIGHUP for the ``quack`` command: any phase ends within a few
+seconds, with exit 130 (SIGINT), 143 (SIGTERM) or 129 (SIGHUP), and leaves no process behind.
 
 ``install()`` is the first thing ``quack_build.cli.main.main`` does, so there is no phase
 without a handler (before it, a SIGTERM killed the process without any cleanup: compile
 workers and a forkserver in the middle of its preload outlived it). The handler turns
-either signal into KeyboardInterrupt, which every command already cleans up after
+any of them into KeyboardInterrupt, which every command already cleans up after
 (quack_build.build.scheduler: kill the workers, sweep what they left; quack_build.cli.run: exit 130), and
 remembers which signal came, so that
 
@@ -29,14 +29,16 @@ import threading
 import time
 
 GRACE_S = 8.0  # the orderly cleanup takes well under a second; this is its upper bound
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: a closed terminal, or a supervisor's stop; unhandled it killed the build with no
+# cleanup and no summary, leaving its compile workers' temp files.
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 _received: int | None = None
 _installed = False
 
 
 def install() -> None:
-    """Route SIGINT and SIGTERM to :func:`_on_signal` (main thread only)."""
+    """Route SIGINT, SIGTERM and SIGHUP to :func:`_on_signal` (main thread only)."""
     global _installed
     if threading.current_thread() is not threading.main_thread():
         return

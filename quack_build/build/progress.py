@@ -318,9 +318,22 @@ def print_summary(console: Console, res: BuildResult) -> None:
         if len(skipped) > 20:
             console.print(f"  ... and {len(skipped) - 20} more")
     if res.interrupted:
+        # Said from what the sweep found after it, not assumed: it used to say "no partial
+        # entries were left" while the temp files of two killed workers were still there.
+        n = len(res.partial_left)
+        left = (
+            "no partial entries were left"
+            if not n
+            else f"{n} partial file{'s' if n != 1 else ''} left, which `quack cache clean` removes "
+            f"once the writer has ended"
+        )
         console.print(
             f"[yellow]interrupted[/]: {res.count(COMPILED)} compiled before the stop; "
-            f"{res.count(INTERRUPTED)} not built (no partial entries were left)"
+            f"{res.count(INTERRUPTED)} not built ({left})"
         )
+        for path in res.partial_left[:5]:
+            console.print(f"  [yellow]-[/] {escape(path)}", highlight=False)
+        if n > 5:
+            console.print(f"  ... and {n - 5} more")
     elif res.missing_after and not failed:
         console.print(f"[red]{len(res.missing_after)} configurations are not in the cache after the build[/]")

@@ -113,6 +113,9 @@ class BuildResult:
     log_path: str = ""
     trace_path: str = ""
     missing_after: list = dataclasses.field(default_factory=list)
+    # after an interrupt: files this build's interrupted writes left in the cache (temp
+    # files of a worker that had not ended in time); the summary says so
+    partial_left: list = dataclasses.field(default_factory=list)
     remote_url: str = ""  # empty: no remote configured
     remote: dict = dataclasses.field(default_factory=dict)  # the tier's counters for this build
     remote_offline: bool = False
@@ -175,6 +178,7 @@ class BuildResult:
             "keys_per_s": round(compiled / self.compile_wall_s, 3) if self.compile_wall_s > 0 else None,
             "efficiency": round(eff, 4) if eff is not None else None,
             "missing_after": self.missing_after,
+            "partial_left": self.partial_left,
             "log": self.log_path or None,
             "trace": self.trace_path or None,
             "remote_hits": self.count(REMOTE),

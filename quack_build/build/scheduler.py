@@ -16,11 +16,13 @@ forkserver (cutlass imported and one compile done there) and run
 from __future__ import annotations
 
 import dataclasses
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any, Callable
 
-from quack.cache import journal, orphans
+from quack.cache import fsutil, journal, orphans
 from quack.cache.store import DiskStore
 from quack.compile import builder
 from quack.errors import PreloadError
@@ -69,13 +71,55 @@ class BuildOptions:
     executor: Executor | None = None
 
 
-def _remove_partial(store: DiskStore, t: Task) -> None:
+#: How long an interrupted build waits for the workers it killed to be gone before it
+#: sweeps their temp files (a SIGKILLed process ends in milliseconds; one stuck in the
+#: kernel, on a hung network filesystem, may not: its files are then reported left).
+WORKERS_GONE_S = 3.0
+
+
+def _remove_partial(store: DiskStore, t: Task, ours: set[int], gone: set[int]) -> list[str]:
     """After an interrupt: what the killed worker left for this key (an object
     published without metadata, its temp files), by the one rule of
-    quack.cache.orphans with no grace (we killed the writer and joined it). A
-    key whose lock another process holds is left alone."""
+    quack.cache.orphans with no grace; a temp file of one of this build's workers
+    that has ended (``gone``) without asking whether its pid lives. A key whose lock
+    another process holds is left alone. Returns the paths of what this build's writers
+    (``ours``: every worker it started) still left for the key, for the summary."""
     ref = builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch)
-    orphans.sweep_dir(store.paths(ref)["obj"].parent, stems={ref.key}, grace=0.0)
+    d = store.paths(ref)["obj"].parent
+    orphans.sweep_dir(d, stems={ref.key}, grace=0.0, writers_gone=gone)
+    return _partial_files(d, ref.key, ours, mine=not t.awaited)
+
+
+def _partial_files(d: Path, key: str, ours: set[int], *, mine: bool) -> list[str]:
+    """The regular files of ``key`` in ``d`` that an interrupted write of this build
+    left: a temp file named for one of its workers (``ours``); and, for a key it was
+    building (``mine``; not one awaited on another process's lock), an object without
+    metadata or a .so without its sidecar."""
+    try:
+        names = set(os.listdir(d))
+    except OSError:
+        return []
+    out = []
+    for name in sorted(names):
+        if name.split(".", 1)[0] != key:
+            continue
+        try:
+            if not stat.S_ISREG(os.lstat(d / name).st_mode):
+                continue
+        except OSError:
+            continue
+        pid = fsutil.tmp_owner_pid(name)
+        if pid is not None:
+            left = pid in ours
+        elif name.endswith(".o"):
+            left = mine and f"{key}.json" not in names
+        elif name.endswith(".so"):
+            left = mine and f"{key}.so.json" not in names
+        else:
+            left = False
+        if left:
+            out.append(str(d / name))
+    return out
 
 
 class BuildSession:
@@ -299,14 +343,27 @@ class BuildSession:
         self.rep.note("interrupted: stopping the workers")
         self.ex.cancel()
         self.ex.close()
+        ours, gone = self._workers_gone()
         for key, t in self.inflight.items():
             t.status = INTERRUPTED
             t.end = time.time()
             if not t.pid and hasattr(self.ex, "worker_pid"):
                 t.pid = self.ex.worker_pid(key)
-            _remove_partial(self.store, t)
+            res.partial_left.extend(_remove_partial(self.store, t, ours, gone))
         for t in self.queue:
             t.status = INTERRUPTED
+
+    def _workers_gone(self) -> tuple[set[int], set[int]]:
+        """(every worker the executor started, those of them seen gone). The executor
+        killed them (``cancel``); wait, bounded, until they have really ended: its join()
+        is no proof (a forkserver's worker is the forkserver's child: with the forkserver
+        dead, join() returned at once), and a temp file's sweep decided by "is its pid
+        alive" took a dying worker (a zombie) for a live writer and left the file."""
+        pids = getattr(self.ex, "worker_pids", None)
+        ours = set(pids()) if callable(pids) else set()
+        if not ours:
+            return ours, set()
+        return ours, ours - fsutil.wait_gone(ours, WORKERS_GONE_S)
 
     def _fill_result(self, res: BuildResult, t_compile: float) -> None:
         """The compile phase's timings and the executor's figures; what never ran is skipped."""

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import stat
 import time
 from pathlib import Path
 from typing import Callable
 
-from quack.cache import orphans
+from quack.cache import fsutil, orphans
 from quack.cache.store import LAYOUT
 from quack_build.cachedir.walk import (
+    DIRECTORY,
     LOG_NAME,
     SCRATCH_MAX_AGE,
     FpDir,
@@ -80,6 +82,28 @@ class Cleaner:
         if self.log:
             self.log(r)
 
+    def _rmtree(self, path: Path, why: str) -> None:
+        """Remove a directory planted where the cache has a file, with what it holds;
+        no link in it is followed (quack.cache.fsutil.remove_tree). Unlinking it failed
+        ("Is a directory") and made every clean exit 1."""
+        if path in self._done:
+            return
+        self._done.add(path)
+        if self.dry_run:
+            size = fsutil.tree_bytes(path)
+        else:
+            try:
+                size = fsutil.remove_tree(path)
+            except FileNotFoundError:
+                return
+            except OSError as e:
+                self.report.errors.append((path, e.strerror or str(e)))
+                return
+        r = Removal(path, size, why)
+        self.report.removed.append(r)
+        if self.log:
+            self.log(r)
+
     def remove_key(self, d: FpDir, kf: KeyFiles, why: str, *, drop_lock: bool) -> bool:
         lock_path = d.path / f"{kf.key}.lock"
         lk = None
@@ -131,7 +155,16 @@ class Cleaner:
 
     def quarantine(self) -> None:
         for path, size, _ in quarantine_files(self.root):
-            self._unlink(path, size, "quarantined (corrupt) entry")
+            try:
+                is_dir = stat.S_ISDIR(os.lstat(path).st_mode)
+            except FileNotFoundError:
+                continue
+            except OSError:
+                is_dir = False  # the unlink reports why
+            if is_dir:  # a planted directory an older quack moved here whole
+                self._rmtree(path, "quarantined (corrupt) entry")
+            else:
+                self._unlink(path, size, "quarantined (corrupt) entry")
         if not self.dry_run:
             try:
                 os.rmdir(self.root / "quarantine")
@@ -184,8 +217,12 @@ def clean(
     c = Cleaner(root, dry_run=dry_run, log=log)
     now = time.time()
     # Planted links and files first (what the store refuses and its messages tell the
-    # user to clean): unlinked, never followed; a planted directory is left (and reported).
+    # user to clean): unlinked, never followed; a directory at a file's name is removed
+    # with what it holds, following no link in it.
     for path, what in planted(root):
+        if what == DIRECTORY:
+            c._rmtree(path, f"planted {what} (no link in it followed)")
+            continue
         link = what == "symbolic link"
         try:
             size = 0 if link else os.lstat(path).st_size
@@ -215,7 +252,7 @@ def clean(
         if now - mtime > SCRATCH_MAX_AGE:
             c._unlink(path, size, "temp file of a killed link")
     logs = Path(root) / "logs"
-    if logs.is_dir():
+    if logs.is_dir() and not logs.is_symlink():  # a planted link (or file) is unlinked above
         for e in os.scandir(logs):
             if not LOG_NAME.fullmatch(e.name):
                 continue  # not a build log of ours: a shared root's other tool (issue 27)

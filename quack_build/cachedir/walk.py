@@ -24,6 +24,7 @@ from quack.cache.store import LAYOUT, SCRATCH
 from quack.remote.stats import STATS_FILE
 
 __all__ = [
+    "DIRECTORY",
     "LOG_NAME",
     "SCRATCH_MAX_AGE",
     "FpDir",
@@ -232,6 +233,17 @@ def _scan(d: FpDir, root: Path) -> FpDir:
     return d
 
 
+#: planted()'s word for a directory where the layout has a file (clean removes it whole)
+DIRECTORY = "directory where a file belongs"
+
+
+def _is_entry_file_name(name: str) -> bool:
+    """``<key>.o``, ``.json``, ``.so``, ``.so.json``, ``.lock`` or a temp of one."""
+    m = _TMP_RE.match(name)
+    base = m.group("base") if m else name
+    return any(base.endswith(suf) and len(base) > len(suf) for suf in _SUFFIXES)
+
+
 def _odd_kind(mode: int) -> str:
     """What a planted non-regular file is, for the report."""
     if stat.S_ISFIFO(mode):
@@ -247,16 +259,26 @@ def planted(root: Path) -> list[tuple[Path, str]]:
     """Things someone planted in the cache's layout, never followed nor opened: symbolic
     links anywhere in ``v1/`` (in place of a stamp, kernel or fingerprint directory, or
     of an entry or lock file), non-directories where the layout has directories, and
-    FIFOs, sockets and device nodes where it has files; ``v1/``, ``quarantine/``,
-    ``logs/``, ``tmp/`` themselves as links; the journal and the remote stats file as
+    directories, FIFOs, sockets and device nodes where it has files; ``v1/``, ``quarantine/``,
+    ``logs/``, ``tmp/`` themselves as links or non-directories; the journal and the remote stats file as
     links or non-regular files. Each is (path, what it is). The store refuses to use
     them; ``quack cache clean`` removes them (with unlink: a link's target is never
-    touched, a FIFO never opened, which would block)."""
+    touched, a FIFO never opened, which would block; a directory with what it holds,
+    following no link in it)."""
     out: list[tuple[Path, str]] = []
     root = Path(root)
-    for name in (LAYOUT, "quarantine", "logs", "tmp"):
-        if os.path.islink(root / name):
+    for name in (LAYOUT, "quarantine", "logs", SCRATCH):
+        try:
+            mode = os.lstat(root / name).st_mode
+        except OSError:
+            continue
+        if stat.S_ISLNK(mode):
             out.append((root / name, "symbolic link"))
+        elif not stat.S_ISDIR(mode):
+            # A file at tmp/ made every link fail (the store refuses the scratch directory)
+            # and every process load its kernels through the compiler's runtime: unreported,
+            # and `clean` left it.
+            out.append((root / name, "not a directory"))
     for name in (JOURNAL, STATS_FILE):
         try:
             mode = os.lstat(root / name).st_mode
@@ -282,7 +304,13 @@ def planted(root: Path) -> list[tuple[Path, str]]:
                         scan(e.path, depth + 1)
                     else:
                         out.append((Path(e.path), "not a directory"))
-                elif not e.is_file(follow_symlinks=False) and not e.is_dir(follow_symlinks=False):
+                elif e.is_dir(follow_symlinks=False):
+                    # A directory at one of an entry's file names: the store refuses it
+                    # (and its quarantine removes it); unreported, `clean` never removed it.
+                    # One under another name is not at a name of ours: left alone.
+                    if _is_entry_file_name(e.name):
+                        out.append((Path(e.path), DIRECTORY))
+                elif not e.is_file(follow_symlinks=False):
                     try:
                         mode = e.stat(follow_symlinks=False).st_mode
                     except FileNotFoundError:

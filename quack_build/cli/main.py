@@ -2,7 +2,7 @@
 
 Exit status: 0 success; 1 a problem (invalid manifest or settings, a failed
 compile, a missing or broken entry); 2 a usage error; 130 interrupted (Ctrl-C, SIGINT);
-143 terminated (SIGTERM). Both signals are handled from the first line of ``main`` on
+143 terminated (SIGTERM); 129 hung up (SIGHUP). The three signals are handled from the first line of ``main`` on
 (quack_build.build.interrupts): any phase ends within a few seconds, no process left behind.
 
 ``quack cache stats [--json]`` takes a fast path that does not import typer

@@ -134,6 +134,11 @@ class LocalExecutor:
         pt = self._task_record(key)
         return (pt.pid or 0) if pt is not None else 0
 
+    def worker_pids(self) -> list[int]:
+        """Every compile worker this executor's pool started: after ``cancel`` each is
+        killed (or ended), so a temp file named for one of them has no writer."""
+        return self._pool.worker_pids() if self._pool is not None else []
+
     def stats(self) -> dict:
         """Retries of keys whose worker was killed (the Ray executor's ``retries`` too)."""
         return {"retries": sum(self._retries.values())} if self._retries else {}
