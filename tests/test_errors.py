@@ -100,6 +100,11 @@ CASES = [
         ("key", "reason", "signer"),
     ),
     (E.RemoteWarning("remote off"), UserWarning, ()),
+    (
+        E.SourceChanged("k", {"n": 1}, "sm_90a", ["mykernels.scale"], in_worker=True),
+        RuntimeError,
+        ("kernel", "params", "arch", "files", "transient"),
+    ),
     (E.ExecutorError("no Ray", executor="ray", address="h:1"), RuntimeError, ("executor", "address")),
     (
         E.ToolchainMismatch(
