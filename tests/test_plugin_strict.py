@@ -2,10 +2,13 @@
 it then did (passed, skipped in its body or a fixture, xfailed); a test skipped before any
 miss stays skipped. pytester subprocesses with an empty cache, so every toy kernel misses."""
 
+import os
 import re
 
 import pytest
 from reliability_support import NO_TORCH
+
+from quack import settings
 
 pytest_plugins = ["pytester"]
 
@@ -85,3 +88,54 @@ def test_a_miss_fails_the_test_whatever_its_outcome(pytester, run_env):
     assert re.search(r"^SKIPPED \[1\] test_escapes.py:\d+: nothing to do with kernels", out, re.M)
     assert re.search(r"^SKIPPED \[1\] test_escapes.py:\d+: marked skip", out, re.M)
     assert re.search(r"^XFAIL test_escapes.py::test_xfails_without_a_miss", out, re.M)
+
+
+CHILD = r"""
+import os, subprocess, sys
+
+def test_kernel_in_a_child_process():
+    # a distributed / multi-process test whose ranks call the kernel
+    child = 'import toykernels; toykernels.toy_scale("float32", 416, False)'
+    r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr[-3000:]
+"""
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "1"]], ids=["single", "xdist"])
+def test_strict_mode_reaches_the_processes_a_test_starts(pytester, run_env, tmp_path, xdist):
+    """--quack-prebuilt only installed the prebuilt settings in the pytest process: a
+    child that called a kernel compiled it on demand (the cache gained an .o) and the test
+    passed. The plugin exports QUACK_MODE=prebuilt to the session's processes."""
+    pytester.makepyfile(test_child=CHILD)
+    r = pytester.runpytest_subprocess(
+        "--quack-prebuilt", "-rA", "-p", "no:cacheprovider", *xdist, timeout=300
+    )
+    out = r.stdout.str()
+    r.assert_outcomes(failed=1)
+    assert "KernelNotPrebuilt: kernel 'toy_scale' with {'dtype': 'float32', 'block': 416" in out, out[-3000:]
+    assert re.search(r"^E +block = 416$", out, re.M), out[-3000:]  # the manifest entry
+    assert not list((tmp_path / "cache").rglob("*.o"))
+
+
+def test_the_exported_cache_is_put_back(monkeypatch, tmp_path):
+    """QUACK_PYTEST_PREBUILT_CACHE is the session's only while it runs (an in-process
+    pytest run, or the code after pytest.main, sees the environment it had)."""
+    from types import SimpleNamespace
+
+    from quack.testing import strict
+
+    var = settings.PREBUILT_CACHE_ENV
+    for before in (None, "/elsewhere"):
+        if before is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, before)
+        config = SimpleNamespace(stash=pytest.Stash())
+        strict.export_cache(config, tmp_path / "c")
+        strict.export_cache(config, tmp_path / "c")  # again, at configure: still the value from before
+        assert os.environ[var] == os.path.realpath(tmp_path / "c")
+        strict.restore_cache(config)
+        assert os.environ.get(var) == before
+        strict.restore_cache(config)  # nothing left to put back
+        assert os.environ.get(var) == before

@@ -5,11 +5,20 @@ On with ``--quack-prebuilt``, or when the settings say ``mode = "prebuilt"``
 (QUACK_MODE, or ``[runtime] mode`` in quack.toml). The plugin installs the
 process's *default* settings with mode=prebuilt and re-installs them whenever a
 test leaves none installed. A test that installs its own Settings (a private
-tmp cache in jit mode, as the project's cache tests do) runs under those."""
+tmp cache in jit mode, as the project's cache tests do) runs under those.
+
+The processes a test starts: the plugin exports QUACK_PYTEST_PREBUILT_CACHE (the
+session's cache directory) for the session, restored at its end, so a child that uses
+that cache (a distributed rank, a spawned worker, ``python -c``) or sets none raises
+KernelNotPrebuilt instead of compiling on demand, and an xdist worker starts with it;
+a child the test gave a private cache resolves its own mode, as in this process. A
+child's miss is its own process's error: the test sees it as the child's failure (its
+exit status, its stderr with the manifest entry)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any, Iterator
 
 import pytest
@@ -18,6 +27,8 @@ PREFIX = "quack --quack-prebuilt: the test asked for a kernel that is not prebui
 # A test that met a miss and then skipped or xfailed (pytest.skip in an `except
 # KernelNotPrebuilt`, an xfail mark): reported as such, strict mode was escaped.
 ESCAPED = "quack --quack-prebuilt: the test asked for a kernel that is not prebuilt and was {how}:\n"
+
+_SAVED_ENV = pytest.StashKey[tuple]()  # (QUACK_PYTEST_PREBUILT_CACHE before the session, or None)
 
 
 def requested(option: bool) -> bool:
@@ -32,6 +43,38 @@ def requested(option: bool) -> bool:
         return settings.resolve().mode == "prebuilt"
     except SettingsError:
         return False
+
+
+def export_cache(config, cache_dir) -> None:
+    """Until ``restore_cache``, every process this one starts (a test's child: a
+    distributed rank, a spawned worker, ``python -c``; xdist's workers) is strict on the
+    session's cache: QUACK_PYTEST_PREBUILT_CACHE names it, and a process whose cache it is
+    (or that sets none) resolves prebuilt mode (quack.settings.sources). Only
+    ``pytest_configure`` installed the prebuilt settings, in this process: a child that
+    called a kernel compiled it on demand and the test passed. Not QUACK_MODE=prebuilt:
+    that would also refuse the compiles of a child the test gave a private cache, in
+    jit mode as it was (the suite's own tests start many). Idempotent (called before
+    the initial conftests load, then at configure)."""
+    from quack.settings import PREBUILT_CACHE_ENV
+
+    if _SAVED_ENV not in config.stash:
+        config.stash[_SAVED_ENV] = (os.environ.get(PREBUILT_CACHE_ENV),)
+    os.environ[PREBUILT_CACHE_ENV] = os.path.realpath(cache_dir)
+
+
+def restore_cache(config) -> None:
+    """Put the environment back as it was before ``export_cache``."""
+    from quack.settings import PREBUILT_CACHE_ENV
+
+    saved = config.stash.get(_SAVED_ENV, None)
+    if saved is None:
+        return
+    del config.stash[_SAVED_ENV]
+    (old,) = saved
+    if old is None:
+        os.environ.pop(PREBUILT_CACHE_ENV, None)
+    else:
+        os.environ[PREBUILT_CACHE_ENV] = old
 
 
 class StrictMode:
