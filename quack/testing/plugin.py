@@ -10,9 +10,9 @@ Options
   --quack-prebuilt     strict mode (also QUACK_MODE=prebuilt or [runtime] mode =
                        "prebuilt" in quack.toml): any kernel miss fails the test
                        with the KernelNotPrebuilt message, even if the test then
-                       caught it, skipped or xfailed. The processes a test starts
-                       are strict on the session's cache too
-                       (QUACK_PYTEST_PREBUILT_CACHE).
+                       caught it, skipped or xfailed; a miss while collecting fails
+                       the collector. The processes a test starts are strict on
+                       the session's cache too (QUACK_PYTEST_PREBUILT_CACHE).
   --quack-prewarm      start the compile workers at session start (their imports
                        overlap collection) instead of at the first miss: the
                        --async-compile workers, else the one worker a miss waits
@@ -76,7 +76,7 @@ def _gpu_pin_setting() -> bool | None:
         return None
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, wrapper=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     # Before any conftest is imported (one may initialise CUDA): pin an xdist
     # worker to its GPU. Not at import: merely installing quack must not change
@@ -85,9 +85,14 @@ def pytest_load_initial_conftests(early_config, parser, args):
         gpus.pin_worker(os.environ, enabled=_gpu_pin_setting(), project_uses_quack=_project_uses_quack())
     # Strict mode reaches the initial conftests (imported before pytest_configure)
     # and every process the session starts (strict.export_cache, until unconfigure).
+    # The conftests' misses are recorded: the runner fails the session's collection
+    # on one they caught.
     cache = _strict_cache(getattr(early_config.known_args_namespace, "quack_prebuilt", False))
-    if cache is not None:
-        strict.export_cache(early_config, cache)
+    if cache is None:
+        return (yield)
+    strict.export_cache(early_config, cache)
+    with strict.recording_early(early_config):
+        return (yield)
 
 
 def _strict_cache(option: bool):
