@@ -31,21 +31,29 @@ def _config_value(spec, name: str, params: dict, arch: str) -> Any:
 
 
 def entry_params(kernel: str, params: dict, arch: str) -> dict:
+    """The ``params`` table of the manifest entry that builds exactly these (canonical
+    or plain) parameters. A manifest's value is a list of values or one scalar or table,
+    so a ``Tuple`` parameter's value, an array, is written inside the list of values:
+    ``tile = [[64, 32]]`` (``tile = [64, 32]`` would be two values, and ``quack build``
+    refuses it). A ``Config`` is one inline table. Only a Tuple parameter has an array
+    value (plain() makes a tuple a list; a Config's fields are scalars), so an array is
+    wrapped even for a kernel not registered here."""
     out = {k: plain(v) for k, v in params.items()}
     from quack import registry
 
     try:
         spec = registry.get(kernel)
     except Exception:  # noqa: BLE001 - not registered here: the parameters as given
-        return out
-    for name, p in spec.params.items():
-        if getattr(p, "kind", None) == "config" and isinstance(out.get(name), dict):
-            v = _config_value(spec, name, out, arch)
-            if v is None:
-                del out[name]
-            else:
-                out[name] = v
-    return out
+        spec = None
+    if spec is not None:
+        for name, p in spec.params.items():
+            if getattr(p, "kind", None) == "config" and isinstance(out.get(name), dict):
+                v = _config_value(spec, name, out, arch)  # before the arrays are wrapped
+                if v is None:
+                    del out[name]
+                else:
+                    out[name] = v
+    return {k: [list(v)] if isinstance(v, (list, tuple)) else v for k, v in out.items()}
 
 
 def manifest_entries(configs) -> dict:

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import toykernels  # noqa: F401  (registers toy_scale)
 
-from quack import registry
-from quack.errors import ManifestError
+from quack import jit_cache, registry, settings, tomlfile
+from quack.errors import KernelNotPrebuilt, ManifestError
 from quack.manifest_line import manifest_line
-from quack.params import Config, Int
+from quack.params import Bool, Choice, Config, Dtype, Float, Int, Tuple
 from quack_build.manifest.read import expand
 
 CORPUS = Path(__file__).parent / "data" / "manifests"
@@ -256,6 +256,56 @@ def test_manifest_line_of_a_tuned_kernel_round_trips(tmp_path):
         assert ("config" in line) == (i >= 2), line
         (c,) = expand([_write(tmp_path, line, f"m{i}.toml")]).configs
         assert c.key == spec.key(params if i % 2 == 0 else spec.bind((), params, arch="sm_90a"), "sm_90a")
+
+
+@jit_cache(
+    "mf_every_kind",
+    params={
+        "dtype": Dtype(),
+        "n": Int(min=1),
+        "bias": Bool(),
+        "eps": Float(min=0.0),
+        "mode": Choice(("a", "b")),
+        "tile": Tuple(Int(min=1), Int(min=1)),
+        "mix": Tuple(Dtype(), Bool(), Float(), Choice(("x", "y"))),
+        "cfg": Config(cls=Tile),
+    },
+)
+def every_kind(dtype, n, bias, eps, mode, tile, mix, cfg):  # never compiled: prebuilt mode misses
+    raise NotImplementedError
+
+
+def test_manifest_entry_of_every_param_kind_round_trips(tmp_path):
+    """The entry a prebuilt-mode miss prints, and the one ``quack prewarm --emit-manifest``
+    writes, build exactly the missing key for every parameter kind. Before: a Tuple
+    parameter was written flat (``tile = [64, 32]``: two values), which quack build refuses
+    ("tile is a tuple parameter ...; tile = [[128, 256]] is one value")."""
+    from quack_build.build.prewarm import emit
+
+    call = {
+        "dtype": "bfloat16",
+        "n": 416,
+        "bias": True,
+        "eps": 1e-6,
+        "mode": "b",
+        "tile": (64, 32),
+        "mix": ("float16", False, 0.25, "y"),
+        "cfg": Tile(128, 64, True),
+    }
+    with settings.override(cache_dir=tmp_path / "cache", arch="sm_90a", mode="prebuilt"):
+        with pytest.raises(KernelNotPrebuilt) as ei:
+            every_kind(**call)
+    err = ei.value
+    assert err.manifest_line in str(err)
+    (entry,) = tomlfile.loads(err.manifest_line, "the entry")["kernel"]
+    assert entry["params"]["tile"] == [[64, 32]] and entry["params"]["mix"] == [["float16", False, 0.25, "y"]]
+    (c,) = expand([_write(tmp_path, err.manifest_line)]).configs
+    assert c.key == err.key
+    assert c.params == every_kind.spec.bind((), call)
+    emitted = tmp_path / "emitted.toml"
+    emit(emitted, [c])
+    (c2,) = expand([emitted]).configs
+    assert c2.key == err.key
 
 
 def test_missing_file(tmp_path):

@@ -163,3 +163,29 @@ def test_settings_behaves_as_the_generated_frozen_dataclass(tmp_path):
     for dup in (pickle.loads(pickle.dumps(s)), copy.copy(s), copy.deepcopy(s)):
         assert dup == s and dup.sources == s.sources and repr(dup) == repr(s)
     assert {s: 1}[same] == 1
+
+
+def test_the_pytest_sessions_prebuilt_cache_is_prebuilt_in_every_process(tmp_path):
+    """pytest --quack-prebuilt exports its cache directory (QUACK_PYTEST_PREBUILT_CACHE) for
+    the processes its tests start: one whose cache it is (by any spelling), or that sets
+    none, resolves prebuilt mode whatever QUACK_MODE or quack.toml say; one given another
+    cache (a test's private QUACK_CACHE_DIR) resolves its own; an explicit mode wins."""
+    session = tmp_path / "session"
+    session.mkdir()
+    (tmp_path / "link").symlink_to(session)
+    var = {settings.PREBUILT_CACHE_ENV: str(session), "HOME": str(tmp_path)}
+    write(tmp_path, '[runtime]\nmode = "jit"\n')
+    for cache, mode in (
+        (str(session), "prebuilt"),
+        (str(tmp_path / "link"), "prebuilt"),
+        (None, "prebuilt"),  # the default cache: it would have compiled there
+        (str(tmp_path / "private"), "jit"),
+    ):
+        env = dict(var, QUACK_MODE="jit", **({"QUACK_CACHE_DIR": cache} if cache else {}))
+        s = settings.resolve(env=env, cwd=tmp_path)
+        assert s.mode == mode, cache
+        if mode == "prebuilt":
+            assert s.sources["mode"] == settings.PREBUILT_CACHE_ENV
+    s = settings.resolve({"mode": "jit"}, env=dict(var, QUACK_CACHE_DIR=str(session)), cwd=tmp_path)
+    assert s.mode == "jit"  # a CLI flag or code says so
+    assert settings.resolve(env={"QUACK_CACHE_DIR": str(session)}, cwd=tmp_path).mode == "jit"  # not exported

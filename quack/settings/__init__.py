@@ -29,7 +29,14 @@ from quack.settings.fields import (
     check_executor,
 )
 from quack.settings.record import Settings
-from quack.settings.sources import CONFIG_NAME, default_cache_dir, find_config, read_config, resolve
+from quack.settings.sources import (
+    CONFIG_NAME,
+    PREBUILT_CACHE_ENV,
+    default_cache_dir,
+    find_config,
+    read_config,
+    resolve,
+)
 
 __all__ = [
     "CONFIG_NAME",
@@ -37,6 +44,7 @@ __all__ = [
     "KNOWN_ARCHS",
     "LOG_LEVELS",
     "MODES",
+    "PREBUILT_CACHE_ENV",
     "START_METHODS",
     "Settings",
     "SettingsError",

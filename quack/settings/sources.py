@@ -15,6 +15,13 @@ from quack.settings.fields import FIELDS, SECTIONS, parse_bool
 from quack.settings.record import Settings
 
 CONFIG_NAME = "quack.toml"
+#: Set by the pytest plugin in strict mode (``--quack-prebuilt``) for the session and
+#: every process it starts: the session's cache directory. A process whose cache is that
+#: directory, or that sets none (it would compile into the default cache), resolves
+#: ``mode = "prebuilt"`` whatever QUACK_MODE or quack.toml say; only an explicit
+#: ``resolve({"mode": ...})`` (a CLI flag, code) wins. A process that chose another cache
+#: (a test's private QUACK_CACHE_DIR) resolves as it would without it.
+PREBUILT_CACHE_ENV = "QUACK_PYTEST_PREBUILT_CACHE"
 
 
 def default_cache_dir() -> Path:
@@ -127,6 +134,14 @@ def resolve(
                 else Path.cwd()
             )
             cache_path = base / cache_path
+    strict = environ.get(PREBUILT_CACHE_ENV)
+    if (
+        strict
+        and sources.get("mode") != "cli"
+        and ("cache_dir" not in sources or _same_dir(cache_path, strict))
+    ):
+        values["mode"] = "prebuilt"
+        sources["mode"] = PREBUILT_CACHE_ENV
     # Key paths in quack.toml are relative to it, as cache_dir is; from the
     # environment or the CLI, relative to the current directory.
     key_base = config.parent if config is not None else Path.cwd()
@@ -148,3 +163,10 @@ def resolve(
         if k in values:
             values[k] = tuple(values[k])
     return Settings(cache_dir=cache_path, config_file=config, sources=sources, **values)
+
+
+def _same_dir(a: Path | str, b: Path | str) -> bool:
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):
+        return False

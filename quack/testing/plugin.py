@@ -10,7 +10,9 @@ Options
   --quack-prebuilt     strict mode (also QUACK_MODE=prebuilt or [runtime] mode =
                        "prebuilt" in quack.toml): any kernel miss fails the test
                        with the KernelNotPrebuilt message, even if the test then
-                       caught it, skipped or xfailed.
+                       caught it, skipped or xfailed; a miss while collecting fails
+                       the collector. The processes a test starts are strict on
+                       the session's cache too (QUACK_PYTEST_PREBUILT_CACHE).
   --quack-prewarm      start the compile workers at session start (their imports
                        overlap collection) instead of at the first miss: the
                        --async-compile workers, else the one worker a miss waits
@@ -74,13 +76,36 @@ def _gpu_pin_setting() -> bool | None:
         return None
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(tryfirst=True, wrapper=True)
 def pytest_load_initial_conftests(early_config, parser, args):
     # Before any conftest is imported (one may initialise CUDA): pin an xdist
     # worker to its GPU. Not at import: merely installing quack must not change
     # the environment of every pytest run.
     if os.environ.get("PYTEST_XDIST_WORKER"):
         gpus.pin_worker(os.environ, enabled=_gpu_pin_setting(), project_uses_quack=_project_uses_quack())
+    # Strict mode reaches the initial conftests (imported before pytest_configure)
+    # and every process the session starts (strict.export_cache, until unconfigure).
+    # The conftests' misses are recorded: the runner fails the session's collection
+    # on one they caught.
+    cache = _strict_cache(getattr(early_config.known_args_namespace, "quack_prebuilt", False))
+    if cache is None:
+        return (yield)
+    strict.export_cache(early_config, cache)
+    with strict.recording_early(early_config):
+        return (yield)
+
+
+def _strict_cache(option: bool):
+    """The session's cache directory if strict mode is on, else None; None too while the
+    settings do not resolve (pytest_configure then stops the session on them)."""
+    from quack import settings
+    from quack.errors import SettingsError
+
+    try:
+        s = settings.resolve()
+    except SettingsError:
+        return None
+    return s.cache_dir if option or s.mode == "prebuilt" else None
 
 
 # -- options ----------------------------------------------------------------------------------
@@ -180,6 +205,9 @@ def pytest_configure(config):
     )
     if not engaged:
         return
+    cache = _strict_cache(True) if prebuilt else None
+    if cache is not None:  # for the processes the tests start (xdist's workers too)
+        strict.export_cache(config, cache)
     capped = f"quack: --async-compile={asked} capped at {async_n} compile workers (the CPU count)"
     note = capped if asked != async_n else None
     if _is_xdist_controller(config):
@@ -201,3 +229,4 @@ def pytest_unconfigure(config):
     runner = config.pluginmanager.get_plugin(_PLUGIN)
     if runner is not None:
         runner.close()
+    strict.restore_cache(config)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import pytest
 
-from quack.testing import deferral, gpus, oom
+from quack.testing import deferral, gpus, oom, strict
 from quack.testing.deferral import MAX_DEFERS
 from quack.testing.strict import StrictMode
 
@@ -66,9 +66,23 @@ class Runner:
         rep = yield
         if call.excinfo is not None and oom.is_cuda_oom(call.excinfo.value):
             item._quack_oom = True
-        if self.strict is not None and call.when in ("setup", "call") and self.misses is not None:
+        if self.strict is not None and self.misses is not None:  # set-up, call and teardown
             if self.strict.check(rep, self.misses):
                 self.strict_fails.append(item.nodeid)
+        return rep
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_make_collect_report(self, collector):
+        """Strict mode around each collector: a module that met a miss at import (and
+        caught it: ``K = None``, ``skipif(K is None)``) fails to collect, naming the
+        entry, instead of skipping its tests with exit status 0."""
+        if self.strict is None:
+            return (yield)
+        with self.strict.collecting() as misses:
+            rep = yield
+        early = strict.early_misses(self.config) if isinstance(collector, pytest.Session) else []
+        if self.strict.check_collect(rep, misses, early):
+            self.strict_fails.append(rep.nodeid)
         return rep
 
     # running one attempt ------------------------------------------------------------------------
