@@ -143,6 +143,119 @@ def test_verify_load_in_fresh_process_fails_on_broken_object(proj):
     assert r.exit_code == 0
 
 
+# --- quack verify --run without a GPU here: the loaders' GPU probe answered yes ----------
+
+FAKE_GPU = """
+import os
+if os.environ.get("QUACK_TEST_FAKE_GPU"):
+    # verify's GPU probe (torch.cuda.is_available in the loader) says yes; nothing here
+    # launches a kernel: the hooks these tests run never touch the GPU
+    import torch
+    torch.cuda.is_available = lambda: True
+"""
+
+
+def _fake_gpu_loaders(tmp_path: Path, monkeypatch) -> None:
+    """From now on, the loader processes see a GPU (a sitecustomize on their PYTHONPATH)."""
+    d = tmp_path / "fakegpu"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(FAKE_GPU)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("QUACK_TEST_FAKE_GPU", "1")
+
+
+def test_verify_run_that_runs_no_kernel_fails_and_says_why(proj, tmp_path, monkeypatch):
+    """--run on a GPU where no configuration's kernel has a reference hook ran nothing: exit
+    1, a line saying so, and the count of entries not run (text and --json). Before:
+    "verified 3 configurations (..., reference run): all good", exit 0."""
+    _fake_gpu_loaders(tmp_path, monkeypatch)
+    r = runner.invoke(app, ["verify", "--run", "--json"])
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.stdout)
+    assert not res["ok"] and res["problems"] == 0 and not res["ran"]
+    assert (res["reference_runs"], res["not_run"], res["not_run_why"]) == (0, 3, {"no reference hook": 3})
+    assert res["note"].startswith("--run ran no kernel (no reference hook: toy_scale)")
+    assert all(e["run"] == "no reference hook" for e in res["entries"])
+    r = runner.invoke(app, ["verify", "--run"])
+    assert r.exit_code == 1, r.output
+    assert "--run ran no kernel (no reference hook: toy_scale)" in r.output
+    assert "no kernel was run; 3 not run: no reference hook (toy_scale)" in r.output
+    assert "all good" not in r.output and "reference run" not in r.output and "slowest" not in r.output
+
+
+HOOKED_MODULE = """
+import toykernels
+from quack import jit_cache
+from quack.params import Int
+
+
+@jit_cache("verify_hooked", params={"block": Int(min=32, max=1024)}, reference="verify_hooked:check")
+def verify_hooked(block: int = 64):
+    return toykernels.toy_scale.compile_uncached("float32", block, False)
+
+
+def check(params, device):
+    assert params == {"block": 64} and device == "cuda", (params, device)
+"""
+
+
+def test_verify_run_counts_the_entries_run_and_those_not_run(proj, tmp_path, monkeypatch):
+    """One kernel with a reference hook, one without: --run succeeds (the hook ran and
+    passed) and its summary counts both, the ones not run with why and their kernel."""
+    d = proj["dir"]
+    (d / "verify_hooked.py").write_text(HOOKED_MODULE)
+    (d / "quack.toml").write_text(
+        (d / "quack.toml").read_text().replace('["toykernels"]', '["toykernels", "verify_hooked"]')
+    )
+    (d / "m.toml").write_text(
+        MANIFEST + '[[kernel]]\nname = "verify_hooked"\narchs = ["sm_90a"]\nparams = { block = 64 }\n'
+    )
+    r = runner.invoke(app, ["build", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["compiled"] == 1, r.output
+    _fake_gpu_loaders(tmp_path, monkeypatch)
+    r = runner.invoke(app, ["verify", "--run", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["ok"] and res["ran"] and res["note"] == ""
+    assert (res["reference_runs"], res["not_run"], res["not_run_why"]) == (1, 3, {"no reference hook": 3})
+    assert {e["kernel"]: e["run"] for e in res["entries"]} == {
+        "toy_scale": "no reference hook",
+        "verify_hooked": "ok",
+    }
+    r = runner.invoke(app, ["verify", "--run"])
+    assert r.exit_code == 0, r.output
+    assert "1 reference run): all good; 3 not run: no reference hook (toy_scale) in " in r.output, r.output
+
+
+def test_verify_bundles_run_that_runs_no_kernel_fails_and_says_why(proj, tmp_path, monkeypatch):
+    """The same for `verify --bundles --run`: an installed bundle whose kernel has no
+    reference hook is loaded, not run, counted so, and the command exits 1."""
+    from test_bundles_tier import bfile, install, ref_for
+
+    from quack.bundles import tier as bt
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    bt.reset()
+    try:
+        real = _entry(proj["cache"], "sm_90a", 64)["o"].read_bytes()  # a real sm_90a object: it loads
+        install(site, [bfile(ref_for(), obj=real, so=None)], name="hookless")
+        _fake_gpu_loaders(tmp_path, monkeypatch)
+        r = runner.invoke(app, ["verify", "--bundles", "--run", "--json"])
+        assert r.exit_code == 1, r.output
+        res = json.loads(r.stdout)
+        assert res["problems"] == 0 and res["note"].startswith(
+            "--run ran no kernel (no reference hook: toy_scale)"
+        )
+        assert (res["reference_runs"], res["not_run"]) == (0, 1)
+        r = runner.invoke(app, ["verify", "--bundles", "--run"])
+        assert r.exit_code == 1 and "no kernel was run; 1 not run: no reference hook (toy_scale)" in r.output
+        assert "all good" not in r.output, r.output
+    finally:
+        bt.reset()
+
+
 def test_prewarm_from_journal(proj):
     cache = proj["cache"]
     now = time.time()
@@ -394,7 +507,8 @@ def test_a_failed_reference_run_restarts_the_fresh_process(proj, tmp_path):
     )
     out, err = p.communicate("\n".join(json.dumps(r) for r in reqs) + "\n", timeout=300)
     answers = [json.loads(line) for line in out.splitlines()]
-    assert [a.get("run") for a in answers] == ["ok", None], (answers, err[-2000:])
+    # "failed": the hook ran and raised (verify counts it as run, and as a problem)
+    assert [a.get("run") for a in answers] == ["ok", "failed"], (answers, err[-2000:])
     assert answers[1]["restart"] and "CUDA Error Code: 1" in answers[1]["error"]
     assert p.returncode == 0  # ended after that answer: the third entry was not run in it
 

@@ -5,7 +5,8 @@ the entry function; with ``--run`` (GPU) each kernel's reference hook runs.
 Each entry also reports its kernels' registers and local-memory stack frame
 (``resources``): a frame is a report, not a problem.
 
-Read-only: a corrupt entry is reported, not quarantined."""
+Read-only: a corrupt entry is reported, not quarantined. ``--run`` counts the entries
+it ran and those it could not ("no reference hook"), and one that ran none is no success."""
 
 from __future__ import annotations
 
@@ -145,6 +146,9 @@ def _verify(configs, store, load, run, console, jobs, started, t0) -> dict:
                 r["run"] = a["run"]
             if "seconds" in a:
                 r["seconds"] = a["seconds"]
+    ran, not_run = run_counts(rows)
+    if run and not ran and not_run:
+        note = no_run_note(not_run)
     bad = [r for r in rows if r["problems"]]
     for r in rows:
         r.pop("_cfg")
@@ -155,8 +159,32 @@ def _verify(configs, store, load, run, console, jobs, started, t0) -> dict:
         "total": len(rows),
         "problems": len(bad),
         "loaded": load,
-        "ran": run,
+        "ran": run and ran > 0,
+        "reference_runs": ran,
+        "not_run": sum(len(ks) for ks in not_run.values()),
+        "not_run_why": {why: len(ks) for why, ks in sorted(not_run.items())},
         "note": note,
         "seconds": round(time.time() - t0, 3),
         "entries": rows,
     }
+
+
+def run_counts(rows: list[dict]) -> tuple[int, dict[str, list[str]]]:
+    """--run's tally over report rows: how many ran their reference hook (passed or
+    failed), and the kernels of those loaded but not run, by why ("no reference hook"):
+    a --run that ran nothing is no success, and one that ran some says how many not."""
+    ran = sum(1 for r in rows if r.get("run") in ("ok", "failed"))
+    not_run: dict[str, list[str]] = {}
+    for r in rows:
+        if r.get("run") not in (None, "ok", "failed"):
+            not_run.setdefault(r["run"], []).append(r["kernel"])
+    return ran, not_run
+
+
+def no_run_note(not_run: dict[str, list[str]]) -> str:
+    """The line of a --run that ran no kernel: why, and for which kernels."""
+    why = "; ".join(f"{w}: {', '.join(sorted(set(ks)))}" for w, ks in sorted(not_run.items()))
+    return (
+        f"--run ran no kernel ({why}); a kernel's reference= hook in its @jit_cache is what "
+        f"--run calls (docs/writing-kernels.md)"
+    )
