@@ -143,6 +143,48 @@ def test_verify_load_in_fresh_process_fails_on_broken_object(proj):
     assert r.exit_code == 0
 
 
+def test_verify_problems_name_the_file_and_the_fix(proj, monkeypatch):
+    """A corrupt entry's problem names its file (the .o, or the .json for a metadata
+    problem) and what fixes it, in the table and in --json (which also gives each entry's
+    "obj"); and that fix is the real one: `quack build` quarantines and rebuilds them.
+    Before: kernel, params, a 12-character key and "object file checksum mismatch"."""
+    cache = proj["cache"]
+    flipped, empty, badjson = (
+        _entry(cache, "sm_90a", 64),
+        _entry(cache, "sm_90a", 128),
+        _entry(cache, "sm_80", 64),
+    )
+    data = bytearray(flipped["o"].read_bytes())
+    data[100] ^= 0xFF
+    flipped["o"].write_bytes(bytes(data))
+    empty["o"].write_bytes(b"")
+    badjson["meta"].write_text("{bad")
+    r = runner.invoke(app, ["verify", "--json"])
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.stdout)
+    rows = {e["key"]: e for e in res["entries"]}
+    fix = "quack build moves the entry to quarantine/ and rebuilds it"
+    for e, file, why in (
+        (flipped, flipped["o"], "checksum mismatch"),
+        (empty, empty["o"], "is 0 bytes"),
+        (badjson, badjson["meta"], "metadata is not valid JSON"),
+    ):
+        row = rows[e["key"]]
+        assert row["obj"] == str(e["o"]), row
+        (problem,) = row["problems"]
+        assert why in problem and f": {file}; {fix}" in problem, problem
+    monkeypatch.setenv("COLUMNS", "1000")  # one table row a line: each path whole
+    r = runner.invoke(app, ["verify"])
+    assert r.exit_code == 1 and "3 with problems" in r.output, r.output
+    for file in (flipped["o"], empty["o"], badjson["meta"]):
+        assert f"{file}; {fix}" in r.output, r.output
+    r = runner.invoke(app, ["build", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["compiled"] == 3, r.output
+    assert len(list((cache / "quarantine").glob("*.reason"))) == 3
+    r = runner.invoke(app, ["verify"])
+    assert r.exit_code == 0 and "all good" in r.output, r.output
+
+
 # --- quack verify --run without a GPU here: the loaders' GPU probe answered yes ----------
 
 FAKE_GPU = """

@@ -55,6 +55,12 @@ class Inspection:
     def ok(self) -> bool:
         return self.status == OK
 
+    @property
+    def problem_file(self) -> Path:
+        """The file a corrupt entry's ``problem`` is about: its metadata (``<key>.json``)
+        for a metadata problem, else its object."""
+        return self.obj.with_suffix(".json") if self.problem.startswith("metadata") else self.obj
+
 
 @runtime_checkable
 class Store(Protocol):

@@ -151,8 +151,9 @@ def _problems_table(title: str, bad: list[dict], *, bundle: bool = False):
     from quack_build.manifest.config import format_params
 
     tb = Table(title=title, header_style="bold")
-    for col in ("bundle",) * bundle + ("kernel", "params", "arch", "key", "problem"):
+    for col in ("bundle",) * bundle + ("kernel", "params", "arch", "key"):
         tb.add_column(col)
+    tb.add_column("problem", overflow="fold")  # a path longer than the column wraps, never "…"
     for r in bad:
         cells = [
             *([r["bundle"]] if bundle else []),
