@@ -185,6 +185,42 @@ def test_verify_problems_name_the_file_and_the_fix(proj, monkeypatch):
     assert r.exit_code == 0 and "all good" in r.output, r.output
 
 
+def test_verify_reports_a_damaged_so_with_the_remedy_that_works(proj):
+    """A linked .so whose bytes no longer match its sidecar: the runtime warns about it
+    and will not load it, so verify reports it (its path, and what fixes it), exit 1; and
+    the fix it names is the runtime's: the kernel's next load links a new .so, after which
+    verify is all good. Before: "all good", exit 0, while every load warned."""
+    e = _entry(proj["cache"], "sm_90a", 64)
+    if not e["so"].exists():
+        pytest.skip("no .so was linked (no C compiler)")
+    data = bytearray(e["so"].read_bytes())
+    data[300] ^= 0xFF
+    e["so"].write_bytes(bytes(data))
+    r = runner.invoke(app, ["verify", "--json"])
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.stdout)
+    (row,) = [x for x in res["entries"] if x["problems"]]
+    assert row["key"] == e["key"] and row["so"] == str(e["so"])
+    (problem,) = row["problems"]
+    assert f"the linked kernel {e['so']} is damaged" in problem and "truncated or tampered" in problem
+    assert "links a new one from the verified .o when the kernel next loads" in problem
+    load = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import toykernels; toykernels.toy_scale('float16', 64)"],
+        cwd=proj["dir"],
+        env=dict(
+            os.environ,
+            QUACK_MODE="prebuilt",
+            PYTHONPATH=os.pathsep.join([str(Path(toykernels.__file__).parent), *sys.path]),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert load.returncode == 0 and f"the linked kernel {e['so']} is damaged" in load.stderr, load.stderr
+    r = runner.invoke(app, ["verify"])
+    assert r.exit_code == 0 and "all good" in r.output, r.output
+
+
 # --- quack verify --run without a GPU here: the loaders' GPU probe answered yes ----------
 
 FAKE_GPU = """

@@ -29,14 +29,18 @@ from quack_build.verify.resources import resources
 # What fixes each kind of problem (named in the problem itself, after the file's path).
 REBUILD = "quack build moves the entry to quarantine/ and rebuilds it"
 FORCE = "quack build --force rebuilds it"
+RELINK = (
+    "the runtime skips it (with a warning) and links a new one from the verified .o when the kernel "
+    "next loads; or delete it and its .so.json"
+)
 
 
 def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
     """Presence, checksum and arch of one configuration, and its kernels' registers and
     stack frames (``resources``), without touching the cache. Each problem names the
     file it is about and what fixes it. ``info``: "obj" (the object's path), "so" (the
-    linked .so's path when there is one), "load_so" (the .so to load: a verified one
-    only), "gpu_code", "resources"."""
+    linked .so's path when there is one, damaged or not), "load_so" (the .so to load: a
+    verified one only), "gpu_code", "resources"."""
     ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
     p = store.paths(ref)
     info: dict = {"obj": str(p["obj"]), "so": None, "load_so": None, "gpu_code": [], "resources": []}
@@ -79,8 +83,10 @@ def check_static(store: DiskStore, cfg) -> tuple[list[str], dict]:
         problems.append(
             f"built for {', '.join(c.arch for c in codes)}, expected {cfg.arch}: {found.obj}; {FORCE}"
         )
+    if found.so_problem:
+        problems.append(f"the linked kernel {p['so']} is damaged ({found.so_problem}); {RELINK}")
     info["load_so"] = str(found.so) if found.so else None
-    info["so"] = info["load_so"]
+    info["so"] = str(p["so"]) if found.so or found.so_problem else None
     return problems, info
 
 
