@@ -1,4 +1,5 @@
-"""`quack verify` and `quack prewarm`, on entries really compiled for sm_90a / sm_80 on CPU."""
+"""`quack verify`, `quack prewarm` and a dry run's plan, on entries really compiled for
+sm_90a / sm_80 on CPU."""
 
 from __future__ import annotations
 
@@ -143,6 +144,14 @@ def test_verify_load_in_fresh_process_fails_on_broken_object(proj):
     assert r.exit_code == 0
 
 
+def _tree(root: Path) -> dict:
+    """Every path under ``root`` with its bytes (a directory: None): what a read-only
+    command must leave exactly as it found it."""
+    return {
+        str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))
+    }
+
+
 def test_verify_problems_name_the_file_and_the_fix(proj, monkeypatch):
     """A corrupt entry's problem names its file (the .o, or the .json for a metadata
     problem) and what fixes it, in the table and in --json (which also gives each entry's
@@ -219,6 +228,53 @@ def test_verify_reports_a_damaged_so_with_the_remedy_that_works(proj):
     assert load.returncode == 0 and f"the linked kernel {e['so']} is damaged" in load.stderr, load.stderr
     r = runner.invoke(app, ["verify"])
     assert r.exit_code == 0 and "all good" in r.output, r.output
+
+
+def test_dry_runs_leave_a_corrupt_entry_in_place_and_say_a_build_rebuilds_it(proj):
+    """`quack build --dry-run` (and `quack prewarm --dry-run`) read the cache only: a
+    corrupt entry is listed as one to compile, named corrupt with its file, and nothing
+    is moved. Before: the plan's lookup moved it to quarantine/ (with a warning)."""
+    cache = proj["cache"]
+    e = _entry(cache, "sm_90a", 128)
+    data = bytearray(e["o"].read_bytes())
+    data[100] ^= 0xFF
+    e["o"].write_bytes(bytes(data))
+    journal.append(
+        cache,
+        [
+            {
+                "kernel": "toy_scale",
+                "key": e["key"],
+                "arch": "sm_90a",
+                "params": {"dtype": "float16", "block": 128, "bias": False},
+                "hits": 3,
+                "misses": 1,
+                "compiles": 1,
+                "compile_s": 0.4,
+                "t": time.time(),
+            }
+        ],
+    )
+    before = _tree(cache)
+    r = runner.invoke(app, ["build", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    (line,) = [x for x in r.output.splitlines() if e["key"][:16] in x]
+    assert line.startswith("compile ") and "(corrupt: object file checksum mismatch" in line, line
+    assert f"{e['o']}; a build moves it to quarantine/ and rebuilds it)" in line, line
+    assert "1 to compile (1 of them corrupt in the cache, left as they are" in r.output, r.output
+    r = runner.invoke(app, ["build", "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert (res["to_compile"], res["corrupt"]) == (1, 1)
+    (k,) = [k for k in res["keys"] if k["key"] == e["key"]]
+    assert k["status"] == "todo" and "checksum mismatch" in k["corrupt"] and str(e["o"]) in k["corrupt"]
+    r = runner.invoke(app, ["prewarm", "--dry-run"])
+    assert r.exit_code == 0 and "(corrupt: object file checksum mismatch" in r.output, r.output
+    assert "was corrupt" not in r.output  # no quarantine warning: nothing was moved
+    assert _tree(cache) == before  # nothing moved, created or written
+    r = runner.invoke(app, ["build", "--json"])  # the real build does what the dry run said
+    assert r.exit_code == 0 and json.loads(r.stdout)["compiled"] == 1, r.output
+    assert len(list((cache / "quarantine").glob("*.reason"))) == 1
 
 
 # --- quack verify --run without a GPU here: the loaders' GPU probe answered yes ----------
