@@ -1,4 +1,5 @@
-"""`quack verify` and `quack prewarm`, on entries really compiled for sm_90a / sm_80 on CPU."""
+"""`quack verify`, `quack prewarm` and a dry run's plan, on entries really compiled for
+sm_90a / sm_80 on CPU."""
 
 from __future__ import annotations
 
@@ -141,6 +142,252 @@ def test_verify_load_in_fresh_process_fails_on_broken_object(proj):
     assert "load" in bad["problems"][0] or "died" in bad["problems"][0]
     r = runner.invoke(app, ["verify", "--json", "--no-load"])
     assert r.exit_code == 0
+
+
+def _tree(root: Path) -> dict:
+    """Every path under ``root`` with its bytes (a directory: None): what a read-only
+    command must leave exactly as it found it."""
+    return {
+        str(p.relative_to(root)): (None if p.is_dir() else p.read_bytes()) for p in sorted(root.rglob("*"))
+    }
+
+
+def test_verify_problems_name_the_file_and_the_fix(proj, monkeypatch):
+    """A corrupt entry's problem names its file (the .o, or the .json for a metadata
+    problem) and what fixes it, in the table and in --json (which also gives each entry's
+    "obj"); and that fix is the real one: `quack build` quarantines and rebuilds them.
+    Before: kernel, params, a 12-character key and "object file checksum mismatch"."""
+    cache = proj["cache"]
+    flipped, empty, badjson = (
+        _entry(cache, "sm_90a", 64),
+        _entry(cache, "sm_90a", 128),
+        _entry(cache, "sm_80", 64),
+    )
+    data = bytearray(flipped["o"].read_bytes())
+    data[100] ^= 0xFF
+    flipped["o"].write_bytes(bytes(data))
+    empty["o"].write_bytes(b"")
+    badjson["meta"].write_text("{bad")
+    r = runner.invoke(app, ["verify", "--json"])
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.stdout)
+    rows = {e["key"]: e for e in res["entries"]}
+    fix = "quack build moves the entry to quarantine/ and rebuilds it"
+    for e, file, why in (
+        (flipped, flipped["o"], "checksum mismatch"),
+        (empty, empty["o"], "is 0 bytes"),
+        (badjson, badjson["meta"], "metadata is not valid JSON"),
+    ):
+        row = rows[e["key"]]
+        assert row["obj"] == str(e["o"]), row
+        (problem,) = row["problems"]
+        assert why in problem and f": {file}; {fix}" in problem, problem
+    monkeypatch.setenv("COLUMNS", "1000")  # one table row a line: each path whole
+    r = runner.invoke(app, ["verify"])
+    assert r.exit_code == 1 and "3 with problems" in r.output, r.output
+    for file in (flipped["o"], empty["o"], badjson["meta"]):
+        assert f"{file}; {fix}" in r.output, r.output
+    r = runner.invoke(app, ["build", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["compiled"] == 3, r.output
+    assert len(list((cache / "quarantine").glob("*.reason"))) == 3
+    r = runner.invoke(app, ["verify"])
+    assert r.exit_code == 0 and "all good" in r.output, r.output
+
+
+def test_verify_reports_a_damaged_so_with_the_remedy_that_works(proj):
+    """A linked .so whose bytes no longer match its sidecar: the runtime warns about it
+    and will not load it, so verify reports it (its path, and what fixes it), exit 1; and
+    the fix it names is the runtime's: the kernel's next load links a new .so, after which
+    verify is all good. Before: "all good", exit 0, while every load warned."""
+    e = _entry(proj["cache"], "sm_90a", 64)
+    if not e["so"].exists():
+        pytest.skip("no .so was linked (no C compiler)")
+    data = bytearray(e["so"].read_bytes())
+    data[300] ^= 0xFF
+    e["so"].write_bytes(bytes(data))
+    r = runner.invoke(app, ["verify", "--json"])
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.stdout)
+    (row,) = [x for x in res["entries"] if x["problems"]]
+    assert row["key"] == e["key"] and row["so"] == str(e["so"])
+    (problem,) = row["problems"]
+    assert f"the linked kernel {e['so']} is damaged" in problem and "truncated or tampered" in problem
+    assert "links a new one from the verified .o when the kernel next loads" in problem
+    load = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import toykernels; toykernels.toy_scale('float16', 64)"],
+        cwd=proj["dir"],
+        env=dict(
+            os.environ,
+            QUACK_MODE="prebuilt",
+            PYTHONPATH=os.pathsep.join([str(Path(toykernels.__file__).parent), *sys.path]),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert load.returncode == 0 and f"the linked kernel {e['so']} is damaged" in load.stderr, load.stderr
+    r = runner.invoke(app, ["verify"])
+    assert r.exit_code == 0 and "all good" in r.output, r.output
+
+
+def test_dry_runs_leave_a_corrupt_entry_in_place_and_say_a_build_rebuilds_it(proj):
+    """`quack build --dry-run` (and `quack prewarm --dry-run`) read the cache only: a
+    corrupt entry is listed as one to compile, named corrupt with its file, and nothing
+    is moved. Before: the plan's lookup moved it to quarantine/ (with a warning)."""
+    cache = proj["cache"]
+    e = _entry(cache, "sm_90a", 128)
+    data = bytearray(e["o"].read_bytes())
+    data[100] ^= 0xFF
+    e["o"].write_bytes(bytes(data))
+    journal.append(
+        cache,
+        [
+            {
+                "kernel": "toy_scale",
+                "key": e["key"],
+                "arch": "sm_90a",
+                "params": {"dtype": "float16", "block": 128, "bias": False},
+                "hits": 3,
+                "misses": 1,
+                "compiles": 1,
+                "compile_s": 0.4,
+                "t": time.time(),
+            }
+        ],
+    )
+    before = _tree(cache)
+    r = runner.invoke(app, ["build", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    (line,) = [x for x in r.output.splitlines() if e["key"][:16] in x]
+    assert line.startswith("compile ") and "(corrupt: object file checksum mismatch" in line, line
+    assert f"{e['o']}; a build moves it to quarantine/ and rebuilds it)" in line, line
+    assert "1 to compile (1 of them corrupt in the cache, left as they are" in r.output, r.output
+    r = runner.invoke(app, ["build", "--dry-run", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert (res["to_compile"], res["corrupt"]) == (1, 1)
+    (k,) = [k for k in res["keys"] if k["key"] == e["key"]]
+    assert k["status"] == "todo" and "checksum mismatch" in k["corrupt"] and str(e["o"]) in k["corrupt"]
+    r = runner.invoke(app, ["prewarm", "--dry-run"])
+    assert r.exit_code == 0 and "(corrupt: object file checksum mismatch" in r.output, r.output
+    assert "was corrupt" not in r.output  # no quarantine warning: nothing was moved
+    assert _tree(cache) == before  # nothing moved, created or written
+    r = runner.invoke(app, ["build", "--json"])  # the real build does what the dry run said
+    assert r.exit_code == 0 and json.loads(r.stdout)["compiled"] == 1, r.output
+    assert len(list((cache / "quarantine").glob("*.reason"))) == 1
+
+
+# --- quack verify --run without a GPU here: the loaders' GPU probe answered yes ----------
+
+FAKE_GPU = """
+import os
+if os.environ.get("QUACK_TEST_FAKE_GPU"):
+    # verify's GPU probe (torch.cuda.is_available in the loader) says yes; nothing here
+    # launches a kernel: the hooks these tests run never touch the GPU
+    import torch
+    torch.cuda.is_available = lambda: True
+"""
+
+
+def _fake_gpu_loaders(tmp_path: Path, monkeypatch) -> None:
+    """From now on, the loader processes see a GPU (a sitecustomize on their PYTHONPATH)."""
+    d = tmp_path / "fakegpu"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(FAKE_GPU)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(d), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("QUACK_TEST_FAKE_GPU", "1")
+
+
+def test_verify_run_that_runs_no_kernel_fails_and_says_why(proj, tmp_path, monkeypatch):
+    """--run on a GPU where no configuration's kernel has a reference hook ran nothing: exit
+    1, a line saying so, and the count of entries not run (text and --json). Before:
+    "verified 3 configurations (..., reference run): all good", exit 0."""
+    _fake_gpu_loaders(tmp_path, monkeypatch)
+    r = runner.invoke(app, ["verify", "--run", "--json"])
+    assert r.exit_code == 1, r.output
+    res = json.loads(r.stdout)
+    assert not res["ok"] and res["problems"] == 0 and not res["ran"]
+    assert (res["reference_runs"], res["not_run"], res["not_run_why"]) == (0, 3, {"no reference hook": 3})
+    assert res["note"].startswith("--run ran no kernel (no reference hook: toy_scale)")
+    assert all(e["run"] == "no reference hook" for e in res["entries"])
+    r = runner.invoke(app, ["verify", "--run"])
+    assert r.exit_code == 1, r.output
+    assert "--run ran no kernel (no reference hook: toy_scale)" in r.output
+    assert "no kernel was run; 3 not run: no reference hook (toy_scale)" in r.output
+    assert "all good" not in r.output and "reference run" not in r.output and "slowest" not in r.output
+
+
+HOOKED_MODULE = """
+import toykernels
+from quack import jit_cache
+from quack.params import Int
+
+
+@jit_cache("verify_hooked", params={"block": Int(min=32, max=1024)}, reference="verify_hooked:check")
+def verify_hooked(block: int = 64):
+    return toykernels.toy_scale.compile_uncached("float32", block, False)
+
+
+def check(params, device):
+    assert params == {"block": 64} and device == "cuda", (params, device)
+"""
+
+
+def test_verify_run_counts_the_entries_run_and_those_not_run(proj, tmp_path, monkeypatch):
+    """One kernel with a reference hook, one without: --run succeeds (the hook ran and
+    passed) and its summary counts both, the ones not run with why and their kernel."""
+    d = proj["dir"]
+    (d / "verify_hooked.py").write_text(HOOKED_MODULE)
+    (d / "quack.toml").write_text(
+        (d / "quack.toml").read_text().replace('["toykernels"]', '["toykernels", "verify_hooked"]')
+    )
+    (d / "m.toml").write_text(
+        MANIFEST + '[[kernel]]\nname = "verify_hooked"\narchs = ["sm_90a"]\nparams = { block = 64 }\n'
+    )
+    r = runner.invoke(app, ["build", "--json"])
+    assert r.exit_code == 0 and json.loads(r.stdout)["compiled"] == 1, r.output
+    _fake_gpu_loaders(tmp_path, monkeypatch)
+    r = runner.invoke(app, ["verify", "--run", "--json"])
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["ok"] and res["ran"] and res["note"] == ""
+    assert (res["reference_runs"], res["not_run"], res["not_run_why"]) == (1, 3, {"no reference hook": 3})
+    assert {e["kernel"]: e["run"] for e in res["entries"]} == {
+        "toy_scale": "no reference hook",
+        "verify_hooked": "ok",
+    }
+    r = runner.invoke(app, ["verify", "--run"])
+    assert r.exit_code == 0, r.output
+    assert "1 reference run): all good; 3 not run: no reference hook (toy_scale) in " in r.output, r.output
+
+
+def test_verify_bundles_run_that_runs_no_kernel_fails_and_says_why(proj, tmp_path, monkeypatch):
+    """The same for `verify --bundles --run`: an installed bundle whose kernel has no
+    reference hook is loaded, not run, counted so, and the command exits 1."""
+    from test_bundles_tier import bfile, install, ref_for
+
+    from quack.bundles import tier as bt
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.syspath_prepend(str(site))
+    bt.reset()
+    try:
+        real = _entry(proj["cache"], "sm_90a", 64)["o"].read_bytes()  # a real sm_90a object: it loads
+        install(site, [bfile(ref_for(), obj=real, so=None)], name="hookless")
+        _fake_gpu_loaders(tmp_path, monkeypatch)
+        r = runner.invoke(app, ["verify", "--bundles", "--run", "--json"])
+        assert r.exit_code == 1, r.output
+        res = json.loads(r.stdout)
+        assert res["problems"] == 0 and res["note"].startswith(
+            "--run ran no kernel (no reference hook: toy_scale)"
+        )
+        assert (res["reference_runs"], res["not_run"]) == (0, 1)
+        r = runner.invoke(app, ["verify", "--bundles", "--run"])
+        assert r.exit_code == 1 and "no kernel was run; 1 not run: no reference hook (toy_scale)" in r.output
+        assert "all good" not in r.output, r.output
+    finally:
+        bt.reset()
 
 
 def test_prewarm_from_journal(proj):
@@ -394,7 +641,8 @@ def test_a_failed_reference_run_restarts_the_fresh_process(proj, tmp_path):
     )
     out, err = p.communicate("\n".join(json.dumps(r) for r in reqs) + "\n", timeout=300)
     answers = [json.loads(line) for line in out.splitlines()]
-    assert [a.get("run") for a in answers] == ["ok", None], (answers, err[-2000:])
+    # "failed": the hook ran and raised (verify counts it as run, and as a problem)
+    assert [a.get("run") for a in answers] == ["ok", "failed"], (answers, err[-2000:])
     assert answers[1]["restart"] and "CUDA Error Code: 1" in answers[1]["error"]
     assert p.returncode == 0  # ended after that answer: the third entry was not run in it
 

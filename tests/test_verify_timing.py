@@ -86,7 +86,16 @@ def _report(ran: bool, n: int = 6) -> str:
         {"kernel": "softmax_fwd", "params": {"n": 1024 * (i + 1)}, "problems": [], "seconds": 0.1 * (i + 1)}
         for i in range(n)
     ]
-    res = {"entries": entries, "note": "", "loaded": True, "ran": ran, "total": n, "seconds": 3.0}
+    res = {
+        "ok": True,
+        "entries": entries,
+        "note": "",
+        "loaded": True,
+        "ran": ran,
+        "reference_runs": n if ran else 0,
+        "total": n,
+        "seconds": 3.0,
+    }
     buf = io.StringIO()
     print_report(Console(file=buf, width=200, color_system=None), res)
     return buf.getvalue()

@@ -43,17 +43,26 @@ class Inspection:
 
     status: ``"ok"`` (metadata names this key, the .o has the recorded size and
     SHA-256), ``"missing"`` (no metadata) or ``"corrupt"`` (``problem`` says why).
-    ``so`` is the derived shared object if its sidecar ties it to this very .o."""
+    ``so`` is the derived shared object if its sidecar ties it to this very .o;
+    ``so_problem`` says why a .so that is there is not (truncated, tampered, planted:
+    the runtime warns, skips it and links a new one), "" if it is absent, stale or fine."""
 
     status: Status
     problem: str
     meta: dict[str, Any]
     obj: Path
     so: Path | None = None
+    so_problem: str = ""
 
     @property
     def ok(self) -> bool:
         return self.status == OK
+
+    @property
+    def problem_file(self) -> Path:
+        """The file a corrupt entry's ``problem`` is about: its metadata (``<key>.json``)
+        for a metadata problem, else its object."""
+        return self.obj.with_suffix(".json") if self.problem.startswith("metadata") else self.obj
 
 
 @runtime_checkable

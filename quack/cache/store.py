@@ -171,7 +171,8 @@ class DiskStore:
             return Inspection(MISSING, "", {}, p["obj"])
         if problem:
             return Inspection(CORRUPT, problem, meta, p["obj"])
-        return Inspection(OK, "", meta, p["obj"], self._verified_so(p, meta.get("sha256")))
+        so, so_problem = self._so_state(p, meta.get("sha256"))
+        return Inspection(OK, "", meta, p["obj"], so, so_problem)
 
     def derived_so(self, ref: EntryRef, o_sha256: str) -> Path | None:
         """A verified .so at ``ref``'s place linked from an object with digest ``o_sha256``
@@ -219,33 +220,36 @@ class DiskStore:
         """The .so if its sidecar ties it to the .o digest ``o_sha256`` and its bytes match,
         else None (the loader relinks it). Absent or stale is silent; damaged (truncated,
         tampered, planted) is one CacheWarning if ``warn``: it used to go unsaid."""
-        try:  # the sidecar first: a .so it names was renamed in before it was written
-            side = safe_loads(fsutil.read_nofollow(p["so_meta"]))
-            data = fsutil.read_nofollow(p["so"])
-        except FileNotFoundError:
-            return None
-        except OSError as e:  # planted: a FIFO, a symlink (ELOOP under O_NOFOLLOW); unreadable
-            what = "a symbolic link (never followed)" if e.errno == errno.ELOOP else e.strerror or e
-            problem = f"{what}: {e.filename}"
-        except ValueError as e:
-            problem = f"{p['so_meta']} is not valid JSON ({e})"
-        else:
-            if not isinstance(side, dict):
-                problem = f"{p['so_meta']} is not a JSON object"
-            elif side.get("o_sha256") != o_sha256:
-                return None  # stale
-            elif hashlib.sha256(data).hexdigest() != side.get("sha256"):
-                problem = f"its checksum does not match {p['so_meta'].name}: truncated or tampered"
-            else:
-                return p["so"]
-        if warn:  # once: quack build looks an entry up twice (plan, then report)
+        so, problem = self._so_state(p, o_sha256)
+        if problem and warn:  # once: quack build looks an entry up twice (plan, then report)
             warn_once(
                 f"damaged-so:{p['so']}:{problem}",
                 f"quack: the linked kernel {p['so']} is damaged ({problem}); not loading it: "
                 f"it is linked again from its verified .o when the kernel loads",
                 stacklevel=5,
             )
-        return None
+        return so
+
+    def _so_state(self, p: dict[str, Path], o_sha256) -> tuple[Path | None, str]:
+        """(the verified .so or None, why a .so that is there is not usable: "" when it is
+        absent, stale, or fine). Reads only."""
+        try:  # the sidecar first: a .so it names was renamed in before it was written
+            side = safe_loads(fsutil.read_nofollow(p["so_meta"]))
+            data = fsutil.read_nofollow(p["so"])
+        except FileNotFoundError:
+            return None, ""
+        except OSError as e:  # planted: a FIFO, a symlink (ELOOP under O_NOFOLLOW); unreadable
+            what = "a symbolic link (never followed)" if e.errno == errno.ELOOP else e.strerror or e
+            return None, f"{what}: {e.filename}"
+        except ValueError as e:
+            return None, f"{p['so_meta']} is not valid JSON ({e})"
+        if not isinstance(side, dict):
+            return None, f"{p['so_meta']} is not a JSON object"
+        if side.get("o_sha256") != o_sha256:
+            return None, ""  # stale
+        if hashlib.sha256(data).hexdigest() != side.get("sha256"):
+            return None, f"its checksum does not match {p['so_meta'].name}: truncated or tampered"
+        return p["so"], ""
 
     def _bad(self, ref: EntryRef, reason: str) -> Entry | None:
         try:

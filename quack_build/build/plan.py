@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from quack.cache import fsutil, journal
+from quack.cache.contract import CORRUPT
 from quack.cache.store import LAYOUT, DiskStore
 from quack.compile import builder
 from quack.safejson import safe_loads
@@ -15,16 +16,30 @@ from quack_build.build.results import CACHED, Task
 from quack_build.manifest.config import BuildConfig
 
 
-def plan(configs: list[BuildConfig], store: DiskStore, *, force: bool = False) -> list[Task]:
+def plan(
+    configs: list[BuildConfig], store: DiskStore, *, force: bool = False, dry_run: bool = False
+) -> list[Task]:
     """A Task per config; cached ones (a valid entry for the current fingerprint) marked so.
-    A corrupt entry is quarantined by the lookup and counts as missing."""
-    return [plan_one(c, store, force=force) for c in configs]
+    A corrupt entry is quarantined by the lookup and counts as missing; ``dry_run``: it is
+    only inspected (``plan_one``), and the cache is left as it is."""
+    return [plan_one(c, store, force=force, dry_run=dry_run) for c in configs]
 
 
-def plan_one(c: BuildConfig, store: DiskStore, *, force: bool = False) -> Task:
-    """``plan`` for one configuration."""
+def plan_one(c: BuildConfig, store: DiskStore, *, force: bool = False, dry_run: bool = False) -> Task:
+    """``plan`` for one configuration. ``dry_run``: read-only (``store.inspect``: no
+    quarantine, no lock, no directory created); a corrupt entry is a Task to compile whose
+    ``corrupt`` says why, what a real build would move to quarantine/ and rebuild."""
     t = Task(c)
-    if not force and store.lookup(builder.entry_ref(c.spec, c.params, c.arch)) is not None:
+    if force:
+        return t
+    ref = builder.entry_ref(c.spec, c.params, c.arch)
+    if dry_run:
+        found = store.inspect(ref)
+        if found.ok:
+            t.status = CACHED
+        elif found.status == CORRUPT:
+            t.corrupt = f"{found.problem}: {found.problem_file}"
+    elif store.lookup(ref) is not None:
         t.status = CACHED
     return t
 

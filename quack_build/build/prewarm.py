@@ -147,7 +147,7 @@ def prewarm(
             return 1
         emit(emit_manifest, configs)
         console.print(f"wrote {len(configs)} configurations to {emit_manifest}", markup=False)
-    tasks = planning.plan(configs, store)
+    tasks = planning.plan(configs, store, dry_run=dry_run)  # a dry run leaves corrupt entries in place
     todo = [t for t in tasks if t.status != results.CACHED]
     if dry_run or not todo:
         if as_json:
@@ -164,7 +164,12 @@ def prewarm(
             )
         else:
             for t in todo:
-                console.print(f"rebuild  {t.cfg.label()}", markup=False, soft_wrap=True)
+                bad = (
+                    f"  (corrupt: {t.corrupt}; a build moves it to quarantine/ and rebuilds it)"
+                    if t.corrupt
+                    else ""
+                )
+                console.print(f"rebuild  {t.cfg.label()}{bad}", markup=False, soft_wrap=True)
             console.print(
                 f"prewarm: {len(records)} journal records, {len(configs)} configurations used, "
                 f"{len(tasks) - len(todo)} cached, {len(todo)} to rebuild"

@@ -41,6 +41,7 @@ class Task:
     # lock_timeout); the summary reports each apart.
     failure: str = ""
     pushed: str = ""  # after a compile, with a remote: pushed / exists / failed / off
+    corrupt: str = ""  # a dry run's plan: the entry is corrupt (why); a build quarantines and rebuilds it
 
     def to_json(self) -> dict:
         d: dict[str, object] = {
@@ -64,6 +65,8 @@ class Task:
             d["failure"] = self.failure
         if self.error:
             d["error"] = self.error
+        if self.corrupt:
+            d["corrupt"] = self.corrupt
         return d
 
 

@@ -70,7 +70,7 @@ def run(
 def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool, kernels: set) -> int:
     times = planning.PastTimes(store.root)
     tasks: list[results.Task] = []  # kept for --json only: plain output holds nothing
-    n_total = n_cached = 0
+    n_total = n_cached = n_corrupt = 0
     warned = 0
 
     def warn() -> None:
@@ -83,7 +83,7 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
         for cfg in stream:
             if len(stream.warnings) > warned:
                 warn()
-            t = planning.plan_one(cfg, store, force=force)
+            t = planning.plan_one(cfg, store, force=force, dry_run=True)  # read-only: nothing moved
             kernels.add(cfg.kernel)
             n_total += 1
             if t.status == results.CACHED:
@@ -92,7 +92,14 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
             else:
                 t.est_s = times.get(cfg.kernel, cfg.key)
                 est = f"  ~{t.est_s:.2f}s" if t.est_s else ""
-                out.add(f"compile  {cfg.label()}  key {cfg.key[:16]}{est}")
+                bad = (
+                    f"  (corrupt: {t.corrupt}; a build moves it to quarantine/ and rebuilds it)"
+                    if t.corrupt
+                    else ""
+                )
+                if t.corrupt:
+                    n_corrupt += 1
+                out.add(f"compile  {cfg.label()}  key {cfg.key[:16]}{est}{bad}")
             if as_json:
                 tasks.append(t)
     except ManifestError as e:
@@ -107,6 +114,11 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
     out.add(
         f"{n_total} configurations ({stream.duplicates} duplicates dropped): "
         f"{n_cached} cached, {todo} to compile"
+        + (
+            f" ({n_corrupt} of them corrupt in the cache, left as they are: a dry run moves nothing)"
+            if n_corrupt
+            else ""
+        )
     )
     out.flush()
     if as_json:
@@ -119,6 +131,7 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
                 "total": n_total,
                 "cached": n_cached,
                 "to_compile": todo,
+                "corrupt": n_corrupt,
                 "duplicates": stream.duplicates,
                 "keys": [t.to_json() for t in pending]
                 + [t.to_json() for t in tasks if t.status == results.CACHED],

@@ -14,15 +14,21 @@ def print_report(con, res: dict) -> None:
     if res["note"]:
         con.print(f"[yellow]{escape(res['note'])}[/]")
     _local_memory(con, res["entries"])
+    runs = res.get("reference_runs", 0)
     checks = (
         "present, checksum, arch"
         + (", loads in a fresh process" if res["loaded"] else "")
-        + (", reference run" if res["ran"] else "")
+        + (f", {runs} reference run{'s' * (runs != 1)}" if res["ran"] else "")
     )
+    if bad:
+        verdict = f"[red]{len(bad)} with problems[/]"
+    elif res["ok"]:
+        verdict = "[green]all good[/]"
+    else:  # no entry has a problem, yet --run ran no kernel (the note above says why): exit 1
+        verdict = "[red]no problems found, but no kernel was run[/]"
     con.print(
-        f"verified {res['total']} configurations ({checks}): "
-        + ("[green]all good[/]" if not bad else f"[red]{len(bad)} with problems[/]")
-        + f" in {res['seconds']:.1f}s"
+        f"verified {res['total']} configurations ({checks}): {verdict}{_not_run(res)} in {res['seconds']:.1f}s",
+        soft_wrap=True,  # one line, however many kernels it names
     )
     if res["ran"]:
         _slowest(con, res["entries"])
@@ -66,11 +72,38 @@ def print_bundle_report(con, res: dict) -> None:
     if res["note"]:
         con.print(f"[yellow]{escape(res['note'])}[/]")
     n = len(res["entries"])
+    runs = res.get("reference_runs", 0)
     con.print(
-        f"verified {n} bundle entries in {len(res['bundles'])} bundles: "
-        + ("[green]all good[/]" if res["ok"] else f"[red]{res['problems']} problems[/]")
-        + f" in {res['seconds']:.1f}s"
+        f"verified {n} bundle entries in {len(res['bundles'])} bundles"
+        + (f" ({runs} reference run{'s' * (runs != 1)})" if runs else "")
+        + ": "
+        + (
+            "[green]all good[/]"
+            if res["ok"]
+            else f"[red]{res['problems']} problems[/]"
+            if res["problems"]
+            else "[red]no problems found, but no kernel was run[/]"  # --run: the note says why
+        )
+        + _not_run(res)
+        + f" in {res['seconds']:.1f}s",
+        soft_wrap=True,
     )
+
+
+def _not_run(res: dict) -> str:
+    """ "; 4 not run: no reference hook (toy_scale)": what --run loaded but did not run, by
+    why, with the kernels (markup-escaped); "" when nothing was left out."""
+    from rich.markup import escape
+
+    kernels: dict[str, set] = {}
+    for r in res["entries"]:
+        if r.get("run") not in (None, "ok", "failed"):
+            kernels.setdefault(r["run"], set()).add(r["kernel"])
+    parts = [
+        f"{n} not run: {why} ({', '.join(sorted(kernels.get(why, ())))})"
+        for why, n in res.get("not_run_why", {}).items()
+    ]
+    return escape("; " + "; ".join(parts)) if parts else ""
 
 
 def _local_memory(con, entries: list[dict]) -> None:
@@ -118,8 +151,9 @@ def _problems_table(title: str, bad: list[dict], *, bundle: bool = False):
     from quack_build.manifest.config import format_params
 
     tb = Table(title=title, header_style="bold")
-    for col in ("bundle",) * bundle + ("kernel", "params", "arch", "key", "problem"):
+    for col in ("bundle",) * bundle + ("kernel", "params", "arch", "key"):
         tb.add_column(col)
+    tb.add_column("problem", overflow="fold")  # a path longer than the column wraps, never "…"
     for r in bad:
         cells = [
             *([r["bundle"]] if bundle else []),

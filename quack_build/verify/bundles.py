@@ -20,6 +20,7 @@ def verify_bundles(s, *, load: bool = True, run: bool = False, jobs: int = 1) ->
     from quack.cache import keys
     from quack_build.verify.cubin import arch_matches, gpu_codes
     from quack_build.verify.loaders import load_fresh
+    from quack_build.verify.manifest import no_run_note, run_counts
 
     t0 = time.time()
     bundles = bt.discover(s)
@@ -113,6 +114,11 @@ def verify_bundles(s, *, load: bool = True, run: bool = False, jobs: int = 1) ->
             r["loaded"] = a.get("how", "")
             if "run" in a:
                 r["run"] = a["run"]
+            elif run and not note and a.get("ok"):  # --run, but this kernel is not registered here
+                r["run"] = "kernel not registered in this project"
+    ran, not_run = run_counts(rows)
+    if run and loads and not note and not ran and not_run:
+        note = no_run_note(not_run)
     bad = sum(1 for r in rows if r["problems"]) + sum(1 for b in out if b["problems"])
     if not bundles:
         # A deployment check that finds nothing to check must not pass quietly.
@@ -124,5 +130,8 @@ def verify_bundles(s, *, load: bool = True, run: bool = False, jobs: int = 1) ->
         "problems": bad,
         "note": note,
         "loaded": load,
+        "reference_runs": ran,
+        "not_run": sum(len(ks) for ks in not_run.values()),
+        "not_run_why": {why: len(ks) for why, ks in sorted(not_run.items())},
         "seconds": round(time.time() - t0, 3),
     }

@@ -3,7 +3,9 @@ one JSON answer per line of the process's ORIGINAL stdout (so a crash is blamed 
 entry in progress).
 
 Request: {"key", "obj", "so", "kernel", "module", "params", "run"}.
-Answer:  {"key", "ok", "how", "error", "restart", "seconds"}.
+Answer:  {"key", "ok", "how", "run", "error", "restart", "seconds"}; with "run" in the
+request, the answer's "run" is "ok", "failed" (the reference hook raised: "error" says
+how) or why it was not run ("no reference hook").
 Also {"op": "gpu"} (is a CUDA GPU visible) and {"op": "imported", "names": [...]}.
 
 The protocol's plumbing (why answers get their own copy of fd 1) is quack_build.verify.serve.
@@ -68,9 +70,11 @@ def _load_and_run(req: dict, keep: list) -> dict:
                     ref(bound, req.get("device", "cuda"))
                 out["run"] = "ok"
         except AssertionError as e:
+            out["run"] = "failed"
             out["error"] = f"wrong result: {str(e)[:500]}"
             return out
         except Exception as e:  # noqa: BLE001
+            out["run"] = "failed"
             out["error"] = f"run failed: {type(e).__name__}: {str(e)[:300]}\n" + traceback.format_exc()[-800:]
             out["restart"] = True  # a CUDA error poisons the process: the next entry gets a fresh one
             return out
