@@ -150,6 +150,40 @@ def test_wedged_compile_times_out_and_raises_compile_timeout(quack_settings):
         pass
 
 
+def test_a_timed_out_key_is_not_submitted_again_until_settings_change(quack_settings):
+    """Its own worker's CompileTimeout is remembered like a compile error: three calls of
+    one wedged key submit it once and wait for one time-out (each call resubmitted it and
+    waited compile_timeout again: N tests on a wedged key took N times compile_timeout);
+    the later calls raise the same error at once, saying so. Settings installed anew (a
+    larger compile_timeout) ask the pool again."""
+    use_settings(compile_timeout=1.0)
+    tag = _tag()
+    p = qpool.default_pool()
+    before = p.stats()
+    try:
+        errs = []
+        for _ in range(3):
+            with pytest.raises(CompileTimeout) as ei:
+                poolkernels.pool_fault("wedge", tag)
+            errs.append(ei.value)
+        st = p.stats()
+        assert (st["submitted"] - before["submitted"], st["timeouts"] - before["timeouts"]) == (1, 1)
+        assert errs[1] is errs[0] and errs[2] is errs[0] and not errs[0].external
+        note = " ".join(getattr(errs[0], "__notes__", []))
+        assert "timed out in this process" in note and "compile_timeout is raised" in note, note
+        use_settings(compile_timeout=1.5)
+        with pytest.raises(CompileTimeout) as again:
+            poolkernels.pool_fault("wedge", tag)
+        assert again.value is not errs[0] and "after 2 s" in str(again.value)
+        st = p.stats()
+        assert (st["submitted"] - before["submitted"], st["timeouts"] - before["timeouts"]) == (2, 2)
+    finally:
+        try:
+            os.unlink(poolkernels.pid_file(tag))
+        except FileNotFoundError:
+            pass
+
+
 def _lock_holder(cache_dir, publish: bool) -> subprocess.Popen:
     code = f"""
 import os, sys, time

@@ -247,12 +247,14 @@ def not_prebuilt(k: JitKernel, params, key, s, reason: str):
 
 def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
     """A miss, compiled by the pool. Inside a pool_scope: submit and raise
-    CompilePending. Outside: submit to the default pool and wait. Either way a
-    failed key is raised once as CompileError (the worker's traceback text) and
-    then forgotten, so a later call compiles it again, as is a CompileTimeout of its
-    own worker; a key whose lock another process held past lock_timeout without
-    publishing it returns None: the caller compiles in this process. Returns (entry, the pool's report of the
-    key: ``compiled`` False when another process built it) or (None, None)."""
+    CompilePending. Outside: submit to the default pool and wait. Either way a failed
+    key is raised once, as CompileError (the worker's traceback text) or CompileTimeout,
+    and then forgotten by the pool: the kernel remembers a compile error and its own
+    worker's time-out and raises them again at once (``JitKernel._failed``); a transient
+    failure is retried by the next call. A key whose lock another process held past
+    lock_timeout without publishing it returns None: the caller compiles in this
+    process. Returns (entry, the pool's report of the key: ``compiled`` False when
+    another process built it) or (None, None)."""
     from quack import settings as _settings
     from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
     from quack.compile import scope
