@@ -60,6 +60,9 @@ class Task:
         "obj_meta",
         "claim_fd",
         "stale_retried",
+        "wait_setting",
+        "unstored_fallback",
+        "unstored_why",
     )
 
     def __init__(self, ident, key, root, kernel, params, arch, request: WorkerRequest, timeout):
@@ -81,6 +84,14 @@ class Task:
         # asked again once after a worker found the kernel's source changed since its
         # forkserver imported it (quack.errors.SourceChanged): workers forked afresh then
         self.stale_retried = False
+        # a key another process is compiling: the setting that bounds this pool's wait for
+        # it ("lock_timeout", or "compile_timeout" where that is the smaller)
+        self.wait_setting = "lock_timeout"
+        # a caller that can load an object unpublished (a runtime miss): a key whose lock
+        # another process held past lock_timeout is compiled by a worker into a private
+        # file instead of failing (quack.compile.dispatch), its bytes in the report
+        self.unstored_fallback = False
+        self.unstored_why = ""  # why it was compiled unstored (the report's "why")
 
     def release_claim(self) -> None:
         """Let go of this process's copy of the key's lock (sent, or the task ended)."""
@@ -168,6 +179,8 @@ class TaskBook:
             "worker_deaths": 0,
             "workers_started": 0,
             "stale_restarts": 0,  # workers restarted: a kernel's source changed after their import
+            # keys a worker compiled unstored: another process held their lock past lock_timeout
+            "unstored": 0,
         }
 
     def state(self, ident: tuple) -> str:
