@@ -31,7 +31,11 @@ MEANING: dict[str, tuple[str, str | None]] = {
     "cache_dir": ("the cache directory", "`$XDG_CACHE_HOME/quack` or `~/.cache/quack`"),
     "cache_enabled": ("use the disk cache at all (false: nothing is looked up on or written to disk)", None),
     "fsync": ("fsync each object and its directory on publish (crash safety)", None),
-    "lock_timeout": ("seconds to wait for another process's lock on a cache entry", None),
+    "lock_timeout": (
+        "seconds to wait for another process's lock on a cache entry (compile_timeout, where "
+        "smaller, bounds the wait too); then a runtime miss has a worker compile it unstored",
+        None,
+    ),
     "mode": (
         "`jit` compiles a miss in a worker; `prebuilt` makes a miss raise `KernelNotPrebuilt`",
         None,

@@ -329,8 +329,9 @@ class RemoteWarning(CacheWarning):
 
 
 class LockTimeout(QuackError, TimeoutError):
-    """Another process held the key's lock past the time-out. Callers fall back:
-    the runtime compiles in-process without publishing (the holder publishes)."""
+    """Another process held the key's lock past the time-out. Callers fall back: a
+    runtime miss's pool compiles the key in a worker without publishing it (the holder
+    publishes); a kernel no worker can import compiles in-process, unpublished."""
 
     def __init__(self, path: str, timeout: float):
         super().__init__(f"lock {path} still held after {timeout:.0f} s")
@@ -339,14 +340,37 @@ class LockTimeout(QuackError, TimeoutError):
 
 
 class CompileTimeout(QuackError, TimeoutError):
-    """A compile ran past compile_timeout, or (``external``) another process held the
-    key's lock past lock_timeout without publishing it."""
+    """A compile ran past compile_timeout (its worker killed), or (``external``) another
+    process held the key's lock without publishing it past the time-out that bounded this
+    process's wait for it. ``setting`` names that time-out: "compile_timeout" (the
+    process's own compile would have been killed by then) or "lock_timeout" (where it is
+    the smaller); ``limit``: its value in seconds; ``holder``: the pid of the process
+    holding the lock, where the system says (0 when unknown)."""
 
-    def __init__(self, kernel: str, key: str, seconds: float, external: bool = False):
-        if external:  # bounded by lock_timeout (quack.compile.pool): say which setting
+    def __init__(
+        self,
+        kernel: str,
+        key: str,
+        seconds: float,
+        external: bool = False,
+        *,
+        setting: str = "",
+        limit: float | None = None,
+        holder: int = 0,
+    ):
+        setting = setting or ("lock_timeout" if external else "compile_timeout")
+        who = f"another process (pid {holder})" if holder else "another process"
+        if external and setting == "lock_timeout":  # bounded by lock_timeout (quack.compile.pool)
             msg = (
-                f"another process held the lock of {kernel} key {key[:16]} for {seconds:.0f} s without "
+                f"{who} held the lock of {kernel} key {key[:16]} for {seconds:.0f} s without "
                 "publishing it (past lock_timeout: QUACK_LOCK_TIMEOUT or [cache] lock_timeout; stopped or wedged?)"
+            )
+        elif external:  # compile_timeout, the smaller: the holder's compile ran past it
+            msg = (
+                f"{who} held the lock of {kernel} key {key[:16]} for {seconds:.0f} s without "
+                "publishing it (past compile_timeout: QUACK_COMPILE_TIMEOUT or [runtime] "
+                "compile_timeout; its compile wedged?); not compiled in this process, where it "
+                "would run as long. If the compile is merely slow, raise compile_timeout"
             )
         else:
             msg = (
@@ -356,6 +380,7 @@ class CompileTimeout(QuackError, TimeoutError):
             )
         super().__init__(msg)
         self.kernel, self.key, self.seconds, self.external = kernel, key, seconds, external
+        self.setting, self.limit, self.holder = setting, limit, holder
 
 
 class EntryVanished(QuackError, LookupError):

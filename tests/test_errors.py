@@ -46,9 +46,11 @@ CASES = [
     ),
     (E.LockTimeout("/c/x.lock", 30.0), TimeoutError, ("path", "timeout")),
     (
-        E.CompileTimeout("k", "cd" * 32, 60.0, external=True),
+        E.CompileTimeout(
+            "k", "cd" * 32, 60.0, external=True, setting="compile_timeout", limit=60.0, holder=42
+        ),
         TimeoutError,
-        ("kernel", "key", "seconds", "external"),
+        ("kernel", "key", "seconds", "external", "setting", "limit", "holder"),
     ),
     (
         E.WorkerDied("k", {"n": 4}, "sm_90a", "ef" * 32, 1234, -9),
@@ -141,6 +143,26 @@ def test_every_exception_class_is_covered():
     }
     covered = {type(c[0]).__name__ for c in CASES} | {"QuackError", "CompilePending"}
     assert defined == covered
+
+
+def test_external_compile_timeout_names_the_setting_that_ended_the_wait():
+    """Another process's lock awaited past lock_timeout or past compile_timeout (the
+    smaller): the message names the one that applied and the holder's pid. It always
+    blamed lock_timeout, also where the wait that ran out was compile_timeout's; a build
+    files only the former as "not built: another process held the lock past lock_timeout"."""
+    from quack_build.build.failures import cause
+
+    by_lock = E.CompileTimeout("k", "cd" * 32, 600.0, external=True, holder=4242)
+    by_compile = E.CompileTimeout("k", "cd" * 32, 5.0, external=True, setting="compile_timeout", holder=4242)
+    unknown = E.CompileTimeout("k", "cd" * 32, 5.0, external=True, setting="compile_timeout")
+    assert "another process (pid 4242) held the lock of k key cdcd" in str(by_lock)
+    assert "past lock_timeout: QUACK_LOCK_TIMEOUT" in str(by_lock) and "compile_timeout" not in str(by_lock)
+    assert "past compile_timeout: QUACK_COMPILE_TIMEOUT" in str(by_compile)
+    assert "lock_timeout" not in str(by_compile) and "not compiled in this process" in str(by_compile)
+    assert str(unknown).startswith("another process held the lock")
+    own = E.CompileTimeout("k", "cd" * 32, 5.0, limit=5.0)
+    assert own.setting == "compile_timeout" and not own.external
+    assert (cause(by_lock), cause(by_compile), cause(own)) == ("lock", "compile", "compile")
 
 
 def test_kernel_not_prebuilt_message_carries_the_manifest_line():

@@ -129,6 +129,36 @@ def test_async_compile_defers_and_reports_each_test_once(pytester, run_env, xdis
     assert "INTEGRITY" not in out
 
 
+def test_tests_on_one_wedged_key_wait_for_one_time_out(pytester, run_env):
+    """Three tests asking for one wedged key: one submission and one time-out
+    (QUACK_COMPILE_TIMEOUT=4), the other tests fail at once with the same CompileTimeout,
+    saying it timed out in this process. Each test resubmitted the key and waited its
+    own compile_timeout: N tests took N times compile_timeout."""
+    pytester.makepyfile(
+        test_w="""
+        import pytest, poolkernels
+
+        @pytest.mark.parametrize("i", range(3))
+        def test_wedged_same_key(i):
+            poolkernels.pool_fault("wedge", 4343)
+    """
+    )
+    r = pytester.runpytest_subprocess("--async-compile=2", "-rA", "-p", "no:cacheprovider", timeout=600)
+    r.assert_outcomes(failed=3)
+    out = r.stdout.str()
+    assert "quack: 1 keys submitted (0 compiled" in out and ", 1 failed," in out, out[-3000:]
+    assert ", 1 timed out" in out, out[-3000:]
+    assert (
+        len(
+            re.findall(
+                r"^FAILED test_w.py::test_wedged_same_key\[\d\] - quack.errors.CompileTimeout", out, re.M
+            )
+        )
+        == 3
+    )
+    assert "timed out in this process" in out
+
+
 def test_warm_rerun_defers_nothing(pytester, run_env):
     pytester.makepyfile(
         test_ok="""

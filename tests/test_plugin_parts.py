@@ -92,3 +92,29 @@ def test_summary_prints_the_configured_max_defers(pytester, run_env):
     out = r.stdout.str()
     assert "1 synchronous after 0 deferrals" in out, out
     assert " 0 deferrals" in out
+
+
+def test_summary_lists_the_compile_errors_the_tests_consumed(pytester, run_env):
+    """The session's failed keys are listed in the summary, each with the line that says
+    why. The pool forgot each error once a test had raised it (so a later call may
+    retry), and the summary, which read them from the pool at the end, listed none."""
+    pytester.makepyfile(
+        test_fail="""
+        import poolkernels
+
+        def test_fails():
+            poolkernels.pool_fault("raise", 4242)
+
+        def test_fails_again_on_the_same_key():
+            poolkernels.pool_fault("raise", 4242)
+    """
+    )
+    r = pytester.runpytest_subprocess("--async-compile=1", "-p", "no:cacheprovider", timeout=300)
+    r.assert_outcomes(failed=2)
+    out = r.stdout.str()
+    assert "quack: 1 keys submitted (0 compiled" in out and ", 1 failed," in out, out[-3000:]
+    lines = [ln.strip() for ln in out.splitlines() if "compile error:" in ln]
+    assert lines == [
+        "compile error: compiling pool_fault {'mode': 'raise', 'tag': 4242} for sm_90a failed: "
+        "ValueError: pool_fault: deliberate compile failure (tag 4242)"
+    ], out[-3000:]

@@ -150,7 +150,41 @@ def test_wedged_compile_times_out_and_raises_compile_timeout(quack_settings):
         pass
 
 
-def _lock_holder(cache_dir, publish: bool) -> subprocess.Popen:
+def test_a_timed_out_key_is_not_submitted_again_until_settings_change(quack_settings):
+    """Its own worker's CompileTimeout is remembered like a compile error: three calls of
+    one wedged key submit it once and wait for one time-out (each call resubmitted it and
+    waited compile_timeout again: N tests on a wedged key took N times compile_timeout);
+    the later calls raise the same error at once, saying so. Settings installed anew (a
+    larger compile_timeout) ask the pool again."""
+    use_settings(compile_timeout=1.0)
+    tag = _tag()
+    p = qpool.default_pool()
+    before = p.stats()
+    try:
+        errs = []
+        for _ in range(3):
+            with pytest.raises(CompileTimeout) as ei:
+                poolkernels.pool_fault("wedge", tag)
+            errs.append(ei.value)
+        st = p.stats()
+        assert (st["submitted"] - before["submitted"], st["timeouts"] - before["timeouts"]) == (1, 1)
+        assert errs[1] is errs[0] and errs[2] is errs[0] and not errs[0].external
+        note = " ".join(getattr(errs[0], "__notes__", []))
+        assert "timed out in this process" in note and "compile_timeout is raised" in note, note
+        use_settings(compile_timeout=1.5)
+        with pytest.raises(CompileTimeout) as again:
+            poolkernels.pool_fault("wedge", tag)
+        assert again.value is not errs[0] and "after 2 s" in str(again.value)
+        st = p.stats()
+        assert (st["submitted"] - before["submitted"], st["timeouts"] - before["timeouts"]) == (2, 2)
+    finally:
+        try:
+            os.unlink(poolkernels.pid_file(tag))
+        except FileNotFoundError:
+            pass
+
+
+def _lock_holder(cache_dir, publish: bool, hold: float = 1.5) -> subprocess.Popen:
     code = f"""
 import os, sys, time
 sys.path[:0] = {[os.path.dirname(__file__)]!r}
@@ -165,7 +199,7 @@ store = DiskStore(Path({str(cache_dir)!r}))
 ref = builder.entry_ref(spec, params, "sm_90a")
 with store.lock(ref):
     print("locked", flush=True)
-    time.sleep(1.5)
+    time.sleep({hold!r})
     if {publish!r}:
         tmp = store.tmp_obj(ref)
         builder.compile_to(spec, params, "sm_90a", tmp)
@@ -198,6 +232,45 @@ def test_key_locked_by_another_process_is_awaited_not_compiled_twice(pool, cache
                 assert pool.wait(ei.value.key, timeout=120)[0] == qtasks.DONE
                 assert pool.stats()["compiled"] == 1
     finally:
+        proc.wait(60)
+
+
+def test_key_held_past_lock_timeout_is_compiled_unstored_by_a_worker(pool, cache_dir):
+    """Another process holds the key's lock and never publishes; lock_timeout (1 s) is
+    smaller than compile_timeout: the key stays pending while a worker compiles it
+    unstored (a CompilePending inside a pool_scope, as the plugin defers), then the call
+    loads the worker's object, with one warning naming lock_timeout and the holder. No
+    compile in this process, nothing published under the held lock."""
+    use_settings(lock_timeout=1.0, compile_timeout=120.0)
+    proc = _lock_holder(cache_dir, publish=False, hold=3600)
+    n0 = len(toykernels.COMPILES)
+    try:
+        with qscope.pool_scope(pool):
+            with pytest.raises(CompilePending) as ei:
+                toykernels.toy_scale("float32", 224, True)
+            assert pool.wait(ei.value.key, timeout=120) == (qtasks.DONE, None)
+            report = pool.report(ei.value.key)
+            assert report["unstored"] and report["data"].startswith(b"\x7fELF"), report.keys()
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                fn = toykernels.toy_scale("float32", 224, True)
+        assert callable(fn) and len(toykernels.COMPILES) == n0  # compiled in the worker only
+        msgs = [str(x.message) for x in w]
+        assert len(msgs) == 1 and f"another process (pid {proc.pid}) held the lock" in msgs[0], msgs
+        assert "past lock_timeout: QUACK_LOCK_TIMEOUT" in msgs[0] and "loaded it unstored" in msgs[0]
+        st = pool.stats()
+        assert (st["awaited_external"], st["unstored"], st["submitted"], st["compiled"], st["timeouts"]) == (
+            1,
+            1,
+            1,
+            1,
+            0,
+        ), st
+        spec = toykernels.toy_scale.spec
+        ref = builder.entry_ref(spec, spec.bind(("float32", 224, True)), "sm_90a")
+        assert not DiskStore(cache_dir).paths(ref)["meta"].exists(), "published under a held lock"
+    finally:
+        proc.kill()
         proc.wait(60)
 
 

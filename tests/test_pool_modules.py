@@ -1,6 +1,6 @@
 """The compile pool's modules (pool, worker, tasks, external, scope): what is sent to
 a worker is pickled by reference to its home; the per-key book keeps its rules (stale outcomes dropped, a pending key never forgotten, a shutdown
-fails what is pending without counting it as a failure)."""
+fails what is pending without counting it as a failure, the session's errors outlive forget)."""
 
 import pickle
 
@@ -47,7 +47,7 @@ def test_book_never_forgets_a_pending_key_and_cancel_is_not_a_failure():
     st, err = book.poll(("/c", "k1"))
     assert st == tasks.FAILED and isinstance(err, CompileError) and "shut down" in str(err)
     assert book.counts["failed"] == 0
-    assert book.error_texts() == {"k1": str(err)[:2000]}
+    assert book.error_texts() == {}  # not a failure: neither counted nor listed
     book.forget(("/c", "k1"))
     assert book.poll(("/c", "k1")) == (tasks.NEW, None) and book.task(("/c", "k1")) is None
 
@@ -64,3 +64,24 @@ def test_book_failure_and_renew():
     book.renew(("/c", "k2"))  # the other process let go without publishing: new again
     assert book.state(("/c", "k2")) == tasks.NEW and book.task(("/c", "k2")) is None
     assert book.finish(t2, True, {}) is False
+
+
+def test_book_keeps_the_sessions_errors_after_forget_and_bounds_them(monkeypatch):
+    """A failure is reported once and then forgotten (so the key may be retried); the
+    session's record of it stays, one line that says why, for the pytest plugin's summary
+    (it read the errors after the tests had consumed them, and listed none)."""
+    book = tasks.TaskBook()
+    detail = 'Traceback (most recent call last):\n  File "k.py", line 3\nValueError: n must be even\n'
+    t = _task(book)
+    assert book.finish(t, False, CompileError("kern", {"n": 3}, "sm_90a", detail)) is True
+    book.forget(("/c", "k1"))
+    assert book.poll(("/c", "k1")) == (tasks.NEW, None)
+    assert book.error_texts() == {
+        "k1": "compiling kern {'n': 3} for sm_90a failed: ValueError: n must be even"
+    }
+    monkeypatch.setattr(tasks, "MAX_SESSION_ERRORS", 3)
+    for i in range(2, 6):
+        book.finish(_task(book, f"k{i}"), False, CompileError("kern", {"n": i}, "sm_90a", "error: bad"))
+    assert list(book.error_texts()) == ["k1", "k2", "k3"] and book.counts["failed"] == 5
+    book.finish(_task(book), False, CompileError("kern", {"n": 3}, "sm_90a", "error: worse"))
+    assert book.error_texts()["k1"].endswith("error: worse")  # a key's latest error, still kept

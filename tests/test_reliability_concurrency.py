@@ -79,15 +79,15 @@ print(json.dumps({"published": True, "pid": os.getpid()}), flush=True)
 """
 
 _JIT_WAITER = r"""
-import json, time, warnings
+import json, os, time, warnings
 warnings.simplefilter("always")
 import relkernels
 t = time.time()
 with warnings.catch_warnings(record=True) as w:
     fn = relkernels.rel_copy(7)
 u = relkernels.rel_copy.usage()[0]
-print(json.dumps({"how": u["how"], "value": fn(), "s": time.time() - t,
-                  "warnings": [str(x.message) for x in w]}))
+print(json.dumps({"how": u["how"], "tier": u["tier"], "callable": callable(fn), "s": time.time() - t,
+                  "pid": os.getpid(), "warnings": [str(x.message) for x in w]}))
 """
 
 _BUILD_WAITER = r"""
@@ -111,10 +111,10 @@ except LockTimeout as e:
 
 
 def test_stopped_lock_holder(objs, tmp_path):
-    """A holder SIGSTOPped past the lock time-out: runtime waiters fall back (compile
-    in-process, run the kernel, publish nothing), a build waiter gets LockTimeout, patient
-    waiters wait; resumed, the holder publishes: exactly one complete publish, and the
-    patient waiters then find it (no compile)."""
+    """A holder SIGSTOPped past the lock time-out: runtime waiters fall back (compile in
+    a compile worker, unstored, and load that object: publish nothing), a build waiter
+    gets LockTimeout, patient waiters wait; resumed, the holder publishes: exactly one
+    complete publish, and the patient waiters then find it (no compile)."""
     root, counter = tmp_path / "cache", tmp_path / "compiles"
     ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter)
     holder = spawn(_HOLDER, root, objs["float32"]["path"], 7, 1.0, **ex)
@@ -137,10 +137,12 @@ def test_stopped_lock_holder(objs, tmp_path):
         ]
         h = finish(hasty)
         assert "timeout" in h and "still held" in h["timeout"], h
+        waiter_pids = set()
         for p in jit:
             r = finish(p)
-            assert r["how"] == "jit" and r["value"] == 7, r  # ran uncached
-            assert any("compiling" in w and "in this process" in w for w in r["warnings"]), r
+            assert r["tier"] == "compile" and r["how"] != "jit" and r["callable"], r  # loaded, unstored
+            assert any("in a compile worker" in w and "loaded it unstored" in w for w in r["warnings"]), r
+            waiter_pids.add(r["pid"])
         ref = rel_ref(7)
         assert not DiskStore(root).paths(ref)["meta"].exists(), "a waiter published under a held lock"
         assert all(p.poll() is None for p in patient)
@@ -157,32 +159,38 @@ def test_stopped_lock_holder(objs, tmp_path):
     assert e is not None and e.meta["pid"] == hr["pid"]  # the holder's publish, the only one
     d = store.entry_dir(rel_ref(7))
     assert sorted(p.suffix for p in d.iterdir()) == [".json", ".lock", ".o"], list(d.iterdir())
-    # Compiles: only the runtime waiters' private ones (never published); none by the
-    # holder (it published what it had), none by the patient waiters.
-    pids = {pid for pid, _ in counted(counter)}
-    assert hr["pid"] not in pids
+    # Compiles: only the runtime waiters' private ones (never published), in their compile
+    # workers, never in the waiters themselves; none by the holder (it published what it
+    # had), none by the patient waiters.
+    pids = [pid for pid, _ in counted(counter)]
+    assert len(pids) == 2 and hr["pid"] not in pids and not waiter_pids & set(pids), (pids, waiter_pids)
 
 
 _HELD_WAITER = r"""
-import json, warnings
+import json, os, warnings
 warnings.simplefilter("always")
 import relkernels
 from quack.compile import pool
-from quack.errors import CacheWarning
+from quack.errors import CacheWarning, CompileTimeout
+out = {"pid": os.getpid()}
 with warnings.catch_warnings(record=True) as w:
-    fn = relkernels.rel_copy(5)
+    try:
+        fn = relkernels.rel_copy(5)
+        u = relkernels.rel_copy.usage()[0]
+        out.update(how=u["how"], tier=u["tier"], callable=callable(fn))
+    except CompileTimeout as e:
+        out.update(error=str(e), external=e.external, holder=e.holder)
 st = pool.default_pool().stats()
-print(json.dumps({"how": relkernels.rel_copy.usage()[0]["how"], "value": fn(),
-                  "awaited": st["awaited_external"], "timeouts": st["timeouts"],
-                  "compiled": st["compiled"],
-                  "warnings": [str(x.message) for x in w if issubclass(x.category, CacheWarning)]}))
+out.update({k: st.get(k, 0) for k in ("awaited_external", "timeouts", "compiled", "submitted", "unstored")})
+out["warnings"] = [str(x.message) for x in w if issubclass(x.category, CacheWarning)]
+print(json.dumps(out))
 """
 
 
-def test_runtime_wait_on_a_held_lock_is_bounded_by_lock_timeout(objs, tmp_path):
-    """A runtime miss whose key another process holds (stopped mid-compile, never
-    publishing) waits lock_timeout (QUACK_LOCK_TIMEOUT), not compile_timeout, then
-    compiles in this process, unstored, with one warning."""
+def _wait_on_held_lock(objs, tmp_path, finish_s: float = 120, **settings):
+    """A runtime miss of rel_copy 5 in a fresh process while another process holds the
+    key's lock and never publishes it (stopped mid-compile): (the waiter's report, the
+    holder's pid, (pid, i) of every compile)."""
     root, counter = tmp_path / "cache", tmp_path / "compiles"
     ex = dict(QUACK_TEST_OBJ=objs["float32"]["path"], QUACK_TEST_COUNTER=counter)
     holder = spawn(_HOLDER, root, objs["float32"]["path"], 5, 3600, **ex)
@@ -194,24 +202,92 @@ def test_runtime_wait_on_a_held_lock_is_bounded_by_lock_timeout(objs, tmp_path):
             QUACK_CACHE_DIR=root,
             QUACK_ARCH="sm_90a",
             QUACK_MODE="jit",
-            QUACK_LOCK_TIMEOUT=1,
-            QUACK_COMPILE_TIMEOUT=900,  # the old bound: the waiter sat here 15 minutes
             QUACK_COMPILE_JOBS=1,
+            **settings,
             **ex,
         )
-        r = finish(waiter, timeout=120)
+        r = finish(waiter, timeout=finish_s)
     finally:
         for p in (holder, waiter):
             if p is not None:
                 p.kill()
                 p.wait(30)
-    assert r["how"] == "jit" and r["value"] == 5, r  # ran, uncached
-    assert (r["awaited"], r["timeouts"], r["compiled"]) == (1, 1, 0), r
-    assert len(r["warnings"]) == 1, r["warnings"]
-    assert "past lock_timeout: QUACK_LOCK_TIMEOUT" in r["warnings"][0], r["warnings"]
-    assert "compiling rel_copy key" in r["warnings"][0] and "in this process" in r["warnings"][0]
-    assert [i for _, i in counted(counter)] == [5]  # one compile: the waiter's own, in-process
     assert not DiskStore(root).paths(rel_ref(5))["meta"].exists(), "published under a held lock"
+    return r, holder.pid, counted(counter)
+
+
+def test_runtime_wait_on_a_held_lock_is_bounded_by_lock_timeout(objs, tmp_path):
+    """A runtime miss whose key another process holds (stopped mid-compile, never
+    publishing) waits lock_timeout (QUACK_LOCK_TIMEOUT), not compile_timeout, then has a
+    compile worker compile it unstored (bounded by compile_timeout, as any compile) and
+    loads that object, with one warning naming lock_timeout. It compiled it in its own
+    process before, where no time-out bounds a compile: a wedged compile hung it."""
+    r, holder, compiles = _wait_on_held_lock(
+        objs,
+        tmp_path,
+        QUACK_LOCK_TIMEOUT=1,
+        QUACK_COMPILE_TIMEOUT=900,  # the old bound: the waiter sat here 15 minutes
+    )
+    assert r["tier"] == "compile" and r["how"] != "jit" and r["callable"], r  # loaded, unstored
+    assert (r["awaited_external"], r["timeouts"], r["unstored"], r["submitted"], r["compiled"]) == (
+        1,
+        0,
+        1,
+        1,
+        1,
+    ), r
+    assert len(r["warnings"]) == 1, r["warnings"]
+    w = r["warnings"][0]
+    assert f"another process (pid {holder}) held the lock of rel_copy key" in w, w
+    assert "past lock_timeout: QUACK_LOCK_TIMEOUT" in w and "in a compile worker" in w, w
+    assert [i for _, i in compiles] == [5] and compiles[0][0] != r["pid"], compiles  # a worker's
+
+
+def test_unstored_compile_after_lock_timeout_is_bounded_by_compile_timeout(objs, tmp_path):
+    """The unstored compile that follows lock_timeout wedges (QUACK_TEST_COMPILE_SLEEP):
+    its worker is killed at compile_timeout and the miss raises that CompileTimeout (its
+    own, remembered like any). In this process the compile had no bound: the waiter slept
+    with it for as long as it took."""
+    r, holder, compiles = _wait_on_held_lock(
+        objs,
+        tmp_path,
+        finish_s=90,
+        QUACK_LOCK_TIMEOUT=1,
+        QUACK_COMPILE_TIMEOUT=2,
+        QUACK_TEST_COMPILE_SLEEP=3600,
+    )
+    assert "error" in r and not r["external"], r
+    assert "still unfinished after 2 s" in r["error"] and "QUACK_COMPILE_TIMEOUT" in r["error"], r
+    assert (r["awaited_external"], r["unstored"], r["submitted"], r["timeouts"], r["compiled"]) == (
+        1,
+        1,
+        1,
+        1,
+        0,
+    ), r
+    assert [i for _, i in compiles] == [5] and compiles[0][0] != r["pid"], compiles  # a worker's
+
+
+def test_runtime_wait_past_compile_timeout_raises_and_compiles_nothing(objs, tmp_path):
+    """compile_timeout smaller than lock_timeout: the wait for the holder's lock ends at
+    compile_timeout, and the miss raises CompileTimeout naming the holder and that
+    setting; nothing compiles, here or in a worker (the holder's compile ran that long).
+    Before, the waiter warned that lock_timeout had passed and compiled the key in its own
+    process with no time limit: a wedged compile (under xdist, another worker's) then
+    hung it for as long as the compile took."""
+    r, holder, compiles = _wait_on_held_lock(objs, tmp_path, QUACK_LOCK_TIMEOUT=600, QUACK_COMPILE_TIMEOUT=1)
+    assert "error" in r, r  # it compiled the key in its own process, unbounded
+    assert r["external"] and r["holder"] == holder, r
+    assert f"another process (pid {holder}) held the lock of rel_copy key" in r["error"], r
+    assert "past compile_timeout: QUACK_COMPILE_TIMEOUT" in r["error"] and "lock_timeout" not in r["error"], r
+    assert (r["awaited_external"], r["timeouts"], r["unstored"], r["submitted"], r["compiled"]) == (
+        1,
+        1,
+        0,
+        0,
+        0,
+    ), r
+    assert r["warnings"] == [] and compiles == [], (r, compiles)
 
 
 def test_killed_lock_holder_next_waiter_proceeds_at_once(objs, tmp_path):

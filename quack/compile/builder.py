@@ -111,6 +111,35 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
     return time.perf_counter() - t0
 
 
+def compile_unstored(spec: KernelSpec, params: dict, arch: str, store: Store) -> tuple[bytes, float]:
+    """Compile into a fresh temp file of the store and return (the object's bytes, compile
+    seconds), publishing nothing and taking no lock: another process holds the key's lock
+    past lock_timeout (quack.compile.dispatch), and publishes the key itself if it ever
+    finishes. Runs in a compile worker, so compile_timeout bounds it; the caller loads a
+    private copy of the bytes. Raises CompileError (SourceChanged: the kernel's source was
+    edited after this worker imported it), CacheWriteError (no temp file)."""
+    changed = spec.changed_since_load()
+    if changed:
+        raise SourceChanged(spec.name, spec.plain(params), arch, changed, in_worker=True)
+    ref = entry_ref(spec, params, arch)
+    tmp = store.tmp_obj(ref)  # named for this process: swept if it is killed mid-compile
+    try:
+        try:
+            seconds = compile_to(spec, params, arch, tmp)
+            with open(tmp, "rb") as f:
+                data = f.read()
+        except OSError as e:
+            if isinstance(e, CacheError):
+                raise
+            raise write_error(e, store.root, f"writing {spec.name} key {ref.key[:16]}") from None
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+    return data, seconds
+
+
 def build(
     spec: KernelSpec,
     params: dict,
@@ -126,8 +155,9 @@ def build(
     a key another process is compiling is awaited on its lock, not compiled twice.
 
     Raises CompileError (the kernel; SourceChanged: its source was edited after this
-    process imported it, ``in_worker``: a compile worker's process), LockTimeout (another holder past the time-out:
-    the caller falls back to an unpublished in-process compile; the holder publishes),
+    process imported it, ``in_worker``: a compile worker's process), LockTimeout (another
+    holder past the time-out; the holder publishes: a runtime miss's pool compiles the key
+    unstored in a worker instead, ``compile_unstored``),
     CacheWriteError (disk full / read-only: names the cache; nothing partial left)."""
     ref = entry_ref(spec, params, arch)
     if not force:

@@ -3,8 +3,9 @@ at a time each, so it knows which key each worker holds (quack.compile.pool's mo
 docstring says why). It starts workers (never on the caller's thread), hands queued
 keys to idle ones, collects results, reaps a worker that died (failing *its* key, with
 the signal, and replacing it), kills a compile past its time-out (CompileTimeout),
-settles keys another process is compiling (quack.compile.external), and kills every
-worker at shutdown without waiting for any.
+settles keys another process is compiling (quack.compile.external; a runtime miss's key
+whose lock that process held past lock_timeout is compiled unstored by a worker), and
+kills every worker at shutdown without waiting for any.
 
 It shares the pool's lock and per-key book (quack.compile.tasks.TaskBook): every
 method documented "caller holds the lock" runs under ``lock``, and each outcome it
@@ -25,7 +26,7 @@ from typing import Callable
 from quack.compile import external, tasks, worker
 from quack.compile.tasks import Task
 from quack.compile.worker import worker_build
-from quack.errors import CompileTimeout, SourceChanged
+from quack.errors import CompileTimeout, LockTimeout, SourceChanged
 
 EXTERNAL_POLL_S = 0.1
 log = logging.getLogger("quack.pool")
@@ -363,7 +364,16 @@ class Dispatcher:
                 done, w.task = w.task, None
                 if done is not None and isinstance(payload, SourceChanged) and not done.stale_retried:
                     self._fresh_workers(done, w)
+                elif done is not None and isinstance(payload, LockTimeout) and self._may_go_unstored(done):
+                    # its worker waited lock_timeout for another process's lock
+                    self._compile_unstored(
+                        done,
+                        f"another process held the lock of {done.kernel} key {done.key[:16]} past "
+                        f"lock_timeout (QUACK_LOCK_TIMEOUT or [cache] lock_timeout): {payload}",
+                    )
                 elif done is not None:
+                    if status == "ok" and done.request.unstored:
+                        payload = dict(payload, why=done.unstored_why)
                     self._finish(done, status == "ok", payload)
             if w.proc.sentinel in ready:
                 self._reap(w)
@@ -428,7 +438,7 @@ class Dispatcher:
                 self._reap(w)
                 self.counts["timeouts"] += 1
                 log.warning("pool: %s %s ran past %.0f s; worker killed", t.kernel, t.key[:16], t.timeout)
-                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started))
+                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, limit=t.timeout))
 
     def _check_external(self, now: float) -> None:
         for ident, t in list(self._external.items()):
@@ -443,8 +453,46 @@ class Dispatcher:
                 self._changed()
             else:
                 assert t.started is not None  # submit sets it for every external task
+                err = CompileTimeout(
+                    t.kernel,
+                    t.key,
+                    now - t.started,
+                    external=True,
+                    setting=t.wait_setting,
+                    limit=t.timeout,
+                    holder=external.holder_pid(t.external_lock),
+                )
+                if t.wait_setting == "lock_timeout" and self._may_go_unstored(t):
+                    self._compile_unstored(t, str(err))
+                    continue
+                # Past compile_timeout (or nothing may compile it unstored): the key fails.
+                # A runtime miss then raises it, never compiling the key in its own process,
+                # where nothing bounds the compile (compile_timeout promises a bound).
                 self.counts["timeouts"] += 1
-                self._finish(t, False, CompileTimeout(t.kernel, t.key, now - t.started, external=True))
+                self._finish(t, False, err)
+
+    @staticmethod
+    def _may_go_unstored(task: Task) -> bool:
+        return task.unstored_fallback and not task.request.unstored
+
+    def _compile_unstored(self, task: Task, why: str) -> None:
+        """Another process held ``task``'s lock past lock_timeout (awaited here, or met by
+        its worker: LockTimeout), and its caller can load an object the cache does not hold
+        (a runtime miss): a worker compiles the key into a private file, publishing
+        nothing, within the task's compile time-out like any compile, instead of the key
+        failing and the caller compiling it in its own process with no bound. The key stays
+        pending; its report carries the object (``data``) and ``why``. Caller holds the lock."""
+        log.info("pool: %s %s: %s; compiling it unstored in a worker", task.kernel, task.key[:16], why)
+        self.counts["unstored"] += 1
+        self.counts["submitted"] += 1
+        task.external_lock = task.obj_meta = None
+        task.request = dataclasses.replace(task.request, unstored=True)
+        if task.request.timeout is not None:
+            task.timeout = task.request.timeout  # the compile's own bound, compile_timeout
+        task.started = task.pid = None
+        task.unstored_why = why
+        self._queue.append(task)
+        self._changed()
 
     def _next_timeout(self, now: float) -> float | None:
         cands = [

@@ -2,8 +2,10 @@
 
 A key whose per-key lock another process holds is not submitted: the pool awaits it
 ("external" pending) until its .o appears, the lock is released without one (then it
-is new again), or the time-out passes. The other process is seen only through the
-store's files: the key's lock (a flock) and the metadata a publish writes last."""
+is new again), or the time-out passes: the smaller of lock_timeout and compile_timeout
+(quack.compile.pool; quack.compile.dispatch says what follows each). The other process
+is seen only through the store's files: the key's lock (a flock) and the metadata a
+publish writes last (and, for an error that names it, the system's list of locks)."""
 
 from __future__ import annotations
 
@@ -38,6 +40,34 @@ def lock_held(path) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def holder_pid(path) -> int:
+    """The pid of the process holding this flock, as the system lists it (Linux's
+    /proc/locks: the process that took the lock), for an error that names it; 0 when
+    unknown (no such listing, the file gone, no holder found)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            listing = f.read(1 << 20)
+    except OSError:
+        return 0
+    for line in listing.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 4242 fe:00:2364327 0 EOF"; a waiter's line has "->"
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        try:
+            major, minor, ino = fields[5].split(":")
+            if (int(major, 16), int(minor, 16), int(ino)) == (
+                os.major(st.st_dev),
+                os.minor(st.st_dev),
+                st.st_ino,
+            ):
+                return max(0, int(fields[4]))
+        except ValueError:
+            continue
+    return 0
 
 
 def claim(spec, params, arch, s, *, take: bool = True) -> tuple[int | None, tuple[str, str]] | None:

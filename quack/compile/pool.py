@@ -21,7 +21,11 @@ each worker holds, so
   workers at interpreter exit.
 
 A key whose per-key lock another process holds (another xdist worker, a
-``quack build``) is not submitted but awaited: ``quack/compile/external.py``. A key
+``quack build``) is not submitted but awaited: ``quack/compile/external.py``. Past
+compile_timeout the key fails with CompileTimeout naming that process (its compile ran
+that long); past lock_timeout, where that is the smaller, it fails too, or, for a
+runtime miss (``submit(unstored_fallback=True)``), a worker compiles it unstored,
+bounded by compile_timeout like any compile: the caller never compiles it itself. A key
 this pool will compile is locked at ``submit`` (``Store.claim``) and the lock handed
 to the worker with the task (``quack/compile/claims.py``): processes asking for one
 cold key at once start one worker between them, not one each.
@@ -130,10 +134,15 @@ class CompilePool:
         settings=None,
         force: bool = False,
         timeout: float | None = None,
+        unstored_fallback: bool = False,
     ) -> str:
         """Queue a compile unless the key is pending or done. Returns its state.
         ``settings`` (default: this process's current settings) gives the cache
-        the worker publishes into and the time-out."""
+        the worker publishes into and the time-out. ``unstored_fallback`` (a caller that
+        can load an object the cache does not hold: a runtime miss): a key whose lock
+        another process holds past lock_timeout is compiled by a worker unstored, within
+        compile_timeout, its object's bytes in the report (``data``), instead of failing
+        (quack.compile.dispatch)."""
         from quack import settings as _settings
 
         s = settings or _settings.get()
@@ -168,6 +177,7 @@ class CompilePool:
                 args,
                 limit,
             )
+            task.unstored_fallback = unstored_fallback
             self._book.begin(task)
             if self.closed:
                 # A shut-down pool runs nothing: the key fails now, cancelled as shutdown
@@ -188,8 +198,11 @@ class CompilePool:
                     # Waiting on another process's lock is bounded by lock_timeout (what
                     # QUACK_LOCK_TIMEOUT sets and the docs promise), not by compile_timeout:
                     # with the latter a holder stopped mid-compile kept a runtime miss waiting
-                    # 900 s whatever QUACK_LOCK_TIMEOUT said. A smaller time-out of the task's
-                    # own still bounds it.
+                    # 900 s whatever QUACK_LOCK_TIMEOUT said. A smaller compile_timeout still
+                    # bounds it: then the holder's compile ran past it, and the key fails with
+                    # a CompileTimeout that names it. The setting that applied is kept: what
+                    # follows the wait's end depends on it (quack.compile.dispatch).
+                    task.wait_setting = "lock_timeout" if s.lock_timeout < task.timeout else "compile_timeout"
                     task.timeout = min(task.timeout, s.lock_timeout)
                     self.counts["awaited_external"] += 1
                     log.info(

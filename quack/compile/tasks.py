@@ -1,7 +1,8 @@
 """The compile pool's bookkeeping of keys: each key's state (new -> pending -> done |
 failed), its task record, its outcome (the worker's report, or the error to raise once),
-the pool's counters, and the errors that report a task the pool could not finish (its
-worker died, the pool shut down, no worker could start).
+the pool's counters, the session's record of failed keys (one line each, kept after a
+key is forgotten: the pytest plugin's summary lists them), and the errors that report a
+task the pool could not finish (its worker died, the pool shut down, no worker could start).
 
 A :class:`TaskBook` is not thread-safe on its own: the pool holds its lock around every
 call, and wakes its waiters when a call says the state changed."""
@@ -13,10 +14,13 @@ import logging
 import time
 
 from quack.compile import claims
+from quack.compile.diagnostics import first_error_line
 from quack.compile.worker import WorkerRequest
 from quack.errors import CompileError, WorkerDied
 
 NEW, PENDING, DONE, FAILED = "new", "pending", "done", "failed"
+#: How many failed keys' errors a pool keeps for its session's report (``stats()['errors']``).
+MAX_SESSION_ERRORS = 50
 log = logging.getLogger("quack.pool")
 
 
@@ -56,6 +60,9 @@ class Task:
         "obj_meta",
         "claim_fd",
         "stale_retried",
+        "wait_setting",
+        "unstored_fallback",
+        "unstored_why",
     )
 
     def __init__(self, ident, key, root, kernel, params, arch, request: WorkerRequest, timeout):
@@ -77,6 +84,14 @@ class Task:
         # asked again once after a worker found the kernel's source changed since its
         # forkserver imported it (quack.errors.SourceChanged): workers forked afresh then
         self.stale_retried = False
+        # a key another process is compiling: the setting that bounds this pool's wait for
+        # it ("lock_timeout", or "compile_timeout" where that is the smaller)
+        self.wait_setting = "lock_timeout"
+        # a caller that can load an object unpublished (a runtime miss): a key whose lock
+        # another process held past lock_timeout is compiled by a worker into a private
+        # file instead of failing (quack.compile.dispatch), its bytes in the report
+        self.unstored_fallback = False
+        self.unstored_why = ""  # why it was compiled unstored (the report's "why")
 
     def release_claim(self) -> None:
         """Let go of this process's copy of the key's lock (sent, or the task ended)."""
@@ -127,6 +142,19 @@ def dispatcher_error(task: Task, exc: BaseException) -> CompileError:
     )
 
 
+def error_line(err: BaseException) -> str:
+    """A failed key's error in one line, as the session's record keeps it: its message's
+    first line (the kernel, its parameters and arch) and, where the message goes on (a
+    compiler's output, a traceback), the compiler's first error or the exception the
+    traceback ends with: the line that says why."""
+    text = str(err).strip()
+    head = text.splitlines()[0] if text else type(err).__name__
+    if "\n" not in text:
+        return head
+    cause = first_error_line(getattr(err, "detail", None) or text, limit=200)
+    return head if cause in head else f"{head} {cause}"
+
+
 # -- the book ---------------------------------------------------------------------------------
 class TaskBook:
     """Per (cache root, key): state, current task, error, report; and the pool's counters."""
@@ -136,6 +164,10 @@ class TaskBook:
         self._errors: dict[tuple, BaseException] = {}
         self._tasks: dict[tuple, Task] = {}
         self._reports: dict[tuple, dict] = {}
+        # Every key's failure this session, as text: forget() (a reported failure, so the
+        # key may be retried) drops the key's error, not this record, which the pytest
+        # plugin's summary lists after the tests consumed the errors. Bounded.
+        self._session_errors: dict[tuple, str] = {}
         self.counts = {
             "submitted": 0,
             "done": 0,
@@ -147,6 +179,8 @@ class TaskBook:
             "worker_deaths": 0,
             "workers_started": 0,
             "stale_restarts": 0,  # workers restarted: a kernel's source changed after their import
+            # keys a worker compiled unstored: another process held their lock past lock_timeout
+            "unstored": 0,
         }
 
     def state(self, ident: tuple) -> str:
@@ -190,6 +224,8 @@ class TaskBook:
             self._state[ident] = FAILED
             self._errors[ident] = payload
             self.counts["failed"] += 1
+            if ident in self._session_errors or len(self._session_errors) < MAX_SESSION_ERRORS:
+                self._session_errors[ident] = error_line(payload)
             log.info(
                 "pool: %s %s failed: %s",
                 task.kernel,
@@ -224,5 +260,6 @@ class TaskBook:
         return sum(1 for s in self._state.values() if s == PENDING)
 
     def error_texts(self) -> dict[str, str]:
-        """Each failed key's error, as text (the pool's ``stats()['errors']``)."""
-        return {k[1]: str(e)[:2000] for k, e in self._errors.items()}
+        """Each key that failed this session (the first MAX_SESSION_ERRORS of them), its
+        last error as text, forgotten keys too (the pool's ``stats()['errors']``)."""
+        return {k[1]: e for k, e in self._session_errors.items()}

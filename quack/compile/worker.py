@@ -54,12 +54,17 @@ class WorkerRequest:
     # forks them at configure time, before collection puts tests/ on sys.path) could not
     # import a kernel module found through a later entry (ModuleNotFoundError)
     sys_path: tuple = ()
+    # compile into a private temp file and send its bytes back, publishing nothing (the
+    # key's lock is another process's, held past lock_timeout: quack.compile.dispatch)
+    unstored: bool = False
 
 
 # -- worker side ---------------------------------------------------------------------------
 def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
     """Task run in a worker: import, compile, publish. Returns a small report. ``lock_fd``:
-    the key's lock, taken by the pool (``req.claimed``); held until this returns."""
+    the key's lock, taken by the pool (``req.claimed``); held until this returns.
+    ``req.unstored``: compile without the lock and publish nothing; the report carries
+    the object's bytes."""
     from quack import registry
     from quack.cache.store import DiskStore
     from quack.compile import builder, preload
@@ -78,6 +83,19 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
     bound = spec.bind((), req.params)
     store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
+    if req.unstored:
+        data, seconds = builder.compile_unstored(spec, bound, req.arch, store)
+        return {
+            "key": spec.key(bound, req.arch),
+            "compiled": True,
+            "unstored": True,
+            "data": data,  # the object: the caller loads a private copy of it
+            "pid": os.getpid(),
+            "compile_s": seconds,
+            "wall_s": time.perf_counter() - t0,
+            "preload_s": round(preload_s, 3),
+            "claimed": False,
+        }
     entry, compiled = builder.build(
         spec, bound, req.arch, store, force=req.force, lock_held=lock_fd is not None, in_worker=True
     )

@@ -17,7 +17,7 @@ import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 from quack import registry
-from quack.errors import CacheError, CompileError, EntryVanished
+from quack.errors import CacheError, CompileError, CompileTimeout, EntryVanished
 from quack.runtime import generation
 from quack.runtime.loaded import Loaded, load
 
@@ -40,7 +40,8 @@ class JitKernel:
         self.spec = spec
         self._memo: dict = {}
         self._by_key: dict[str, Loaded] = {}
-        self._failed: dict[str, tuple[str, CompileError]] = {}  # key -> (source fingerprint, error)
+        # key -> (source fingerprint, error): a failed compile, or a compile past compile_timeout
+        self._failed: dict[str, tuple[str, CompileError | CompileTimeout]] = {}
         self._gen = generation.value
         self._lock = threading.RLock()  # the dicts above; never held across a compile
         # key -> set once the thread resolving it is done: other threads asking for that key
@@ -122,8 +123,8 @@ class JitKernel:
             busy.wait()
         try:
             loaded = self._resolve(params, key, s)
-        except CompileError as e:
-            if not e.transient:
+        except (CompileError, CompileTimeout) as e:
+            if remembered(e):
                 with self._lock:
                     self._remember_failure(key, e)
             raise
@@ -148,22 +149,37 @@ class JitKernel:
         return loaded.fn
 
     # A configuration that failed to compile fails the same way until its source changes:
-    # compiling it again on every call (minutes for a large kernel) tells nothing new.
+    # compiling it again on every call (minutes for a large kernel) tells nothing new. So
+    # does one whose compile ran past compile_timeout (its worker killed): N tests asking
+    # for a wedged key took N times compile_timeout. Settings installed anew (a larger
+    # compile_timeout through quack.settings.override) bump the generation, which clears
+    # this memory (_slow).
     def _raise_if_failed(self, key: str) -> None:
         hit = self._failed.get(key)
         if hit is None:
             return
         fp, err = hit
         if fp == self.spec.source_fingerprint():
-            raise err
+            # Without the earlier raise's frames: they held that caller's locals (a test's
+            # tensors) for as long as the error was remembered.
+            raise err.with_traceback(None)
         del self._failed[key]  # the kernel was edited: compile it again
 
-    def _remember_failure(self, key: str, err: CompileError) -> None:
+    def _remember_failure(self, key: str, err: CompileError | CompileTimeout) -> None:
         if key not in self._failed and hasattr(err, "add_note"):  # Python 3.11+
-            err.add_note(
-                f"quack: {self.spec.name} key {key[:16]} will not be compiled again in this "
-                f"process until its source changes"
-            )
+            if isinstance(err, CompileTimeout):
+                err.add_note(
+                    f"quack: {self.spec.name} key {key[:16]} timed out in this process; it will "
+                    f"not be compiled again in this process until its source changes or "
+                    f"compile_timeout is raised (QUACK_COMPILE_TIMEOUT or [runtime] "
+                    f"compile_timeout for a new process; quack.settings.override("
+                    f"compile_timeout=...) in this one): later calls raise this error at once"
+                )
+            else:
+                err.add_note(
+                    f"quack: {self.spec.name} key {key[:16]} will not be compiled again in this "
+                    f"process until its source changes"
+                )
         self._failed[key] = (self.spec.source_fingerprint(), err)
 
     # Where warnings point: at the line that called the kernel. Every step below runs at a
@@ -251,6 +267,17 @@ class JitKernel:
                 }
             )
         return out
+
+
+def remembered(err: CompileError | CompileTimeout) -> bool:
+    """Is this failure the key's own, to be raised again at once by later calls in this
+    process (``JitKernel._failed``)? A compile error that ran to its end, and a compile
+    past compile_timeout in this process's own worker; not a transient one (a worker
+    killed, the pool shut down) nor another process's lock held past its time-out (that
+    process may still publish the key)."""
+    if isinstance(err, CompileTimeout):
+        return not err.external
+    return not err.transient
 
 
 def jit_cache(

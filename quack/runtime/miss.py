@@ -2,8 +2,9 @@
 bundles, remote; ``from_tiers``), then the miss policy (``on_miss``). Prebuilt mode
 raises KernelNotPrebuilt (saying why when it is not a plain miss); jit mode compiles
 it: in a compile worker, settling with the pool (inside a pool_scope a pending key
-raises CompilePending), in this process for a kernel a worker can't import, or in this
-process and unstored when the cache can't take the object.
+raises CompilePending), in a compile worker and unstored when another process holds the
+key's lock past lock_timeout, in this process for a kernel a worker can't import, or in
+this process and unstored when the cache can't take the object.
 
 Imported only by a local miss (quack.runtime.jit's ``JitKernel._resolve``): a hit never
 imports it, nor the pool, the builder or the tier chain it reaches
@@ -137,6 +138,8 @@ def compile_stored(k: JitKernel, store, ref, params, key, arch) -> Loaded:
         entry, compiled, compile_s = built
     else:
         entry, report = compile_in_worker(k, store, ref, params, key, arch)
+        if entry is None and report is not None:  # a worker compiled it unstored
+            return load_worker_unstored(k, ref, params, key, arch, report)
         if entry is None:
             log.info("fallback: compiling %s %s in this process", k.spec.name, key[:16])
             return compile_in_process(k, params, key, arch)
@@ -158,6 +161,40 @@ def compile_stored(k: JitKernel, store, ref, params, key, arch) -> Loaded:
         loaded.waits = 1
         loaded.wait_s = elapsed
     log.debug("%s %s %s (%.3f s)", "compiled" if compiled else "waited for", k.spec.name, key[:16], elapsed)
+    return loaded
+
+
+def load_worker_unstored(k: JitKernel, ref, params, key, arch, report: dict) -> Loaded:
+    """A key another process held the lock of past lock_timeout without publishing it: a
+    compile worker compiled it unstored (within compile_timeout, as any compile; the
+    holder publishes it if it ever finishes), and its object is loaded from a private
+    copy of the bytes in the pool's report. One warning, saying why."""
+    from quack.runtime import loader
+
+    warnings.warn(
+        f"quack: {report.get('why') or 'another process held the lock'}; compiled "
+        f"{k.spec.name} key {key[:16]} in a compile worker (within compile_timeout) and "
+        f"loaded it unstored",
+        CacheWarning,
+        stacklevel=7,
+    )
+    t0 = time.perf_counter()
+    try:
+        fn, module, how = loader.load_fetched(ref, report["data"])
+    except EntryVanished:  # no private copy could be made (warned about once)
+        raise CompileError(
+            k.spec.name,
+            k.spec.plain(params),
+            arch,
+            f"compiled unstored ({report.get('why')}), but no private copy of its object "
+            f"could be made to load it",
+            transient=True,
+        ) from None
+    loaded = Loaded(fn, module, key, params, arch, how, tier="compile")
+    loaded.load_s = time.perf_counter() - t0
+    loaded.misses = loaded.compiles = 1
+    loaded.compile_s = float(report.get("compile_s") or 0.0)
+    log.info("%s %s compiled unstored in a worker, loaded (%s)", k.spec.name, key[:16], how)
     return loaded
 
 
@@ -247,12 +284,16 @@ def not_prebuilt(k: JitKernel, params, key, s, reason: str):
 
 def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
     """A miss, compiled by the pool. Inside a pool_scope: submit and raise
-    CompilePending. Outside: submit to the default pool and wait. Either way a
-    failed key is raised once as CompileError (the worker's traceback text) and
-    then forgotten, so a later call compiles it again, as is a CompileTimeout of its
-    own worker; a key whose lock another process held past lock_timeout without
-    publishing it returns None: the caller compiles in this process. Returns (entry, the pool's report of the
-    key: ``compiled`` False when another process built it) or (None, None)."""
+    CompilePending. Outside: submit to the default pool and wait. Either way a failed
+    key is raised once, as CompileError (the worker's traceback text) or CompileTimeout,
+    and then forgotten by the pool: the kernel remembers a compile error and its own
+    worker's time-out and raises them again at once (``JitKernel._failed``); a transient
+    failure is retried by the next call. A key whose lock another process held past
+    lock_timeout without publishing it is compiled by a worker unstored (the pool's
+    ``unstored_fallback``); past compile_timeout it raises CompileTimeout. Returns (entry,
+    the pool's report of the key: ``compiled`` False when another process built it),
+    (None, a report with the unstored object's ``data``), or (None, None) when the
+    cache can't take the object (the caller compiles it in this process)."""
     from quack import settings as _settings
     from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
     from quack.compile import scope
@@ -284,6 +325,9 @@ def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
             entry = store.lookup(ref)
             if entry is not None:
                 return entry, pool.report(key, root)
+            report = pool.report(key, root)
+            if report and report.get("unstored"):  # another process's lock: compiled unstored
+                return None, report
             # Done, yet no valid entry (cleaned, or quarantined as corrupt): build again.
             pool.forget(key, root)
             if pool.state(key, root) != NEW:
@@ -308,7 +352,7 @@ def settle_in_pool(
     root = s.cache_dir
     st, err = pool.poll(key, root)
     if st == NEW:
-        st = pool.submit(k.spec, params, arch, key, settings=s)
+        st = pool.submit(k.spec, params, arch, key, settings=s, unstored_fallback=True)
         if st != PENDING:  # settled at once (a shut-down pool): its error with it
             st, err = pool.poll(key, root)
     if st == PENDING:
@@ -323,21 +367,17 @@ def settle_in_pool(
 
 
 def worker_failed(k: JitKernel, err, params, key, arch) -> None:
-    """A key the pool failed. Its own worker's time-out is raised (CompileTimeout): the
-    compile is what is slow, and compiling it again here only moved the hang into the
-    caller, unbounded (compile_timeout promises a bound). Another process holding the key's
-    lock past lock_timeout, or a cache that can't take the object, returns (one warning;
-    the caller compiles in this process, unstored); a compile error is raised."""
-    if isinstance(err, CompileTimeout) and not err.external:
+    """A key the pool failed. A CompileTimeout is raised: its own worker's (the compile
+    is what is slow) or another process's lock held past compile_timeout (its compile ran
+    that long); compiling it again here would only move the hang into the caller,
+    unbounded (compile_timeout promises a bound). A lock held past lock_timeout never
+    fails a runtime miss (a worker compiles the key unstored instead: the pool's
+    ``unstored_fallback``); the LockTimeout, should one come, is raised too. A cache that
+    can't take the object returns (one warning; the caller compiles in this process,
+    unstored); a compile error is raised."""
+    if isinstance(err, (CompileTimeout, LockTimeout)):
         raise err
-    if isinstance(err, CompileTimeout):  # another process wedged holding the lock
-        warnings.warn(
-            f"quack: {err}; compiling {k.spec.name} key {key[:16]} in this process",
-            CacheWarning,
-            stacklevel=8,
-        )
-        return
-    if isinstance(err, (CacheError, LockTimeout)):  # the cache (full, read-only), not the kernel
+    if isinstance(err, CacheError):  # the cache (full, read-only), not the kernel
         warnings.warn(
             f"quack: can't store {k.spec.name} key {key[:16]} ({err}); "
             f"compiling it in this process, uncached",
