@@ -143,6 +143,13 @@ class TrustedKeys:
     def __contains__(self, name: object) -> bool:
         return name in self._keys
 
+    def including(self, key: PublicKey) -> "TrustedKeys":
+        """A copy that also trusts ``key``, unless a key of that name is trusted already."""
+        out = TrustedKeys(self._keys.values())
+        if key.name not in out:
+            out.add(key)
+        return out
+
     def verify(self, signer: str, data: bytes, signature: bytes) -> None:
         """Raise :class:`SignatureError` (``reason`` ``untrusted`` or
         ``bad-signature``) unless ``signature`` over ``data`` is by the trusted

@@ -510,3 +510,89 @@ def test_cache_push_pull_commands(toy, keydir, tmp_path):
         ["cache", "pull"], toy["proj"], env_for(tmp_path / "c3", "redis://127.0.0.1:9/0", keydir=keydir)
     )
     assert r.returncode == 1 and "unreachable" in r.stdout + r.stderr
+
+
+# --- key rotation: a writer replaces what it refuses ---------------------------------------
+
+
+def _rotated(env: dict, keys2: Path, *, trust: str = "ci-2") -> dict:
+    """A writer's environment after the rotation of docs/remote-cache.md: it signs with
+    ci-2 and trusts ``trust`` (ci-2 only once the old .pub is dropped)."""
+    trusted = ":".join(str(keys2 / f"{n}.pub") for n in trust.split(","))
+    return dict(env, QUACK_SIGNING_KEY=str(keys2 / "ci-2.key"), QUACK_TRUSTED_KEYS=trusted)
+
+
+def test_rotation_heals_a_remote_through_a_build(srv, keydir, tmp_path):
+    """The review's repro: ci-1's objects on Redis, then a writer signing with ci-2 and
+    trusting ci-2 only. Its build refuses them, compiles, and replaces them (counted apart,
+    one warning naming ci-1); a reader trusting ci-2 then compiles nothing."""
+    signing.write_keypair("ci-2", tmp_path / "k2")
+    shutil.copy(keydir / "ci-1.pub", tmp_path / "k2" / "ci-1.pub")
+    proj = project(tmp_path / "proj", TOY2)
+    srv.client(db=4).flushdb()
+    old, _ = build_json(proj, env_for(tmp_path / "w1", db(srv, 4), keydir=keydir, write=True))
+    assert (old["remote_pushed"], old["remote_replaced"]) == (2, 0)
+    env2 = _rotated(env_for(tmp_path / "w2", db(srv, 4), keydir=keydir, write=True), tmp_path / "k2")
+    res, err = build_json(proj, env2)
+    assert (res["compiled"], res["remote_rejected"], res["remote_pushed"], res["remote_replaced"]) == (
+        2,
+        2,
+        0,
+        2,
+    )
+    assert res["remote"]["push_exists"] == 0 and res["remote"]["replaced_by_reason"] == {"untrusted": 2}
+    assert all(k["remote_push"] == "replaced" for k in res["keys"])
+    lines = warning_lines(err, "replaced")
+    assert (
+        len(lines) == 1
+        and "2 objects at their names were signed by ci-1, which this writer does not trust" in lines[0]
+    )
+    table = quack(["build", "-j", "2", "--force"], proj, env2)
+    assert table.returncode == 0 and "remote pushed" in table.stdout and "remote replaced" not in table.stdout
+    reader = dict(env_for(tmp_path / "r", db(srv, 4)), QUACK_TRUSTED_KEYS=str(tmp_path / "k2" / "ci-2.pub"))
+    res, _ = build_json(proj, reader)
+    assert (res["remote_hits"], res["compiled"], res["remote_rejected"]) == (2, 0, 0)
+    st = json.loads(quack(["cache", "stats", "--json"], proj, env_for(tmp_path / "w2")).stdout)
+    assert st["remote"]["total"]["replaced"] == 2
+
+
+def test_rotation_heals_a_remote_through_cache_push(toy, keydir, tmp_path):
+    """`quack cache push` of a rotated writer re-signs what the remote holds under a dropped
+    key (no compile), says so, exits 0; a second push finds valid objects; a writer still
+    trusting ci-2 keeps them."""
+    signing.write_keypair("ci-2", tmp_path / "k2")
+    shutil.copy(keydir / "ci-1.pub", tmp_path / "k2" / "ci-1.pub")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    url = f"file://{shared}"
+    env1 = env_for(toy["cache"], url, keydir=keydir, write=True)
+    r = quack(["cache", "push", "--json"], toy["proj"], env1)
+    assert r.returncode == 0 and json.loads(r.stdout)["pushed"] == 6, r.stderr
+    env2 = _rotated(env1, tmp_path / "k2")
+    r = quack(["cache", "push"], toy["proj"], env2)
+    assert r.returncode == 0, r.stderr
+    assert "pushed 0 of 6" in r.stdout and "(replaced 6 refused objects, 0 already there" in r.stdout, (
+        r.stdout
+    )
+    lines = warning_lines(r.stderr, "replaced")
+    assert len(lines) == 1 and "6 objects at their names were signed by ci-1" in lines[0], r.stderr
+    r = quack(["cache", "push", "--json"], toy["proj"], env2)
+    rep = json.loads(r.stdout)
+    assert r.returncode == 0 and (rep["pushed"], rep["replaced"], rep["exists"]) == (0, 0, 6)
+    assert not warning_lines(r.stderr, "replaced")
+    # ci-1's writer, not rotated yet but trusting both keys: ci-2's objects stay.
+    r = quack(
+        ["cache", "push", "--json"],
+        toy["proj"],
+        _rotated(env1, tmp_path / "k2", trust="ci-1,ci-2") | {"QUACK_SIGNING_KEY": str(keydir / "ci-1.key")},
+    )
+    assert (json.loads(r.stdout)["replaced"], json.loads(r.stdout)["exists"]) == (0, 6)
+    pull_env = dict(env_for(tmp_path / "r", url), QUACK_TRUSTED_KEYS=str(tmp_path / "k2" / "ci-2.pub"))
+    r = quack(["cache", "pull", "--json"], toy["proj"], pull_env)
+    assert r.returncode == 0 and (
+        json.loads(r.stdout)["pulled"],
+        json.loads(r.stdout)["counters"]["rejected"],
+    ) == (
+        6,
+        0,
+    )

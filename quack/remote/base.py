@@ -8,6 +8,7 @@ importing the module that imports them."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import Any, Callable, Protocol
 
@@ -27,12 +28,35 @@ MAX_HEADER = 64 * 1024  # the signed header line (quack.remote.objects)
 MAX_VALUE = MAX_BODY + MAX_HEADER + 64  # a whole stored object: magic + header + newline + body
 
 
+OVER_CAP = "over-cap"  # the tag of a value over the size cap (Current.data None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Current:
+    """What a name holds, read for a compare-and-swap (``Backend.get_current``): the
+    bytes, None for a value over the size cap (refused unread), and ``tag``, which names
+    exactly this value for ``Backend.replace``: Redis the value's SHA-1 and length, S3 its
+    ETag, a shared directory its SHA-256; ``OVER_CAP`` for any value over the cap (a valid
+    object never is one)."""
+
+    data: bytes | None
+    tag: str
+
+
 class Backend(Protocol):
     """Bytes in, bytes out, one object per name.
 
     get(name): the object, or None if there is none.
     put_if_absent(name, data): True if this call stored it, False if an
       object was already there (first writer wins; it is not replaced).
+    get_current(name): the object with its compare-and-swap tag (a
+      :class:`Current`), or None if there is none. A value over the size cap
+      is a Current with ``data`` None, not an error.
+    replace(name, data, tag): store ``data`` under the name if, atomically
+      with the write, the name still holds the value ``tag`` names (or
+      nothing); True if stored, False if it holds another value now (left
+      as it is). Only for a value the caller refused: a writer replaces a
+      refused object, and a concurrent write in between is never clobbered.
     exists(name): whether an object is stored under the name.
     close(): release connections (idempotent).
 
@@ -46,6 +70,8 @@ class Backend(Protocol):
 
     def get(self, name: str) -> bytes | None: ...
     def put_if_absent(self, name: str, data: bytes) -> bool: ...
+    def get_current(self, name: str) -> Current | None: ...
+    def replace(self, name: str, data: bytes, tag: str) -> bool: ...
     def exists(self, name: str) -> bool: ...
     def close(self) -> None: ...
 

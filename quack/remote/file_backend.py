@@ -6,6 +6,14 @@ place: link(2) fails if the name exists (first writer wins, also over NFS,
 where O_EXCL on create historically was not atomic), and a reader sees either
 no file or the whole object, never a partial one.
 
+A writer replaces an object it refused (``replace``): its object goes to a temp
+file first; then, holding an ``flock`` on the directory's ``.quack-replace.lock``
+(every replacing writer takes it), the name is read again and the temp file is
+renamed over it only if it still holds the refused bytes (same SHA-256), so two
+replacing writers never clobber each other's object and a reader sees the old
+object or the new one, whole. The one write that takes no lock is an add
+(link(2)), and it only ever fills an empty name.
+
 What a shared directory can hold that a server cannot (issue 30), each refused:
 
 * Anything but a regular file at an object's name. A FIFO there made ``open``
@@ -29,9 +37,12 @@ the process from exiting."""
 from __future__ import annotations
 
 import errno
+import fcntl
+import hashlib
 import os
 import secrets
 import stat
+import threading
 from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import unquote, urlsplit
@@ -39,9 +50,10 @@ from urllib.parse import unquote, urlsplit
 from quack.cache import openat
 from quack.errors import RemoteError
 from quack.filekind import describe
-from quack.remote.base import MAX_VALUE, OP_TIMEOUT, bounded, too_large
+from quack.remote.base import MAX_VALUE, OP_TIMEOUT, OVER_CAP, Current, bounded, too_large
 
 MARKER = ".quack-remote"
+REPLACE_LOCK = ".quack-replace.lock"  # in each object's directory: taken by every replace
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 
@@ -71,6 +83,17 @@ class FileBackend:
         parts = self._parts(name)
         return self._bounded(f"writing {name}", self._put, parts, bytes(data))
 
+    def get_current(self, name: str) -> Current | None:
+        parts = self._parts(name)
+        return self._bounded(f"reading {name}", self._get_current, parts)
+
+    def replace(self, name: str, data: bytes, tag: str) -> bool:
+        parts = self._parts(name)
+        stop = threading.Event()  # set on the time-out: a lock got after it replaces nothing
+        return self._bounded(
+            f"replacing {name}", self._replace, parts, bytes(data), tag, stop, abort=stop.set
+        )
+
     def exists(self, name: str) -> bool:
         parts = self._parts(name)
         return self._bounded(f"looking up {name}", self._exists, parts)
@@ -78,9 +101,11 @@ class FileBackend:
     def close(self) -> None:
         pass
 
-    def _bounded(self, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    def _bounded(
+        self, what: str, fn: Callable[..., Any], *args: Any, abort: Callable[[], None] | None = None
+    ) -> Any:
         hint = f"(is the file system under {self.root} hung?)"
-        return bounded(self.url, self.op_timeout, what, fn, *args, hint=hint)
+        return bounded(self.url, self.op_timeout, what, fn, *args, hint=hint, abort=abort)
 
     # -- helpers ----------------------------------------------------------------------------
     @staticmethod
@@ -188,14 +213,21 @@ class FileBackend:
         if dfd is None:
             return None
         try:
+            return self._read_at(dfd, parts[-1], p)
+        finally:
+            os.close(dfd)
+
+    def _read_at(self, dfd: int, leaf: str, p: Path) -> bytes | None:
+        """The object ``leaf`` of the open directory ``dfd`` (``p`` its path, for messages)."""
+        try:
             try:
-                st = os.stat(parts[-1], dir_fd=dfd, follow_symlinks=False)
+                st = os.stat(leaf, dir_fd=dfd, follow_symlinks=False)
             except FileNotFoundError:
                 return None
             if not stat.S_ISREG(st.st_mode):
                 raise self._refuse(f"{p} is {_kind(st.st_mode)}, not a regular file; refused")
             # O_NONBLOCK: should a FIFO be swapped in after the lstat, open returns at once.
-            fd = os.open(parts[-1], openat.FILE_FLAGS, dir_fd=dfd)
+            fd = os.open(leaf, openat.FILE_FLAGS, dir_fd=dfd)
             try:
                 return openat.read_regular(
                     fd,
@@ -213,8 +245,56 @@ class FileBackend:
             if e.errno == errno.ELOOP:
                 raise self._refuse(f"{p} is a symbolic link; refused") from None
             raise e if isinstance(e, RemoteError) else self._err(e, f"reading {p}") from None
+
+    def _tag_at(self, dfd: int, leaf: str, p: Path) -> Current | None:
+        try:
+            v = self._read_at(dfd, leaf, p)
+        except RemoteError as e:
+            if e.reason == "size":
+                return Current(None, OVER_CAP)
+            raise
+        return None if v is None else Current(v, hashlib.sha256(v).hexdigest())
+
+    def _get_current(self, parts: list[str]) -> Current | None:
+        p = self.root.joinpath(*parts)
+        root_fd = self._open_root(writing=False)
+        try:
+            dfd = self._walk(root_fd, parts[:-1], create=False)
+        except OSError as e:
+            raise e if isinstance(e, RemoteError) else self._err(e, f"reading {p}") from None
+        finally:
+            os.close(root_fd)
+        if dfd is None:
+            return None
+        try:
+            return self._tag_at(dfd, parts[-1], p)
         finally:
             os.close(dfd)
+
+    def _write_temp(self, dfd: int, leaf: str, data: bytes) -> str:
+        """A private temp file next to ``leaf`` holding ``data``, fsynced; its name."""
+        tmp = f".{leaf}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(
+            tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+        )
+        try:
+            # In a group-shared store (its directories g+w) the group must read every
+            # object; a writer's umask 077 made them 0600, readable by that writer only.
+            if os.fstat(dfd).st_mode & stat.S_IWGRP:
+                os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IRGRP)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(tmp, dir_fd=dfd)
+            except FileNotFoundError:
+                pass
+            raise
+        os.close(fd)
+        return tmp
 
     def _put(self, parts: list[str], data: bytes) -> bool:
         p = self.root.joinpath(*parts)
@@ -233,22 +313,8 @@ class FileBackend:
                 return False
             except FileNotFoundError:
                 pass
-            tmp = f".{leaf}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-            fd = os.open(
-                tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
-            )
+            tmp = self._write_temp(dfd, leaf, data)
             try:
-                # In a group-shared store (its directories g+w) the group must read every
-                # object; a writer's umask 077 made them 0600, readable by that writer only.
-                try:
-                    if os.fstat(dfd).st_mode & stat.S_IWGRP:
-                        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | stat.S_IRGRP)
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view) :]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
                 try:
                     os.link(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
                 except FileExistsError:
@@ -263,6 +329,74 @@ class FileBackend:
             raise e if isinstance(e, RemoteError) else self._err(e, f"writing {p}") from None
         finally:
             os.close(dfd)
+
+    def _replace(self, parts: list[str], data: bytes, tag: str, stop: threading.Event) -> bool:
+        p = self.root.joinpath(*parts)
+        root_fd = self._open_root(writing=True)
+        try:
+            dfd = self._walk(root_fd, parts[:-1], create=True)
+        except OSError as e:
+            raise e if isinstance(e, RemoteError) else self._err(e, f"replacing {p}") from None
+        finally:
+            os.close(root_fd)
+        assert dfd is not None  # create=True never answers None
+        leaf = parts[-1]
+        try:
+            tmp = self._write_temp(dfd, leaf, data)  # before the lock: held for a read and a rename
+            try:
+                lock = self._open_lock(dfd, p.parent / REPLACE_LOCK)
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX)  # released by the close
+                    if stop.is_set():
+                        return False  # the caller timed out and reported so: nothing is done
+                    cur = self._tag_at(dfd, leaf, p)
+                    if cur is None:  # gone in between: first writer wins, as ever
+                        try:
+                            os.link(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                        except FileExistsError:
+                            return False
+                        return True
+                    if cur.tag != tag:
+                        return False  # another object there now: left as it is
+                    os.rename(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd)
+                    return True
+                finally:
+                    os.close(lock)
+            finally:
+                try:
+                    os.unlink(tmp, dir_fd=dfd)
+                except FileNotFoundError:
+                    pass
+        except OSError as e:
+            raise e if isinstance(e, RemoteError) else self._err(e, f"replacing {p}") from None
+        finally:
+            os.close(dfd)
+
+    def _open_lock(self, dfd: int, path: Path) -> int:
+        """The directory's replace lock file, opened (made if missing; group-readable in a
+        group-shared store, so every member can lock it). Anything but a regular file
+        there is refused: O_NOFOLLOW, O_NONBLOCK, then fstat."""
+        flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(REPLACE_LOCK, flags, 0o644, dir_fd=dfd)
+        except OSError as e:
+            if e.errno in openat.LINK_ERRNOS or e.errno == errno.EISDIR:
+                raise self._refuse(f"{path} is not a regular file; refused") from None
+            raise
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise self._refuse(f"{path} is {_kind(st.st_mode)}, not a regular file; refused")
+            if (
+                os.fstat(dfd).st_mode & stat.S_IWGRP
+                and not st.st_mode & stat.S_IRGRP
+                and st.st_uid == os.geteuid()
+            ):
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) | stat.S_IRGRP)
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
 
     def _exists(self, parts: list[str]) -> bool:
         p = self.root.joinpath(*parts)

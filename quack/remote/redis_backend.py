@@ -1,14 +1,51 @@
 """``redis://host:port/db`` (and ``rediss://``): one Redis string per object.
 
-``SET NX`` makes the first writer win atomically; readers never write. The
-client never retries on its own (redis-py's default retries with back-off
-would turn one dead host into seconds of waiting): a failure is reported at
-once and the tier switches the remote off."""
+``SET NX`` makes the first writer win atomically; readers never write. A writer
+replaces an object it refused (``replace``) with a Lua script, atomic on the
+server: SET only if the value there still has the refused value's SHA-1 and
+length (or, for a value over the size cap, is still over it), so a valid object
+written in between is never clobbered. The client never retries on its own
+(redis-py's default retries with back-off would turn one dead host into seconds
+of waiting): a failure is reported at once and the tier switches the remote off."""
 
 from __future__ import annotations
 
+import hashlib
+
 from quack.errors import RemoteError
-from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, bounded, redact, too_large, unreachable
+from quack.remote.base import (
+    CONNECT_TIMEOUT,
+    MAX_VALUE,
+    OP_TIMEOUT,
+    OVER_CAP,
+    Current,
+    bounded,
+    redact,
+    too_large,
+    unreachable,
+)
+
+# The compare-and-swap (one script, atomic on the server). KEYS[1]: the name; ARGV: the new
+# value, the refused value's SHA-1 hex (or OVER_CAP), its length (or the cap). Nothing there
+# any more: stored as SET NX would. Returns 1 if stored, 0 if the name holds another value.
+_REPLACE = """
+local n = redis.call('STRLEN', KEYS[1])
+if n == 0 and redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+local same
+if ARGV[2] == '@OVER_CAP@' then
+  same = n > tonumber(ARGV[3])
+else
+  same = n == tonumber(ARGV[3]) and redis.sha1hex(redis.call('GET', KEYS[1])) == ARGV[2]
+end
+if same then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return 1
+end
+return 0
+""".replace("@OVER_CAP@", OVER_CAP)
 
 
 class RedisBackend:
@@ -46,6 +83,7 @@ class RedisBackend:
             raise ValueError(f"remote URL {redact(url)!r}: {e} (expected redis://host:port/db)") from None
         self._probed = False
         self._probe_lock = threading.Lock()
+        self._replace = self._r.register_script(_REPLACE)  # EVALSHA, EVAL on NOSCRIPT; no I/O here
 
     def _probe(self) -> None:
         with self._probe_lock:
@@ -129,6 +167,21 @@ class RedisBackend:
             self.url, self.op_timeout, f"SET {name}", self._put, name, bytes(data), abort=self._abort
         )
 
+    def get_current(self, name: str) -> Current | None:
+        return bounded(self.url, self.op_timeout, f"GET {name}", self._get_current, name, abort=self._abort)
+
+    def replace(self, name: str, data: bytes, tag: str) -> bool:
+        return bounded(
+            self.url,
+            self.op_timeout,
+            f"replacing {name}",
+            self._cas,
+            name,
+            bytes(data),
+            tag,
+            abort=self._abort,
+        )
+
     def exists(self, name: str) -> bool:
         return bounded(self.url, self.op_timeout, f"EXISTS {name}", self._exists, name, abort=self._abort)
 
@@ -171,6 +224,25 @@ class RedisBackend:
         if not self._probed:
             self._probe()
         return bool(self._call(self._r.set, name, data, nx=True))
+
+    def _get_current(self, name: str) -> Current | None:
+        try:
+            v = self._get(name)
+        except RemoteError as e:
+            if e.reason == "size":
+                return Current(None, f"{OVER_CAP}:{self.max_bytes}")
+            raise
+        if v is None:
+            return None
+        return Current(v, f"{hashlib.sha1(v).hexdigest()}:{len(v)}")  # what redis.sha1hex gives
+
+    def _cas(self, name: str, data: bytes, tag: str) -> bool:
+        if not self._probed:
+            self._probe()
+        digest, _, n = tag.rpartition(":")
+        if not digest or not n.isdigit():
+            raise ValueError(f"not a tag of this backend: {tag!r}")
+        return self._call(self._replace, keys=[name], args=[data, digest, int(n)]) == 1
 
     def _exists(self, name: str) -> bool:
         if not self._probed:

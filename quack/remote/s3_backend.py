@@ -3,16 +3,29 @@
 The endpoint, region and credentials come from boto3's usual chain
 (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, profiles, instance roles), so a
 MinIO, Ceph, R2 or moto endpoint works as AWS does. Writes are conditional
-(``If-None-Match: *``): the first writer wins and an object is never replaced.
+(``If-None-Match: *``): the first writer wins. A writer replaces an object it
+refused (``replace``) with ``If-Match: <the refused object's ETag>``: the store
+takes the PUT only if the object is still that one, so a valid object written in
+between is never clobbered (AWS S3 honours If-Match on PUT; a store that
+ignores it makes the replace unconditional, see docs/remote-cache.md).
 botocore's own retries are off; the time-outs bound every call."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from urllib.parse import urlsplit
 
 from quack.errors import RemoteError
-from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, bounded, too_large, unreachable
+from quack.remote.base import (
+    CONNECT_TIMEOUT,
+    MAX_VALUE,
+    OP_TIMEOUT,
+    Current,
+    bounded,
+    too_large,
+    unreachable,
+)
 
 # What says "no such object". A GET's 404 carries S3's XML error body, so it must say
 # NoSuchKey: a plain web server's HTML 404 (an endpoint that is not S3 at all) gives code
@@ -21,6 +34,8 @@ from quack.remote.base import CONNECT_TIMEOUT, MAX_VALUE, OP_TIMEOUT, bounded, t
 _GET_ABSENT = ("NoSuchKey",)
 _HEAD_ABSENT = ("NoSuchKey", "NotFound", "404")
 _EXISTS = ("PreconditionFailed", "412", "ConditionalRequestConflict", "409")
+# An If-Match PUT on a name that holds nothing any more (AWS answers 404 NoSuchKey).
+_PUT_ABSENT = ("NoSuchKey", "NotFound", "404")
 _DENIED = (
     "AccessDenied",
     "403",
@@ -31,6 +46,13 @@ _DENIED = (
 )
 _CHUNK = 64 * 1024
 _FULL = ("QuotaExceeded", "EntityTooLarge", "XMinioStorageFull", "507")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Got:
+    data: bytes | None  # None: over the cap, its body unread
+    etag: str
+    size: int | None
 
 
 class S3Backend:
@@ -128,7 +150,24 @@ class S3Backend:
     # going for as long as it kept sending.
     def get(self, name: str) -> bytes | None:
         stop = threading.Event()  # set on the time-out: the abandoned read stops at a chunk
-        return bounded(self.url, self.op_timeout, f"GET {name}", self._get, name, stop, abort=stop.set)
+        got = bounded(self.url, self.op_timeout, f"GET {name}", self._get, name, stop, abort=stop.set)
+        if got is None:
+            return None
+        if got.data is None:
+            raise too_large(self.url, name, got.size, self.max_bytes)
+        return got.data
+
+    def get_current(self, name: str) -> Current | None:
+        stop = threading.Event()
+        got = bounded(self.url, self.op_timeout, f"GET {name}", self._get, name, stop, abort=stop.set)
+        if got is None:
+            return None
+        # The ETag names this value, over the cap or not (it comes with the headers, before
+        # the body). None sent: an empty tag, which replace never acts on.
+        return Current(got.data, got.etag)
+
+    def replace(self, name: str, data: bytes, tag: str) -> bool:
+        return bounded(self.url, self.op_timeout, f"PUT {name}", self._cas, name, bytes(data), tag)
 
     def put_if_absent(self, name: str, data: bytes) -> bool:
         return bounded(self.url, self.op_timeout, f"PUT {name}", self._put, name, bytes(data))
@@ -136,18 +175,20 @@ class S3Backend:
     def exists(self, name: str) -> bool:
         return bounded(self.url, self.op_timeout, f"HEAD {name}", self._exists, name)
 
-    def _get(self, name: str, stop: threading.Event) -> bytes | None:
+    def _get(self, name: str, stop: threading.Event) -> _Got | None:
+        """The object (``data`` None when over the cap: its body is left unread) and its ETag."""
         import botocore.exceptions as bx
 
         try:
             r = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))
             body = r["Body"]
+            etag = str(r.get("ETag") or "")
             try:
                 # The declared length first: a value over the cap is refused before its
                 # body is read; the read itself is bounded too (a length that lies).
                 n = r.get("ContentLength")
                 if isinstance(n, int) and n > self.max_bytes:
-                    raise too_large(self.url, name, n, self.max_bytes)
+                    return _Got(None, etag, n)
                 chunks, total = [], 0
                 while total <= self.max_bytes and not stop.is_set():
                     b = body.read(min(_CHUNK, self.max_bytes + 1 - total))
@@ -159,8 +200,8 @@ class S3Backend:
                     raise RemoteError(f"remote cache {self.url}: GET {name} abandoned", reason="timeout")
                 data = b"".join(chunks)
                 if len(data) > self.max_bytes:
-                    raise too_large(self.url, name, None, self.max_bytes)
-                return data
+                    return _Got(None, etag, None)
+                return _Got(data, etag, len(data))
             finally:
                 body.close()
         except RemoteError:
@@ -183,6 +224,24 @@ class S3Backend:
             code, status = self._code(e)
             if code in _EXISTS or status in ("412", "409"):
                 return False
+            raise self._err(e, f"PUT {name}") from None
+        except (bx.BotoCoreError, OSError) as e:
+            raise self._err(e, f"PUT {name}") from None
+
+    def _cas(self, name: str, data: bytes, tag: str) -> bool:
+        import botocore.exceptions as bx
+
+        if not tag:
+            return False  # no ETag to make the PUT conditional on: never an unconditional replace
+        try:
+            self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, IfMatch=tag)
+            return True
+        except bx.ClientError as e:
+            code, status = self._code(e)
+            if code in _EXISTS or status in ("412", "409"):
+                return False  # another object there now: left as it is
+            if code in _PUT_ABSENT or status == "404":
+                return self._put(name, data)  # gone in between: first writer wins, as ever
             raise self._err(e, f"PUT {name}") from None
         except (bx.BotoCoreError, OSError) as e:
             raise self._err(e, f"PUT {name}") from None

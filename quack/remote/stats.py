@@ -23,17 +23,23 @@ class Counters:
     pushed: int = 0
     push_exists: int = 0
     push_failed: int = 0
+    replaced: int = 0  # pushes that replaced a refused object at the name (compare-and-swap)
     bytes_down: int = 0
     bytes_up: int = 0
     rejected_by_reason: Counter = dataclasses.field(default_factory=Counter)
+    replaced_by_reason: Counter = dataclasses.field(default_factory=Counter)  # why it was refused
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        d["rejected_by_reason"] = dict(self.rejected_by_reason)
+        for k in _BY_REASON:
+            d[k] = dict(getattr(self, k))
         return d
 
     def any(self) -> bool:
-        return any(v for k, v in self.to_json().items() if k != "rejected_by_reason")
+        return any(v for k, v in self.to_json().items() if k not in _BY_REASON)
+
+
+_BY_REASON = ("rejected_by_reason", "replaced_by_reason")
 
 
 def append_line(root: Path, line: str) -> None:
@@ -54,7 +60,7 @@ def read_stats(root: Path) -> dict:
     path = Path(root) / STATS_FILE
     # Regular file only, never blocking: a FIFO planted here hung `quack cache stats`.
     lines = fsutil.read_lines_regular(path, "the remote stats file", f"remote-stats:{path}")
-    fields = [f.name for f in dataclasses.fields(Counters) if f.name != "rejected_by_reason"]
+    fields = [f.name for f in dataclasses.fields(Counters) if f.name not in _BY_REASON]
     for line in lines:
         try:
             r = safe_loads(line)
@@ -67,7 +73,8 @@ def read_stats(root: Path) -> dict:
                 v = r.get(k)
                 if isinstance(v, int):
                     setattr(c, k, getattr(c, k) + v)
-            reasons = r.get("rejected_by_reason")
-            if isinstance(reasons, dict):
-                c.rejected_by_reason.update({str(k): v for k, v in reasons.items() if isinstance(v, int)})
+            for field in _BY_REASON:
+                reasons = r.get(field)
+                if isinstance(reasons, dict):
+                    getattr(c, field).update({str(k): v for k, v in reasons.items() if isinstance(v, int)})
     return {"total": total.to_json(), "per_url": {u: c.to_json() for u, c in per_url.items()}}

@@ -11,6 +11,13 @@ unverified is ever written locally or loaded.
 
 ``push`` signs a local entry and stores it if the remote has none (first writer
 wins). Only with ``write = true`` and a signing key; a reader needs no secret.
+When the name is taken, the object there is read and verified under the writer's
+trusted keys (and its own public key): one that verifies stays (first writer
+wins), one that would be refused (signed by a key no longer trusted after a key
+rotation, truncated, altered, ...) is replaced by a compare-and-swap
+(``Backend.replace``), so a valid object written in between is never clobbered.
+Replacements are counted (``replaced``, by reason) and summed up in one warning
+(``warn_replaced``). A writer without trusted keys never replaces anything.
 
 Failures never propagate: every problem is a miss (or a failed push, counted),
 with one warning per kind per process. A connection error or a time-out
@@ -25,6 +32,7 @@ import logging
 import threading
 import time
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +81,7 @@ class RemoteTier:
         self.counters = Counters()
         self._lock = threading.Lock()
         self._push_off = ""
+        self._replaced_why: Counter = Counter()  # (reason, signer) -> objects replaced, not warned yet
 
     # -- state -----------------------------------------------------------------------
     @property
@@ -188,8 +197,9 @@ class RemoteTier:
 
     # -- writing ---------------------------------------------------------------------
     def push(self, store, entry: Entry) -> str:
-        """Sign and store a local entry unless the remote has it. Returns
-        ``pushed``, ``exists``, ``failed``, or ``off`` (read-only, remote off)."""
+        """Sign and store a local entry unless the remote has a valid object for it.
+        Returns ``pushed``, ``exists`` (a valid one is there), ``replaced`` (a refused
+        one was there: swapped for this one), ``failed``, or ``off`` (read-only, remote off)."""
         if not self.write or self.offline or self._push_off:
             return "off"
         ref = entry.ref
@@ -212,8 +222,9 @@ class RemoteTier:
             self._count(push_failed=1)
             _warn_once(self.url, "push-size", f"quack: not pushing {e}")
             return "failed"
+        name = objects.object_name(ref)
         try:
-            stored = self._backend_call(self.backend.put_if_absent, objects.object_name(ref), blob)
+            stored = self._backend_call(self.backend.put_if_absent, name, blob)
         except RemoteError as e:
             self._count(push_failed=1)
             self._failed(e, "put")
@@ -222,8 +233,86 @@ class RemoteTier:
             self._count(pushed=1, bytes_up=len(blob))
             log.info("pushed %s key %s (%d bytes)", ref.kernel, ref.key[:16], len(blob))
             return "pushed"
-        self._count(push_exists=1)
-        return "exists"
+        return self._taken(ref, name, blob)
+
+    def _taken(self, ref: EntryRef, name: str, blob: bytes) -> str:
+        """The name holds an object already: keep it if it verifies under this writer's
+        trusted keys (or its own public key), else replace it by compare-and-swap.
+        ``exists``, ``pushed`` (it was gone when looked at), ``replaced`` or ``failed``."""
+        signer = self.signer
+        assert signer is not None
+        if not len(self.trusted):
+            # Nothing verifies without trusted keys: valid objects could not be told from
+            # refused ones, so nothing is ever replaced.
+            self._count(push_exists=1)
+            return "exists"
+        try:
+            cur = self._backend_call(self.backend.get_current, name)
+        except RemoteError as e:
+            self._failed(e, "get")  # the object there could not be checked: it stays
+            self._count(push_exists=1)
+            return "exists"
+        if cur is None:  # gone since the put (evicted, deleted): one more add, no loop
+            try:
+                stored = self._backend_call(self.backend.put_if_absent, name, blob)
+            except RemoteError as e:
+                self._count(push_failed=1)
+                self._failed(e, "put")
+                return "failed"
+            if stored:
+                self._count(pushed=1, bytes_up=len(blob))
+                log.info("pushed %s key %s (%d bytes)", ref.kernel, ref.key[:16], len(blob))
+                return "pushed"
+            self._count(push_exists=1)
+            return "exists"
+        if cur.data is None:
+            why, by = "size", ""  # over the size cap: no reader takes it, and no writer signs one
+        else:
+            try:
+                objects.unpack(cur.data, ref, self.trusted.including(signer.public))
+            except ObjectRejected as e:
+                why, by = e.reason, e.signer
+            else:
+                self._count(push_exists=1)  # a valid object: first writer wins
+                return "exists"
+        try:
+            done = self._backend_call(self.backend.replace, name, blob, cur.tag)
+        except RemoteError as e:
+            self._count(push_failed=1)
+            self._failed(e, "put")
+            return "failed"
+        if not done:
+            # Another writer stored an object between the read and the replace: the
+            # compare-and-swap left it (if it is refused too, the next push replaces it).
+            log.info(
+                "remote object for %s key %s changed while being replaced: left", ref.kernel, ref.key[:16]
+            )
+            self._count(push_exists=1)
+            return "exists"
+        with self._lock:
+            self.counters.replaced += 1
+            self.counters.bytes_up += len(blob)
+            self.counters.replaced_by_reason[why] += 1
+            self._replaced_why[(why, by if why in _BY_SIGNER else "")] += 1
+        log.info("replaced the refused (%s) remote object for %s key %s", why, ref.kernel, ref.key[:16])
+        return "replaced"
+
+    def warn_replaced(self) -> None:
+        """One warning for the objects replaced since the last call (none: no warning),
+        naming why, e.g. ``2 objects at their names were signed by ci-1, which this writer
+        does not trust: replaced``. Called at the end of a build and of ``quack cache push``."""
+        with self._lock:
+            groups, self._replaced_why = self._replaced_why, Counter()
+        if not groups:
+            return
+        parts = [_why_replaced(n, why, by) for (why, by), n in sorted(groups.items())]
+        me = self.signer.name if self.signer is not None else "?"
+        warnings.warn(
+            f"quack: remote cache {self.url}: {'; '.join(parts)}: replaced, now signed by {me} "
+            "(an object that verifies under this writer's trusted keys is never replaced)",
+            RemoteWarning,
+            stacklevel=2,
+        )
 
     # -- statistics ------------------------------------------------------------------
     def record(self, root: Path) -> None:
@@ -244,6 +333,29 @@ class RemoteTier:
 
     def close(self) -> None:
         self.backend.close()
+
+
+# Why an object was replaced, as a reader would have refused it (quack.remote.objects.REASONS).
+_BY_SIGNER = ("untrusted", "bad-signature")
+_WHY = {
+    "unsigned": "unsigned",
+    "malformed": "not a readable quack object (malformed)",
+    "wrong-key": "signed for another key (copied there)",
+    "wrong-stamp": "built with another toolchain (copied there)",
+    "wrong-source": "built from other kernel source (copied there)",
+    "size": "truncated, padded or over the size cap",
+    "checksum": "altered (bytes that do not match their signed checksum)",
+}
+
+
+def _why_replaced(n: int, why: str, by: str) -> str:
+    were = f"{n} objects at their names were" if n != 1 else "1 object at its name was"
+    by = by or "an unnamed key"
+    if why == "untrusted":
+        return f"{were} signed by {by}, which this writer does not trust"
+    if why == "bad-signature":
+        return f"{were} carrying a signature by {by} that does not verify"
+    return f"{were} {_WHY.get(why, f'refused ({why})')}"
 
 
 # --- from settings ----------------------------------------------------------------------

@@ -251,6 +251,9 @@ def summary_table(res: BuildResult) -> Table:
         rej = r.get("rejected", 0)
         reasons = ", ".join(f"{k} {v}" for k, v in sorted((r.get("rejected_by_reason") or {}).items()))
         tbl.add_row("  remote rejected", f"[red]{rej}[/] ({reasons})" if rej else "0")
+        if r.get("replaced"):
+            why = ", ".join(f"{k} {v}" for k, v in sorted((r.get("replaced_by_reason") or {}).items()))
+            tbl.add_row("  remote replaced", f"[yellow]{r['replaced']}[/] refused objects ({why})")
         if r.get("push_failed"):
             tbl.add_row("  remote push failed", f"[yellow]{r['push_failed']}[/]")
         if r.get("errors"):

@@ -29,7 +29,8 @@ class SyncReport:
     local: int = 0  # already in the local cache
     pulled: int = 0
     pushed: int = 0
-    exists: int = 0  # push: the remote had it already
+    exists: int = 0  # push: the remote had a valid object for it already
+    replaced: int = 0  # push: the remote had a refused object for it, replaced (compare-and-swap)
     missing: int = 0  # pull: not on the remote (or refused); push: not in the local cache
     failed: int = 0  # pull: verified but not stored locally (disk full...); push: not stored remotely
     errors: list = dataclasses.field(default_factory=list)  # pull: why each failed, one line each
@@ -188,7 +189,7 @@ def _run_daemons(fn: Callable, items: list, threads: int, stop: threading.Event)
 
 def push_task(t, store, remote) -> str:
     """After a compile: sign and push the task's entry (``pushed`` / ``exists``
-    / ``failed`` / ``off``)."""
+    / ``replaced`` / ``failed`` / ``off``)."""
     entry = store.lookup(builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch))
     if entry is None:
         return "failed"
@@ -229,8 +230,12 @@ def push_configs(configs, store, remote) -> SyncReport:
             rep.pushed += 1
         elif r == "exists":
             rep.exists += 1
+        elif r == "replaced":
+            rep.replaced += 1
         else:
             rep.failed += 1
+    if rep.replaced:
+        remote.warn_replaced()
     rep.offline = remote.offline
     rep.counters = remote.counters.to_json()
     rep.wall_s = time.time() - t0

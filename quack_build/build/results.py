@@ -40,7 +40,7 @@ class Task:
     # take the object: disk full, read-only), "lock" (another process held its lock past
     # lock_timeout); the summary reports each apart.
     failure: str = ""
-    pushed: str = ""  # after a compile, with a remote: pushed / exists / failed / off
+    pushed: str = ""  # after a compile, with a remote: pushed / exists / replaced / failed / off
     corrupt: str = ""  # a dry run's plan: the entry is corrupt (why); a build quarantines and rebuilds it
 
     def to_json(self) -> dict:
@@ -187,6 +187,7 @@ class BuildResult:
             "remote_hits": self.count(REMOTE),
             "remote_pushed": int(self.remote.get("pushed", 0)),
             "remote_rejected": int(self.remote.get("rejected", 0)),
+            "remote_replaced": int(self.remote.get("replaced", 0)),
             "remote": (
                 {"url": self.remote_url, "offline": self.remote_offline, **self.remote}
                 if self.remote_url

@@ -436,6 +436,8 @@ def _remote_done(res: BuildResult, remote) -> None:
     if remote is not None:
         res.remote = remote.counters.to_json()
         res.remote_offline = remote.offline
+        if res.remote.get("replaced"):
+            remote.warn_replaced()  # one warning: how many refused objects were replaced, and why
 
 
 def _missing(tasks: list[Task], store: DiskStore | None) -> list[str]:

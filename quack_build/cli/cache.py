@@ -258,8 +258,9 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
                 markup=False,
             )
         else:
+            replaced = f"replaced {rep.replaced} refused objects, " if rep.replaced else ""
             con.print(
-                f"pushed {rep.pushed} of {rep.total} to {rep.url} ({rep.exists} already there, "
+                f"pushed {rep.pushed} of {rep.total} to {rep.url} ({replaced}{rep.exists} already there, "
                 f"{rep.missing} not in the local cache, {rep.failed} failed) in {rep.wall_s:.2f}s",
                 markup=False,
             )

@@ -184,7 +184,18 @@ def _print_remote(con: Console, r: dict) -> None:
     if not per_url and not r.get("configured"):
         return
     tb = Table(title="remote cache (all processes that used one)", header_style="bold")
-    cols = ("remote", "hits", "misses", "errors", "rejected", "pushed", "push failed", "down", "up")
+    cols = (
+        "remote",
+        "hits",
+        "misses",
+        "errors",
+        "rejected",
+        "pushed",
+        "replaced",
+        "push failed",
+        "down",
+        "up",
+    )
     for c in cols:
         tb.add_column(c, justify="left" if c == "remote" else "right")
     rows = list(per_url.items())
@@ -200,6 +211,7 @@ def _print_remote(con: Console, r: dict) -> None:
             str(c.get("errors", 0)),
             f"{rej} ({escape(why)})" if rej else "0",
             str(c.get("pushed", 0)),
+            str(c.get("replaced", 0)),
             str(c.get("push_failed", 0)),
             human_bytes(c.get("bytes_down", 0)),
             human_bytes(c.get("bytes_up", 0)),
