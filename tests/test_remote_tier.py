@@ -70,6 +70,14 @@ def _tamper_header(blob: bytes, **changes) -> bytes:
     return objects.MAGIC + keys.canonical_json(header).encode() + b"\n" + bytes(body)
 
 
+def _raw_header(blob: bytes, field: bytes) -> bytes:
+    """``blob`` with ``field`` (raw JSON text, e.g. ``"size":NaN``) in place of the header's
+    ``size`` and ``compile_s``, signer and signature kept: what canonical JSON can't write."""
+    header, body = objects.parse_header(blob)
+    head = keys.canonical_json({k: v for k, v in header.items() if k not in ("size", "compile_s")})
+    return objects.MAGIC + head[:-1].encode() + b"," + field + b"}\n" + bytes(body)
+
+
 def _cases(k, r=None):
     """case -> (object stored under r's name, the reason it must be refused)."""
     r = r or ref()
@@ -100,6 +108,11 @@ def _cases(k, r=None):
         # 60,000 '[' (under the 64 KiB header cap): RecursionError, no ValueError, escaped
         # the header's parse and was reported as a broken tier, not a counted rejection.
         "deeply-nested-header": (objects.MAGIC + b"[" * 60_000 + b"\n" + DATA, "malformed"),
+        # NaN / 1e999 (infinity) are no JSON, but json.loads takes them: the signed bytes
+        # (canonical JSON) then raised ValueError past every refusal, a "failed fetch".
+        "nan-in-header": (_raw_header(good, b'"size":NaN'), "malformed"),
+        "infinite-number-in-header": (_raw_header(good, b'"size":1e999'), "malformed"),
+        "minus-infinity-in-header": (_raw_header(good, b'"compile_s":-Infinity'), "malformed"),
         "other-source": (
             objects.pack(EntryRef(r.kernel, r.key, r.arch, "fedcba9876543210"), {}, DATA, k["ci"]),
             "wrong-source",
@@ -123,6 +136,9 @@ CASES = [
     "unsigned",
     "garbage",
     "deeply-nested-header",
+    "nan-in-header",
+    "infinite-number-in-header",
+    "minus-infinity-in-header",
     "other-source",
     "other-kernel",
 ]
@@ -135,6 +151,18 @@ def test_every_tamper_is_refused(keyring, case):
         objects.unpack(blob, ref(), keyring["trusted"])
     assert e.value.reason == reason, str(e.value)
     assert e.value.key == ref().key
+
+
+def test_a_header_canonical_json_refuses_is_malformed(keyring, monkeypatch):
+    """The second guard: a header the parser let through (json.loads takes NaN) but the
+    signed bytes can't be made of is a refusal, not a ValueError out of unpack."""
+    import json
+
+    blob = _raw_header(objects.pack(ref(), {}, DATA, keyring["ci"]), b'"size":NaN')
+    monkeypatch.setattr(objects, "safe_loads", lambda data, **kw: json.loads(data))
+    with pytest.raises(ObjectRejected) as e:
+        objects.unpack(blob, ref(), keyring["trusted"])
+    assert e.value.reason == "malformed" and "canonicalized" in str(e.value), str(e.value)
 
 
 def test_wrong_stamp_refused(keyring, monkeypatch):
