@@ -289,6 +289,44 @@ def answers_ok():
 
 
 @contextlib.contextmanager
+def s3_error(status: int = 503, code: str = "SlowDown"):
+    """An "S3" answering every request with S3's XML error ``code`` (503 SlowDown: a bucket
+    throttled), as S3 would: a remote that is there but fails every fetch. Yields its URL."""
+    import http.server
+
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+        "<Message>Please reduce your request rate.</Message></Error>"
+    ).encode()
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def _fail(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = _fail
+
+        def log_message(self, *a) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@contextlib.contextmanager
 def plain_http():
     """A plain web server (http.server) answering a generic HTML 404 to everything: an
     endpoint that is not S3. Yields its URL."""

@@ -16,11 +16,13 @@ import pytest
 import remote_services
 from remote_services import (
     answers_ok,
+    free_port,
     huge_http_reply,
     huge_redis_reply,
     moto_s3,
     plain_http,
     redis_server,
+    s3_error,
     trickle_proxy,
 )
 from test_remote_build import TOY2, build_json, env_for, project, quack, warning_lines
@@ -345,5 +347,59 @@ def test_cache_pull_from_a_plain_web_server_warns(tmp_path, keydir, monkeypatch)
     rep = json.loads(r.stdout)
     assert (rep["total"], rep["pulled"]) == (2, 0)
     assert rep["counters"]["errors"] == 2 and rep["counters"]["misses"] == 0, rep["counters"]
+    assert (rep["missing"], rep["remote_errors"], r.returncode) == (0, 2, 1)  # errors, not absence
     lines = warning_lines(r.stderr, "remote cache")
     assert len(lines) == 1 and "404 without an S3 error code" in lines[0], r.stderr[-3000:]
+
+
+# --- 6. the pull's counts: absent, refused, failed with a remote error, not asked ----------------
+
+
+def _s3_env(tmp_path, keydir, endpoint: str) -> dict:
+    return env_for(
+        tmp_path / "c",
+        "s3://quack-bucket/ci",
+        keydir=keydir,
+        AWS_ENDPOINT_URL=endpoint,
+        AWS_ACCESS_KEY_ID="x",
+        AWS_SECRET_ACCESS_KEY="y",
+        AWS_DEFAULT_REGION="us-east-1",
+    )
+
+
+def test_cache_pull_from_a_remote_failing_every_fetch_fails(tmp_path, keydir):
+    """An S3 answering 503 SlowDown to everything: the pull said "2 not available", exit 0,
+    as if the cache were empty (the errors only in --json's counters). They are errors: in
+    the report and its line, and a pull whose every fetch failed exits 1."""
+    proj = project(tmp_path / "proj", TOY2)
+    with s3_error(503, "SlowDown") as endpoint:
+        env = _s3_env(tmp_path, keydir, endpoint)
+        r = quack(["cache", "pull", "--json"], proj, env, timeout=HARD_TIMEOUT)
+        human = quack(["cache", "pull"], proj, env, timeout=HARD_TIMEOUT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    got = {
+        k: rep[k] for k in ("total", "pulled", "missing", "refused", "remote_errors", "not_asked", "offline")
+    }
+    assert got == dict(total=2, pulled=0, missing=0, refused=0, remote_errors=2, not_asked=0, offline=False)
+    lines = warning_lines(r.stderr, "remote cache")
+    assert len(lines) == 1 and "SlowDown" in lines[0], r.stderr[-3000:]
+    out = " ".join(human.stdout.split())
+    assert human.returncode == 1, human.stderr[-3000:]
+    assert "0 not available" in out and "2 failed with remote errors" in out, out
+    assert "every fetch from s3://quack-bucket/ci (2) failed" in " ".join(human.stderr.split())
+
+
+def test_cache_pull_counts_what_it_never_asked_for(tmp_path, keydir):
+    """A refused port: the first fetch fails, the remote goes off, the other key is never
+    asked for: neither "not available" nor an error of its own."""
+    proj = project(tmp_path / "proj", TOY2)
+    env = env_for(tmp_path / "c", f"redis://127.0.0.1:{free_port()}/0", keydir=keydir)
+    r = quack(["cache", "pull", "--json"], proj, env, timeout=HARD_TIMEOUT)
+    assert r.returncode == 1, r.stderr[-3000:]
+    rep = json.loads(r.stdout)
+    got = {k: rep[k] for k in ("total", "pulled", "missing", "remote_errors", "not_asked", "offline")}
+    assert got == dict(total=2, pulled=0, missing=0, remote_errors=1, not_asked=1, offline=True)
+    human = quack(["cache", "pull"], proj, env, timeout=HARD_TIMEOUT)
+    out = " ".join(human.stdout.split())
+    assert "0 not available" in out and "1 not asked, the remote being off" in out, out

@@ -252,6 +252,39 @@ def test_rejected_objects_are_counted_warned_once_never_stored(keyring, shared, 
     assert not list(store.root.rglob("*.o"))  # nothing refused reached the local store
 
 
+def test_pushes_not_tried_after_a_full_remote_are_counted(keyring, store):
+    """A full remote switches pushing off after the first failure; every later push is
+    ``skipped`` and counted (a build of 100 keys said "push failed 1", 99 unpushed unsaid)."""
+    from quack.errors import RemoteError
+
+    class Full:
+        url = "redis://127.0.0.1:1/0"
+        max_bytes = 1 << 20
+
+        def put_if_absent(self, name, data):
+            raise RemoteError(f"remote cache {self.url} is full (OOM)", url=self.url, reason="full")
+
+        def get(self, name):
+            return None
+
+        exists = get
+
+        def close(self):
+            """Nothing to release: this fake holds no connection."""
+
+    writer = tier.RemoteTier(Full(), trusted=keyring["trusted"], signer=keyring["ci"], write=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = [writer.push(store, publish_local(store, ref(i))) for i in range(5)]
+    assert got == ["failed"] + ["skipped"] * 4
+    c = writer.counters
+    assert (c.pushed, c.push_failed, c.push_skipped, c.errors) == (0, 1, 4, 1)
+    assert c.to_json()["push_skipped"] == 4 and c.any()
+    assert len([x for x in w if issubclass(x.category, tier.RemoteWarning)]) == 1
+    reader = tier.RemoteTier(Full(), trusted=keyring["trusted"])  # a reader never pushes: not counted
+    assert reader.push(store, publish_local(store, ref(9))) == "off" and reader.counters.push_skipped == 0
+
+
 def test_refused_port_switches_remote_off_once(keyring, store):
     remote_services.require_modules("redis")
     url = f"redis://127.0.0.1:{free_port()}/0"
@@ -358,6 +391,7 @@ def test_summary_table_shows_the_remote():
             "push_exists": 1,
             "rejected": 2,
             "push_failed": 1,
+            "push_skipped": 4,
             "errors": 1,
             "rejected_by_reason": {"checksum": 1, "untrusted": 1},
         },
@@ -374,10 +408,13 @@ def test_summary_table_shows_the_remote():
         "remote rejected",
         "2 (checksum 1, untrusted 1)",
         "remote push failed",
+        "remote push skipped",
+        "4 (not tried: pushing was off after a failure)",
         "remote errors",
     ):
         assert text in out, text
     js = res.to_json()
     assert (js["remote_hits"], js["remote_pushed"], js["remote_rejected"]) == (0, 3, 2)
+    assert (js["remote_push_failed"], js["remote_push_skipped"], js["remote"]["push_skipped"]) == (1, 4, 4)
     assert js["remote"]["offline"] is True
     assert BuildResult([], 1).to_json()["remote"] is None
