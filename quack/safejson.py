@@ -19,6 +19,7 @@ This module imports nothing from quack, so any module can import it."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 #: Deeper than any format quack writes (its metadata nests 3 levels) by far; input that
@@ -26,15 +27,30 @@ from typing import Any
 MAX_DEPTH = 64
 
 
-def safe_loads(data: bytes | bytearray | str) -> Any:
+def safe_loads(data: bytes | bytearray | str, *, finite: bool = False) -> Any:
     """``json.loads(data)``, but input nested too deeply for the parser raises ValueError
-    (like any malformed JSON) instead of RecursionError."""
+    (like any malformed JSON) instead of RecursionError. ``finite``: ``NaN``, ``Infinity``
+    and numbers that overflow to infinity (``1e999``), which ``json.loads`` accepts though
+    they are not JSON, raise ValueError too (for input that is re-serialized canonically,
+    ``allow_nan=False``, as a signed header is)."""
+    kw: dict[str, Any] = {"parse_constant": _no_constant, "parse_float": _finite_float} if finite else {}
     try:
-        return json.loads(data)
+        return json.loads(data, **kw)
     except RecursionError:
         if nested_deeper_than(data, MAX_DEPTH):
             raise ValueError(f"JSON nested more than {MAX_DEPTH} levels deep") from None
         raise  # the caller's own stack ran out, not the input's fault: not malformed
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    f = float(text)
+    if not math.isfinite(f):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return f
 
 
 def nested_deeper_than(data: bytes | bytearray | str, limit: int) -> bool:

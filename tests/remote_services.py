@@ -289,6 +289,44 @@ def answers_ok():
 
 
 @contextlib.contextmanager
+def s3_error(status: int = 503, code: str = "SlowDown"):
+    """An "S3" answering every request with S3's XML error ``code`` (503 SlowDown: a bucket
+    throttled), as S3 would: a remote that is there but fails every fetch. Yields its URL."""
+    import http.server
+
+    body = (
+        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+        "<Message>Please reduce your request rate.</Message></Error>"
+    ).encode()
+
+    class Failing(http.server.BaseHTTPRequestHandler):
+        def _fail(self) -> None:
+            n = int(self.headers.get("Content-Length") or 0)
+            if n:
+                self.rfile.read(n)
+            self.send_response(status)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            if self.command != "HEAD":
+                self.wfile.write(body)
+
+        do_GET = do_HEAD = do_PUT = do_POST = _fail
+
+        def log_message(self, *a) -> None:
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+@contextlib.contextmanager
 def plain_http():
     """A plain web server (http.server) answering a generic HTML 404 to everything: an
     endpoint that is not S3. Yields its URL."""
@@ -311,3 +349,109 @@ def plain_http():
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+class Flood:
+    """What a flooding server managed to send: ``sent`` bytes of the reply (counted per
+    completed ``sendall``), and whether the client hung up before it was through."""
+
+    def __init__(self) -> None:
+        self.sent = 0
+        self.cut = threading.Event()
+        self.done = threading.Event()  # the flood ended: hung up on, or sent it all
+
+
+def _flood(srv: _Server, c: socket.socket, flood: Flood, head: bytes, unit: bytes, hard: int) -> None:
+    """Send ``head`` then ``unit`` repeatedly: up to ``hard`` bytes, then hang up (so a
+    client that reads everything stops there too, instead of reading gigabytes). A small
+    send buffer: what was sent is close to what the client took."""
+    c.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    try:
+        c.sendall(head)
+        flood.sent += len(head)
+        while flood.sent < hard and not srv.stopped.is_set():
+            c.sendall(unit)
+            flood.sent += len(unit)
+    except OSError:
+        flood.cut.set()  # the client closed the connection: it read no further
+    finally:
+        flood.done.set()
+
+
+@contextlib.contextmanager
+def huge_redis_reply(
+    kind: str, *, announce: int = 1 << 31, hard: int = 64 << 20, to: tuple[bytes, ...] = (b"GETRANGE", b"GET")
+):
+    """A "Redis" that answers PING, HELLO, SELECT and ``STRLEN`` (100 bytes, under any cap)
+    as Redis does, then floods the reply to ``GETRANGE``/``GET``: ``bulk`` announces
+    ``announce`` bytes (``$N``), ``line`` is a status line that never ends, ``array``
+    announces ``announce`` bulks of 1 KiB. ``to``: the commands answered so (``PING``: the
+    first contact). Yields (port, Flood)."""
+    flood = Flood()
+    head, unit = {
+        "bulk": (b"$%d\r\n" % announce, b"\0" * 65536),
+        "line": (b"+", b"x" * 65536),
+        "array": (b"*%d\r\n" % announce, b"$1024\r\n" + b"\0" * 1024 + b"\r\n"),
+    }[kind]
+
+    def handle(srv: _Server, c: socket.socket) -> None:
+        f = c.makefile("rb")
+        while not srv.stopped.is_set():
+            line = f.readline()
+            if not line.startswith(b"*"):
+                return
+            args = []
+            for _ in range(int(line[1:])):
+                n = int(f.readline()[1:])
+                args.append(f.read(n + 2)[:-2].upper())
+            if args[0] in to:
+                return _flood(srv, c, flood, head, unit, hard)
+            c.sendall(
+                {
+                    b"PING": b"+PONG\r\n",
+                    b"STRLEN": b":100\r\n",
+                    b"HELLO": b"%2\r\n+proto\r\n:3\r\n+server\r\n+redis\r\n",  # RESP3 asked
+                }.get(args[0], b"+OK\r\n")
+            )
+
+    srv = _Server(handle)
+    try:
+        yield srv.port, flood
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
+def huge_http_reply(status: int, *, announce: int = 1 << 31, hard: int = 64 << 20, chunked: bool = False):
+    """An "S3" endpoint answering every request with HTTP ``status`` and a body of
+    ``announce`` bytes (Content-Length; or ``chunked``, no length at all) that it floods
+    (an error's XML, or a PUT's reply). Yields (endpoint URL, Flood)."""
+    flood = Flood()
+    if chunked:
+        head = (
+            b"HTTP/1.1 %d Oops\r\nContent-Type: application/xml\r\nTransfer-Encoding: chunked\r\n\r\n"
+            % status
+        )
+        unit = b"10000\r\n" + b"A" * 65536 + b"\r\n"
+    else:
+        head = b"HTTP/1.1 %d Oops\r\nContent-Type: application/xml\r\nContent-Length: %d\r\n\r\n" % (
+            status,
+            announce,
+        )
+        unit = b"A" * 65536
+    xml = b"<Error><Code>InternalError</Code><Message>"
+    head += b"%x\r\n%s\r\n" % (len(xml), xml) if chunked else xml
+
+    def handle(srv: _Server, c: socket.socket) -> None:
+        f = c.makefile("rb")
+        if not f.readline():
+            return
+        while f.readline() not in (b"\r\n", b""):
+            pass  # the headers; a request body (a PUT's) is left unread
+        _flood(srv, c, flood, head, unit, hard)
+
+    srv = _Server(handle)
+    try:
+        yield f"http://127.0.0.1:{srv.port}", flood
+    finally:
+        srv.stop()

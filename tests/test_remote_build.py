@@ -401,11 +401,29 @@ def test_full_redis_push_fails_build_succeeds(keydir, tmp_path):
         c = s.client()
         # Tiny: a few KB above what an empty server uses, less than one object (~15 KB).
         c.config_set("maxmemory", int(c.info("memory")["used_memory"]) + 4096)
-        res, err = build_json(proj, env_for(tmp_path / "c", s.url, keydir=keydir, write=True))
+        env = env_for(tmp_path / "c", s.url, keydir=keydir, write=True)
+        res, err = build_json(proj, env)
         assert (res["ok"], res["compiled"], res["remote_pushed"]) == (True, 2, 0)
         assert res["remote"]["push_failed"] == 1  # then pushing stops for the process
+        # ...and the pushes not tried are counted, not silent (the summary said "failed 1"
+        # however many keys went unpushed).
+        assert res["remote"]["push_skipped"] == 1 and res["remote_push_skipped"] == 1
+        assert res["remote_push_failed"] == 1
+        assert sorted(k["remote_push"] for k in res["keys"]) == ["failed", "skipped"]
         assert len(warning_lines(err, "full")) == 1
         assert s.client().dbsize() == 0
+        # The summary table says both.
+        r = quack(["build", "-j", "2", "--force"], proj, env)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = " ".join(r.stdout.split())
+        assert "remote push failed 1" in out and "remote push skipped 1 (not tried" in out, out
+        # `quack cache push` counts the same way: 1 failed, 1 not tried, not 2 failed.
+        r = quack(["cache", "push", "--json"], proj, env)
+        assert r.returncode == 1, r.stderr[-3000:]
+        rep = json.loads(r.stdout)
+        assert (rep["local"], rep["pushed"], rep["failed"], rep["skipped"]) == (2, 0, 1, 1), rep
+        r = quack(["cache", "push"], proj, env)
+        assert "1 failed, 1 not tried after a failure" in " ".join(r.stdout.split()), r.stdout
     out = subprocess.run(
         [sys.executable, "-m", "quack_build", "build", "-j", "2"],
         cwd=proj,

@@ -70,6 +70,14 @@ def _tamper_header(blob: bytes, **changes) -> bytes:
     return objects.MAGIC + keys.canonical_json(header).encode() + b"\n" + bytes(body)
 
 
+def _raw_header(blob: bytes, field: bytes) -> bytes:
+    """``blob`` with ``field`` (raw JSON text, e.g. ``"size":NaN``) in place of the header's
+    ``size`` and ``compile_s``, signer and signature kept: what canonical JSON can't write."""
+    header, body = objects.parse_header(blob)
+    head = keys.canonical_json({k: v for k, v in header.items() if k not in ("size", "compile_s")})
+    return objects.MAGIC + head[:-1].encode() + b"," + field + b"}\n" + bytes(body)
+
+
 def _cases(k, r=None):
     """case -> (object stored under r's name, the reason it must be refused)."""
     r = r or ref()
@@ -100,6 +108,11 @@ def _cases(k, r=None):
         # 60,000 '[' (under the 64 KiB header cap): RecursionError, no ValueError, escaped
         # the header's parse and was reported as a broken tier, not a counted rejection.
         "deeply-nested-header": (objects.MAGIC + b"[" * 60_000 + b"\n" + DATA, "malformed"),
+        # NaN / 1e999 (infinity) are no JSON, but json.loads takes them: the signed bytes
+        # (canonical JSON) then raised ValueError past every refusal, a "failed fetch".
+        "nan-in-header": (_raw_header(good, b'"size":NaN'), "malformed"),
+        "infinite-number-in-header": (_raw_header(good, b'"size":1e999'), "malformed"),
+        "minus-infinity-in-header": (_raw_header(good, b'"compile_s":-Infinity'), "malformed"),
         "other-source": (
             objects.pack(EntryRef(r.kernel, r.key, r.arch, "fedcba9876543210"), {}, DATA, k["ci"]),
             "wrong-source",
@@ -123,6 +136,9 @@ CASES = [
     "unsigned",
     "garbage",
     "deeply-nested-header",
+    "nan-in-header",
+    "infinite-number-in-header",
+    "minus-infinity-in-header",
     "other-source",
     "other-kernel",
 ]
@@ -135,6 +151,18 @@ def test_every_tamper_is_refused(keyring, case):
         objects.unpack(blob, ref(), keyring["trusted"])
     assert e.value.reason == reason, str(e.value)
     assert e.value.key == ref().key
+
+
+def test_a_header_canonical_json_refuses_is_malformed(keyring, monkeypatch):
+    """The second guard: a header the parser let through (json.loads takes NaN) but the
+    signed bytes can't be made of is a refusal, not a ValueError out of unpack."""
+    import json
+
+    blob = _raw_header(objects.pack(ref(), {}, DATA, keyring["ci"]), b'"size":NaN')
+    monkeypatch.setattr(objects, "safe_loads", lambda data, **kw: json.loads(data))
+    with pytest.raises(ObjectRejected) as e:
+        objects.unpack(blob, ref(), keyring["trusted"])
+    assert e.value.reason == "malformed" and "canonicalized" in str(e.value), str(e.value)
 
 
 def test_wrong_stamp_refused(keyring, monkeypatch):
@@ -222,6 +250,39 @@ def test_rejected_objects_are_counted_warned_once_never_stored(keyring, shared, 
     remote_warnings = [x for x in w if issubclass(x.category, tier.RemoteWarning)]
     assert len(remote_warnings) == 1 and "refused" in str(remote_warnings[0].message)
     assert not list(store.root.rglob("*.o"))  # nothing refused reached the local store
+
+
+def test_pushes_not_tried_after_a_full_remote_are_counted(keyring, store):
+    """A full remote switches pushing off after the first failure; every later push is
+    ``skipped`` and counted (a build of 100 keys said "push failed 1", 99 unpushed unsaid)."""
+    from quack.errors import RemoteError
+
+    class Full:
+        url = "redis://127.0.0.1:1/0"
+        max_bytes = 1 << 20
+
+        def put_if_absent(self, name, data):
+            raise RemoteError(f"remote cache {self.url} is full (OOM)", url=self.url, reason="full")
+
+        def get(self, name):
+            return None
+
+        exists = get
+
+        def close(self):
+            """Nothing to release: this fake holds no connection."""
+
+    writer = tier.RemoteTier(Full(), trusted=keyring["trusted"], signer=keyring["ci"], write=True)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        got = [writer.push(store, publish_local(store, ref(i))) for i in range(5)]
+    assert got == ["failed"] + ["skipped"] * 4
+    c = writer.counters
+    assert (c.pushed, c.push_failed, c.push_skipped, c.errors) == (0, 1, 4, 1)
+    assert c.to_json()["push_skipped"] == 4 and c.any()
+    assert len([x for x in w if issubclass(x.category, tier.RemoteWarning)]) == 1
+    reader = tier.RemoteTier(Full(), trusted=keyring["trusted"])  # a reader never pushes: not counted
+    assert reader.push(store, publish_local(store, ref(9))) == "off" and reader.counters.push_skipped == 0
 
 
 def test_refused_port_switches_remote_off_once(keyring, store):
@@ -330,6 +391,7 @@ def test_summary_table_shows_the_remote():
             "push_exists": 1,
             "rejected": 2,
             "push_failed": 1,
+            "push_skipped": 4,
             "errors": 1,
             "rejected_by_reason": {"checksum": 1, "untrusted": 1},
         },
@@ -346,10 +408,13 @@ def test_summary_table_shows_the_remote():
         "remote rejected",
         "2 (checksum 1, untrusted 1)",
         "remote push failed",
+        "remote push skipped",
+        "4 (not tried: pushing was off after a failure)",
         "remote errors",
     ):
         assert text in out, text
     js = res.to_json()
     assert (js["remote_hits"], js["remote_pushed"], js["remote_rejected"]) == (0, 3, 2)
+    assert (js["remote_push_failed"], js["remote_push_skipped"], js["remote"]["push_skipped"]) == (1, 4, 4)
     assert js["remote"]["offline"] is True
     assert BuildResult([], 1).to_json()["remote"] is None

@@ -123,7 +123,9 @@ def parse_header(blob: bytes) -> tuple[dict, memoryview]:
     if end < 0:
         raise ObjectRejected("object header unterminated or over 64 KiB", reason="malformed")
     try:
-        header = safe_loads(bytes(view[len(MAGIC) : len(MAGIC) + end]))
+        # finite: NaN / Infinity / 1e999 are refused here, as malformed; the signed bytes
+        # (canonical JSON, allow_nan=False) could not be made of them anyway.
+        header = safe_loads(bytes(view[len(MAGIC) : len(MAGIC) + end]), finite=True)
     except ValueError as e:
         raise ObjectRejected(f"object header is not JSON ({e})", reason="malformed") from None
     if not isinstance(header, dict):
@@ -149,7 +151,11 @@ def unpack(blob: bytes, ref, trusted: TrustedKeys) -> tuple[bytes, dict]:
         raise reject(ref, "malformed", "the signature is not base64", signer) from None
     # 1. Signature by a trusted key, over every signed header field.
     try:
-        trusted.verify(signer, _signed_bytes(header), sig)
+        signed = _signed_bytes(header)
+    except (ValueError, TypeError) as e:  # what canonical JSON can't write was never signed
+        raise reject(ref, "malformed", f"the header can't be canonicalized ({e})", signer) from None
+    try:
+        trusted.verify(signer, signed, sig)
     except SignatureError as e:
         raise reject(ref, e.reason or "bad-signature", str(e), signer) from None
     # 2. The key asked for: a validly signed object of another key, copied here, is refused.

@@ -6,11 +6,19 @@ server: SET only if the value there still has the refused value's SHA-1 and
 length (or, for a value over the size cap, is still over it), so a valid object
 written in between is never clobbered. The client never retries on its own
 (redis-py's default retries with back-off would turn one dead host into seconds
-of waiting): a failure is reported at once and the tier switches the remote off."""
+of waiting): a failure is reported at once and the tier switches the remote off.
+
+Every reply is read through a bounded parser (``_bounded_parser``): redis-py reads
+whatever length a bulk reply's ``$N`` header announces, so a hostile or spoofed server
+that answered ``STRLEN`` honestly and then sent a 1.5 GB ``GETRANGE`` reply made one
+fetch allocate 4 GB and run past its time-out. A bulk over the cap is refused from its
+header, before its bytes are read, and no reply (a line without an end, an array of
+many bulks) is read past the cap and some framing."""
 
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from quack.errors import RemoteError
 from quack.remote.base import (
@@ -47,6 +55,77 @@ end
 return 0
 """.replace("@OVER_CAP@", OVER_CAP)
 
+# What one reply may hold beyond the cap on a value: its framing ($N and CRLFs, far less)
+# plus what one socket read takes ahead (redis-py reads 64 KiB at a time).
+_FRAMING = 128 * 1024
+
+
+class ReplyTooLarge(Exception):
+    """A reply announcing (``size``) or sending (``size`` None) more than ``limit`` bytes:
+    refused before its bytes are read. Raised inside redis-py's read of the reply, which
+    then drops the connection (the rest of the reply is never read)."""
+
+    def __init__(self, size: int | None, limit: int):
+        self.size, self.limit = size, limit
+        if size is not None:
+            super().__init__(f"a reply announcing {size} bytes, over the {limit}-byte cap")
+        else:
+            super().__init__(f"a reply running past the {limit}-byte cap")
+
+
+def _bounded_parser(limit: int) -> type:
+    """redis-py's RESP2 parser, reading through a buffer that refuses a bulk string longer
+    than ``limit`` from its ``$N`` header, before reading it, and any reply of more than
+    ``limit + _FRAMING`` bytes. redis-py (5 to 8) has no such option: its parser asks the
+    socket buffer for the announced length, and this buffer says no. RESP2 because the
+    connection's handshake swaps a RESP3 parser for redis-py's own on a fallback; every
+    Redis speaks RESP2, and these commands need nothing more."""
+    from redis._parsers.resp2 import _RESP2Parser
+    from redis._parsers.socket import SocketBuffer
+    from redis.exceptions import InvalidResponse
+
+    budget = limit + _FRAMING
+
+    class BoundedBuffer(SocketBuffer):
+        received = 0  # bytes taken from the socket for the reply being read
+
+        def read(self, length: int, *args: Any, **kw: Any) -> bytes:
+            if length < 0:  # only $-1 (nil) is negative, and the parser handles that itself
+                raise InvalidResponse(f"Protocol Error: a bulk string of length {length}")
+            if length > limit:
+                raise ReplyTooLarge(length, limit)
+            if self.received + length > budget:  # many bulks, each under the cap
+                raise ReplyTooLarge(None, limit)
+            return super().read(length, *args, **kw)
+
+        def _read_from_socket(self, *args: Any, **kw: Any) -> bool:
+            if self.received > budget:
+                raise ReplyTooLarge(None, limit)
+            before = self._unread()
+            try:
+                return super()._read_from_socket(*args, **kw)
+            finally:
+                self.received += max(0, self._unread() - before)
+
+        def _unread(self) -> int:
+            try:
+                return self.unread_bytes()
+            except Exception:  # noqa: BLE001 - closed under us: the read reports it
+                return 0
+
+    class BoundedRESP2Parser(_RESP2Parser):
+        def on_connect(self, connection: Any) -> None:
+            super().on_connect(connection)
+            sock: Any = self._sock
+            self._buffer = BoundedBuffer(sock, self.socket_read_size, connection.socket_timeout)
+
+        def read_response(self, *args: Any, **kw: Any) -> Any:
+            if isinstance(self._buffer, BoundedBuffer):
+                self._buffer.received = 0
+            return super().read_response(*args, **kw)
+
+    return BoundedRESP2Parser
+
 
 class RedisBackend:
     def __init__(
@@ -66,12 +145,32 @@ class RedisBackend:
         self.url = url
         self.max_bytes = int(max_bytes)
         self.op_timeout = float(op_timeout)
-        kw = dict(
+        try:
+            parser = _bounded_parser(self.max_bytes + 1)  # GETRANGE 0 max_bytes: max_bytes + 1
+        except ImportError as e:  # a redis-py without the parser this bounds: not used, one warning
+            raise ImportError(
+                f"redis {getattr(redis, '__version__', '?')} has no redis._parsers.resp2 parser "
+                f"to bound replies with ({e}); quack supports redis-py 5 to 8"
+            ) from None
+        kw: dict[str, Any] = dict(
             socket_connect_timeout=connect_timeout,
             retry=Retry(NoBackoff(), 0),
             retry_on_timeout=False,
             health_check_interval=0,
+            protocol=2,
+            parser_class=parser,
         )
+        # No CLIENT SETINFO in the handshake: informative only, and a server that is not
+        # Redis (one +OK for two pipelined commands) would time out on it instead of failing
+        # its PING, which names the problem. redis-py 8 says so with driver_info=None (its
+        # lib_name is deprecated), 5 to 7 with lib_name=None.
+        import inspect
+
+        base = getattr(redis.connection, "AbstractConnection", redis.connection.Connection)
+        if "driver_info" in inspect.signature(base.__init__).parameters:
+            kw["driver_info"] = None
+        else:
+            kw.update(lib_name=None, lib_version=None)
         try:
             self._r = redis.Redis.from_url(url, socket_timeout=op_timeout, **kw)
             # First contact is a PING that must answer within the connect time-out:
@@ -81,6 +180,9 @@ class RedisBackend:
             self._probe_client = redis.Redis.from_url(url, socket_timeout=connect_timeout, **kw)
         except ValueError as e:
             raise ValueError(f"remote URL {redact(url)!r}: {e} (expected redis://host:port/db)") from None
+        for client in (self._r, self._probe_client):
+            # Query arguments win over keywords in from_url: ?protocol=3 must not unbind them.
+            client.connection_pool.connection_kwargs.update(protocol=2, parser_class=parser)
         self._probed = False
         self._probe_lock = threading.Lock()
         self._replace = self._r.register_script(_REPLACE)  # EVALSHA, EVAL on NOSCRIPT; no I/O here
@@ -111,11 +213,22 @@ class RedisBackend:
                 )
             self._probed = True
 
-    def _call(self, fn, *args, **kw):
+    def _call(self, fn, *args, value_of: str | None = None, **kw):
+        """``fn(*args)`` with redis-py's failures as RemoteError. ``value_of``: the reply is
+        the object stored under that name, so one over the cap is a ``size`` refusal (any
+        other reply over it is a protocol error)."""
         import redis.exceptions as rx
 
         try:
             return fn(*args, **kw)
+        except ReplyTooLarge as e:
+            if value_of is not None:
+                raise too_large(self.url, value_of, e.size, self.max_bytes) from None
+            raise RemoteError(
+                f"remote cache {redact(self.url)}: {e}; refused unread",
+                url=redact(self.url),
+                reason="protocol",
+            ) from None
         except rx.TimeoutError as e:
             raise unreachable(self.url, e, "timeout") from None
         except rx.ConnectionError as e:  # refused, reset, DNS, closed mid-reply
@@ -205,9 +318,11 @@ class RedisBackend:
         if n > self.max_bytes:
             raise too_large(self.url, name, n, self.max_bytes)
         if n == 0:
-            v = self._call(self._r.get, name)  # absent (None), or an empty value
+            v = self._call(self._r.get, name, value_of=name)  # absent (None), or an empty value
         else:
-            v = self._call(self._r.getrange, name, 0, self.max_bytes)
+            # The reply is bounded too (_bounded_parser): a server whose STRLEN lied cannot
+            # make this read more than the cap.
+            v = self._call(self._r.getrange, name, 0, self.max_bytes, value_of=name)
             if isinstance(v, bytes) and len(v) > self.max_bytes:
                 raise too_large(self.url, name, None, self.max_bytes)
             if v == b"" and not self._call(self._r.exists, name):

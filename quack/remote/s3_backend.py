@@ -8,12 +8,20 @@ refused (``replace``) with ``If-Match: <the refused object's ETag>``: the store
 takes the PUT only if the object is still that one, so a valid object written in
 between is never clobbered (AWS S3 honours If-Match on PUT; a store that
 ignores it makes the replace unconditional, see docs/remote-cache.md).
-botocore's own retries are off; the time-outs bound every call."""
+botocore's own retries are off; the time-outs bound every call.
+
+Every response body botocore reads itself (an error's XML, a PUT's reply) is read
+through ``_bounded_send``, at most ``MAX_RESPONSE`` bytes: botocore reads such a body
+whole, so a hostile or spoofed endpoint answering 500 with a 1.5 GB body made one fetch
+allocate 5 GB and run past its time-out. An object's own body (a GET's 200) is read by
+``_get``, bounded by the cap on an object."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
+from typing import Any
 from urllib.parse import urlsplit
 
 from quack.errors import RemoteError
@@ -45,6 +53,9 @@ _DENIED = (
     "InvalidToken",
 )
 _CHUNK = 64 * 1024
+# What botocore may read of a response it reads whole: S3's error bodies are a few hundred
+# bytes of XML, a PUT's reply is empty.
+MAX_RESPONSE = 1024 * 1024
 _FULL = ("QuotaExceeded", "EntityTooLarge", "XMinioStorageFull", "507")
 
 
@@ -53,6 +64,54 @@ class _Got:
     data: bytes | None  # None: over the cap, its body unread
     etag: str
     size: int | None
+
+
+class ResponseTooLarge(Exception):
+    """A response body over ``MAX_RESPONSE`` that botocore would have read whole: refused,
+    the connection dropped, the rest never read."""
+
+    def __init__(self, status: int, limit: int):
+        self.status, self.limit = status, limit
+        super().__init__(
+            f"an HTTP {status} response whose body runs past the {limit}-byte cap; the rest is not read"
+        )
+
+
+@functools.cache
+def _bounded_response_class() -> type:
+    """botocore's AWSResponse whose ``content`` (what botocore reads of an error or of a
+    non-streaming reply) reads at most ``MAX_RESPONSE`` bytes, else ResponseTooLarge."""
+    import botocore.awsrequest
+    import botocore.exceptions as bx
+    import urllib3.exceptions as ux
+
+    class BoundedResponse(botocore.awsrequest.AWSResponse):
+        limit = MAX_RESPONSE
+        _content: bytes | None
+
+        @property
+        def content(self) -> bytes:
+            if self._content is None:
+                raw, limit = self.raw, self.limit
+                chunks, total = [], 0
+                try:
+                    while True:
+                        b = raw.read(min(_CHUNK, limit + 1 - total))
+                        if not b:
+                            break
+                        chunks.append(b)
+                        total += len(b)
+                        if total > limit:
+                            raw.close()  # drop the connection: the rest is never read
+                            raise ResponseTooLarge(self.status_code, limit)
+                except ux.ReadTimeoutError as e:  # as botocore's own reads report them
+                    raise bx.ReadTimeoutError(endpoint_url=self.url, error=e) from None
+                except (ux.HTTPError, OSError) as e:
+                    raise bx.ResponseStreamingError(error=e) from None
+                self._content = b"".join(chunks)
+            return self._content
+
+    return BoundedResponse
 
 
 class S3Backend:
@@ -84,6 +143,31 @@ class S3Backend:
             s3={"addressing_style": "path"},
         )
         self._s3 = boto3.session.Session().client("s3", config=cfg)
+        # Every request is sent by _bounded_send (botocore's before-send event: a response
+        # returned there is the response), through the client's own HTTP session.
+        http = getattr(getattr(self._s3, "_endpoint", None), "http_session", None)
+        if not callable(getattr(http, "send", None)):
+            raise ImportError(
+                "botocore's S3 client has no HTTP session (client._endpoint.http_session) to "
+                "bound responses with; quack supports botocore 1.35 and later"
+            )
+        self._http: Any = http
+        self._s3.meta.events.register("before-send.s3", self._bounded_send)
+
+    def _bounded_send(self, request: Any, **_: Any) -> Any:
+        """Send ``request`` as botocore would, but read no body whole past MAX_RESPONSE:
+        botocore reads a non-streaming reply right after sending it (here: bounded), and an
+        error's body in its parse (the returned response's bounded ``content``)."""
+        whole = not request.stream_output
+        request.stream_output = True  # botocore's send would read the body whole now
+        try:
+            sent = self._http.send(request)
+            response = _bounded_response_class()(sent.url, sent.status_code, sent.headers, sent.raw)
+        finally:
+            request.stream_output = not whole
+        if whole:
+            response.content  # noqa: B018 - read now, as botocore's send does (bounded)
+        return response
 
     def _key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name
@@ -136,6 +220,9 @@ class S3Backend:
             url=self.url,
             reason="protocol",
         )
+
+    def _too_large(self, e: ResponseTooLarge, what: str) -> RemoteError:
+        return RemoteError(f"remote cache {self.url}: {what}: {e}", url=self.url, reason="protocol")
 
     @staticmethod
     def _code(e) -> tuple[str, str]:
@@ -206,6 +293,8 @@ class S3Backend:
                 body.close()
         except RemoteError:
             raise
+        except ResponseTooLarge as e:
+            raise self._too_large(e, f"GET {name}") from None
         except bx.ClientError as e:
             code, status = self._code(e)
             if code in _GET_ABSENT:
@@ -220,6 +309,8 @@ class S3Backend:
         try:
             self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, IfNoneMatch="*")
             return True
+        except ResponseTooLarge as e:
+            raise self._too_large(e, f"PUT {name}") from None
         except bx.ClientError as e:
             code, status = self._code(e)
             if code in _EXISTS or status in ("412", "409"):
@@ -252,6 +343,8 @@ class S3Backend:
         try:
             self._s3.head_object(Bucket=self.bucket, Key=self._key(name))
             return True
+        except ResponseTooLarge as e:
+            raise self._too_large(e, f"HEAD {name}") from None
         except bx.ClientError as e:
             code, status = self._code(e)
             if code in _HEAD_ABSENT and status == "404":

@@ -24,6 +24,9 @@ class Counters:
     push_exists: int = 0
     push_failed: int = 0
     replaced: int = 0  # pushes that replaced a refused object at the name (compare-and-swap)
+    # A writer's pushes not tried: pushing was switched off (the remote full, a write
+    # denied) or the remote was off (unreachable) after an earlier failure in the process.
+    push_skipped: int = 0
     bytes_down: int = 0
     bytes_up: int = 0
     rejected_by_reason: Counter = dataclasses.field(default_factory=Counter)

@@ -19,7 +19,7 @@ rotation, truncated, altered, ...) is replaced by a compare-and-swap
 Replacements are counted (``replaced``, by reason) and summed up in one warning
 (``warn_replaced``). A writer without trusted keys never replaces anything.
 
-Failures never propagate: every problem is a miss (or a failed push, counted),
+Failures never propagate: every problem is a miss (or a failed or skipped push, counted),
 with one warning per kind per process. A connection error or a time-out
 switches the remote off for the rest of the process (one warning), so a dead
 host costs one connect time-out, not one per kernel."""
@@ -199,9 +199,16 @@ class RemoteTier:
     def push(self, store, entry: Entry) -> str:
         """Sign and store a local entry unless the remote has a valid object for it.
         Returns ``pushed``, ``exists`` (a valid one is there), ``replaced`` (a refused
-        one was there: swapped for this one), ``failed``, or ``off`` (read-only, remote off)."""
-        if not self.write or self.offline or self._push_off:
+        one was there: swapped for this one), ``failed``, ``skipped`` (not tried,
+        counted: pushing was switched off after the remote was full or denied a write,
+        or the remote is off), or ``off`` (read-only: this tier never pushes)."""
+        if not self.write:
             return "off"
+        if self.offline or self._push_off:
+            # Counted: after the first failure, a build of 100 keys into a full remote said
+            # "push failed 1" while 99 went silently unpushed.
+            self._count(push_skipped=1)
+            return "skipped"
         ref = entry.ref
         try:
             data = fsutil.read_nofollow(entry.obj_path)

@@ -256,6 +256,11 @@ def summary_table(res: BuildResult) -> Table:
             tbl.add_row("  remote replaced", f"[yellow]{r['replaced']}[/] refused objects ({why})")
         if r.get("push_failed"):
             tbl.add_row("  remote push failed", f"[yellow]{r['push_failed']}[/]")
+        if r.get("push_skipped"):
+            tbl.add_row(
+                "  remote push skipped",
+                f"[yellow]{r['push_skipped']}[/] (not tried: pushing was off after a failure)",
+            )
         if r.get("errors"):
             tbl.add_row("  remote errors", f"[yellow]{r['errors']}[/]")
     tbl.add_row("compile time (sum)", f"{res.compile_s:.1f} s")

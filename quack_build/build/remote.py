@@ -31,8 +31,12 @@ class SyncReport:
     pushed: int = 0
     exists: int = 0  # push: the remote had a valid object for it already
     replaced: int = 0  # push: the remote had a refused object for it, replaced (compare-and-swap)
-    missing: int = 0  # pull: not on the remote (or refused); push: not in the local cache
+    missing: int = 0  # pull: absent from the remote; push: not in the local cache
+    refused: int = 0  # pull: on the remote, but refused (signature, checksum, size...)
+    remote_errors: int = 0  # pull: the fetch failed with a remote error (time-out, 503, ...)
+    not_asked: int = 0  # pull: never asked for, the remote having gone off (or Ctrl-C)
     failed: int = 0  # pull: verified but not stored locally (disk full...); push: not stored remotely
+    skipped: int = 0  # push: not tried, pushing having been switched off (remote full, denied, off)
     errors: list = dataclasses.field(default_factory=list)  # pull: why each failed, one line each
     wall_s: float = 0.0
     offline: bool = False
@@ -52,6 +56,7 @@ def pull(
     on_pulled: Callable | None = None,
     threads: int = PULL_THREADS,
     failures: list | None = None,
+    unexpected: list | None = None,
 ) -> int:
     """Fetch every task not cached locally from the remote; a verified object is
     published into ``store`` and its task marked REMOTE. Returns how many were
@@ -62,6 +67,8 @@ def pull(
     A verified object the local store can't take (disk full, read-only) is a local
     failure, not a miss: appended to ``failures`` as (task, error) when given (``quack
     cache pull`` reports them), else warned about once (the build compiles the key).
+    A fetch that raised (against its contract) is warned about once, and appended to
+    ``unexpected`` when given (``quack cache pull`` counts it as a remote error).
 
     The threads are daemons and this thread only waits on an event: Ctrl-C (or
     SIGTERM turned into KeyboardInterrupt) ends the wait at once and is raised; a
@@ -109,6 +116,8 @@ def pull(
     n = _run_daemons(one, todo[:1], 1, stop)
     if len(todo) > 1 and not remote.offline:
         n += _run_daemons(one, todo[1:], threads, stop)
+    if unexpected is not None:
+        unexpected.extend(remote_failures)
     if remote_failures:
         e = remote_failures[0]
         warnings.warn(
@@ -189,7 +198,7 @@ def _run_daemons(fn: Callable, items: list, threads: int, stop: threading.Event)
 
 def push_task(t, store, remote) -> str:
     """After a compile: sign and push the task's entry (``pushed`` / ``exists``
-    / ``replaced`` / ``failed`` / ``off``)."""
+    / ``replaced`` / ``failed`` / ``skipped`` / ``off``; quack.remote.tier.RemoteTier.push)."""
     entry = store.lookup(builder.entry_ref(t.cfg.spec, t.cfg.params, t.cfg.arch))
     if entry is None:
         return "failed"
@@ -205,12 +214,22 @@ def pull_configs(configs, store, remote) -> SyncReport:
     tasks = plan(configs, store)
     rep = SyncReport(remote.url, total=len(tasks), local=sum(1 for t in tasks if t.status == CACHED))
     failures: list = []
-    rep.pulled = pull(tasks, store, remote, failures=failures)
+    unexpected: list = []
+    before = remote.counters.to_json()
+    rep.pulled = pull(tasks, store, remote, failures=failures, unexpected=unexpected)
+    after = remote.counters.to_json()
     rep.failed = len(failures)
     rep.errors = [f"{t.cfg.kernel} key {t.cfg.key[:16]}: {why(e)}" for t, e in failures]
-    rep.missing = rep.total - rep.local - rep.pulled - rep.failed
+    # Each fetch the tier made is counted once, as what it was (a hit is pulled or failed
+    # here): "not available" is absent only; errors and refusals used to be folded into it,
+    # so a remote answering 503 to everything read as an empty one.
+    rep.missing = after["misses"] - before["misses"]
+    rep.refused = after["rejected"] - before["rejected"]
+    rep.remote_errors = after["errors"] - before["errors"] + len(unexpected)
+    asked = rep.pulled + rep.failed + rep.missing + rep.refused + rep.remote_errors
+    rep.not_asked = max(0, rep.total - rep.local - asked)
     rep.offline = remote.offline
-    rep.counters = remote.counters.to_json()
+    rep.counters = after
     rep.wall_s = time.time() - t0
     return rep
 
@@ -232,8 +251,10 @@ def push_configs(configs, store, remote) -> SyncReport:
             rep.exists += 1
         elif r == "replaced":
             rep.replaced += 1
-        else:
+        elif r == "failed":
             rep.failed += 1
+        else:  # skipped (or off): not tried after an earlier failure switched pushing off
+            rep.skipped += 1
     if rep.replaced:
         remote.warn_replaced()
     rep.offline = remote.offline

@@ -40,7 +40,7 @@ class Task:
     # take the object: disk full, read-only), "lock" (another process held its lock past
     # lock_timeout); the summary reports each apart.
     failure: str = ""
-    pushed: str = ""  # after a compile, with a remote: pushed / exists / replaced / failed / off
+    pushed: str = ""  # after a compile, with a remote: pushed / exists / replaced / failed / skipped / off
     corrupt: str = ""  # a dry run's plan: the entry is corrupt (why); a build quarantines and rebuilds it
 
     def to_json(self) -> dict:
@@ -186,6 +186,8 @@ class BuildResult:
             "trace": self.trace_path or None,
             "remote_hits": self.count(REMOTE),
             "remote_pushed": int(self.remote.get("pushed", 0)),
+            "remote_push_failed": int(self.remote.get("push_failed", 0)),
+            "remote_push_skipped": int(self.remote.get("push_skipped", 0)),
             "remote_rejected": int(self.remote.get("rejected", 0)),
             "remote_replaced": int(self.remote.get("replaced", 0)),
             "remote": (

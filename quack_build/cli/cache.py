@@ -249,19 +249,22 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
     if as_json:
         emit_json(rep.to_json())
     else:
-        c = rep.counters
         if what == "pull":
             con.print(
                 f"pulled {rep.pulled} of {rep.total} from {rep.url} ({rep.local} already local, "
                 f"{rep.missing} not available, {rep.failed} not stored locally; "
-                f"{c.get('rejected', 0)} refused) in {rep.wall_s:.2f}s",
+                f"{rep.refused} refused; {rep.remote_errors} failed with remote errors"
+                + (f"; {rep.not_asked} not asked, the remote being off" if rep.not_asked else "")
+                + f") in {rep.wall_s:.2f}s",
                 markup=False,
             )
         else:
             replaced = f"replaced {rep.replaced} refused objects, " if rep.replaced else ""
             con.print(
                 f"pushed {rep.pushed} of {rep.total} to {rep.url} ({replaced}{rep.exists} already there, "
-                f"{rep.missing} not in the local cache, {rep.failed} failed) in {rep.wall_s:.2f}s",
+                f"{rep.missing} not in the local cache, {rep.failed} failed"
+                + (f", {rep.skipped} not tried after a failure" if rep.skipped else "")
+                + f") in {rep.wall_s:.2f}s",
                 markup=False,
             )
         if rep.offline:
@@ -276,4 +279,13 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
             f"the local cache {s.cache_dir}; first: {rep.errors[0]}",
             markup=False,
         )
-    return 1 if rep.offline or rep.failed else 0
+    # Every fetch failing with a remote error (a remote answering 503 to everything) is a
+    # failed pull, as an unreachable one is; some errors among answers are a partial pull.
+    all_errored = what == "pull" and rep.remote_errors > 0 and rep.remote_errors == rep.total - rep.local
+    if all_errored and not rep.offline:
+        console(to_stderr=True).print(
+            f"error: every fetch from {rep.url} ({rep.remote_errors}) failed with a remote error "
+            "(the warning above says which); nothing was pulled",
+            markup=False,
+        )
+    return 1 if rep.offline or rep.failed or rep.skipped or all_errored else 0

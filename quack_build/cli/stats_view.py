@@ -212,7 +212,8 @@ def _print_remote(con: Console, r: dict) -> None:
             f"{rej} ({escape(why)})" if rej else "0",
             str(c.get("pushed", 0)),
             str(c.get("replaced", 0)),
-            str(c.get("push_failed", 0)),
+            str(c.get("push_failed", 0))
+            + (f" (+{c['push_skipped']} not tried)" if c.get("push_skipped") else ""),
             human_bytes(c.get("bytes_down", 0)),
             human_bytes(c.get("bytes_up", 0)),
         )
