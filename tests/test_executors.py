@@ -587,3 +587,40 @@ def test_live_display_shows_a_key_awaited_on_another_process_lock():
     rows = text.splitlines()[1:]
     assert [r.split()[0] for r in rows] == ["worker", "waiting"], text  # not a worker's row
     assert f"{a.cfg.label()}: another process holds its lock" in text, text
+
+
+# --- what ships to the actors: a dotted kernel package ships its top-level package ----------
+
+
+def test_a_dotted_kernel_package_ships_its_top_level_package_once(tmp_path, monkeypatch):
+    """``kernel_packages = ["pkg.sub"]``: the actors import ``pkg.sub`` through ``pkg``, so
+    ``pkg`` is what ships (a directory named "pkg.sub" was shipped, and every actor failed
+    "No module named 'pkg'"); ``pkg`` listed again, or another of its submodules, ships
+    nothing more. A namespace package's portions merge into the one copy shipped."""
+    import shutil
+    from pathlib import Path
+
+    from quack_build.build.executors.ray.cluster import stage_packages
+
+    root = tmp_path / "pkgs"
+    (root / "tsp_pkg" / "inner").mkdir(parents=True)
+    (root / "tsp_pkg" / "__init__.py").write_text("")
+    (root / "tsp_pkg" / "sub.py").write_text("X = 1\n")
+    (root / "tsp_pkg" / "inner" / "__init__.py").write_text("")
+    for portion, mod in (("a", "left"), ("b", "right")):  # tsp_ns: a namespace package in two places
+        (tmp_path / portion / "tsp_ns").mkdir(parents=True)
+        (tmp_path / portion / "tsp_ns" / f"{mod}.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path / portion))
+    monkeypatch.syspath_prepend(str(root))
+    stage, mods = stage_packages(("tsp_pkg.sub", "tsp_pkg.inner", "tsp_pkg", "tsp_ns.left", "tsp_ns.right"))
+    try:
+        assert mods == [str(Path(stage) / "tsp_pkg"), str(Path(stage) / "tsp_ns")]
+        assert sorted(p.name for p in Path(stage).iterdir()) == ["tsp_ns", "tsp_pkg"]
+        shipped = Path(stage) / "tsp_pkg"
+        assert (shipped / "__init__.py").is_file() and (shipped / "sub.py").read_text() == "X = 1\n"
+        assert (shipped / "inner" / "__init__.py").is_file()
+        assert sorted(p.name for p in (Path(stage) / "tsp_ns").iterdir()) == ["left.py", "right.py"]
+    finally:
+        shutil.rmtree(stage)
+    with pytest.raises(ExecutorError, match="cannot ship the package 'tsp_pkg.nope'"):
+        stage_packages(("tsp_pkg.nope",))

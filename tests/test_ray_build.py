@@ -117,7 +117,9 @@ def slow_project(tmp_path: Path, sleep: float):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "slow.py").write_text(SLOW_PKG.format(marks=str(marks), sleep=sleep))
-    proj = write_project(tmp_path / "proj", SLOW_MANIFEST, packages=("qrt_slowpkg", "toykernels"))
+    # A dotted kernel package: the actors get it only by shipping (the cluster's nodes do not
+    # have tmp_path on their path), which must send its top-level package, qrt_slowpkg.
+    proj = write_project(tmp_path / "proj", SLOW_MANIFEST, packages=("qrt_slowpkg.slow", "toykernels"))
     return proj, marks, sub_env(tmp_path / "cache", str(tmp_path / "pkgs"))
 
 

@@ -69,36 +69,57 @@ def stage_packages(names) -> tuple[str, list[str]]:
     """Copy each package (or one-file module) under its import name into a new temp
     directory; returns (the directory, the paths to ship). Ray names a shipped module
     after its directory, and an installed package may live in a folder of another name
-    (kernels/ installs as quack_kernels). Raises ExecutorError naming the package."""
+    (kernels/ installs as quack_kernels). A dotted name (``pkg.sub``) ships its top-level
+    package, once: an actor imports ``pkg.sub`` through ``pkg``, and a ``pkg.sub`` shipped
+    alone was a module named "pkg.sub" that no import finds. Raises ExecutorError naming
+    the package."""
     stage = tempfile.mkdtemp(prefix="quack-ray-ship-")
-    out = []
+    out: list[str] = []
+    copied: set[Path] = set()
     try:
         for name in names:
             try:
-                mod = importlib.import_module(name)
-                paths = list(getattr(mod, "__path__", None) or [mod.__file__])
-                if len(paths) != 1 or not paths[0]:
-                    raise ValueError(f"a namespace package spread over {len(paths)} directories")
-                src = Path(paths[0])
-                if src.is_dir():
-                    dst = Path(stage) / name
-                    shutil.copytree(
-                        src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o")
-                    )
-                else:
-                    dst = Path(stage) / f"{name}.py"
-                    shutil.copyfile(src, dst)
+                dst = _stage_one(name, Path(stage), copied)
             except Exception as e:  # noqa: BLE001
                 raise ExecutorError(
                     f"cannot ship the package {name!r} ([build] kernel_packages) to the "
                     f"Ray actors: {first_line(e)}",
                     executor="ray",
                 ) from None
-            out.append(str(dst))
+            if str(dst) not in out:
+                out.append(str(dst))
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return stage, out
+
+
+def _stage_one(name: str, stage: Path, copied: set[Path]) -> Path:
+    """Copy the top-level package (or module) of ``name`` into ``stage`` unless ``copied``
+    (the sources copied so far) has it; returns the copy."""
+    top = name.partition(".")[0]
+    mod = importlib.import_module(name)  # the entry itself must import here
+    top_mod = importlib.import_module(top)
+    paths = list(getattr(top_mod, "__path__", None) or [top_mod.__file__])
+    if len(paths) > 1 and top != name:
+        # A namespace package spread over several directories: the portion holding ``name``
+        # (another entry's portion merges into the same copy).
+        where = Path(getattr(mod, "__file__", None) or list(mod.__path__)[0]).resolve()
+        paths = [p for p in paths if Path(p).resolve() in where.parents]
+    if len(paths) != 1 or not paths[0]:
+        raise ValueError(f"a namespace package spread over {len(paths)} directories")
+    src = Path(paths[0])
+    dst = stage / top if src.is_dir() else stage / f"{top}.py"
+    if src in copied:
+        return dst
+    copied.add(src)
+    if not src.is_dir():
+        shutil.copyfile(src, dst)
+        return dst
+    shutil.copytree(
+        src, dst, ignore=shutil.ignore_patterns("__pycache__", "*.pyc", "*.so", "*.o"), dirs_exist_ok=True
+    )
+    return dst
 
 
 def retry_client_spawn(ray, address: str | None, e: BaseException, attempt: int) -> bool:
