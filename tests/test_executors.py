@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import types
 
 import pytest
 import toykernels  # noqa: F401
@@ -624,3 +625,131 @@ def test_a_dotted_kernel_package_ships_its_top_level_package_once(tmp_path, monk
         shutil.rmtree(stage)
     with pytest.raises(ExecutorError, match="cannot ship the package 'tsp_pkg.nope'"):
         stage_packages(("tsp_pkg.nope",))
+
+
+# --- the Ray executor's bookkeeping, on a fake Ray: actors that keep dying ----------------------
+
+
+class _Ref:
+    def __init__(self, value=None, error: BaseException | None = None):
+        self.value, self.error = value, error
+
+
+class _DyingRay:
+    """Just enough of ``ray`` for RayExecutor: an actor is warm at once, and every compile
+    kills the actor running it (a kernel that SIGKILLs its compile process)."""
+
+    class exceptions:
+        class RayActorError(Exception):
+            pass
+
+        class WorkerCrashedError(Exception):
+            pass
+
+        class ObjectLostError(Exception):
+            pass
+
+        class NodeDiedError(Exception):
+            pass
+
+    def __init__(self, stamp: str):
+        self.stamp = stamp
+        self.pids = iter(range(101, 1000))
+        self.killed = 0
+        self.shutdowns = 0
+
+    def remote(self, cls):
+        ray = self
+
+        class Handle:
+            def __init__(self):
+                pid = next(ray.pids)
+                self.hello = types.SimpleNamespace(
+                    remote=lambda: _Ref({"stamp": ray.stamp, "pid": pid, "node": "n", "warm_s": 0.1})
+                )
+                self.build = types.SimpleNamespace(
+                    remote=lambda payload: _Ref(error=ray.exceptions.RayActorError(f"actor pid {pid} died"))
+                )
+
+        return types.SimpleNamespace(options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Handle()))
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return list(refs), []
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def kill(self, handle, no_restart=True):
+        self.killed += 1
+
+    def cluster_resources(self):
+        return {"CPU": 1}
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_ray_actors_dying_past_the_replacement_budget_fail_the_queued_keys_with_a_summary(
+    tmp_path, monkeypatch, keep_going
+):
+    """Every compile kills its actor: once the replacement budget is spent and no actor is
+    left, the keys still queued fail, not built, naming the budget and the last death; the
+    build ends with its result (--keep-going: every key reported; without: it stops at the
+    first failure, the rest not built). It raised "no Ray actor became ready ... within
+    600 s; does the cluster have free CPUs?": no summary, the good keys never tried."""
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from quack.cache import keys as qkeys
+    from quack_build.build.executors.ray import executor as rex
+
+    fake = _DyingRay(qkeys.toolchain_stamp("sm_90a"))
+    monkeypatch.setattr(rex, "import_ray", lambda local_only=False: fake)
+    monkeypatch.setattr(rex, "stage_packages", lambda names: ("", []))
+    monkeypatch.setattr(rex, "connect", lambda ray, target, **kw: "fake:1")
+    s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
+    store = DiskStore(tmp_path / "c", fsync=False)
+    ex = rex.RayExecutor("ray", jobs=1, settings=s, store=store)  # MAX_RETRIES: 2
+    cfgs = [_cfg(b) for b in (32, 64, 128, 256, 512)]
+    tasks = planning.plan(cfgs, store)
+    res = scheduler.BuildSession(
+        tasks,
+        store,
+        scheduler.BuildOptions(
+            jobs=1, reporter=Recorder(), keep_going=keep_going, executor=ex, order="given"
+        ),
+    ).run()
+    st = res.executor_stats
+    # the budget: 2 * jobs + 2 * MAX_RETRIES + 2 = 8 actors in all, each killed by its compile
+    assert st["actors_started"] == st["actor_deaths"] == 8 and fake.killed == 8 and fake.shutdowns == 1
+    by_key = {t.cfg.key: (t.status, t.error, t.failure) for t in res.tasks}
+    got = [by_key[c.key] for c in cfgs]
+    # two keys tried on 3 actors each; the third died on the last 2 and its retry found none left
+    for status, error, failure in got[:2]:
+        assert (status, failure) == (results.FAILED, "compile")
+        assert error.startswith("the Ray actors compiling it died 3 times")
+    spent = (
+        "WorkersLost: no Ray actor left: the replacement budget is exhausted after 8 actor "
+        "deaths (last: actor 8 (n pid 108): RayActorError: actor pid 108 died)"
+    )
+    lost = [g for g in got[2:] if g[0] == results.FAILED]
+    assert lost and all(error.startswith(spent) and failure == "no_worker" for _, error, failure in lost)
+    # --keep-going: the rest reported (failed, not built); without: it stopped at the first
+    # failure, and the keys never submitted are not built
+    assert [g[0] for g in got[3:]] == [results.FAILED if keep_going else results.SKIPPED] * 2
+    assert len(lost) == (3 if keep_going else 1)
+    # the summary lists them apart from the compile failures
+    import io
+
+    from rich.console import Console
+
+    from quack_build.build import progress
+
+    con = Console(file=io.StringIO(), width=400)
+    progress.print_summary(con, res)
+    text = con.file.getvalue()
+    assert "2 configurations failed to compile:" in text
+    n = len(lost)
+    assert f"{n} configuration{'s' if n > 1 else ''} not built: no worker left (the executor lost" in text
+    assert not res.ok and len(res.missing_after) == 5
