@@ -528,8 +528,117 @@ def test_other_ray_init_failures_are_not_retried(listening, form, error):
     fake = _FakeRay(error, error)
     with pytest.raises(ExecutorError) as ei:
         cluster.connect(fake, form.format(port=listening), num_cpus=None, runtime_env={})
-    assert fake.inits == 1 and fake.shutdowns == 0
+    assert fake.inits == 1 and fake.shutdowns == 1  # no retry; what the failed init left is stopped
     assert "attempts" not in str(ei.value)
+
+
+# --- a signal during ray.init: taken when it returns, then Ray is shut down ---------------------
+
+
+@pytest.fixture
+def build_handlers(monkeypatch):
+    """The `quack` command's signal handlers, for this test only; the interrupt's watchdog
+    only records its exit code (it would end the test process)."""
+    import signal
+
+    from quack_build.build import interrupts
+
+    saved = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    monkeypatch.setattr(interrupts, "_received", None)
+    monkeypatch.setattr(interrupts, "_installed", False)
+    armed: list[int] = []
+    monkeypatch.setattr(interrupts, "_watchdog", armed.append)
+    interrupts.install()
+    try:
+        yield armed
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+class _SignalledRay(_FakeRay):
+    """``ray.init`` that installs its own SIGTERM handler (as Ray's does: ``sys.exit(15)``),
+    gets ``sig`` half-way, and would then go on to record its node and build its core
+    worker (``completed``); or, with ``node``, fails inside the node's start-up after
+    starting its processes."""
+
+    def __init__(self, sig=None, node=None):
+        import signal
+
+        super().__init__()
+        self.sig, self.node, self.completed = sig, node, False
+        self._private = types.SimpleNamespace(
+            utils=types.SimpleNamespace(set_sigterm_handler=lambda h: signal.signal(signal.SIGTERM, h))
+        )
+
+    def init(self, address=None, **kw):
+        import signal
+
+        self.inits += 1
+        self._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))
+        if self.sig is not None:
+            signal.raise_signal(self.sig)
+        if self.node is not None:
+            self.node()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core worker's failure-signal handler
+        self.completed = True
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_ray_init_is_taken_when_it_returns_and_ray_is_shut_down(
+    listening, build_handlers, sig
+):
+    """Raised inside ray.init, Ctrl-C left a local instance half started (its agents
+    outlived the build for a minute) or a core worker half built (a segfault at exit);
+    SIGTERM met Ray's own handler: exit 15, no cleanup. Now the signal is taken when
+    ray.init returns, Ray is shut down, and the build's handlers are back in charge."""
+    import signal
+
+    from quack_build.build import interrupts
+    from quack_build.build.executors.ray import cluster
+
+    signum = getattr(signal, sig)
+    fake = _SignalledRay(signum)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.connect(fake, f"127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert fake.completed and (fake.inits, fake.shutdowns) == (1, 1)
+    assert interrupts.received() == signum and build_handlers == [128 + signum]  # the watchdog armed
+    assert all(signal.getsignal(s) == interrupts._on_signal for s in interrupts.SIGNALS)
+
+
+def test_after_ray_init_the_build_handlers_are_back_and_a_node_it_left_starting_is_stopped(
+    listening, build_handlers
+):
+    """A connect that works leaves the build's handlers in charge (ray.init's core worker
+    installs its own: a SIGTERM during the actors' start-up dumped a stack and exited 1).
+    A ray.init that fails while its node starts has the node's processes stopped: Ray
+    had not recorded them for ray.shutdown."""
+    import signal
+
+    from quack_build.build import interrupts
+    from quack_build.build.executors.ray import cluster
+
+    on_signal = interrupts._on_signal
+    fake = _SignalledRay()
+    assert cluster.connect(fake, f"127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert all(signal.getsignal(s) == on_signal for s in interrupts.SIGNALS)
+    assert fake.shutdowns == 0 and build_handlers == []
+
+    killed = []
+
+    class Node:
+        def __init__(self):
+            self.all_processes = {"gcs_server": 1, "raylet": 2}
+            raise ConnectionError("the raylet did not register")
+
+        def kill_all_processes(self, **kw):
+            killed.append(sorted(self.all_processes))
+
+    fake = _SignalledRay(node=Node)
+    with pytest.raises(ExecutorError, match="the raylet did not register"):
+        cluster.connect(fake, f"127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert killed == [["gcs_server", "raylet"]] and fake.shutdowns == 1
+    assert all(signal.getsignal(s) == on_signal for s in interrupts.SIGNALS)
 
 
 def test_awaited_keys_take_no_worker_slot_nor_a_place_in_the_window(tmp_path):
