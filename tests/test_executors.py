@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import types
@@ -401,6 +402,79 @@ def test_publisher_shutdown_with_more_queued_than_threads_drops_the_queue_cleanl
     assert 1 <= len(events) <= publish.PUBLISH_THREADS < len(cfgs)
     assert sorted(e.key for e in events) == sorted(published) and all(e.kind == DONE for e in events)
     assert pub.counts["published"] == len(published) and pub.done() == []
+
+
+def test_publisher_shutdown_gives_up_a_publish_waiting_for_a_lock_another_process_holds(tmp_path):
+    """Ctrl-C while a result waits for its key's lock (another build compiling the key holds
+    it): shutdown waited for the lock, up to lock_timeout (600 s), so the build only ended
+    at the interrupt's 8 s watchdog, with no summary. Now that publish gives up at once,
+    nothing written, and the lock's holder is left alone."""
+    import threading
+    import time
+
+    from quack.compile import builder
+    from quack_build.build.executors.publish import Publisher
+
+    cfg = _cfg(64)
+    store = DiskStore(tmp_path / "cache", fsync=False)  # lock_timeout: 600 s
+    ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
+    held = store.claim(ref)  # the other build's hold on the key (a lock of its own)
+    assert held is not None
+    waiting = threading.Event()
+    real_lock = store.lock
+
+    def lock(r, timeout=None):
+        waiting.set()
+        return real_lock(r, timeout)
+
+    store.lock = lock  # type: ignore[method-assign]
+    pub = Publisher(store)
+    pub.open("h:1")
+    stopper = threading.Thread(target=pub.shutdown)
+    try:
+        pub.submit(_item(cfg), _remote_result(cfg), worker="Ray actor 1", lane="actor 1", pid=11)
+        assert waiting.wait(30), "the publish never asked for the lock"
+        t0 = time.monotonic()
+        stopper.start()
+        stopper.join(10)
+        assert not stopper.is_alive(), "shutdown waits for the lock another process holds"
+        took = time.monotonic() - t0
+    finally:
+        os.close(held)  # before the fix: the publish gets the lock now, and shutdown ends
+        stopper.join(60)
+    (ev,) = pub.done()
+    assert ev.kind == FAILED and type(ev.error).__name__ == "PublishCancelled", ev
+    assert "given up: the build stopped while another process held the key's lock" in str(ev.error)
+    assert store.lookup(ref) is None and not pub.pending and pub.counts["published"] == 0
+    assert took < 5, took
+
+
+def test_ray_executor_cancel_shuts_ray_down_before_waiting_for_publishes(tmp_path, monkeypatch):
+    """The instance the build started goes first: ray.shutdown came after the publisher's
+    wait, and a wait that never ended left its agents running."""
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from quack.cache import keys as qkeys
+    from quack_build.build.executors.ray import executor as rex
+
+    fake = _DyingRay(qkeys.toolchain_stamp("sm_90a"))
+    monkeypatch.setattr(rex, "import_ray", lambda local_only=False: fake)
+    monkeypatch.setattr(rex, "stage_packages", lambda names: ("", []))
+    monkeypatch.setattr(rex, "connect", lambda ray, target, **kw: "fake:1")
+    s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
+    ex = rex.RayExecutor("ray", jobs=1, settings=s, store=DiskStore(tmp_path / "c", fsync=False))
+    ex.start(1)
+    order = []
+    real_shutdown = ex._publisher.shutdown
+    monkeypatch.setattr(
+        ex._publisher, "cancel", lambda: order.append(("cancel", fake.shutdowns)), raising=False
+    )
+    monkeypatch.setattr(
+        ex._publisher, "shutdown", lambda: (order.append(("wait", fake.shutdowns)), real_shutdown())
+    )
+    ex.cancel()
+    ex.close()
+    assert ("wait", 1) in order and ("wait", 0) not in order, order  # Ray shut down before the wait
+    assert order[0] == ("cancel", 0) and fake.shutdowns == 1 and fake.killed == 1
 
 
 def test_vet_hello_admits_a_matching_actor_and_refuses_naming_both_values():

@@ -145,10 +145,12 @@ def _watchdog(code: int) -> None:
 
 
 def hard_exit(code: int, message: str) -> None:
-    """Kill this process's compile workers and forkserver, flush, and exit now. What
-    ran no cleanup is no partial entry: objects are published by atomic rename, and
-    an object left without its metadata is swept as an orphan (quack.cache.orphans)."""
+    """Kill this process's compile workers and forkserver, stop the Ray instance it
+    started, flush, and exit now. What ran no cleanup is no partial entry: objects are
+    published by atomic rename, and an object left without its metadata is swept as an
+    orphan (quack.cache.orphans)."""
     kill_children()
+    stop_ray()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -180,3 +182,31 @@ def kill_children() -> None:
     worker = sys.modules.get("quack.compile.worker")
     if worker is not None:
         worker.stop_forkserver()
+
+
+#: The longest hard_exit waits for the Ray instance it stops (stop_ray).
+RAY_STOP_S = 3.0
+
+
+def stop_ray() -> None:
+    """Stop the processes of the local Ray instance this process started (``--executor
+    ray`` without an address: its GCS, raylet and, through the raylet, the agents and
+    actors), if any: what ``ray.shutdown`` does, without its disconnect, which a main
+    thread stuck in a Ray call could hold up. Each process gets a SIGTERM first, the
+    raylet's chance to stop its children (SIGKILLed, they outlived the build for a
+    minute); bounded by RAY_STOP_S. Nothing when Ray is not imported, or only connected
+    to a cluster (none of its processes are ours)."""
+    worker = sys.modules.get("ray._private.worker")
+    node = getattr(worker, "_global_node", None)
+    if node is None:
+        return
+
+    def kill() -> None:
+        try:
+            node.kill_all_processes(check_alive=False, allow_graceful=True)
+        except Exception:  # noqa: BLE001 - already gone, or a Ray without this method
+            pass
+
+    t = threading.Thread(target=kill, name="quack-ray-stop", daemon=True)
+    t.start()
+    t.join(RAY_STOP_S)

@@ -399,14 +399,26 @@ class RayExecutor:
 
     # -- stopping ---------------------------------------------------------------------------
     def cancel(self) -> None:
-        """Kill every actor (Ray cancels their tasks with them) and let the publishes in
-        progress finish (each is atomic; queued ones are dropped): nothing more is
-        published once this returns."""
+        """Kill every actor (Ray cancels their tasks with them), shut Ray down (the
+        instance this build started goes with it), and let the publishes in progress
+        finish (each is atomic; those queued or still waiting for a key's lock that
+        another process holds are dropped): nothing more is published once this
+        returns, and no wait here is longer than a write."""
         self._closed = True
         self._queue.clear()
+        self._publisher.cancel()
         self._pool.drop_all()
         self._busy.clear()
+        self._disconnect()
         self._publisher.shutdown()
+
+    def _disconnect(self) -> None:
+        if self._owned:
+            self._owned = False
+            try:
+                self._ray.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
 
     def close(self) -> None:
         if self._stage:
@@ -419,12 +431,6 @@ class RayExecutor:
         if self._cpu_ready and not self.counts.get("coordinator_cpu_s"):
             self.counts["coordinator_cpu_s"] = round(time.process_time() - self._cpu_ready, 3)
         self.cancel()
-        if self._owned:
-            self._owned = False
-            try:
-                self._ray.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
 
     @property
     def preload_s(self) -> float:
