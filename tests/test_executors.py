@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
+import types
 
 import pytest
 import toykernels  # noqa: F401
@@ -402,6 +404,79 @@ def test_publisher_shutdown_with_more_queued_than_threads_drops_the_queue_cleanl
     assert pub.counts["published"] == len(published) and pub.done() == []
 
 
+def test_publisher_shutdown_gives_up_a_publish_waiting_for_a_lock_another_process_holds(tmp_path):
+    """Ctrl-C while a result waits for its key's lock (another build compiling the key holds
+    it): shutdown waited for the lock, up to lock_timeout (600 s), so the build only ended
+    at the interrupt's 8 s watchdog, with no summary. Now that publish gives up at once,
+    nothing written, and the lock's holder is left alone."""
+    import threading
+    import time
+
+    from quack.compile import builder
+    from quack_build.build.executors.publish import Publisher
+
+    cfg = _cfg(64)
+    store = DiskStore(tmp_path / "cache", fsync=False)  # lock_timeout: 600 s
+    ref = builder.entry_ref(cfg.spec, cfg.params, cfg.arch)
+    held = store.claim(ref)  # the other build's hold on the key (a lock of its own)
+    assert held is not None
+    waiting = threading.Event()
+    real_lock = store.lock
+
+    def lock(r, timeout=None):
+        waiting.set()
+        return real_lock(r, timeout)
+
+    store.lock = lock  # type: ignore[method-assign]
+    pub = Publisher(store)
+    pub.open("h:1")
+    stopper = threading.Thread(target=pub.shutdown)
+    try:
+        pub.submit(_item(cfg), _remote_result(cfg), worker="Ray actor 1", lane="actor 1", pid=11)
+        assert waiting.wait(30), "the publish never asked for the lock"
+        t0 = time.monotonic()
+        stopper.start()
+        stopper.join(10)
+        assert not stopper.is_alive(), "shutdown waits for the lock another process holds"
+        took = time.monotonic() - t0
+    finally:
+        os.close(held)  # before the fix: the publish gets the lock now, and shutdown ends
+        stopper.join(60)
+    (ev,) = pub.done()
+    assert ev.kind == FAILED and type(ev.error).__name__ == "PublishCancelled", ev
+    assert "given up: the build stopped while another process held the key's lock" in str(ev.error)
+    assert store.lookup(ref) is None and not pub.pending and pub.counts["published"] == 0
+    assert took < 5, took
+
+
+def test_ray_executor_cancel_shuts_ray_down_before_waiting_for_publishes(tmp_path, monkeypatch):
+    """The instance the build started goes first: ray.shutdown came after the publisher's
+    wait, and a wait that never ended left its agents running."""
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from quack.cache import keys as qkeys
+    from quack_build.build.executors.ray import executor as rex
+
+    fake = _DyingRay(qkeys.toolchain_stamp("sm_90a"))
+    monkeypatch.setattr(rex, "import_ray", lambda local_only=False: fake)
+    monkeypatch.setattr(rex, "stage_packages", lambda names: ("", []))
+    monkeypatch.setattr(rex, "connect", lambda ray, target, **kw: "fake:1")
+    s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
+    ex = rex.RayExecutor("ray", jobs=1, settings=s, store=DiskStore(tmp_path / "c", fsync=False))
+    ex.start(1)
+    order = []
+    real_shutdown = ex._publisher.shutdown
+    monkeypatch.setattr(
+        ex._publisher, "cancel", lambda: order.append(("cancel", fake.shutdowns)), raising=False
+    )
+    monkeypatch.setattr(
+        ex._publisher, "shutdown", lambda: (order.append(("wait", fake.shutdowns)), real_shutdown())
+    )
+    ex.cancel()
+    ex.close()
+    assert ("wait", 1) in order and ("wait", 0) not in order, order  # Ray shut down before the wait
+    assert order[0] == ("cancel", 0) and fake.shutdowns == 1 and fake.killed == 1
+
+
 def test_vet_hello_admits_a_matching_actor_and_refuses_naming_both_values():
     from quack.cache import keys
     from quack_build.build.executors.ray.actors import vet_hello
@@ -527,8 +602,117 @@ def test_other_ray_init_failures_are_not_retried(listening, form, error):
     fake = _FakeRay(error, error)
     with pytest.raises(ExecutorError) as ei:
         cluster.connect(fake, form.format(port=listening), num_cpus=None, runtime_env={})
-    assert fake.inits == 1 and fake.shutdowns == 0
+    assert fake.inits == 1 and fake.shutdowns == 1  # no retry; what the failed init left is stopped
     assert "attempts" not in str(ei.value)
+
+
+# --- a signal during ray.init: taken when it returns, then Ray is shut down ---------------------
+
+
+@pytest.fixture
+def build_handlers(monkeypatch):
+    """The `quack` command's signal handlers, for this test only; the interrupt's watchdog
+    only records its exit code (it would end the test process)."""
+    import signal
+
+    from quack_build.build import interrupts
+
+    saved = {s: signal.getsignal(s) for s in interrupts.SIGNALS}
+    monkeypatch.setattr(interrupts, "_received", None)
+    monkeypatch.setattr(interrupts, "_installed", False)
+    armed: list[int] = []
+    monkeypatch.setattr(interrupts, "_watchdog", armed.append)
+    interrupts.install()
+    try:
+        yield armed
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+class _SignalledRay(_FakeRay):
+    """``ray.init`` that installs its own SIGTERM handler (as Ray's does: ``sys.exit(15)``),
+    gets ``sig`` half-way, and would then go on to record its node and build its core
+    worker (``completed``); or, with ``node``, fails inside the node's start-up after
+    starting its processes."""
+
+    def __init__(self, sig=None, node=None):
+        import signal
+
+        super().__init__()
+        self.sig, self.node, self.completed = sig, node, False
+        self._private = types.SimpleNamespace(
+            utils=types.SimpleNamespace(set_sigterm_handler=lambda h: signal.signal(signal.SIGTERM, h))
+        )
+
+    def init(self, address=None, **kw):
+        import signal
+
+        self.inits += 1
+        self._private.utils.set_sigterm_handler(lambda signum, frame: sys.exit(signum))
+        if self.sig is not None:
+            signal.raise_signal(self.sig)
+        if self.node is not None:
+            self.node()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the core worker's failure-signal handler
+        self.completed = True
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_ray_init_is_taken_when_it_returns_and_ray_is_shut_down(
+    listening, build_handlers, sig
+):
+    """Raised inside ray.init, Ctrl-C left a local instance half started (its agents
+    outlived the build for a minute) or a core worker half built (a segfault at exit);
+    SIGTERM met Ray's own handler: exit 15, no cleanup. Now the signal is taken when
+    ray.init returns, Ray is shut down, and the build's handlers are back in charge."""
+    import signal
+
+    from quack_build.build import interrupts
+    from quack_build.build.executors.ray import cluster
+
+    signum = getattr(signal, sig)
+    fake = _SignalledRay(signum)
+    with pytest.raises(KeyboardInterrupt):
+        cluster.connect(fake, f"127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert fake.completed and (fake.inits, fake.shutdowns) == (1, 1)
+    assert interrupts.received() == signum and build_handlers == [128 + signum]  # the watchdog armed
+    assert all(signal.getsignal(s) == interrupts._on_signal for s in interrupts.SIGNALS)
+
+
+def test_after_ray_init_the_build_handlers_are_back_and_a_node_it_left_starting_is_stopped(
+    listening, build_handlers
+):
+    """A connect that works leaves the build's handlers in charge (ray.init's core worker
+    installs its own: a SIGTERM during the actors' start-up dumped a stack and exited 1).
+    A ray.init that fails while its node starts has the node's processes stopped: Ray
+    had not recorded them for ray.shutdown."""
+    import signal
+
+    from quack_build.build import interrupts
+    from quack_build.build.executors.ray import cluster
+
+    on_signal = interrupts._on_signal
+    fake = _SignalledRay()
+    assert cluster.connect(fake, f"127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert all(signal.getsignal(s) == on_signal for s in interrupts.SIGNALS)
+    assert fake.shutdowns == 0 and build_handlers == []
+
+    killed = []
+
+    class Node:
+        def __init__(self):
+            self.all_processes = {"gcs_server": 1, "raylet": 2}
+            raise ConnectionError("the raylet did not register")
+
+        def kill_all_processes(self, **kw):
+            killed.append(sorted(self.all_processes))
+
+    fake = _SignalledRay(node=Node)
+    with pytest.raises(ExecutorError, match="the raylet did not register"):
+        cluster.connect(fake, f"127.0.0.1:{listening}", num_cpus=None, runtime_env={})
+    assert killed == [["gcs_server", "raylet"]] and fake.shutdowns == 1
+    assert all(signal.getsignal(s) == on_signal for s in interrupts.SIGNALS)
 
 
 def test_awaited_keys_take_no_worker_slot_nor_a_place_in_the_window(tmp_path):
@@ -587,3 +771,168 @@ def test_live_display_shows_a_key_awaited_on_another_process_lock():
     rows = text.splitlines()[1:]
     assert [r.split()[0] for r in rows] == ["worker", "waiting"], text  # not a worker's row
     assert f"{a.cfg.label()}: another process holds its lock" in text, text
+
+
+# --- what ships to the actors: a dotted kernel package ships its top-level package ----------
+
+
+def test_a_dotted_kernel_package_ships_its_top_level_package_once(tmp_path, monkeypatch):
+    """``kernel_packages = ["pkg.sub"]``: the actors import ``pkg.sub`` through ``pkg``, so
+    ``pkg`` is what ships (a directory named "pkg.sub" was shipped, and every actor failed
+    "No module named 'pkg'"); ``pkg`` listed again, or another of its submodules, ships
+    nothing more. A namespace package's portions merge into the one copy shipped."""
+    import shutil
+    from pathlib import Path
+
+    from quack_build.build.executors.ray.cluster import stage_packages
+
+    root = tmp_path / "pkgs"
+    (root / "tsp_pkg" / "inner").mkdir(parents=True)
+    (root / "tsp_pkg" / "__init__.py").write_text("")
+    (root / "tsp_pkg" / "sub.py").write_text("X = 1\n")
+    (root / "tsp_pkg" / "inner" / "__init__.py").write_text("")
+    for portion, mod in (("a", "left"), ("b", "right")):  # tsp_ns: a namespace package in two places
+        (tmp_path / portion / "tsp_ns").mkdir(parents=True)
+        (tmp_path / portion / "tsp_ns" / f"{mod}.py").write_text("")
+        monkeypatch.syspath_prepend(str(tmp_path / portion))
+    monkeypatch.syspath_prepend(str(root))
+    stage, mods = stage_packages(("tsp_pkg.sub", "tsp_pkg.inner", "tsp_pkg", "tsp_ns.left", "tsp_ns.right"))
+    try:
+        assert mods == [str(Path(stage) / "tsp_pkg"), str(Path(stage) / "tsp_ns")]
+        assert sorted(p.name for p in Path(stage).iterdir()) == ["tsp_ns", "tsp_pkg"]
+        shipped = Path(stage) / "tsp_pkg"
+        assert (shipped / "__init__.py").is_file() and (shipped / "sub.py").read_text() == "X = 1\n"
+        assert (shipped / "inner" / "__init__.py").is_file()
+        assert sorted(p.name for p in (Path(stage) / "tsp_ns").iterdir()) == ["left.py", "right.py"]
+    finally:
+        shutil.rmtree(stage)
+    with pytest.raises(ExecutorError, match="cannot ship the package 'tsp_pkg.nope'"):
+        stage_packages(("tsp_pkg.nope",))
+
+
+# --- the Ray executor's bookkeeping, on a fake Ray: actors that keep dying ----------------------
+
+
+class _Ref:
+    def __init__(self, value=None, error: BaseException | None = None):
+        self.value, self.error = value, error
+
+
+class _DyingRay:
+    """Just enough of ``ray`` for RayExecutor: an actor is warm at once, and every compile
+    kills the actor running it (a kernel that SIGKILLs its compile process)."""
+
+    class exceptions:
+        class RayActorError(Exception):
+            pass
+
+        class WorkerCrashedError(Exception):
+            pass
+
+        class ObjectLostError(Exception):
+            pass
+
+        class NodeDiedError(Exception):
+            pass
+
+    def __init__(self, stamp: str):
+        self.stamp = stamp
+        self.pids = iter(range(101, 1000))
+        self.killed = 0
+        self.shutdowns = 0
+
+    def remote(self, cls):
+        ray = self
+
+        class Handle:
+            def __init__(self):
+                pid = next(ray.pids)
+                self.hello = types.SimpleNamespace(
+                    remote=lambda: _Ref({"stamp": ray.stamp, "pid": pid, "node": "n", "warm_s": 0.1})
+                )
+                self.build = types.SimpleNamespace(
+                    remote=lambda payload: _Ref(error=ray.exceptions.RayActorError(f"actor pid {pid} died"))
+                )
+
+        return types.SimpleNamespace(options=lambda **kw: types.SimpleNamespace(remote=lambda *a: Handle()))
+
+    def wait(self, refs, num_returns=1, timeout=None):
+        return list(refs), []
+
+    def get(self, ref):
+        if ref.error is not None:
+            raise ref.error
+        return ref.value
+
+    def kill(self, handle, no_restart=True):
+        self.killed += 1
+
+    def cluster_resources(self):
+        return {"CPU": 1}
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_ray_actors_dying_past_the_replacement_budget_fail_the_queued_keys_with_a_summary(
+    tmp_path, monkeypatch, keep_going
+):
+    """Every compile kills its actor: once the replacement budget is spent and no actor is
+    left, the keys still queued fail, not built, naming the budget and the last death; the
+    build ends with its result (--keep-going: every key reported; without: it stops at the
+    first failure, the rest not built). It raised "no Ray actor became ready ... within
+    600 s; does the cluster have free CPUs?": no summary, the good keys never tried."""
+    pytest.importorskip("ray", reason="the [ray] extra is not installed")
+    from quack.cache import keys as qkeys
+    from quack_build.build.executors.ray import executor as rex
+
+    fake = _DyingRay(qkeys.toolchain_stamp("sm_90a"))
+    monkeypatch.setattr(rex, "import_ray", lambda local_only=False: fake)
+    monkeypatch.setattr(rex, "stage_packages", lambda names: ("", []))
+    monkeypatch.setattr(rex, "connect", lambda ray, target, **kw: "fake:1")
+    s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
+    store = DiskStore(tmp_path / "c", fsync=False)
+    ex = rex.RayExecutor("ray", jobs=1, settings=s, store=store)  # MAX_RETRIES: 2
+    cfgs = [_cfg(b) for b in (32, 64, 128, 256, 512)]
+    tasks = planning.plan(cfgs, store)
+    res = scheduler.BuildSession(
+        tasks,
+        store,
+        scheduler.BuildOptions(
+            jobs=1, reporter=Recorder(), keep_going=keep_going, executor=ex, order="given"
+        ),
+    ).run()
+    st = res.executor_stats
+    # the budget: 2 * jobs + 2 * MAX_RETRIES + 2 = 8 actors in all, each killed by its compile
+    assert st["actors_started"] == st["actor_deaths"] == 8 and fake.killed == 8 and fake.shutdowns == 1
+    by_key = {t.cfg.key: (t.status, t.error, t.failure) for t in res.tasks}
+    got = [by_key[c.key] for c in cfgs]
+    # two keys tried on 3 actors each; the third died on the last 2 and its retry found none left
+    for status, error, failure in got[:2]:
+        assert (status, failure) == (results.FAILED, "compile")
+        assert error.startswith("the Ray actors compiling it died 3 times")
+    spent = (
+        "WorkersLost: no Ray actor left: the replacement budget is exhausted after 8 actor "
+        "deaths (last: actor 8 (n pid 108): RayActorError: actor pid 108 died)"
+    )
+    lost = [g for g in got[2:] if g[0] == results.FAILED]
+    assert lost and all(error.startswith(spent) and failure == "no_worker" for _, error, failure in lost)
+    # --keep-going: the rest reported (failed, not built); without: it stopped at the first
+    # failure, and the keys never submitted are not built
+    assert [g[0] for g in got[3:]] == [results.FAILED if keep_going else results.SKIPPED] * 2
+    assert len(lost) == (3 if keep_going else 1)
+    # the summary lists them apart from the compile failures
+    import io
+
+    from rich.console import Console
+
+    from quack_build.build import progress
+
+    con = Console(file=io.StringIO(), width=400)
+    progress.print_summary(con, res)
+    text = con.file.getvalue()
+    assert "2 configurations failed to compile:" in text
+    n = len(lost)
+    assert f"{n} configuration{'s' if n > 1 else ''} not built: no worker left (the executor lost" in text
+    assert not res.ok and len(res.missing_after) == 5

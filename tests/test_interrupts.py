@@ -254,3 +254,43 @@ def test_an_interrupted_build_names_what_a_worker_still_alive_left(tmp_path, mon
     assert "no partial entries" not in out, out
     assert "1 partial file left, which `quack cache clean` removes once the writer has ended" in out
     assert str(tmp) in out
+
+
+def test_the_watchdog_hard_exit_stops_the_ray_instance_the_build_started(monkeypatch):
+    """hard_exit (the cleanup ran past its grace) killed the compile workers but left the
+    local Ray instance of `--executor ray`: its raylet died with the build and the raylet's
+    agents ran on for a minute. stop_ray, which hard_exit calls, stops the instance the
+    way ray.shutdown does (each process a SIGTERM first: the raylet stops its children);
+    nothing when Ray is not imported or started no instance here."""
+    import types
+
+    from quack_build.build import interrupts
+
+    calls = []
+
+    class Node:
+        def kill_all_processes(self, **kw):
+            calls.append(kw)
+
+    monkeypatch.setitem(sys.modules, "ray._private.worker", types.SimpleNamespace(_global_node=Node()))
+    interrupts.stop_ray()
+    assert calls == [{"check_alive": False, "allow_graceful": True}]
+    monkeypatch.setitem(sys.modules, "ray._private.worker", types.SimpleNamespace(_global_node=None))
+    interrupts.stop_ray()  # connected to a cluster, or ray.init not done: none of ours
+    monkeypatch.delitem(sys.modules, "ray._private.worker", raising=False)
+    interrupts.stop_ray()  # Ray never imported
+    assert len(calls) == 1
+
+    class Exited(Exception):
+        pass
+
+    def exit_now(code):
+        raise Exited(code)
+
+    done = []
+    monkeypatch.setattr(interrupts, "kill_children", lambda: done.append("workers"))
+    monkeypatch.setattr(interrupts, "stop_ray", lambda: done.append("ray"))
+    monkeypatch.setattr(interrupts.os, "_exit", exit_now)
+    with pytest.raises(Exited, match="130"):
+        interrupts.hard_exit(130, "interrupted: the cleanup did not end (a test of hard_exit)")
+    assert done == ["workers", "ray"]

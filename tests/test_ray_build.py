@@ -117,7 +117,9 @@ def slow_project(tmp_path: Path, sleep: float):
     pkg.mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "slow.py").write_text(SLOW_PKG.format(marks=str(marks), sleep=sleep))
-    proj = write_project(tmp_path / "proj", SLOW_MANIFEST, packages=("qrt_slowpkg", "toykernels"))
+    # A dotted kernel package: the actors get it only by shipping (the cluster's nodes do not
+    # have tmp_path on their path), which must send its top-level package, qrt_slowpkg.
+    proj = write_project(tmp_path / "proj", SLOW_MANIFEST, packages=("qrt_slowpkg.slow", "toykernels"))
     return proj, marks, sub_env(tmp_path / "cache", str(tmp_path / "pkgs"))
 
 
@@ -440,6 +442,73 @@ def test_toolchain_stamp_mismatch_is_refused_naming_both(cluster, tmp_path, monk
     assert f"its toolchain stamp is {fake!r} but this coordinator's is {mine!r}" in r.output
     assert "every actor refused: nothing built" in r.output
     assert not objects(cache)
+
+
+# `quack build`, stopped inside ray.init where its local instance's processes (GCS, raylet,
+# and the raylet's agents) are up but not yet recorded for ray.shutdown (the node waits to
+# register): a marker, then a wait for the test's "release" (bounded: a test that forgets it
+# cannot hang).
+GATE_RAY_INIT = """
+import os, sys, time
+import ray._private.services as services
+
+marks, real = sys.argv.pop(1), services.get_node
+
+
+def gated(*a, **k):
+    open(os.path.join(marks, "in-ray-init"), "w").close()
+    end = time.monotonic() + 120
+    while time.monotonic() < end and not os.path.exists(os.path.join(marks, "release")):
+        time.sleep(0.05)
+    return real(*a, **k)
+
+
+services.get_node = gated
+from quack_build.cli.main import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_during_ray_init_ends_the_build_with_its_exit_code_and_no_ray_process_left(tmp_path, sig):
+    """Ctrl-C (SIGINT to the process group) or SIGTERM (to the build) while ray.init starts
+    the build's local instance. Ctrl-C left the raylet's agents running for a minute;
+    SIGTERM met Ray's own handler (exit 15, no cleanup). Now: 130 / 143, "interrupted",
+    nothing of the instance left in the build's session."""
+    from interrupt_support import session_processes
+
+    signum = getattr(signal, sig)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    proj = write_project(tmp_path / "proj")
+    env = sub_env(tmp_path / "cache")
+    env.pop("RAY_ADDRESS", None)
+    p = subprocess.Popen(
+        [sys.executable, "-c", GATE_RAY_INIT, str(marks), "build", "--executor", "ray", "-j", "1"],
+        cwd=proj,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own session: what is left of it can be listed
+    )
+    try:
+        assert wait_for(lambda: (marks / "in-ray-init").exists(), timeout=scaled(120)), "ray.init not reached"
+        if signum == signal.SIGINT:
+            os.killpg(p.pid, signum)  # as a terminal's Ctrl-C
+        else:
+            os.kill(p.pid, signum)
+        (marks / "release").touch()
+        out, _ = p.communicate(timeout=scaled(60) + interrupts.GRACE_S)
+    finally:
+        (marks / "release").touch()
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.communicate()
+    assert p.returncode == 128 + signum, out[-3000:]
+    assert "interrupted" in out and "Traceback" not in out and "SIGTERM received" not in out, out[-3000:]
+    left = wait_for(lambda: not session_processes(p.pid), timeout=scaled(15))
+    assert left, f"left after {sig}: {session_processes(p.pid)}"
 
 
 @pytest.mark.parametrize("form", ["ray://127.0.0.1:{port}", "127.0.0.1:{port}"])

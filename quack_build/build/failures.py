@@ -8,16 +8,20 @@ import time
 from pathlib import Path
 
 from quack.errors import CacheError, CompileTimeout
+from quack_build.build.executors.base import WorkersLost
 from quack_build.build.results import Task
 
 
 def cause(err) -> str:
     """What failed a key (``Task.failure``): "store" when the cache could not take an object
     that compiled (disk full, read-only: a CacheError), "lock" when another process held
-    the key's lock past lock_timeout, else "compile" (held past compile_timeout, the
-    smaller, is one: that process's compile of it ran that long; the error says so)."""
+    the key's lock past lock_timeout, "no_worker" when the executor lost every worker
+    before it (never compiled: WorkersLost), else "compile" (held past compile_timeout,
+    the smaller, is one: that process's compile of it ran that long; the error says so)."""
     if isinstance(err, CacheError):
         return "store"
+    if isinstance(err, WorkersLost):
+        return "no_worker"
     if isinstance(err, CompileTimeout) and err.external and getattr(err, "setting", "") != "compile_timeout":
         return "lock"
     return "compile"

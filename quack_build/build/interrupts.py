@@ -27,6 +27,8 @@ import signal
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 GRACE_S = 8.0  # the orderly cleanup takes well under a second; this is its upper bound
 # SIGHUP: a closed terminal, or a supervisor's stop; unhandled it killed the build with no
@@ -54,9 +56,55 @@ def reassert() -> None:
         install()
 
 
+def installed() -> bool:
+    """Whether these handlers are in charge (the ``quack`` command; not quack used as a library)."""
+    return _installed
+
+
 def received() -> int | None:
     """The signal that interrupted this process, or None."""
     return _received
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """Run the block with the signals deferred: one that comes is recorded and its
+    watchdog armed (so the block, or the process, still ends within GRACE_S), and the
+    KeyboardInterrupt is raised when the block ends. For a library call that an
+    exception raised at an arbitrary point leaves half done: ``ray.init`` interrupted
+    while its local instance starts (processes up but not yet recorded for ray.shutdown:
+    they outlived the build) or while its core worker is built (the interpreter's exit
+    then segfaulted). Deferred in Python, not blocked in the kernel: the processes the
+    call starts would inherit a blocked mask and ignore SIGTERM. A no-op where these
+    handlers are not installed, or off the main thread."""
+    if not _installed or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = _received
+    for sig in SIGNALS:
+        signal.signal(sig, _defer)
+    try:
+        yield
+    except BaseException:
+        install()
+        if before is None and _received is not None:
+            raise KeyboardInterrupt from None  # the signal, not what the block made of it
+        raise
+    install()
+    if before is None and _received is not None:
+        raise KeyboardInterrupt
+
+
+def take(signum: int) -> bool:
+    """A signal a library's own handler caught while it was installed (``ray.init`` puts
+    in a SIGTERM handler that raises SystemExit(15): exit 15, no cleanup), handled as
+    this module's handler would have: recorded and the watchdog armed (once); the caller
+    raises KeyboardInterrupt. False when these handlers are not installed (quack used as
+    a library: the signal is the caller's business)."""
+    if not _installed:
+        return False
+    _arm(signum)
+    return True
 
 
 def exit_code(code) -> int:
@@ -70,14 +118,25 @@ def exit_code(code) -> int:
 
 
 def _on_signal(signum, frame) -> None:  # noqa: ARG001
+    if _arm(signum):
+        raise KeyboardInterrupt
+    # else: the first signal's cleanup is running, bounded by its watchdog
+
+
+def _defer(signum, frame) -> None:  # noqa: ARG001
+    _arm(signum)
+
+
+def _arm(signum: int) -> bool:
+    """Record the first signal and start its watchdog; False for a later one."""
     global _received
     if _received is not None:
-        return  # the first signal's cleanup is running, bounded by its watchdog
+        return False
     _received = signum
     threading.Thread(
         target=_watchdog, args=(128 + signum,), name="quack-interrupt-watchdog", daemon=True
     ).start()
-    raise KeyboardInterrupt
+    return True
 
 
 def _watchdog(code: int) -> None:
@@ -86,10 +145,12 @@ def _watchdog(code: int) -> None:
 
 
 def hard_exit(code: int, message: str) -> None:
-    """Kill this process's compile workers and forkserver, flush, and exit now. What
-    ran no cleanup is no partial entry: objects are published by atomic rename, and
-    an object left without its metadata is swept as an orphan (quack.cache.orphans)."""
+    """Kill this process's compile workers and forkserver, stop the Ray instance it
+    started, flush, and exit now. What ran no cleanup is no partial entry: objects are
+    published by atomic rename, and an object left without its metadata is swept as an
+    orphan (quack.cache.orphans)."""
     kill_children()
+    stop_ray()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -121,3 +182,31 @@ def kill_children() -> None:
     worker = sys.modules.get("quack.compile.worker")
     if worker is not None:
         worker.stop_forkserver()
+
+
+#: The longest hard_exit waits for the Ray instance it stops (stop_ray).
+RAY_STOP_S = 3.0
+
+
+def stop_ray() -> None:
+    """Stop the processes of the local Ray instance this process started (``--executor
+    ray`` without an address: its GCS, raylet and, through the raylet, the agents and
+    actors), if any: what ``ray.shutdown`` does, without its disconnect, which a main
+    thread stuck in a Ray call could hold up. Each process gets a SIGTERM first, the
+    raylet's chance to stop its children (SIGKILLed, they outlived the build for a
+    minute); bounded by RAY_STOP_S. Nothing when Ray is not imported, or only connected
+    to a cluster (none of its processes are ours)."""
+    worker = sys.modules.get("ray._private.worker")
+    node = getattr(worker, "_global_node", None)
+    if node is None:
+        return
+
+    def kill() -> None:
+        try:
+            node.kill_all_processes(check_alive=False, allow_graceful=True)
+        except Exception:  # noqa: BLE001 - already gone, or a Ray without this method
+            pass
+
+    t = threading.Thread(target=kill, name="quack-ray-stop", daemon=True)
+    t.start()
+    t.join(RAY_STOP_S)

@@ -305,12 +305,19 @@ def print_summary(console: Console, res: BuildResult) -> None:
     failed = [t for t in res.tasks if t.status == FAILED]
     # A key the cache could not take (disk full, read-only) compiled: "failed to compile"
     # sent readers to the kernel's code for what the cache's disk did.
-    _print_failed(console, [t for t in failed if t.failure not in ("store", "lock")], "failed to compile")
+    _print_failed(
+        console, [t for t in failed if t.failure not in ("store", "lock", "no_worker")], "failed to compile"
+    )
     _print_failed(console, [t for t in failed if t.failure == "store"], "compiled but failed to store")
     _print_failed(
         console,
         [t for t in failed if t.failure == "lock"],
         "not built: another process held the lock past lock_timeout",
+    )
+    _print_failed(
+        console,
+        [t for t in failed if t.failure == "no_worker"],
+        "not built: no worker left (the executor lost every one it could start)",
     )
     if failed and res.log_path:  # only a log that holds something (failures.log_with_content)
         what = "full compiler output" if any(t.failure == "compile" for t in failed) else "full error text"

@@ -10,7 +10,15 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+from quack.errors import ExecutorError
+
 STARTED, DONE, FAILED, NOTE = "started", "done", "failed", "note"
+
+
+class WorkersLost(ExecutorError):
+    """The error of a key never compiled because the executor lost every worker (killed
+    by what they compiled, out of memory, lost nodes) and may start no more: the build
+    reports it not built (``failure: "no_worker"``), not as a compile failure."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,8 +87,9 @@ class Executor(Protocol):
     def poll(self, timeout: float) -> list[Event]:
         """Wait up to ``timeout`` seconds for events and return them (maybe none).
         A key's failure is a FAILED event, never raised; KeyboardInterrupt passes
-        through. Raises ExecutorError only when the executor itself is lost (every
-        worker gone and none can be started)."""
+        through. Workers lost one after the other until no more may be started fail
+        the keys left (FAILED, WorkersLost). Raises ExecutorError only when the executor
+        itself is lost (every worker gone and none could start)."""
 
     def cancel(self) -> None:
         """Stop every outstanding compile now (kill its worker). Idempotent. Once it

@@ -8,19 +8,27 @@ coordinator's loop."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from quack.errors import ExecutorError
+from quack.errors import ExecutorError, LockTimeout
 from quack_build.build.executors.base import DONE, FAILED, Event, WorkItem
 
 # Publishing (verify, lock, write, fsync x2, .so) is I/O-bound: threads overlap the fsyncs,
 # so the one coordinator keeps up with many nodes (see benchmarks/bench_ray.py).
 PUBLISH_THREADS = 8
+# A publish waiting for a key's lock (another process compiling it) retries at this period
+# and gives up once the publisher is cancelled: Ctrl-C must not wait out lock_timeout.
+LOCK_POLL_S = 0.2
+
+
+class PublishCancelled(ExecutorError):
+    """A publish given up, before its lock and its first write, because the build stopped."""
 
 
 def check_result(ref, item: WorkItem, res: dict) -> str:
@@ -40,11 +48,20 @@ def check_result(ref, item: WorkItem, res: dict) -> str:
 
 
 def publish_result(
-    store, item: WorkItem, res: dict, *, worker: str, executor: str = "ray", address: str = ""
+    store,
+    item: WorkItem,
+    res: dict,
+    *,
+    worker: str,
+    executor: str = "ray",
+    address: str = "",
+    cancelled: threading.Event | None = None,
 ) -> bool:
     """Check ``res`` (key, srcfp, stamp, obj, size, sha256, compile_s, host, pid; optionally
     so + so_sha256, the .so the worker linked) and publish it into ``store``. True if
-    published here; False if another process published the key first.
+    published here; False if another process published the key first. ``cancelled``: once
+    set, a publish still waiting for the key's lock gives up (PublishCancelled; nothing
+    was written); one holding it finishes (atomic).
 
     Raises ExecutorError for a result that does not match (nothing is published), and
     what the Store raises (CacheError, CacheWriteError, LockTimeout)."""
@@ -63,7 +80,8 @@ def publish_result(
         )
     if not item.force and store.lookup(ref) is not None:
         return False
-    with store.lock(ref):
+    what = f"{item.kernel} key {item.key[:16]} from {worker}"
+    with _lock(store, ref, cancelled, what=what, executor=executor):
         if not item.force and store.lookup(ref, locked=True) is not None:
             return False
         tmp = store.tmp_obj(ref)
@@ -97,6 +115,35 @@ def publish_result(
     return True
 
 
+@contextlib.contextmanager
+def _lock(store, ref, cancelled: threading.Event | None, *, what: str, executor: str) -> Iterator[None]:
+    """The key's lock, as ``store.lock(ref)`` takes it (waiting up to the store's
+    lock_timeout for another holder), in waits of LOCK_POLL_S that stop once
+    ``cancelled`` is set (PublishCancelled)."""
+    if cancelled is None:
+        with store.lock(ref):
+            yield
+        return
+    limit = float(getattr(store, "lock_timeout", 600.0))
+    deadline = time.monotonic() + limit
+    with contextlib.ExitStack() as held:
+        while True:
+            if cancelled.is_set():
+                raise PublishCancelled(
+                    f"publishing {what} given up: the build stopped while another process held "
+                    f"the key's lock; nothing was written",
+                    executor=executor,
+                )
+            left = deadline - time.monotonic()
+            try:
+                held.enter_context(store.lock(ref, timeout=max(0.0, min(LOCK_POLL_S, left))))
+                break
+            except LockTimeout as e:
+                if left <= LOCK_POLL_S:
+                    raise LockTimeout(e.path, limit) from None
+        yield
+
+
 def write_into(tmp: Path, data: bytes) -> None:
     """Fill a temp file the store reserved (O_EXCL, ours): no symlink is followed."""
     fd = os.open(tmp, os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
@@ -121,6 +168,7 @@ class Publisher:
         self._threads: Any = None  # ThreadPoolExecutor, from open()
         self._futures: set = set()  # each gives a list of events
         self._counts_lock = threading.Lock()
+        self._cancelled = threading.Event()  # set: publishes waiting for a lock give up
 
     def open(self, address: str) -> None:
         from concurrent.futures import ThreadPoolExecutor
@@ -147,9 +195,16 @@ class Publisher:
             out += f.result()  # _finish never raises: a failure is a FAILED event
         return out
 
+    def cancel(self) -> None:
+        """Drop what is not yet being written, without waiting: a publish waiting for a
+        key's lock (another process holds it, for up to lock_timeout) gives up within
+        LOCK_POLL_S; those writing finish (atomic). ``shutdown`` waits for them."""
+        self._cancelled.set()
+
     def shutdown(self) -> None:
-        """Let the publishes in progress finish (each is atomic) and drop the queued ones:
-        nothing more is published once this returns."""
+        """Cancel (above), let the publishes in progress finish (each is atomic) and drop
+        the queued ones: nothing more is published once this returns."""
+        self.cancel()
         if self._threads is not None:
             self._threads.shutdown(wait=True, cancel_futures=True)
             self._threads = None
@@ -162,7 +217,13 @@ class Publisher:
         p0 = time.perf_counter()
         try:
             compiled = publish_result(
-                self.store, item, res, worker=worker, executor=self.executor, address=self.address
+                self.store,
+                item,
+                res,
+                worker=worker,
+                executor=self.executor,
+                address=self.address,
+                cancelled=self._cancelled,
             )
             if compiled:
                 with self._counts_lock:

@@ -26,7 +26,9 @@ own scheduler (longest first, fail-fast, display, trace) and its cache rules:
   lock (check, lock, check again).
 * **Failures.** A compile error comes back as the compiler's own CompileError. An
   actor that dies (killed, OOM, node lost) has its key retried on another actor,
-  at most ``MAX_RETRIES`` times, and is replaced. ``cancel`` kills every actor:
+  at most ``MAX_RETRIES`` times, and is replaced, within a budget (``_may_replace``): once
+  it is spent and no actor is left, the keys still queued fail as WorkersLost (not
+  built), and the build ends with its summary. ``cancel`` kills every actor:
   nothing it was doing can reach the cache.
 """
 
@@ -39,7 +41,15 @@ import time
 from typing import Any
 
 from quack.errors import CompileError, ExecutorError
-from quack_build.build.executors.base import FAILED, NOTE, RAY_INSTALL_HINT, STARTED, Event, WorkItem
+from quack_build.build.executors.base import (
+    FAILED,
+    NOTE,
+    RAY_INSTALL_HINT,
+    STARTED,
+    Event,
+    WorkersLost,
+    WorkItem,
+)
 from quack_build.build.executors.publish import PUBLISH_THREADS, Publisher
 from quack_build.build.executors.ray.actors import Actor, ActorPool
 from quack_build.build.executors.ray.cluster import (
@@ -132,6 +142,11 @@ class RayExecutor:
             "roundtrip_s": 0.0,
         }
         self._dispatched_at: dict = {}
+        # The last actor lost (died or killed past compile_timeout), and whether a lost actor
+        # found the replacement budget (_may_replace) spent: then, once no actor is left, the
+        # keys still queued fail naming both (_fail_queued) instead of the build aborting.
+        self._last_lost = ""
+        self._budget_spent = False
         self._publisher = Publisher(store)  # its threads start in start()
         self._cpu_ready = 0.0
 
@@ -223,7 +238,34 @@ class RayExecutor:
         out += self._check_deadlines()
         out += self._dispatch() + self._publisher.done()
         if self._queue and not self._pool.idle and not self._busy and not self._pool.warming:
-            raise self._pool.no_actor_error(START_TIMEOUT_S)
+            if not self._budget_spent:
+                raise self._pool.no_actor_error(START_TIMEOUT_S)
+            out += self._fail_queued()
+        return out
+
+    def _replace(self, a: Actor, why: str) -> None:
+        """``a`` is lost (dead, or killed for a time-out): start another, within the budget."""
+        self._last_lost = f"{a.label}: {why}"
+        if self._closed:
+            return
+        if self._may_replace():
+            self._pool.spawn()  # keep the worker count
+        else:
+            self._budget_spent = True
+
+    def _fail_queued(self) -> list[Event]:
+        """No actor is left and the replacement budget is spent: every key still queued
+        fails, not built (the scheduler reports them: the summary, --keep-going's rest)."""
+        lost = self.counts["actor_deaths"] + self.counts["timeouts"]
+        err = WorkersLost(
+            f"no Ray actor left: the replacement budget is exhausted after {lost} actor "
+            f"deaths (last: {self._last_lost}); a kernel that crashes its compile process, "
+            f"or nodes out of memory?",
+            executor="ray",
+            address=self.address,
+        )
+        out = [Event(FAILED, item.key, error=err) for item, _attempt in self._queue]
+        self._queue.clear()
         return out
 
     def _check_deadlines(self) -> list[Event]:
@@ -242,8 +284,7 @@ class RayExecutor:
             self._dispatched_at.pop(ref, None)
             self._pool.drop(a)
             self.counts["timeouts"] += 1
-            if self._may_replace():
-                self._pool.spawn()
+            self._replace(a, f"killed after {limit:.0f} s compiling {item.kernel} (compile_timeout)")
             out.append(
                 Event(
                     FAILED,
@@ -318,8 +359,7 @@ class RayExecutor:
         self.counts["actor_deaths"] += 1
         why = first_line(e)
         out: list[Event] = []
-        if not self._closed and self._may_replace():
-            self._pool.spawn()  # keep the worker count
+        self._replace(a, why)
         if attempt < self.max_retries:
             self.counts["retries"] += 1
             self._queue.appendleft((item, attempt + 1))
@@ -359,14 +399,26 @@ class RayExecutor:
 
     # -- stopping ---------------------------------------------------------------------------
     def cancel(self) -> None:
-        """Kill every actor (Ray cancels their tasks with them) and let the publishes in
-        progress finish (each is atomic; queued ones are dropped): nothing more is
-        published once this returns."""
+        """Kill every actor (Ray cancels their tasks with them), shut Ray down (the
+        instance this build started goes with it), and let the publishes in progress
+        finish (each is atomic; those queued or still waiting for a key's lock that
+        another process holds are dropped): nothing more is published once this
+        returns, and no wait here is longer than a write."""
         self._closed = True
         self._queue.clear()
+        self._publisher.cancel()
         self._pool.drop_all()
         self._busy.clear()
+        self._disconnect()
         self._publisher.shutdown()
+
+    def _disconnect(self) -> None:
+        if self._owned:
+            self._owned = False
+            try:
+                self._ray.shutdown()
+            except Exception:  # noqa: BLE001
+                pass
 
     def close(self) -> None:
         if self._stage:
@@ -379,12 +431,6 @@ class RayExecutor:
         if self._cpu_ready and not self.counts.get("coordinator_cpu_s"):
             self.counts["coordinator_cpu_s"] = round(time.process_time() - self._cpu_ready, 3)
         self.cancel()
-        if self._owned:
-            self._owned = False
-            try:
-                self._ray.shutdown()
-            except Exception:  # noqa: BLE001
-                pass
 
     @property
     def preload_s(self) -> float:
