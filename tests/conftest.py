@@ -288,3 +288,34 @@ sys.path.insert(0, str(TESTS))
 
 # Issue 16: per-worker GPU records and the session-end pinning check (tests/gpupin.py).
 from gpupin import pytest_sessionfinish, pytest_terminal_summary, pytest_testnodedown  # noqa: E402,F401
+
+# --- the remote-cache suites' servers (tests/remote_services.py): one of each a module ----
+
+
+@pytest.fixture(scope="module")
+def redis_srv(tmp_path_factory):
+    """A redis-server of the module's own on a free loopback port, stopped after it."""
+    from remote_services import redis_server
+
+    with redis_server(tmp_path_factory.mktemp("redis")) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def s3_url():
+    """A moto S3 server of the module's own: its endpoint URL."""
+    from remote_services import moto_s3
+
+    with moto_s3() as url:
+        yield url
+
+
+@pytest.fixture
+def fresh_remote_state():
+    """A remote switched off by an earlier test (unreachable: off for the process) is on
+    again: each remote test starts as a fresh process would."""
+    from quack.remote import tier
+
+    tier.reset_offline_for_tests()
+    yield
+    tier.reset_offline_for_tests()

@@ -12,25 +12,13 @@ import time
 import pytest
 import remote_services
 from interrupt_support import scaled
-from remote_services import moto_s3, redis_server, silent_socket
+from remote_services import redis_server, silent_socket
 
 from quack.errors import RemoteError
 from quack.remote.backend import open_backend
 from quack.remote.base import redact
 
 remote_services.require_modules("redis", "boto3", "moto")
-
-
-@pytest.fixture(scope="module")
-def redis_srv(tmp_path_factory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def s3_url():
-    with moto_s3() as url:
-        yield url
 
 
 @pytest.fixture(params=["redis", "s3", "file"])

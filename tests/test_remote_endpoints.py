@@ -43,10 +43,8 @@ HARD_TIMEOUT = 300  # the guard against a hang; never reached when it works
 
 
 @pytest.fixture(autouse=True)
-def _fresh_remote_state():
-    tier.reset_offline_for_tests()
-    yield
-    tier.reset_offline_for_tests()
+def _fresh_remote_state(fresh_remote_state):
+    """tests/conftest.py's, for every test here."""
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import warnings
 
 import pytest
 import remote_services
-from remote_services import moto_s3, redis_server
 
 from quack import settings, signing
 from quack.cache.entry import EntryRef
@@ -53,10 +52,8 @@ def bounded(fn, *args):
 
 
 @pytest.fixture(autouse=True)
-def _fresh_remote_state():
-    tier.reset_offline_for_tests()
-    yield
-    tier.reset_offline_for_tests()
+def _fresh_remote_state(fresh_remote_state):
+    """tests/conftest.py's, for every test here."""
 
 
 @pytest.fixture
@@ -230,18 +227,6 @@ def test_a_private_store_is_not_widened(tmp_path):
 # --- 3. the size cap, on every backend ---------------------------------------------------------
 
 CAP = 4096
-
-
-@pytest.fixture(scope="module")
-def redis_srv(tmp_path_factory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def s3_url():
-    with moto_s3() as url:
-        yield url
 
 
 def _plant_value(kind, where, name, value: bytes):

@@ -16,7 +16,6 @@ import warnings
 
 import pytest
 import remote_services
-from remote_services import moto_s3, redis_server
 from test_remote_tier import DATA, _cases, publish_local, ref
 
 from quack import signing
@@ -31,22 +30,8 @@ _seq = itertools.count()
 
 
 @pytest.fixture(autouse=True)
-def _fresh_remote_state():
-    tier.reset_offline_for_tests()
-    yield
-    tier.reset_offline_for_tests()
-
-
-@pytest.fixture(scope="module")
-def redis_srv(tmp_path_factory):
-    with redis_server(tmp_path_factory.mktemp("redis")) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def s3_url():
-    with moto_s3() as url:
-        yield url
+def _fresh_remote_state(fresh_remote_state):
+    """tests/conftest.py's, for every test here."""
 
 
 class Remote:

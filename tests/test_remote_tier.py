@@ -33,10 +33,8 @@ def ref(i: int = 0, *, kernel: str = "toy_scale", srcfp: str = SRCFP) -> EntryRe
 
 
 @pytest.fixture(autouse=True)
-def _fresh_remote_state():
-    tier.reset_offline_for_tests()
-    yield
-    tier.reset_offline_for_tests()
+def _fresh_remote_state(fresh_remote_state):
+    """tests/conftest.py's, for every test here."""
 
 
 @pytest.fixture

@@ -44,7 +44,7 @@ import secrets
 import stat
 import threading
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from quack.cache import openat
@@ -56,6 +56,8 @@ MARKER = ".quack-remote"
 REPLACE_LOCK = ".quack-replace.lock"  # in each object's directory: taken by every replace
 _FULL = (errno.ENOSPC, errno.EDQUOT)
 _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+_T = TypeVar("_T")
 
 
 def _kind(mode: int) -> str:
@@ -202,20 +204,31 @@ class FileBackend:
 
     # -- the operations (on the daemon thread) ------------------------------------------------
     def _get(self, parts: list[str]) -> bytes | None:
+        return self._in_dir(parts, self._read_at)
+
+    def _in_dir(self, parts: list[str], read: Callable[[int, str, Path], _T]) -> _T | None:
+        """``read(dir fd, leaf, path)`` in the object's directory, opened without following
+        links; None when the directory is not there (nothing was ever stored under it)."""
         p = self.root.joinpath(*parts)
-        root_fd = self._open_root(writing=False)
-        try:
-            dfd = self._walk(root_fd, parts[:-1], create=False)
-        except OSError as e:
-            raise e if isinstance(e, RemoteError) else self._err(e, f"reading {p}") from None
-        finally:
-            os.close(root_fd)
+        dfd = self._dir_fd(parts, create=False, doing="reading")
         if dfd is None:
             return None
         try:
-            return self._read_at(dfd, parts[-1], p)
+            return read(dfd, parts[-1], p)
         finally:
             os.close(dfd)
+
+    def _dir_fd(self, parts: list[str], *, create: bool, doing: str) -> int | None:
+        """The object's directory, opened (``create``: made) without following links; None
+        when it is not there and not ``create``. RemoteError naming ``doing`` the object."""
+        root_fd = self._open_root(writing=create)
+        try:
+            return self._walk(root_fd, parts[:-1], create=create)
+        except OSError as e:
+            p = self.root.joinpath(*parts)
+            raise e if isinstance(e, RemoteError) else self._err(e, f"{doing} {p}") from None
+        finally:
+            os.close(root_fd)
 
     def _read_at(self, dfd: int, leaf: str, p: Path) -> bytes | None:
         """The object ``leaf`` of the open directory ``dfd`` (``p`` its path, for messages)."""
@@ -256,20 +269,7 @@ class FileBackend:
         return None if v is None else Current(v, hashlib.sha256(v).hexdigest())
 
     def _get_current(self, parts: list[str]) -> Current | None:
-        p = self.root.joinpath(*parts)
-        root_fd = self._open_root(writing=False)
-        try:
-            dfd = self._walk(root_fd, parts[:-1], create=False)
-        except OSError as e:
-            raise e if isinstance(e, RemoteError) else self._err(e, f"reading {p}") from None
-        finally:
-            os.close(root_fd)
-        if dfd is None:
-            return None
-        try:
-            return self._tag_at(dfd, parts[-1], p)
-        finally:
-            os.close(dfd)
+        return self._in_dir(parts, self._tag_at)
 
     def _write_temp(self, dfd: int, leaf: str, data: bytes) -> str:
         """A private temp file next to ``leaf`` holding ``data``, fsynced; its name."""
@@ -298,13 +298,7 @@ class FileBackend:
 
     def _put(self, parts: list[str], data: bytes) -> bool:
         p = self.root.joinpath(*parts)
-        root_fd = self._open_root(writing=True)
-        try:
-            dfd = self._walk(root_fd, parts[:-1], create=True)
-        except OSError as e:
-            raise e if isinstance(e, RemoteError) else self._err(e, f"writing {p}") from None
-        finally:
-            os.close(root_fd)
+        dfd = self._dir_fd(parts, create=True, doing="writing")
         assert dfd is not None  # create=True never answers None
         leaf = parts[-1]
         try:
@@ -315,16 +309,9 @@ class FileBackend:
                 pass
             tmp = self._write_temp(dfd, leaf, data)
             try:
-                try:
-                    os.link(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                except FileExistsError:
-                    return False
-                return True
+                return _link_new(dfd, tmp, leaf)
             finally:
-                try:
-                    os.unlink(tmp, dir_fd=dfd)
-                except FileNotFoundError:
-                    pass
+                _drop(dfd, tmp)
         except OSError as e:
             raise e if isinstance(e, RemoteError) else self._err(e, f"writing {p}") from None
         finally:
@@ -332,13 +319,7 @@ class FileBackend:
 
     def _replace(self, parts: list[str], data: bytes, tag: str, stop: threading.Event) -> bool:
         p = self.root.joinpath(*parts)
-        root_fd = self._open_root(writing=True)
-        try:
-            dfd = self._walk(root_fd, parts[:-1], create=True)
-        except OSError as e:
-            raise e if isinstance(e, RemoteError) else self._err(e, f"replacing {p}") from None
-        finally:
-            os.close(root_fd)
+        dfd = self._dir_fd(parts, create=True, doing="replacing")
         assert dfd is not None  # create=True never answers None
         leaf = parts[-1]
         try:
@@ -351,11 +332,7 @@ class FileBackend:
                         return False  # the caller timed out and reported so: nothing is done
                     cur = self._tag_at(dfd, leaf, p)
                     if cur is None:  # gone in between: first writer wins, as ever
-                        try:
-                            os.link(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
-                        except FileExistsError:
-                            return False
-                        return True
+                        return _link_new(dfd, tmp, leaf)
                     if cur.tag != tag:
                         return False  # another object there now: left as it is
                     os.rename(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd)
@@ -363,10 +340,7 @@ class FileBackend:
                 finally:
                     os.close(lock)
             finally:
-                try:
-                    os.unlink(tmp, dir_fd=dfd)
-                except FileNotFoundError:
-                    pass
+                _drop(dfd, tmp)
         except OSError as e:
             raise e if isinstance(e, RemoteError) else self._err(e, f"replacing {p}") from None
         finally:
@@ -418,3 +392,21 @@ class FileBackend:
             raise self._err(e, f"looking up {p}") from None
         finally:
             os.close(dfd)
+
+
+def _link_new(dfd: int, tmp: str, leaf: str) -> bool:
+    """``tmp`` linked in as ``leaf`` of the directory ``dfd``, unless a file is there
+    already (the first writer wins): True if it was."""
+    try:
+        os.link(tmp, leaf, src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+    except FileExistsError:
+        return False
+    return True
+
+
+def _drop(dfd: int, tmp: str) -> None:
+    """The temp file ``tmp`` of the directory ``dfd`` removed, if still there."""
+    try:
+        os.unlink(tmp, dir_fd=dfd)
+    except FileNotFoundError:
+        pass

@@ -230,17 +230,23 @@ class RemoteTier:
             _warn_once(self.url, "push-size", f"quack: not pushing {e}")
             return "failed"
         name = objects.object_name(ref)
+        added = self._add(ref, name, blob)
+        return self._taken(ref, name, blob) if added == "taken" else added
+
+    def _add(self, ref: EntryRef, name: str, blob: bytes) -> str:
+        """Store ``blob`` at ``name`` unless something is there: ``pushed``, ``failed``
+        (counted, the failure reported) or ``taken`` (nothing counted yet)."""
         try:
             stored = self._backend_call(self.backend.put_if_absent, name, blob)
         except RemoteError as e:
             self._count(push_failed=1)
             self._failed(e, "put")
             return "failed"
-        if stored:
-            self._count(pushed=1, bytes_up=len(blob))
-            log.info("pushed %s key %s (%d bytes)", ref.kernel, ref.key[:16], len(blob))
-            return "pushed"
-        return self._taken(ref, name, blob)
+        if not stored:
+            return "taken"
+        self._count(pushed=1, bytes_up=len(blob))
+        log.info("pushed %s key %s (%d bytes)", ref.kernel, ref.key[:16], len(blob))
+        return "pushed"
 
     def _taken(self, ref: EntryRef, name: str, blob: bytes) -> str:
         """The name holds an object already: keep it if it verifies under this writer's
@@ -260,16 +266,9 @@ class RemoteTier:
             self._count(push_exists=1)
             return "exists"
         if cur is None:  # gone since the put (evicted, deleted): one more add, no loop
-            try:
-                stored = self._backend_call(self.backend.put_if_absent, name, blob)
-            except RemoteError as e:
-                self._count(push_failed=1)
-                self._failed(e, "put")
-                return "failed"
-            if stored:
-                self._count(pushed=1, bytes_up=len(blob))
-                log.info("pushed %s key %s (%d bytes)", ref.kernel, ref.key[:16], len(blob))
-                return "pushed"
+            added = self._add(ref, name, blob)
+            if added != "taken":
+                return added
             self._count(push_exists=1)
             return "exists"
         if cur.data is None:

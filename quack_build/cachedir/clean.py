@@ -66,40 +66,35 @@ class Cleaner:
         self._done: set[Path] = set()
 
     def _unlink(self, path: Path, size: int, why: str) -> None:
-        if path in self._done:
-            return
-        self._done.add(path)
-        if not self.dry_run:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                return
-            except OSError as e:
-                self.report.errors.append((path, e.strerror or str(e)))
-                return
-        r = Removal(path, size, why)
-        self.report.removed.append(r)
-        if self.log:
-            self.log(r)
+        def unlink() -> int:
+            os.unlink(path)
+            return size
+
+        self._remove(path, why, unlink, lambda: size)
 
     def _rmtree(self, path: Path, why: str) -> None:
         """Remove a directory planted where the cache has a file, with what it holds;
         no link in it is followed (quack.cache.fsutil.remove_tree). Unlinking it failed
         ("Is a directory") and made every clean exit 1."""
+        self._remove(path, why, lambda: fsutil.remove_tree(path), lambda: fsutil.tree_bytes(path))
+
+    def _remove(self, path: Path, why: str, remove: Callable[[], int], size: Callable[[], int]) -> None:
+        """Remove ``path`` once (``remove()`` -> the bytes freed; a dry run only measures:
+        ``size()``), recorded and logged; gone already is nothing, a failure an error."""
         if path in self._done:
             return
         self._done.add(path)
         if self.dry_run:
-            size = fsutil.tree_bytes(path)
+            freed = size()
         else:
             try:
-                size = fsutil.remove_tree(path)
+                freed = remove()
             except FileNotFoundError:
                 return
             except OSError as e:
                 self.report.errors.append((path, e.strerror or str(e)))
                 return
-        r = Removal(path, size, why)
+        r = Removal(path, freed, why)
         self.report.removed.append(r)
         if self.log:
             self.log(r)
