@@ -316,7 +316,13 @@ def s3_error(status: int = 503, code: str = "SlowDown"):
         def log_message(self, *a) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)
+    with _serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), Failing)) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serving(httpd):
+    """Serve ``httpd`` on a daemon thread; yields its URL; shut down and closed after."""
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
@@ -341,14 +347,8 @@ def plain_http():
         def log_message(self, *a) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
+    with _serving(http.server.ThreadingHTTPServer(("127.0.0.1", 0), NotFound)) as url:
+        yield url
 
 
 class Flood:
