@@ -255,7 +255,9 @@ def test_key_held_past_lock_timeout_is_compiled_unstored_by_a_worker(pool, cache
                 warnings.simplefilter("always")
                 fn = toykernels.toy_scale("float32", 224, True)
         assert callable(fn) and len(toykernels.COMPILES) == n0  # compiled in the worker only
-        msgs = [str(x.message) for x in w]
+        # quack's warnings only: an earlier test's unclosed file, collected meanwhile, comes
+        # as a ResourceWarning here (it failed this test after tests/test_jit.py)
+        msgs = [str(x.message) for x in w if not issubclass(x.category, ResourceWarning)]
         assert len(msgs) == 1 and f"another process (pid {proc.pid}) held the lock" in msgs[0], msgs
         assert "past lock_timeout: QUACK_LOCK_TIMEOUT" in msgs[0] and "loaded it unstored" in msgs[0]
         st = pool.stats()
