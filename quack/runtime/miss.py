@@ -5,8 +5,8 @@ it: in a compile worker, settling with the pool (inside a pool_scope a pending k
 raises CompilePending); in a compile worker and unstored (its object's bytes loaded from
 a private copy, bounded by compile_timeout) when another process holds the key's lock
 past lock_timeout or the cache can't take the object (read-only, full, its entry gone
-right after the compile); in this process only for a kernel a worker can't import or
-with the cache disabled or unusable.
+right after the compile) or the cache is disabled or unusable; in this process only for
+a kernel a worker can't import.
 
 Imported only by a local miss (quack.runtime.jit's ``JitKernel._resolve``): a hit never
 imports it, nor the pool, the builder or the tier chain it reaches
@@ -107,12 +107,15 @@ def load_unstored(got, params, key, arch, tier_name: str) -> Loaded | None:
 
 
 def on_miss(k: JitKernel, ref, store, params, key, s, unusable: str) -> Loaded:
-    """The miss policy: prebuilt mode raises KernelNotPrebuilt; jit mode compiles,
-    into the store when it can take the object, else in this process, unstored."""
+    """The miss policy: prebuilt mode raises KernelNotPrebuilt; jit mode compiles in a
+    compile worker, into the store when it can take the object, else unstored (in this
+    process for a kernel a worker can't import)."""
     arch = s.arch
     if s.mode == "prebuilt":
         not_prebuilt(k, params, key, s, unusable or stale_entry(store, ref))
-    if store is None:  # cache disabled or unusable
+    if store is None:  # cache disabled or unusable (warned about): nothing to publish into
+        if k.spec.shippable:
+            return compile_unstored(k, ref, params, key, arch, unusable or "the cache is not used")
         return compile_in_process(k, params, key, arch)
     if not store.writable():
         log.info("%s is not writable: compiling %s %s unstored", s.cache_dir, k.spec.name, key[:16])
@@ -366,8 +369,9 @@ def pool_for(k: JitKernel, params, arch, s):
 
 
 def compile_unstored(k: JitKernel, ref, params, key, arch, why: str) -> Loaded:
-    """A shippable kernel's miss the cache can't take (read-only, full, its entry gone
-    right after the compile; ``why``, warned about by the caller): a compile worker
+    """A shippable kernel's miss the cache can't take (read-only, full, disabled,
+    unusable, its entry gone right after the compile; ``why``, warned about by the
+    caller where the cache is not plainly disabled): a compile worker
     compiles it into its private temp directory, publishing nothing and taking no lock,
     bounded by compile_timeout like any compile, and its object is loaded from a private
     copy of the bytes (``load_worker_unstored``). Inside a pool_scope a pending key raises
@@ -451,7 +455,7 @@ def worker_failed(k: JitKernel, err, params, key, arch) -> None:
 def compile_in_process(k: JitKernel, params, key, arch) -> Loaded:
     """Compile here and keep the JIT function in memory: only a kernel a compile worker
     can't import (defined in a test function, __main__) whose object the cache can't
-    take, or any kernel with the cache disabled or unusable. Nothing bounds it."""
+    take (read-only, full, disabled, unusable). Nothing bounds it."""
     from quack import settings as _settings
     from quack.compile import builder
 
