@@ -173,3 +173,35 @@ def test_wedged_unstored_compile_is_bounded_by_compile_timeout(pool, read_only_c
         os.unlink(poolkernels.pid_file(tag))
     except FileNotFoundError:
         pass
+
+
+@pytest.mark.parametrize("where", ["mkdtemp", "export"])
+def test_unstored_compile_on_a_full_temp_dir_is_a_clear_cache_write_error(
+    quack_settings, tmp_path, monkeypatch, where
+):
+    """The unstored compile writes only into a private temp directory: one that can't be
+    created, or can't take the object (disk full), is a CacheWriteError naming it and
+    TMPDIR, never a crash, and nothing of it is left."""
+    import errno
+    import tempfile as _tempfile
+
+    from quack.errors import CacheWriteError
+
+    spec = toykernels.toy_scale.spec
+    params = spec.bind(("float32", 320, False))
+    monkeypatch.setattr(_tempfile, "tempdir", str(tmp_path / ("missing" if where == "mkdtemp" else "tmp")))
+    (tmp_path / "tmp").mkdir()
+    if where == "export":
+
+        def full(spec, params, arch, out_path):
+            with open(out_path, "wb") as f:
+                f.write(b"\x7fELF half")
+            raise OSError(errno.ENOSPC, "No space left on device", str(out_path))
+
+        monkeypatch.setattr(builder, "compile_to", full)
+    with pytest.raises(CacheWriteError) as ei:
+        builder.compile_unstored(spec, params, "sm_90a")
+    msg = str(ei.value)
+    assert "compile worker's temp directory" in msg and "TMPDIR" in msg, msg
+    assert str(tmp_path) in msg and ("disk full" in msg if where == "export" else "unstored" in msg), msg
+    assert list((tmp_path / "tmp").iterdir()) == [], "the private temp directory was left"
