@@ -4,12 +4,15 @@ reused across fault cases by copying; subprocess runners; cache walkers."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 TESTS = Path(__file__).parent
 ROOT = TESTS.parent
@@ -191,3 +194,27 @@ def write_toy_project(d: Path, manifest: str = TOY_MANIFEST) -> Path:
     )
     (d / "toy.toml").write_text(manifest)
     return d / "toy.toml"
+
+
+@contextlib.contextmanager
+def made_read_only(src: Path, ro: Path):
+    """``src`` made read-only for real (its path, or ``ro``): a read-only bind mount
+    at ``ro`` as root, or chmod a-w as an ordinary user."""
+    if os.geteuid() != 0:
+        for p in [src, *src.rglob("*")]:
+            p.chmod(p.stat().st_mode & ~0o222)
+        try:
+            yield src
+        finally:
+            for p in [src, *src.rglob("*")]:
+                p.chmod(p.stat().st_mode | 0o200)
+    elif can_mount():
+        ro.mkdir(mode=0o700)
+        subprocess.run(["mount", "--bind", str(src), str(ro)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], check=True)
+            yield ro
+        finally:
+            subprocess.run(["umount", str(ro)], capture_output=True)
+    else:
+        pytest.skip("root without mount: no way to make a directory read-only for root")

@@ -238,21 +238,27 @@ def test_prebuilt_miss_after_an_edit_names_the_older_build(quack_settings, tmp_p
 
 
 _UNUSABLE_CALLS = """
-import json, warnings
+import json, os, warnings
 warnings.simplefilter("always")
 import relkernels
 from quack.errors import CacheWarning
 with warnings.catch_warnings(record=True) as w:
     for _ in range(15):
-        relkernels.rel_copy(3)()
-        relkernels.rel_copy(i=4)()
-print(json.dumps([str(x.message) for x in w if issubclass(x.category, CacheWarning)]))
+        assert callable(relkernels.rel_copy(3))
+        assert callable(relkernels.rel_copy(i=4))
+print(json.dumps({"pid": os.getpid(), "warnings": [str(x.message) for x in w if issubclass(x.category, CacheWarning)]}))
 """
 
 
-def test_unusable_cache_warns_once_per_process_not_per_call(tmp_path):
+def test_unusable_cache_warns_once_per_process_not_per_call(tmp_path, tmp_path_factory):
     """QUACK_CACHE_DIR naming a regular file: 30 calls of two keys (each spelled anew, so
-    none is served by the hot path's memo) gave 30 identical warnings; now one."""
+    none is served by the hot path's memo) gave 30 identical warnings; now one. The two
+    misses compile in a compile worker, unstored (QUACK_TEST_COUNTER: no line of this
+    process), not in the calling process."""
+    from reliability_support import session_objects
+
+    obj = session_objects(tmp_path_factory)["float32"]["path"]
+    counter = tmp_path / "compiles"
     not_a_dir = tmp_path / "cachefile"
     not_a_dir.write_text("not a directory\n")
     r = subprocess.run(
@@ -261,10 +267,14 @@ def test_unusable_cache_warns_once_per_process_not_per_call(tmp_path):
         text=True,
         timeout=240,
         cwd=str(tmp_path),
-        env=env(QUACK_CACHE_DIR=not_a_dir, QUACK_MODE="jit", QUACK_TEST_OBJ="/nonexistent"),
+        env=env(QUACK_CACHE_DIR=not_a_dir, QUACK_MODE="jit", QUACK_TEST_OBJ=obj, QUACK_TEST_COUNTER=counter),
     )
     assert r.returncode == 0, r.stderr
-    warned = json.loads(r.stdout.strip().splitlines()[-1])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    warned = out["warnings"]
     unusable = [m for m in warned if "unusable" in m]
-    assert len(unusable) == 1, warned
-    assert str(not_a_dir) in unusable[0] and "in this process" in unusable[0]
+    assert len(unusable) == 1 and len(warned) == 1, warned
+    assert str(not_a_dir) in unusable[0] and "compile in a compile worker" in unusable[0]
+    compiles = [line.split() for line in counter.read_text().splitlines()]
+    assert sorted(i for _, i in compiles) == ["3", "4"], compiles  # one compile a key
+    assert all(pid != str(out["pid"]) for pid, _ in compiles), "compiled in the calling process"

@@ -160,12 +160,32 @@ def test_miss_path_warnings_point_at_the_callers_line(quack_settings, tmp_path, 
     assert (Path(w.filename).name, w.lineno) == (Path(__file__).name, line), w
 
 
-def test_cache_disabled_compiles_in_process(quack_settings, cache_dir):
+def test_cache_disabled_compiles_in_a_worker_unstored(quack_settings, cache_dir):
+    """A disabled cache: the miss is compiled by a compile worker, unstored (bounded by
+    compile_timeout), and loaded; never in this process, nothing written."""
+    from quack.compile import pool as qpool
+    from quack.compile import scope as qscope
+    from quack.compile import tasks as qtasks
+    from quack.errors import CompilePending
+
     use_settings(cache_enabled=False)
     n0 = len(toykernels.COMPILES)
-    fn = toykernels.toy_scale("float32", 512, False)
-    assert callable(fn) and len(toykernels.COMPILES) == n0 + 1
-    assert not cache_dir.exists() or not list(cache_dir.rglob("*.o"))
+    pool = qpool.CompilePool(1)
+    try:
+        with warnings.catch_warnings(record=True) as w, qscope.pool_scope(pool):
+            warnings.simplefilter("always")
+            with pytest.raises(CompilePending) as ei:
+                toykernels.toy_scale("float32", 512, False)
+            assert ei.value.root == qpool.unstored_root(cache_dir)
+            assert pool.wait(ei.value.key, timeout=120, root=ei.value.root) == (qtasks.DONE, None)
+            fn = toykernels.toy_scale("float32", 512, False)
+        st = pool.stats()
+    finally:
+        pool.shutdown(wait=True)
+    assert callable(fn) and len(toykernels.COMPILES) == n0, "compiled in this process"
+    assert (st["submitted"], st["compiled"], st["unstored"]) == (1, 1, 1), st
+    assert [x for x in w if issubclass(x.category, CacheWarning)] == []  # disabled: no warning
+    assert not cache_dir.exists() or not list(cache_dir.rglob("*"))
 
 
 def test_journal_records_usage(cache_dir):

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from quack.cache.entry import Entry, EntryRef
 from quack.cache.problems import write_error
-from quack.errors import CacheError, CompileError, SourceChanged
+from quack.errors import CacheError, CacheWriteError, CompileError, SourceChanged
 from quack.registry import KernelSpec
 from quack.runtime import loader
 
@@ -111,33 +111,75 @@ def compile_to(spec: KernelSpec, params: dict, arch: str, out_path) -> float:
     return time.perf_counter() - t0
 
 
-def compile_unstored(spec: KernelSpec, params: dict, arch: str, store: Store) -> tuple[bytes, float]:
-    """Compile into a fresh temp file of the store and return (the object's bytes, compile
-    seconds), publishing nothing and taking no lock: another process holds the key's lock
-    past lock_timeout (quack.compile.dispatch), and publishes the key itself if it ever
-    finishes. Runs in a compile worker, so compile_timeout bounds it; the caller loads a
-    private copy of the bytes. Raises CompileError (SourceChanged: the kernel's source was
-    edited after this worker imported it), CacheWriteError (no temp file)."""
+def unstored_tmp_prefix(pid: int) -> str:
+    """The name prefix of the private temp directories (in the system's temp directory)
+    process ``pid`` compiles unstored objects in (quack.compile.builder.compile_unstored)."""
+    return f"quack-unstored-{pid}-"
+
+
+def sweep_unstored_tmp(pid: int | None) -> None:
+    """Remove what a worker that was killed mid-compile (a time-out, a death) left of its
+    unstored compile's private temp directory; it removes its own when it returns."""
+    import glob
+    import shutil
+    import tempfile
+
+    if not pid:
+        return
+    for d in glob.glob(os.path.join(glob.escape(tempfile.gettempdir()), unstored_tmp_prefix(pid) + "*")):
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def compile_unstored(spec: KernelSpec, params: dict, arch: str) -> tuple[bytes, float]:
+    """Compile into a private temp directory of this process (the system's temp
+    directory, TMPDIR: never the cache, which may be read-only or full) and return (the
+    object's bytes, compile seconds), publishing nothing and taking no lock: the cache
+    can't take the object (read-only, full, its entry gone) or another process holds the
+    key's lock past lock_timeout (quack.compile.dispatch), and publishes the key itself if
+    it ever finishes. Runs in a compile worker, so compile_timeout bounds it; the caller
+    loads a private copy of the bytes. The directory is removed on return (the pool
+    sweeps that of a worker it killed mid-compile). Raises CompileError (SourceChanged:
+    the kernel's source was edited after this worker imported it), CacheWriteError (the
+    temp directory can't take the object: full, read-only; the message names it)."""
+    import shutil
+    import tempfile
+
     changed = spec.changed_since_load()
     if changed:
         raise SourceChanged(spec.name, spec.plain(params), arch, changed, in_worker=True)
-    ref = entry_ref(spec, params, arch)
-    tmp = store.tmp_obj(ref)  # named for this process: swept if it is killed mid-compile
+    key = spec.key(params, arch)
+    what = f"compiling {spec.name} key {key[:16]} unstored"
+    try:
+        tmpdir = tempfile.mkdtemp(prefix=unstored_tmp_prefix(os.getpid()))
+    except OSError as e:
+        raise _tmp_write_error(e, tempfile.gettempdir(), what) from None
     try:
         try:
-            seconds = compile_to(spec, params, arch, tmp)
-            with open(tmp, "rb") as f:
+            seconds = compile_to(spec, params, arch, os.path.join(tmpdir, "obj.o"))
+            with open(os.path.join(tmpdir, "obj.o"), "rb") as f:
                 data = f.read()
         except OSError as e:
-            if isinstance(e, CacheError):
-                raise
-            raise write_error(e, store.root, f"writing {spec.name} key {ref.key[:16]}") from None
+            raise _tmp_write_error(e, tmpdir, what) from None
     finally:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
+        shutil.rmtree(tmpdir, ignore_errors=True)
     return data, seconds
+
+
+def _tmp_write_error(e: OSError, where: str, what: str) -> CacheWriteError:
+    """A failed write of the private temp directory of an unstored compile: not the
+    cache's (it is never written), so the message names the temp directory and TMPDIR."""
+    from quack.cache.problems import write_reason
+
+    code = getattr(e, "errno", None) or 0
+    reason = write_reason(code) or e.strerror or str(e)
+    return CacheWriteError(
+        f"cannot write the compile worker's temp directory {where}: {reason} while {what} "
+        f"({getattr(e, 'filename', None) or where}); nothing was stored; free some space "
+        f"there or point TMPDIR at a writable directory with room",
+        path=str(where),
+        reason=reason,
+        code=code,
+    )
 
 
 def build(

@@ -414,6 +414,9 @@ class Dispatcher:
             w.conn.close()
         except Exception:  # noqa: BLE001
             pass
+        from quack.compile.builder import sweep_unstored_tmp
+
+        sweep_unstored_tmp(w.proc.pid)  # a private temp dir it was killed before removing
         t, w.task = w.task, None
         if t is not None:
             self.counts["worker_deaths"] += 1

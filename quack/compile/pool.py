@@ -25,13 +25,16 @@ A key whose per-key lock another process holds (another xdist worker, a
 compile_timeout the key fails with CompileTimeout naming that process (its compile ran
 that long); past lock_timeout, where that is the smaller, it fails too, or, for a
 runtime miss (``submit(unstored_fallback=True)``), a worker compiles it unstored,
-bounded by compile_timeout like any compile: the caller never compiles it itself. A key
+bounded by compile_timeout like any compile: the caller never compiles it itself. So is a
+runtime miss the cache can't take (read-only, full; ``submit(unstored=why)``), from the
+start: into the worker's private temp directory, with no lock claimed. A key
 this pool will compile is locked at ``submit`` (``Store.claim``) and the lock handed
 to the worker with the task (``quack/compile/claims.py``): processes asking for one
 cold key at once start one worker between them, not one each.
 
 States are per (cache root, key): a pool used under several Settings (tests
-that install their own cache directory) never confuses their entries.
+that install their own cache directory) never confuses their entries; a key compiled
+unstored from the start is filed under ``unstored_root(cache root)``.
 
 Modules: the dispatcher thread and the worker processes it runs (start, hand out,
 collect, reap, time-outs, keys awaited elsewhere) are ``quack/compile/dispatch.py``;
@@ -54,7 +57,7 @@ from quack.compile.dispatch import Dispatcher
 from quack.compile.tasks import DONE, FAILED, PENDING, Task, TaskInfo
 from quack.compile.worker import WorkerRequest
 
-__all__ = ["CompilePool", "configure_default", "default_pool"]
+__all__ = ["CompilePool", "configure_default", "default_pool", "unstored_root"]
 
 log = logging.getLogger("quack.pool")
 
@@ -135,6 +138,7 @@ class CompilePool:
         force: bool = False,
         timeout: float | None = None,
         unstored_fallback: bool = False,
+        unstored: str = "",
     ) -> str:
         """Queue a compile unless the key is pending or done. Returns its state.
         ``settings`` (default: this process's current settings) gives the cache
@@ -142,11 +146,15 @@ class CompilePool:
         can load an object the cache does not hold: a runtime miss): a key whose lock
         another process holds past lock_timeout is compiled by a worker unstored, within
         compile_timeout, its object's bytes in the report (``data``), instead of failing
-        (quack.compile.dispatch)."""
+        (quack.compile.dispatch). ``unstored`` (why: the cache can't take the object, a
+        read-only or full cache): a worker compiles the key into its private temp directory
+        from the start, within compile_timeout, publishing nothing and taking no lock; its
+        state is kept apart from a stored compile of the key, under
+        ``unstored_root(cache_dir)`` (what poll, wait, report and forget are given)."""
         from quack import settings as _settings
 
         s = settings or _settings.get()
-        ident = (str(s.cache_dir), key)
+        ident = (unstored_root(s.cache_dir) if unstored else str(s.cache_dir), key)
         with self._lock:
             st = self._book.state(ident)
             if st in (PENDING, DONE):
@@ -166,6 +174,7 @@ class CompilePool:
                 s.sources.get("preload", ""),
                 timeout=limit,
                 sys_path=tuple(sys.path),  # a worker started before it grew imports through it
+                unstored=bool(unstored),
             )
             task = Task(
                 ident,
@@ -178,6 +187,7 @@ class CompilePool:
                 limit,
             )
             task.unstored_fallback = unstored_fallback
+            task.unstored_why = unstored
             self._book.begin(task)
             if self.closed:
                 # A shut-down pool runs nothing: the key fails now, cancelled as shutdown
@@ -185,7 +195,11 @@ class CompilePool:
                 # reads (wait() without a time-out never returned).
                 self._book.cancel(task)
                 return FAILED
-            if not force:
+            if unstored:
+                # Nothing is published: no lock to claim (a read-only cache can't even
+                # take the lock file), no other process to await.
+                self.counts["unstored"] += 1
+            elif not force:
                 # Lock the key now (handed to the worker with the task): of processes
                 # asking for one cold key at once, one compiles and the rest await it here,
                 # instead of each starting a worker that then waits on the lock.
@@ -298,6 +312,13 @@ class CompilePool:
             d["workers"] = self._dispatcher.worker_count()
             d["errors"] = self._book.error_texts()
             return d
+
+
+def unstored_root(root) -> str:
+    """The pool's name for cache ``root`` of the keys compiled unstored from the start
+    (``submit(unstored=...)``): their states never mix with those of a stored compile of
+    the same key. Not a path (a NUL can't be in one)."""
+    return f"{root}\0unstored"
 
 
 # How often a waiter checks that the dispatcher thread still exists (its results wake it

@@ -179,7 +179,8 @@ class TaskBook:
             "worker_deaths": 0,
             "workers_started": 0,
             "stale_restarts": 0,  # workers restarted: a kernel's source changed after their import
-            # keys a worker compiled unstored: another process held their lock past lock_timeout
+            # keys a worker compiled unstored: another process held their lock past
+            # lock_timeout, or the cache can't take the object (read-only, full)
             "unstored": 0,
         }
 

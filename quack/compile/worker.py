@@ -54,8 +54,9 @@ class WorkerRequest:
     # forks them at configure time, before collection puts tests/ on sys.path) could not
     # import a kernel module found through a later entry (ModuleNotFoundError)
     sys_path: tuple = ()
-    # compile into a private temp file and send its bytes back, publishing nothing (the
-    # key's lock is another process's, held past lock_timeout: quack.compile.dispatch)
+    # compile into a private temp directory (never the cache) and send the object's bytes
+    # back, publishing nothing: the cache can't take it (read-only, full: quack.runtime.miss)
+    # or the key's lock is another process's, held past lock_timeout (quack.compile.dispatch)
     unstored: bool = False
 
 
@@ -81,10 +82,9 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
     except Exception as e:  # noqa: BLE001 - whatever the module's import raised
         raise module_import_error(req, e) from None
     bound = spec.bind((), req.params)
-    store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     t0 = time.perf_counter()
-    if req.unstored:
-        data, seconds = builder.compile_unstored(spec, bound, req.arch, store)
+    if req.unstored:  # the cache is never touched: it may be read-only or full
+        data, seconds = builder.compile_unstored(spec, bound, req.arch)
         return {
             "key": spec.key(bound, req.arch),
             "compiled": True,
@@ -96,6 +96,7 @@ def worker_build(req: WorkerRequest, lock_fd: int | None = None) -> dict:
             "preload_s": round(preload_s, 3),
             "claimed": False,
         }
+    store = DiskStore(Path(req.root), fsync=req.fsync, lock_timeout=req.lock_timeout)
     entry, compiled = builder.build(
         spec, bound, req.arch, store, force=req.force, lock_held=lock_fd is not None, in_worker=True
     )

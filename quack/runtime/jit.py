@@ -233,7 +233,8 @@ class JitKernel:
                 warn_once(
                     f"unusable-jit:{s.cache_dir}:{type(e).__name__}:{getattr(e, 'errno', None)}",
                     f"quack: cache {s.cache_dir} unusable ({e}); not using it: kernels it "
-                    f"would hold compile in this process, unstored",
+                    f"would hold compile in a compile worker (in this process for a kernel "
+                    f"a worker can't import), unstored",
                     stacklevel=6,
                 )
             return None, None, f"the cache is unusable ({e})"

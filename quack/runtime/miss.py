@@ -2,9 +2,11 @@
 bundles, remote; ``from_tiers``), then the miss policy (``on_miss``). Prebuilt mode
 raises KernelNotPrebuilt (saying why when it is not a plain miss); jit mode compiles
 it: in a compile worker, settling with the pool (inside a pool_scope a pending key
-raises CompilePending), in a compile worker and unstored when another process holds the
-key's lock past lock_timeout, in this process for a kernel a worker can't import, or in
-this process and unstored when the cache can't take the object.
+raises CompilePending); in a compile worker and unstored (its object's bytes loaded from
+a private copy, bounded by compile_timeout) when another process holds the key's lock
+past lock_timeout or the cache can't take the object (read-only, full, its entry gone
+right after the compile) or the cache is disabled or unusable; in this process only for
+a kernel a worker can't import.
 
 Imported only by a local miss (quack.runtime.jit's ``JitKernel._resolve``): a hit never
 imports it, nor the pool, the builder or the tier chain it reaches
@@ -105,24 +107,31 @@ def load_unstored(got, params, key, arch, tier_name: str) -> Loaded | None:
 
 
 def on_miss(k: JitKernel, ref, store, params, key, s, unusable: str) -> Loaded:
-    """The miss policy: prebuilt mode raises KernelNotPrebuilt; jit mode compiles,
-    into the store when it can take the object, else in this process, unstored."""
+    """The miss policy: prebuilt mode raises KernelNotPrebuilt; jit mode compiles in a
+    compile worker, into the store when it can take the object, else unstored (in this
+    process for a kernel a worker can't import)."""
     arch = s.arch
     if s.mode == "prebuilt":
         not_prebuilt(k, params, key, s, unusable or stale_entry(store, ref))
-    if store is None:  # cache disabled or unusable
+    if store is None:  # cache disabled or unusable (warned about): nothing to publish into
+        if k.spec.shippable:
+            return compile_unstored(k, ref, params, key, arch, unusable or "the cache is not used")
         return compile_in_process(k, params, key, arch)
     if not store.writable():
-        log.info("%s is not writable: compiling %s %s in this process", s.cache_dir, k.spec.name, key[:16])
+        log.info("%s is not writable: compiling %s %s unstored", s.cache_dir, k.spec.name, key[:16])
         from quack.cache.problems import warn_once
 
-        # Read-only cache: hits still load from it; misses run uncached, one warning.
+        # Read-only cache: hits still load from it; misses compile in a worker, unstored
+        # (in this process only for a kernel a worker can't import), one warning.
         warn_once(
             f"read-only:{s.cache_dir}",
-            f"quack: cache {s.cache_dir} is not writable; "
-            f"kernels missing from it are compiled in this process and not stored",
+            f"quack: cache {s.cache_dir} is not writable; kernels missing from it are "
+            f"compiled in a compile worker (in this process for a kernel a worker can't "
+            f"import) and not stored",
             stacklevel=6,
         )
+        if k.spec.shippable:
+            return compile_unstored(k, ref, params, key, arch, f"cache {s.cache_dir} is not writable")
         return compile_in_process(k, params, key, arch)
     return compile_stored(k, store, ref, params, key, arch)
 
@@ -140,14 +149,17 @@ def compile_stored(k: JitKernel, store, ref, params, key, arch) -> Loaded:
         entry, report = compile_in_worker(k, store, ref, params, key, arch)
         if entry is None and report is not None:  # a worker compiled it unstored
             return load_worker_unstored(k, ref, params, key, arch, report)
-        if entry is None:
-            log.info("fallback: compiling %s %s in this process", k.spec.name, key[:16])
-            return compile_in_process(k, params, key, arch)
+        if entry is None:  # the cache can't take the object (warned about)
+            log.info("fallback: compiling %s %s unstored in a worker", k.spec.name, key[:16])
+            return compile_unstored(k, ref, params, key, arch, "the cache can't take the object")
         compiled = bool(report and report.get("compiled"))
         compile_s = float((report or {}).get("compile_s") or 0.0)
     try:
         loaded = load(store, entry, params, key, arch, miss=True)
     except EntryVanished:  # evicted right after its compile: run it uncached
+        if k.spec.shippable:
+            log.info("%s %s vanished after its compile: compiling it unstored", k.spec.name, key[:16])
+            return compile_unstored(k, ref, params, key, arch, "its entry vanished right after its compile")
         return compile_in_process(k, params, key, arch)
     # Count a compile once, where it happened: when another process (or an earlier
     # submission) built the key, this call waited for it (stats would otherwise count
@@ -164,20 +176,22 @@ def compile_stored(k: JitKernel, store, ref, params, key, arch) -> Loaded:
     return loaded
 
 
-def load_worker_unstored(k: JitKernel, ref, params, key, arch, report: dict) -> Loaded:
-    """A key another process held the lock of past lock_timeout without publishing it: a
-    compile worker compiled it unstored (within compile_timeout, as any compile; the
-    holder publishes it if it ever finishes), and its object is loaded from a private
-    copy of the bytes in the pool's report. One warning, saying why."""
+def load_worker_unstored(k: JitKernel, ref, params, key, arch, report: dict, *, warn: bool = True) -> Loaded:
+    """A key a compile worker compiled unstored (within compile_timeout, as any compile):
+    another process held its lock past lock_timeout without publishing it (the holder
+    publishes it if it ever finishes), or the cache can't take it (``compile_unstored``).
+    Its object is loaded from a private copy of the bytes in the pool's report. One
+    warning, saying why (``warn`` False: the caller gave it)."""
     from quack.runtime import loader
 
-    warnings.warn(
-        f"quack: {report.get('why') or 'another process held the lock'}; compiled "
-        f"{k.spec.name} key {key[:16]} in a compile worker (within compile_timeout) and "
-        f"loaded it unstored",
-        CacheWarning,
-        stacklevel=7,
-    )
+    if warn:
+        warnings.warn(
+            f"quack: {report.get('why') or 'another process held the lock'}; compiled "
+            f"{k.spec.name} key {key[:16]} in a compile worker (within compile_timeout) and "
+            f"loaded it unstored",
+            CacheWarning,
+            stacklevel=7,
+        )
     t0 = time.perf_counter()
     try:
         fn, module, how = loader.load_fetched(ref, report["data"])
@@ -293,28 +307,19 @@ def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
     ``unstored_fallback``); past compile_timeout it raises CompileTimeout. Returns (entry,
     the pool's report of the key: ``compiled`` False when another process built it),
     (None, a report with the unstored object's ``data``), or (None, None) when the
-    cache can't take the object (the caller compiles it in this process)."""
+    cache can't take the object (warned about; the caller has a worker compile it
+    unstored: ``compile_unstored``)."""
     from quack import settings as _settings
-    from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
-    from quack.compile import scope
+    from quack.compile.pool import unstored_root
     from quack.compile.tasks import DONE, FAILED, NEW
 
     s = _settings.get()
-    pool = scope.active_pool(s.cache_dir)
-    scoped = pool is not None
-    if pool is None:
-        if _pool.exiting():  # at interpreter exit, after the pool's atexit shutdown
-            raise CompileError(
-                k.spec.name,
-                k.spec.plain(params),
-                arch,
-                "not compiled: the interpreter is shutting down and quack's compile pool has "
-                "shut down (its atexit hook ran before the hook that called this kernel). Call "
-                "it before exit, or build it beforehand (`quack build`)",
-                transient=True,
-            )
-        pool = _pool.default_pool()
+    pool, scoped = pool_for(k, params, arch, s)
     root = s.cache_dir
+    if pool.state(key, unstored_root(root)) != NEW:
+        # A worker compiles (or compiled) it unstored already: an earlier call of this key
+        # found the cache can't take it, and raised CompilePending (a pool_scope's retry).
+        return None, None
     for _ in range(3):
         st, err = settle_in_pool(k, pool, scoped, params, key, arch, s)
         if st == FAILED:
@@ -334,25 +339,82 @@ def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
                 break
     warnings.warn(
         f"quack: the pool reported {k.spec.name} key {key[:16]} done but the cache "
-        f"has no valid entry; compiling it in this process",
+        f"has no valid entry; compiling it in a compile worker, unstored",
         CacheWarning,
         stacklevel=7,
     )
     return None, None
 
 
+def pool_for(k: JitKernel, params, arch, s):
+    """(the pool a miss goes to, whether it is a pool_scope's): the active scope's, else
+    the default pool; at interpreter exit, once that shut down, a CompileError."""
+    from quack.compile import pool as _pool  # not at import: a prebuilt hit never needs it
+    from quack.compile import scope
+
+    pool = scope.active_pool(s.cache_dir)
+    if pool is not None:
+        return pool, True
+    if _pool.exiting():  # at interpreter exit, after the pool's atexit shutdown
+        raise CompileError(
+            k.spec.name,
+            k.spec.plain(params),
+            arch,
+            "not compiled: the interpreter is shutting down and quack's compile pool has "
+            "shut down (its atexit hook ran before the hook that called this kernel). Call "
+            "it before exit, or build it beforehand (`quack build`)",
+            transient=True,
+        )
+    return _pool.default_pool(), False
+
+
+def compile_unstored(k: JitKernel, ref, params, key, arch, why: str) -> Loaded:
+    """A shippable kernel's miss the cache can't take (read-only, full, disabled,
+    unusable, its entry gone right after the compile; ``why``, warned about by the
+    caller where the cache is not plainly disabled): a compile worker
+    compiles it into its private temp directory, publishing nothing and taking no lock,
+    bounded by compile_timeout like any compile, and its object is loaded from a private
+    copy of the bytes (``load_worker_unstored``). Inside a pool_scope a pending key raises
+    CompilePending. The pool keeps the key apart from a stored compile of it
+    (``unstored_root``) and forgets it once loaded: the kernel keeps the loaded function.
+    A failure is raised: CompileError, CompileTimeout, or CacheWriteError (the worker's
+    temp directory can't take the object)."""
+    from quack import settings as _settings
+    from quack.compile import pool as _pool
+    from quack.compile.tasks import DONE
+
+    s = _settings.get()
+    pool, scoped = pool_for(k, params, arch, s)
+    root = _pool.unstored_root(s.cache_dir)
+    st, err = settle_in_pool(k, pool, scoped, params, key, arch, s, unstored=why)
+    report = pool.report(key, root) if st == DONE else None
+    pool.forget(key, root)  # once: the bytes are not kept; a later miss compiles it again
+    if report is None or "data" not in report:
+        if isinstance(err, (CompileError, CompileTimeout, CacheError)):
+            raise err
+        raise CompileError(
+            k.spec.name,
+            k.spec.plain(params),
+            arch,
+            f"compiling it unstored ({why}) in a compile worker failed: {err or 'no object came back'}",
+        )
+    return load_worker_unstored(k, ref, params, key, arch, dict(report, why=why), warn=False)
+
+
 def settle_in_pool(
-    k: JitKernel, pool, scoped: bool, params, key, arch, s
+    k: JitKernel, pool, scoped: bool, params, key, arch, s, *, unstored: str = ""
 ) -> tuple[str, BaseException | None]:
     """Submit the key unless the pool has it, then wait until it is no longer pending
-    (state, error); in a pool_scope a pending key raises CompilePending instead."""
+    (state, error); in a pool_scope a pending key raises CompilePending instead.
+    ``unstored`` (why): a compile unstored from the start (``compile_unstored``)."""
+    from quack.compile import pool as _pool
     from quack.compile import scope
     from quack.compile.tasks import NEW, PENDING
 
-    root = s.cache_dir
+    root = _pool.unstored_root(s.cache_dir) if unstored else s.cache_dir
     st, err = pool.poll(key, root)
     if st == NEW:
-        st = pool.submit(k.spec, params, arch, key, settings=s, unstored_fallback=True)
+        st = pool.submit(k.spec, params, arch, key, settings=s, unstored_fallback=True, unstored=unstored)
         if st != PENDING:  # settled at once (a shut-down pool): its error with it
             st, err = pool.poll(key, root)
     if st == PENDING:
@@ -373,14 +435,14 @@ def worker_failed(k: JitKernel, err, params, key, arch) -> None:
     unbounded (compile_timeout promises a bound). A lock held past lock_timeout never
     fails a runtime miss (a worker compiles the key unstored instead: the pool's
     ``unstored_fallback``); the LockTimeout, should one come, is raised too. A cache that
-    can't take the object returns (one warning; the caller compiles in this process,
-    unstored); a compile error is raised."""
+    can't take the object returns (one warning; the caller has a compile worker compile
+    it unstored: ``compile_unstored``); a compile error is raised."""
     if isinstance(err, (CompileTimeout, LockTimeout)):
         raise err
     if isinstance(err, CacheError):  # the cache (full, read-only), not the kernel
         warnings.warn(
             f"quack: can't store {k.spec.name} key {key[:16]} ({err}); "
-            f"compiling it in this process, uncached",
+            f"compiling it in a compile worker, unstored",
             CacheWarning,
             stacklevel=8,
         )
@@ -391,7 +453,9 @@ def worker_failed(k: JitKernel, err, params, key, arch) -> None:
 
 
 def compile_in_process(k: JitKernel, params, key, arch) -> Loaded:
-    """No usable cache: compile here and keep the JIT function in memory."""
+    """Compile here and keep the JIT function in memory: only a kernel a compile worker
+    can't import (defined in a test function, __main__) whose object the cache can't
+    take (read-only, full, disabled, unusable). Nothing bounds it."""
     from quack import settings as _settings
     from quack.compile import builder
 
