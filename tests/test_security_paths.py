@@ -18,6 +18,7 @@ import pytest
 import relkernels  # noqa: F401 - registers rel_copy
 import toykernels  # noqa: F401 - registers toy_scale
 from reliability_support import (
+    NO_TORCH,
     QUACK,
     ROOT,
     copy_publish,
@@ -244,20 +245,25 @@ def test_root_inside_world_writable_dir_without_sticky_bit(tmp_path):
     assert DiskStore(open_dir / "cache").lookup(EntryRef("toy_scale", "0" * 64, "sm_90a", "0" * 16)) is None
 
 
-def test_unsafe_root_runtime_still_runs_uncached(tmp_path):
-    """The runtime refuses the unsafe cache (a warning saying why) and still runs."""
+def test_unsafe_root_runtime_still_runs_uncached(tmp_path, objs):
+    """The runtime refuses the unsafe cache (a warning saying why) and still runs: the
+    miss is compiled by a worker, unstored (rel_copy's "compile" exports a real toy .o),
+    and loaded from a private copy; nothing lands in the refused cache."""
     root = tmp_path / "cache"
     root.mkdir()
     root.chmod(0o777)
     r = run_py(
-        "import json, warnings\nwarnings.simplefilter('always')\nimport relkernels\n"
-        "with warnings.catch_warnings(record=True) as w:\n    v = relkernels.rel_copy(5)()\n"
-        "print(json.dumps({'v': v, 'w': [str(x.message) for x in w]}))",
+        NO_TORCH + "import json, warnings\nwarnings.simplefilter('always')\nimport relkernels\n"
+        "with warnings.catch_warnings(record=True) as w:\n    fn = relkernels.rel_copy(5)\n"
+        "u = relkernels.rel_copy.usage()[0]\n"
+        "print(json.dumps({'callable': callable(fn), 'tier': u['tier'],"
+        " 'w': [str(x.message) for x in w]}))",
         QUACK_CACHE_DIR=root,
-        QUACK_TEST_OBJ="/nonexistent",
+        QUACK_TEST_OBJ=objs["float32"]["path"],
     )
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["v"] == 5 and any("chmod 700" in w for w in out["w"]), out
+    assert out["callable"] and out["tier"] == "compile", out
+    assert any("chmod 700" in w for w in out["w"]), out
     assert list(root.iterdir()) == []
 
 
