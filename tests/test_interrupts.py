@@ -185,7 +185,7 @@ class _StuckWorkerExecutor:
         self.tmp: Path | None = None
 
     def start(self, n):
-        pass
+        """Nothing to start: the stand-in's one "worker" is the test's own child process."""
 
     def submit(self, item):
         from quack.compile import builder
@@ -207,7 +207,7 @@ class _StuckWorkerExecutor:
             os.kill(self.proc.pid, signal.SIGKILL)  # not reaped: a zombie until Popen.wait
 
     def close(self):
-        pass
+        """Nothing to stop: the test reaps its child itself."""
 
 
 def _interrupted_build(tmp_path, monkeypatch, kill: bool):
@@ -282,7 +282,7 @@ def test_the_watchdog_hard_exit_stops_the_ray_instance_the_build_started(monkeyp
     assert len(calls) == 1
 
     class Exited(Exception):
-        pass
+        """The stand-in's exit: the test catches it where the process would have ended."""
 
     def exit_now(code):
         raise Exited(code)

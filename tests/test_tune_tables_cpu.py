@@ -365,13 +365,15 @@ def test_a_time_that_is_not_positive_and_finite_is_an_error_never_a_winner():
 
 
 class _NoPool:
+    """The compile pool's stand-in: every candidate is "loaded" at once (``_ready``)."""
+
     generation = 0
 
     def wait_change(self, gen, timeout):
         return gen
 
     def shutdown(self):
-        pass
+        """Nothing to stop: no worker was started."""
 
 
 def test_the_no_rows_warning_names_a_real_way_to_tune():
