@@ -320,7 +320,8 @@ def stop_forkserver() -> None:
 def restart_forkserver() -> None:
     """End this process's forkserver now and forget it, so that the next worker start runs
     a new one, whose preload imports the kernel packages afresh (a kernel's source edited
-    since the old one imported it: quack.errors.SourceChanged). SIGKILL, then reaped:
+    since the old one imported it: quack.errors.SourceChanged). SIGKILL, then reaped
+    (within 5 s):
     ``stop_forkserver`` alone left multiprocessing's record of it, and a worker start
     right after connected to the dying server ("unexpected EOF"). Its workers end with it
     (quack.compile.lifeline). Caller holds the pool's lock."""
@@ -334,10 +335,29 @@ def restart_forkserver() -> None:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
-    try:
-        fs._stop()  # closes the "alive" pipe, reaps the (killed) server, removes its socket
-    except (OSError, ChildProcessError):
-        fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+    # Reaped within a bound (multiprocessing's own stop waits without one, under the pool's
+    # lock): a server that won't go in 5 s is left to be reaped at exit, and forgotten.
+    deadline = time.monotonic() + 5.0
+    while True:
+        try:
+            done, _status = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:
+            break
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    fd, address = fs._forkserver_alive_fd, fs._forkserver_address
+    fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+    if fd is not None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if isinstance(address, str) and not address.startswith("\0"):  # a socket file, not abstract
+        try:
+            os.unlink(address)
+        except OSError:
+            pass
 
 
 def forget_forkserver_in_child() -> None:
