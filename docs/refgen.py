@@ -71,7 +71,7 @@ MEANING: dict[str, tuple[str, str | None]] = {
     "remote_url": ("the shared remote cache (docs/remote-cache.md)", None),
     "tune_gpu": (
         "the GPU model whose tuning-table rows choose default kernel configurations (docs/tuning.md)",
-        "the detected GPU once CUDA is up, else the table's `default_gpu`",
+        "this machine's GPU (CUDA's device, else NVML's, read without CUDA), else the table's `default_gpu`",
     ),
     "remote_write": ("may this process push to the remote (needs a signing key)", None),
     "remote_timeout": ("seconds per remote operation (connecting waits at most 0.5 s)", None),

@@ -5,6 +5,7 @@ has a row of its own. Before: output-size / K-depth classes ("mid/k") put 4096^3
 8192x8192x28672 into one at N = 8192: one winner served shapes that want different tiles."""
 
 import pytest
+from _fixtures import h200_rows  # noqa: F401  (a fixture, used by name)
 
 GOALS = [
     (4096, 4096, 4096),
@@ -103,6 +104,7 @@ def test_bad_sizes_are_named(args, says):
         shape_class(*args)
 
 
+@pytest.mark.usefixtures("h200_rows")  # the H200 table below applies whatever GPU is here
 def test_a_row_serves_its_class_and_no_other(monkeypatch):
     """A row written for 8192x14336x4096 serves a shape of the same class (8000x14000x4200,
     and a batch of 16 x 512 rows); shapes of other classes keep the heuristic."""
@@ -127,6 +129,7 @@ def test_a_row_serves_its_class_and_no_other(monkeypatch):
         assert gemm_config(8192, 14336, 4096, 1, "float16") == GemmConfig(**heuristic(8192, 14336, 4096))
 
 
+@pytest.mark.usefixtures("h200_rows")
 def test_the_memoised_choice_follows_the_table_in_force_and_the_gpu(monkeypatch):
     """gemm_config is asked on every op call, so its answer is memoised (host time: ~270 us
     a fused call on the H200): the memo must never outlive the table or GPU it was made for.
@@ -136,7 +139,7 @@ def test_the_memoised_choice_follows_the_table_in_force_and_the_gpu(monkeypatch)
     from quack_kernels._gemm_plan import class_n_range, heuristic, shape_class
     from quack_kernels.gemm import gemm_config
 
-    from quack import tuning
+    from quack import settings
     from quack.tuning import Row, Table, use_table
 
     monkeypatch.setattr("quack_kernels._tuning.runtime_arch", lambda: "sm_90a")
@@ -149,11 +152,9 @@ def test_the_memoised_choice_follows_the_table_in_force_and_the_gpu(monkeypatch)
     with use_table(t):
         assert gemm_config(*shape, 1, "bfloat16") == win
         assert gemm_config(*shape, 1, "bfloat16") == win  # memoised: the same answer
-        monkeypatch.setattr(tuning.gpu, "detected_gpu", lambda: "QX9")  # no rows for this model
-        with pytest.warns(UserWarning, match="no tuning-table rows for GPU 'QX9'"):
-            assert gemm_config(*shape, 1, "bfloat16") == GemmConfig(**heuristic(*shape))
-        monkeypatch.undo()
-        monkeypatch.setattr("quack_kernels._tuning.runtime_arch", lambda: "sm_90a")
+        with settings.override(tune_gpu="QX9"):  # another model, without rows
+            with pytest.warns(UserWarning, match="no tuning-table rows for GPU 'QX9'"):
+                assert gemm_config(*shape, 1, "bfloat16") == GemmConfig(**heuristic(*shape))
         assert gemm_config(*shape, 1, "bfloat16") == win
     assert gemm_config(*shape, 1, "bfloat16") == before
 

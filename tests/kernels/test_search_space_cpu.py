@@ -64,6 +64,8 @@ def test_every_gemm_table_row_is_a_candidate_its_own_shape_reaches():
     from quack_kernels._configs import GemmConfig
     from quack_kernels.gemm import compile_gemm, gemm_config, search_space
 
+    from quack import settings
+
     rows = [r for r in _tuning.table(A).rows if r.kernel == "gemm"]
     assert len(rows) >= 7  # issue 28's goal shapes, each its own class
     for row in rows:
@@ -72,28 +74,37 @@ def test_every_gemm_table_row_is_a_candidate_its_own_shape_reaches():
         for dtype in row.dtype:
             space = search_space(compile_gemm.spec.bind((dtype,), {}, arch=A))
             assert cfg in space, (row.cls, row.config, dtype)
-            assert gemm_config(m, n, k, 1, dtype) == cfg, (row.shape, dtype)
+            with settings.override(tune_gpu=row.gpu):  # each GPU model's rows, whatever GPU is here
+                assert gemm_config(m, n, k, 1, dtype) == cfg, (row.gpu, row.shape, dtype)
 
 
 def test_every_table_row_is_a_candidate_of_the_problems_it_reaches():
+    from quack import settings
+
     t = _tuning.table(A)
     for row in t.rows:
         if row.kernel == "gemm":
             continue  # keyed by shape class: the test above
-        fn, space = FAMILIES[row.kernel]
-        wide = row.cls.startswith("wide")
-        reached = 0
-        for dtype in row.dtype or ("bfloat16", "float16"):
-            for n in sorted({row.n[0], row.n[1], (row.n[0] + row.n[1]) // 2 // 8 * 8}):
-                kw = dict(dtype=dtype, n=n)
-                if row.kernel in ("rmsnorm_fwd", "layernorm_fwd"):
-                    kw["weight_dtype"] = F32 if wide else "same"
-                p = _bind(row.kernel, **kw)
-                if p["config"].knobs() != row.config:
-                    continue  # another (narrower) row, or the config does not fit this N
-                reached += 1
-                assert p["config"] in space(p), (row.kernel, row.cls, dtype, n)
-        assert reached, f"table row {row.kernel} {row.cls} {row.n} reaches none of its N range"
+        with settings.override(tune_gpu=row.gpu):  # each GPU model's rows, whatever GPU is here
+            _reaches(row, *FAMILIES[row.kernel])
+
+
+def _reaches(row, fn, space):
+    """Row ``row`` (of the GPU model in force) reaches some N of its range, and its
+    configuration is a candidate of the problems it reaches."""
+    wide = row.cls.startswith("wide")
+    reached = 0
+    for dtype in row.dtype or ("bfloat16", "float16"):
+        for n in sorted({row.n[0], row.n[1], (row.n[0] + row.n[1]) // 2 // 8 * 8}):
+            kw = dict(dtype=dtype, n=n)
+            if row.kernel in ("rmsnorm_fwd", "layernorm_fwd"):
+                kw["weight_dtype"] = F32 if wide else "same"
+            p = _bind(row.kernel, **kw)
+            if p["config"].knobs() != row.config:
+                continue  # another (narrower) row, or the config does not fit this N
+            reached += 1
+            assert p["config"] in space(p), (row.kernel, row.cls, dtype, n)
+    assert reached, f"table row {row.kernel} {row.cls} {row.n} reaches none of its N range"
 
 
 def _cases():
