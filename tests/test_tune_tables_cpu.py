@@ -289,6 +289,46 @@ def test_a_stopped_run_still_prints_its_json(tmp_path, monkeypatch):
     assert doc["tables"] == [str(tmp_path / "t.toml")]
 
 
+@pytest.mark.parametrize("how", ["strict pytest", "quack.toml"])
+def test_tune_compiles_its_candidates_whatever_the_runtime_mode(tmp_path, monkeypatch, how):
+    """Inside a strict pytest session (QUACK_PYTEST_PREBUILT_CACHE reaches the processes a test
+    starts) or under a server's ``[runtime] mode = "prebuilt"``, `quack tune` ran in prebuilt
+    mode: every candidate was refused as not prebuilt and the tune failed (the GPU tier's
+    test_tune_writes_a_winner_on_the_gpu on an H100, session 21). Its candidates are
+    compiled on purpose: it measures in jit mode."""
+    import torch
+
+    from quack.settings import PREBUILT_CACHE_ENV
+    from quack_build.cli import tune_measure as tm
+    from quack_build.cli.app import app
+
+    m = tmp_path / "m.toml"
+    m.write_text('[[kernel]]\nname = "softmax_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = 4096\n')
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("QUACK_CACHE_DIR", str(cache))
+    if how == "strict pytest":
+        monkeypatch.setenv(PREBUILT_CACHE_ENV, str(cache))
+    else:
+        monkeypatch.chdir(tmp_path)
+        (tmp_path / "quack.toml").write_text('[runtime]\nmode = "prebuilt"\n')
+    assert settings.resolve(cwd=tmp_path).mode == "prebuilt"  # what any other command runs in
+    modes = []
+
+    def measured(s, *a, **k):
+        modes.append((s.mode, settings.get().mode))
+        return "H200", [], []
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(tm, "measure_and_write", measured)
+    saved = settings.installed()
+    try:
+        r = CliRunner().invoke(app, ["tune", str(m), "--json", "--table", str(tmp_path / "t.toml")])
+    finally:
+        settings.set_current(saved)
+    assert r.exit_code == 0, r.output
+    assert modes == [("jit", "jit")]
+
+
 def test_a_broken_kernels_table_is_one_error_line_and_from_empty_replaces_it(tmp_path, monkeypatch):
     """Every command binding a configuration read the broken table deep in a bind: an
     80-line traceback; ``--from-empty``, which the error advises, failed alike."""

@@ -40,10 +40,16 @@ def manifest_fail(e, outcome: str = "nothing was built") -> Fail:
 
 
 def cli_settings(
-    cache_dir: Optional[Path] = None, jobs: Optional[int] = None, executor: Optional[str] = None, manifests=()
+    cache_dir: Optional[Path] = None,
+    jobs: Optional[int] = None,
+    executor: Optional[str] = None,
+    manifests=(),
+    mode: Optional[str] = None,
 ):
     """Resolve and install the settings. With manifests given, quack.toml is looked for
-    from the first manifest's directory up (its project), else from the working directory."""
+    from the first manifest's directory up (its project), else from the working directory.
+    ``mode``: a command's own runtime mode, over QUACK_MODE, quack.toml and strict pytest's
+    QUACK_PYTEST_PREBUILT_CACHE (``quack tune`` compiles its candidates by purpose)."""
     from quack import settings as qs
     from quack.errors import SettingsError
 
@@ -54,7 +60,13 @@ def cli_settings(
             if qs.find_config(d) is not None:
                 near = d
         s = qs.resolve(
-            {"cache_dir": str(cache_dir) if cache_dir else None, "jobs": jobs, "executor": executor}, cwd=near
+            {
+                "cache_dir": str(cache_dir) if cache_dir else None,
+                "jobs": jobs,
+                "executor": executor,
+                "mode": mode,
+            },
+            cwd=near,
         )
     except SettingsError as e:
         raise Fail(f"error: {e}") from None

@@ -232,7 +232,11 @@ def run_tune(
     max_configs,
 ) -> int:
     manifests = manifests or []
-    s = cli_settings(cache_dir, jobs, executor, manifests)
+    # jit: the candidates are compiled on purpose, whatever the runtime mode says. Under
+    # [runtime] mode = "prebuilt" (a server's quack.toml) or inside a strict pytest session
+    # (QUACK_PYTEST_PREBUILT_CACHE reaches the processes a test starts) every candidate was
+    # refused as "not prebuilt" and the tune failed (tests/test_tune_gpu.py, session 21).
+    s = cli_settings(cache_dir, jobs, executor, manifests, mode="jit")
     load_kernels(s)
     con = console(to_stderr=as_json)
     from quack_build.cli import tune_measure as tunerun
