@@ -60,11 +60,19 @@ def test_a_caller_out_of_stack_is_not_blamed_on_the_input():
         depth, f = depth + 1, f.f_back
     limit = sys.getrecursionlimit()
     sys.setrecursionlimit(depth + 15)
+    doc = b"[" * 30 + b"]" * 30
     try:
-        with pytest.raises(RecursionError):
-            safe_loads(b"[" * 30 + b"]" * 30)
+        if sys.version_info < (3, 12):
+            with pytest.raises(RecursionError):
+                safe_loads(doc)
+        else:
+            # 3.12 counts C recursion (json's C scanner) apart from the Python frames' limit:
+            # the parse no longer runs out of the caller's stack, and must not be refused
+            result = safe_loads(doc)
     finally:
         sys.setrecursionlimit(limit)
+    if sys.version_info >= (3, 12):
+        assert result == json.loads(doc)
 
 
 def test_deep_metadata_is_a_corrupt_entry_quarantined_with_one_warning(objs, tmp_path):
