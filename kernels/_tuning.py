@@ -127,6 +127,20 @@ def _lookup(t, kernel: str, cls: str | None, dtype: str, n: int, arch: str, gpu:
                 stacklevel=4,
             )
         return None
+    if (arch, gpu, kernel) not in _warned and not any(r.gpu == gpu and r.kernel == kernel for r in t.rows):
+        # the GPU was tuned, this kernel only for others (the H100's rows of session 21 hold
+        # the norms, softmax and cross-entropy, not the GEMM): the GEMM ran its heuristic
+        # there and nothing said so. A kernel whose rows everywhere keep the heuristic ({}:
+        # the H100's softmax forward) says nothing: the heuristic is what was measured best.
+        _warned.add((arch, gpu, kernel))
+        others = sorted({r.gpu for r in t.rows if r.kernel == kernel and r.config})
+        if others:
+            warnings.warn(
+                f"quack_kernels: no tuning-table rows for {kernel} on GPU {gpu!r} ({table_path(arch)}; "
+                f"rows for {', '.join(others)}): untuned heuristic defaults; run "
+                f"`quack tune --kernel {kernel}` on a {gpu} to measure winners",
+                stacklevel=4,
+            )
     if cls is None:
         return None
     row = t.lookup(kernel, gpu, cls, dtype, n)

@@ -252,3 +252,29 @@ def test_a_memoised_configuration_does_not_skip_the_binds_type_checks():
         layernorm.fwd_config("bfloat16", 16384.0, True, True, "float32")
     with pytest.raises(ParamError, match="has_weight"):
         layernorm.fwd_config("bfloat16", 16384, 1, True, "float32")
+
+
+def test_a_tuned_gpu_without_rows_for_a_kernel_says_so_once():
+    """A GPU with rows for some kernels (the H100's: no GEMM) gives the others their heuristic
+    with one warning each naming the kernel; a kernel no GPU has rows for, or whose rows keep
+    the heuristic ({}, as the H100's softmax forward rows do), stays quiet."""
+    from quack.tuning import use_table
+
+    t = Table(A, "H200")
+    t.put(Row("softmax_bwd", "H200", "mid", (12288, 12288), {"bwd_min_blocks": 4}, ("bfloat16",)))
+    t.put(Row("rmsnorm_fwd", "QX9", "same/cluster1", (4096, 4096), {}, ("bfloat16",)))
+    t.put(Row("softmax_fwd", "H200", "small", (4096, 4096), {}, ("bfloat16",)))
+    from quack import settings
+
+    with settings.override(tune_gpu="QX9"), use_table(t):
+        _tuning.reload()
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for n in (12288, 12288, 16384):
+                assert cfg(softmax.compile_softmax_bwd, "bfloat16", n).knobs() == {}
+            cfg(cross_entropy.compile_cross_entropy_fwd, "bfloat16", 4096, "none")
+            cfg(softmax.compile_softmax_fwd, "bfloat16", 4096)
+    _tuning.reload()
+    msgs = [str(x.message) for x in w if "quack tune" in str(x.message)]
+    assert len(msgs) == 1, msgs
+    assert "no tuning-table rows for softmax_bwd on GPU 'QX9'" in msgs[0] and "rows for H200" in msgs[0]
