@@ -218,3 +218,19 @@ def test_a_build_on_a_gpu_host_keys_for_that_gpus_rows(tmp_path):
     plain, _ = _dry_run(tmp_path, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     if gpu.host_gpu() in (None, "H200"):
         assert plain == h200
+
+
+def test_the_build_summary_names_whose_rows_chose_the_configurations(tmp_path):
+    """A CPU build farm making objects for H100 servers must see which model it keyed for."""
+    import json
+
+    m = tmp_path / "m.toml"
+    m.write_text(MANIFEST)
+    env = {k: v for k, v in os.environ.items() if k != "QUACK_TUNE_GPU"}
+    env.update(QUACK_CACHE_DIR=str(tmp_path / "c"), QUACK_TUNE_GPU="H100", QUACK_JOBS="1")
+    args = [sys.executable, "-m", "quack_build", "build", str(m)]
+    r = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout)["tune_gpu"] == {"model": "H100", "source": "[tune] gpu / QUACK_TUNE_GPU"}
+    r = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert r.returncode == 0 and "tuning rows for" in r.stdout and "H100 ([tune] gpu" in r.stdout, r.stdout

@@ -118,6 +118,34 @@ def _text(v) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def gpu_choice() -> tuple[str | None, str]:
+    """(model, why) as ``current_gpu`` decides it, for a build's report; model None: each
+    table's ``default_gpu``."""
+    from quack import settings
+
+    s = settings.get()
+    if s.tune_gpu:
+        return s.tune_gpu, "[tune] gpu / QUACK_TUNE_GPU"
+    cuda = detected_gpu()
+    if cuda:
+        return cuda, "this process's CUDA device"
+    host = host_gpu()
+    if host:
+        return host, "this machine's GPU, through NVML"
+    return None, "no GPU here"
+
+
+def describe_choice() -> str:
+    """One line for a build's output: whose tuning rows chose the default configurations."""
+    model, why = gpu_choice()
+    if model is None:
+        return (
+            "tuning rows: each table's default GPU (no GPU here; QUACK_TUNE_GPU=<model> builds "
+            "for another, e.g. H100)"
+        )
+    return f"tuning rows: GPU {model} ({why})"
+
+
 def current_gpu(default: str | None) -> str | None:
     """The GPU model to look rows up for (see the module doc); ``default``: the table's."""
     from quack import settings

@@ -122,6 +122,9 @@ class BuildResult:
     remote_url: str = ""  # empty: no remote configured
     remote: dict = dataclasses.field(default_factory=dict)  # the tier's counters for this build
     remote_offline: bool = False
+    # whose tuning rows chose the default configurations (quack.tuning.gpu_choice): a build
+    # keys for one GPU model, and a process on another model misses (docs/tuning.md)
+    tune_gpu: tuple = (None, "")
 
     def count(self, status: str) -> int:
         return sum(1 for t in self.tasks if t.status == status)
@@ -195,5 +198,6 @@ class BuildResult:
                 if self.remote_url
                 else None
             ),
+            "tune_gpu": {"model": self.tune_gpu[0], "source": self.tune_gpu[1]},
             "keys": [t.to_json() for t in self.tasks],
         }

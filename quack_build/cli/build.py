@@ -188,6 +188,9 @@ def build_configs(
         if remote is not None:
             remote.record(Path(s.cache_dir))
             remote.close()
+    from quack.tuning import gpu_choice
+
+    res.tune_gpu = gpu_choice()
     trace_error = ""
     if trace:
         try:
