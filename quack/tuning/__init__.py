@@ -6,7 +6,7 @@ its compile function (so it is in the cache key), and picks the default one from
 table (``Table``: a TOML data file beside the kernels) through ``default_config``."""
 
 from quack.tuning.config import TuneConfig, knob
-from quack.tuning.gpu import current_gpu, describe_choice, gpu_choice, normalise_gpu
+from quack.tuning.gpu import current_gpu, gpu_choice, normalise_gpu
 from quack.tuning.override import table_override, use_config, use_table, without_tables
 from quack.tuning.table import Row, Table
 
@@ -14,7 +14,6 @@ __all__ = [
     "TuneConfig",
     "knob",
     "current_gpu",
-    "describe_choice",
     "gpu_choice",
     "normalise_gpu",
     "Row",

@@ -135,17 +135,6 @@ def gpu_choice() -> tuple[str | None, str]:
     return None, "no GPU here"
 
 
-def describe_choice() -> str:
-    """One line for a build's output: whose tuning rows chose the default configurations."""
-    model, why = gpu_choice()
-    if model is None:
-        return (
-            "tuning rows: each table's default GPU (no GPU here; QUACK_TUNE_GPU=<model> builds "
-            "for another, e.g. H100)"
-        )
-    return f"tuning rows: GPU {model} ({why})"
-
-
 def current_gpu(default: str | None) -> str | None:
     """The GPU model to look rows up for (see the module doc); ``default``: the table's."""
     from quack import settings
