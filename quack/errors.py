@@ -83,9 +83,14 @@ class KernelNotPrebuilt(QuackError, LookupError):
         bundles: tuple[str, ...] = (),
         *,
         reason: str = "",
+        tuned_for: str = "",
     ):
         # manifest_line: the manifest entry that would build it (quack.manifest_line),
         # made by the raiser so that this module imports nothing from quack.
+        # tuned_for: for a kernel whose configuration a tuning table chooses, the GPU model
+        # whose rows chose it and why ("H100 (this process's CUDA device)"): a build on
+        # another machine keys for its own GPU's rows, and every call then misses (README
+        # command 2 on an H100 before the build asked NVML: 179 of these, none saying why).
         self.kernel = kernel
         self.params = dict(params)
         self.arch = arch
@@ -94,6 +99,7 @@ class KernelNotPrebuilt(QuackError, LookupError):
         self.manifest_line = manifest_line
         self.bundles = tuple(bundles)  # "name version (n entries for this toolchain)" per bundle searched
         self.reason = reason  # why nothing could be loaded, when it is not a plain miss
+        self.tuned_for = tuned_for
         super().__init__(self._message())
 
     def _message(self) -> str:
@@ -104,7 +110,15 @@ class KernelNotPrebuilt(QuackError, LookupError):
             f"bundles searched: {'; '.join(self.bundles) or 'none installed'})"
             + (f": {self.reason}" if self.reason else "")
             + ".\n"
-            f"Add this to a manifest:\n{line}\n"
+            + (
+                f"Its configuration, where the call leaves it to the tuning table, comes from the "
+                f"rows of GPU {self.tuned_for}; a build keys for the GPU of the machine it runs on "
+                "(or QUACK_TUNE_GPU / [tune] gpu): build there, or with that setting naming this "
+                "GPU's model.\n"
+                if self.tuned_for
+                else ""
+            )
+            + f"Add this to a manifest:\n{line}\n"
             f"and run: quack build --arch {self.arch} MANIFEST  "
             # Prebuilt mode comes from QUACK_MODE, quack.toml or pytest's --quack-prebuilt,
             # and this error can't tell which: naming only QUACK_MODE sent a user whose

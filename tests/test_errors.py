@@ -91,6 +91,11 @@ CASES = [
         ("reason",),
     ),
     (
+        E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", tuned_for="H100 (NVML)"),
+        LookupError,
+        ("tuned_for",),
+    ),
+    (
         E.CompileError("k", {"n": 4}, "sm_90a", "\x1b[91merror:\x1b[0m boom", transient=True),
         RuntimeError,
         ("detail", "transient"),

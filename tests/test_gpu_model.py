@@ -234,3 +234,22 @@ def test_the_build_summary_names_whose_rows_chose_the_configurations(tmp_path):
     assert json.loads(r.stdout)["tune_gpu"] == {"model": "H100", "source": "[tune] gpu / QUACK_TUNE_GPU"}
     r = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0 and "tuning rows for" in r.stdout and "H100 ([tune] gpu" in r.stdout, r.stdout
+
+
+def test_a_miss_of_a_tuned_kernel_names_whose_rows_chose_its_configuration(tmp_path):
+    """The 179 misses of README command 2 on an H100 said only "not prebuilt": the model whose
+    rows chose the configuration (the build had keyed for another) is in the error now; a
+    kernel without a table-derived configuration says nothing of it."""
+    import relkernels
+    from quack_kernels import softmax
+
+    from quack.errors import KernelNotPrebuilt
+
+    with settings.override(cache_dir=str(tmp_path / "c"), mode="prebuilt", tune_gpu="H100"):
+        with pytest.raises(KernelNotPrebuilt) as e:
+            softmax.compile_softmax_fwd("bfloat16", 4096)
+        assert e.value.tuned_for == "H100 ([tune] gpu / QUACK_TUNE_GPU)"
+        assert "comes from the rows of GPU H100 ([tune] gpu / QUACK_TUNE_GPU)" in str(e.value)
+        with pytest.raises(KernelNotPrebuilt) as e:
+            relkernels.rel_copy(3)
+        assert e.value.tuned_for == "" and "tuning table" not in str(e.value)

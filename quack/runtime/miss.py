@@ -289,11 +289,24 @@ def not_prebuilt(k: JitKernel, params, key, s, reason: str):
             (),
         ),
         reason=reason,
+        tuned_for=_tuned_for(k),
     )
     from quack.compile import scope  # on a miss only: a hit never needs the pool
 
     scope.note_not_prebuilt(err, s)
     raise err
+
+
+def _tuned_for(k: JitKernel) -> str:
+    """ "H100 (this machine's GPU, through NVML)" for a kernel with a table-derived
+    configuration parameter, else ""."""
+    from quack.params import Config
+    from quack.tuning import gpu_choice
+
+    if not any(isinstance(p, Config) and p.derive is not None for p in k.spec.params.values()):
+        return ""
+    model, why = gpu_choice()
+    return f"{model} ({why})" if model else f"each table's default model ({why})"
 
 
 def compile_in_worker(k: JitKernel, store, ref, params, key, arch):
