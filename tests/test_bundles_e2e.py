@@ -80,6 +80,10 @@ def default_wheel(tmp_path_factory) -> Path:
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout)
     assert res["entries"] == len(default_configs()) == 51
+    from quack.tuning import gpu_choice
+
+    # the model whose rows chose the configurations, as this machine's build chose it
+    assert res["tune_gpu"]["model"] == gpu_choice()[0] and res["tune_gpu"]["source"], res["tune_gpu"]
     return Path(res["wheel"])
 
 

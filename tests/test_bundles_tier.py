@@ -180,6 +180,45 @@ def test_prebuilt_miss_lists_the_bundles_searched(site, cache_dir):
     assert again.bundles == err.bundles and str(again) == str(err)
 
 
+def test_a_bundle_says_which_gpus_rows_chose_its_configurations(site, cache_dir, tmp_path):
+    """A bundle made on a CPU build farm keys for each table's default GPU; on another model
+    every tuned call misses. The index records the model (``quack bundle``: its build's
+    choice), the misses and `quack bundle inspect` show it; older bundles without it still load."""
+    install(site, [bfile(ref_for(dict(PARAMS, block=256)))], name="shipped", version="2.0")
+    pkg = site / bindex.package_name("shipped")
+    doc = json.loads((pkg / "index.json").read_text())
+    assert "tune_gpu" not in doc  # written without one: an older bundle's index
+    bt.reset()
+    whl, idx = bw.write_wheel(
+        [bfile(ref_for(dict(PARAMS, block=256)))], name="farm", version="1.0", out_dir=tmp_path / "d",
+        tune_gpu=(None, "no GPU here"),
+    )  # fmt: skip
+    assert bindex.parse(idx.to_bytes()).tune_gpu == (None, "no GPU here")
+    assert bundle_inspect.inspect_wheel(whl, None)["tune_gpu"] == {"model": None, "source": "no GPU here"}
+    with zipfile.ZipFile(whl) as z:
+        z.extractall(site)
+    saved = settings._current
+    settings.set_current(
+        settings.resolve({"cache_dir": str(cache_dir), "arch": "sm_90a", "mode": "prebuilt"})
+    )
+    try:
+        with pytest.raises(KernelNotPrebuilt) as ei:
+            toykernels.toy_scale("float32", 96, False)
+    finally:
+        settings.set_current(saved)
+    assert ei.value.bundles == (
+        "farm 1.0 (1 of 1 entries for this toolchain and sm_90a, tuned for each table default GPU)",
+        "shipped 2.0 (1 of 1 entries for this toolchain and sm_90a)",
+    )
+    one = bindex.Index("x", "1", 0, "0", (), ("H100", "this machine's GPU, through NVML")).to_bytes()
+    assert json.loads(one)["tune_gpu"] == {"model": "H100", "source": "this machine's GPU, through NVML"}
+    for bad in ({"model": "../x", "source": "s"}, {"model": "H100"}, "H100", {"model": 3, "source": "s"}):
+        doc = json.loads(one)
+        doc["tune_gpu"] = bad
+        with pytest.raises(BundleError, match="tune_gpu must be"):
+            bindex.parse(json.dumps(doc).encode())
+
+
 def test_malformed_index_refuses_the_bundle_with_one_warning(site, s):
     ref = ref_for()
     pkg = install(site, [bfile(ref)], name="evil")

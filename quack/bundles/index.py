@@ -10,7 +10,7 @@ A bundle package (``quack bundle`` writes it into a wheel) is a directory::
 index.json::
 
     {"format": 1, "name": "myapp-kernels", "version": "1.0", "created": 1764...,
-     "quack": "0.1.0", "entries": [
+     "quack": "0.1.0", "tune_gpu": {"model": "H100" | null, "source": "..."}, "entries": [
        {"key": 64 hex, "kernel": "rmsnorm_fwd", "arch": "sm_90a", "stamp": "py3.11-...-sm_90a",
         "srcfp": 16 hex, "params": {...}, "file": "v1/.../<key>.o", "sha256": hex, "size": n,
         "so": {"file": "v1/.../<key>.so", "sha256": hex, "size": n} | null}]}
@@ -118,9 +118,14 @@ class Index:
     created: float
     quack: str
     entries: tuple[IndexEntry, ...]
+    # The GPU model whose tuning rows chose its entries' configurations (model None: each
+    # table's default, a build without a GPU) and why: a process on another model asks for
+    # other keys, and its misses say which model the bundle was made for. Optional (older
+    # bundles have none).
+    tune_gpu: tuple[str | None, str] | None = None
 
     def to_bytes(self) -> bytes:
-        doc = {
+        doc: dict = {
             "format": INDEX_FORMAT,
             "name": self.name,
             "version": self.version,
@@ -128,6 +133,8 @@ class Index:
             "quack": self.quack,
             "entries": [e.to_json() for e in self.entries],
         }
+        if self.tune_gpu is not None:
+            doc["tune_gpu"] = {"model": self.tune_gpu[0], "source": self.tune_gpu[1]}
         return json.dumps(doc, sort_keys=True, indent=1).encode()
 
     @property
@@ -246,7 +253,28 @@ def parse(data: bytes) -> Index:
         float(created) if isinstance(created, (int, float)) else 0.0,
         str(doc.get("quack", "")),
         tuple(_entry(i, r) for i, r in enumerate(raw)),
+        _tune_gpu(doc.get("tune_gpu")),
     )
+
+
+def _tune_gpu(v) -> tuple[str | None, str] | None:
+    """index.json's optional ``tune_gpu``: {"model": a model name or null, "source": text}."""
+    if v is None:
+        return None
+    model = v.get("model") if isinstance(v, dict) else None
+    source = v.get("source") if isinstance(v, dict) else None
+    if (
+        not isinstance(v, dict)
+        or not (model is None or (isinstance(model, str) and _MODEL.fullmatch(model)))
+        or not (isinstance(source, str) and len(source) <= 200)
+    ):
+        raise BundleError(
+            'tune_gpu must be {"model": a GPU model name like "H100" or null, "source": a short text}'
+        )
+    return model, source
+
+
+_MODEL = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")
 
 
 def check_meta(e: IndexEntry, data: bytes) -> str:

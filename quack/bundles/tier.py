@@ -65,7 +65,11 @@ class Bundle:
             return f"{self.name} {self.version} (refused: {self.problem})"
         n = len(self.index.entries) if self.index else 0
         cur = self.current_entries(arch)
-        return f"{self.name} {self.version} ({cur} of {n} entries for this toolchain and {arch})"
+        tuned = ""
+        if self.index is not None and self.index.tune_gpu is not None:
+            model, _ = self.index.tune_gpu
+            tuned = f", tuned for {'GPU ' + model if model else 'each table default GPU'}"
+        return f"{self.name} {self.version} ({cur} of {n} entries for this toolchain and {arch}{tuned})"
 
 
 def open_bundle(

@@ -223,6 +223,7 @@ def write_wheel(
     out_dir: Path,
     signing_key=None,
     created: float | None = None,
+    tune_gpu: tuple[str | None, str] | None = None,
 ) -> tuple[Path, Index]:
     """Write ``out_dir/<name>-<version>-py3-none-<platform>.whl`` atomically (a temp
     directory beside it, then a rename). ``signing_key``: a quack.signing.SigningKey."""
@@ -236,7 +237,7 @@ def write_wheel(
         # so the same entries give a byte-identical wheel.
         sde = os.environ.get("SOURCE_DATE_EPOCH", "")
         created = float(sde) if sde.isdigit() else time.time()
-    idx = Index(name, version, created, QUACK_VERSION, tuple(f.entry for f in files))
+    idx = Index(name, version, created, QUACK_VERSION, tuple(f.entry for f in files), tune_gpu)
     index_bytes = idx.to_bytes()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -138,8 +138,13 @@ def _bundle(
     files, problems = bw.collect(exp.configs, local_store(s))
     if problems:
         raise Fail("error: " + "\n".join(problems) + "\nno bundle written")
+    from quack.tuning import gpu_choice
+
+    tuned = gpu_choice()  # whose tuning rows chose the entries' configurations (as the build's)
     try:
-        path, idx = bw.write_wheel(files, name=name, version=version, out_dir=out, signing_key=key)
+        path, idx = bw.write_wheel(
+            files, name=name, version=version, out_dir=out, signing_key=key, tune_gpu=tuned
+        )
     except BundleError as e:
         raise Fail(f"error: {e}") from None
     except OSError as e:
@@ -153,6 +158,7 @@ def _bundle(
         "bytes": idx.bytes,
         "wheel_bytes": path.stat().st_size,
         "stamps": idx.stamps,
+        "tune_gpu": {"model": tuned[0], "source": tuned[1]},
         "signed_by": key.name if key else "",
         "build_s": round(build_s, 3),
         "seconds": round(time.time() - t0, 3),
@@ -166,6 +172,8 @@ def _bundle(
             f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
             f"{human_bytes(res['wheel_bytes'])}, {', '.join(res['stamps'])}"
             + (f", signed by {key.name}" if key else "")
+            + f"\ntuned for {'GPU ' + tuned[0] if tuned[0] else 'each table default GPU'} ({tuned[1]}): "
+            "processes on another GPU model ask for other configurations"
             + f"\ninstall it with: pip install {path}",
             markup=False,
             soft_wrap=True,
@@ -205,7 +213,12 @@ def _inspect(wheel: Path, as_json: bool) -> int:
     con.print(
         f"{info['wheel']}: bundle {info['name']} {info['version']} (package {info['package']}), "
         f"{len(info['entries'])} entries, {human_bytes(info['bytes'])} of objects, "
-        f"{human_bytes(info['wheel_bytes'])} wheel, {sig}",
+        f"{human_bytes(info['wheel_bytes'])} wheel, {sig}"
+        + (
+            f", tuned for {'GPU ' + tg['model'] if tg['model'] else 'each table default GPU'} ({tg['source']})"
+            if (tg := info["tune_gpu"])
+            else ""
+        ),
         markup=False,
         soft_wrap=True,
     )
