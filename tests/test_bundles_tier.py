@@ -219,6 +219,35 @@ def test_a_bundle_says_which_gpus_rows_chose_its_configurations(site, cache_dir,
             bindex.parse(json.dumps(doc).encode())
 
 
+def test_verify_bundles_says_when_a_bundle_was_tuned_for_another_gpu(site, s, tmp_path):
+    from quack_build.verify.bundles import verify_bundles
+
+    for name, made in (
+        ("for-h200", ("H200", "this machine's GPU, through NVML")),
+        ("farm", (None, "no GPU here")),
+    ):
+        whl, _ = bw.write_wheel(
+            [bfile(ref_for(dict(PARAMS, block=256)))], name=name, version="1.0", out_dir=tmp_path / "d",
+            tune_gpu=made,
+        )  # fmt: skip
+        with zipfile.ZipFile(whl) as z:
+            z.extractall(site)
+    bt.reset()
+    with settings.override(tune_gpu="H100"):
+        res = verify_bundles(settings.get(), load=False)
+    notes = {b["name"]: b["gpu_note"] for b in res["bundles"]}
+    assert "GPU H200's tuning rows; calls here ask for GPU H100's" in notes["for-h200"], notes
+    assert "QUACK_TUNE_GPU=H100" in notes["for-h200"]
+    assert "each table's default GPU's (built without a GPU)" in notes["farm"], notes
+    # said, not a problem (the placeholder objects here have their own: no GPU code)
+    assert all(not b["problems"] for b in res["bundles"])
+    assert not any("tuning rows" in p for r in res["entries"] for p in r["problems"])
+    bt.reset()
+    with settings.override(tune_gpu="H200"):
+        res = verify_bundles(settings.get(), load=False)
+    assert {b["name"]: b["gpu_note"] for b in res["bundles"]}["for-h200"] == ""
+
+
 def test_malformed_index_refuses_the_bundle_with_one_warning(site, s):
     ref = ref_for()
     pkg = install(site, [bfile(ref)], name="evil")

@@ -66,6 +66,9 @@ def print_bundle_report(con, res: dict) -> None:
         )
         tb.add_row(*(escape(str(c)) for c in cells))
     con.print(tb)
+    for b in res["bundles"]:
+        if b.get("gpu_note"):
+            con.print(f"[yellow]bundle {escape(b['name'])}: {escape(b['gpu_note'])}[/]", soft_wrap=True)
     bad = [r for r in res["entries"] if r["problems"]]
     if bad:
         con.print(_problems_table("bundle entries with problems", bad, bundle=True))

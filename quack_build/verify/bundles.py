@@ -8,6 +8,25 @@ import time
 from typing import Any
 
 
+def _gpu_note(b) -> str:
+    """Where the bundle's tuning rows were another GPU model's than this machine's: its tuned
+    kernels' configurations are not the ones calls here ask for (every such call misses).
+    Said, not counted as a problem: the entries themselves are sound."""
+    from quack.tuning import gpu_choice
+
+    if b.index is None or b.index.tune_gpu is None:
+        return ""
+    here, why = gpu_choice()
+    made = b.index.tune_gpu[0]
+    if here is None or made == here:
+        return ""
+    made_s = f"GPU {made}'s" if made else "each table's default GPU's (built without a GPU)"
+    return (
+        f"its configurations were chosen by {made_s} tuning rows; calls here ask for GPU "
+        f"{here}'s ({why}): rebuild it with QUACK_TUNE_GPU={here}"
+    )
+
+
 def verify_bundles(s, *, load: bool = True, run: bool = False, jobs: int = 1) -> dict:
     """Every installed bundle: refused or not, each entry's checksums, arch (from the
     embedded cubin), toolchain stamp (which names the arch) and kernel source against
@@ -42,6 +61,12 @@ def verify_bundles(s, *, load: bool = True, run: bool = False, jobs: int = 1) ->
             "entries": 0,
             "current": 0,
             "other_toolchain": 0,
+            "tune_gpu": (
+                {"model": b.index.tune_gpu[0], "source": b.index.tune_gpu[1]}
+                if b.index is not None and b.index.tune_gpu is not None
+                else None
+            ),
+            "gpu_note": _gpu_note(b),
         }
         out.append(info)
         if b.index is None or b.problem or b.path is None:
