@@ -59,7 +59,9 @@ class FakeNVML(types.ModuleType):
 
 
 @pytest.fixture
-def nvml(monkeypatch):
+def nvml(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu, "_DRIVER_PATHS", (str(tmp_path),))  # "a driver is here"
+
     def install(devices, **kw):
         fake = FakeNVML(devices, **kw)
         monkeypatch.setitem(sys.modules, "pynvml", fake)
@@ -67,6 +69,14 @@ def nvml(monkeypatch):
         return fake
 
     yield install
+
+
+def test_without_a_driver_nvml_is_not_even_imported(nvml, monkeypatch, tmp_path):
+    """No /proc/driver/nvidia, /dev/nvidiactl or /dev/dxg: a CPU machine pays no pynvml
+    import (13 ms a process here) and gets the table's default."""
+    fake = nvml([H100])
+    monkeypatch.setattr(gpu, "_DRIVER_PATHS", (str(tmp_path / "absent"),))
+    assert gpu._nvml_model(None) is None and fake.inits == 0
 
 
 H100 = ("NVIDIA H100 80GB HBM3", "GPU-1111aaaa-0000")
@@ -188,8 +198,17 @@ def _dry_run(tmp_path, **env):
     full.update(QUACK_CACHE_DIR=str(tmp_path / "c"), **env)
     m = tmp_path / "m.toml"
     m.write_text(MANIFEST)
+    # the child believes a driver is here (this machine has none) and imports the fake pynvml
+    # ahead of any real one when FAKE_GPU_NAME is set
+    boot = (
+        "import os, runpy, sys\n"
+        "import quack.tuning.gpu as g\n"
+        "if os.environ.get('FAKE_GPU_NAME'): g._DRIVER_PATHS = ('/',)\n"
+        "sys.argv = ['quack', *sys.argv[1:]]\n"
+        "runpy.run_module('quack_build', run_name='__main__')\n"
+    )
     r = subprocess.run(
-        [sys.executable, "-m", "quack_build", "build", "--dry-run", str(m)],
+        [sys.executable, "-c", boot, "build", "--dry-run", str(m)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -77,6 +77,8 @@ def _nvml_model(visible: str | None) -> str | None:
     index or UUID; every device when unset. All visible devices of one model (nearly every
     host) give that model whatever order CUDA enumerates them in (its default, fastest
     first, is not NVML's PCI order); a mixed host gives the first one named."""
+    if not any(os.path.exists(p) for p in _DRIVER_PATHS):
+        return None  # no NVIDIA driver here: pynvml's import alone is 13 ms a process
     try:
         import pynvml
     except ImportError:  # an install without nvidia-ml-py: the table's default applies
@@ -112,6 +114,11 @@ def _nvml_model(visible: str | None) -> str | None:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+# Present wherever NVML can answer: the driver's procfs (Linux, containers given GPUs),
+# its control device, WSL2's GPU device.
+_DRIVER_PATHS = ("/proc/driver/nvidia", "/dev/nvidiactl", "/dev/dxg")
 
 
 def _text(v) -> str:
