@@ -112,9 +112,9 @@ class KernelNotPrebuilt(QuackError, LookupError):
             + ".\n"
             + (
                 f"Its configuration, where the call leaves it to the tuning table, comes from the "
-                f"rows of GPU {self.tuned_for}; a build keys for the GPU of the machine it runs on "
-                "(or QUACK_TUNE_GPU / [tune] gpu): build there, or with that setting naming this "
-                "GPU's model.\n"
+                f"tuning rows of {self.tuned_for}; a build keys for the GPU of the machine it runs "
+                "on (or QUACK_TUNE_GPU / [tune] gpu): build where these calls run, or with that "
+                "setting naming their GPU model.\n"
                 if self.tuned_for
                 else ""
             )

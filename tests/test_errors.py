@@ -91,7 +91,7 @@ CASES = [
         ("reason",),
     ),
     (
-        E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", tuned_for="H100 (NVML)"),
+        E.KernelNotPrebuilt("k", {"n": 4}, "sm_90a", "ab" * 32, "/c", "line", tuned_for="GPU H100 (NVML)"),
         LookupError,
         ("tuned_for",),
     ),

@@ -25,14 +25,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class FakeNVML(types.ModuleType):
-    """pynvml's calls quack makes, over a list of (name, uuid); counts inits and shutdowns."""
+    """pynvml's calls quack makes, over a list of (name, uuid); ``lost``: indices whose
+    queries fail (a lost GPU, one the job may not query); counts inits and shutdowns."""
 
     class NVMLError(Exception):
         pass
 
-    def __init__(self, devices, init_error=False, query_error=False):
+    def __init__(self, devices, init_error=False, lost=()):
         super().__init__("pynvml")
-        self.devices, self.init_error, self.query_error = devices, init_error, query_error
+        self.devices, self.init_error, self.lost = devices, init_error, set(lost)
         self.inits = self.shutdowns = 0
 
     def nvmlInit(self):
@@ -47,7 +48,7 @@ class FakeNVML(types.ModuleType):
         return len(self.devices)
 
     def nvmlDeviceGetHandleByIndex(self, i):
-        if self.query_error:
+        if i in self.lost:
             raise self.NVMLError("GPU is lost")
         return i
 
@@ -61,14 +62,19 @@ class FakeNVML(types.ModuleType):
 @pytest.fixture
 def nvml(monkeypatch, tmp_path):
     monkeypatch.setattr(gpu, "_DRIVER_PATHS", (str(tmp_path),))  # "a driver is here"
+    monkeypatch.setattr(gpu, "_HOST", {})
 
     def install(devices, **kw):
         fake = FakeNVML(devices, **kw)
         monkeypatch.setitem(sys.modules, "pynvml", fake)
-        monkeypatch.setattr(gpu, "_HOST", gpu._UNASKED)
+        gpu._HOST.clear()
         return fake
 
     yield install
+
+
+def model(visible, order=None):
+    return gpu._nvml_model(visible, order)[0]
 
 
 def test_without_a_driver_nvml_is_not_even_imported(nvml, monkeypatch, tmp_path):
@@ -76,7 +82,7 @@ def test_without_a_driver_nvml_is_not_even_imported(nvml, monkeypatch, tmp_path)
     import (13 ms a process here) and gets the table's default."""
     fake = nvml([H100])
     monkeypatch.setattr(gpu, "_DRIVER_PATHS", (str(tmp_path / "absent"),))
-    assert gpu._nvml_model(None) is None and fake.inits == 0
+    assert gpu._nvml_model(None) == (None, "no NVIDIA driver here") and fake.inits == 0
 
 
 H100 = ("NVIDIA H100 80GB HBM3", "GPU-1111aaaa-0000")
@@ -86,38 +92,59 @@ A100 = ("NVIDIA A100-SXM4-80GB", "GPU-3333cccc-0000")
 
 def test_one_model_host_gives_its_model_whatever_the_visible_list(nvml):
     fake = nvml([H100, H100])
-    for visible in (None, "0", "1", "GPU-1111", "MIG-5c6d", "1,0"):
-        assert gpu._nvml_model(visible) == "H100", visible
-    assert fake.inits == fake.shutdowns == 6  # NVML is shut again every time
+    for visible in (None, "0", "1", "GPU-1111", "MIG-5c6d", "1,0", " 1"):
+        assert gpu._nvml_model(visible) == ("H100", "this machine's GPU, through NVML"), visible
+    assert fake.inits == fake.shutdowns == 7  # NVML is shut again every time
 
 
-def test_a_mixed_host_gives_the_first_visible_device(nvml):
+def test_a_mixed_host_names_a_device_only_where_cuda_and_nvml_agree_on_it(nvml):
+    """CUDA's default order (fastest first) is not NVML's (PCI bus): an index names a known
+    device only under CUDA_DEVICE_ORDER=PCI_BUS_ID; a UUID always; else no guess (a guessed
+    L4 where CUDA's device 0 is the L40S made every call miss), and the reason says so."""
     nvml([A100, H100])
-    assert gpu._nvml_model(None) == "A100"
-    assert gpu._nvml_model("1") == "H100"
-    assert gpu._nvml_model("1,0") == "H100"
-    assert gpu._nvml_model("GPU-1111aa") == "H100"  # a UUID prefix, as CUDA takes it
-    assert gpu._nvml_model("MIG-5c6d") is None  # which physical GPU: unknown here
+    assert model(None) is None and model("1") is None and model("0") is None
+    assert "mixed GPU models (A100, H100)" in gpu._nvml_model("1")[1]
+    assert model("1", "PCI_BUS_ID") == "H100" and model("0,1", "PCI_BUS_ID") == "A100"
+    assert model(None, "PCI_BUS_ID") == "A100"
+    assert model("GPU-1111aa") == "H100" and model("gpu-1111AA") == "H100"  # a UUID prefix
+    assert model("MIG-5c6d") is None  # which physical GPU: unknown here
 
 
 @pytest.mark.parametrize("visible", ["", "-1", " "])
 def test_no_visible_device_is_no_model(nvml, visible):
     nvml([H100])
-    assert gpu._nvml_model(visible) is None
+    assert gpu._nvml_model(visible) == (None, f"no GPU visible (CUDA_VISIBLE_DEVICES={visible!r})")
 
 
-def test_no_driver_or_a_lost_gpu_is_no_model(nvml):
+def test_a_gpu_nvml_cannot_query_leaves_the_others_to_decide(nvml):
+    """One lost GPU (or one this job may not query) made the whole answer "no GPU": a build
+    on an H100 host keyed the H200's rows while its processes asked for the H100's."""
+    fake = nvml([H100, H100], lost={1})
+    assert model("0") == "H100" and model(None) == "H100" and fake.shutdowns == 2
+    nvml([A100, H100], lost={0})  # the only queryable one decides
+    assert model(None) == "H100"
+    nvml([H100], lost={0})
+    assert gpu._nvml_model(None) == (None, "NVML could query no GPU")
     fake = nvml([H100], init_error=True)
-    assert gpu._nvml_model(None) is None and fake.shutdowns == 0
-    fake = nvml([H100], query_error=True)
-    assert gpu._nvml_model(None) is None and fake.shutdowns == 1
+    assert model(None) is None and fake.shutdowns == 0
+    assert "NVML did not start" in gpu._nvml_model(None)[1]
     nvml([])
-    assert gpu._nvml_model(None) is None
+    assert model(None) is None
 
 
-def test_without_nvidia_ml_py_the_tables_default_applies(monkeypatch):
+def test_without_nvidia_ml_py_the_reason_says_so(nvml, monkeypatch):
+    nvml([H100])
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import raises ImportError
-    assert gpu._nvml_model(None) is None
+    assert gpu._nvml_model(None) == (None, "nvidia-ml-py is not installed: set [tune] gpu / QUACK_TUNE_GPU")
+
+
+def test_the_answer_follows_cuda_visible_devices(nvml, monkeypatch):
+    """A launcher that sets a rank's devices after the first ask gets its own answer."""
+    fake = nvml([H100, H100])
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert gpu.host_gpu() is None and gpu.host_gpu() is None and fake.inits == 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert gpu.host_gpu() == "H100" and fake.inits == 2
 
 
 @pytest.fixture
@@ -138,7 +165,7 @@ def test_the_setting_then_cuda_then_nvml_then_the_default(nvml, monkeypatch):
     assert gpu.current_gpu("B200") == "H200"
     with settings.override(tune_gpu="B200"):  # the setting wins over both
         assert gpu.current_gpu("H200") == "B200"
-    nvml([], init_error=True)  # a CPU-only machine
+    nvml([], init_error=True)  # a machine whose NVML does not start
     monkeypatch.setattr(gpu, "detected_gpu", lambda: None)
     assert gpu.current_gpu("H200") == "H200"
 
@@ -252,7 +279,9 @@ def test_the_build_summary_names_whose_rows_chose_the_configurations(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads(r.stdout)["tune_gpu"] == {"model": "H100", "source": "[tune] gpu / QUACK_TUNE_GPU"}
     r = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert r.returncode == 0 and "tuning rows for" in r.stdout and "H100 ([tune] gpu" in r.stdout, r.stdout
+    assert r.returncode == 0 and "tuning rows for" in r.stdout and "GPU H100 ([tune] gpu" in r.stdout, (
+        r.stdout
+    )
 
 
 def test_a_miss_of_a_tuned_kernel_names_whose_rows_chose_its_configuration(tmp_path):
@@ -267,8 +296,20 @@ def test_a_miss_of_a_tuned_kernel_names_whose_rows_chose_its_configuration(tmp_p
     with settings.override(cache_dir=str(tmp_path / "c"), mode="prebuilt", tune_gpu="H100"):
         with pytest.raises(KernelNotPrebuilt) as e:
             softmax.compile_softmax_fwd("bfloat16", 4096)
-        assert e.value.tuned_for == "H100 ([tune] gpu / QUACK_TUNE_GPU)"
-        assert "comes from the rows of GPU H100 ([tune] gpu / QUACK_TUNE_GPU)" in str(e.value)
+        assert e.value.tuned_for == "GPU H100 ([tune] gpu / QUACK_TUNE_GPU)"
+        assert "comes from the tuning rows of GPU H100 ([tune] gpu / QUACK_TUNE_GPU)" in str(e.value)
         with pytest.raises(KernelNotPrebuilt) as e:
             relkernels.rel_copy(3)
         assert e.value.tuned_for == "" and "tuning table" not in str(e.value)
+
+
+def test_the_setting_is_normalised_like_the_rows(monkeypatch, tmp_path):
+    """QUACK_TUNE_GPU=h100 (or H100-SXM) keyed the heuristic: no rows are spelt 'h100'."""
+    from quack.settings import resolve
+
+    for raw in ("h100", "H100-SXM", " H100 "):
+        monkeypatch.setenv("QUACK_TUNE_GPU", raw)
+        assert resolve().tune_gpu == "H100", raw
+    monkeypatch.delenv("QUACK_TUNE_GPU")
+    (tmp_path / "quack.toml").write_text('[tune]\ngpu = "a100-sxm4-80gb"\n')
+    assert resolve(cwd=tmp_path).tune_gpu == "A100"

@@ -306,7 +306,7 @@ def _tuned_for(k: JitKernel) -> str:
     if not any(isinstance(p, Config) and p.derive is not None for p in k.spec.params.values()):
         return ""
     model, why = gpu_choice()
-    return f"{model} ({why})" if model else f"each table's default model ({why})"
+    return f"GPU {model} ({why})" if model else f"each table's default GPU ({why})"
 
 
 def compile_in_worker(k: JitKernel, store, ref, params, key, arch):

@@ -267,7 +267,11 @@ def _module_list(v: Any) -> list[str]:
 def _gpu_model(v: Any) -> str:
     if not isinstance(v, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,31}", v.strip()):
         raise ValueError("expected a GPU model name of letters, digits, '_', '.', '-' (like 'H200')")
-    return v.strip()
+    # the rows' spelling: 'h100' and 'H100-SXM' keyed the heuristic (no rows for 'h100')
+    # and said only "no tuning-table rows for GPU 'h100'"
+    from quack.tuning.gpu import normalise_gpu
+
+    return normalise_gpu(v.strip())
 
 
 class Field:

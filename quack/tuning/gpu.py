@@ -61,59 +61,84 @@ _NAMES: dict[int, str] = {}  # CUDA device index -> its normalised model
 def host_gpu() -> str | None:
     """The normalised model of the GPU this process would run on, read through NVML without
     initialising CUDA (so a build's parent stays CUDA-free for its forkserver); None where
-    there is no NVML library, driver or visible GPU. Asked once a process."""
-    global _HOST
-    if _HOST is _UNASKED:
-        _HOST = _nvml_model(os.environ.get("CUDA_VISIBLE_DEVICES"))
-    return _HOST  # type: ignore[return-value]
+    NVML cannot tell (see ``host_gpu_why``). Asked once a process for each value of
+    CUDA_VISIBLE_DEVICES / CUDA_DEVICE_ORDER (a launcher may set them after the first ask)."""
+    return host_gpu_why()[0]
 
 
-_UNASKED = object()
-_HOST: object = _UNASKED
+def host_gpu_why() -> tuple[str | None, str]:
+    """(model, why): why names the source, or why there is no answer ("no NVIDIA driver",
+    "mixed GPU models ...")."""
+    env = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
+    got = _HOST.get(env)
+    if got is None:
+        got = _HOST[env] = _nvml_model(*env)
+    return got
 
 
-def _nvml_model(visible: str | None) -> str | None:
-    """The model of the first device ``visible`` (CUDA_VISIBLE_DEVICES's value) names: by
-    index or UUID; every device when unset. All visible devices of one model (nearly every
-    host) give that model whatever order CUDA enumerates them in (its default, fastest
-    first, is not NVML's PCI order); a mixed host gives the first one named."""
+_HOST: dict[tuple, tuple[str | None, str]] = {}
+_NVML = "this machine's GPU, through NVML"
+
+
+def _nvml_model(visible: str | None, order: str | None = None) -> tuple[str | None, str]:
+    """The model of the device CUDA would make device 0 under ``visible``
+    (CUDA_VISIBLE_DEVICES) and ``order`` (CUDA_DEVICE_ORDER), and why.
+
+    Every queryable device of one model (nearly every host) gives that model, whichever
+    one CUDA picks; a device NVML cannot query (lost, no permission) is left out, not a
+    reason to give up. On a host of mixed models the device is named by UUID, or by index
+    only under CUDA_DEVICE_ORDER=PCI_BUS_ID (NVML's order): CUDA's default order, fastest
+    first, is not NVML's, so an index there names an unknown device and nothing is guessed."""
     if not any(os.path.exists(p) for p in _DRIVER_PATHS):
-        return None  # no NVIDIA driver here: pynvml's import alone is 13 ms a process
+        return None, "no NVIDIA driver here"  # and no pynvml import: 13 ms a process
     try:
         import pynvml
-    except ImportError:  # an install without nvidia-ml-py: the table's default applies
-        return None
+    except ImportError:
+        return None, "nvidia-ml-py is not installed: set [tune] gpu / QUACK_TUNE_GPU"
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:  # no driver / library: a CPU-only machine
-        return None
+    except pynvml.NVMLError as e:
+        return None, f"NVML did not start ({e})"
     try:
-        entries = [e.strip() for e in visible.split(",")] if visible is not None else None
-        if entries is not None and (not entries[0] or entries[0].startswith("-")):
-            return None  # CUDA_VISIBLE_DEVICES="" or "-1": no GPU for this process
-        names = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            names.append((str(i), _text(pynvml.nvmlDeviceGetUUID(h)), _text(pynvml.nvmlDeviceGetName(h))))
-        if not names:
-            return None
-        if entries is None:
-            chosen = names[0][2]
+        entries = [e.strip() for e in visible.split(",")] if visible is not None else ["0"]
+        if not entries[0] or entries[0].startswith("-"):
+            return None, f"no GPU visible (CUDA_VISIBLE_DEVICES={visible!r})"
+        devices = _devices(pynvml)  # (index, uuid, model); unqueryable ones left out
+        models = sorted({m for _, _, m in devices})
+        if len(models) == 1:
+            return models[0], _NVML
+        if not models:
+            return None, "NVML could query no GPU"
+        first = entries[0]
+        if first.upper().startswith("GPU-"):
+            hit = [m for _, u, m in devices if u.upper().startswith(first.upper())]
+        elif first.isdigit() and (order or "").upper() == "PCI_BUS_ID":
+            hit = [m for i, _, m in devices if i == int(first)]
         else:
-            first = entries[0]
-            hit = [n for i, u, n in names if first == i or (first.startswith("GPU-") and u.startswith(first))]
-            if not hit:  # MIG-... or an entry NVML does not list: one model on the host decides
-                models = {normalise_gpu(n) for _, _, n in names}
-                return models.pop() if len(models) == 1 else None
-            chosen = hit[0]
-        return normalise_gpu(chosen)
-    except pynvml.NVMLError:  # a device that cannot be queried: the table's default applies
-        return None
+            hit = []
+        if hit:
+            return hit[0], _NVML
+        return None, f"mixed GPU models ({', '.join(models)}): set [tune] gpu / QUACK_TUNE_GPU"
+    except pynvml.NVMLError as e:
+        return None, f"NVML failed ({e})"
     finally:
         try:
             pynvml.nvmlShutdown()
         except pynvml.NVMLError:
             pass
+
+
+def _devices(pynvml) -> list[tuple[int, str, str]]:
+    out = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        try:
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            out.append(
+                (i, _text(pynvml.nvmlDeviceGetUUID(h)), normalise_gpu(_text(pynvml.nvmlDeviceGetName(h))))
+            )
+        except pynvml.NVMLError:  # a lost GPU, one this job may not query: the others decide
+            continue
+    return out
 
 
 # Present wherever NVML can answer: the driver's procfs (Linux, containers given GPUs),
@@ -136,10 +161,7 @@ def gpu_choice() -> tuple[str | None, str]:
     cuda = detected_gpu()
     if cuda:
         return cuda, "this process's CUDA device"
-    host = host_gpu()
-    if host:
-        return host, "this machine's GPU, through NVML"
-    return None, "no GPU here"
+    return host_gpu_why()
 
 
 def current_gpu(default: str | None) -> str | None:

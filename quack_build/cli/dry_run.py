@@ -111,6 +111,10 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
         raise store_fail(s, e) from None
     warn()
     todo = n_total - n_cached
+    from quack.tuning import gpu_choice
+
+    model, why = gpu_choice()  # before building: which model's rows the keys above are for
+    out.add(f"tuning rows for {'GPU ' + model if model else 'each table default GPU'} ({why})")
     out.add(
         f"{n_total} configurations ({stream.duplicates} duplicates dropped): "
         f"{n_cached} cached, {todo} to compile"
@@ -133,6 +137,7 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
                 "to_compile": todo,
                 "corrupt": n_corrupt,
                 "duplicates": stream.duplicates,
+                "tune_gpu": {"model": model, "source": why},
                 "keys": [t.to_json() for t in pending]
                 + [t.to_json() for t in tasks if t.status == results.CACHED],
             }

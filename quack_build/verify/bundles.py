@@ -9,21 +9,51 @@ from typing import Any
 
 
 def _gpu_note(b) -> str:
-    """Where the bundle's tuning rows were another GPU model's than this machine's: its tuned
-    kernels' configurations are not the ones calls here ask for (every such call misses).
-    Said, not counted as a problem: the entries themselves are sound."""
-    from quack.tuning import gpu_choice
+    """Where this machine asks a tuned kernel of the bundle for another GPU model's rows
+    than the bundle was made with: those kernels' configurations are not the ones calls here
+    ask for (each such call misses). Per kernel of the bundle whose configuration a tuning
+    table derives: the models are compared as the table resolves them (no model: its
+    ``default_gpu``), and only where either model has rows for the kernel (else both get
+    the heuristic). Said, not counted as a problem: the entries themselves are sound."""
+    from quack import registry
+    from quack.params import Config
+    from quack.tuning import Table, gpu_choice
 
     if b.index is None or b.index.tune_gpu is None:
         return ""
     here, why = gpu_choice()
     made = b.index.tune_gpu[0]
-    if here is None or made == here:
+    differ: list[tuple[str, str, str]] = []
+    tables: dict[Any, Table | None] = {}
+    for kernel, arch in sorted({(e.kernel, e.arch) for e in b.index.entries}):
+        spec = registry.all_specs().get(kernel)
+        derive = next(
+            (p.derive for p in (spec.params.values() if spec else ()) if isinstance(p, Config) and p.derive),
+            None,
+        )
+        path = getattr(derive, "table_path", None)
+        if path is None:
+            continue  # not a tuned kernel here: its keys do not depend on the GPU model
+        where = path(arch)
+        if where not in tables:
+            try:
+                tables[where] = Table.load(where)
+            except (OSError, ValueError):  # no table for the arch (or a broken one: said elsewhere)
+                tables[where] = None
+        t = tables[where]
+        if t is None:
+            continue
+        m, h = made or t.default_gpu, here or t.default_gpu
+        if m != h and any(r.kernel == kernel and r.gpu in (m, h) for r in t.rows):
+            differ.append((kernel, m, h))
+    if not differ:
         return ""
-    made_s = f"GPU {made}'s" if made else "each table's default GPU's (built without a GPU)"
+    kernels = ", ".join(sorted({k for k, _, _ in differ}))
+    m, h = differ[0][1], differ[0][2]
     return (
-        f"its configurations were chosen by {made_s} tuning rows; calls here ask for GPU "
-        f"{here}'s ({why}): rebuild it with QUACK_TUNE_GPU={here}"
+        f"its tuned kernels ({kernels}) have configurations chosen by GPU {m}'s tuning rows "
+        f"(the bundle's: {'GPU ' + made if made else 'built without a GPU'}); calls here ask "
+        f"for GPU {h}'s ({why}): rebuild it with QUACK_TUNE_GPU={h}"
     )
 
 
