@@ -191,10 +191,10 @@ def test_a_bundle_says_which_gpus_rows_chose_its_configurations(site, cache_dir,
     bt.reset()
     whl, idx = bw.write_wheel(
         [bfile(ref_for(dict(PARAMS, block=256)))], name="farm", version="1.0", out_dir=tmp_path / "d",
-        tune_gpu=(None, "no GPU here"),
+        tune_gpu=((), "no GPU here"),
     )  # fmt: skip
-    assert bindex.parse(idx.to_bytes()).tune_gpu == (None, "no GPU here")
-    assert bundle_inspect.inspect_wheel(whl, None)["tune_gpu"] == {"model": None, "source": "no GPU here"}
+    assert bindex.parse(idx.to_bytes()).tune_gpu == ((), "no GPU here")
+    assert bundle_inspect.inspect_wheel(whl, None)["tune_gpu"] == {"models": [], "source": "no GPU here"}
     with zipfile.ZipFile(whl) as z:
         z.extractall(site)
     saved = settings._current
@@ -210,10 +210,17 @@ def test_a_bundle_says_which_gpus_rows_chose_its_configurations(site, cache_dir,
         "farm 1.0 (1 of 1 entries for this toolchain and sm_90a, tuned for each table default GPU)",
         "shipped 2.0 (1 of 1 entries for this toolchain and sm_90a)",
     )
-    one = bindex.Index("x", "1", 0, "0", (), ("H100", "this machine's GPU, through NVML")).to_bytes()
-    assert json.loads(one)["tune_gpu"] == {"model": "H100", "source": "this machine's GPU, through NVML"}
+    one = bindex.Index("x", "1", 0, "0", (), (("H100", "H200"), "--gpu")).to_bytes()
+    assert json.loads(one)["tune_gpu"] == {"models": ["H100", "H200"], "source": "--gpu"}
+    assert bindex.parse(one).tune_gpu == (("H100", "H200"), "--gpu")
     # an unknown shape (a later quack's) reads as absent: informative only, never a refusal
-    for bad in ({"model": "../x", "source": "s"}, {"model": "H100"}, "H100", {"model": 3, "source": "s"}):
+    for bad in (
+        {"models": ["../x"], "source": "s"},
+        {"models": ["H100"]},
+        "H100",
+        {"models": "H100", "source": "s"},
+        {"model": "H100", "source": "s"},
+    ):
         doc = json.loads(one)
         doc["tune_gpu"] = bad
         assert bindex.parse(json.dumps(doc).encode()).tune_gpu is None
@@ -252,9 +259,10 @@ def test_verify_bundles_says_when_a_bundle_was_tuned_for_another_gpu(site, s, tm
     from quack_build.verify.bundles import verify_bundles
 
     made = {
-        "for-h200": ([_tuned_file()], ("H200", "this machine's GPU, through NVML")),
-        "farm": ([_tuned_file()], (None, "no NVIDIA driver here")),
-        "untuned": ([bfile(ref_for(dict(PARAMS, block=256)))], ("H200", "[tune] gpu / QUACK_TUNE_GPU")),
+        "for-h200": ([_tuned_file()], (("H200",), "this machine's GPU, through NVML")),
+        "farm": ([_tuned_file()], ((), "no NVIDIA driver here")),
+        "untuned": ([bfile(ref_for(dict(PARAMS, block=256)))], (("H200",), "[tune] gpu / QUACK_TUNE_GPU")),
+        "both": ([_tuned_file()], (("H100", "H200"), "--gpu")),
     }
     for name, (files, tuned) in made.items():
         whl, _ = bw.write_wheel(files, name=name, version="1.0", out_dir=tmp_path / "d", tune_gpu=tuned)
@@ -271,13 +279,11 @@ def test_verify_bundles_says_when_a_bundle_was_tuned_for_another_gpu(site, s, tm
 
     on_h100 = notes("H100")
     assert "(cross_entropy_fwd) have configurations chosen by GPU H200's tuning rows" in on_h100["for-h200"]
-    assert (
-        "calls here ask for GPU H100's" in on_h100["for-h200"]
-        and "QUACK_TUNE_GPU=H100" in on_h100["for-h200"]
-    )
+    assert "calls here ask for GPU H100's" in on_h100["for-h200"] and "--gpu H100" in on_h100["for-h200"]
     assert "(the bundle's: built without a GPU)" in on_h100["farm"]
-    assert on_h100["untuned"] == ""
-    assert notes("H200") == {"for-h200": "", "farm": "", "untuned": ""}
+    assert on_h100["untuned"] == "" and on_h100["both"] == ""  # made for both models
+    assert notes("H200") == {"for-h200": "", "farm": "", "untuned": "", "both": ""}
+    assert "(the bundle's: GPU H100, H200)" in notes("B200")["both"]
 
 
 def test_malformed_index_refuses_the_bundle_with_one_warning(site, s):

@@ -277,7 +277,7 @@ def test_the_build_summary_names_whose_rows_chose_the_configurations(tmp_path):
     args = [sys.executable, "-m", "quack_build", "build", str(m)]
     r = subprocess.run([*args, "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout)["tune_gpu"] == {"model": "H100", "source": "[tune] gpu / QUACK_TUNE_GPU"}
+    assert json.loads(r.stdout)["tune_gpu"] == {"models": ["H100"], "source": "[tune] gpu / QUACK_TUNE_GPU"}
     r = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert r.returncode == 0 and "tuning rows for" in r.stdout and "GPU H100 ([tune] gpu" in r.stdout, (
         r.stdout
@@ -313,3 +313,55 @@ def test_the_setting_is_normalised_like_the_rows(monkeypatch, tmp_path):
     monkeypatch.delenv("QUACK_TUNE_GPU")
     (tmp_path / "quack.toml").write_text('[tune]\ngpu = "a100-sxm4-80gb"\n')
     assert resolve(cwd=tmp_path).tune_gpu == "A100"
+
+
+def _quack(tmp_path, *args, manifest=MANIFEST):
+    env = {k: v for k, v in os.environ.items() if k != "QUACK_TUNE_GPU"}
+    env.update(QUACK_CACHE_DIR=str(tmp_path / "c"), QUACK_JOBS="2")
+    m = tmp_path / "m.toml"
+    m.write_text(manifest)
+    return subprocess.run(
+        [sys.executable, "-m", "quack_build", *args, str(m)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def test_one_build_for_several_gpu_models_holds_each_ones_configurations(tmp_path):
+    """A fleet of H100 and H200 servers, one cache or bundle: --gpu H100 --gpu H200 expands
+    each table once per model and builds the union (the cross-entropy forward at N = 4096:
+    the H100's row keeps the heuristic, the H200's streams with 4 stages)."""
+    import json
+
+    r = _quack(tmp_path, "build", "--dry-run", "--json", "--gpu", "h100", "--gpu", "H200,H100")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["tune_gpu"] == {"models": ["H100", "H200"], "source": "--gpu"}
+    configs = sorted(json.dumps(k["params"]["config"], sort_keys=True) for k in doc["keys"])
+    assert doc["total"] == 2 and doc["duplicates"] == 0, doc
+    one = {}
+    for g in ("H100", "H200"):
+        rr = _quack(tmp_path, "build", "--dry-run", "--json", "--gpu", g)
+        (k,) = json.loads(rr.stdout)["keys"]
+        one[g] = json.dumps(k["params"]["config"], sort_keys=True)
+    assert configs == sorted(one.values()) and one["H100"] != one["H200"]
+    r = _quack(tmp_path, "build", "--json", "--gpu", "H100", "--gpu", "H200")
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert doc["compiled"] == 2 and doc["tune_gpu"] == {"models": ["H100", "H200"], "source": "--gpu"}
+    # a kernel both models configure alike: one key, not counted as a duplicate
+    same = MANIFEST.replace('name = "cross_entropy_fwd"', 'name = "softmax_fwd"').replace(
+        'smoothing = "none"\n', ""
+    )
+    r = _quack(tmp_path, "build", "--dry-run", "--json", "--gpu", "H100", "--gpu", "H200", manifest=same)
+    assert r.returncode == 0, r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    assert (doc["total"], doc["duplicates"]) == (1, 0), doc
+
+
+def test_a_bad_gpu_model_is_a_usage_error_naming_it(tmp_path):
+    r = _quack(tmp_path, "build", "--dry-run", "--gpu", "H100", "--gpu", "no such/gpu")
+    assert r.returncode == 2 and "'no such/gpu'" in r.stderr and "GPU model name" in r.stderr, r.stderr

@@ -10,7 +10,7 @@ A bundle package (``quack bundle`` writes it into a wheel) is a directory::
 index.json::
 
     {"format": 1, "name": "myapp-kernels", "version": "1.0", "created": 1764...,
-     "quack": "0.1.0", "tune_gpu": {"model": "H100" | null, "source": "..."}, "entries": [
+     "quack": "0.1.0", "tune_gpu": {"models": ["H100", ...], "source": "..."}, "entries": [
        {"key": 64 hex, "kernel": "rmsnorm_fwd", "arch": "sm_90a", "stamp": "py3.11-...-sm_90a",
         "srcfp": 16 hex, "params": {...}, "file": "v1/.../<key>.o", "sha256": hex, "size": n,
         "so": {"file": "v1/.../<key>.so", "sha256": hex, "size": n} | null}]}
@@ -118,11 +118,11 @@ class Index:
     created: float
     quack: str
     entries: tuple[IndexEntry, ...]
-    # The GPU model whose tuning rows chose its entries' configurations (model None: each
+    # The GPU models whose tuning rows chose its entries' configurations (none: each
     # table's default, a build without a GPU) and why: a process on another model asks for
-    # other keys, and its misses say which model the bundle was made for. Optional (older
+    # other keys, and its misses say which models the bundle was made for. Optional (older
     # bundles have none).
-    tune_gpu: tuple[str | None, str] | None = None
+    tune_gpu: tuple[tuple[str, ...], str] | None = None
 
     def to_bytes(self) -> bytes:
         doc: dict = {
@@ -134,7 +134,7 @@ class Index:
             "entries": [e.to_json() for e in self.entries],
         }
         if self.tune_gpu is not None:
-            doc["tune_gpu"] = {"model": self.tune_gpu[0], "source": self.tune_gpu[1]}
+            doc["tune_gpu"] = {"models": list(self.tune_gpu[0]), "source": self.tune_gpu[1]}
         return json.dumps(doc, sort_keys=True, indent=1).encode()
 
     @property
@@ -257,18 +257,20 @@ def parse(data: bytes) -> Index:
     )
 
 
-def _tune_gpu(v) -> tuple[str | None, str] | None:
-    """index.json's optional ``tune_gpu``: {"model": a model name or null, "source": text}.
+def _tune_gpu(v) -> tuple[tuple[str, ...], str] | None:
+    """index.json's optional ``tune_gpu``: {"models": [model names], "source": text}.
     Anything else reads as absent: it only informs (messages, ``verify --bundles``), so a
     shape this quack does not know (a later one's) must not refuse the bundle's entries."""
     if not isinstance(v, dict):
         return None
-    model, source = v.get("model"), v.get("source")
-    if not (model is None or (isinstance(model, str) and _MODEL.fullmatch(model))):
+    models, source = v.get("models"), v.get("source")
+    if not isinstance(models, list) or len(models) > 64:
+        return None
+    if not all(isinstance(m, str) and _MODEL.fullmatch(m) for m in models):
         return None
     if not (isinstance(source, str) and len(source) <= 200):
         return None
-    return model, source
+    return tuple(models), source
 
 
 _MODEL = re.compile(r"^[A-Za-z0-9_.-]{1,32}$")

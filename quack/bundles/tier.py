@@ -67,8 +67,8 @@ class Bundle:
         cur = self.current_entries(arch)
         tuned = ""
         if self.index is not None and self.index.tune_gpu is not None:
-            model, _ = self.index.tune_gpu
-            tuned = f", tuned for {'GPU ' + model if model else 'each table default GPU'}"
+            models, _ = self.index.tune_gpu
+            tuned = f", tuned for {'GPU ' + ', '.join(models) if models else 'each table default GPU'}"
         return f"{self.name} {self.version} ({cur} of {n} entries for this toolchain and {arch}{tuned})"
 
 

@@ -264,9 +264,10 @@ def summary_table(res: BuildResult) -> Table:
         if r.get("errors"):
             tbl.add_row("  remote errors", f"[yellow]{r['errors']}[/]")
     if res.tune_gpu[1]:
-        model, why = res.tune_gpu
+        models, why = res.tune_gpu
         tbl.add_row(
-            "tuning rows for", escape(f"GPU {model} ({why})" if model else f"each table default GPU ({why})")
+            "tuning rows for",
+            escape(f"GPU {', '.join(models)} ({why})" if models else f"each table default GPU ({why})"),
         )
     tbl.add_row("compile time (sum)", f"{res.compile_s:.1f} s")
     tbl.add_row("wall time", f"{res.wall_s:.1f} s")

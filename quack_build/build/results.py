@@ -124,7 +124,7 @@ class BuildResult:
     remote_offline: bool = False
     # whose tuning rows chose the default configurations (quack.tuning.gpu_choice): a build
     # keys for one GPU model, and a process on another model misses (docs/tuning.md)
-    tune_gpu: tuple = (None, "")
+    tune_gpu: tuple = ((), "")  # (models, why); no models: each table's default GPU
 
     def count(self, status: str) -> int:
         return sum(1 for t in self.tasks if t.status == status)
@@ -198,6 +198,6 @@ class BuildResult:
                 if self.remote_url
                 else None
             ),
-            "tune_gpu": {"model": self.tune_gpu[0], "source": self.tune_gpu[1]},
+            "tune_gpu": {"models": list(self.tune_gpu[0]), "source": self.tune_gpu[1]},
             "keys": [t.to_json() for t in self.tasks],
         }

@@ -270,7 +270,7 @@ def inspect_wheel(path: Path, trusted=None) -> dict:
         "created": idx.created if idx is not None else 0.0,
         "quack": idx.quack if idx is not None else "",
         "tune_gpu": (
-            {"model": idx.tune_gpu[0], "source": idx.tune_gpu[1]}
+            {"models": list(idx.tune_gpu[0]), "source": idx.tune_gpu[1]}
             if idx is not None and idx.tune_gpu is not None
             else None
         ),

@@ -223,7 +223,7 @@ def write_wheel(
     out_dir: Path,
     signing_key=None,
     created: float | None = None,
-    tune_gpu: tuple[str | None, str] | None = None,
+    tune_gpu: tuple[tuple[str, ...], str] | None = None,
 ) -> tuple[Path, Index]:
     """Write ``out_dir/<name>-<version>-py3-none-<platform>.whl`` atomically (a temp
     directory beside it, then a rename). ``signing_key``: a quack.signing.SigningKey."""

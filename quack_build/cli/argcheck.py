@@ -55,6 +55,23 @@ def arch_option(values: Optional[List[str]]) -> Optional[List[str]]:
     return values
 
 
+def gpu_option(values: Optional[List[str]]) -> Optional[List[str]]:
+    """``--gpu``: GPU models (repeatable, or comma-separated), normalised as the tuning rows
+    spell them ('h100' -> 'H100'); each once, in the order given."""
+    from quack.settings.fields import FIELDS
+
+    out: list[str] = []
+    for v in values or []:
+        for part in v.split(","):
+            try:
+                m = FIELDS["tune_gpu"].parse(part)
+            except ValueError as e:
+                raise typer.BadParameter(f"{part.strip()!r}: {e}") from None
+            if m not in out:
+                out.append(m)
+    return out or None
+
+
 def _dir_problem(d: Path) -> str:
     """'' if files can be created in the existing directory ``d``, else why not. A real
     probe, not os.access: root passes access checks that a read-only mount still fails."""

@@ -14,8 +14,15 @@ import typer
 
 from quack_build.cli import argcheck
 from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels, store_fail
-from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
-from quack_build.cli.run import expand_manifests, local_store, manifest_paths, remote_tier, run_command
+from quack_build.cli.options import cache_dir_option, gpu_option, manifests_argument, max_configs_option
+from quack_build.cli.run import (
+    expand_manifests,
+    local_store,
+    manifest_paths,
+    remote_tier,
+    run_command,
+    tune_models,
+)
 
 
 def register(app: typer.Typer) -> None:
@@ -61,6 +68,7 @@ def build(
         "for the build), auto (the running Ray cluster, or RAY_ADDRESS), ray://HOST:PORT or "
         "HOST:PORT (a Ray cluster). Default: [build] executor / QUACK_BUILD_EXECUTOR.",
     ),
+    gpu: List[str] = gpu_option(),
 ):
     """Compile the manifests' configurations into the cache, in parallel."""
     run_command(
@@ -77,6 +85,7 @@ def build(
             max_configs,
             verbose,
             executor,
+            gpus=gpu or [],
         )
     )
 
@@ -95,6 +104,7 @@ def run_build(
     verbose,
     executor=None,
     outcome="nothing was built",
+    gpus=(),
 ) -> int:
     t0 = time.time()
     if trace is not None:
@@ -124,19 +134,22 @@ def run_build(
             force=force,
             as_json=as_json,
             verbose=verbose,
+            gpus=gpus,
         )
-    exp = expand_manifests(s, manifests, arch, max_configs, outcome)
+    exp = expand_manifests(s, manifests, arch, max_configs, outcome, gpus)
     for w in exp.warnings:
         con.print(f"warning: {w}", markup=False)
     if verbose:
         from quack_build.cli import sourcelist
 
         sourcelist.print_sources(con, (c.kernel for c in exp.configs))
-    return build_configs(s, con, exp.configs, jobs, keep_going, force, as_json, trace, verbose, t0=t0)
+    return build_configs(
+        s, con, exp.configs, jobs, keep_going, force, as_json, trace, verbose, t0=t0, gpus=gpus
+    )
 
 
 def build_configs(
-    s, con, configs, jobs, keep_going, force, as_json, trace=None, verbose=False, t0=None
+    s, con, configs, jobs, keep_going, force, as_json, trace=None, verbose=False, t0=None, gpus=()
 ) -> int:
     """Build ``configs`` (BuildConfigs) into the cache through the scheduler and the
     configured executor, with the progress display and summary: ``quack build``'s body
@@ -188,9 +201,7 @@ def build_configs(
         if remote is not None:
             remote.record(Path(s.cache_dir))
             remote.close()
-    from quack.tuning import gpu_choice
-
-    res.tune_gpu = gpu_choice()
+    res.tune_gpu = tune_models(gpus)
     trace_error = ""
     if trace:
         try:

@@ -15,8 +15,8 @@ import typer
 from quack_build.cli import argcheck
 from quack_build.cli.build import run_build
 from quack_build.cli.context import Fail, cli_settings, console, emit_json, load_kernels
-from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
-from quack_build.cli.run import expand_manifests, local_store, run_command
+from quack_build.cli.options import cache_dir_option, gpu_option, manifests_argument, max_configs_option
+from quack_build.cli.run import expand_manifests, local_store, run_command, tune_models
 
 
 def register(app: typer.Typer) -> None:
@@ -46,6 +46,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print a JSON result on stdout."),
         cache_dir: Optional[Path] = cache_dir_option(),
         max_configs: int = max_configs_option(),
+        gpu: List[str] = gpu_option(),
     ):
         """Build what is missing, then write a wheel of the manifests' prebuilt kernels.
         (`quack bundle inspect WHEEL` shows a wheel's contents without installing it.)"""
@@ -62,6 +63,7 @@ def register(app: typer.Typer) -> None:
                 as_json,
                 cache_dir,
                 max_configs,
+                gpu or [],
             )
         )
 
@@ -86,6 +88,7 @@ def _bundle(
     as_json,
     cache_dir,
     max_configs,
+    gpus=(),
 ) -> int:
     from quack_build.bundle import wheel as bw
 
@@ -125,22 +128,20 @@ def _bundle(
     with contextlib.redirect_stdout(sys.stderr) if as_json else contextlib.nullcontext():
         rc = run_build(
             manifests, jobs, arch, False, False, False, False, None, cache_dir, max_configs, False,
-            outcome="no bundle written",
+            outcome="no bundle written", gpus=gpus,
         )  # fmt: skip
     if rc:
         raise Fail(f"error: building the manifests failed (exit {rc}); no bundle written", code=rc)
     build_s = time.time() - t0
     s = cli_settings(cache_dir, jobs, manifests=manifests)
     load_kernels(s)
-    exp = expand_manifests(s, manifests, arch, max_configs, "no bundle written")
+    exp = expand_manifests(s, manifests, arch, max_configs, "no bundle written", gpus)
     from quack.errors import BundleError
 
     files, problems = bw.collect(exp.configs, local_store(s))
     if problems:
         raise Fail("error: " + "\n".join(problems) + "\nno bundle written")
-    from quack.tuning import gpu_choice
-
-    tuned = gpu_choice()  # whose tuning rows chose the entries' configurations (as the build's)
+    tuned = tune_models(gpus)  # whose tuning rows chose the entries' configurations (as the build's)
     try:
         path, idx = bw.write_wheel(
             files, name=name, version=version, out_dir=out, signing_key=key, tune_gpu=tuned
@@ -158,7 +159,7 @@ def _bundle(
         "bytes": idx.bytes,
         "wheel_bytes": path.stat().st_size,
         "stamps": idx.stamps,
-        "tune_gpu": {"model": tuned[0], "source": tuned[1]},
+        "tune_gpu": {"models": list(tuned[0]), "source": tuned[1]},
         "signed_by": key.name if key else "",
         "build_s": round(build_s, 3),
         "seconds": round(time.time() - t0, 3),
@@ -172,8 +173,8 @@ def _bundle(
             f"wrote {path}: {res['entries']} kernels ({res['with_so']} with a linked .so), "
             f"{human_bytes(res['wheel_bytes'])}, {', '.join(res['stamps'])}"
             + (f", signed by {key.name}" if key else "")
-            + f"\ntuned for {'GPU ' + tuned[0] if tuned[0] else 'each table default GPU'} ({tuned[1]}): "
-            "processes on another GPU model ask for other configurations"
+            + f"\ntuned for {'GPU ' + ', '.join(tuned[0]) if tuned[0] else 'each table default GPU'} "
+            f"({tuned[1]}): processes on another GPU model ask for other configurations"
             + f"\ninstall it with: pip install {path}",
             markup=False,
             soft_wrap=True,
@@ -215,7 +216,8 @@ def _inspect(wheel: Path, as_json: bool) -> int:
         f"{len(info['entries'])} entries, {human_bytes(info['bytes'])} of objects, "
         f"{human_bytes(info['wheel_bytes'])} wheel, {sig}"
         + (
-            f", tuned for {'GPU ' + tg['model'] if tg['model'] else 'each table default GPU'} ({tg['source']})"
+            f", tuned for {'GPU ' + ', '.join(tg['models']) if tg['models'] else 'each table default GPU'} "
+            f"({tg['source']})"
             if (tg := info["tune_gpu"])
             else ""
         ),

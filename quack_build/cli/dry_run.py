@@ -48,16 +48,27 @@ class _Lines:
 
 
 def run(
-    s, paths, *, arch, max_configs: int, store, con, force: bool, as_json: bool, verbose: bool = False
+    s,
+    paths,
+    *,
+    arch,
+    max_configs: int,
+    store,
+    con,
+    force: bool,
+    as_json: bool,
+    verbose: bool = False,
+    gpus=(),
 ) -> int:
-    """``verbose``: then what each listed kernel's fingerprint covers (quack_build.cli.sourcelist)."""
+    """``verbose``: then what each listed kernel's fingerprint covers (quack_build.cli.sourcelist);
+    ``gpus``: ``--gpu``'s models (each one's tuning rows, the union)."""
     stream = ExpansionStream(
-        paths, archs=s.build_archs(), arch_override=arch or None, max_configs=max_configs
+        paths, archs=s.build_archs(), arch_override=arch or None, max_configs=max_configs, gpus=gpus
     )
     out = _Lines(con)
     kernels: set[str] = set()
     try:
-        rc = _list(s, stream, store, out, force=force, as_json=as_json, kernels=kernels)
+        rc = _list(s, stream, store, out, force=force, as_json=as_json, kernels=kernels, gpus=gpus)
     finally:
         out.flush()
     if verbose:
@@ -67,7 +78,9 @@ def run(
     return rc
 
 
-def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool, kernels: set) -> int:
+def _list(
+    s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool, kernels: set, gpus=()
+) -> int:
     times = planning.PastTimes(store.root)
     tasks: list[results.Task] = []  # kept for --json only: plain output holds nothing
     n_total = n_cached = n_corrupt = 0
@@ -111,10 +124,10 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
         raise store_fail(s, e) from None
     warn()
     todo = n_total - n_cached
-    from quack.tuning import gpu_choice
+    from quack_build.cli.run import tune_models
 
-    model, why = gpu_choice()  # before building: which model's rows the keys above are for
-    out.add(f"tuning rows for {'GPU ' + model if model else 'each table default GPU'} ({why})")
+    models, why = tune_models(gpus)  # before building: which models' rows the keys above are for
+    out.add(f"tuning rows for {'GPU ' + ', '.join(models) if models else 'each table default GPU'} ({why})")
     out.add(
         f"{n_total} configurations ({stream.duplicates} duplicates dropped): "
         f"{n_cached} cached, {todo} to compile"
@@ -137,7 +150,7 @@ def _list(s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_jso
                 "to_compile": todo,
                 "corrupt": n_corrupt,
                 "duplicates": stream.duplicates,
-                "tune_gpu": {"model": model, "source": why},
+                "tune_gpu": {"models": list(models), "source": why},
                 "keys": [t.to_json() for t in pending]
                 + [t.to_json() for t in tasks if t.status == results.CACHED],
             }

@@ -27,6 +27,24 @@ def cache_dir_option():
     )
 
 
+def gpu_option():
+    return typer.Option(
+        None,
+        "--gpu",
+        callback=argcheck_gpu,
+        metavar="<model>",
+        help="Choose tuned configurations by this GPU model's tuning rows (repeatable: the union, "
+        "one cache or bundle for several models). Default: [tune] gpu / QUACK_TUNE_GPU, else "
+        "this machine's GPU, else each table's default.",
+    )
+
+
+def argcheck_gpu(values):
+    from quack_build.cli import argcheck
+
+    return argcheck.gpu_option(values)
+
+
 def max_configs_option():
     return typer.Option(
         10_000,

@@ -25,7 +25,8 @@ def manifest_paths(s, given: List[Path]) -> list:
     return paths
 
 
-def expand_manifests(s, manifests, arch, max_configs, outcome: str = "nothing was built"):
+def expand_manifests(s, manifests, arch, max_configs, outcome: str = "nothing was built", gpus=()):
+    """``gpus``: ``--gpu``'s models (each one's tuning rows, the union), else the model in force."""
     from quack.errors import ManifestError
     from quack_build.manifest.read import expand
 
@@ -35,9 +36,21 @@ def expand_manifests(s, manifests, arch, max_configs, outcome: str = "nothing wa
             archs=s.build_archs(),
             arch_override=arch or None,
             max_configs=max_configs,
+            gpus=gpus,
         )
     except ManifestError as e:
         raise _common.manifest_fail(e, outcome) from None
+
+
+def tune_models(gpus=()) -> tuple[tuple[str, ...], str]:
+    """(models, why): the GPU models whose tuning rows chose a build's configurations, for
+    its report and a bundle's index; no models: each table's default GPU."""
+    if gpus:
+        return tuple(gpus), "--gpu"
+    from quack.tuning import gpu_choice
+
+    model, why = gpu_choice()
+    return ((model,) if model else ()), why
 
 
 def local_store(s):

@@ -10,7 +10,7 @@ import typer
 
 from quack_build.cli import argcheck
 from quack_build.cli.context import Fail, cache_fail, cli_settings, console, emit_json, load_kernels
-from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
+from quack_build.cli.options import cache_dir_option, gpu_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, run_command
 
 # The default -j's cap when only loading (CPU work: a fresh process dlopens each object).
@@ -48,21 +48,24 @@ def verify(
     bundles: bool = typer.Option(
         False, "--bundles", help="Check the installed bundles instead of the cache."
     ),
+    gpu: List[str] = gpu_option(),
 ):
     """Check every configuration: present, checksum intact, loads in a fresh process, right arch."""
     if bundles:
         run_command(lambda: _verify_bundles(as_json, cache_dir, no_load, run, jobs, _manifest_options(ctx)))
     run_command(
-        lambda: _verify(manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs, jobs)
+        lambda: _verify(
+            manifests or [], arch or [], run, no_load, as_json, cache_dir, max_configs, jobs, gpu or []
+        )
     )
 
 
-def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs, jobs) -> int:
+def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs, jobs, gpus=()) -> int:
     from quack_build.verify import manifest as v
 
     s = cli_settings(cache_dir, manifests=manifests)
     load_kernels(s)
-    exp = expand_manifests(s, manifests, arch, max_configs, "nothing was verified")
+    exp = expand_manifests(s, manifests, arch, max_configs, "nothing was verified", gpus)
     con = console(to_stderr=as_json)
     from quack.errors import CacheError
 
@@ -88,8 +91,8 @@ def _verify(manifests, arch, run, no_load, as_json, cache_dir, max_configs, jobs
 
 def _manifest_options(ctx: typer.Context) -> list[str]:
     """The manifest-only arguments given on the command line (manifests, --arch,
-    --max-configs): `verify --bundles m1.toml --arch sm_80` silently ignored all three."""
-    names = {"manifests": "manifests", "arch": "--arch", "max_configs": "--max-configs"}
+    --max-configs, --gpu): `verify --bundles m1.toml --arch sm_80` silently ignored all three."""
+    names = {"manifests": "manifests", "arch": "--arch", "max_configs": "--max-configs", "gpu": "--gpu"}
     # Compared by name: typer carries its own copy of click, whose ParameterSource is not
     # click.core's (an explicit --max-configs is refused even at its default value).
     given = {n for n in names if getattr(ctx.get_parameter_source(n), "name", "DEFAULT") != "DEFAULT"}

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 from quack import settings as _settings
 from quack.errors import ManifestError, TomlFileError
@@ -76,8 +76,13 @@ class ExpansionStream:
         archs: Iterable[str] = (),
         arch_override=None,
         max_configs: int = DEFAULT_MAX_CONFIGS,
+        gpus: Sequence[str] = (),
     ):
         self._paths = [Path(p) for p in paths]
+        # GPU models whose tuning rows choose the tables' configurations (``--gpu``): each
+        # table expanded once per model, the union kept; none: the model in force
+        # (quack.tuning.gpu), one pass that streams
+        self._gpus = list(gpus)
         self._archs = list(archs)
         self._arch_override = arch_override
         self._max_configs = max_configs
@@ -126,16 +131,33 @@ class ExpansionStream:
         for ctx, tables in prepared:
             n_problems, n_warnings = len(ctx.problems), len(ctx.warnings)
             for t in tables:
-                for c in generate(ctx, t):
+                for c in self._generate(ctx, t):
                     if c.key in seen:
                         self.duplicates += 1
                         continue
                     seen.add(c.key)
                     yield c
-            problems.extend(ctx.problems[n_problems:])
-            self.warnings.extend(ctx.warnings[n_warnings:])
+            # one model's pass and the next's find the same problems: each said once
+            problems.extend(p for p in dict.fromkeys(ctx.problems[n_problems:]) if p not in problems)
+            self.warnings.extend(
+                w for w in dict.fromkeys(ctx.warnings[n_warnings:]) if w not in self.warnings
+            )
         if problems:
             raise ManifestError(problems)
+
+    def _generate(self, ctx, t) -> Iterable[BuildConfig]:
+        if not self._gpus:
+            return generate(ctx, t)
+        from quack import settings
+
+        out: list[BuildConfig] = []
+        earlier: set[str] = set()  # keys of the table's earlier passes: not "duplicates"
+        for gpu in self._gpus:  # a table's configurations, once per model (not across yields:
+            with settings.override(tune_gpu=gpu):  # the override must not outlive the pass)
+                batch = list(generate(ctx, t))
+            out.extend(c for c in batch if c.key not in earlier)
+            earlier.update(c.key for c in batch)
+        return out
 
 
 def expand(
@@ -144,8 +166,11 @@ def expand(
     archs: Iterable[str] = (),
     arch_override=None,
     max_configs: int = DEFAULT_MAX_CONFIGS,
+    gpus: Sequence[str] = (),
 ) -> Expansion:
     """Read, validate and expand manifests; raises ManifestError with every problem."""
-    stream = ExpansionStream(paths, archs=archs, arch_override=arch_override, max_configs=max_configs)
+    stream = ExpansionStream(
+        paths, archs=archs, arch_override=arch_override, max_configs=max_configs, gpus=gpus
+    )
     configs = list(stream)
     return Expansion(configs, stream.duplicates, stream.warnings, stream.files)

@@ -22,7 +22,7 @@ def _gpu_note(b) -> str:
     if b.index is None or b.index.tune_gpu is None:
         return ""
     here, why = gpu_choice()
-    made = b.index.tune_gpu[0]
+    made = b.index.tune_gpu[0]  # the bundle's models; none: each table's default
     differ: list[tuple[str, str, str]] = []
     tables: dict[Any, Table | None] = {}
     for kernel, arch in sorted({(e.kernel, e.arch) for e in b.index.entries}):
@@ -43,17 +43,18 @@ def _gpu_note(b) -> str:
         t = tables[where]
         if t is None:
             continue
-        m, h = made or t.default_gpu, here or t.default_gpu
-        if m != h and any(r.kernel == kernel and r.gpu in (m, h) for r in t.rows):
-            differ.append((kernel, m, h))
+        ms, h = tuple(made) or (t.default_gpu,), here or t.default_gpu
+        if h not in ms and any(r.kernel == kernel and r.gpu in (*ms, h) for r in t.rows):
+            differ.append((kernel, ", ".join(ms), h))
     if not differ:
         return ""
     kernels = ", ".join(sorted({k for k, _, _ in differ}))
     m, h = differ[0][1], differ[0][2]
+    have = f"GPU {', '.join(made)}" if made else "built without a GPU"
     return (
         f"its tuned kernels ({kernels}) have configurations chosen by GPU {m}'s tuning rows "
-        f"(the bundle's: {'GPU ' + made if made else 'built without a GPU'}); calls here ask "
-        f"for GPU {h}'s ({why}): rebuild it with QUACK_TUNE_GPU={h}"
+        f"(the bundle's: {have}); calls here ask for GPU {h}'s ({why}): rebuild it adding "
+        f"--gpu {h}"
     )
 
 
@@ -92,7 +93,7 @@ def verify_bundles(s, *, load: bool = True, run: bool = False, jobs: int = 1) ->
             "current": 0,
             "other_toolchain": 0,
             "tune_gpu": (
-                {"model": b.index.tune_gpu[0], "source": b.index.tune_gpu[1]}
+                {"models": list(b.index.tune_gpu[0]), "source": b.index.tune_gpu[1]}
                 if b.index is not None and b.index.tune_gpu is not None
                 else None
             ),
