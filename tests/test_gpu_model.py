@@ -352,6 +352,9 @@ def test_one_build_for_several_gpu_models_holds_each_ones_configurations(tmp_pat
     assert r.returncode == 0, r.stderr[-3000:]
     doc = json.loads(r.stdout)
     assert doc["compiled"] == 2 and doc["tune_gpu"] == {"models": ["H100", "H200"], "source": "--gpu"}
+    r = _quack(tmp_path, "verify", "--json", "--no-load", "--gpu", "H100", "--gpu", "H200")
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert len(json.loads(r.stdout)["entries"]) == 2
     # a kernel both models configure alike: one key, not counted as a duplicate
     same = MANIFEST.replace('name = "cross_entropy_fwd"', 'name = "softmax_fwd"').replace(
         'smoothing = "none"\n', ""
@@ -362,6 +365,9 @@ def test_one_build_for_several_gpu_models_holds_each_ones_configurations(tmp_pat
     assert (doc["total"], doc["duplicates"]) == (1, 0), doc
 
 
-def test_a_bad_gpu_model_is_a_usage_error_naming_it(tmp_path):
-    r = _quack(tmp_path, "build", "--dry-run", "--gpu", "H100", "--gpu", "no such/gpu")
+@pytest.mark.parametrize(
+    "cmd", [["build", "--dry-run"], ["bundle", "--name", "x"], ["verify"], ["cache", "push"]]
+)
+def test_a_bad_gpu_model_is_a_usage_error_naming_it(tmp_path, cmd):
+    r = _quack(tmp_path, *cmd, "--gpu", "H100", "--gpu", "no such/gpu")
     assert r.returncode == 2 and "'no such/gpu'" in r.stderr and "GPU model name" in r.stderr, r.stderr

@@ -12,7 +12,7 @@ import typer
 from quack_build.cli import argcheck
 from quack_build.cli import context as _common
 from quack_build.cli.context import Fail, cli_settings, console, current_srcfps, emit_json, load_kernels
-from quack_build.cli.options import cache_dir_option, manifests_argument, max_configs_option
+from quack_build.cli.options import cache_dir_option, gpu_option, manifests_argument, max_configs_option
 from quack_build.cli.run import expand_manifests, local_store, remote_tier, run_command
 
 
@@ -178,9 +178,12 @@ def cache_pull(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = cache_dir_option(),
     max_configs: int = max_configs_option(),
+    gpu: List[str] = gpu_option(),
 ):
     """Fetch the manifests' configurations missing locally from the remote cache (signatures verified)."""
-    run_command(lambda: _sync("pull", manifests or [], arch or [], as_json, cache_dir, max_configs))
+    run_command(
+        lambda: _sync("pull", manifests or [], arch or [], as_json, cache_dir, max_configs, gpu or [])
+    )
 
 
 def cache_push(
@@ -194,12 +197,15 @@ def cache_push(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     cache_dir: Optional[Path] = cache_dir_option(),
     max_configs: int = max_configs_option(),
+    gpu: List[str] = gpu_option(),
 ):
     """Sign and upload the manifests' configurations from the local cache to the remote (needs write = true and a signing key)."""
-    run_command(lambda: _sync("push", manifests or [], arch or [], as_json, cache_dir, max_configs))
+    run_command(
+        lambda: _sync("push", manifests or [], arch or [], as_json, cache_dir, max_configs, gpu or [])
+    )
 
 
-def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
+def _sync(what, manifests, arch, as_json, cache_dir, max_configs, gpus=()) -> int:
     from quack.errors import KeyFileError
     from quack.remote.tier import offline_reason as remote_offline_reason
     from quack_build.build import remote as remote_sync
@@ -233,7 +239,7 @@ def _sync(what, manifests, arch, as_json, cache_dir, max_configs) -> int:
                 "([remote] trusted_keys = [...] in quack.toml) to the public keys of the writers"
             )
     load_kernels(s)
-    exp = expand_manifests(s, manifests, arch, max_configs, f"nothing was {what}ed")
+    exp = expand_manifests(s, manifests, arch, max_configs, f"nothing was {what}ed", gpus)
     con = console(to_stderr=as_json)
     try:
         remote = remote_tier(s, strict=True)
