@@ -113,8 +113,9 @@ class KernelNotPrebuilt(QuackError, LookupError):
             + (
                 f"Its configuration, where the call leaves it to the tuning table, comes from the "
                 f"tuning rows of {self.tuned_for}; a build keys for the GPU of the machine it runs "
-                "on (or QUACK_TUNE_GPU / [tune] gpu): build where these calls run, or with that "
-                "setting naming their GPU model.\n"
+                "on (or QUACK_TUNE_GPU / [tune] gpu): build where these calls run, or name their "
+                "GPU model: `quack build --gpu MODEL` (repeatable: several models in one cache or "
+                "bundle).\n"
                 if self.tuned_for
                 else ""
             )

@@ -226,43 +226,45 @@ def test_a_bundle_says_which_gpus_rows_chose_its_configurations(site, cache_dir,
         assert bindex.parse(json.dumps(doc).encode()).tune_gpu is None
 
 
-def _tuned_file():
-    """A bundle file of a tuned kernel (cross_entropy_fwd: its configuration comes from the
-    table's rows), placeholder bytes."""
+def _tuned_file(gpu, fn="cross_entropy_fwd", args=("bfloat16", 4096, "none")):
+    """A bundle file of a tuned kernel, its configuration chosen by ``gpu``'s rows (the
+    cross-entropy forward at N = 4096: the H100's row keeps the heuristic, the H200's
+    streams with 4 stages), placeholder bytes."""
     import hashlib
 
-    from quack_kernels import cross_entropy
+    from quack_kernels import cross_entropy, softmax
 
-    spec = cross_entropy.compile_cross_entropy_fwd.spec
-    with settings.override(tune_gpu="H200"):
-        ref = builder.entry_ref(spec, spec.bind(("bfloat16", 4096, "none"), {}, arch="sm_90a"), "sm_90a")
+    spec = {
+        "cross_entropy_fwd": cross_entropy.compile_cross_entropy_fwd,
+        "softmax_fwd": softmax.compile_softmax_fwd,
+    }[fn].spec
+    with settings.override(tune_gpu=gpu):
+        bound = spec.bind(args, {}, arch="sm_90a")
+        ref = builder.entry_ref(spec, bound, "sm_90a")
+    params = spec.plain(bound)
     obj = b"placeholder"
     e = bindex.IndexEntry(
-        ref.key,
-        ref.kernel,
-        ref.arch,
-        ref.stamp,
-        ref.srcfp,
-        {"n": 4096},
-        hashlib.sha256(obj).hexdigest(),
-        len(obj),
+        ref.key, ref.kernel, ref.arch, ref.stamp, ref.srcfp, params, hashlib.sha256(obj).hexdigest(), len(obj)
     )
     meta = {"format": 1, "key": e.key, "kernel": e.kernel, "arch": e.arch, "stamp": e.stamp}
-    meta.update(srcfp=e.srcfp, sha256=e.sha256, size=e.size, params={"n": 4096})
+    meta.update(srcfp=e.srcfp, sha256=e.sha256, size=e.size, params=params)
     return bw.BundleFile(e, obj, meta, None)
 
 
-def test_verify_bundles_says_when_a_bundle_was_tuned_for_another_gpu(site, s, tmp_path):
-    """Compared as the table resolves the models (no model: its default_gpu, H200), for the
-    bundle's tuned kernels only: a bundle built without a GPU is right for an H200 and wrong
-    for an H100; a bundle of untuned kernels is right anywhere."""
+def test_verify_bundles_says_where_a_default_call_here_would_miss(site, s, tmp_path):
+    """By key: the configuration this machine's model asks for, with each tuned entry's other
+    parameters, among the bundle's entries. A bundle built without a GPU (the H200's rows,
+    the table's default) is right for an H200 and wrong for an H100; one built for both is
+    right for both and wrong for a B200 (no rows: the heuristic); a kernel both models
+    configure alike (the softmax forward at 4096) is right anywhere, as are untuned ones."""
     from quack_build.verify.bundles import verify_bundles
 
     made = {
-        "for-h200": ([_tuned_file()], (("H200",), "this machine's GPU, through NVML")),
-        "farm": ([_tuned_file()], ((), "no NVIDIA driver here")),
+        "for-h200": ([_tuned_file("H200")], (("H200",), "this machine's GPU, through NVML")),
+        "farm": ([_tuned_file("H200")], ((), "no NVIDIA driver here")),
         "untuned": ([bfile(ref_for(dict(PARAMS, block=256)))], (("H200",), "[tune] gpu / QUACK_TUNE_GPU")),
-        "both": ([_tuned_file()], (("H100", "H200"), "--gpu")),
+        "both": ([_tuned_file("H100"), _tuned_file("H200")], (("H100", "H200"), "--gpu")),
+        "alike": ([_tuned_file("H200", "softmax_fwd", ("bfloat16", 4096))], (("H200",), "--gpu")),
     }
     for name, (files, tuned) in made.items():
         whl, _ = bw.write_wheel(files, name=name, version="1.0", out_dir=tmp_path / "d", tune_gpu=tuned)
@@ -278,12 +280,16 @@ def test_verify_bundles_says_when_a_bundle_was_tuned_for_another_gpu(site, s, tm
         return {b["name"]: b["gpu_note"] for b in res["bundles"]}
 
     on_h100 = notes("H100")
-    assert "(cross_entropy_fwd) have configurations chosen by GPU H200's tuning rows" in on_h100["for-h200"]
-    assert "calls here ask for GPU H100's" in on_h100["for-h200"] and "--gpu H100" in on_h100["for-h200"]
-    assert "(the bundle's: built without a GPU)" in on_h100["farm"]
-    assert on_h100["untuned"] == "" and on_h100["both"] == ""  # made for both models
-    assert notes("H200") == {"for-h200": "", "farm": "", "untuned": "", "both": ""}
-    assert "(the bundle's: GPU H100, H200)" in notes("B200")["both"]
+    assert (
+        "a default call of cross_entropy_fwd here asks for configurations chosen by GPU H100's"
+        in (on_h100["for-h200"])
+    )
+    assert "(tuned for GPU H200) does not hold" in on_h100["for-h200"] and "--gpu H100" in on_h100["for-h200"]
+    assert "(tuned for each table default GPU)" in on_h100["farm"]
+    assert on_h100["untuned"] == on_h100["both"] == on_h100["alike"] == ""
+    assert set(notes("H200").values()) == {""}
+    on_b200 = notes("B200")
+    assert "(tuned for GPU H100, H200)" in on_b200["both"] and on_b200["alike"] == ""
 
 
 def test_malformed_index_refuses_the_bundle_with_one_warning(site, s):

@@ -355,6 +355,10 @@ def test_one_build_for_several_gpu_models_holds_each_ones_configurations(tmp_pat
     r = _quack(tmp_path, "verify", "--json", "--no-load", "--gpu", "H100", "--gpu", "H200")
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert len(json.loads(r.stdout)["entries"]) == 2
+    # a warning of the manifest's (an exclude matching nothing) is said once, not once a model
+    unused = MANIFEST + '[[kernel.exclude]]\ndtype = "float16"\n'
+    r = _quack(tmp_path, "build", "--dry-run", "--gpu", "H100,H200,", manifest=unused)
+    assert r.returncode == 0 and r.stdout.count("matches no combination") == 1, r.stdout
     # a kernel both models configure alike: one key, not counted as a duplicate
     same = MANIFEST.replace('name = "cross_entropy_fwd"', 'name = "softmax_fwd"').replace(
         'smoothing = "none"\n', ""
@@ -371,3 +375,6 @@ def test_one_build_for_several_gpu_models_holds_each_ones_configurations(tmp_pat
 def test_a_bad_gpu_model_is_a_usage_error_naming_it(tmp_path, cmd):
     r = _quack(tmp_path, *cmd, "--gpu", "H100", "--gpu", "no such/gpu")
     assert r.returncode == 2 and "'no such/gpu'" in r.stderr and "GPU model name" in r.stderr, r.stderr
+    many = ",".join(f"X{i}" for i in range(17))  # each model re-expands every table
+    r = _quack(tmp_path, *cmd, "--gpu", many)
+    assert r.returncode == 2 and "17 GPU models; at most 16" in r.stderr, r.stderr

@@ -55,20 +55,31 @@ def arch_option(values: Optional[List[str]]) -> Optional[List[str]]:
     return values
 
 
+# Each model re-expands every table (--max-configs counts a table once): a fleet has a few.
+MAX_GPU_MODELS = 16
+
+
 def gpu_option(values: Optional[List[str]]) -> Optional[List[str]]:
-    """``--gpu``: GPU models (repeatable, or comma-separated), normalised as the tuning rows
-    spell them ('h100' -> 'H100'); each once, in the order given."""
+    """``--gpu``: GPU models (repeatable, or comma-separated; an empty item is skipped),
+    normalised as the tuning rows spell them ('h100' -> 'H100'); each once, in the order
+    given; at most MAX_GPU_MODELS."""
     from quack.settings.fields import FIELDS
 
     out: list[str] = []
     for v in values or []:
         for part in v.split(","):
+            if not part.strip():
+                continue  # "H100," / "H100,,H200"
             try:
                 m = FIELDS["tune_gpu"].parse(part)
             except ValueError as e:
                 raise typer.BadParameter(f"{part.strip()!r}: {e}") from None
             if m not in out:
                 out.append(m)
+    if len(out) > MAX_GPU_MODELS:
+        raise typer.BadParameter(
+            f"{len(out)} GPU models; at most {MAX_GPU_MODELS} (each re-expands every table)"
+        )
     return out or None
 
 

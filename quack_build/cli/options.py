@@ -33,8 +33,9 @@ def gpu_option():
         "--gpu",
         callback=argcheck_gpu,
         metavar="<model>",
-        help="Choose tuned configurations by this GPU model's tuning rows (repeatable: the union, "
-        "one cache or bundle for several models). Default: [tune] gpu / QUACK_TUNE_GPU, else "
+        help="Choose tuned configurations by this GPU model's tuning rows (repeatable or "
+        "comma-separated, at most 16: the union, one cache or bundle for several models; "
+        "--max-configs counts each table once). Default: [tune] gpu / QUACK_TUNE_GPU, else "
         "this machine's GPU, else each table's default.",
     )
 

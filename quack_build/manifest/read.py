@@ -137,11 +137,8 @@ class ExpansionStream:
                         continue
                     seen.add(c.key)
                     yield c
-            # one model's pass and the next's find the same problems: each said once
-            problems.extend(p for p in dict.fromkeys(ctx.problems[n_problems:]) if p not in problems)
-            self.warnings.extend(
-                w for w in dict.fromkeys(ctx.warnings[n_warnings:]) if w not in self.warnings
-            )
+            problems.extend(ctx.problems[n_problems:])
+            self.warnings.extend(ctx.warnings[n_warnings:])
         if problems:
             raise ManifestError(problems)
 
@@ -152,11 +149,21 @@ class ExpansionStream:
 
         out: list[BuildConfig] = []
         earlier: set[str] = set()  # keys of the table's earlier passes: not "duplicates"
-        for gpu in self._gpus:  # a table's configurations, once per model (not across yields:
+        said: tuple[set, set] = (set(), set())  # this table's problems / warnings so far
+        for i, gpu in enumerate(self._gpus):  # a table's configurations, once per model (not across yields:
+            n_p, n_w = len(ctx.problems), len(ctx.warnings)
             with settings.override(tune_gpu=gpu):  # the override must not outlive the pass)
                 batch = list(generate(ctx, t))
             out.extend(c for c in batch if c.key not in earlier)
             earlier.update(c.key for c in batch)
+            # the models' passes find the same problems and warnings: each said once (the first
+            # pass's as they are; a later pass's only what is new)
+            for got, n, seen in ((ctx.problems, n_p, said[0]), (ctx.warnings, n_w, said[1])):
+                if i:
+                    new = [x for x in dict.fromkeys(got[n:]) if x not in seen]
+                    del got[n:]
+                    got.extend(new)
+                seen.update(got[n:])
         return out
 
 
