@@ -29,7 +29,7 @@ class FakeNVML(types.ModuleType):
     queries fail (a lost GPU, one the job may not query); counts inits and shutdowns."""
 
     class NVMLError(Exception):
-        pass
+        """pynvml's error base: what quack catches around every NVML call."""
 
     def __init__(self, devices, init_error=False, lost=()):
         super().__init__("pynvml")
@@ -188,13 +188,13 @@ FAKE_PYNVML = textwrap.dedent(
     import os
 
     class NVMLError(Exception):
-        pass
+        '''pynvml's error base (never raised here: the fake's one GPU always answers).'''
 
     def nvmlInit():
-        pass
+        '''The driver starts: there is nothing to open in a fake.'''
 
     def nvmlShutdown():
-        pass
+        '''Nothing was opened: nothing to close.'''
 
     def nvmlDeviceGetCount():
         return 1

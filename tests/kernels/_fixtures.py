@@ -1,6 +1,7 @@
 """Fixtures shared by the kernel tiers (imported by the test modules: a conftest.py here
 would shadow tests/conftest.py for the `from conftest import ...` of other tests)."""
 
+import contextlib
 import os
 
 import pytest
@@ -361,10 +362,8 @@ def start_shipped_build(cache_dir: str) -> None:
     )
     # the plugin's own compiles first: they gate tests. Set here, not in a preexec_fn (unsafe
     # in a process with threads, as torch's is); the build forks its workers after its imports
-    try:
+    with contextlib.suppress(OSError):  # already ended: nothing to lower
         os.setpriority(os.PRIO_PROCESS, p.pid, 10)
-    except OSError:  # already ended: nothing to lower
-        pass
     _SHIPPED[cache_dir] = (p, log)
 
 
