@@ -85,9 +85,9 @@ class KernelSpec:
                 out[n] = p.check(n, v)
             except ParamError as e:
                 raise ParamError(f"{self.name}: {e}", kernel=self.name, param=n) from None
-        for n, p in self.params.items():  # a derived default (quack.params.Config(derive=...))
-            if out[n] is None and getattr(p, "derive", None) is not None:
-                out[n] = self._derive(n, p, out, arch)
+        for n in self.derived_params:  # a derived default (quack.params.Config(derive=...))
+            if out[n] is None:
+                out[n] = self._derive(n, self.params[n], out, arch)
         for rule in self.rules:  # after each value is valid alone: the combination
             if rule.param != ARCH:
                 rule.apply(self.name, out)
@@ -131,6 +131,13 @@ class KernelSpec:
 
     def plain(self, params: dict[str, Any]) -> dict[str, Any]:
         return {n: plain(v) for n, v in params.items()}
+
+    @property
+    def derived_params(self) -> tuple[str, ...]:
+        """The parameters whose default ``bind`` derives (a tuned kernel's configuration,
+        chosen by a tuning table: by GPU model), so a call that leaves them out gets a key
+        that depends on where it runs."""
+        return tuple(n for n, p in self.params.items() if getattr(p, "derive", None) is not None)
 
     @property
     def shippable(self) -> bool:

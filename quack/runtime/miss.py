@@ -300,10 +300,9 @@ def not_prebuilt(k: JitKernel, params, key, s, reason: str):
 def _tuned_for(k: JitKernel) -> str:
     """ "H100 (this machine's GPU, through NVML)" for a kernel with a table-derived
     configuration parameter, else ""."""
-    from quack.params import Config
     from quack.tuning import gpu_choice
 
-    if not any(isinstance(p, Config) and p.derive is not None for p in k.spec.params.values()):
+    if not k.spec.derived_params:
         return ""
     model, why = gpu_choice()
     return f"GPU {model} ({why})" if model else f"each table's default GPU ({why})"

@@ -18,7 +18,6 @@ def _gpu_note(b) -> str:
     from quack import registry
     from quack import settings as qs
     from quack.cache import keys
-    from quack.params import Config
     from quack.tuning import gpu_choice
 
     if b.index is None or b.index.tune_gpu is None:
@@ -30,7 +29,7 @@ def _gpu_note(b) -> str:
         spec = registry.all_specs().get(e.kernel)
         if spec is None or e.stamp != keys.toolchain_stamp(e.arch) or e.kernel in missing:
             continue
-        tuned = [n for n, p in spec.params.items() if isinstance(p, Config) and p.derive is not None]
+        tuned = spec.derived_params
         if not tuned:
             continue  # its keys do not depend on the GPU model
         params = {k: v for k, v in e.params.items() if k not in tuned}
