@@ -269,7 +269,7 @@ def _gpu_model(v: Any) -> str:
         raise ValueError("expected a GPU model name of letters, digits, '_', '.', '-' (like 'H200')")
     # the rows' spelling: 'h100' and 'H100-SXM' keyed the heuristic (no rows for 'h100')
     # and said only "no tuning-table rows for GPU 'h100'"
-    from quack.tuning.gpu import normalise_gpu
+    from quack.gpumodel import normalise_gpu
 
     return normalise_gpu(v.strip())
 

@@ -15,26 +15,12 @@ KernelNotPrebuilt (session 21)."""
 from __future__ import annotations
 
 import os
-import re
 import sys
 
-_KNOWN = ("H200", "H100", "H800", "H20", "GH200", "B200", "B100", "GB200", "A100", "L40S", "L4")
-
-
-def normalise_gpu(name: str) -> str:
-    """'NVIDIA H200' / 'NVIDIA H100 80GB HBM3' -> 'H200' / 'H100'; other names: their first
-    model-like word, upper-case, so one model always gives one table key."""
-    up = name.upper().replace("NVIDIA", " ")
-    words = re.findall(r"[A-Z0-9][A-Z0-9_.-]*", up)
-    for w in words:
-        if w in _KNOWN:
-            return w
-        if w.split("-")[0] in _KNOWN:  # 'A100-SXM4-80GB' (torch's and NVML's A100 name)
-            return w.split("-")[0]
-    for w in words:
-        if any(c.isdigit() for c in w):
-            return w
-    return words[0] if words else "UNKNOWN"
+# the name rule lives in a leaf module: settings parse [tune] gpu with it, and importing
+# this package for it cost every process that sets QUACK_TUNE_GPU 8 ms (quack.tuning's
+# table and config modules)
+from quack.gpumodel import normalise_gpu
 
 
 def detected_gpu() -> str | None:
