@@ -452,16 +452,7 @@ def test_publisher_shutdown_gives_up_a_publish_waiting_for_a_lock_another_proces
 def test_ray_executor_cancel_shuts_ray_down_before_waiting_for_publishes(tmp_path, monkeypatch):
     """The instance the build started goes first: ray.shutdown came after the publisher's
     wait, and a wait that never ended left its agents running."""
-    pytest.importorskip("ray", reason="the [ray] extra is not installed")
-    from quack.cache import keys as qkeys
-    from quack_build.build.executors.ray import executor as rex
-
-    fake = _DyingRay(qkeys.toolchain_stamp("sm_90a"))
-    monkeypatch.setattr(rex, "import_ray", lambda local_only=False: fake)
-    monkeypatch.setattr(rex, "stage_packages", lambda names: ("", []))
-    monkeypatch.setattr(rex, "connect", lambda ray, target, **kw: "fake:1")
-    s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
-    ex = rex.RayExecutor("ray", jobs=1, settings=s, store=DiskStore(tmp_path / "c", fsync=False))
+    fake, ex, _ = _dying_ray_executor(tmp_path, monkeypatch)
     ex.start(1)
     order = []
     real_shutdown = ex._publisher.shutdown
@@ -874,15 +865,9 @@ class _DyingRay:
         self.shutdowns += 1
 
 
-@pytest.mark.parametrize("keep_going", [True, False])
-def test_ray_actors_dying_past_the_replacement_budget_fail_the_queued_keys_with_a_summary(
-    tmp_path, monkeypatch, keep_going
-):
-    """Every compile kills its actor: once the replacement budget is spent and no actor is
-    left, the keys still queued fail, not built, naming the budget and the last death; the
-    build ends with its result (--keep-going: every key reported; without: it stops at the
-    first failure, the rest not built). It raised "no Ray actor became ready ... within
-    600 s; does the cluster have free CPUs?": no summary, the good keys never tried."""
+def _dying_ray_executor(tmp_path, monkeypatch):
+    """A one-job RayExecutor over ``_DyingRay`` (no Ray started, nothing staged) and its
+    store: (the fake ray, the executor, the store)."""
     pytest.importorskip("ray", reason="the [ray] extra is not installed")
     from quack.cache import keys as qkeys
     from quack_build.build.executors.ray import executor as rex
@@ -893,7 +878,19 @@ def test_ray_actors_dying_past_the_replacement_budget_fail_the_queued_keys_with_
     monkeypatch.setattr(rex, "connect", lambda ray, target, **kw: "fake:1")
     s = settings.resolve({"cache_dir": str(tmp_path / "c")}, cwd=tmp_path, env={})
     store = DiskStore(tmp_path / "c", fsync=False)
-    ex = rex.RayExecutor("ray", jobs=1, settings=s, store=store)  # MAX_RETRIES: 2
+    return fake, rex.RayExecutor("ray", jobs=1, settings=s, store=store), store
+
+
+@pytest.mark.parametrize("keep_going", [True, False])
+def test_ray_actors_dying_past_the_replacement_budget_fail_the_queued_keys_with_a_summary(
+    tmp_path, monkeypatch, keep_going
+):
+    """Every compile kills its actor: once the replacement budget is spent and no actor is
+    left, the keys still queued fail, not built, naming the budget and the last death; the
+    build ends with its result (--keep-going: every key reported; without: it stops at the
+    first failure, the rest not built). It raised "no Ray actor became ready ... within
+    600 s; does the cluster have free CPUs?": no summary, the good keys never tried."""
+    fake, ex, store = _dying_ray_executor(tmp_path, monkeypatch)  # MAX_RETRIES: 2
     cfgs = [_cfg(b) for b in (32, 64, 128, 256, 512)]
     tasks = planning.plan(cfgs, store)
     res = scheduler.BuildSession(

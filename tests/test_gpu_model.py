@@ -316,18 +316,14 @@ def test_the_setting_is_normalised_like_the_rows(monkeypatch, tmp_path):
 
 
 def _quack(tmp_path, *args, manifest=MANIFEST):
-    env = {k: v for k, v in os.environ.items() if k != "QUACK_TUNE_GPU"}
-    env.update(QUACK_CACHE_DIR=str(tmp_path / "c"), QUACK_JOBS="2")
+    """``quack ARGS m.toml`` (``manifest`` written there) on a private cache, no
+    QUACK_TUNE_GPU from the environment."""
+    from test_tune_cli import _quack as quack_cli
+
     m = tmp_path / "m.toml"
     m.write_text(manifest)
-    return subprocess.run(
-        [sys.executable, "-m", "quack_build", *args, str(m)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
+    env = {"QUACK_CACHE_DIR": str(tmp_path / "c"), "QUACK_JOBS": "2"}
+    return quack_cli(*args, str(m), env_extra=env, unset=("QUACK_TUNE_GPU",), timeout=600)
 
 
 def test_one_build_for_several_gpu_models_holds_each_ones_configurations(tmp_path):

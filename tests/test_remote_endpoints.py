@@ -227,26 +227,31 @@ def _hung_up_early(flood) -> None:
     assert flood.cut.is_set() and flood.sent < TAKEN, f"the client read {flood.sent} bytes"
 
 
+def _fetch_from_flood(url, keydir, flood):
+    """One fetch through a capped tier at ``url`` (a flooding endpoint): a miss, the client
+    hung up early; (the closed tier, the remote warnings it gave)."""
+    from test_remote_tier import ref
+
+    t = tier.RemoteTier(
+        open_backend(url, max_bytes=CAP), trusted=signing.load_trusted_keys(str(keydir / "ci-1.pub"))
+    )
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert t.fetch(ref(0)) is None
+    _hung_up_early(flood)
+    t.close()
+    return t, remote_warnings(w)
+
+
 @pytest.mark.parametrize("kind", ["bulk", "line", "array"])
 def test_redis_reply_over_the_cap_is_refused_unread(kind, keydir):
     """``bulk``: a GETRANGE reply announcing 2 GiB after STRLEN said 100 bytes, refused
     from its ``$N`` header; ``line``: a status line that never ends; ``array``: 2 Gi bulks
     of 1 KiB, each under the cap. A refused object (size), one warning, the rest unread."""
-    from test_remote_tier import ref
-
     with huge_redis_reply(kind) as (port, flood):
-        t = tier.RemoteTier(
-            open_backend(f"redis://127.0.0.1:{port}/0", max_bytes=CAP),
-            trusted=signing.load_trusted_keys(str(keydir / "ci-1.pub")),
-        )
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            assert t.fetch(ref(0)) is None
-        _hung_up_early(flood)
-        t.close()
+        t, msgs = _fetch_from_flood(f"redis://127.0.0.1:{port}/0", keydir, flood)
     assert t.counters.rejected == 1 and dict(t.counters.rejected_by_reason) == {"size": 1}
     assert (t.counters.errors, t.counters.bytes_down, t.offline) == (0, 0, False)
-    msgs = remote_warnings(w)
     assert len(msgs) == 1 and "refused (size)" in msgs[0] and f"{CAP}-byte cap" in msgs[0], msgs
 
 
@@ -279,23 +284,12 @@ def _fake_s3(monkeypatch, endpoint: str) -> None:
 def test_s3_error_body_over_the_cap_is_refused_unread(chunked, keydir, monkeypatch):
     """A 500 whose error body is 2 GiB (or endless, chunked): botocore read an error's body
     whole. Now at most MAX_RESPONSE: an error, one warning, a miss, the rest unread."""
-    from test_remote_tier import ref
-
     from quack.remote import s3_backend
 
     with huge_http_reply(500, chunked=chunked) as (endpoint, flood):
         _fake_s3(monkeypatch, endpoint)
-        t = tier.RemoteTier(
-            open_backend("s3://quack-bucket/ci", max_bytes=CAP),
-            trusted=signing.load_trusted_keys(str(keydir / "ci-1.pub")),
-        )
-        with warnings.catch_warnings(record=True) as w:
-            warnings.simplefilter("always")
-            assert t.fetch(ref(0)) is None
-        _hung_up_early(flood)
-        t.close()
+        t, msgs = _fetch_from_flood("s3://quack-bucket/ci", keydir, flood)
     assert (t.counters.errors, t.counters.rejected, t.counters.hits) == (1, 0, 0)
-    msgs = remote_warnings(w)
     assert len(msgs) == 1 and "HTTP 500" in msgs[0], msgs
     assert f"runs past the {s3_backend.MAX_RESPONSE}-byte cap" in msgs[0], msgs
 

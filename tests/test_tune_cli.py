@@ -14,15 +14,18 @@ import typer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _quack(*args, env_extra=None):
+def _quack(*args, env_extra=None, unset=(), timeout=300):
+    """``quack ARGS`` in a subprocess at the project root: this environment plus
+    ``env_extra``, less the variables named in ``unset``."""
     import os
 
-    env = dict(os.environ, **(env_extra or {}))
+    env = {k: v for k, v in os.environ.items() if k not in unset}
+    env.update(env_extra or {})
     return subprocess.run(
         [sys.executable, "-m", "quack_build", *args],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=timeout,
         cwd=ROOT,
         env=env,
     )

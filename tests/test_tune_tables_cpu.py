@@ -25,6 +25,18 @@ from quack.errors import TuningTableError
 from quack.tuning import Row, Table
 
 A = "sm_90a"
+SOFTMAX_4096 = '[[kernel]]\nname = "softmax_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = 4096\n'
+
+
+def _cli(args):
+    """``quack ARGS`` in this process (typer's runner); the settings it installs are put back."""
+    from quack_build.cli.app import app
+
+    saved = settings.installed()
+    try:
+        return CliRunner().invoke(app, args)
+    finally:
+        settings.set_current(saved)
 
 
 def _row(cls="small", n=(4096, 4096), dtype=("bfloat16",), config=None, kernel="softmax_fwd", **kw):
@@ -265,10 +277,9 @@ def test_a_stopped_run_still_prints_its_json(tmp_path, monkeypatch):
     import torch
 
     from quack_build.cli import tune_measure as tm
-    from quack_build.cli.app import app
 
     m = tmp_path / "m.toml"
-    m.write_text('[[kernel]]\nname = "softmax_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = 4096\n')
+    m.write_text(SOFTMAX_4096)
     entry = dict(problem="softmax_fwd(...)", old="a", new="b", old_us=2.0, new_us=1.0, speedup=2.0)
     entry.update(refused=[], failed=[], written=True, table=str(tmp_path / "t.toml"))
 
@@ -278,11 +289,7 @@ def test_a_stopped_run_still_prints_its_json(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tm, "measure_and_write", stopped)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
-    saved = settings.installed()
-    try:
-        r = CliRunner().invoke(app, ["tune", str(m), "--json", "--table", str(tmp_path / "t.toml")])
-    finally:
-        settings.set_current(saved)
+    r = _cli(["tune", str(m), "--json", "--table", str(tmp_path / "t.toml")])
     assert r.exit_code == 1, r.output
     doc = json.loads(r.stdout[r.stdout.index("{") :])
     assert doc["error"] == "error: quack tune: no CUDA GPU" and doc["problems"][0]["new"] == "b"
@@ -300,10 +307,9 @@ def test_tune_compiles_its_candidates_whatever_the_runtime_mode(tmp_path, monkey
 
     from quack.settings import PREBUILT_CACHE_ENV
     from quack_build.cli import tune_measure as tm
-    from quack_build.cli.app import app
 
     m = tmp_path / "m.toml"
-    m.write_text('[[kernel]]\nname = "softmax_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = 4096\n')
+    m.write_text(SOFTMAX_4096)
     cache = tmp_path / "cache"
     monkeypatch.setenv("QUACK_CACHE_DIR", str(cache))
     if how == "strict pytest":
@@ -320,11 +326,7 @@ def test_tune_compiles_its_candidates_whatever_the_runtime_mode(tmp_path, monkey
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tm, "measure_and_write", measured)
-    saved = settings.installed()
-    try:
-        r = CliRunner().invoke(app, ["tune", str(m), "--json", "--table", str(tmp_path / "t.toml")])
-    finally:
-        settings.set_current(saved)
+    r = _cli(["tune", str(m), "--json", "--table", str(tmp_path / "t.toml")])
     assert r.exit_code == 0, r.output
     assert modes == [("jit", "jit")]
 
@@ -343,7 +345,7 @@ def test_a_broken_kernels_table_is_one_error_line_and_from_empty_replaces_it(tmp
     monkeypatch.setattr(_tuning, "TABLE_DIR", tuned)
     _tuning.reload()
     m = tmp_path / "m.toml"
-    m.write_text('[[kernel]]\nname = "softmax_fwd"\n[kernel.params]\ndtype = "bfloat16"\nn = 4096\n')
+    m.write_text(SOFTMAX_4096)
     monkeypatch.setenv("QUACK_CACHE_DIR", str(tmp_path / "cache"))
     saved = settings.installed()
     try:
