@@ -374,3 +374,24 @@ def test_a_bad_gpu_model_is_a_usage_error_naming_it(tmp_path, cmd):
     many = ",".join(f"X{i}" for i in range(17))  # each model re-expands every table
     r = _quack(tmp_path, *cmd, "--gpu", many)
     assert r.returncode == 2 and "17 GPU models; at most 16" in r.stderr, r.stderr
+
+
+def test_a_wedged_nvml_is_no_answer_within_its_time_limit(nvml, monkeypatch):
+    """NVML's calls block with no time-out of their own (a wedged driver): the question has
+    an exit, the reason says so, and the process does not ask again."""
+    import threading
+
+    release = threading.Event()
+    fake = nvml([H100])
+    fake.nvmlInit = lambda: (setattr(fake, "inits", fake.inits + 1), release.wait(60))
+    monkeypatch.setattr(gpu, "NVML_TIMEOUT_S", 0.2)
+    try:
+        assert gpu.host_gpu_why() == (
+            None,
+            "NVML did not answer within 0.2 s: set [tune] gpu / QUACK_TUNE_GPU",
+        )
+        assert gpu.host_gpu() is None and fake.inits == 1
+    finally:
+        release.set()
+    nvml([H100])  # a driver that answers: the answer, from the same thread-bounded question
+    assert gpu.host_gpu_why() == ("H100", "this machine's GPU, through NVML")

@@ -58,8 +58,26 @@ def host_gpu_why() -> tuple[str | None, str]:
     env = (os.environ.get("CUDA_VISIBLE_DEVICES"), os.environ.get("CUDA_DEVICE_ORDER"))
     got = _HOST.get(env)
     if got is None:
-        got = _HOST[env] = _nvml_model(*env)
+        got = _HOST[env] = _asked_within(NVML_TIMEOUT_S, env)
     return got
+
+
+# NVML is a blocking driver call with no time-out of its own: on a wedged driver, `quack
+# build` would hang before building anything, deaf to Ctrl-C. Asked in a daemon thread; a
+# question not answered in time is no answer (and is not asked again by this process).
+NVML_TIMEOUT_S = 10.0
+
+
+def _asked_within(timeout: float, env: tuple) -> tuple[str | None, str]:
+    import threading
+
+    box: list[tuple[str | None, str]] = []
+    t = threading.Thread(target=lambda: box.append(_nvml_model(*env)), name="quack-nvml", daemon=True)
+    t.start()
+    t.join(timeout)  # interruptible: Ctrl-C ends the wait
+    if box:
+        return box[0]
+    return None, f"NVML did not answer within {timeout:g} s: set [tune] gpu / QUACK_TUNE_GPU"
 
 
 _HOST: dict[tuple, tuple[str | None, str]] = {}
