@@ -5,8 +5,9 @@ validated dataclass whose fields are ``knob(...)``s), takes it as a ``Config`` p
 its compile function (so it is in the cache key), and picks the default one from a tuning
 table (``Table``: a TOML data file beside the kernels) through ``default_config``."""
 
+from quack.gpumodel import normalise_gpu
 from quack.tuning.config import TuneConfig, knob
-from quack.tuning.gpu import current_gpu, gpu_choice, normalise_gpu
+from quack.tuning.gpu import current_gpu, gpu_choice
 from quack.tuning.override import table_override, use_config, use_table, without_tables
 from quack.tuning.table import Row, Table
 
