@@ -118,6 +118,38 @@ def test_file_backend_operation_bounded_by_the_time_out(shared, monkeypatch):
         release.set()
 
 
+def test_a_replace_waiting_on_a_held_lock_gives_up_and_its_thread_ends(shared):
+    """Another writer holds the directory's replace lock and never lets go (a stopped
+    process): the replace times out as any operation does, and then its thread ends and
+    removes its temporary object. It used to block in flock(2) for the life of the
+    process, holding the temp file and the lock file open."""
+    import fcntl
+
+    b = open_backend(f"file://{shared}", op_timeout=0.3)
+    assert b.put_if_absent(NAME, b"refused")
+    tag = b.get_current(NAME).tag
+    obj_dir = shared / NAME.rsplit("/", 1)[0]
+    holder = os.open(obj_dir / file_backend.REPLACE_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        before = {t for t in threading.enumerate() if t.name == "quack-remote-op"}
+        with pytest.raises(RemoteError) as e:
+            bounded(b.replace, NAME, b"new", tag)
+        assert e.value.reason == "timeout"
+        ops = {t for t in threading.enumerate() if t.name == "quack-remote-op"} - before
+        for t in ops:
+            t.join(DEADLINE)
+        assert ops and not any(t.is_alive() for t in ops)  # ended while the lock is still held
+        assert sorted(p.name for p in obj_dir.iterdir()) == sorted(
+            [NAME.rsplit("/", 1)[1], file_backend.REPLACE_LOCK]
+        )
+        assert b.get(NAME) == b"refused"  # nothing replaced after the time-out
+    finally:
+        os.close(holder)
+    assert b.replace(NAME, b"new", tag) is True  # the lock free: it replaces
+    assert b.get(NAME) == b"new"
+
+
 # --- 8. the shared root and the directories under it ----------------------------------------
 
 

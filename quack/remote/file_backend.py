@@ -60,6 +60,24 @@ _DENIED = (errno.EACCES, errno.EPERM, errno.EROFS)
 _T = TypeVar("_T")
 
 
+def _flock_until(fd: int, stop: threading.Event) -> bool:
+    """An exclusive ``flock`` on ``fd``, asked without blocking and asked again until it is
+    got (True) or ``stop`` is set (False: the caller has timed out). A blocking flock here
+    never returned while another writer (a stopped process, a lost NFS client) held the
+    lock: the caller gave up at its time-out, but the operation's thread stayed blocked
+    for the life of the process, holding its temporary object and the lock file open."""
+    delay = 0.002
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        if stop.wait(delay):
+            return False
+        delay = min(delay * 2, 0.05)
+
+
 def _kind(mode: int) -> str:
     return describe(mode)
 
@@ -327,8 +345,7 @@ class FileBackend:
             try:
                 lock = self._open_lock(dfd, p.parent / REPLACE_LOCK)
                 try:
-                    fcntl.flock(lock, fcntl.LOCK_EX)  # released by the close
-                    if stop.is_set():
+                    if not _flock_until(lock, stop) or stop.is_set():  # released by close
                         return False  # the caller timed out and reported so: nothing is done
                     cur = self._tag_at(dfd, leaf, p)
                     if cur is None:  # gone in between: first writer wins, as ever
