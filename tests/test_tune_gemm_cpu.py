@@ -138,16 +138,50 @@ def test_problems_for_a_kernel_sized_by_its_parameters_are_refused(tmp_path):
         )
 
 
-def test_table_form_and_build_ignores_problems(tmp_path):
-    exp = _expand(
-        tmp_path, MANIFEST.replace("[[1024, 1024, 1024], [8192", "[{ k = 64, n = 32, m = 16 }, [8192")
+def test_table_form_and_build_builds_each_sizes_configuration(tmp_path):
+    """An entry listing problems and no config builds, per size, the configuration a call of
+    that shape chooses (the H200 row of its class, else the heuristic); a configuration two
+    sizes share, once. Before, the build ignored problems: it built the one shapeless default,
+    so every tuned winner at another shape was a miss for a prebuilt server."""
+    from quack_kernels.gemm import gemm_config
+
+    from quack import settings
+
+    text = MANIFEST.replace("[[1024, 1024, 1024], [8192", "[{ k = 64, n = 32, m = 16 }, [8192")
+    sizes = [(16, 32, 64), (8192, 4096, 4096), (1024, 1024, 1024)]
+    with settings.override(tune_gpu="H200"):
+        exp = _expand(tmp_path, text)
+        want = list(dict.fromkeys(gemm_config(m, n, k, 1, "bfloat16") for m, n, k in sizes))
+    assert [c.params["config"] for c in exp.configs] == want and exp.duplicates == 0
+    assert want[1].swizzle == 8  # the checked-in H200 row of m8k/n4k/k4k, not the heuristic
+    for c in exp.configs:
+        assert [dict(p) for p in c.problems] == [
+            {"m": 16, "n": 32, "k": 64},
+            {"m": 8192, "n": 4096, "k": 4096},
+            {"m": 1024, "n": 1024, "k": 1024},
+        ]
+    # an explicit config is built as given, whatever the sizes
+    given = text.replace(
+        'dtype = "bfloat16"\n', 'dtype = "bfloat16"\nconfig = { tile_m = 128, tile_n = 128 }\n'
     )
-    (c,) = exp.configs  # problems do not change what is built
-    assert [dict(p) for p in c.problems] == [
-        {"m": 16, "n": 32, "k": 64},
-        {"m": 8192, "n": 4096, "k": 4096},
-        {"m": 1024, "n": 1024, "k": 1024},
-    ]
+    (c,) = _expand(tmp_path, given).configs
+    assert (c.params["config"].tile_m, c.params["config"].tile_n, c.params["config"].swizzle) == (
+        128,
+        128,
+        None,
+    )
+
+
+def test_each_problem_size_counts_against_max_configs(tmp_path):
+    from quack.errors import ManifestError
+    from quack_build.manifest.read import expand
+
+    m = tmp_path / "m.toml"
+    m.write_text(MANIFEST.replace('dtype = "bfloat16"', 'dtype = ["bfloat16", "float16"]'))
+    # 2 dtypes x 2 sizes (the third listed twice): 4 counted, whatever the keys come to
+    assert len(expand([m], max_configs=4).configs) >= 2
+    with pytest.raises(ManifestError, match="x 2 problem sizes"):
+        expand([m], max_configs=3)
 
 
 def test_a_gemm_entry_without_problems_is_refused_by_tune(tmp_path):

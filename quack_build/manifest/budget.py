@@ -34,17 +34,20 @@ def charge(
     axes: list[list],
     resolved: list[dict],
     archs: list[str],
+    per_size: int = 1,
 ) -> bool:
     """Count the table's configurations against the build's budget; False when over it
-    (reported once, at the table that crossed the limit)."""
+    (reported once, at the table that crossed the limit). ``per_size``: the problem sizes
+    each combination is built at (an entry whose tuned configuration is derived per size)."""
     product = math.prod(len(a) for a in axes)
-    total = (product + len(resolved)) * len(archs)
+    total = (product + len(resolved)) * len(archs) * per_size
     if budget.exceeded:
         return False
     if budget.used + total > budget.limit:
         budget.exceeded = True
         dims = " x ".join(f"{n} {len(a)}" for n, a in zip(names, axes) if len(a) > 1)
         plus = f", plus {len(resolved)} include entries" if resolved else ""
+        plus += f", x {per_size} problem sizes" if per_size > 1 else ""
         before = f"; the tables before it already expand to {budget.used}" if budget.used else ""
         ctx.err(
             where,

@@ -85,6 +85,20 @@ def unused_warning(where: str, unused: list[int]) -> str:
     return f"{where}: {len(unused)} exclude entries match no combination: {first}{more}"
 
 
+def _at_sizes(t: KernelTable, combo: dict, bound: dict, names: list[str], arch: str) -> list[dict]:
+    """The combination bound once per problem size of the entry, each derived parameter
+    (the tuned configuration) chosen for that size as a run-time call of that shape chooses
+    it (the tuning table's row for its class, else the heuristic); a configuration two
+    sizes share, once. Bound again with the chosen values: the kernel's rules check them."""
+    out: dict[str, dict] = {}
+    for sizes in t.problems:
+        at = dict(bound, **dict(sizes))
+        chosen = {n: t.spec.params[n].derive({k: v for k, v in at.items() if k != n}, arch) for n in names}
+        b = t.spec.bind((), dict(combo, **chosen), arch=arch)
+        out.setdefault(t.spec.key(b, arch), b)
+    return list(out.values())
+
+
 def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
     """The table's configurations, one at a time (the cross product is never held in
     memory). Problems seen only here (combinations the kernel's rules refuse, every
@@ -106,12 +120,18 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                 refused.append("")  # counted, not listed
             return
         # a configuration derived per arch (its tuning table's default; issue 25)
-        derived = any(getattr(p, "derive", None) is not None for p in t.spec.params.values())
+        derived = bool(t.spec.derived_params)
+        # ... and per problem size, where the entry lists sizes and leaves the configuration to
+        # the table: the GEMM's row (or heuristic) depends on m, n, k, which its parameters do
+        # not carry, so the one shapeless default left every tuned winner unbuilt, and a
+        # prebuilt server missed at each tuned shape (issue 28)
+        per_size = [n for n in t.spec.derived_params if combo.get(n) is None] if t.problems else []
         for arch in t.archs:
             try:
                 if derived:
                     b = t.spec.bind((), combo, arch=arch)
                 t.spec.check_arch(b, arch)  # the rules naming `arch` (quack.params.Rule)
+                sized = [b] if not per_size else _at_sizes(t, combo, b, per_size, arch)
             except ParamError as e:
                 refused.append(
                     f"{e}; build it for another arch (--arch, archs = [...]) "
@@ -120,7 +140,8 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                     else ""
                 )
                 continue
-            yield BuildConfig(t.name, b, arch, t.spec.key(b, arch), t.origin, t.spec, t.problems)
+            for bs in sized:
+                yield BuildConfig(t.name, bs, arch, t.spec.key(bs, arch), t.origin, t.spec, t.problems)
 
     for pos in itertools.product(*(range(len(a)) for a in t.axes)):
         n_combos += 1

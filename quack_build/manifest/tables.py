@@ -86,7 +86,10 @@ def prepare_kernel(
     names = list(spec.params)
     axes = [given[n] if n in given else [spec.defaults[n]] for n in names]
     resolved = _resolve_includes(ctx, where, names, axes, includes)
-    if resolved is None or not charge(ctx, where, budget, names, axes, resolved, archs):
+    # an entry that leaves a derived configuration to the tuning table and lists problem sizes
+    # builds one configuration per size (quack_build.manifest.expand): count each
+    per_size = len(probs) if probs and any(n not in given for n in spec.derived_params) else 1
+    if resolved is None or not charge(ctx, where, budget, names, axes, resolved, archs, per_size):
         return None
     return KernelTable(
         where, f"{ctx.path}:{label}", name, spec, names, axes, archs, excludes, resolved, probs

@@ -32,6 +32,37 @@ def test_manifests_expand():
     assert scheds == {"coop", "ping"}
 
 
+@pytest.mark.filterwarnings("ignore:quack_kernels. no tuning")  # H100 and QX9: no GEMM rows, said once
+@pytest.mark.parametrize("gpu", ["H200", "H100", "QX9"])
+def test_gemm_manifest_builds_what_a_call_at_each_tuned_shape_asks_for(gpu):
+    """For each problem quack tune measures (manifests/tuning_gemm.toml), the key a call of
+    that shape asks for on this GPU model (the model's row, else the heuristic) is among
+    the GEMM manifest's: `quack build manifests/gemm.toml` then serves a prebuilt server
+    at every tuned shape. Before, none of the swizzled / stream-K winners was built."""
+    import tomllib
+    from quack_kernels.gemm import compile_gemm, gemm_config
+
+    from quack import settings
+
+    with open(os.path.join(ROOT, "manifests", "tuning_gemm.toml"), "rb") as f:
+        tuning = tomllib.load(f)
+    spec = compile_gemm.spec
+    with settings.override(tune_gpu=gpu):
+        built = {c.key for c in _expand("gemm.toml")}
+        asked = set()
+        for entry in tuning["kernel"]:
+            p = entry["params"]
+            for fast in p.get("fast_accum", False) if isinstance(p.get("fast_accum"), list) else [False]:
+                for m, n, k in entry["problems"]:
+                    cfg = gemm_config(m, n, k, 1, p["dtype"], fast)
+                    kw = dict(p, fast_accum=fast, config=cfg)
+                    b = spec.bind((), kw, arch="sm_90a")
+                    asked.add((m, n, k, p["dtype"], fast, spec.key(b, "sm_90a")))
+    assert len(asked) == 21
+    missing = [a[:5] for a in asked if a[5] not in built]
+    assert not missing, missing
+
+
 def test_search_space_candidates_all_pass_the_rules():
     from quack_kernels.gemm import compile_gemm, search_space
 
