@@ -35,10 +35,13 @@ def test_manifests_expand():
 @pytest.mark.filterwarnings("ignore:quack_kernels. no tuning")  # H100 and QX9: no GEMM rows, said once
 @pytest.mark.parametrize("gpu", ["H200", "H100", "QX9"])
 def test_gemm_manifest_builds_what_a_call_at_each_tuned_shape_asks_for(gpu):
-    """For each problem quack tune measures (manifests/tuning_gemm.toml), the key a call of
-    that shape asks for on this GPU model (the model's row, else the heuristic) is among
-    the GEMM manifest's: `quack build manifests/gemm.toml` then serves a prebuilt server
-    at every tuned shape. Before, none of the swizzled / stream-K winners was built."""
+    """For each problem quack tune measures (manifests/tuning_gemm.toml), and for a small odd
+    one, the key a call of that shape asks for on this GPU model (the model's row, else the
+    heuristic) is among the GEMM manifest's: plain, and bf16 with each fused epilogue (a
+    row is chosen by shape and dtype, so a fused call at a tuned shape runs the row's
+    configuration). `quack build manifests/gemm.toml` then serves a prebuilt server at
+    every tuned shape. Before, none of the swizzled / stream-K winners was built, nor a
+    bias without an activation."""
     import tomllib
     from quack_kernels.gemm import compile_gemm, gemm_config
 
@@ -47,19 +50,25 @@ def test_gemm_manifest_builds_what_a_call_at_each_tuned_shape_asks_for(gpu):
     with open(os.path.join(ROOT, "manifests", "tuning_gemm.toml"), "rb") as f:
         tuning = tomllib.load(f)
     spec = compile_gemm.spec
+    families = []  # (params, shapes)
+    for entry in tuning["kernel"]:
+        fasts = entry["params"].get("fast_accum", False)
+        for fast in fasts if isinstance(fasts, list) else [fasts]:
+            families.append(dict(entry["params"], fast_accum=fast))
+    bf16 = {"dtype": "bfloat16", "d_dtype": "bfloat16"}
+    families += [dict(bf16, has_bias=True, activation=a) for a in ("none", "relu", "gelu_tanh", "silu")]
+    families += [dict(bf16, has_c=True, has_bias=hb) for hb in (True, False)]
+    shapes = [tuple(x) for x in tuning["kernel"][0]["problems"]] + [(1000, 1048, 776)]
     with settings.override(tune_gpu=gpu):
         built = {c.key for c in _expand("gemm.toml")}
-        asked = set()
-        for entry in tuning["kernel"]:
-            p = entry["params"]
-            for fast in p.get("fast_accum", False) if isinstance(p.get("fast_accum"), list) else [False]:
-                for m, n, k in entry["problems"]:
-                    cfg = gemm_config(m, n, k, 1, p["dtype"], fast)
-                    kw = dict(p, fast_accum=fast, config=cfg)
-                    b = spec.bind((), kw, arch="sm_90a")
-                    asked.add((m, n, k, p["dtype"], fast, spec.key(b, "sm_90a")))
-    assert len(asked) == 21
-    missing = [a[:5] for a in asked if a[5] not in built]
+        asked = {}
+        for params in families:
+            for m, n, k in shapes:
+                cfg = gemm_config(m, n, k, 1, params["dtype"], params.get("fast_accum", False))
+                b = spec.bind((), dict(params, config=cfg), arch="sm_90a")
+                asked[spec.key(b, "sm_90a")] = (m, n, k, params)
+    assert len(families) == 9 and len(shapes) == 8
+    missing = [v for key, v in asked.items() if key not in built]
     assert not missing, missing
 
 
