@@ -294,6 +294,7 @@ def gemm_fwd(
     import torch
 
     from quack.tuning.override import override
+    from quack.tuning.problem import at_problem
 
     from ._gemm_args import check, operand
 
@@ -313,9 +314,20 @@ def gemm_fwd(
     elif m and n:
         cfg = override("gemm") or gemm_config(m, n, k, batch, g.dtype, fast_accum)
         fast = bool(fast_accum)
-        fn = compile_gemm(
-            g.dtype, g.d_dtype, g.a_major, g.b_major, c is not None, bias is not None, activation, fast, cfg
-        )
+        # the call's sizes, for a miss in prebuilt mode: it suggests an entry listing them
+        # (a batch counts as L * M rows, as the table's classes count it)
+        with at_problem(m=m * batch, n=n, k=k):
+            fn = compile_gemm(
+                g.dtype,
+                g.d_dtype,
+                g.a_major,
+                g.b_major,
+                c is not None,
+                bias is not None,
+                activation,
+                fast,
+                cfg,
+            )
         plan, clusters = _launch_plan(cfg, g.d_dtype, promotes(g.dtype, fast), a.device.index, clusters)
         d3 = d.permute(1, 2, 0)
         c3 = operand(g.c, "c").permute(1, 2, 0) if c is not None else d3

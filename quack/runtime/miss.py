@@ -271,6 +271,7 @@ def not_prebuilt(k: JitKernel, params, key, s, reason: str):
     from quack.cache.contract import ListsSearched
     from quack.manifest_line import manifest_line
     from quack.runtime import tiers
+    from quack.tuning import current_problem
 
     plain = k.spec.plain(params)
     err = KernelNotPrebuilt(
@@ -279,7 +280,7 @@ def not_prebuilt(k: JitKernel, params, key, s, reason: str):
         s.arch,
         key,
         str(s.cache_dir),
-        manifest_line(k.spec.name, plain, s.arch),
+        manifest_line(k.spec.name, plain, s.arch, current_problem() if k.spec.problem else None),
         bundles=next(
             (
                 t.searched()

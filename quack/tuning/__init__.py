@@ -9,6 +9,7 @@ from quack.gpumodel import normalise_gpu
 from quack.tuning.config import TuneConfig, knob
 from quack.tuning.gpu import current_gpu, gpu_choice
 from quack.tuning.override import table_override, use_config, use_table, without_tables
+from quack.tuning.problem import at_problem, current_problem
 from quack.tuning.table import Row, Table
 
 __all__ = [
@@ -23,4 +24,6 @@ __all__ = [
     "use_table",
     "without_tables",
     "table_override",
+    "at_problem",
+    "current_problem",
 ]

@@ -531,3 +531,37 @@ def test_kernel_views_are_the_operands_memory(batch, a_major, b_major):
     for new, old in zip((g.a3, g.b3), _old_views(a, b)):
         assert new.shape == old.shape and new.stride() == old.stride()
         assert (new.storage_offset(), new.data_ptr()) == (old.storage_offset(), old.data_ptr())
+
+
+@pytest.mark.parametrize("tuned", [True, False])
+def test_a_gemm_miss_suggests_the_entry_listing_its_size(tmp_path, tuned):
+    """A prebuilt-mode miss inside the torch wrapper's call (quack.tuning.at_problem, as
+    gemm_fwd sets it) suggests an entry listing the call's size: the configuration left to
+    the table when it is the table's choice there (a re-tune then rebuilds the right one),
+    written out when it is not. Either entry builds exactly the missing key. Before, the
+    entry pinned the table's winner of the day as an inline config."""
+    from quack_kernels.gemm import compile_gemm, gemm_config
+
+    from quack import settings
+    from quack.errors import KernelNotPrebuilt
+    from quack.tuning import at_problem
+    from quack_build.manifest.read import expand
+
+    m, n, k = 8192, 14336, 4096
+    with settings.override(cache_dir=str(tmp_path / "c"), mode="prebuilt", arch="sm_90a", tune_gpu="H200"):
+        cfg = gemm_config(m, n, k, 1, "bfloat16") if tuned else gemm_config(64, 64, 64, 1, "bfloat16")
+        assert (cfg.stream_k is True) == tuned  # the H200 row of m8k/n16k/k4k
+        args = ("bfloat16", "bfloat16", "k", "k", False, True, "gelu_tanh", False, cfg)
+        with pytest.raises(KernelNotPrebuilt) as e, at_problem(m=m, n=n, k=k):
+            compile_gemm(*args)
+        line = e.value.manifest_line
+        assert f"problems = [\n    [\n        {m},\n        {n},\n        {k}," in line
+        assert ("[kernel.params.config]" in line) == (not tuned), line
+        mf = tmp_path / "m.toml"
+        mf.write_text(line)
+        (c,) = expand([mf]).configs
+        assert c.key == e.value.key
+        # outside a wrapper's call: no sizes, the configuration written out as before
+        with pytest.raises(KernelNotPrebuilt) as e2:
+            compile_gemm(*args)
+        assert "problems" not in e2.value.manifest_line and "[kernel.params.config]" in e2.value.manifest_line
