@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # (L, M, N, K): odd (tails in M, N and in K: 6 128-deep slices and 16), batched, a long K
-# (where an fp8 accumulator's lost bits add up), large (the heuristic's large tiles on a
-# 2x1 cluster: multicast)
+# (where an fp8 accumulator's lost bits add up), large (a cluster, so multicast: the
+# heuristic's 2x1, or the tuning row's choice, 1x2 for promoted on the H200)
 ODD = (1, 1000, 1048, 784)
 BATCHED, LONG_K, LARGE = (2, 200, 264, 272), (1, 256, 512, 16384), (1, 4096, 4096, 4096)
 E4, E5 = "float8_e4m3fn", "float8_e5m2"
