@@ -154,6 +154,19 @@ def test_table_form_and_build_builds_each_sizes_configuration(tmp_path):
         want = list(dict.fromkeys(gemm_config(m, n, k, 1, "bfloat16") for m, n, k in sizes))
     assert [c.params["config"] for c in exp.configs] == want and exp.duplicates == 0
     assert want[1].swizzle == 8  # the checked-in H200 row of m8k/n4k/k4k, not the heuristic
+    # the sizes whose configuration each is (the two small ones share the heuristic's)
+    assert [c.sizes for c in exp.configs] == [("16x32x64", "1024x1024x1024"), ("8192x4096x4096",)]
+    m = tmp_path / "sized.toml"
+    m.write_text(text)
+    env = {"QUACK_CACHE_DIR": str(tmp_path / "c"), "QUACK_TUNE_GPU": "H200"}
+    r = _quack("build", str(m), "--dry-run", env_extra=env)
+    assert r.returncode == 0 and "  for 16x32x64, 1024x1024x1024" in r.stdout, r.stdout + r.stderr
+    assert "  for 8192x4096x4096" in r.stdout
+    r = _quack("build", str(m), "--dry-run", "--json", env_extra=env)
+    assert sorted(k["sizes"] for k in json.loads(r.stdout)["keys"]) == [
+        ["16x32x64", "1024x1024x1024"],
+        ["8192x4096x4096"],
+    ]
     for c in exp.configs:
         assert [dict(p) for p in c.problems] == [
             {"m": 16, "n": 32, "k": 64},

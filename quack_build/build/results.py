@@ -51,6 +51,8 @@ class Task:
             "key": self.cfg.key,
             "status": self.status,
         }
+        if self.cfg.sizes:  # the problem sizes whose tuned configuration this is
+            d["sizes"] = list(self.cfg.sizes)
         if self.pushed:
             d["remote_push"] = self.pushed
         if self.status in (COMPILED, SHARED, FAILED):

@@ -78,6 +78,11 @@ def run(
     return rc
 
 
+def _for(cfg) -> str:
+    """ "  for 8192x4096x4096, ...": the problem sizes whose tuned configuration this is."""
+    return f"  for {', '.join(cfg.sizes)}" if cfg.sizes else ""
+
+
 def _list(
     s, stream: ExpansionStream, store, out: _Lines, *, force: bool, as_json: bool, kernels: set, gpus=()
 ) -> int:
@@ -101,7 +106,7 @@ def _list(
             n_total += 1
             if t.status == results.CACHED:
                 n_cached += 1
-                out.add(f"cached   {cfg.label()}  key {cfg.key[:16]}")
+                out.add(f"cached   {cfg.label()}  key {cfg.key[:16]}{_for(cfg)}")
             else:
                 t.est_s = times.get(cfg.kernel, cfg.key)
                 est = f"  ~{t.est_s:.2f}s" if t.est_s else ""
@@ -112,7 +117,7 @@ def _list(
                 )
                 if t.corrupt:
                     n_corrupt += 1
-                out.add(f"compile  {cfg.label()}  key {cfg.key[:16]}{est}{bad}")
+                out.add(f"compile  {cfg.label()}  key {cfg.key[:16]}{est}{_for(cfg)}{bad}")
             if as_json:
                 tasks.append(t)
     except ManifestError as e:

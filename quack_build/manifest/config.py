@@ -22,6 +22,10 @@ class BuildConfig:
     # the tuning problems its manifest entry lists (``problems``; quack tune): tuples of
     # (size name, value) in the kernel's ``problem`` order; nothing else reads them
     problems: tuple = dataclasses.field(default=(), compare=False, repr=False, hash=False)
+    # the sizes among ``problems`` whose tuned configuration this is (an entry that leaves
+    # the configuration to the table builds one per size: quack_build.manifest.expand), as
+    # "8192x4096x4096" strings; () for every other configuration
+    sizes: tuple = dataclasses.field(default=(), compare=False, repr=False, hash=False)
 
     @property
     def plain_params(self) -> dict:

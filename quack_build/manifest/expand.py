@@ -85,18 +85,21 @@ def unused_warning(where: str, unused: list[int]) -> str:
     return f"{where}: {len(unused)} exclude entries match no combination: {first}{more}"
 
 
-def _at_sizes(t: KernelTable, combo: dict, bound: dict, names: list[str], arch: str) -> list[dict]:
+def _at_sizes(
+    t: KernelTable, combo: dict, bound: dict, names: list[str], arch: str
+) -> list[tuple[dict, tuple]]:
     """The combination bound once per problem size of the entry, each derived parameter
     (the tuned configuration) chosen for that size as a run-time call of that shape chooses
     it (the tuning table's row for its class, else the heuristic); a configuration two
-    sizes share, once. Bound again with the chosen values: the kernel's rules check them."""
-    out: dict[str, dict] = {}
+    sizes share, once, with the sizes that chose it ("8192x4096x4096"). Bound again with
+    the chosen values: the kernel's rules check them."""
+    out: dict[str, tuple[dict, list[str]]] = {}
     for sizes in t.problems:
         at = dict(bound, **dict(sizes))
         chosen = {n: t.spec.params[n].derive({k: v for k, v in at.items() if k != n}, arch) for n in names}
         b = t.spec.bind((), dict(combo, **chosen), arch=arch)
-        out.setdefault(t.spec.key(b, arch), b)
-    return list(out.values())
+        out.setdefault(t.spec.key(b, arch), (b, []))[1].append("x".join(str(v) for _, v in sizes))
+    return [(b, tuple(label)) for b, label in out.values()]
 
 
 def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
@@ -131,7 +134,7 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                 if derived:
                     b = t.spec.bind((), combo, arch=arch)
                 t.spec.check_arch(b, arch)  # the rules naming `arch` (quack.params.Rule)
-                sized = [b] if not per_size else _at_sizes(t, combo, b, per_size, arch)
+                sized = [(b, ())] if not per_size else _at_sizes(t, combo, b, per_size, arch)
             except ParamError as e:
                 refused.append(
                     f"{e}; build it for another arch (--arch, archs = [...]) "
@@ -140,8 +143,9 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                     else ""
                 )
                 continue
-            for bs in sized:
-                yield BuildConfig(t.name, bs, arch, t.spec.key(bs, arch), t.origin, t.spec, t.problems)
+            for bs, chose in sized:
+                key = t.spec.key(bs, arch)
+                yield BuildConfig(t.name, bs, arch, key, t.origin, t.spec, t.problems, chose)
 
     for pos in itertools.product(*(range(len(a)) for a in t.axes)):
         n_combos += 1
