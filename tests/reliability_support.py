@@ -75,7 +75,7 @@ def run_quack(
         try:  # nothing of it outlives the call (workers of a killed or finished build)
             os.killpg(p.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
-            pass
+            pass  # the group had already ended: nothing left to kill
     r = subprocess.CompletedProcess(p.args, p.returncode, out, err)
     if check_rc is not None and r.returncode != check_rc:
         raise AssertionError(f"exit {r.returncode} (expected {check_rc}):\n{out}\n{err}")

@@ -814,17 +814,19 @@ class _DyingRay:
     kills the actor running it (a kernel that SIGKILLs its compile process)."""
 
     class exceptions:
+        """ray.exceptions' four actor-loss errors, which RayExecutor catches by name."""
+
         class RayActorError(Exception):
-            pass
+            """An actor died (the one raised here: its compile killed it)."""
 
         class WorkerCrashedError(Exception):
-            pass
+            """Ray's worker process crashed."""
 
         class ObjectLostError(Exception):
-            pass
+            """A result's object was lost with its node."""
 
         class NodeDiedError(Exception):
-            pass
+            """The actor's node died."""
 
     def __init__(self, stamp: str):
         self.stamp = stamp

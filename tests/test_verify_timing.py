@@ -17,6 +17,7 @@ class _FakeChild:
     def __init__(self, gpu: bool, torch: bool = True):
         self.p = self
         self.gpu, self.torch = gpu, torch
+        self.killed = self.closed = False
         _FakeChild.started.append(self)
 
     def poll(self):
@@ -29,10 +30,12 @@ class _FakeChild:
         return {"key": req["key"], "ok": True, "how": "o", "run": "ok", "seconds": 0.01}
 
     def kill(self):
-        pass
+        """Nothing runs to kill: recorded, as a real loader's end would be."""
+        self.killed = True
 
     def close(self):
-        pass
+        """Recorded: load_fresh must close every loader it started (no process or pipe left)."""
+        self.closed = True
 
 
 def test_every_loader_starts_before_the_gpu_probe_is_answered(monkeypatch):
@@ -48,6 +51,7 @@ def test_every_loader_starts_before_the_gpu_probe_is_answered(monkeypatch):
     assert _FakeChild.at_probe == [4] and len(_FakeChild.started) == 4
     assert all(c.gpu and c.torch for c in _FakeChild.started)  # they run kernels: torch stays
     assert threading.active_count() < 50  # the workers ended
+    assert all(c.closed for c in _FakeChild.started)  # every loader closed at the end
     _FakeChild.started.clear()
     loaders.load_fresh(reqs, jobs=2)  # loading only: no tensor reaches tvm_ffi, torch hidden
     assert [(c.gpu, c.torch) for c in _FakeChild.started] == [(False, False)] * 2
