@@ -24,8 +24,7 @@ def _config_value(spec, name: str, params: dict, arch: str, problem: dict | None
         try:
             bound = spec.bind((), rest, arch=arch)
             if problem:
-                at = {k: v for k, v in bound.items() if k != name}
-                bound[name] = p.check(name, p.derive(dict(at, **problem), arch))
+                bound = spec.derive_at(bound, problem, arch, (name,))
             derived = spec.plain(bound)[name]
         except Exception:  # noqa: BLE001 - the line is for a message: write the value out
             derived = None

@@ -9,7 +9,7 @@ import inspect
 import re
 import sys
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from quack.errors import ParamError, UnknownKernel
 from quack.params import Param, Rule, plain
@@ -110,6 +110,25 @@ class KernelSpec:
             return p.check(n, forced if forced is not None else p.derive(others, arch))
         except ParamError as e:
             raise ParamError(f"{self.name}: default {n}: {e}", kernel=self.name, param=n) from None
+
+    def derive_at(
+        self, params: dict[str, Any], sizes: dict[str, int], arch: str, names: Iterable[str] | None = None
+    ) -> dict[str, Any]:
+        """``params`` (bound) with each derived parameter (or those in ``names``) chosen for a
+        problem of ``sizes`` (the kernel's ``problem`` names: the GEMM's m, n, k) as a run-time
+        call of that shape chooses it, validated: the tuning table's row, else the heuristic.
+        One answer for the build (an entry's ``problems``), ``quack tune`` (today's default
+        per size) and a miss's suggested manifest entry. A ``use_config`` override is not
+        applied: these ask what the table chooses. Raises ParamError for a bad derived value."""
+        out = dict(params)
+        for n in self.derived_params if names is None else names:
+            p: Any = self.params[n]  # a Config with derive= (derived_params)
+            others = {k: v for k, v in params.items() if k != n}
+            try:
+                out[n] = p.check(n, p.derive(dict(others, **sizes), arch))
+            except ParamError as e:
+                raise ParamError(f"{self.name}: default {n}: {e}", kernel=self.name, param=n) from None
+        return out
 
     def check_arch(self, params: dict[str, Any], arch: str) -> None:
         """Apply the rules naming ``arch`` to bound ``params`` for target ``arch`` (manifest

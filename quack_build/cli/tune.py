@@ -169,7 +169,6 @@ def _problems(s, manifests, kernel, max_configs, from_empty, rows) -> list[Probl
         sized = [dict(p) for p in c.problems] if spec.problem else [{"m": rows or default_rows(base["n"])}]
         bound = spec.bind((), base, arch=c.arch)
         space = spec.search_space(bound)
-        derive = spec.params["config"].derive
         for sizes in sized:
             ident = (c.kernel, c.arch, tuple(sorted(base.items())), tuple(sizes.items()))
             if ident in seen:  # the same problem listed with several configs: tuned once
@@ -177,7 +176,11 @@ def _problems(s, manifests, kernel, max_configs, from_empty, rows) -> list[Probl
             seen.add(ident)
             # today's default for THIS problem: the GEMM's table row / heuristic depends on
             # m, n, k, which the compile parameters do not carry
-            current = derive(dict(bound, **sizes), c.arch) if spec.problem else bound["config"]
+            current = (
+                spec.derive_at(bound, sizes, c.arch, ("config",))["config"]
+                if spec.problem
+                else bound["config"]
+            )
             cands = list(dict.fromkeys(space if from_empty else [current, *space]))
             out.append(Problem(c, spec, base, cands, current, sizes))
     if kernel is not None and not out:

@@ -87,19 +87,18 @@ def unused_warning(where: str, unused: list[int]) -> str:
 
 def _at_sizes(
     t: KernelTable, combo: dict, bound: dict, names: list[str], arch: str
-) -> list[tuple[dict, tuple]]:
-    """The combination bound once per problem size of the entry, each derived parameter
-    (the tuned configuration) chosen for that size as a run-time call of that shape chooses
-    it (the tuning table's row for its class, else the heuristic); a configuration two
-    sizes share, once, with the sizes that chose it ("8192x4096x4096"). Bound again with
-    the chosen values: the kernel's rules check them."""
+) -> list[tuple[dict, str, tuple]]:
+    """(params, key, sizes): the combination bound once per problem size of the entry, each
+    derived parameter (the tuned configuration) chosen for that size as a run-time call of
+    that shape chooses it (``KernelSpec.derive_at``); a configuration two sizes share, once,
+    with the sizes that chose it ("8192x4096x4096"). Bound again with the chosen values:
+    the kernel's rules check them."""
     out: dict[str, tuple[dict, list[str]]] = {}
     for sizes in t.problems:
-        at = dict(bound, **dict(sizes))
-        chosen = {n: t.spec.params[n].derive({k: v for k, v in at.items() if k != n}, arch) for n in names}
-        b = t.spec.bind((), dict(combo, **chosen), arch=arch)
+        at = t.spec.derive_at(bound, dict(sizes), arch, names)
+        b = t.spec.bind((), dict(combo, **{n: at[n] for n in names}), arch=arch)
         out.setdefault(t.spec.key(b, arch), (b, []))[1].append("x".join(str(v) for _, v in sizes))
-    return [(b, tuple(label)) for b, label in out.values()]
+    return [(b, key, tuple(label)) for key, (b, label) in out.items()]
 
 
 def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
@@ -134,7 +133,9 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                 if derived:
                     b = t.spec.bind((), combo, arch=arch)
                 t.spec.check_arch(b, arch)  # the rules naming `arch` (quack.params.Rule)
-                sized = [(b, ())] if not per_size else _at_sizes(t, combo, b, per_size, arch)
+                sized = (
+                    [(b, t.spec.key(b, arch), ())] if not per_size else _at_sizes(t, combo, b, per_size, arch)
+                )
             except ParamError as e:
                 refused.append(
                     f"{e}; build it for another arch (--arch, archs = [...]) "
@@ -143,8 +144,7 @@ def generate(ctx: FileCheck, t: KernelTable) -> Iterator[BuildConfig]:
                     else ""
                 )
                 continue
-            for bs, chose in sized:
-                key = t.spec.key(bs, arch)
+            for bs, key, chose in sized:
                 yield BuildConfig(t.name, bs, arch, key, t.origin, t.spec, t.problems, chose)
 
     for pos in itertools.product(*(range(len(a)) for a in t.axes)):
