@@ -150,6 +150,48 @@ def test_a_replace_waiting_on_a_held_lock_gives_up_and_its_thread_ends(shared):
     assert b.get(NAME) == b"new"
 
 
+def test_several_replaces_queued_on_a_held_lock_all_give_up_and_end(shared):
+    """Six writers (more than one, as a build's pushes are) queue on the held replace lock:
+    each times out, each thread ends while the lock is still held, no temp file is left,
+    and once it is freed the next replace takes."""
+    import fcntl
+
+    first = open_backend(f"file://{shared}", op_timeout=0.3)
+    assert first.put_if_absent(NAME, b"refused")
+    tag = first.get_current(NAME).tag
+    obj_dir = shared / NAME.rsplit("/", 1)[0]
+    holder = os.open(obj_dir / file_backend.REPLACE_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
+    errors: list = []
+    try:
+        fcntl.flock(holder, fcntl.LOCK_EX)
+        before = {t for t in threading.enumerate() if t.name == "quack-remote-op"}
+
+        def replace(i):
+            b = open_backend(f"file://{shared}", op_timeout=0.3)
+            try:
+                b.replace(NAME, b"new %d" % i, tag)
+            except RemoteError as e:
+                errors.append(e.reason)
+
+        callers = [threading.Thread(target=replace, args=(i,)) for i in range(6)]
+        for t in callers:
+            t.start()
+        for t in callers:
+            t.join(DEADLINE)
+        assert errors == ["timeout"] * 6
+        ops = {t for t in threading.enumerate() if t.name == "quack-remote-op"} - before
+        for t in ops:
+            t.join(DEADLINE)
+        assert not any(t.is_alive() for t in ops)
+        assert sorted(p.name for p in obj_dir.iterdir()) == sorted(
+            [NAME.rsplit("/", 1)[1], file_backend.REPLACE_LOCK]
+        )
+        assert first.get(NAME) == b"refused"
+    finally:
+        os.close(holder)
+    assert first.replace(NAME, b"new", tag) is True
+
+
 # --- 8. the shared root and the directories under it ----------------------------------------
 
 
