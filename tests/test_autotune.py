@@ -136,7 +136,7 @@ def _seq_bench(seq):
     return bench, calls
 
 
-def _held_run(seq, hold):
+def _held_run(seq, hold, duel_rounds=0):
     bench, calls = _seq_bench(seq)
     res = autotune(
         toykernels.toy_scale,
@@ -146,6 +146,7 @@ def _held_run(seq, hold):
         rounds=3,
         baseline={"block": 128},
         hold=hold,
+        duel_rounds=duel_rounds,
     )
     return res, calls
 
@@ -158,7 +159,9 @@ def test_autotune_hold_keeps_the_baseline_inside_the_noise_of_its_rounds(quack_s
     seq = {64: [1.00e-3, 0.99e-3, 1.00e-3, 1.01e-3], 128: [1.01e-3, 0.99e-3, 1.01e-3, 1.03e-3], 32: [5e-3]}
     res, calls = _held_run(seq, 0.005)
     assert res.best == {"block": 128} and res.best_time == pytest.approx(1.01e-3)
-    assert res.held == pytest.approx((1.03e-3 - 0.99e-3) / 1.01e-3)
+    # the noise: the spread of the round-by-round ratios 64/128 (1.0, 0.990, 0.981)
+    q = [0.99 / 0.99, 1.00 / 1.01, 1.01 / 1.03]
+    assert res.held == pytest.approx((max(q) - min(q)) / sorted(q)[1])
     assert min(res.times, key=lambda ct: ct[1])[0] == {"block": 64}  # still listed as measured
     assert calls[64] == calls[128] == 4  # each: its first time and three rounds
     # without hold the faster median wins, as before
@@ -178,3 +181,60 @@ def test_autotune_hold_gives_way_to_a_gain_beyond_the_noise_and_the_minimum(quac
     assert res.best == {"block": 64} and res.held is None
     with pytest.raises(ValueError, match="hold"):
         autotune(toykernels.toy_scale, [], lambda fn, cfg: 0.0, hold=1.0)
+
+
+def test_autotune_hold_compares_in_rounds_a_gpu_slowing_as_it_heats(quack_settings):
+    """Every round slower than the last by 3 % for both (a GPU clocking down over a 5 ms
+    GEMM's rounds): each one's own rounds spread by 6 %, but 64 is 3.4 % faster than the
+    baseline in every round. The old rule took the 6 % as the noise and kept the baseline
+    (the H100's 8192x28672x8192 row in session 23: the heuristic, 0.94x cuBLAS, over a
+    stream-K order 3.4 % faster)."""
+    base = [1.0e-3, 1.0e-3, 1.03e-3, 1.06e-3]
+    seq = {64: [t * 0.966 for t in base], 128: base, 32: [5e-3]}
+    res, _ = _held_run(seq, 0.005)
+    assert res.best == {"block": 64} and res.held is None
+    # the same drift with the ratio itself wandering by more than the gain: held
+    seq[64] = [0.966e-3, 0.966e-3, 1.03e-3 * 1.01, 1.06e-3 * 0.93]
+    res, _ = _held_run(seq, 0.005)
+    assert res.best == {"block": 128} and res.held == pytest.approx((1.01 - 0.93) / 0.966)
+
+
+def test_autotune_hold_duels_when_three_rounds_cannot_tell(quack_settings):
+    """64 is 4.5 % faster in three rounds whose ratios spread 12 % (the H100's 5 ms GEMM:
+    12.2 % held back a candidate 4.5 % faster): six more rounds of the two alone decide.
+    One round the GPU throttled in does not veto eight that agree."""
+    base = [1e-3] * 10
+    noisy = [0.955e-3, 0.90e-3, 1.02e-3, 0.955e-3]  # the first time, then three rounds
+    seq = {64: noisy + [0.955e-3] * 6, 128: base, 32: [5e-3]}
+    res, calls = _held_run(seq, 0.005, duel_rounds=6)
+    assert res.best == {"block": 64} and res.held is None
+    assert res.best_time == pytest.approx(0.955e-3)
+    assert calls[64] == calls[128] == 1 + 3 + 6 and calls[32] == 1 + 3  # the duel: the two only
+    # the extra rounds keep disagreeing (0.90 / 1.02 in turn): held, the noise of all nine
+    seq[64] = noisy + [0.90e-3, 1.02e-3] * 3
+    res, calls = _held_run(seq, 0.005, duel_rounds=6)
+    assert res.best == {"block": 128} and calls[64] == 10
+    q = sorted([0.90, 1.02, 0.955] + [0.90, 1.02] * 3)[1:-1]  # nine rounds: one cut at each end
+    assert res.held == pytest.approx((q[-1] - q[0]) / q[len(q) // 2])
+    # decided in three rounds (5 % faster, steady): no duel
+    steady = {64: [0.95e-3] * 4, 128: [1e-3] * 4, 32: [5e-3]}
+    res, calls = _held_run(steady, 0.005, duel_rounds=6)
+    assert res.best == {"block": 64} and calls[64] == calls[128] == 4
+    # inside the least gain asked for: no duel either (more rounds cannot make it a gain)
+    small = {64: [0.997e-3] * 4, 128: [1e-3] * 4, 32: [5e-3]}
+    res, calls = _held_run(small, 0.005, duel_rounds=6)
+    assert res.best == {"block": 128} and res.held == 0.005 and calls[64] == 4
+    with pytest.raises(ValueError, match="duel_rounds"):
+        autotune(toykernels.toy_scale, [], lambda fn, cfg: 0.0, duel_rounds=-1)
+
+
+def test_paired_spread_needs_three_rounds_in_common():
+    from quack.compile.autotune import paired_spread
+
+    assert paired_spread([1.0, 1.1, 1.2], [0.9, 0.99, 1.08]) == pytest.approx(0.0)
+    assert paired_spread([1.0] * 3, [0.9, 1.0, 1.1]) == pytest.approx(0.2)
+    # six rounds: the lowest and the highest ratio dropped
+    assert paired_spread([1.0] * 6, [0.5, 0.9, 1.0, 1.0, 1.1, 2.0]) == pytest.approx(0.2)
+    assert paired_spread([1.0, 1.0], [0.9, 0.9]) is None
+    assert paired_spread([1.0, 1.0, 1.0], [0.9, 0.9]) is None
+    assert paired_spread(None, [0.9, 0.9, 0.9]) is None

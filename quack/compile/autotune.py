@@ -18,7 +18,8 @@ shape that is bimodal from run to run) is handled by the method, not by hand: ev
 candidate within ``close`` of the best is measured again in ``rounds`` interleaved rounds
 (each round visits them in a rotated order) and ranked by the median of its rounds; with
 ``hold``, the ``baseline`` (today's winner) stays the winner unless the fastest beats it by
-more than their rounds' own spread, so a re-tune does not rewrite a table on noise.
+more than the spread of their round-by-round ratios, so a re-tune does not rewrite a table
+on noise.
 Benchmarking runs on the caller's thread, in the caller's CUDA context."""
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def autotune(
     max_candidates: int | None = None,
     close: float = 0.03,
     rounds: int = 3,
+    duel_rounds: int = 6,
     on_result: Callable[[str, dict, Any], None] | None = None,
     confirm: int = 3,
     baseline: dict | None = None,
@@ -93,16 +95,19 @@ def autotune(
     candidates are re-measured ``rounds`` times, and so are the ``confirm`` fastest and
     ``baseline`` (a config whose time is reported beside the winner's, e.g. today's default)
     whatever their distance: a single low outlier must not win unopposed, nor a single high
-    one make a speed-up; ``hold``: the least gain (a fraction, e.g. 0.005) over ``baseline``
+    one make a speed-up; ``duel_rounds``: with ``hold``, when the fastest beats ``baseline``
+    by more than ``hold`` but inside the noise, that many more rounds of the two alone
+    decide; ``hold``: the least gain (a fraction, e.g. 0.005) over ``baseline``
     that may replace it: a faster candidate whose gain is inside that or inside the spread
-    of either's re-measured rounds ((max - min) / median) leaves the baseline the winner
-    (``TuneResult.held``: that noise); ``on_result(kind, config, value)``: each "time" /
+    of the two's per-round ratios (``paired_spread``: measured in the same rounds, so a GPU
+    that slows as it heats moves both) leaves the baseline the winner (``TuneResult.held``:
+    that noise); ``on_result(kind, config, value)``: each "time" /
     "wrong" / "error" as it happens (a progress display)."""
     t0 = time.perf_counter()
-    if close < 0 or rounds < 0 or confirm < 0 or (hold is not None and not 0 <= hold < 1):
+    if close < 0 or rounds < 0 or confirm < 0 or duel_rounds < 0 or (hold is not None and not 0 <= hold < 1):
         raise ValueError(
-            f"autotune: close (got {close}), rounds (got {rounds}) and confirm (got {confirm}) must be "
-            f">= 0, and hold (got {hold}) None or in [0, 1)"
+            f"autotune: close (got {close}), rounds (got {rounds}), confirm (got {confirm}) and "
+            f"duel_rounds (got {duel_rounds}) must be >= 0, and hold (got {hold}) None or in [0, 1)"
         )
     common = dict(common or {})
     configs = list(configs)[: max_candidates if max_candidates is not None else None]
@@ -189,15 +194,34 @@ def autotune(
                     break
                 gen = p.wait_change(gen, 0.5)
     spreads: list[float | None] = []
-    remeasured = _remeasure(times, fns, bench, close, rounds, errors, confirm, baseline, spreads, deadline)
+    samples: list[list[float] | None] = []
+    remeasured = _remeasure(
+        times, fns, bench, close, rounds, errors, confirm, baseline, spreads, deadline, samples
+    )
     best = min(times, key=lambda ct: ct[1]) if times else None
     held = None
     if hold is not None and best is not None and baseline is not None and best[0] != baseline:
         i_base = next((i for i, (cfg, _) in enumerate(times) if cfg == baseline), None)
         if i_base is not None:
-            noise = max(hold, spreads[i_base] or 0.0, spreads[times.index(best)] or 0.0)
-            if best[1] > times[i_base][1] * (1 - noise):
-                best, held = times[i_base], noise
+            i_best = times.index(best)
+
+            def noise() -> float:
+                paired = paired_spread(samples[i_base], samples[i_best])
+                if paired is None:  # no rounds in common: each one's own spread
+                    paired = max(spreads[i_base] or 0.0, spreads[i_best] or 0.0)
+                return max(hold, paired)
+
+            def gain() -> float:
+                return 1 - times[i_best][1] / times[i_base][1]
+
+            if hold < gain() <= noise() and duel_rounds > 0 and samples[i_base] and samples[i_best]:
+                # Undecided: faster by more than the least gain, but inside the noise of three
+                # rounds. More rounds of just the two, decided once at the end (stopping as
+                # soon as the gain cleared the noise would favour the challenger).
+                remeasured += _duel(times, fns, bench, samples, i_base, i_best, duel_rounds, deadline)
+            best = times[i_best]
+            if gain() <= noise():
+                best, held = times[i_base], noise()
     return TuneResult(
         best[0] if best else None,
         best[1] if best else None,
@@ -211,20 +235,75 @@ def autotune(
     )
 
 
+def paired_spread(a: list[float] | None, b: list[float] | None) -> float | None:
+    """The noise of comparing ``b`` with ``a`` (two candidates' times in the same
+    interleaved rounds): the spread ((max - min) / median) of their per-round ratios b/a;
+    None with fewer than three rounds in common. Why the ratios and not each one's own
+    spread: a GPU that heats and clocks down over a 5 ms GEMM's rounds slows every
+    candidate of a round alike, so each one's rounds spread by 6-12 % (the H100 in
+    session 23) while the ratio of two measured in the same round moves by ~1 %; with
+    the spreads as noise a candidate 3-4 % faster in every round (the stream-K tile
+    order at 8192x28672x8192, 5.37 against 5.56-5.69 ms in benchmarks/gemm.py) was held
+    back and the table kept the heuristic."""
+    if not a or not b or len(a) != len(b) or len(a) < 3:
+        return None
+    q = sorted(y / x for x, y in zip(a, b))
+    # From six rounds on, one round at each end is dropped for every six: a round the GPU
+    # throttled in the middle of cannot veto on its own what the others agree on.
+    cut = len(q) // 6
+    q = q[cut : len(q) - cut]
+    return (q[-1] - q[0]) / statistics.median(q)
+
+
+def _duel(times, fns, bench, samples, i_a, i_b, rounds, deadline) -> int:
+    """``rounds`` more rounds of candidates ``i_a`` and ``i_b`` alone (the order alternating),
+    appended to their ``samples``; their ``times`` become the median of their first time and
+    every round. Stops at ``deadline`` after whole rounds; a failure leaves the samples as
+    they are (the caller decides on what it has). Returns 1 if any round ran, else 0."""
+    ran = 0
+    first = {i: times[i][1] for i in (i_a, i_b)}
+    for r in range(rounds):
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        try:
+            got = {i: _seconds(bench(fns[i], times[i][0])) for i in ((i_a, i_b) if r % 2 else (i_b, i_a))}
+        except Exception:  # noqa: BLE001 - a failure on a re-run ends the duel, not the search
+            break
+        for i, t in got.items():
+            samples[i].append(t)
+        ran = 1
+    for i in (i_a, i_b):
+        times[i] = (times[i][0], statistics.median([first[i], *samples[i]]))
+    return ran
+
+
 def _remeasure(
-    times, fns, bench, close, rounds, errors, confirm=0, baseline=None, spreads=None, deadline=None
+    times,
+    fns,
+    bench,
+    close,
+    rounds,
+    errors,
+    confirm=0,
+    baseline=None,
+    spreads=None,
+    deadline=None,
+    samples_out=None,
 ) -> int:
     """Measure again, ``rounds`` interleaved rounds (rotated order: none always runs first
     after a cold GPU), the candidates within ``close`` of the best, the ``confirm`` fastest
     and ``baseline``; replace each time with the median of its first time and its rounds.
     Returns how many were re-measured; fills ``spreads`` (beside ``times``) with each
     re-measured candidate's (max - min) / median over its rounds (not its first time, taken
-    while the pool compiled: _remeasure's reason), None for the others. Why the fastest even when far apart: on the H200 a
+    while the pool compiled: _remeasure's reason), None for the others, and ``samples_out``
+    with its rounds' times (``paired_spread`` compares two of them round by round). Why the fastest even when far apart: on the H200 a
     first measurement taken while the compile pool loaded every core came out 1.6x off
     either way (90 us and 144 us for two ~120 us kernels), and the old rule re-measured
     nothing when no other candidate was within ``close`` of such an outlier."""
     if spreads is not None:
         spreads[:] = [None] * len(times)
+    if samples_out is not None:
+        samples_out[:] = [None] * len(times)
     if not times or rounds == 0:
         return 0
     best = min(t for _, t in times)
@@ -253,8 +332,12 @@ def _remeasure(
         if spreads is not None and i not in dead and len(samples[i]) > 2:
             rs = samples[i][1:]
             spreads[i] = (max(rs) - min(rs)) / statistics.median(rs)
+        if samples_out is not None and i not in dead:
+            samples_out[i] = samples[i][1:]
     keep = [i for i, ct in enumerate(times) if ct[1] != float("inf")]
     times[:] = [times[i] for i in keep]
     if spreads is not None:
         spreads[:] = [spreads[i] for i in keep]
+    if samples_out is not None:
+        samples_out[:] = [samples_out[i] for i in keep]
     return len(idx)

@@ -104,7 +104,7 @@ def tune(
         max=0.5,
         callback=argcheck.finite_option,
         help="Today's winner stays unless a candidate beats it by this fraction and by more than "
-        "the spread of their measurements.",
+        "the spread of their round-by-round time ratios.",
     ),
     dry_run: bool = typer.Option(False, "--dry-run", "-n", help="List the candidates; compile nothing."),
     compile_only: bool = typer.Option(

@@ -134,7 +134,7 @@ def measure_and_write(
     result (``failed``); the other candidates go on. A problem whose every candidate
     failed keeps its old winner (``kept``): no row is written for it. The old winner also
     stays (``held``) when the fastest beats it by less than ``min_gain`` or than the spread
-    of their re-measured rounds (``autotune``'s ``hold``): a re-tune on the same GPU does
+    of their round-by-round time ratios (``autotune``'s ``hold``): a re-tune on the same GPU does
     not rewrite rows on noise (two runs a call apart picked different winners for the two
     5 ms GEMM shapes, each 2-4 % off the other in the next call).
 
