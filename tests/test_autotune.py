@@ -216,6 +216,16 @@ def test_autotune_hold_duels_when_three_rounds_cannot_tell(quack_settings):
     assert res.best == {"block": 128} and calls[64] == 10
     q = sorted([0.90, 1.02, 0.955] + [0.90, 1.02] * 3)[1:-1]  # nine rounds: one cut at each end
     assert res.held == pytest.approx((q[-1] - q[0]) / q[len(q) // 2])
+    # nine rounds still spread more than the gain (the H100's clocks under the power cap),
+    # but the challenger is faster by more than the least gain in each of the six fresh
+    # ones: it wins (a sign test); one fresh round the other way and the baseline stays
+    duel = [0.90e-3, 0.985e-3, 0.91e-3, 0.98e-3, 0.93e-3, 0.975e-3]
+    seq[64] = [0.955e-3, 0.90e-3, 1.04e-3, 0.955e-3] + duel
+    res, calls = _held_run(seq, 0.005, duel_rounds=6)
+    assert res.best == {"block": 64} and res.held is None and calls[64] == 10
+    seq[64] = [0.955e-3, 0.90e-3, 1.04e-3, 0.955e-3] + duel[:5] + [1.001e-3]
+    res, _ = _held_run(seq, 0.005, duel_rounds=6)
+    assert res.best == {"block": 128} and res.held > 0.05
     # decided in three rounds (5 % faster, steady): no duel
     steady = {64: [0.95e-3] * 4, 128: [1e-3] * 4, 32: [5e-3]}
     res, calls = _held_run(steady, 0.005, duel_rounds=6)
