@@ -9,32 +9,32 @@ from typing import Any
 from quack.params import plain
 
 
-def _config_value(spec, name: str, params: dict, arch: str, problem: dict | None = None) -> Any:
+def _config_value(spec, name: str, params: dict, arch: str, problems: list[dict] | None = None) -> Any:
     """A ``Config`` parameter as a manifest writes it, or None to leave it out.
 
     Left out when it is the configuration the kernel derives for the other parameters
-    (the tuning table's), at the ``problem`` sizes when given (the GEMM's m, n, k): the
-    manifest then follows the table, as the calls do, instead of pinning today's winner.
-    Otherwise its fields, less the unset (None) ones: TOML has no null, and a field left
-    out of a manifest's inline table takes its default."""
+    (the tuning table's), at each of the ``problems`` sizes when given (the GEMM's m, n,
+    k): the manifest then follows the table, as the calls do, instead of pinning today's
+    winner. Otherwise its fields, less the unset (None) ones: TOML has no null, and a
+    field left out of a manifest's inline table takes its default."""
     p = spec.params[name]
     value = params[name]
     if getattr(p, "derive", None) is not None:
         rest = {k: v for k, v in params.items() if k != name}
         try:
             bound = spec.bind((), rest, arch=arch)
-            if problem:
-                bound = spec.derive_at(bound, problem, arch, (name,))
-            derived = spec.plain(bound)[name]
+            derived = [spec.plain(spec.derive_at(bound, pr, arch, (name,)))[name] for pr in problems or ()]
+            if not problems:
+                derived = [spec.plain(bound)[name]]
         except Exception:  # noqa: BLE001 - the line is for a message: write the value out
-            derived = None
-        if derived == value:
+            derived = [None]
+        if all(d == value for d in derived):
             return None
     defaults = {f.name: f.default for f in dataclasses.fields(p.cls)}
     return {k: v for k, v in value.items() if not (v is None and defaults.get(k) is None)}
 
 
-def entry_params(kernel: str, params: dict, arch: str, problem: dict | None = None) -> dict:
+def entry_params(kernel: str, params: dict, arch: str, problems: list[dict] | None = None) -> dict:
     """The ``params`` table of the manifest entry that builds exactly these (canonical
     or plain) parameters. A manifest's value is a list of values or one scalar or table,
     so a ``Tuple`` parameter's value, an array, is written inside the list of values:
@@ -52,7 +52,7 @@ def entry_params(kernel: str, params: dict, arch: str, problem: dict | None = No
     if spec is not None:
         for name, p in spec.params.items():
             if getattr(p, "kind", None) == "config" and isinstance(out.get(name), dict):
-                v = _config_value(spec, name, out, arch, problem)  # before the arrays are wrapped
+                v = _config_value(spec, name, out, arch, problems)  # before the arrays are wrapped
                 if v is None:
                     del out[name]
                 else:
@@ -61,18 +61,32 @@ def entry_params(kernel: str, params: dict, arch: str, problem: dict | None = No
 
 
 def manifest_entries(configs, problem: dict | None = None) -> dict:
-    """configs: iterable of (kernel, params, arch) -> a manifest document. ``problem``: the
-    sizes of the call (``quack.tuning.at_problem``) for a kernel that declares them: the
-    entry lists them (``problems``) and, where the configuration is the one the table
-    chooses at those sizes, leaves it out (``quack build`` derives it per size)."""
-    out = []
-    for kernel, params, arch in configs:
-        names = _problem_names(kernel) if problem else ()
-        sizes = problem if problem and names and all(d in problem for d in names) else None
+    """configs: iterable of (kernel, params, arch) or (kernel, params, arch, problems) ->
+    a manifest document. ``problem`` (for every config) or ``problems`` (a list of them,
+    per config): the sizes of the calls (``quack.tuning.at_problem``) for a kernel that
+    declares them: the entry lists them (``problems``) and, where the configuration is
+    the one the table chooses at each of those sizes, leaves it out (``quack build``
+    derives it per size). Entries left alike but for their sizes become one."""
+    out: list[dict] = []
+    alike: dict[str, dict] = {}
+    for c in configs:
+        kernel, params, arch = c[0], c[1], c[2]
+        given = c[3] if len(c) > 3 and c[3] else ([problem] if problem else [])
+        names = _problem_names(kernel) if given else ()
+        sizes = [pr for pr in given if names and all(d in pr for d in names)]
         entry: dict = {"name": kernel, "archs": [arch]}
         if sizes:
-            entry["problems"] = [[int(sizes[d]) for d in names]]
+            entry["problems"] = [[int(pr[d]) for d in names] for pr in sizes]
         entry["params"] = entry_params(kernel, params, arch, sizes)
+        if sizes:
+            # one entry for the sizes whose configurations the table chooses (two keys the
+            # table gave two sizes of one kernel were two entries of one size each)
+            ident = repr((kernel, arch, sorted(entry["params"].items())))
+            prev = alike.get(ident)
+            if prev is not None:
+                prev["problems"] += [p for p in entry["problems"] if p not in prev["problems"]]
+                continue
+            alike[ident] = entry
         out.append(entry)
     return {"kernel": out}
 

@@ -27,6 +27,8 @@ _FIELDS: dict[str, type | tuple[type, ...]] = {
     "compiles": int,
     "waits": int,
     "compile_s": _NUMBER,
+    "derived": bool,  # the configuration was the tuning table's choice (quack prewarm)
+    "problems": list,  # a sized kernel's call sizes, most used first (quack prewarm)
 }
 
 
@@ -51,8 +53,13 @@ def _well_formed(r: object) -> bool:
         return False
     for name, types in _FIELDS.items():
         v = r.get(name)
+        if v is None:
+            continue
+        if types is bool:
+            if not isinstance(v, bool):
+                return False
         # bool is an int to isinstance, never a count or a time here
-        if v is not None and (not isinstance(v, types) or isinstance(v, bool)):
+        elif not isinstance(v, types) or isinstance(v, bool):
             return False
     return True
 

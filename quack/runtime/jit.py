@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from quack import registry
 from quack.errors import CacheError, CompileError, CompileTimeout, EntryVanished
 from quack.runtime import generation
-from quack.runtime.loaded import Loaded, load
+from quack.runtime.loaded import Loaded, load, note_sizes
 
 # Importing a kernel module runs only @jit_cache, which needs the registry; the settings,
 # the store, the loader, the tier chain and the journal are imported on the first call
@@ -139,7 +139,11 @@ class JitKernel:
             return self._memoize(args, kwargs, loaded)
 
     def _memoize(self, args, kwargs, loaded: Loaded):
-        """Remember this spelling of the arguments for the hot path; caller holds the lock."""
+        """Remember this spelling of the arguments for the hot path; caller holds the lock.
+        Once a spelling (not on the hot path): whether it asked for the configuration the
+        tuning table chooses, for the usage journal."""
+        if self.spec.derived_params and not loaded.derived:
+            loaded.derived = self._is_table_choice(loaded)
         try:
             self._memo[
                 (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
@@ -147,6 +151,22 @@ class JitKernel:
         except TypeError:
             pass  # unhashable argument spelling: still correct, just the slow path
         return loaded.fn
+
+    def _is_table_choice(self, loaded: Loaded) -> bool:
+        """Is ``loaded``'s configuration the one the tuning table (or the heuristic) chooses
+        for its other parameters, at the call's problem sizes? A torch-facing op derives it
+        and passes it in (``rmsnorm_fwd``, ``gemm``); quack tune's candidates
+        (``use_config``) and a configuration a caller spelled out are not. quack prewarm
+        builds the table's choice of its own day for the first kind, after a re-tune too,
+        and the configuration as used for the second."""
+        try:
+            from quack.tuning.problem import current_problem
+
+            names = self.spec.derived_params
+            at = self.spec.derive_at(loaded.params, current_problem() or {}, loaded.arch, names)
+            return all(self.spec.encode({n: at[n]}) == self.spec.encode({n: loaded.params[n]}) for n in names)
+        except Exception:  # noqa: BLE001 - a journal note must never fail a call
+            return False
 
     # A configuration that failed to compile fails the same way until its source changes:
     # compiling it again on every call (minutes for a large kernel) tells nothing new. So
@@ -267,7 +287,53 @@ class JitKernel:
                     "wait_s": round(ld.wait_s, 4),
                 }
             )
+            if self.spec.derived_params:
+                out[-1]["derived"] = ld.derived
+            if ld.sizes:
+                out[-1]["problems"] = [list(t) for t, _ in sorted(ld.sizes.items(), key=lambda tc: -tc[1])]
         return out
+
+
+class SizedJitKernel(JitKernel):
+    """A kernel that declares problem sizes (``jit_cache(problem=...)``: the GEMM's m, n, k,
+    which its parameters do not carry): each call also counts, against the key it resolved
+    to, the sizes ``quack.tuning.at_problem`` set, for the usage journal. Without them
+    quack prewarm could only rebuild a GEMM's configuration pinned, which a re-tune leaves
+    behind, and ``--emit-manifest`` wrote it pinned. Its own hot path: calling
+    JitKernel.__call__ would add a frame, and the warnings' stack levels count frames."""
+
+    def __init__(self, spec):
+        # imported here, not at the top: quack.tuning (its tables) is ~8 ms that a process
+        # whose kernels declare no sizes never needs (issue 15)
+        from quack.tuning.problem import current_problem
+
+        super().__init__(spec)
+        self._problem = current_problem
+
+    def __call__(self, *args, **kwargs):
+        try:
+            hit = (
+                self._memo[
+                    (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
+                ]
+                if self._gen == generation.value
+                else None
+            )
+        except (KeyError, TypeError):
+            hit = None
+        if hit is not None:
+            hit.hits += 1
+            sizes = self._problem()
+            if sizes is not None:
+                note_sizes(hit, sizes, self.spec.problem)
+            return hit.fn
+        return self._slow(args, kwargs)
+
+    def _memoize(self, args, kwargs, loaded: Loaded):
+        sizes = self._problem()
+        if sizes is not None:
+            note_sizes(loaded, sizes, self.spec.problem)
+        return super()._memoize(args, kwargs, loaded)
 
 
 def remembered(err: CompileError | CompileTimeout) -> bool:
@@ -316,7 +382,7 @@ def jit_cache(
             bench=bench,
             problem=problem,
         )
-        return JitKernel(spec)
+        return SizedJitKernel(spec) if spec.problem else JitKernel(spec)
 
     return deco
 

@@ -26,6 +26,8 @@ class Loaded:
         "tier",
         "waits",
         "wait_s",
+        "derived",
+        "sizes",
     )
 
     def __init__(self, fn, module, key, params, arch, how, tier="cache"):
@@ -36,6 +38,34 @@ class Loaded:
         # A miss another process (or worker) was already compiling: waited for, not compiled.
         self.waits = 0
         self.wait_s = 0.0
+        # A call asked for the configuration the tuning table chooses (JitKernel._memoize):
+        # quack prewarm then builds the table's choice of its day, not this one, pinned.
+        self.derived = False
+        # The problem sizes of its calls (quack.tuning.at_problem) -> calls, for a kernel that
+        # declares them (the GEMM's m, n, k): note_sizes, at most MAX_SIZES of them.
+        self.sizes: dict[tuple[int, ...], int] | None = None
+
+
+# A server calling the GEMM at every sequence length would grow this without end; the
+# journal and quack prewarm need the sizes used most, which come first.
+MAX_SIZES = 64
+
+
+def note_sizes(ld: Loaded, sizes: dict, names: tuple[str, ...]) -> None:
+    """Count one call of ``ld`` at ``sizes`` (``at_problem``'s dict; ``names`` its kernel's
+    ``problem`` order). A size past the first MAX_SIZES is not kept; one that is not a set
+    of ints naming every size is ignored (a journal note must never fail a call)."""
+    try:
+        t = tuple(int(sizes[n]) for n in names)
+    except (KeyError, TypeError, ValueError):
+        return
+    d = ld.sizes
+    if d is None:
+        d = ld.sizes = {}
+    if t in d:
+        d[t] += 1
+    elif len(d) < MAX_SIZES:
+        d[t] = 1
 
 
 def load(store, entry, params, key, arch, *, miss: bool) -> Loaded:

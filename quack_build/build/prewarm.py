@@ -17,7 +17,11 @@ from quack_build.manifest.config import BuildConfig
 
 
 def usage(records: list[dict]) -> list[dict]:
-    """Aggregate journal records per (kernel, arch, params): uses, last seen."""
+    """Aggregate journal records per (kernel, arch, params): uses, last seen, whether a
+    call asked for the tuning table's configuration (``derived``) and a sized kernel's
+    call sizes (``problems``, most used first, at most MAX_SIZES)."""
+    from quack.runtime.loaded import MAX_SIZES
+
     agg: dict[tuple, dict] = {}
     for r in records:
         kernel, arch, params = r.get("kernel"), r.get("arch"), r.get("params")
@@ -27,7 +31,17 @@ def usage(records: list[dict]) -> list[dict]:
             continue  # a `quack build` compile, not a use
         ident = (kernel, arch, repr(sorted(params.items())))
         a = agg.setdefault(
-            ident, {"kernel": kernel, "arch": arch, "params": params, "uses": 0, "compiles": 0, "last": 0.0}
+            ident,
+            {
+                "kernel": kernel,
+                "arch": arch,
+                "params": params,
+                "uses": 0,
+                "compiles": 0,
+                "last": 0.0,
+                "derived": False,
+                "problems": [],
+            },
         )
         for f in ("hits", "misses"):
             v = r.get(f, 0)
@@ -35,31 +49,73 @@ def usage(records: list[dict]) -> list[dict]:
         a["compiles"] += r.get("compiles", 0) if isinstance(r.get("compiles"), int) else 0
         t = r.get("t", 0.0)
         a["last"] = max(a["last"], t if isinstance(t, (int, float)) else 0.0)
+        a["derived"] = a["derived"] or r.get("derived") is True
+        for size in r.get("problems") or ():
+            # a hand-edited or foreign journal: only lists of ints are sizes
+            ok = isinstance(size, list) and size and all(type(v) is int and v >= 0 for v in size)
+            if ok and size not in a["problems"] and len(a["problems"]) < MAX_SIZES:
+                a["problems"].append(size)
     return sorted(agg.values(), key=lambda a: (-a["uses"], -a["last"]))
 
 
+def _as_used(spec, u: dict, bound: dict) -> list[tuple[dict, tuple]]:
+    """(params, sizes) to build for one journal aggregate: the configuration as used; or,
+    where the calls asked for the tuning table's choice (``derived``), the table's choice
+    of today (a re-tune since then changed the row: the next run asks for the new one),
+    per recorded size for a sized kernel (the GEMM's m, n, k; ``sizes`` the
+    (name, value) pairs). A sized kernel's record without sizes (a journal from before
+    they were kept) builds the configuration as used."""
+    names = list(spec.derived_params)
+    if not (u.get("derived") and names):
+        return [(bound, ())]
+    if spec.problem:
+        sizes = [tuple(zip(spec.problem, p)) for p in u.get("problems", ()) if len(p) == len(spec.problem)]
+        if not sizes:
+            return [(bound, ())]
+    else:
+        sizes = [()]
+    out = []
+    for sz in sizes:
+        at = spec.derive_at(bound, dict(sz), u["arch"], names)
+        out.append((spec.bind((), dict(u["params"], **{n: at[n] for n in names}), arch=u["arch"]), sz))
+    return out
+
+
 def configs_from_usage(used: list[dict]) -> tuple[list[BuildConfig], list[str]]:
-    out, skipped = [], []
-    seen = set()
+    out: dict[str, tuple] = {}  # key -> (spec, params, arch, [sizes that chose it])
+    skipped = []
     for u in used:
+        if u["arch"] not in KNOWN_ARCHS:
+            skipped.append(f"{u['kernel']}: unknown arch {u['arch']!r}")
+            continue
         try:
             spec = registry.get(u["kernel"])
             bound = spec.bind((), u["params"])
+            chosen = _as_used(spec, u, bound)
         except UnknownKernel:
             skipped.append(f"{u['kernel']}: no longer registered")
             continue
         except ParamError as e:
             skipped.append(f"{u['kernel']} {u['params']}: parameters no longer valid ({e})")
             continue
-        if u["arch"] not in KNOWN_ARCHS:
-            skipped.append(f"{u['kernel']}: unknown arch {u['arch']!r}")
-            continue
-        key = spec.key(bound, u["arch"])
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(BuildConfig(spec.name, bound, u["arch"], key, "journal", spec))
-    return out, skipped
+        for params, sz in chosen:
+            sizes = out.setdefault(spec.key(params, u["arch"]), (spec, params, u["arch"], []))[3]
+            if sz and sz not in sizes:  # the sizes whose table choice this is
+                sizes.append(sz)
+    configs = [
+        BuildConfig(
+            spec.name,
+            params,
+            arch,
+            key,
+            "journal",
+            spec,
+            tuple(sizes),
+            tuple("x".join(str(v) for _, v in sz) for sz in sizes),
+        )
+        for key, (spec, params, arch, sizes) in out.items()
+    ]
+    return configs, skipped
 
 
 def emit(path: Path, configs: list[BuildConfig]) -> None:
@@ -71,7 +127,7 @@ def emit(path: Path, configs: list[BuildConfig]) -> None:
 
     from quack.manifest_line import manifest_entries
 
-    doc = manifest_entries((c.kernel, c.params, c.arch) for c in configs)
+    doc = manifest_entries((c.kernel, c.params, c.arch, [dict(p) for p in c.problems]) for c in configs)
     text = (
         "# Written by `quack prewarm --emit-manifest`: the configurations used recently,\n"
         "# most used first. Build with: quack build " + str(path) + "\n" + tomli_w.dumps(doc)
