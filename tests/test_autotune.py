@@ -248,3 +248,39 @@ def test_paired_spread_needs_three_rounds_in_common():
     assert paired_spread([1.0, 1.0], [0.9, 0.9]) is None
     assert paired_spread([1.0, 1.0, 1.0], [0.9, 0.9]) is None
     assert paired_spread(None, [0.9, 0.9, 0.9]) is None
+
+
+def test_the_duel_runs_each_candidates_own_kernel_after_one_dropped_out(quack_settings):
+    """A candidate measured before the two that failed on its re-run is dropped from the
+    times; the duel then ran the kernel one place off (its list of kernels was not
+    filtered alike): the baseline's rounds timed another candidate."""
+    seq = {
+        32: [0.5e-3],  # fastest at first, then fails on its re-run: out of the race
+        64: [0.955e-3, 0.90e-3, 1.02e-3, 0.955e-3] + [0.955e-3] * 6,
+        128: [1e-3] * 10,
+        256: [5e-3],
+    }
+    calls: dict = {}
+    ran: list = []
+
+    def bench(fn, cfg):
+        b = cfg["block"]
+        ran.append((fn, b))
+        i = calls.get(b, 0)
+        calls[b] = i + 1
+        if b == 32 and i:
+            raise RuntimeError("launch failed")
+        return seq[b][min(i, len(seq[b]) - 1)]
+
+    res = autotune(
+        lambda block: f"kernel of block {block}",
+        [{"block": b} for b in (32, 64, 128, 256)],
+        bench,
+        rounds=3,
+        baseline={"block": 128},
+        hold=0.005,
+        duel_rounds=6,
+    )
+    assert all(fn == f"kernel of block {b}" for fn, b in ran), ran
+    assert res.best == {"block": 64} and calls[64] == calls[128] == 10
+    assert any("re-measure" in e for _, e in res.errors)

@@ -347,6 +347,7 @@ def _remeasure(
             samples_out[i] = samples[i][1:]
     keep = [i for i, ct in enumerate(times) if ct[1] != float("inf")]
     times[:] = [times[i] for i in keep]
+    fns[:] = [fns[i] for i in keep]  # beside times: the duel runs fns[i] for times[i]
     if spreads is not None:
         spreads[:] = [spreads[i] for i in keep]
     if samples_out is not None:
