@@ -231,7 +231,8 @@ def autotune(
                 a, b = sa[n0:], sb[n0:]  # _duel appends to these very lists
                 swept = len(a) == len(b) == duel_rounds and all(y < x * (1 - hold) for x, y in zip(a, b))
             best = times[i_best]
-            if gain() <= noise() and not swept:
+            # (swept, and still faster over all its rounds: the median of all decides the time)
+            if not (gain() > noise() or (swept and gain() > hold)):
                 best, held = times[i_base], noise()
     return TuneResult(
         best[0] if best else None,
