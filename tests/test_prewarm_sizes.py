@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 
 from quack import settings
 from quack.cache import journal
+from quack.runtime import generation
 from quack.runtime.jit import SizedJitKernel, kernel
 from quack.runtime.loaded import MAX_SIZES, Loaded
 from quack.tuning import at_problem
@@ -42,6 +43,9 @@ def fake():
         params = k.spec.bind((), {"dtype": "bfloat16", "config": config})
         ld = Loaded(lambda *a: None, None, f"key-{len(planted)}", params, "sm_90a", "planted")
         with k._lock:
+            # settings installed anew by an earlier test on this worker bumped the generation:
+            # the first call would clear what is planted here (CI: a KernelNotPrebuilt)
+            k._gen = generation.value
             k._by_key[ld.key] = ld
         planted.append(ld)
         return ld
