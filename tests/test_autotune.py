@@ -214,6 +214,7 @@ def test_autotune_hold_duels_when_three_rounds_cannot_tell(quack_settings):
     seq[64] = noisy + [0.90e-3, 1.02e-3] * 3
     res, calls = _held_run(seq, 0.005, duel_rounds=6)
     assert res.best == {"block": 128} and calls[64] == 10
+    assert res.held_back == {"block": 64} and res.compared == 9  # three rounds and the duel's six
     q = sorted([0.90, 1.02, 0.955] + [0.90, 1.02] * 3)[1:-1]  # nine rounds: one cut at each end
     assert res.held == pytest.approx((q[-1] - q[0]) / q[len(q) // 2])
     # nine rounds still spread more than the gain (the H100's clocks under the power cap),
@@ -230,6 +231,7 @@ def test_autotune_hold_duels_when_three_rounds_cannot_tell(quack_settings):
     steady = {64: [0.95e-3] * 4, 128: [1e-3] * 4, 32: [5e-3]}
     res, calls = _held_run(steady, 0.005, duel_rounds=6)
     assert res.best == {"block": 64} and calls[64] == calls[128] == 4
+    assert res.held_back is None and res.compared == 3
     # inside the least gain asked for: no duel either (more rounds cannot make it a gain)
     small = {64: [0.997e-3] * 4, 128: [1e-3] * 4, 32: [5e-3]}
     res, calls = _held_run(small, 0.005, duel_rounds=6)

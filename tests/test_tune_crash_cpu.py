@@ -208,3 +208,8 @@ def test_the_final_table_says_when_the_old_winner_was_held_on_noise():
         "held: gemm(...) sm_90a 8192x28672x8192: keeps A; B measured 0.98 % faster, inside the noise (2.31 %)"
         in (out.getvalue())
     )
+    # with the rounds it was compared in (a duel's included)
+    out = io.StringIO()
+    entry["held"] = dict(faster="B", gain=0.0556, noise=0.0907, rounds=9)
+    _print_table(Console(file=out, width=300), [entry])
+    assert "B measured 5.56 % faster, inside the noise (9.07 % over 9 rounds)" in out.getvalue()

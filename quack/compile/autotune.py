@@ -47,6 +47,8 @@ class TuneResult:
     refused: list[tuple[dict, str]] = dataclasses.field(default_factory=list)  # wrong results
     remeasured: int = 0  # candidates measured again as close calls
     held: float | None = None  # ``hold``: the baseline kept, the faster one inside this noise
+    held_back: dict | None = None  # ... and that faster one (the challenger the hold kept out)
+    compared: int = 0  # the rounds the baseline and the fastest were compared in (with a duel's)
 
     def table(self) -> str:
         rows = [f"{t * 1e6:10.1f} us  {c}" for c, t in sorted(self.times, key=lambda ct: ct[1])]
@@ -200,7 +202,8 @@ def autotune(
         times, fns, bench, close, rounds, errors, confirm, baseline, spreads, deadline, samples
     )
     best = min(times, key=lambda ct: ct[1]) if times else None
-    held = None
+    held = held_back = None
+    compared = 0
     if hold is not None and best is not None and baseline is not None and best[0] != baseline:
         i_base = next((i for i, (cfg, _) in enumerate(times) if cfg == baseline), None)
         if i_base is not None:
@@ -231,8 +234,10 @@ def autotune(
                 a, b = sa[n0:], sb[n0:]  # _duel appends to these very lists
                 swept = len(a) == len(b) == duel_rounds and all(y < x * (1 - hold) for x, y in zip(a, b))
             best = times[i_best]
+            compared = len(sa) if sa and sb and len(sa) == len(sb) else 0
             # (swept, and still faster over all its rounds: the median of all decides the time)
             if not (gain() > noise() or (swept and gain() > hold)):
+                held_back = times[i_best][0]
                 best, held = times[i_base], noise()
     return TuneResult(
         best[0] if best else None,
@@ -244,6 +249,8 @@ def autotune(
         refused,
         remeasured,
         held,
+        held_back,
+        compared,
     )
 
 

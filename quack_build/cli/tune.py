@@ -350,6 +350,7 @@ def _print_table(con, results) -> None:
             h = r["held"]
             con.print(
                 f"held: {r['problem']}: keeps {r['old']}; {h['faster']} measured "
-                f"{h['gain'] * 100:.2f} % faster, inside the noise ({h['noise'] * 100:.2f} %)",
+                f"{h['gain'] * 100:.2f} % faster, inside the noise ({h['noise'] * 100:.2f} %"
+                f"{f' over {rounds} rounds' if (rounds := h.get('rounds')) else ''})",
                 markup=False,
             )

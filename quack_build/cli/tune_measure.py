@@ -220,11 +220,16 @@ def measure_and_write(
                 written=False,
             )
             if res.held is not None:
-                fast_cfg, fast_t = min(res.times, key=lambda ct: ct[1])
+                # the challenger the hold kept out (after a duel not always the fastest of the
+                # times: its rounds re-timed it), else the fastest
+                fast_cfg, fast_t = next(
+                    (ct for ct in res.times if ct[0] == res.held_back), min(res.times, key=lambda ct: ct[1])
+                )
                 entry["held"] = dict(
                     faster=fast_cfg["config"].label(),
                     gain=1 - fast_t / old_t if old_t else 0.0,
                     noise=res.held,
+                    rounds=res.compared,
                 )
             if new is None:
                 entry["kept"] = current.label()
