@@ -209,6 +209,10 @@ def test_prewarm_builds_the_tables_choice_at_each_size_and_emits_the_sizes(gemm_
     assert sized[0]["problems"] == [list(big), list(small)]  # two keys, one entry
     pinned = [e["params"]["config"] for e in kernels if "problems" not in e]
     assert sorted(c.get("cluster_m", 1) + 2 * c.get("cluster_n", 1) for c in pinned) == [4, 5]  # as used
+    # the dry run's lines say which sizes chose each configuration
+    r = runner.invoke(app, ["prewarm", "--since", "30d", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "  for 8192x4096x4096\n" in r.output and "  for 1000x1048x776\n" in r.output, r.output
     # building it builds exactly the keys prewarm would
     assert {c.key for c in entries} == {k["key"] for k in res["keys"]}
 

@@ -225,7 +225,9 @@ def prewarm(
                     if t.corrupt
                     else ""
                 )
-                console.print(f"rebuild  {t.cfg.label()}{bad}", markup=False, soft_wrap=True)
+                # the sizes whose tuned configuration this is (as quack build --dry-run says it)
+                at = f"  for {', '.join(t.cfg.sizes)}" if t.cfg.sizes else ""
+                console.print(f"rebuild  {t.cfg.label()}{at}{bad}", markup=False, soft_wrap=True)
             console.print(
                 f"prewarm: {len(records)} journal records, {len(configs)} configurations used, "
                 f"{len(tasks) - len(todo)} cached, {len(todo)} to rebuild"
