@@ -36,7 +36,7 @@ def test_a_claim_is_the_key_lock_and_excludes_every_other_holder(cache_dir):
         assert store.claim(ref) is None  # a second open file: refused, not queued
         with pytest.raises(LockTimeout):  # the same flock as Store.lock (filelock)
             with store.lock(ref, timeout=0.2):
-                pass
+                raise AssertionError("Store.lock was granted while a claim held the key")
     finally:
         os.close(fd)
     assert not external.lock_held(lock)

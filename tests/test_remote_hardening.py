@@ -543,7 +543,7 @@ def test_pull_counts_a_local_write_failure_as_a_failure(fake_refs, tmp_path, mon
 
     class FullFile:
         def __init__(self, *a, **kw):
-            pass
+            """Takes the temp file's arguments; opens nothing: every write fails as a full disk."""
 
         def __enter__(self):
             return self
