@@ -139,11 +139,7 @@ class JitKernel:
             return self._memoize(args, kwargs, loaded)
 
     def _memoize(self, args, kwargs, loaded: Loaded):
-        """Remember this spelling of the arguments for the hot path; caller holds the lock.
-        Once a spelling (not on the hot path): whether it asked for the configuration the
-        tuning table chooses, for the usage journal."""
-        if self.spec.derived_params and not loaded.derived:
-            loaded.derived = self._is_table_choice(loaded)
+        """Remember this spelling of the arguments for the hot path; caller holds the lock."""
         try:
             self._memo[
                 (args, tuple(map(type, args)), tuple(kwargs.items()), tuple(map(type, kwargs.values())))
@@ -151,22 +147,6 @@ class JitKernel:
         except TypeError:
             pass  # unhashable argument spelling: still correct, just the slow path
         return loaded.fn
-
-    def _is_table_choice(self, loaded: Loaded) -> bool:
-        """Is ``loaded``'s configuration the one the tuning table (or the heuristic) chooses
-        for its other parameters, at the call's problem sizes? A torch-facing op derives it
-        and passes it in (``rmsnorm_fwd``, ``gemm``); quack tune's candidates
-        (``use_config``) and a configuration a caller spelled out are not. quack prewarm
-        builds the table's choice of its own day for the first kind, after a re-tune too,
-        and the configuration as used for the second."""
-        try:
-            from quack.tuning.problem import current_problem
-
-            names = self.spec.derived_params
-            at = self.spec.derive_at(loaded.params, current_problem() or {}, loaded.arch, names)
-            return all(self.spec.encode({n: at[n]}) == self.spec.encode({n: loaded.params[n]}) for n in names)
-        except Exception:  # noqa: BLE001 - a journal note must never fail a call
-            return False
 
     # A configuration that failed to compile fails the same way until its source changes:
     # compiling it again on every call (minutes for a large kernel) tells nothing new. So
@@ -288,10 +268,33 @@ class JitKernel:
                 }
             )
             if self.spec.derived_params:
-                out[-1]["derived"] = ld.derived
+                out[-1]["derived"] = self._is_table_choice(ld)
             if ld.sizes:
                 out[-1]["problems"] = [list(t) for t, _ in sorted(ld.sizes.items(), key=lambda tc: -tc[1])]
         return out
+
+    def _is_table_choice(self, ld: Loaded) -> bool:
+        """Is ``ld``'s configuration the one the tuning table (or the heuristic) chooses for
+        its other parameters, at one of its calls' problem sizes? A torch-facing op derives
+        it and passes it in (``rmsnorm_fwd``, ``gemm``); quack tune's candidates
+        (``use_config``) and a configuration a caller spelled out are not. quack prewarm
+        builds the table's choice of its own day for the first kind (after a re-tune too),
+        the configuration as used for the second. Asked when the journal is written, not
+        on a call: state the key and its sizes already hold."""
+        import warnings
+
+        names = self.spec.derived_params
+        want = self.spec.encode({n: ld.params[n] for n in names})
+        try:
+            with warnings.catch_warnings():  # the table's "no rows for this GPU" was the calls' to say
+                warnings.simplefilter("ignore")
+                for sizes in [dict(zip(self.spec.problem, t)) for t in ld.sizes or ()] or [{}]:
+                    at = self.spec.derive_at(ld.params, sizes, ld.arch, names)
+                    if self.spec.encode({n: at[n] for n in names}) == want:
+                        return True
+        except Exception:  # noqa: BLE001 - a journal note must never fail the process's exit
+            return False
+        return False
 
 
 class SizedJitKernel(JitKernel):

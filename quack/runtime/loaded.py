@@ -26,7 +26,6 @@ class Loaded:
         "tier",
         "waits",
         "wait_s",
-        "derived",
         "sizes",
     )
 
@@ -38,9 +37,6 @@ class Loaded:
         # A miss another process (or worker) was already compiling: waited for, not compiled.
         self.waits = 0
         self.wait_s = 0.0
-        # A call asked for the configuration the tuning table chooses (JitKernel._memoize):
-        # quack prewarm then builds the table's choice of its day, not this one, pinned.
-        self.derived = False
         # The problem sizes of its calls (quack.tuning.at_problem) -> calls, for a kernel that
         # declares them (the GEMM's m, n, k): note_sizes, at most MAX_SIZES of them.
         self.sizes: dict[tuple[int, ...], int] | None = None
