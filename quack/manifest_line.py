@@ -60,18 +60,17 @@ def entry_params(kernel: str, params: dict, arch: str, problems: list[dict] | No
     return {k: [list(v)] if isinstance(v, (list, tuple)) else v for k, v in out.items()}
 
 
-def manifest_entries(configs, problem: dict | None = None) -> dict:
+def manifest_entries(configs) -> dict:
     """configs: iterable of (kernel, params, arch) or (kernel, params, arch, problems) ->
-    a manifest document. ``problem`` (for every config) or ``problems`` (a list of them,
-    per config): the sizes of the calls (``quack.tuning.at_problem``) for a kernel that
-    declares them: the entry lists them (``problems``) and, where the configuration is
-    the one the table chooses at each of those sizes, leaves it out (``quack build``
-    derives it per size). Entries left alike but for their sizes become one."""
+    a manifest document. ``problems``: the sizes of the calls (``quack.tuning.at_problem``
+    dicts) for a kernel that declares them: the entry lists them (``problems``) and, where
+    the configuration is the one the table chooses at each of those sizes, leaves it out
+    (``quack build`` derives it per size). Entries left alike but for their sizes become one."""
     out: list[dict] = []
     alike: dict[str, dict] = {}
     for c in configs:
         kernel, params, arch = c[0], c[1], c[2]
-        given = c[3] if len(c) > 3 and c[3] else ([problem] if problem else [])
+        given = c[3] if len(c) > 3 else []
         names = _problem_names(kernel) if given else ()
         sizes = [pr for pr in given if names and all(d in pr for d in names)]
         entry: dict = {"name": kernel, "archs": [arch]}
@@ -103,4 +102,4 @@ def _problem_names(kernel: str) -> tuple:
 def manifest_line(kernel: str, params: dict, arch: str, problem: dict | None = None) -> str:
     import tomli_w
 
-    return tomli_w.dumps(manifest_entries([(kernel, params, arch)], problem)).strip()
+    return tomli_w.dumps(manifest_entries([(kernel, params, arch, [problem] if problem else [])])).strip()

@@ -130,6 +130,21 @@ class KernelSpec:
                 raise ParamError(f"{self.name}: default {n}: {e}", kernel=self.name, param=n) from None
         return out
 
+    def bind_at(
+        self,
+        given: dict[str, Any],
+        bound: dict[str, Any],
+        sizes: dict[str, int],
+        arch: str,
+        names: Iterable[str],
+    ) -> dict[str, Any]:
+        """``given`` (a manifest entry's or a journal record's parameters, ``bound`` their
+        binding) bound again with the derived parameters ``names`` chosen at ``sizes``
+        (``derive_at``): the kernel's rules check the chosen values. Raises ParamError."""
+        names = tuple(names)
+        at = self.derive_at(bound, sizes, arch, names)
+        return self.bind((), dict(given, **{n: at[n] for n in names}), arch=arch)
+
     def check_arch(self, params: dict[str, Any], arch: str) -> None:
         """Apply the rules naming ``arch`` to bound ``params`` for target ``arch`` (manifest
         expansion, once per arch; every run-time call): an SM90-only kernel listed for

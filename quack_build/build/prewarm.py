@@ -74,11 +74,7 @@ def _as_used(spec, u: dict, bound: dict) -> list[tuple[dict, tuple]]:
             return [(bound, ())]
     else:
         sizes = [()]
-    out = []
-    for sz in sizes:
-        at = spec.derive_at(bound, dict(sz), u["arch"], names)
-        out.append((spec.bind((), dict(u["params"], **{n: at[n] for n in names}), arch=u["arch"]), sz))
-    return out
+    return [(spec.bind_at(u["params"], bound, dict(sz), u["arch"], names), sz) for sz in sizes]
 
 
 def configs_from_usage(used: list[dict]) -> tuple[list[BuildConfig], list[str]]:

@@ -95,8 +95,7 @@ def _at_sizes(
     the kernel's rules check them."""
     out: dict[str, tuple[dict, list[str]]] = {}
     for sizes in t.problems:
-        at = t.spec.derive_at(bound, dict(sizes), arch, names)
-        b = t.spec.bind((), dict(combo, **{n: at[n] for n in names}), arch=arch)
+        b = t.spec.bind_at(combo, bound, dict(sizes), arch, names)
         out.setdefault(t.spec.key(b, arch), (b, []))[1].append("x".join(str(v) for _, v in sizes))
     return [(b, key, tuple(label)) for key, (b, label) in out.items()]
 
