@@ -196,11 +196,8 @@ def autotune(
                         note("error", cfg, "budget spent")
                     break
                 gen = p.wait_change(gen, 0.5)
-    spreads: list[float | None] = []
     samples: list[list[float] | None] = []
-    remeasured = _remeasure(
-        times, fns, bench, close, rounds, errors, confirm, baseline, spreads, deadline, samples
-    )
+    remeasured = _remeasure(times, fns, bench, close, rounds, errors, confirm, baseline, deadline, samples)
     best = min(times, key=lambda ct: ct[1]) if times else None
     held = held_back = None
     compared = 0
@@ -211,8 +208,8 @@ def autotune(
 
             def noise() -> float:
                 paired = paired_spread(samples[i_base], samples[i_best])
-                if paired is None:  # no rounds in common: each one's own spread
-                    paired = max(spreads[i_base] or 0.0, spreads[i_best] or 0.0)
+                if paired is None:  # too few rounds in common: each one's own spread
+                    paired = max(_spread(samples[i_base]), _spread(samples[i_best]))
                 return max(hold, paired)
 
             def gain() -> float:
@@ -274,6 +271,13 @@ def paired_spread(a: list[float] | None, b: list[float] | None) -> float | None:
     return (q[-1] - q[0]) / statistics.median(q)
 
 
+def _spread(rounds: list[float] | None) -> float:
+    """(max - min) / median of a candidate's re-measured rounds; 0 with fewer than two."""
+    if not rounds or len(rounds) < 2:
+        return 0.0
+    return (max(rounds) - min(rounds)) / statistics.median(rounds)
+
+
 def _duel(times, fns, bench, samples, i_a, i_b, rounds, deadline) -> int:
     """``rounds`` more rounds of candidates ``i_a`` and ``i_b`` alone (the order alternating),
     appended to their ``samples``; their ``times`` become the median of their first time and
@@ -305,22 +309,19 @@ def _remeasure(
     errors,
     confirm=0,
     baseline=None,
-    spreads=None,
     deadline=None,
     samples_out=None,
 ) -> int:
     """Measure again, ``rounds`` interleaved rounds (rotated order: none always runs first
     after a cold GPU), the candidates within ``close`` of the best, the ``confirm`` fastest
     and ``baseline``; replace each time with the median of its first time and its rounds.
-    Returns how many were re-measured; fills ``spreads`` (beside ``times``) with each
-    re-measured candidate's (max - min) / median over its rounds (not its first time, taken
-    while the pool compiled: _remeasure's reason), None for the others, and ``samples_out``
-    with its rounds' times (``paired_spread`` compares two of them round by round). Why the fastest even when far apart: on the H200 a
+    Returns how many were re-measured; fills ``samples_out`` (beside ``times``) with each
+    re-measured candidate's rounds' times (not its first time, taken while the pool
+    compiled: _remeasure's reason), None for the others (``paired_spread`` compares two of
+    them round by round). Why the fastest even when far apart: on the H200 a
     first measurement taken while the compile pool loaded every core came out 1.6x off
     either way (90 us and 144 us for two ~120 us kernels), and the old rule re-measured
     nothing when no other candidate was within ``close`` of such an outlier."""
-    if spreads is not None:
-        spreads[:] = [None] * len(times)
     if samples_out is not None:
         samples_out[:] = [None] * len(times)
     if not times or rounds == 0:
@@ -348,16 +349,11 @@ def _remeasure(
                 errors.append((times[i][0], f"benchmark (re-measure): {_first_line(e)}"))
     for i in idx:
         times[i] = (times[i][0], float("inf") if i in dead else statistics.median(samples[i]))
-        if spreads is not None and i not in dead and len(samples[i]) > 2:
-            rs = samples[i][1:]
-            spreads[i] = (max(rs) - min(rs)) / statistics.median(rs)
         if samples_out is not None and i not in dead:
             samples_out[i] = samples[i][1:]
     keep = [i for i, ct in enumerate(times) if ct[1] != float("inf")]
     times[:] = [times[i] for i in keep]
     fns[:] = [fns[i] for i in keep]  # beside times: the duel runs fns[i] for times[i]
-    if spreads is not None:
-        spreads[:] = [spreads[i] for i in keep]
     if samples_out is not None:
         samples_out[:] = [samples_out[i] for i in keep]
     return len(idx)
