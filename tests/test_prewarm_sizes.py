@@ -140,6 +140,10 @@ def gemm_proj(tmp_path, monkeypatch):
     monkeypatch.setenv("QUACK_CACHE_DIR", str(cache))
     monkeypatch.setenv("QUACK_TUNE_GPU", "H200")  # the table's rows for one model, whatever runs this
     saved = settings.installed()
+    # Resolved again from this environment at the next get(): settings an earlier test left
+    # installed would give _table_choice the rows of the GPU NVML names (an H100's, session
+    # 24 on the H100) while the CLI under test reads QUACK_TUNE_GPU (the H200's).
+    settings.set_current(None)
     yield d, cache
     settings.set_current(saved)
 

@@ -213,3 +213,10 @@ def test_the_final_table_says_when_the_old_winner_was_held_on_noise():
     entry["held"] = dict(faster="B", gain=0.0556, noise=0.0907, rounds=9)
     _print_table(Console(file=out, width=300), [entry])
     assert "B measured 5.56 % faster, inside the noise (9.07 % over 9 rounds)" in out.getvalue()
+    # fastest in the first rounds, slower over all of them once the duel's were added
+    out = io.StringIO()
+    entry["held"] = dict(faster="B", gain=-0.0344, noise=0.1291, rounds=9)
+    _print_table(Console(file=out, width=300), [entry])
+    said = out.getvalue()
+    assert "B the fastest at first, measured 3.44 % slower over 9 rounds (noise 12.91 %)" in said
+    assert "-3.44" not in said
