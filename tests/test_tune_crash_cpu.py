@@ -220,3 +220,8 @@ def test_the_final_table_says_when_the_old_winner_was_held_on_noise():
     said = out.getvalue()
     assert "B the fastest at first, measured 3.44 % slower over 9 rounds (noise 12.91 %)" in said
     assert "-3.44" not in said
+    # and the next fastest dueled it too
+    out = io.StringIO()
+    entry["held"] = dict(faster="B", gain=-0.0344, noise=0.1291, rounds=9, dueled=3)
+    _print_table(Console(file=out, width=300), [entry])
+    assert "(noise 12.91 %); 2 more contenders dueled it, none faster in every round" in out.getvalue()

@@ -358,4 +358,8 @@ def _print_table(con, results) -> None:
                     f"the fastest at first, measured {-h['gain'] * 100:.2f} % slower{over} "
                     f"(noise {h['noise'] * 100:.2f} %)"
                 )
+            if (dueled := h.get("dueled", 0)) > 1:
+                why += (
+                    f"; {dueled - 1} more contender{'s' * (dueled > 2)} dueled it, none faster in every round"
+                )
             con.print(f"held: {r['problem']}: keeps {r['old']}; {h['faster']} {why}", markup=False)

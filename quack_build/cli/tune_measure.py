@@ -230,6 +230,7 @@ def measure_and_write(
                     gain=1 - fast_t / old_t if old_t else 0.0,
                     noise=res.held,
                     rounds=res.compared,
+                    dueled=res.dueled,
                 )
             if new is None:
                 entry["kept"] = current.label()
