@@ -136,7 +136,7 @@ def _seq_bench(seq):
     return bench, calls
 
 
-def _held_run(seq, hold, duel_rounds=0):
+def _held_run(seq, hold, duel_rounds=0, contenders=3):
     bench, calls = _seq_bench(seq)
     res = autotune(
         toykernels.toy_scale,
@@ -147,6 +147,7 @@ def _held_run(seq, hold, duel_rounds=0):
         baseline={"block": 128},
         hold=hold,
         duel_rounds=duel_rounds,
+        contenders=contenders,
     )
     return res, calls
 
@@ -254,19 +255,7 @@ def test_when_the_fastest_loses_its_duel_the_next_contenders_duel_in_turn(quack_
     }
 
     def run(contenders=3):
-        bench, calls = _seq_bench(seq)
-        res = autotune(
-            toykernels.toy_scale,
-            [{"block": b} for b in sorted(seq)],
-            bench,
-            common={"dtype": "float32", "bias": True},
-            rounds=3,
-            baseline={"block": 128},
-            hold=0.005,
-            duel_rounds=6,
-            contenders=contenders,
-        )
-        return res, calls
+        return _held_run(seq, 0.005, duel_rounds=6, contenders=contenders)
 
     # 32 is 3 % faster, but its three rounds were inside the 12 % noise of 64's, so only a
     # duel of its own can show it; first 64's, lost
