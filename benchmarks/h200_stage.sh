@@ -5,6 +5,13 @@
 # the calling script (exit 3) when cutlass, torch, a CUDA GPU or a module named in
 # STAGE_NEEDS is missing: before any build or test, which would otherwise fail every
 # configuration and spend the whole call (session 13 lost a 600 s call so).
+# Call 1 carries the tracked tree too: .device/big (~61 MiB) beside it can pass the 64 MiB a
+# call may carry. Then split the archive over two calls (as session 24 did):
+#   split -b 40000000 .device/big/cutlass-cu13.tar.xz /tmp/cpart_   # here, once
+#   (move /tmp/cpart_aa to .device/bigA/ and /tmp/cpart_ab to .device/bigB/)
+#   call 1, carry [".device/bigA"]: cp .device/bigA/cpart_aa /tmp/
+#   call 2, carry [".device/bigB", ".device/wheels", ...]:
+#     mkdir -p /tmp/site && cat /tmp/cpart_aa .device/bigB/cpart_ab | tar -xJ -C /tmp/site
 OUT=${OUT:-/tmp/h200-out}; mkdir -p "$OUT"
 WHEELS=${WHEELS:-.device/wheels}
 if [ -d "$WHEELS" ] && [ ! -f /tmp/site/.wheels-unpacked ]; then
