@@ -234,8 +234,9 @@ def autotune(
                 sb_, si = samples[i_base], samples[i]  # re-measured: lists, which _duel appends to
                 assert sb_ is not None and si is not None
                 n_base, n_i = len(sb_), len(si)
-                remeasured += _duel(times, fns, bench, samples, i_base, i, duel_rounds, deadline)
-                dueled += 1
+                ran = _duel(times, fns, bench, samples, i_base, i, duel_rounds, deadline)
+                remeasured += ran
+                dueled += ran  # past the budget's deadline no round runs: not a duel
                 a, b = sb_[n_base:], si[n_i:]
                 return len(a) == len(b) == duel_rounds and all(y < x * (1 - least) for x, y in zip(a, b))
 
