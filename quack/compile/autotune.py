@@ -19,7 +19,8 @@ candidate within ``close`` of the best is measured again in ``rounds`` interleav
 (each round visits them in a rotated order) and ranked by the median of its rounds; with
 ``hold``, the ``baseline`` (today's winner) stays the winner unless the fastest beats it by
 more than the spread of their round-by-round ratios, so a re-tune does not rewrite a table
-on noise.
+on noise; when three rounds cannot tell, a duel of fresh rounds decides (a sign test), and
+when the fastest loses its duel the next fastest get theirs (``contenders``).
 Benchmarking runs on the caller's thread, in the caller's CUDA context."""
 
 from __future__ import annotations
