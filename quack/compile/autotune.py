@@ -241,31 +241,33 @@ def autotune(
                 a, b = sb_[n_base:], si[n_i:]
                 return len(a) == len(b) == duel_rounds and all(y < x * (1 - least) for x, y in zip(a, b))
 
-            swept = False
             sa, sb = samples[i_base], samples[i_best]
-            n0 = len(sa) if sa else 0  # the rounds every re-measured candidate was in
-            undecided = hold < gain() <= noise() and duel_rounds > 0 and sa and sb
-            if undecided:
-                # Faster by more than the least gain, but inside the noise of three rounds.
-                # More rounds of just the two, decided once at the end (stopping as soon as
-                # the gain cleared the noise would favour the challenger).
-                swept = duel(i_best)
-            best = times[i_best]
-            compared = len(sa) if sa and sb and len(sa) == len(sb) else 0
-            # (swept, and still faster over all its rounds: the median of all decides the time)
-            if not (gain() > noise() or (swept and gain() > hold)):
-                held_back = times[i_best][0]
-                best, held = times[i_base], noise()
-                if undecided:
-                    # The fastest of a noisy first pass is the one with the luckiest draw (the
-                    # winner's curse): on the H100 at 8192x28672x8192 (session 24) it lost its
-                    # duel while a stream-K order that benchmarks/gemm.py had measured 2-5 %
-                    # faster never dueled. The next fastest get their own duels.
-                    for j in _contenders(samples, times, i_base, i_best, n0, hold)[: contenders - 1]:
-                        if duel(j) and 1 - times[j][1] / times[i_base][1] > hold:
-                            best, held, held_back = times[j], None, None
-                            compared = n0 + duel_rounds
-                            break
+            won = i_best if gain() > noise() else None
+            held = noise()  # the fastest's, if it is held back: after its duel, of all its rounds
+            if won is None and hold < gain() and duel_rounds > 0 and sa and sb:
+                # Undecided: faster by more than the least gain, but inside the noise of three
+                # rounds. More rounds of just the two, decided once at the end (stopping as
+                # soon as the gain cleared the noise would favour the challenger). The fastest
+                # of a noisy first pass is the one with the luckiest draw (the winner's curse):
+                # on the H100 at 8192x28672x8192 (session 24) it lost its duel while a
+                # stream-K order that benchmarks/gemm.py had measured 2-5 % faster never
+                # dueled; so when it loses, the next fastest get their own duels.
+                order = [i_best, *_contenders(samples, i_base, i_best, len(sa), hold)][:contenders]
+                for n, i in enumerate(order):
+                    swept = duel(i)
+                    if n == 0:
+                        held = noise()
+                    # (swept, and still faster over all its rounds: the median decides the time)
+                    if (n == 0 and gain() > held) or (swept and 1 - times[i][1] / times[i_base][1] > hold):
+                        won = i
+                        break
+            # each one's rounds were all measured beside the baseline's (its first ones and its duel)
+            shown = samples[won if won is not None else i_best]
+            compared = len(shown) if sa and shown else 0
+            if won is None:
+                best, held_back = times[i_base], times[i_best][0]
+            else:
+                best, held = times[won], None
     return TuneResult(
         best[0] if best else None,
         best[1] if best else None,
@@ -282,7 +284,7 @@ def autotune(
     )
 
 
-def _contenders(samples, times, i_base: int, i_best: int, n0: int, hold: float) -> list[int]:
+def _contenders(samples, i_base: int, i_best: int, n0: int, hold: float) -> list[int]:
     """The candidates, other than the baseline and the fastest, faster than the baseline by
     more than ``hold`` in the first ``n0`` re-measured rounds (by the median of their
     round-by-round ratios: the same rounds, so a GPU's drift moves both), fastest first."""
@@ -291,7 +293,7 @@ def _contenders(samples, times, i_base: int, i_best: int, n0: int, hold: float) 
         return []
     gains = []
     for j, s in enumerate(samples):
-        if j in (i_base, i_best) or not s or len(s) < n0 or j >= len(times):
+        if j in (i_base, i_best) or not s or len(s) < n0:
             continue
         g = 1 - statistics.median(y / x for x, y in zip(base[:n0], s[:n0]))
         if g > hold:
