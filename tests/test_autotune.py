@@ -124,14 +124,18 @@ def test_autotune_candidate_budget_and_argument_checks(quack_settings):
 
 
 def _seq_bench(seq):
-    """A bench that returns each block's times in turn (the last one from then on)."""
+    """A bench that returns each block's times in turn (the last one from then on); an
+    exception in the sequence is raised (a launch that failed on that run)."""
     calls: dict = {}
 
     def bench(fn, cfg):
         b = cfg["block"]
         i = calls.get(b, 0)
         calls[b] = i + 1
-        return seq[b][min(i, len(seq[b]) - 1)]
+        v = seq[b][min(i, len(seq[b]) - 1)]
+        if isinstance(v, BaseException):
+            raise v
+        return v
 
     return bench, calls
 
@@ -279,6 +283,25 @@ def test_when_the_fastest_loses_its_duel_the_next_contenders_duel_in_turn(quack_
     for bad in (0, -1, True, 2.0):
         with pytest.raises(ValueError, match="contenders"):
             autotune(toykernels.toy_scale, [], lambda fn, cfg: 0.0, contenders=bad)
+
+
+def test_a_contender_that_fails_in_its_duel_hands_on_to_the_next(quack_settings):
+    """More contenders than duels can fail: 96's launch fails on its first duel round (its
+    duel ends, no round counted), and the next contender, 160, steadily 2.5 % faster, still
+    duels and wins."""
+    seq = {
+        64: [0.95e-3, 0.90e-3, 1.02e-3, 0.955e-3] + [1.0e-3] * 6,  # lucky first, then even
+        96: [0.96e-3] * 4 + [RuntimeError("launch failed")],
+        160: [0.975e-3] * 10,
+        128: [1e-3] * 20,
+        512: [5e-3],
+    }
+    res, calls = _held_run(seq, 0.005, duel_rounds=6)
+    assert res.best == {"block": 160} and res.held is None and res.dueled == 2
+    assert calls[96] == 1 + 3 + 1 and calls[160] == 1 + 3 + 6 and calls[512] == 1
+    # with the duels capped at two, 160 never gets one: the baseline stays
+    res, calls = _held_run(seq, 0.005, duel_rounds=6, contenders=2)
+    assert res.best == {"block": 128} and res.held_back == {"block": 64} and calls[160] == 1 + 3
 
 
 def test_paired_spread_needs_three_rounds_in_common():
