@@ -305,7 +305,7 @@ def test_a_contender_that_fails_in_its_duel_hands_on_to_the_next(quack_settings)
 
 
 def test_paired_spread_needs_three_rounds_in_common():
-    from quack.compile.autotune import paired_spread
+    from quack.compile.rounds import paired_spread
 
     assert paired_spread([1.0, 1.1, 1.2], [0.9, 0.99, 1.08]) == pytest.approx(0.0)
     assert paired_spread([1.0] * 3, [0.9, 1.0, 1.1]) == pytest.approx(0.2)

@@ -26,12 +26,11 @@ Benchmarking runs on the caller's thread, in the caller's CUDA context."""
 from __future__ import annotations
 
 import dataclasses
-import math
-import statistics
 import time
 from typing import Any, Callable, Sequence
 
 from quack.compile import pool as _pool
+from quack.compile import rounds as rnd
 from quack.compile import scope
 from quack.compile.tasks import PENDING
 from quack.errors import CompileError, CompilePending, MeasureError
@@ -57,20 +56,6 @@ class TuneResult:
         rows += [f"{'wrong':>13}  {c}: {e.splitlines()[0][:120]}" for c, e in self.refused]
         rows += [f"{'failed':>13}  {c}: {e.splitlines()[0][:120]}" for c, e in self.errors]
         return "\n".join(rows)
-
-
-def _seconds(v: Any) -> float:
-    """A benchmark's result as seconds; ValueError unless positive and finite (a NaN won
-    every comparison it was in, and a negative time beat every real one)."""
-    t = float(v)
-    if not (math.isfinite(t) and t > 0):
-        raise ValueError(f"returned {v!r} seconds (a time must be positive and finite)")
-    return t
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip() or type(e).__name__
-    return f"{type(e).__name__}: {text}"
 
 
 def autotune(
@@ -156,17 +141,17 @@ def autotune(
             try:
                 check(fn, cfg)
             except MeasureError as e:  # it could not run (a fault, a dead process): failed, not wrong
-                errors.append((cfg, f"check: {_first_line(e)}"))
+                errors.append((cfg, f"check: {rnd.first_line(e)}"))
                 note("error", cfg, str(e))
                 return
             except Exception as e:  # noqa: BLE001 - any other failure of the check refuses the candidate
-                refused.append((cfg, _first_line(e)))
-                note("wrong", cfg, _first_line(e))
+                refused.append((cfg, rnd.first_line(e)))
+                note("wrong", cfg, rnd.first_line(e))
                 return
         try:
-            t = _seconds(bench(fn, cfg))
+            t = rnd.seconds(bench(fn, cfg))
         except Exception as e:  # noqa: BLE001 - a candidate that cannot run is an error, not a crash
-            errors.append((cfg, f"benchmark: {_first_line(e)}"))
+            errors.append((cfg, f"benchmark: {rnd.first_line(e)}"))
             note("error", cfg, str(e))
             return
         times.append((cfg, t))
@@ -205,7 +190,7 @@ def autotune(
                     break
                 gen = p.wait_change(gen, 0.5)
     samples: list[list[float] | None] = []
-    remeasured = _remeasure(times, fns, bench, close, rounds, errors, confirm, baseline, deadline, samples)
+    remeasured = rnd.remeasure(times, fns, bench, close, rounds, errors, confirm, baseline, deadline, samples)
     best = min(times, key=lambda ct: ct[1]) if times else None
     held = held_back = None
     compared = dueled = 0
@@ -215,9 +200,9 @@ def autotune(
             i_best = times.index(best)
 
             def noise() -> float:
-                paired = paired_spread(samples[i_base], samples[i_best])
+                paired = rnd.paired_spread(samples[i_base], samples[i_best])
                 if paired is None:  # too few rounds in common: each one's own spread
-                    paired = max(_spread(samples[i_base]), _spread(samples[i_best]))
+                    paired = max(rnd.spread(samples[i_base]), rnd.spread(samples[i_best]))
                 return max(hold, paired)
 
             def gain() -> float:
@@ -232,10 +217,10 @@ def autotune(
                 GEMM the ratios of even nine rounds spread 9 % (the clocks swing under the
                 power cap), while the candidate was 3.4-5.6 % faster in three tunes of three."""
                 nonlocal remeasured, dueled
-                sb_, si = samples[i_base], samples[i]  # re-measured: lists, which _duel appends to
+                sb_, si = samples[i_base], samples[i]  # re-measured: lists, which rnd.duel appends to
                 assert sb_ is not None and si is not None
                 n_base, n_i = len(sb_), len(si)
-                ran = _duel(times, fns, bench, samples, i_base, i, duel_rounds, deadline)
+                ran = rnd.duel(times, fns, bench, samples, i_base, i, duel_rounds, deadline)
                 remeasured += ran
                 dueled += ran  # past the budget's deadline no round runs: not a duel
                 a, b = sb_[n_base:], si[n_i:]
@@ -252,7 +237,7 @@ def autotune(
                 # on the H100 at 8192x28672x8192 (session 24) it lost its duel while a
                 # stream-K order that benchmarks/gemm.py had measured 2-5 % faster never
                 # dueled; so when it loses, the next fastest get their own duels.
-                order = [i_best, *_contenders(samples, i_base, i_best, len(sa), hold)][:contenders]
+                order = [i_best, *rnd.contenders(samples, i_base, i_best, len(sa), hold)][:contenders]
                 for n, i in enumerate(order):
                     swept = duel(i)
                     if n == 0:
@@ -282,128 +267,3 @@ def autotune(
         compared,
         dueled,
     )
-
-
-def _contenders(samples, i_base: int, i_best: int, n0: int, hold: float) -> list[int]:
-    """The candidates, other than the baseline and the fastest, faster than the baseline by
-    more than ``hold`` in the first ``n0`` re-measured rounds (by the median of their
-    round-by-round ratios: the same rounds, so a GPU's drift moves both), fastest first."""
-    base = samples[i_base]
-    if not base or n0 < 1:
-        return []
-    gains = []
-    for j, s in enumerate(samples):
-        if j in (i_base, i_best) or not s or len(s) < n0:
-            continue
-        g = 1 - statistics.median(y / x for x, y in zip(base[:n0], s[:n0]))
-        if g > hold:
-            gains.append((-g, j))
-    return [j for _, j in sorted(gains)]
-
-
-def paired_spread(a: list[float] | None, b: list[float] | None) -> float | None:
-    """The noise of comparing ``b`` with ``a`` (two candidates' times in the same
-    interleaved rounds): the spread ((max - min) / median) of their per-round ratios b/a;
-    None with fewer than three rounds in common. Why the ratios and not each one's own
-    spread: a GPU that heats and clocks down over a 5 ms GEMM's rounds slows every
-    candidate of a round alike, so each one's rounds spread by 6-12 % (the H100 in
-    session 23) while the ratio of two measured in the same round moves by ~1 %; with
-    the spreads as noise a candidate 3-4 % faster in every round (the stream-K tile
-    order at 8192x28672x8192, 5.37 against 5.56-5.69 ms in benchmarks/gemm.py) was held
-    back and the table kept the heuristic."""
-    if not a or not b or len(a) != len(b) or len(a) < 3:
-        return None
-    q = sorted(y / x for x, y in zip(a, b))
-    # From six rounds on, one round at each end is dropped for every six: a round the GPU
-    # throttled in the middle of cannot veto on its own what the others agree on.
-    cut = len(q) // 6
-    q = q[cut : len(q) - cut]
-    return (q[-1] - q[0]) / statistics.median(q)
-
-
-def _spread(rounds: list[float] | None) -> float:
-    """(max - min) / median of a candidate's re-measured rounds; 0 with fewer than two."""
-    if not rounds or len(rounds) < 2:
-        return 0.0
-    return (max(rounds) - min(rounds)) / statistics.median(rounds)
-
-
-def _duel(times, fns, bench, samples, i_a, i_b, rounds, deadline) -> int:
-    """``rounds`` more rounds of candidates ``i_a`` and ``i_b`` alone (the order alternating),
-    appended to their ``samples``; their ``times`` become the median of their first time and
-    every round. Stops at ``deadline`` after whole rounds; a failure leaves the samples as
-    they are (the caller decides on what it has). Returns 1 if any round ran, else 0."""
-    ran = 0
-    first = {i: times[i][1] for i in (i_a, i_b)}
-    for r in range(rounds):
-        if deadline is not None and time.perf_counter() > deadline:
-            break
-        try:
-            got = {i: _seconds(bench(fns[i], times[i][0])) for i in ((i_a, i_b) if r % 2 else (i_b, i_a))}
-        except Exception:  # noqa: BLE001 - a failure on a re-run ends the duel, not the search
-            break
-        for i, t in got.items():
-            samples[i].append(t)
-        ran = 1
-    for i in (i_a, i_b):
-        times[i] = (times[i][0], statistics.median([first[i], *samples[i]]))
-    return ran
-
-
-def _remeasure(
-    times,
-    fns,
-    bench,
-    close,
-    rounds,
-    errors,
-    confirm=0,
-    baseline=None,
-    deadline=None,
-    samples_out=None,
-) -> int:
-    """Measure again, ``rounds`` interleaved rounds (rotated order: none always runs first
-    after a cold GPU), the candidates within ``close`` of the best, the ``confirm`` fastest
-    and ``baseline``; replace each time with the median of its first time and its rounds.
-    Returns how many were re-measured; fills ``samples_out`` (beside ``times``) with each
-    re-measured candidate's rounds' times (not its first time, taken while the pool
-    compiled: _remeasure's reason), None for the others (``paired_spread`` compares two of
-    them round by round). Why the fastest even when far apart: on the H200 a
-    first measurement taken while the compile pool loaded every core came out 1.6x off
-    either way (90 us and 144 us for two ~120 us kernels), and the old rule re-measured
-    nothing when no other candidate was within ``close`` of such an outlier."""
-    if samples_out is not None:
-        samples_out[:] = [None] * len(times)
-    if not times or rounds == 0:
-        return 0
-    best = min(t for _, t in times)
-    ranked = sorted(range(len(times)), key=lambda i: times[i][1])
-    pick = {i for i, (_, t) in enumerate(times) if t <= best * (1 + close)} | set(ranked[:confirm])
-    pick |= {i for i, (cfg, _) in enumerate(times) if baseline is not None and cfg == baseline}
-    idx = sorted(pick)
-    if len(idx) < 2:
-        return 0
-    samples = {i: [times[i][1]] for i in idx}
-    dead: set[int] = set()
-    for r in range(rounds):
-        if deadline is not None and time.perf_counter() > deadline:
-            break  # the budget's end: whole rounds only, so every candidate has as many
-        order = idx[r % len(idx) :] + idx[: r % len(idx)]
-        for i in order:
-            if i in dead:
-                continue
-            try:
-                samples[i].append(_seconds(bench(fns[i], times[i][0])))
-            except Exception as e:  # noqa: BLE001 - failed on a re-run: out of the race
-                dead.add(i)
-                errors.append((times[i][0], f"benchmark (re-measure): {_first_line(e)}"))
-    for i in idx:
-        times[i] = (times[i][0], float("inf") if i in dead else statistics.median(samples[i]))
-        if samples_out is not None and i not in dead:
-            samples_out[i] = samples[i][1:]
-    keep = [i for i, ct in enumerate(times) if ct[1] != float("inf")]
-    times[:] = [times[i] for i in keep]
-    fns[:] = [fns[i] for i in keep]  # beside times: the duel runs fns[i] for times[i]
-    if samples_out is not None:
-        samples_out[:] = [samples_out[i] for i in keep]
-    return len(idx)
