@@ -93,7 +93,7 @@ def autotune(
     by more than ``hold``) duel it in turn, up to this many duels in all, each deciding by
     its own six fresh rounds; ``hold``: the least gain (a fraction, e.g. 0.005) over ``baseline``
     that may replace it: a faster candidate whose gain is inside that or inside the spread
-    of the two's per-round ratios (``paired_spread``: measured in the same rounds, so a GPU
+    of the two's per-round ratios (``rounds.paired_spread``: measured in the same rounds, so a GPU
     that slows as it heats moves both) leaves the baseline the winner (``TuneResult.held``:
     that noise); ``on_result(kind, config, value)``: each "time" /
     "wrong" / "error" as it happens (a progress display)."""
