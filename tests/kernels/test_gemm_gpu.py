@@ -32,6 +32,14 @@ def operands(shape, dtype, a_major="k", b_major="n", seed=0):
     return (a[0], b[0]) if L == 1 else (a, b)
 
 
+def draw(*size, dtype=torch.float32, seed=1):
+    """A seeded draw on the GPU (bias, c, dy): the global generator's state depends on which
+    tests ran before, and a cold `--async-compile` run reorders them (deferrals), so an
+    unseeded draw made a test's data, and a tolerance failure, depend on the order."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(size, generator=g, device="cuda").to(dtype)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_gemm_shapes(shape):
     from quack_kernels import _reference as R
@@ -204,8 +212,8 @@ def test_gemm_epilogue(activation, has_bias, has_c):
     from quack_kernels.ops import gemm
 
     a, b = operands(ODD, torch.bfloat16)
-    bias = torch.randn(ODD[2], device="cuda") if has_bias else None
-    c = torch.randn(ODD[1], ODD[2], device="cuda", dtype=torch.bfloat16) if has_c else None
+    bias = draw(ODD[2]) if has_bias else None
+    c = draw(ODD[1], ODD[2], dtype=torch.bfloat16, seed=2) if has_c else None
     d = gemm(a, b, bias=bias, activation=activation, c=c, beta=0.5)
     R.check_gemm(a, b, bias, activation, c, 0.5, d=d)
 
@@ -214,10 +222,10 @@ def _autograd_check(fn, activation):
     from quack_kernels import _gemm_plan  # noqa: F401  (the kernel family is importable)
 
     a, b = operands(ODD, torch.bfloat16)
-    bias = torch.randn(ODD[2], device="cuda", dtype=torch.bfloat16)
+    bias = draw(ODD[2], dtype=torch.bfloat16)
     leaves = [t.detach().clone().requires_grad_() for t in (a, b, bias)]
     refs = [t.detach().double().requires_grad_() for t in (a, b, bias)]
-    dy = torch.randn(ODD[1], ODD[2], device="cuda", dtype=torch.bfloat16)
+    dy = draw(ODD[1], ODD[2], dtype=torch.bfloat16, seed=3)
     fn(*leaves).backward(dy)
     from quack_kernels.gemm import torch_activation
 
@@ -225,10 +233,17 @@ def _autograd_check(fn, activation):
     tor = [t.detach().clone().requires_grad_() for t in (a, b, bias)]
     torch_activation(tor[0] @ tor[1] + tor[2], activation).backward(dy)
     for name, got, ref, t in zip(("da", "db", "dbias"), leaves, refs, tor):
-        err = (got.grad.double() - ref.grad).abs().max().item()
-        terr = (t.grad.double() - ref.grad).abs().max().item()
-        ulp = torch.finfo(torch.bfloat16).eps * ref.grad.abs().max().item()
-        assert err <= 2 * terr + ulp, f"{name}: error {err:.3g} vs torch's {terr:.3g}"
+        _grad_within_torchs_error(name, got.grad, ref.grad, t.grad, torch.bfloat16)
+
+
+def _grad_within_torchs_error(name, got, ref, tor, dtype):
+    """A gradient against the float64 one (``ref``) by issue 28's criterion, the GEMM's
+    (_reference.check_gemm): at most 2x the error of torch's own (``tor``), plus one ulp of
+    ``dtype`` at the largest value (an equal-error kernel and torch can round a tie apart)."""
+    err = (got.double() - ref).abs().max().item()
+    terr = (tor.double() - ref).abs().max().item()
+    ulp = torch.finfo(dtype).eps * ref.abs().max().item()
+    assert err <= 2 * terr + ulp, f"{name}: error {err:.3g} vs torch's {terr:.3g}"
 
 
 @pytest.mark.parametrize("activation", ["none", "gelu_tanh"])
@@ -253,14 +268,15 @@ def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
     outside the autocast region, torch's recipe), equal those of the same call on operands
     cast by hand, bit for bit: through the op with autograd, the direct path (nothing needs
     a gradient) and the op called by name; under torch.compile(fullgraph=True) the output
-    bit for bit, the gradients within the dtype's tolerance. bias stays float32."""
-    from quack_kernels import _reference as R
+    bit for bit, the gradients within issue 28's error bound of torch's own AMP step's. bias
+    stays float32."""
+    from quack_kernels.gemm import torch_activation
     from quack_kernels.ops import gemm
 
     dt = DT[dtype]
     a32, b32 = operands(ODD, torch.float32)
-    bias = torch.randn(ODD[2], device="cuda")
-    dy = torch.randn(ODD[1], ODD[2], device="cuda", dtype=dt)
+    bias = draw(ODD[2])
+    dy = draw(ODD[1], ODD[2], dtype=dt, seed=3)
 
     def f(a, b):
         return gemm(a, b, bias=bias, activation="gelu_tanh")
@@ -277,8 +293,12 @@ def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
     assert (y.dtype, da.dtype, db.dtype) == (dt, torch.float32, torch.float32)
     assert torch.equal(y, y_ref)
     assert torch.equal(da, da_ref.float()) and torch.equal(db, db_ref.float())
-    # compiled: the forward's bits; the gradients within dt's tolerance (_reference), since
-    # inductor generates gelu's backward (dpre) itself and may round it otherwise than eager.
+    # compiled: the forward's bits; the gradients not bit for bit, since inductor generates
+    # gelu's backward (dpre) itself and may round it otherwise than eager. Nor within an
+    # elementwise dt tolerance of eager's: a dpre one ulp apart moves a sum over 1,048 terms
+    # by a few of them, which near a cancelled (small) element of da is several ulps of it
+    # (a cold run's test order drew such data: 5 of 776,000 elements 0.0039 apart, at
+    # |da| < 3). So both against float64, by the GEMM's criterion, as test_gemm_autograd.
     # First compiled under the other autocast dtype: torch 2.11 then reused that graph (its
     # caches do not key on the ambient autocast dtype), and float16 autocast gave bfloat16
     # output until ops.gemm cast the operands itself, as graph nodes of their dtype.
@@ -288,9 +308,12 @@ def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
     y, da, db = step(torch.compile(f, fullgraph=True), a32, b32, autocast=True)
     assert (y.dtype, da.dtype, db.dtype) == (dt, torch.float32, torch.float32)
     assert torch.equal(y, y_ref)
-    # da sums over N, db over M; both are float32 casts of dt-rounded sums
-    R.assert_close(da, da_ref, "da", n=ODD[2], rounded_to=dt)
-    R.assert_close(db, db_ref, "db", n=ODD[1], rounded_to=dt)
+    refs = [t.to(dt).double().requires_grad_() for t in (a32, b32)]
+    torch_activation(refs[0] @ refs[1] + bias.double(), "gelu_tanh").backward(dy.double())
+    _, tda, tdb = step(lambda a, b: torch_activation(a @ b + bias, "gelu_tanh"), a32, b32, autocast=True)
+    for name, got, eager, ref, tor in (("da", da, da_ref, refs[0], tda), ("db", db, db_ref, refs[1], tdb)):
+        _grad_within_torchs_error(name, eager, ref.grad, tor, dt)  # the bound holds for eager
+        _grad_within_torchs_error(name, got, ref.grad, tor, dt)
     with torch.autocast("cuda", dtype=dt):
         assert torch.equal(f(a32, b32), y_ref)  # no gradient: the direct path casts too
         assert torch.equal(torch.ops.quack_kernels.gemm(a32, b32, bias, None, "gelu_tanh", None, 1.0), y_ref)
