@@ -117,13 +117,21 @@ with scope.pool_scope(p):
         relkernels.rel_copy(7)                 # a compile that takes QUACK_TEST_COMPILE_SLEEP
     except CompilePending:                     # queued on the pool: what this child is for
         pass
+# Wait until the worker runs the compile function (its line in QUACK_TEST_COUNTER), not
+# only until the pool handed it the task (task_info's pid, set at dispatch): a worker
+# killed in between, still in its recv, is idle and ends at once, which failed the SIGTERM
+# test's "still alive" on a loaded machine (README command 2 under -n auto on 16 cores).
+counter = os.environ["QUACK_TEST_COUNTER"]
 end = time.monotonic() + 120
+line = ""
 while time.monotonic() < end:
-    info = p.task_info(relkernels.rel_copy.key(7))
-    if info is not None and info.pid is not None:
-        break
+    if os.path.exists(counter):
+        with open(counter) as f:
+            line = f.readline()
+        if line.endswith("\\n"):
+            break
     time.sleep(0.05)
-print(forkserver._forkserver._forkserver_pid, info.pid, flush=True)
+print(forkserver._forkserver._forkserver_pid, line.split()[0], flush=True)
 time.sleep(600)
 """
 
@@ -147,6 +155,7 @@ def test_killed_process_takes_its_forkserver_and_busy_worker_with_it(tmp_path):
             QUACK_COMPILE_TIMEOUT=5,
             QUACK_TEST_COMPILE_SLEEP=600,
             QUACK_TEST_OBJ="/nonexistent",
+            QUACK_TEST_COUNTER=tmp_path / "compiles",
         ),
     )
     try:
@@ -183,6 +192,7 @@ def test_sigterm_to_the_group_of_a_process_using_the_pool_still_ends_its_process
             QUACK_COMPILE_TIMEOUT=10,
             QUACK_TEST_COMPILE_SLEEP=600,
             QUACK_TEST_OBJ="/nonexistent",
+            QUACK_TEST_COUNTER=tmp_path / "compiles",
         ),
     )
     try:
