@@ -7,6 +7,23 @@ import os
 import pytest
 
 
+def seeded_randn(shape, dtype=None, *, seed: int, scale: float = 1.0, shift: float = 0.0):
+    """Normal draws on the GPU from a generator of their own, times ``scale`` plus ``shift``,
+    cast to ``dtype`` (torch's default when None). Never the global generator: its state
+    depends on which tests ran before, and a cold `--async-compile` run reorders them
+    (deferrals), so a test's data, and a tolerance failure, followed the order (session 26:
+    the GEMM autocast test failed in cold runs only)."""
+    import torch
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(shape, device="cuda", generator=g)
+    if scale != 1.0:
+        x = x * scale
+    if shift != 0.0:
+        x = x + shift
+    return x if dtype is None else x.to(dtype)
+
+
 @pytest.fixture(scope="module")
 def kernel_cache():
     """The session's cache (QUACK_CACHE_DIR, quack.toml): README command 2's `quack build

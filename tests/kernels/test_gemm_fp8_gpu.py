@@ -6,6 +6,7 @@ shapes, with the fused epilogue and under torch.compile(fullgraph=True). The
 configurations these request are in manifests/tests.toml (tests/kernels/_requests.py)."""
 
 import pytest
+from _fixtures import seeded_randn
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -60,10 +61,8 @@ def test_scaled_gemm_fp8_epilogue_and_fp32_output():
     from quack_kernels.ops import scaled_gemm
 
     (a, b), (sa, sb) = fp8_operands(ODD, "float8_e4m3fn", seed=1)
-    # seeded: the global generator's state, and so the data, would follow the test order
-    g = torch.Generator(device="cuda").manual_seed(2)
-    bias = torch.randn(ODD[2], generator=g, device="cuda")
-    c = torch.randn(ODD[1], ODD[2], generator=g, device="cuda")
+    bias = seeded_randn(ODD[2], seed=2)
+    c = seeded_randn((ODD[1], ODD[2]), seed=3)
     kw = dict(bias=bias, activation="gelu_tanh", c=c, beta=0.5, out_dtype=torch.float32)
     d = scaled_gemm(a, b, sa, sb, **kw)
     R.check_gemm(a, b, bias, "gelu_tanh", c, 0.5, d=d, out_dtype=torch.float32, scale_a=sa, scale_b=sb)

@@ -5,6 +5,7 @@ torch.compile(fullgraph=True). The configurations these request are in
 manifests/tests.toml (tests/kernels/_requests.py maps each case to its keys)."""
 
 import pytest
+from _fixtures import seeded_randn
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -30,14 +31,6 @@ def operands(shape, dtype, a_major="k", b_major="n", seed=0):
     if b_major == "k":
         b = b.transpose(-1, -2).contiguous().transpose(-1, -2)
     return (a[0], b[0]) if L == 1 else (a, b)
-
-
-def draw(*size, dtype=torch.float32, seed=1):
-    """A seeded draw on the GPU (bias, c, dy): the global generator's state depends on which
-    tests ran before, and a cold `--async-compile` run reorders them (deferrals), so an
-    unseeded draw made a test's data, and a tolerance failure, depend on the order."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(size, generator=g, device="cuda").to(dtype)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -212,8 +205,8 @@ def test_gemm_epilogue(activation, has_bias, has_c):
     from quack_kernels.ops import gemm
 
     a, b = operands(ODD, torch.bfloat16)
-    bias = draw(ODD[2]) if has_bias else None
-    c = draw(ODD[1], ODD[2], dtype=torch.bfloat16, seed=2) if has_c else None
+    bias = seeded_randn(ODD[2], seed=1) if has_bias else None
+    c = seeded_randn((ODD[1], ODD[2]), torch.bfloat16, seed=2) if has_c else None
     d = gemm(a, b, bias=bias, activation=activation, c=c, beta=0.5)
     R.check_gemm(a, b, bias, activation, c, 0.5, d=d)
 
@@ -222,10 +215,10 @@ def _autograd_check(fn, activation):
     from quack_kernels import _gemm_plan  # noqa: F401  (the kernel family is importable)
 
     a, b = operands(ODD, torch.bfloat16)
-    bias = draw(ODD[2], dtype=torch.bfloat16)
+    bias = seeded_randn(ODD[2], torch.bfloat16, seed=1)
     leaves = [t.detach().clone().requires_grad_() for t in (a, b, bias)]
     refs = [t.detach().double().requires_grad_() for t in (a, b, bias)]
-    dy = draw(ODD[1], ODD[2], dtype=torch.bfloat16, seed=3)
+    dy = seeded_randn((ODD[1], ODD[2]), torch.bfloat16, seed=3)
     fn(*leaves).backward(dy)
     from quack_kernels.gemm import torch_activation
 
@@ -275,8 +268,8 @@ def test_gemm_under_autocast_runs_on_the_cast_operands(dtype):
 
     dt = DT[dtype]
     a32, b32 = operands(ODD, torch.float32)
-    bias = draw(ODD[2])
-    dy = draw(ODD[1], ODD[2], dtype=dt, seed=3)
+    bias = seeded_randn(ODD[2], seed=1)
+    dy = seeded_randn((ODD[1], ODD[2]), dt, seed=3)
 
     def f(a, b):
         return gemm(a, b, bias=bias, activation="gelu_tanh")

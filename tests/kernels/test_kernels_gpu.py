@@ -3,7 +3,10 @@ definition `quack verify --run` uses too) over dtypes x M x N. Outputs are poiso
 
 import pytest
 from _cases import DTYPES, GPU_MS, GPU_NS
-from _fixtures import poison_allocations  # noqa: F401  (a fixture, used by name)
+from _fixtures import (
+    poison_allocations,  # noqa: F401  (a fixture, used by name)
+    seeded_randn,
+)
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -27,8 +30,7 @@ def _grid(max_tensors):
 
 
 def _rand(m, n, dt, scale=1.0, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(m, n, device="cuda", generator=g) * scale).to(getattr(torch, dt))
+    return seeded_randn((m, n), getattr(torch, dt), seed=seed, scale=scale)
 
 
 @pytest.mark.parametrize("dt,m,n", _grid(3))

@@ -8,7 +8,7 @@ uses too: by the compared tensor's dtype, N and the rows summed into it). Output
 
 import pytest
 from _cases import DTYPES
-from _fixtures import oom_pressure, poison_allocations  # noqa: F401  (fixtures, used by name)
+from _fixtures import oom_pressure, poison_allocations, seeded_randn  # noqa: F401  (fixtures, used by name)
 
 torch = pytest.importorskip("torch")
 pytestmark = [
@@ -38,8 +38,7 @@ def _grid(pairs):
 
 
 def _rand(shape, dt, seed, scale=1.0, shift=0.0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return (torch.randn(shape, device="cuda", generator=g) * scale + shift).to(dt)
+    return seeded_randn(shape, dt, seed=seed, scale=scale, shift=shift)
 
 
 def close(got, ref, what, m_rows=1, rounded_to=None):
