@@ -34,7 +34,7 @@ def test_manifests_expand():
     assert scheds == {"coop", "ping"}
 
 
-@pytest.mark.filterwarnings("ignore:quack_kernels. no tuning")  # H100 and QX9: no GEMM rows, said once
+@pytest.mark.filterwarnings("ignore:quack_kernels. no tuning")  # QX9: no GEMM rows, said once
 @pytest.mark.parametrize("gpu", ["H200", "H100", "QX9"])
 def test_gemm_manifest_builds_what_a_call_at_each_tuned_shape_asks_for(gpu):
     """For each problem quack tune measures (manifests/tuning_gemm.toml), and for a small odd

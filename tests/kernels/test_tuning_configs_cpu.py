@@ -255,7 +255,7 @@ def test_a_memoised_configuration_does_not_skip_the_binds_type_checks():
 
 
 def test_a_tuned_gpu_without_rows_for_a_kernel_says_so_once():
-    """A GPU with rows for some kernels (the H100's: no GEMM) gives the others their heuristic
+    """A GPU with rows for some kernels (here QX9: an RMSNorm row only) gives the others their heuristic
     with one warning each naming the kernel; a kernel no GPU has rows for, or whose rows keep
     the heuristic ({}, as the H100's softmax forward rows do), stays quiet."""
     from quack.tuning import use_table
