@@ -118,7 +118,28 @@ def test_file_backend_operation_bounded_by_the_time_out(shared, monkeypatch):
         release.set()
 
 
-def test_a_replace_waiting_on_a_held_lock_gives_up_and_its_thread_ends(shared):
+@pytest.fixture
+def lock_waiters(monkeypatch) -> set[threading.Thread]:
+    """The threads that asked file_backend for an flock, recorded as they ask. Enumerating
+    ``quack-remote-op`` threads after a time-out raced with those threads ending (one can
+    be gone by then: CI once saw an empty set where the test needed the waiter)."""
+    import fcntl
+
+    waiters: set[threading.Thread] = set()
+
+    class RecordingFcntl:
+        def __getattr__(self, attr):
+            return getattr(fcntl, attr)
+
+        def flock(self, fd, op):
+            waiters.add(threading.current_thread())
+            return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(file_backend, "fcntl", RecordingFcntl())
+    return waiters
+
+
+def test_a_replace_waiting_on_a_held_lock_gives_up_and_its_thread_ends(shared, lock_waiters):
     """Another writer holds the directory's replace lock and never lets go (a stopped
     process): the replace times out as any operation does, and then its thread ends and
     removes its temporary object. It used to block in flock(2) for the life of the
@@ -132,14 +153,13 @@ def test_a_replace_waiting_on_a_held_lock_gives_up_and_its_thread_ends(shared):
     holder = os.open(obj_dir / file_backend.REPLACE_LOCK, os.O_RDONLY | os.O_CREAT, 0o644)
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        before = {t for t in threading.enumerate() if t.name == "quack-remote-op"}
         with pytest.raises(RemoteError) as e:
             bounded(b.replace, NAME, b"new", tag)
         assert e.value.reason == "timeout"
-        ops = {t for t in threading.enumerate() if t.name == "quack-remote-op"} - before
-        for t in ops:
-            t.join(DEADLINE)
-        assert ops and not any(t.is_alive() for t in ops)  # ended while the lock is still held
+        (op,) = lock_waiters  # one thread asked for the lock, again and again
+        assert op.name == "quack-remote-op"
+        op.join(DEADLINE)
+        assert not op.is_alive()  # ended while the lock is still held
         assert sorted(p.name for p in obj_dir.iterdir()) == sorted(
             [NAME.rsplit("/", 1)[1], file_backend.REPLACE_LOCK]
         )
@@ -150,7 +170,7 @@ def test_a_replace_waiting_on_a_held_lock_gives_up_and_its_thread_ends(shared):
     assert b.get(NAME) == b"new"
 
 
-def test_several_replaces_queued_on_a_held_lock_all_give_up_and_end(shared):
+def test_several_replaces_queued_on_a_held_lock_all_give_up_and_end(shared, lock_waiters):
     """Six writers (more than one, as a build's pushes are) queue on the held replace lock:
     each times out, each thread ends while the lock is still held, no temp file is left,
     and once it is freed the next replace takes."""
@@ -164,7 +184,6 @@ def test_several_replaces_queued_on_a_held_lock_all_give_up_and_end(shared):
     errors: list = []
     try:
         fcntl.flock(holder, fcntl.LOCK_EX)
-        before = {t for t in threading.enumerate() if t.name == "quack-remote-op"}
 
         def replace(i):
             b = open_backend(f"file://{shared}", op_timeout=0.3)
@@ -179,7 +198,8 @@ def test_several_replaces_queued_on_a_held_lock_all_give_up_and_end(shared):
         for t in callers:
             t.join(DEADLINE)
         assert errors == ["timeout"] * 6
-        ops = {t for t in threading.enumerate() if t.name == "quack-remote-op"} - before
+        ops = set(lock_waiters)  # the six operations' threads, each asked for the lock
+        assert len(ops) == 6 and all(t.name == "quack-remote-op" for t in ops)
         for t in ops:
             t.join(DEADLINE)
         assert not any(t.is_alive() for t in ops)
